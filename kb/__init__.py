@@ -1,0 +1,3 @@
+"""kernel-kb: a knowledge base of expert GPU attention kernels."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,86 @@
+"""All settings in one place, read from env (`KB_*`), an optional config file, and flags.
+
+Precedence: explicit overrides > environment > `$KB_HOME/config.toml` > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from kb.errors import KBError
+
+__all__ = ["Settings", "load_settings", "default_home"]
+
+
+def default_home() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "kernel-kb"
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path = field(default_factory=default_home)
+    db_url: str = ""  # empty: sqlite file under home
+    chroma_url: str = ""  # empty: embedded PersistentClient under home
+    embed_model: str = "all-MiniLM-L6-v2"
+    embed_batch: int = 64
+    llm_base_url: str = ""
+    llm_model: str = ""
+    llm_api_key: str = ""
+    llm_temperature: float = 0.2
+    llm_timeout_s: float = 60.0
+    llm_max_attempts: int = 3
+
+    @property
+    def resolved_db_url(self) -> str:
+        return self.db_url or f"sqlite:///{self.home / 'kb.sqlite'}"
+
+    @property
+    def chroma_dir(self) -> Path:
+        return self.home / "chroma"
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(os.environ.get("KB_CACHE_DIR") or (self.home / "cache"))
+
+
+_ENV = {f.name: "KB_" + f.name.upper() for f in fields(Settings)}
+
+
+def _coerce(name: str, raw: object) -> object:
+    typ = {f.name: f.type for f in fields(Settings)}[name]
+    try:
+        if typ in ("Path", Path):
+            return Path(str(raw)).expanduser()
+        if typ in ("int", int):
+            return int(raw)  # type: ignore[arg-type]
+        if typ in ("float", float):
+            return float(raw)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise KBError(f"setting {name}={raw!r} is not a valid {typ}") from err
+    return str(raw)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from defaults, `$KB_HOME/config.toml`, `KB_*` env vars and `overrides` (None = unset)."""
+    values: dict[str, object] = {}
+    home = Path(str(overrides.get("home") or os.environ.get("KB_HOME") or default_home())).expanduser()
+    config = home / "config.toml"
+    if config.is_file():
+        try:
+            data = tomllib.loads(config.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise KBError(f"{config} is not valid TOML: {err}") from err
+        unknown = set(data) - set(_ENV)
+        if unknown:
+            raise KBError(f"{config}: unknown settings {sorted(unknown)}; known: {sorted(_ENV)}")
+        values.update(data)
+    for name, env in _ENV.items():
+        if env in os.environ:
+            values[name] = os.environ[env]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    values["home"] = home
+    return replace(Settings(), **{k: _coerce(k, v) for k, v in values.items()})
