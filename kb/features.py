@@ -1,0 +1,61 @@
+"""The feature vector of an attention kernel or spec.
+
+Features are derived (from an IR Program by `kb.ir.features.derive`, from a spec by
+`generate.spec`), never typed by hand. Both sides produce this one type, so that
+retrieval compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["Features", "MASK_KINDS", "SCORE_KINDS"]
+
+# What kind of mask the kernel applies; "custom" is any other mask_mod.
+MASK_KINDS = ("none", "causal", "sliding_window", "document", "prefix_lm", "block_sparse", "custom")
+# What kind of score modification; "custom" is any other score_mod.
+SCORE_KINDS = ("none", "alibi", "softcap", "relative_bias", "bias_table", "custom")
+
+
+@dataclass(frozen=True)
+class Features:
+    mask: str = "none"  # one of MASK_KINDS
+    causal: bool = False
+    sliding_window: bool = False
+    score_mod: str = "none"  # one of SCORE_KINDS
+    alibi: bool = False
+    softcap: bool = False
+    gqa_ratio: int = 1  # Hq / Hkv; 1 = MHA, Hq = MQA
+    head_dim: int = 128
+    dtype: str = "bf16"
+    split_kv: bool = False  # decode-style split over the KV sequence with an LSE combine
+    decode: bool = False  # seq_q is tiny (<= 16) compared with seq_kv
+    paged_kv: bool = False
+    varlen: bool = False
+    dropout: bool = False
+    return_lse: bool = False
+    cross: bool = False  # seq_q and seq_kv independent (cross attention)
+    arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Features":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def describe(self) -> str:
+        """A short human/embedding-friendly sentence, e.g. 'causal mask, softcap, gqa 4, d128 bf16'."""
+        parts = [f"{self.mask} mask" if self.mask != "none" else "no mask"]
+        if self.score_mod != "none":
+            parts.append(f"{self.score_mod} score_mod")
+        if self.gqa_ratio > 1:
+            parts.append(f"gqa ratio {self.gqa_ratio}")
+        for flag in ("split_kv", "decode", "paged_kv", "varlen", "dropout", "return_lse", "cross"):
+            if getattr(self, flag):
+                parts.append(flag.replace("_", " "))
+        parts.append(f"head dim {self.head_dim} {self.dtype} {self.arch}")
+        return ", ".join(parts)
