@@ -1,0 +1,338 @@
+"""The tile-level attention IR: a Program of kernels over tiles.
+
+Every node is a frozen dataclass; statements carry a class-level `op: StmtOp`
+(the legal statement kinds are exactly `StmtOp`). Nodes are changed through
+`dataclasses.replace`; passes are plain functions `Program -> Program`.
+
+Semantics (the reference interpreter in `kb.ir.interpret` is the executable form):
+- A Program has typed tensor params with symbolic shapes, a Schedule, optional
+  `score_mod` / `mask_mod` variant functions and one or more kernels run in order.
+- A Kernel runs its body once per point of its grid; grid axes bind scalar names.
+- Scalars (grid vars, `let`, loop vars) are ints; symbolic dims (B, Hq, Hkv, M, N, D, ...)
+  and schedule constants (BLOCK_M, BLOCK_N, NUM_SPLITS, HEAD_PAD) are ints known at launch.
+- Tiles are named values (2-D or 1-D) produced by load/init/dot/elementwise/reduce/
+  online_softmax/finalize/combine and consumed by later statements.
+- `load` reads out-of-range elements as 0; `store` writes only in-range elements.
+- `mask` sets disallowed scores to -inf: always `kv_idx < N` (ragged last block),
+  plus `mask_mod` when `use_mask_mod`. q rows beyond M are never stored.
+- `online_softmax` keeps the FlashAttention running state (row max m, row sum l,
+  accumulator acc) in natural-log space; `finalize` gives o = acc / l and
+  lse = m + log(l). A fully masked row (l == 0) gives o = 0 and lse = -inf (no NaN).
+- `combine` merges split-KV partials (o_s, lse_s) along the split axis:
+  lse = logsumexp_s(lse_s); o = sum_s exp(lse_s - lse) * o_s (0 where lse = -inf).
+- Block classes (`if block(...) is full`) are computed from mask_mod over the
+  in-range part of the (BLOCK_M x BLOCK_N) tile at (q_start, kv_start):
+  full = every in-range pair attends and the tile is not ragged in kv;
+  empty = no pair attends; partial = otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar, Union
+
+from kb.ir.expr import Expr
+
+__all__ = [
+    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Index",
+    "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
+    "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
+    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS",
+]
+
+
+class Dtype(Enum):
+    F32 = "f32"
+    BF16 = "bf16"
+    F16 = "f16"
+    I32 = "i32"
+    I64 = "i64"
+    BOOL = "bool"
+
+
+class Role(Enum):
+    IN = "in"  # attention inputs (q, k, v)
+    OUT = "out"  # written by the program (o, lse)
+    AUX = "aux"  # auxiliary tensors read by variant functions (slopes, doc ids, bias tables)
+    SCALAR = "scalar"  # a runtime scalar (sm_scale, softcap, window)
+    SCRATCH = "scratch"  # intermediate buffers the launcher allocates (split-KV partials)
+
+
+Dim = Union[str, int]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[Dim, ...]  # () for scalars
+    dtype: Dtype
+    role: Role
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the program is tiled and launched; names below are visible in expressions."""
+
+    block_m: int = 64  # BLOCK_M
+    block_n: int = 64  # BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+    head_pad: int = 0  # HEAD_PAD: padded head dim (power of two); 0 = next power of two >= D
+    kv_order: str = "forward"  # "forward" | "reverse" iteration over KV blocks
+    num_splits: int = 1  # NUM_SPLITS for split-KV programs
+    warp_specialize: bool = False  # hint carried from Hopper/Blackwell references
+
+
+SCHEDULE_CONSTANTS = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD")
+SCORE_MOD_PARAMS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_MOD_PARAMS = ("b", "h", "q_idx", "kv_idx")
+
+
+@dataclass(frozen=True)
+class GridAxis:
+    name: str
+    extent: Expr
+
+
+@dataclass(frozen=True)
+class VariantFn:
+    """`score_mod(score, b, h, q_idx, kv_idx) = body` or `mask_mod(b, h, q_idx, kv_idx) = body`."""
+
+    kind: str  # "score_mod" | "mask_mod"
+    params: tuple[str, ...]
+    body: Expr
+
+
+@dataclass(frozen=True)
+class Span:
+    """`start:+size` along one tensor dim: `size` elements from `start`, masked by the dim's extent."""
+
+    start: Expr
+    size: Dim  # a schedule constant name (BLOCK_M, BLOCK_N, HEAD_PAD) or an int
+
+
+@dataclass(frozen=True)
+class Full:
+    """`:` — the whole dim (padded to HEAD_PAD for the head dim, to a power of two otherwise)."""
+
+
+Index = Union[Expr, Span, Full]
+
+
+class StmtOp(Enum):
+    LET = "let"
+    LOAD = "load"
+    STORE = "store"
+    INIT = "init"
+    DOT = "dot"
+    ELEMENTWISE = "elementwise"
+    REDUCE = "reduce"
+    SCORE_MOD = "score_mod"
+    MASK = "mask"
+    ONLINE_SOFTMAX = "online_softmax"
+    FINALIZE = "finalize"
+    COMBINE = "combine"
+    FOR = "for"
+    IF_BLOCK = "if"
+
+
+class BlockClass(Enum):
+    FULL = "full"
+    PARTIAL = "partial"
+    EMPTY = "empty"
+
+
+@dataclass(frozen=True)
+class Let:
+    """`let name = value` — a scalar."""
+
+    op: ClassVar[StmtOp] = StmtOp.LET
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Load:
+    """`load out = tensor[index...] [other X]` — a tile; out-of-range elements read `other`."""
+
+    op: ClassVar[StmtOp] = StmtOp.LOAD
+    out: str
+    tensor: str
+    index: tuple[Index, ...]
+    other: float = 0.0  # value of out-of-range elements (-inf for split-KV lse partials)
+
+
+@dataclass(frozen=True)
+class Store:
+    """`store tensor[index...] = value` — in-range elements only, cast to the tensor dtype."""
+
+    op: ClassVar[StmtOp] = StmtOp.STORE
+    tensor: str
+    index: tuple[Index, ...]
+    value: str
+
+
+@dataclass(frozen=True)
+class Init:
+    """`init out = full(shape; fill) dtype` — shape entries are dims/constants."""
+
+    op: ClassVar[StmtOp] = StmtOp.INIT
+    out: str
+    shape: tuple[Dim, ...]
+    fill: float
+    dtype: Dtype
+
+
+@dataclass(frozen=True)
+class Dot:
+    """`dot out = a @ b` or `a @ trans(b)` — fp32 accumulation."""
+
+    op: ClassVar[StmtOp] = StmtOp.DOT
+    out: str
+    a: str
+    b: str
+    trans_b: bool
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """`elementwise out = value` — value's VARs name tiles (same shape) or scalars."""
+
+    op: ClassVar[StmtOp] = StmtOp.ELEMENTWISE
+    out: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """`reduce out = max(src, axis)` / `sum(src, axis)`."""
+
+    op: ClassVar[StmtOp] = StmtOp.REDUCE
+    out: str
+    kind: str  # "max" | "sum"
+    src: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """`score_mod tile at (b, h, q_start, kv_start)` — applies the program's score_mod in place."""
+
+    op: ClassVar[StmtOp] = StmtOp.SCORE_MOD
+    tile: str
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+
+
+@dataclass(frozen=True)
+class Mask:
+    """`mask tile at (b, h, q_start, kv_start) [bounds|mask_mod]` — disallowed scores become -inf."""
+
+    op: ClassVar[StmtOp] = StmtOp.MASK
+    tile: str
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+    use_mask_mod: bool
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    """`online_softmax (m, l, acc) += scores @ values` — one FlashAttention update step."""
+
+    op: ClassVar[StmtOp] = StmtOp.ONLINE_SOFTMAX
+    m: str
+    l: str
+    acc: str
+    scores: str
+    values: str
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """`finalize o, lse = (m, l, acc)`."""
+
+    op: ClassVar[StmtOp] = StmtOp.FINALIZE
+    o: str
+    lse: str
+    m: str
+    l: str
+    acc: str
+
+
+@dataclass(frozen=True)
+class Combine:
+    """`combine o, lse = (o_parts, lse_parts)` — parts stacked along axis 0 (the split axis)."""
+
+    op: ClassVar[StmtOp] = StmtOp.COMBINE
+    o: str
+    lse: str
+    o_parts: str
+    lse_parts: str
+
+
+@dataclass(frozen=True)
+class For:
+    """`for var in range(lo, hi, step) order:` — var takes lo, lo+step, ... < hi (reversed if order == reverse)."""
+
+    op: ClassVar[StmtOp] = StmtOp.FOR
+    var: str
+    lo: Expr
+    hi: Expr
+    step: Dim
+    order: str
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class IfBlock:
+    """`if block(b, h, q_start, kv_start) is [not] CLASS:` then / else."""
+
+    op: ClassVar[StmtOp] = StmtOp.IF_BLOCK
+    cls: BlockClass
+    negate: bool
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+    then: tuple["Stmt", ...]
+    orelse: tuple["Stmt", ...] = ()
+
+
+Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    grid: tuple[GridAxis, ...]
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    params: tuple[Param, ...]
+    schedule: Schedule
+    kernels: tuple[Kernel, ...]
+    score_mod: VariantFn | None = None
+    mask_mod: VariantFn | None = None
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def dims(self) -> tuple[str, ...]:
+        """Symbolic dim names in first-use order."""
+        seen: dict[str, None] = {}
+        for p in self.params:
+            for d in p.shape:
+                if isinstance(d, str):
+                    seen.setdefault(d, None)
+        return tuple(seen)
