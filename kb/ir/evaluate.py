@@ -1,0 +1,149 @@
+"""Evaluate IR expressions on torch tensors (broadcasting), and variant functions densely.
+
+Used by the reference interpreter, by dense torch references of programs and specs, and by
+mask/score classification. Semantics match the lowerings: `//` and `%` are floor
+division/modulo, `&`/`|`/`~` are logical on booleans, loads index aux tensors with
+(broadcast) integer index tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp
+
+__all__ = ["eval_expr", "dense_scores_mask", "Value"]
+
+Value = torch.Tensor | int | float | bool
+
+
+def _t(x: Value) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(x)
+
+
+def _binary(op: ExprOp, a: Value, b: Value) -> Value:
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+        return _scalar_binary(op, a, b)
+    match op:
+        case ExprOp.ADD: return a + b
+        case ExprOp.SUB: return a - b
+        case ExprOp.MUL: return a * b
+        case ExprOp.DIV: return _t(a).to(torch.float32) / b if not torch.is_floating_point(_t(a)) else a / b
+        case ExprOp.FLOORDIV: return torch.div(_t(a), b, rounding_mode="floor")
+        case ExprOp.MOD: return torch.remainder(_t(a), b)
+        case ExprOp.LT: return _t(a) < b
+        case ExprOp.LE: return _t(a) <= b
+        case ExprOp.GT: return _t(a) > b
+        case ExprOp.GE: return _t(a) >= b
+        case ExprOp.EQ: return _t(a) == b
+        case ExprOp.NE: return _t(a) != b
+        case ExprOp.AND: return _t(a).bool() & _t(b).bool()
+        case ExprOp.OR: return _t(a).bool() | _t(b).bool()
+    raise AssertionError(op)
+
+
+def _scalar_binary(op: ExprOp, a: int | float | bool, b: int | float | bool) -> int | float | bool:
+    match op:
+        case ExprOp.ADD: return a + b
+        case ExprOp.SUB: return a - b
+        case ExprOp.MUL: return a * b
+        case ExprOp.DIV: return a / b
+        case ExprOp.FLOORDIV: return a // b
+        case ExprOp.MOD: return a % b
+        case ExprOp.LT: return a < b
+        case ExprOp.LE: return a <= b
+        case ExprOp.GT: return a > b
+        case ExprOp.GE: return a >= b
+        case ExprOp.EQ: return a == b
+        case ExprOp.NE: return a != b
+        case ExprOp.AND: return bool(a) and bool(b)
+        case ExprOp.OR: return bool(a) or bool(b)
+    raise AssertionError(op)
+
+
+_UNARY_T = {
+    ExprOp.EXP: torch.exp, ExprOp.EXP2: torch.exp2, ExprOp.LOG: torch.log, ExprOp.TANH: torch.tanh,
+    ExprOp.SIGMOID: torch.sigmoid, ExprOp.ABS: torch.abs, ExprOp.SQRT: torch.sqrt,
+}
+_UNARY_S = {
+    ExprOp.EXP: math.exp, ExprOp.EXP2: lambda x: 2.0 ** x, ExprOp.LOG: math.log, ExprOp.TANH: math.tanh,
+    ExprOp.SIGMOID: lambda x: 1.0 / (1.0 + math.exp(-x)), ExprOp.ABS: abs, ExprOp.SQRT: math.sqrt,
+}
+
+
+def eval_expr(e: Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor] | None = None) -> Value:
+    """Evaluate `e`; VARs come from `env`, LOADs index `tensors` (out-of-range loads raise)."""
+    op = e.op
+    if op is ExprOp.CONST:
+        return e.value  # type: ignore[return-value]
+    if op is ExprOp.VAR:
+        try:
+            return env[str(e.value)]
+        except KeyError:
+            raise KBError(f"expression {e} uses undefined name {e.value!r}") from None
+    args = [eval_expr(a, env, tensors) for a in e.args]
+    if op is ExprOp.LOAD:
+        if tensors is None or str(e.value) not in tensors:
+            raise KBError(f"expression {e} loads from missing tensor {e.value!r}")
+        t = tensors[str(e.value)]
+        if len(args) != t.dim():
+            raise KBError(f"expression {e}: {e.value} has {t.dim()} dims, indexed with {len(args)}")
+        idx = torch.broadcast_tensors(*[_t(a).long() for a in args])
+        return t[idx]
+    if op is ExprOp.NEG:
+        return -args[0]
+    if op is ExprOp.NOT:
+        return ~_t(args[0]).bool() if isinstance(args[0], torch.Tensor) else not args[0]
+    if op is ExprOp.WHERE:
+        c, x, y = args
+        if not isinstance(c, torch.Tensor):
+            return x if c else y
+        return torch.where(c.bool(), _t(x), _t(y))
+    if op in (ExprOp.MAXIMUM, ExprOp.MINIMUM):
+        a, b = args
+        if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
+            return max(a, b) if op is ExprOp.MAXIMUM else min(a, b)
+        a, b = torch.broadcast_tensors(_t(a), _t(b))
+        a, b = (a, b.to(a.dtype)) if a.is_floating_point() or not b.is_floating_point() else (a.to(b.dtype), b)
+        return torch.maximum(a, b) if op is ExprOp.MAXIMUM else torch.minimum(a, b)
+    if op is ExprOp.CDIV:
+        a, b = args
+        return -(-a // b) if not isinstance(a, torch.Tensor) else torch.div(a + b - 1, b, rounding_mode="floor")
+    if op in _UNARY_T:
+        (a,) = args
+        return _UNARY_T[op](a.float() if isinstance(a, torch.Tensor) and not a.is_floating_point() else a) \
+            if isinstance(a, torch.Tensor) else _UNARY_S[op](a)
+    return _binary(op, args[0], args[1])
+
+
+def dense_scores_mask(
+    scores: torch.Tensor,
+    score_mod: Expr | None,
+    mask_mod: Expr | None,
+    env: Mapping[str, Value],
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply variant functions densely to `scores: [B, H, M, N]`.
+
+    Returns (modified scores, boolean mask [B, H, M, N] or broadcastable). `env` supplies
+    dims and scalars; b/h/q_idx/kv_idx are bound here to broadcast aranges.
+    """
+    B, H, M, N = scores.shape
+    idx = {
+        "b": torch.arange(B).view(B, 1, 1, 1),
+        "h": torch.arange(H).view(1, H, 1, 1),
+        "q_idx": torch.arange(M).view(1, 1, M, 1),
+        "kv_idx": torch.arange(N).view(1, 1, 1, N),
+    }
+    full_env = {**env, **idx}
+    if score_mod is not None:
+        scores = _t(eval_expr(score_mod, {**full_env, "score": scores}, tensors)).to(scores.dtype)
+        scores = scores.expand(B, H, M, N)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    if mask_mod is not None:
+        mask = _t(eval_expr(mask_mod, full_env, tensors)).bool()
+    return scores, mask
