@@ -1,0 +1,198 @@
+"""Rule-based transfer: adapt a reference Program to a target spec.
+
+The reference decides the code shape (kernels, loads, schedule, softmax structure); the
+target fills the variant slots. How the KV loop is bounded is the risky part of a
+transfer, so it is an explicit `Strategy`, tried in order and remembered as a lesson:
+
+- REUSE: keep the reference's loop bounds and block tests (right when the masks agree).
+- DERIVE: bounds derived from the target mask (causal / sliding window block skipping).
+- BLOCK_MASK: full KV range; runtime block classes skip empty blocks and unmask full ones
+  (always correct; the FlexAttention strategy).
+
+Every function here is `Program -> Program` (or builds a Program); nothing is mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, call, const, substitute, var
+from kb.ir.nodes import (
+    BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, OnlineSoftmax, Param, Program,
+    Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+)
+
+__all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
+
+
+class Strategy(Enum):
+    REUSE = "reuse"
+    DERIVE = "derive"
+    BLOCK_MASK = "block_mask"
+
+
+STRATEGY_ORDER = (Strategy.REUSE, Strategy.DERIVE, Strategy.BLOCK_MASK)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a transfer needs to know about the spec."""
+
+    score_mod: Expr | None
+    mask_mod: Expr | None
+    dtype: Dtype
+    aux: tuple[Param, ...] = ()  # AUX params the variant functions load from
+    scalars: tuple[str, ...] = ()  # scalar params the variant functions use
+    block_m: int | None = None  # schedule override (e.g. a tunable for the target head dim)
+    block_n: int | None = None
+    extras: dict = field(default_factory=dict, compare=False)
+
+
+_IO_ROLES = (Role.IN, Role.OUT)
+
+
+def transfer(reference: Program, target: Target, strategy: Strategy, *, name: str | None = None) -> Program:
+    """The reference with the target's variant slots, params and KV-loop strategy."""
+    params = _params_for(reference, target)
+    schedule = reference.schedule
+    if target.block_m or target.block_n:
+        schedule = replace(schedule, block_m=target.block_m or schedule.block_m, block_n=target.block_n or schedule.block_n)
+    kernels = tuple(_rewrite_kernel(k, target, strategy) for k in reference.kernels)
+    return Program(
+        name=name or f"{reference.name}__{strategy.value}",
+        params=params,
+        schedule=schedule,
+        kernels=kernels,
+        score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, target.score_mod) if target.score_mod is not None else None,
+        mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, target.mask_mod) if target.mask_mod is not None else None,
+    )
+
+
+def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:
+    kept = []
+    for p in reference.params:
+        if p.role is Role.AUX:
+            continue  # the reference's aux tensors belong to its own variant
+        if p.role is Role.SCALAR and p.name != "sm_scale":
+            continue
+        if p.role in _IO_ROLES and p.dtype in (Dtype.F32, Dtype.BF16, Dtype.F16) and p.name != "lse":
+            p = replace(p, dtype=target.dtype)
+        kept.append(p)
+    names = {p.name for p in kept}
+    extra = [Param(s, (), Dtype.F32, Role.SCALAR) for s in target.scalars if s not in names]
+    extra += [a for a in target.aux if a.name not in names]
+    return tuple(kept) + tuple(extra)
+
+
+def _kv_loop(body: tuple[Stmt, ...]) -> For | None:
+    """The KV loop: the For whose body holds the online softmax update."""
+    for st in body:
+        if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in _flatten(st.body)):
+            return st
+    return None
+
+
+def _flatten(body: tuple[Stmt, ...]) -> list[Stmt]:
+    out: list[Stmt] = []
+    for st in body:
+        out.append(st)
+        if isinstance(st, IfBlock):
+            out += _flatten(st.then) + _flatten(st.orelse)
+        elif isinstance(st, For):
+            out += _flatten(st.body)
+    return out
+
+
+def _q_start(body: tuple[Stmt, ...]) -> Expr:
+    for st in _flatten(body):
+        if isinstance(st, Load) and st.tensor == "q":
+            for ix in st.index:
+                if isinstance(ix, Span):
+                    return ix.start
+    raise KBError("reference program has no `load ... = q[..., start:+BLOCK_M, ...]`: cannot find its query block")
+
+
+def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kernel:
+    loop = _kv_loop(kernel.body)
+    if loop is None:
+        return kernel  # e.g. a split-KV combine kernel: nothing variant-specific
+    q_start = _q_start(kernel.body)
+    mask_at = _mask_at(loop, q_start)
+    inner = _rewrite_loop_body(loop.body, target, strategy, mask_at)
+    lo, hi = _bounds(loop, target, strategy, q_start)
+    new_loop = replace(loop, lo=lo, hi=hi, body=inner)
+    return replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
+
+
+def _mask_at(loop: For, q_start: Expr) -> dict[str, Expr]:
+    for st in _flatten(loop.body):
+        if isinstance(st, (Mask, ScoreMod, IfBlock)):
+            return dict(b=st.b, h=st.h, q_start=st.q_start, kv_start=st.kv_start)
+    return dict(b=var("b"), h=var("h"), q_start=q_start, kv_start=var(loop.var))
+
+
+def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strategy, at: dict[str, Expr]) -> tuple[Stmt, ...]:
+    out: list[Stmt] = []
+    scale_done = False
+    for st in _strip(body):
+        if isinstance(st, OnlineSoftmax):
+            out += _masking(target, strategy, at, st.scores)
+        out.append(st)
+        if isinstance(st, Elementwise) and not scale_done and any(isinstance(s, Dot) for s in out):
+            scale_done = True
+            if target.score_mod is not None:
+                out.append(ScoreMod(st.out, **at))
+    if target.score_mod is not None and not scale_done:
+        raise KBError("reference KV loop has no scale step after its QK^T dot: cannot place score_mod")
+    if strategy is Strategy.BLOCK_MASK and target.mask_mod is not None:
+        return (IfBlock(BlockClass.EMPTY, True, then=tuple(out), **at),)
+    return tuple(out)
+
+
+def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
+    """The loop body without variant application (score_mod, masks, block tests), flattened."""
+    out: list[Stmt] = []
+    for st in body:
+        if isinstance(st, (ScoreMod, Mask)):
+            continue
+        if isinstance(st, IfBlock):
+            out += _strip(st.then)
+            continue
+        out.append(st)
+    return tuple(out)
+
+
+def _masking(target: Target, strategy: Strategy, at: dict[str, Expr], scores: str) -> list[Stmt]:
+    if target.mask_mod is None:
+        return [Mask(scores, use_mask_mod=False, **at)]
+    mask = Mask(scores, use_mask_mod=True, **at)
+    if strategy is Strategy.REUSE:
+        return [mask]
+    return [IfBlock(BlockClass.FULL, True, then=(mask,), **at)]
+
+
+def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr) -> tuple[Expr, Expr]:
+    if strategy is Strategy.REUSE:
+        return loop.lo, loop.hi
+    split = _is_split(loop)
+    lo, hi = (loop.lo, loop.hi) if split else (const(0), var("N"))
+    if strategy is Strategy.DERIVE and target.mask_mod is not None:
+        from kb.ir.classify import mask_kv_bounds
+
+        bounds = mask_kv_bounds(target.mask_mod)
+        if bounds is not None:
+            mlo, mhi = (substitute(e, {"m_start": q_start}) for e in bounds)
+            step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
+            if mlo != const(0):  # align to KV blocks, never below 0
+                mlo = call("maximum", const(0), Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (mlo, step)), step)))
+            lo = mlo if not split else call("maximum", lo, mlo)
+            hi = call("minimum", hi, mhi)
+    return lo, hi
+
+
+def _is_split(loop: For) -> bool:
+    from kb.ir.expr import free_vars
+
+    return "s" in free_vars(loop.lo) | free_vars(loop.hi)
