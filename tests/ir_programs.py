@@ -139,19 +139,20 @@ def gqa(dtype: Dtype = Dtype.F32) -> Program:
 
 def decode_split_kv(num_splits: int = 3, dtype: Dtype = Dtype.F32) -> Program:
     """Split-KV decode: kernel 1 writes per-split partials, kernel 2 combines them by LSE."""
+    # the split axis is named `split`, not `s`: `s` is the score tile, and tiles and scalars share one namespace
     base = forward("decode_split_kv", dtype=dtype,
                    schedule=Schedule(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits))
     chunk = "cdiv(cdiv(N, NUM_SPLITS), BLOCK_N) * BLOCK_N"
-    split_loop = For("n_start", E(f"s * {chunk}"), E(f"minimum(N, (s + 1) * {chunk})"), "BLOCK_N", "forward",
+    split_loop = For("n_start", E(f"split * {chunk}"), E(f"minimum(N, (split + 1) * {chunk})"), "BLOCK_N", "forward",
                      _kv_loop_body(score_mod=False, mask_mod=False, block_classes=False))
     fwd = base.kernels[0]
     part_body = tuple(
         split_loop if isinstance(st, For) else st for st in fwd.body if not isinstance(st, Store)
     ) + (
-        Store("o_part", (E("b"), E("h"), E("s"), Span(E("m_start"), "BLOCK_M"), Full()), "ot"),
-        Store("lse_part", (E("b"), E("h"), E("s"), Span(E("m_start"), "BLOCK_M")), "lt"),
+        Store("o_part", (E("b"), E("h"), E("split"), Span(E("m_start"), "BLOCK_M"), Full()), "ot"),
+        Store("lse_part", (E("b"), E("h"), E("split"), Span(E("m_start"), "BLOCK_M")), "lt"),
     )
-    part = Kernel("split", fwd.grid + (GridAxis("s", E("NUM_SPLITS")),), part_body)
+    part = Kernel("split", fwd.grid + (GridAxis("split", E("NUM_SPLITS")),), part_body)
     combine = Kernel("combine", fwd.grid, (
         Let("m_start", E("m * BLOCK_M")),
         Load("po", "o_part", (E("b"), E("h"), Full(), Span(E("m_start"), "BLOCK_M"), Full())),
