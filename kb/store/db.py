@@ -1,0 +1,217 @@
+"""The SQL side: engines for a database URL, the schema-version check, and write retries.
+
+SQLite (the default) runs in WAL mode with a busy timeout, and write transactions
+start with `BEGIN IMMEDIATE` so two processes never deadlock upgrading a read lock;
+`retrying` re-runs a transaction that still hits "database is locked".
+PostgreSQL is selected by the URL (`postgresql://` or `postgresql+psycopg2://`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import event, inspect
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
+from sqlmodel import Session, SQLModel, create_engine, select
+
+from kb.errors import KBError
+from kb.store.models import SCHEMA_VERSION, TABLES, Meta
+
+__all__ = ["Dialect", "DbTarget", "parse_db_url", "Engines", "make_engines", "ensure_schema", "check_schema", "retrying", "MIGRATIONS"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+BUSY_TIMEOUT_MS = 30_000
+WRITE_RETRIES = 8
+
+
+class Dialect(StrEnum):
+    SQLITE = "sqlite"
+    POSTGRESQL = "postgresql"
+
+
+@dataclass(frozen=True)
+class DbTarget:
+    url: str
+    dialect: Dialect
+    path: Path | None  # the SQLite file; None for in-memory or server databases
+
+    @property
+    def display(self) -> str:
+        """The URL without a password, for messages."""
+        return make_url(self.url).render_as_string(hide_password=True)
+
+
+def parse_db_url(url: str) -> DbTarget:
+    """Validate a SQLAlchemy URL and pick the dialect; `KBError` for anything unsupported."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as err:
+        raise KBError(f"KB_DB_URL {url!r} is not a database URL", hint="e.g. sqlite:////path/kb.sqlite or postgresql://user@host/db") from err
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        db = parsed.database
+        path = Path(db).expanduser() if db and db != ":memory:" and not db.startswith("file:") else None
+        return DbTarget(url, Dialect.SQLITE, path)
+    if backend in ("postgresql", "postgres"):
+        if not parsed.database:
+            raise KBError(f"KB_DB_URL {parsed.render_as_string(hide_password=True)} names no database")
+        return DbTarget(url, Dialect.POSTGRESQL, None)
+    raise KBError(f"KB_DB_URL uses unsupported database {backend!r}", hint="use sqlite:/// or postgresql://")
+
+
+@dataclass(frozen=True)
+class Engines:
+    """`read` for queries; `write` for transactions (BEGIN IMMEDIATE on SQLite)."""
+
+    target: DbTarget
+    read: Engine
+    write: Engine
+
+    def dispose(self) -> None:
+        self.read.dispose()
+        if self.write is not self.read:
+            self.write.dispose()
+
+
+def _sqlite_engine(url: str, begin: str) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (pysqlite's own is DEFERRED-only)
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:  # noqa: ANN001
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+def make_engines(url: str) -> Engines:
+    target = parse_db_url(url)
+    if target.dialect is Dialect.SQLITE:
+        return Engines(target, _sqlite_engine(url, "BEGIN"), _sqlite_engine(url, "BEGIN IMMEDIATE"))
+    try:
+        engine = create_engine(url, pool_pre_ping=True)
+    except ImportError as err:
+        raise KBError(f"no driver for {target.display} ({err})", hint="pip install psycopg2-binary") from err
+    return Engines(target, engine, engine)
+
+
+# Step from version N to N+1, run inside one transaction. Versions without a step
+# cannot be upgraded in place: export with the old kernel-kb and import here.
+MIGRATIONS: dict[int, Callable[[Session], None]] = {}
+
+
+def _stored_version(engines: Engines) -> int | None:
+    """The schema version in the database; None when it has no kernel-kb tables at all."""
+    names = set(inspect(engines.read).get_table_names())
+    if "kb_meta" not in names:
+        if names & {m.__tablename__ for m in TABLES}:  # type: ignore[attr-defined]
+            return 0  # kernel-kb tables from before versioning
+        if names:
+            raise KBError(f"{engines.target.display} holds other tables, not a kernel-kb database", hint="point KB_DB_URL or KB_HOME elsewhere")
+        return None
+    with Session(engines.read) as s:
+        row = s.exec(select(Meta).where(Meta.key == "schema_version")).first()
+    try:
+        return int(row.value) if row else 0
+    except ValueError:
+        return 0
+
+
+def _guard(engines: Engines, fn: Callable[[], T]) -> T:
+    """Turn driver errors about the database itself into one-line `KBError`s."""
+    try:
+        return fn()
+    except OperationalError as err:
+        raise KBError(f"cannot use database {engines.target.display}: {err.orig}", hint="check KB_DB_URL / KB_HOME and that the server is reachable") from err
+    except DatabaseError as err:
+        raise KBError(f"{engines.target.display} is not a usable kernel-kb database ({err.orig})", hint="restore it from `kb export`, or move it away and run `kb init`") from err
+
+
+def check_schema(engines: Engines) -> bool:
+    """True if the database holds the current schema; False if it is empty. `KBError` otherwise."""
+    version = _guard(engines, lambda: _stored_version(engines))
+    if version is None:
+        return False
+    if version > SCHEMA_VERSION:
+        raise KBError(
+            f"{engines.target.display} has schema version {version}, newer than this kernel-kb's {SCHEMA_VERSION}",
+            hint="upgrade kernel-kb",
+        )
+    if version < SCHEMA_VERSION:
+        _migrate(engines, version)
+    return True
+
+
+def _migrate(engines: Engines, version: int) -> None:
+    while version < SCHEMA_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise KBError(
+                f"{engines.target.display} has schema version {version}, older than {SCHEMA_VERSION}, and no migration exists",
+                hint="run `kb export` with the kernel-kb that wrote it, then `kb import` into a fresh KB",
+            )
+        log.info("migrating schema %d -> %d", version, version + 1)
+        with Session(engines.write) as s:
+            step(s)
+            s.merge(Meta(key="schema_version", value=str(version + 1)))
+            s.commit()
+        version += 1
+
+
+def ensure_schema(engines: Engines) -> None:
+    """Create the tables and stamp the schema version if the database is empty; else check it."""
+    if check_schema(engines):
+        return
+
+    def create() -> None:
+        SQLModel.metadata.create_all(engines.write, tables=[m.__table__ for m in (Meta, *TABLES)])  # type: ignore[attr-defined]
+        with Session(engines.write) as s:
+            if s.get(Meta, "schema_version") is None:
+                s.add(Meta(key="schema_version", value=str(SCHEMA_VERSION)))
+            s.commit()
+
+    _guard(engines, lambda: retrying(create))
+
+
+def _transient(err: Exception) -> bool:
+    if isinstance(err, IntegrityError):
+        # Two writers inserted the same content-hash id at once (PostgreSQL); the retry sees the row.
+        text = str(err.orig).lower()
+        return "unique" in text or "duplicate" in text
+    if isinstance(err, OperationalError):
+        text = str(err.orig).lower()
+        return "locked" in text or "busy" in text or "deadlock" in text or "could not serialize" in text
+    return False
+
+
+def retrying(fn: Callable[[], T], attempts: int = WRITE_RETRIES) -> T:
+    """Run the transaction `fn`, re-running it on lock contention with jittered backoff."""
+    for n in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, IntegrityError) as err:
+            if not _transient(err) or n == attempts - 1:
+                raise
+            delay = min(2.0, 0.05 * 2**n) * (0.5 + random.random())
+            log.warning("database busy (%s); retry %d in %.2fs", err.orig, n + 1, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")

@@ -1,0 +1,352 @@
+"""`KnowledgeBase`: the one object through which everything reads and writes the KB.
+
+Write protocol (why a crash never loses committed rows or leaves a half-written kernel):
+1. every SQL row of one logical write (a kernel with its snippets, tunables and perf
+   records) goes into ONE transaction, upserted by content-hash id (idempotent);
+2. only after the commit are the embedded rows (kernels, snippets, lessons) embedded
+   and upserted into Chroma, skipping rows whose `doc_hash` Chroma already holds.
+A kill between 1 and 2 leaves rows without embeddings, which `kb doctor --fix` embeds;
+Chroma never holds an id before SQL does, so a crash cannot create orphans.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from sqlalchemy import func
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, SQLModel, select
+
+from kb.embed import Embedder, get_embedder
+from kb.errors import KBError
+from kb.settings import Settings
+from kb.store import db
+from kb.store.ids import PREFIXES
+from kb.store.models import (
+    TABLE_BY_NAME,
+    TABLES,
+    Attempt,
+    GenerationRun,
+    Kernel,
+    Lesson,
+    PerfRecord,
+    Snippet,
+    Source,
+    Tunable,
+)
+from kb.store.records import COLLECTION_OF, EMBEDDED, assign_id, embedding_doc
+from kb.store.rules import check
+from kb.store.vectors import COLLECTIONS, VectorStore, open_vectors
+
+__all__ = ["KernelBundle", "Counts", "KnowledgeBase", "open_kb"]
+
+log = logging.getLogger(__name__)
+R = TypeVar("R", bound=SQLModel)
+
+# Columns an upsert never overwrites: the first write's timestamp stays.
+_KEEP_ON_UPDATE = frozenset({"id", "created_at", "fetched_at", "started_at"})
+
+
+@dataclass(frozen=True)
+class KernelBundle:
+    """A kernel and what is written with it, all or nothing."""
+
+    kernel: Kernel
+    snippets: Sequence[Snippet] = ()
+    tunables: Sequence[Tunable] = ()
+    perf: Sequence[PerfRecord] = ()
+
+
+@dataclass(frozen=True)
+class Counts:
+    rows: Mapping[str, int] = field(default_factory=dict)  # table -> rows
+    vectors: Mapping[str, int] = field(default_factory=dict)  # collection -> embeddings
+
+
+class KnowledgeBase:
+    """SQL rows (the truth) plus their Chroma embeddings. Use `open_kb` to get one."""
+
+    def __init__(self, settings: Settings, engines: db.Engines, vectors: VectorStore, embedder: Embedder | None = None) -> None:
+        self.settings = settings
+        self.engines = engines
+        self.vectors = vectors
+        self._embedder = embedder
+
+    # -- lifecycle -------------------------------------------------------------
+    @property
+    def embedder(self) -> Embedder:
+        if self._embedder is None:
+            self._embedder = get_embedder(self.settings)
+        return self._embedder
+
+    def close(self) -> None:
+        self.engines.dispose()
+
+    def __enter__(self) -> KnowledgeBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def read_session(self) -> Iterator[Session]:
+        with Session(self.engines.read, expire_on_commit=False) as s:
+            yield s
+
+    # -- writes ----------------------------------------------------------------
+    def write_kernel(
+        self,
+        kernel: Kernel,
+        snippets: Sequence[Snippet] = (),
+        tunables: Sequence[Tunable] = (),
+        perf: Sequence[PerfRecord] = (),
+    ) -> str:
+        """Write a kernel with its snippets/tunables/perf in one transaction; returns its id."""
+        return self.write_kernels([KernelBundle(kernel, snippets, tunables, perf)])[0]
+
+    def write_kernels(self, bundles: Iterable[KernelBundle], batch_size: int = 500) -> list[str]:
+        """Write many bundles; each batch of `batch_size` bundles is one transaction."""
+        out: list[str] = []
+        batch: list[SQLModel] = []
+        pending = 0
+        for bundle in bundles:
+            out.append(self._stage_bundle(bundle, batch))
+            pending += 1
+            if pending >= batch_size:
+                self._write_rows(batch)
+                batch, pending = [], 0
+        if batch:
+            self._write_rows(batch)
+        return out
+
+    def _stage_bundle(self, bundle: KernelBundle, into: list[SQLModel]) -> str:
+        kernel = assign_id(bundle.kernel)
+        into.append(kernel)
+        for snip in bundle.snippets:
+            if snip.kernel_id is None:
+                snip.kernel_id = kernel.id
+            into.append(assign_id(snip))
+        into.extend(assign_id(t) for t in bundle.tunables)
+        for p in bundle.perf:
+            if not p.kernel_id:
+                p.kernel_id = kernel.id
+            into.append(assign_id(p))
+        return kernel.id
+
+    def write_source(self, source: Source) -> str:
+        return self._write_rows([assign_id(source)])[0]
+
+    def write_snippets(self, snippets: Sequence[Snippet]) -> list[str]:
+        return self._write_rows([assign_id(s) for s in snippets])
+
+    def write_tunables(self, tunables: Sequence[Tunable]) -> list[str]:
+        return self._write_rows([assign_id(t) for t in tunables])
+
+    def write_perf(self, records: Sequence[PerfRecord]) -> list[str]:
+        return self._write_rows([assign_id(p) for p in records])
+
+    def write_run(self, run: GenerationRun) -> str:
+        """Insert a run, or update it (status, kernel_id, finished_at) when its id exists."""
+        return self._write_rows([assign_id(run)])[0]
+
+    def write_attempt(self, attempt: Attempt) -> str:
+        return self._write_rows([assign_id(attempt)])[0]
+
+    def write_lesson(self, lesson: Lesson) -> str:
+        return self._write_rows([assign_id(lesson)])[0]
+
+    def _write_rows(self, records: Sequence[SQLModel]) -> list[str]:
+        """Validate, upsert all `records` in one transaction, then embed the embedded ones."""
+        for r in records:
+            check(r)
+
+        def txn() -> None:
+            with Session(self.engines.write, expire_on_commit=False) as s:
+                for r in records:
+                    _upsert(s, r)
+                    s.flush()  # rows in order, so parents precede children under foreign keys
+                s.commit()
+
+        try:
+            db.retrying(txn)
+        except IntegrityError as err:
+            raise KBError(f"write rejected by the database: {err.orig}", hint="a referenced source/kernel/run id must be written first") from err
+        self._embed([r for r in records if type(r) in COLLECTION_OF])
+        return [r.id for r in records]  # type: ignore[attr-defined]
+
+    def _embed(self, records: Sequence[SQLModel], force: bool = False) -> int:
+        """Embed and upsert `records` whose document Chroma does not already hold; returns how many."""
+        done = 0
+        by_col: dict[str, list] = {}
+        for r in records:
+            doc = embedding_doc(r)
+            by_col.setdefault(doc.collection, []).append(doc)
+        for col, docs in by_col.items():
+            if not force:
+                have = self.vectors.doc_hashes(col, [d.id for d in docs])
+                docs = [d for d in docs if have.get(d.id) != d.metadata["doc_hash"]]
+            step = max(1, self.settings.embed_batch * 4)
+            for i in range(0, len(docs), step):
+                chunk = docs[i : i + step]
+                vecs = self.embedder.embed([d.document for d in chunk])
+                self.vectors.upsert(col, [d.id for d in chunk], vecs, [d.document for d in chunk], [d.metadata for d in chunk])
+                done += len(chunk)
+        return done
+
+    # -- reads -----------------------------------------------------------------
+    def find(self, id_: str) -> SQLModel | None:
+        """The record with this id from whichever table its prefix names, or None."""
+        for prefix in sorted(PREFIXES, key=len, reverse=True):
+            if id_.startswith(prefix):
+                with self.read_session() as s:
+                    return s.get(TABLE_BY_NAME[PREFIXES[prefix]], id_)
+        return None
+
+    def get(self, id_: str) -> SQLModel:
+        """Like `find`, but an unknown id raises `KBError`."""
+        rec = self.find(id_)
+        if rec is None:
+            raise KBError(f"no record with id {id_!r}", hint="ids look like k-…, s-…, src-…; see `kb stats` / `kb query`")
+        return rec
+
+    def list(self, table: type[R], **filters: object) -> list[R]:
+        """All rows of `table` whose columns equal `filters`, ordered by id."""
+        cols = table.model_fields  # type: ignore[attr-defined]
+        unknown = set(filters) - set(cols)
+        if unknown:
+            raise ValueError(f"{table.__name__} has no columns {sorted(unknown)}")
+        stmt = select(table)
+        for name, value in filters.items():
+            stmt = stmt.where(getattr(table, name) == value)
+        with self.read_session() as s:
+            return list(s.exec(stmt.order_by(table.id)))  # type: ignore[attr-defined]
+
+    def list_kernels(self, **filters: object) -> list[Kernel]:
+        """Kernels filtered by column equality, e.g. `list_kernels(arch="sm90", head_dim=128)`."""
+        return self.list(Kernel, **filters)
+
+    def lineage(self, kernel_id: str) -> list[Kernel]:
+        """The kernel followed by its parent, grandparent, ... (stops on a cycle)."""
+        chain: list[Kernel] = []
+        seen: set[str] = set()
+        cur: str | None = kernel_id
+        with self.read_session() as s:
+            while cur and cur not in seen:
+                seen.add(cur)
+                k = s.get(Kernel, cur)
+                if k is None:
+                    break
+                chain.append(k)
+                cur = k.parent_id
+        return chain
+
+    def counts(self) -> Counts:
+        with self.read_session() as s:
+            rows = {name: s.exec(select(func.count()).select_from(m)).one() for name, m in TABLE_BY_NAME.items()}
+        return Counts(rows, {c: self.vectors.count(c) for c in COLLECTIONS})
+
+    def vector_query(
+        self, collection: str, text: str, k: int = 10, where: Mapping[str, object] | None = None
+    ) -> list[tuple[str, float]]:
+        """The `k` rows of `collection` nearest to `text` as (id, cosine distance), nearest first.
+
+        Ids Chroma returns without a SQL row (drift) are dropped with a warning.
+        """
+        if collection not in COLLECTIONS:
+            raise KBError(f"unknown collection {collection!r}; one of {list(COLLECTIONS)}")
+        hits = self.vectors.query(collection, self.embedder.embed([text])[0], k, where)
+        table = EMBEDDED[collection]
+        with self.read_session() as s:
+            known = set(s.exec(select(table.id).where(table.id.in_([h[0] for h in hits]))))  # type: ignore[attr-defined]
+        if len(known) < len(hits):
+            log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(known), collection)
+        return [h for h in hits if h[0] in known]
+
+    # -- maintenance -----------------------------------------------------------
+    def doctor(self, fix: bool = False):  # -> DoctorReport
+        from kb.store.doctor import run_doctor
+
+        return run_doctor(self, fix=fix)
+
+    def export_jsonl(self, path: Path | str) -> Mapping[str, int]:
+        from kb.store.portable import export_jsonl
+
+        return export_jsonl(self, Path(path))
+
+    def import_jsonl(self, path: Path | str) -> Mapping[str, int]:
+        from kb.store.portable import import_jsonl
+
+        return import_jsonl(self, Path(path))
+
+
+def _upsert(s: Session, record: SQLModel) -> None:
+    existing = s.get(type(record), record.id)  # type: ignore[attr-defined]
+    if existing is None:
+        s.add(record)
+        return
+    for name in type(record).model_fields:  # type: ignore[attr-defined]
+        if name not in _KEEP_ON_UPDATE:
+            setattr(existing, name, getattr(record, name))
+
+
+@contextmanager
+def _home_lock(home: Path) -> Iterator[None]:
+    """Serialise first-time creation (SQLite schema, Chroma dir) between processes."""
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if not os.access(home, os.W_OK):
+            raise PermissionError(13, "not writable", str(home))
+        fd = os.open(home / ".kb.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise KBError(f"cannot use KB_HOME {home}: {err.strerror or err}", hint="set KB_HOME to a writable directory") from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def open_kb(settings: Settings, *, create: bool = True, embedder: Embedder | None = None) -> KnowledgeBase:
+    """Open (and with `create`, initialise) the KB that `settings` point at.
+
+    Raises `KBError` for an unwritable home, a corrupt or foreign database, a schema
+    version this code cannot use, an unreachable Chroma server, or (without `create`)
+    a KB that does not exist yet. `embedder` defaults to the settings' model, loaded lazily.
+    """
+    target = db.parse_db_url(settings.resolved_db_url)
+    if not create and target.path is not None and not target.path.exists():
+        raise KBError(f"no knowledge base at {target.path}", hint="run `kb init` (or set KB_HOME)")
+    if target.path is not None and target.path.exists() and not target.path.is_file():
+        raise KBError(f"{target.path} is not a database file", hint="set KB_HOME or KB_DB_URL elsewhere")
+    with _home_lock(settings.home):
+        if target.path is not None:
+            try:
+                target.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise KBError(f"cannot create {target.path.parent}: {err.strerror}") from err
+        engines = db.make_engines(target.url)
+        try:
+            if create:
+                db.ensure_schema(engines)
+            elif not db.check_schema(engines):
+                raise KBError(f"{target.display} has no kernel-kb tables", hint="run `kb init`")
+            vectors = open_vectors(settings.chroma_url, settings.chroma_dir, _model_name(settings, embedder))
+        except BaseException:
+            engines.dispose()
+            raise
+    return KnowledgeBase(settings, engines, vectors, embedder)
+
+
+def _model_name(settings: Settings, embedder: Embedder | None) -> str:
+    return embedder.name if embedder is not None else settings.embed_model
+
+
+

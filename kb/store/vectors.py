@@ -1,0 +1,171 @@
+"""The Chroma side: embeddings keyed by the same ids as the SQL rows.
+
+Embedded (`PersistentClient` under KB_HOME) by default; `KB_CHROMA_URL`
+(`http://host:port`) selects a Chroma server through `HttpClient`.
+Invariants: vectors are always supplied by kernel-kb's embedder (collections have no
+embedding function); each collection records the embedding model it was built with,
+and opening it with another model raises `KBError` instead of mixing vector spaces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from kb.errors import KBError
+
+__all__ = ["COLLECTIONS", "ChromaTarget", "parse_chroma_url", "VectorStore", "open_vectors"]
+
+log = logging.getLogger(__name__)
+
+COLLECTIONS = ("kernels", "snippets", "lessons")
+_PAGE = 5000
+
+
+@dataclass(frozen=True)
+class ChromaTarget:
+    """Where the embeddings live: `path` for embedded, else host/port/ssl of a server."""
+
+    path: Path | None = None
+    host: str = ""
+    port: int = 8000
+    ssl: bool = False
+
+    @property
+    def display(self) -> str:
+        if self.path is not None:
+            return str(self.path)
+        return f"{'https' if self.ssl else 'http'}://{self.host}:{self.port}"
+
+
+def parse_chroma_url(url: str, embedded_dir: Path) -> ChromaTarget:
+    """Empty `url`: embedded under `embedded_dir`; `http(s)://host[:port]`: a server."""
+    if not url:
+        return ChromaTarget(path=embedded_dir)
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise KBError(f"KB_CHROMA_URL {url!r} is not an http(s)://host:port URL")
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 8000)
+    except ValueError as err:
+        raise KBError(f"KB_CHROMA_URL {url!r} has an invalid port") from err
+    return ChromaTarget(host=parsed.hostname, port=port, ssl=parsed.scheme == "https")
+
+
+def _client(target: ChromaTarget):  # -> chromadb.ClientAPI
+    import chromadb
+    from chromadb.config import Settings as ChromaSettings
+
+    settings = ChromaSettings(anonymized_telemetry=False)
+    try:
+        if target.path is not None:
+            target.path.mkdir(parents=True, exist_ok=True)
+            return chromadb.PersistentClient(path=str(target.path), settings=settings)
+        client = chromadb.HttpClient(host=target.host, port=target.port, ssl=target.ssl, settings=settings)
+        client.heartbeat()
+        return client
+    except OSError as err:
+        raise KBError(f"cannot open Chroma at {target.display}: {err.strerror or err}", hint="check KB_HOME is writable") from err
+    except Exception as err:  # chromadb raises bare Exception/ValueError subclasses for connection failures
+        raise KBError(
+            f"cannot reach Chroma at {target.display}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            hint="start the Chroma server or unset KB_CHROMA_URL to use the embedded store",
+        ) from err
+
+
+class VectorStore:
+    """Upsert, delete, list and query embeddings in the kernel-kb collections."""
+
+    def __init__(self, client, target: ChromaTarget, model_name: str) -> None:  # noqa: ANN001
+        self.target = target
+        self.model_name = model_name
+        self._client = client
+        self._cols = {name: self._collection(name) for name in COLLECTIONS}
+
+    def _collection(self, name: str):  # noqa: ANN202
+        col = self._client.get_or_create_collection(
+            name, metadata={"hnsw:space": "cosine", "embed_model": self.model_name}, embedding_function=None
+        )
+        built_with = (col.metadata or {}).get("embed_model", self.model_name)
+        if built_with != self.model_name:
+            raise KBError(
+                f"the {name!r} embeddings were built with {built_with!r}, but KB_EMBED_MODEL is {self.model_name!r}",
+                hint=f"set KB_EMBED_MODEL={built_with} or rebuild with `kb export` + `kb import` into a fresh KB",
+            )
+        return col
+
+    def upsert(
+        self,
+        collection: str,
+        ids: Sequence[str],
+        embeddings: Sequence[Sequence[float]],
+        documents: Sequence[str],
+        metadatas: Sequence[Mapping[str, object]],
+    ) -> None:
+        if ids:
+            self._cols[collection].upsert(
+                ids=list(ids), embeddings=[list(e) for e in embeddings], documents=list(documents),
+                metadatas=[dict(m) for m in metadatas],
+            )
+
+    def delete(self, collection: str, ids: Sequence[str]) -> None:
+        if ids:
+            self._cols[collection].delete(ids=list(ids))
+
+    def doc_hashes(self, collection: str, ids: Sequence[str] | None = None) -> dict[str, str]:
+        """Ids in `collection` (all, or those of `ids` present) with the `doc_hash` in their metadata."""
+        col, out = self._cols[collection], {}
+        if ids is not None:
+            for i in range(0, len(ids), _PAGE):
+                _collect(col.get(ids=list(ids[i : i + _PAGE]), include=["metadatas"]), out)
+            return out
+        offset = 0
+        while True:
+            page = col.get(include=["metadatas"], limit=_PAGE, offset=offset)
+            _collect(page, out)
+            if len(page["ids"]) < _PAGE:
+                return out
+            offset += _PAGE
+
+    def count(self, collection: str) -> int:
+        return self._cols[collection].count()
+
+    def query(
+        self, collection: str, embedding: Sequence[float], k: int, where: Mapping[str, object] | None = None
+    ) -> list[tuple[str, float]]:
+        """The `k` nearest ids with cosine distance, nearest first."""
+        col = self._cols[collection]
+        n = min(k, col.count())
+        if n <= 0:
+            return []
+        res = col.query(query_embeddings=[list(embedding)], n_results=n, where=_where(where), include=["distances"])
+        return list(zip(res["ids"][0], (float(d) for d in res["distances"][0])))
+
+
+def _collect(page: Mapping, out: dict[str, str]) -> None:
+    metas = page.get("metadatas") or [None] * len(page["ids"])
+    for id_, meta in zip(page["ids"], metas):
+        out[id_] = str((meta or {}).get("doc_hash", ""))
+
+
+def _where(where: Mapping[str, object] | None) -> dict | None:
+    """`{"arch": "sm90", "dtype": "bf16"}` -> Chroma's `$and` form; operator dicts pass through."""
+    if not where:
+        return None
+    if len(where) == 1 or any(k.startswith("$") for k in where):
+        return dict(where)
+    return {"$and": [{k: v} for k, v in where.items()]}
+
+
+def open_vectors(url: str, embedded_dir: Path, model_name: str) -> VectorStore:
+    target = parse_chroma_url(url, embedded_dir)
+    client = _client(target)
+    try:
+        return VectorStore(client, target, model_name)
+    except KBError:
+        raise
+    except Exception as err:
+        raise KBError(f"Chroma at {target.display} is unusable: {err}", hint="move the chroma directory away and run `kb doctor --fix`") from err
