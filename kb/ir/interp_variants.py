@@ -1,0 +1,124 @@
+"""Variant functions on one tile, and block classes, for the reference interpreter.
+
+`score_mod` / `mask_mod` are evaluated on a (rows x cols) tile at (q_start, kv_start) with
+q_idx = q_start + arange(rows)[:, None] and kv_idx = kv_start + arange(cols)[None, :].
+
+Out-of-range lanes (q_idx >= M from a ragged last query block, kv_idx >= N from a ragged last
+KV block) are evaluated too, because a tile is computed whole. Their aux-tensor loads are
+clamped into range so they cannot crash; that is sound because such kv lanes are always
+masked (`mask` masks kv_idx >= N) and such q rows are never stored. A load that is out of
+range for an *in-range* lane is a program error and raises `KBError` (the dense torch
+reference would fail on it too).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from kb.errors import KBError
+from kb.ir.evaluate import Value, eval_expr
+from kb.ir.nodes import BlockClass, VariantFn
+
+__all__ = ["TileCoords", "eval_variant", "mask_tile", "classify_block"]
+
+
+class TileCoords:
+    """Index grids of one tile: q_idx [rows, 1], kv_idx [1, cols], and which lanes are in range."""
+
+    def __init__(self, q_start: int, kv_start: int, rows: int, cols: int, M: int, N: int) -> None:
+        self.q_idx = (q_start + torch.arange(rows)).view(rows, 1)
+        self.kv_idx = (kv_start + torch.arange(cols)).view(1, cols)
+        self.in_range = (self.q_idx >= 0) & (self.q_idx < M) & (self.kv_idx >= 0) & (self.kv_idx < N)
+        self.shape = (rows, cols)
+
+
+class _ClampedAux:
+    """An aux tensor whose loads clamp indices, failing only when an in-range lane is out of range."""
+
+    def __init__(self, name: str, t: torch.Tensor, in_range: torch.Tensor) -> None:
+        self.name, self.t, self.in_range = name, t, in_range
+
+    def dim(self) -> int:
+        return self.t.dim()
+
+    def __getitem__(self, idx: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        oob = torch.zeros((), dtype=torch.bool)
+        clamped = []
+        for i, n in zip(idx, self.t.shape):
+            oob = oob | (i < 0) | (i >= n)
+            clamped.append(i.clamp(0, max(n - 1, 0)))
+        try:
+            bad = oob & self.in_range
+        except RuntimeError:  # index not laid out over the tile: no lane to blame, be strict
+            bad = oob
+        if bool(bad.any()):
+            raise KBError(f"variant function reads {self.name} out of range (shape {list(self.t.shape)}) "
+                          "for an in-range (q_idx, kv_idx) pair; fix the index or the aux tensor's shape")
+        return self.t[tuple(clamped)]
+
+
+def eval_variant(
+    fn: VariantFn,
+    coords: TileCoords,
+    env: Mapping[str, Value],
+    aux: Mapping[str, torch.Tensor],
+    b: int,
+    h: int,
+    score: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fn` over the tile, broadcast to `coords.shape` (scores keep `score`'s dtype)."""
+    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
+    if score is not None:
+        local["score"] = score
+    tensors = {name: _ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
+    out = eval_expr(fn.body, local, tensors)  # type: ignore[arg-type]
+    out = out if isinstance(out, torch.Tensor) else torch.tensor(out)
+    if score is not None:
+        return out.to(score.dtype).expand(coords.shape)
+    return out.bool().expand(coords.shape)
+
+
+def mask_tile(
+    mask_mod: VariantFn | None,
+    coords: TileCoords,
+    env: Mapping[str, Value],
+    aux: Mapping[str, torch.Tensor],
+    b: int,
+    h: int,
+    N: int,
+) -> torch.Tensor:
+    """Allowed pairs of the tile: kv_idx < N, and `mask_mod` when given."""
+    allowed = (coords.kv_idx < N).expand(coords.shape)
+    if mask_mod is not None:
+        allowed = allowed & eval_variant(mask_mod, coords, env, aux, b, h)
+    return allowed
+
+
+def classify_block(
+    mask_mod: VariantFn | None,
+    env: Mapping[str, Value],
+    aux: Mapping[str, torch.Tensor],
+    b: int,
+    h: int,
+    q_start: int,
+    kv_start: int,
+    block_m: int,
+    block_n: int,
+    M: int,
+    N: int,
+) -> BlockClass:
+    """full: every in-range pair attends and kv is not ragged; empty: none does; partial otherwise."""
+    rows = max(0, min(q_start + block_m, M) - max(q_start, 0))
+    cols = max(0, min(kv_start + block_n, N) - max(kv_start, 0))
+    if rows == 0 or cols == 0:
+        return BlockClass.EMPTY
+    coords = TileCoords(max(q_start, 0), max(kv_start, 0), rows, cols, M, N)
+    allowed = torch.ones(coords.shape, dtype=torch.bool)
+    if mask_mod is not None:
+        allowed = eval_variant(mask_mod, coords, env, aux, b, h)
+    if not bool(allowed.any()):
+        return BlockClass.EMPTY
+    ragged = kv_start < 0 or kv_start + block_n > N or q_start < 0
+    return BlockClass.FULL if bool(allowed.all()) and not ragged else BlockClass.PARTIAL
