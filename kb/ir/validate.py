@@ -1,0 +1,558 @@
+"""Static checks of a Program, kept apart from construction (tinygrad `uop/spec.py` style).
+
+`validate(p)` raises one `KBError` listing every problem; `problems(p)` returns them.
+The rules are tables: `PROGRAM_RULES` (whole-program checks) and `STMT_RULES` (per statement
+kind, run while walking each kernel body with the names in scope). Invariants the rules state:
+- Scope: scalars are the program's symbolic dims, scalar params, schedule constants, grid axes,
+  `let` names and loop variables; tiles are the outputs of load/init/dot/elementwise/reduce/
+  online_softmax/finalize/combine. One namespace: a name is never both a tile and a scalar,
+  and never shadows a param, dim or schedule constant.
+- Names defined inside a `for` body are local to it; names defined in both branches of an
+  `if` are visible after it.
+- Tile shapes are tracked symbolically (span sizes, HEAD_PAD for a full head dim `D`, the
+  dim name otherwise); two different names never match, a name and an int match when the
+  schedule fixes the name to that int or leaves it unknown.
+- A problem is located as `kernel K, statement N (TEXT)`, N counting the kernel's statement
+  lines from 1 in printed order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from kb.errors import KBError
+from kb.ir.expr import CALLS, Expr, ExprOp, walk
+from kb.ir.nodes import (
+    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel,
+    Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule, ScoreMod, Span, Stmt,
+    Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS,
+)
+from kb.ir.text import print_stmt_header
+
+__all__ = ["validate", "problems", "Problem", "PROGRAM_RULES", "STMT_RULES"]
+
+SymDim = Dim | None  # None: unknown
+Shape = tuple[SymDim, ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    where: str  # "program P", "kernel K, statement N (TEXT)", "score_mod", ...
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+@dataclass
+class _Env:
+    """Names in scope while walking one kernel body (mutable, internal to the walk)."""
+
+    program: Program
+    kernel: str
+    scalars: set[str]
+    tiles: dict[str, Shape]
+    counter: list[int] = field(default_factory=lambda: [0])  # shared by child scopes
+
+    def child(self) -> "_Env":
+        return _Env(self.program, self.kernel, set(self.scalars), dict(self.tiles), self.counter)
+
+
+# A rule yields messages about its statement; nested bodies yield already-located Problems.
+Rule = Callable[[Stmt, _Env], Iterator["str | Problem"]]
+
+# ================================================================ helpers
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _params(p: Program) -> dict[str, Param]:
+    return {prm.name: prm for prm in p.params}
+
+
+def _base_scalars(p: Program) -> set[str]:
+    scalars = {prm.name for prm in p.params if prm.role is Role.SCALAR}
+    return set(p.dims()) | scalars | set(SCHEDULE_CONSTANTS)
+
+
+def _reserved(p: Program) -> set[str]:
+    """Names a kernel may not (re)define."""
+    return {prm.name for prm in p.params} | set(p.dims()) | set(SCHEDULE_CONSTANTS)
+
+
+def _const_value(name: str, s: Schedule) -> int | None:
+    values = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits,
+              "HEAD_PAD": s.head_pad or None}
+    return values.get(name)
+
+
+def _same(a: SymDim, b: SymDim, s: Schedule) -> bool:
+    """False only when the two dims are known to differ."""
+    if a is None or b is None or a == b:
+        return True
+    if isinstance(a, str) and isinstance(b, str):
+        return False
+    name, num = (a, b) if isinstance(a, str) else (b, a)
+    known = _const_value(str(name), s)
+    return known is None or known == num
+
+
+def _shape_str(shape: Shape) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def _expr_problems(e: object, env_scalars: set[str], tiles: dict[str, Shape], p: Program,
+                   *, allow_tiles: bool, aux_only: bool = False) -> Iterator[str]:
+    """Well-formedness and scope of one expression."""
+    if not isinstance(e, Expr):
+        yield f"{e!r} is not an expression"
+        return
+    params = _params(p)
+    for n in walk(e):
+        if not isinstance(n, Expr) or not isinstance(n.op, ExprOp):
+            yield f"unknown expression node {n!r}"
+            return
+        if n.op is ExprOp.CONST:
+            if not isinstance(n.value, (int, float, bool)) or (isinstance(n.value, float) and math.isnan(n.value)):
+                yield f"bad constant {n.value!r}"
+        elif n.op is ExprOp.VAR:
+            name = str(n.value)
+            if name in tiles and not allow_tiles:
+                yield f"tile '{name}' used where a scalar is needed"
+            elif name not in env_scalars and name not in tiles:
+                yield f"undefined name '{name}'"
+        elif n.op is ExprOp.LOAD:
+            yield from _load_expr_problems(n, params, aux_only)
+        else:
+            want = CALLS[n.op.value][1] if n.op.value in CALLS else 1 if n.op in (ExprOp.NEG, ExprOp.NOT) else 2
+            if len(n.args) != want:
+                yield f"{n.op.value} takes {want} operands, got {len(n.args)}"
+
+
+def _load_expr_problems(n: Expr, params: dict[str, Param], aux_only: bool) -> Iterator[str]:
+    name = str(n.value)
+    prm = params.get(name)
+    if prm is None:
+        yield f"tensor '{name}' is not a param"
+    elif prm.role is Role.SCALAR:
+        yield f"'{name}' is a scalar param and cannot be indexed"
+    elif aux_only and prm.role is not Role.AUX:
+        yield f"variant functions read aux tensors only; '{name}' is {prm.role.value}"
+    elif len(n.args) != len(prm.shape):
+        yield f"'{name}' has rank {len(prm.shape)} but is indexed with {len(n.args)} indices"
+
+
+def _scalar_exprs(env: _Env, *exprs: object) -> Iterator[str]:
+    for e in exprs:
+        yield from _expr_problems(e, env.scalars, env.tiles, env.program, allow_tiles=False)
+
+
+def _need_tiles(env: _Env, **names: str) -> Iterator[str]:
+    for role, name in names.items():
+        if name not in env.tiles:
+            what = "a scalar, not a tile" if name in env.scalars else "not defined"
+            yield f"{role} '{name}' is {what}"
+
+
+def _size_problems(size: object) -> Iterator[str]:
+    if isinstance(size, bool) or not (isinstance(size, str) and size in SCHEDULE_CONSTANTS
+                                      or isinstance(size, int) and size > 0):
+        yield f"span size {size!r} must be a schedule constant ({', '.join(SCHEDULE_CONSTANTS)}) or a positive int"
+
+
+def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
+    """Symbolic shape of the tile addressed by `index` into `prm` (scalar indices drop a dim)."""
+    out: list[SymDim] = []
+    for dim, ix in zip(prm.shape, index):
+        if isinstance(ix, Span):
+            out.append(ix.size)
+        elif isinstance(ix, Full):
+            if dim == "D":
+                out.append(s.head_pad or "HEAD_PAD")
+            else:
+                out.append(_next_pow2(dim) if isinstance(dim, int) else dim)
+    return tuple(out)
+
+
+def _access_problems(st: Load | Store, env: _Env) -> Iterator[str]:
+    prm = _params(env.program).get(st.tensor)
+    if prm is None:
+        yield f"tensor '{st.tensor}' is not a param"
+        return
+    if prm.role is Role.SCALAR:
+        yield f"'{st.tensor}' is a scalar param; use its name in expressions instead"
+        return
+    if len(st.index) != len(prm.shape):
+        yield f"'{st.tensor}' has rank {len(prm.shape)} but is indexed with {len(st.index)} items"
+    for ix in st.index:
+        if isinstance(ix, Span):
+            yield from _size_problems(ix.size)
+            yield from _scalar_exprs(env, ix.start)
+        elif not isinstance(ix, Full):
+            yield from _scalar_exprs(env, ix)
+
+
+def _define(env: _Env, name: str, shape: Shape | None) -> Iterator[str]:
+    """Bind `name` as a tile (shape given) or a scalar (shape None)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        yield f"{name!r} is not a valid name"
+        return
+    if name in _reserved(env.program):
+        yield f"'{name}' shadows a param, dim or schedule constant; pick another name"
+        return
+    if shape is None:
+        if name in env.tiles:
+            yield f"'{name}' is already a tile; scalars and tiles share one namespace"
+            return
+        env.scalars.add(name)
+    else:
+        if name in env.scalars:
+            yield f"'{name}' is already a scalar; scalars and tiles share one namespace"
+            return
+        env.tiles[name] = shape
+
+
+# ================================================================ statement rules
+
+
+def _let(st: Let, env: _Env) -> Iterator[str]:
+    yield from _scalar_exprs(env, st.value)
+    yield from _define(env, st.name, None)
+
+
+def _load(st: Load, env: _Env) -> Iterator[str]:
+    bad = list(_access_problems(st, env))
+    yield from bad
+    if isinstance(st.other, bool) or not isinstance(st.other, (int, float)) or math.isnan(st.other):
+        yield f"other={st.other!r} must be a number"
+    prm = _params(env.program).get(st.tensor)
+    shape = _index_shape(prm, st.index, env.program.schedule) if prm and not bad else (None, None)
+    yield from _define(env, st.out, shape)
+
+
+def _store(st: Store, env: _Env) -> Iterator[str]:
+    bad = list(_access_problems(st, env))
+    yield from bad
+    prm = _params(env.program).get(st.tensor)
+    if prm is not None and prm.role not in (Role.OUT, Role.SCRATCH):
+        yield f"'{st.tensor}' is an {prm.role.value} param; only out and scratch params are stored"
+    yield from _need_tiles(env, value=st.value)
+    shape = env.tiles.get(st.value)
+    if bad or prm is None or shape is None:
+        return
+    target = _index_shape(prm, st.index, env.program.schedule)
+    if len(shape) != len(target):
+        yield f"tile '{st.value}' has rank {len(shape)} but the store target {_shape_str(target)} has rank {len(target)}"
+    elif not all(_same(a, b, env.program.schedule) for a, b in zip(shape, target)):
+        yield f"shape mismatch: tile '{st.value}' is {_shape_str(shape)}, store target is {_shape_str(target)}"
+
+
+def _init(st: Init, env: _Env) -> Iterator[str]:
+    allowed = set(SCHEDULE_CONSTANTS) | set(env.program.dims())
+    for d in st.shape:
+        if not (isinstance(d, str) and d in allowed or isinstance(d, int) and not isinstance(d, bool) and d > 0):
+            yield f"init dim {d!r} must be a schedule constant, a dim or a positive int"
+    if not isinstance(st.dtype, Dtype):
+        yield f"unknown dtype {st.dtype!r}"
+    if not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
+        yield f"fill {st.fill!r} must be a number"
+    yield from _define(env, st.out, tuple(st.shape))
+
+
+def _dot(st: Dot, env: _Env) -> Iterator[str]:
+    missing = list(_need_tiles(env, a=st.a, b=st.b))
+    yield from missing
+    out: Shape = (None, None)
+    if not missing:
+        a, b = env.tiles[st.a], env.tiles[st.b]
+        if len(a) != 2 or len(b) != 2:
+            yield f"dot needs 2-D tiles, got '{st.a}' {_shape_str(a)} and '{st.b}' {_shape_str(b)}"
+        else:
+            inner_b, outer_b = (b[1], b[0]) if st.trans_b else (b[0], b[1])
+            if not _same(a[1], inner_b, env.program.schedule):
+                yield (f"shape mismatch: inner dims of '{st.a}' {_shape_str(a)} and "
+                       f"{'trans(' + st.b + ')' if st.trans_b else repr(st.b)} {_shape_str(b)} disagree")
+            out = (a[0], outer_b)
+    yield from _define(env, st.out, out)
+
+
+def _elementwise(st: Elementwise, env: _Env) -> Iterator[str]:
+    yield from _expr_problems(st.value, env.scalars, env.tiles, env.program, allow_tiles=True)
+    shapes = {n: env.tiles[n] for n in sorted(_vars(st.value)) if n in env.tiles}
+    out: Shape = ()
+    for name, shape in shapes.items():
+        if out and (len(out) != len(shape) or not all(_same(a, b, env.program.schedule) for a, b in zip(out, shape))):
+            yield f"shape mismatch: elementwise operands have shapes {', '.join(f'{n} {_shape_str(s)}' for n, s in shapes.items())}"
+            break
+        out = out or shape
+    yield from _define(env, st.out, out)
+
+
+def _vars(e: object) -> set[str]:
+    return {str(n.value) for n in walk(e) if isinstance(n, Expr) and n.op is ExprOp.VAR} if isinstance(e, Expr) else set()
+
+
+def _reduce(st: Reduce, env: _Env) -> Iterator[str]:
+    if st.kind not in ("max", "sum"):
+        yield f"reduce kind {st.kind!r} must be max or sum"
+    missing = list(_need_tiles(env, src=st.src))
+    yield from missing
+    out: Shape = (None,)
+    if not missing:
+        src = env.tiles[st.src]
+        if not isinstance(st.axis, int) or not 0 <= st.axis < len(src):
+            yield f"axis {st.axis!r} out of range for '{st.src}' {_shape_str(src)}"
+        else:
+            out = src[:st.axis] + src[st.axis + 1:]
+    yield from _define(env, st.out, out)
+
+
+def _scores_2d(env: _Env, name: str) -> Iterator[str]:
+    yield from _need_tiles(env, tile=name)
+    shape = env.tiles.get(name)
+    if shape is not None and len(shape) != 2:
+        yield f"'{name}' must be a 2-D score tile, got {_shape_str(shape)}"
+
+
+def _score_mod(st: ScoreMod, env: _Env) -> Iterator[str]:
+    if env.program.score_mod is None:
+        yield "score_mod statement in a program without a score_mod function"
+    yield from _scores_2d(env, st.tile)
+    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+
+
+def _mask(st: Mask, env: _Env) -> Iterator[str]:
+    if st.use_mask_mod and env.program.mask_mod is None:
+        yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
+    yield from _scores_2d(env, st.tile)
+    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+
+
+def _online_softmax(st: OnlineSoftmax, env: _Env) -> Iterator[str]:
+    missing = list(_need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values))
+    yield from missing
+    if missing:
+        return
+    s, v = env.tiles[st.scores], env.tiles[st.values]
+    if len(s) != 2 or len(v) != 2:
+        yield f"online_softmax needs 2-D scores and values, got {_shape_str(s)} and {_shape_str(v)}"
+        return
+    sched = env.program.schedule
+    want = {st.m: (s[0],), st.l: (s[0],), st.acc: (s[0], v[1])}
+    if not _same(s[1], v[0], sched):
+        yield f"shape mismatch: scores '{st.scores}' {_shape_str(s)} and values '{st.values}' {_shape_str(v)} disagree on the kv dim"
+    for name, shape in want.items():
+        got = env.tiles[name]
+        if len(got) != len(shape) or not all(_same(a, b, sched) for a, b in zip(got, shape)):
+            yield f"shape mismatch: '{name}' is {_shape_str(got)}, the softmax state needs {_shape_str(shape)}"
+
+
+def _finalize(st: Finalize, env: _Env) -> Iterator[str]:
+    missing = list(_need_tiles(env, m=st.m, l=st.l, acc=st.acc))
+    yield from missing
+    o_shape: Shape = (None, None)
+    lse_shape: Shape = (None,)
+    if not missing:
+        m, acc = env.tiles[st.m], env.tiles[st.acc]
+        if len(m) != 1 or len(acc) != 2 or not _same(m[0], acc[0], env.program.schedule):
+            yield f"shape mismatch: finalize needs m [R] and acc [R, D], got {_shape_str(m)} and {_shape_str(acc)}"
+        o_shape, lse_shape = acc, m
+    yield from _define(env, st.o, o_shape)
+    yield from _define(env, st.lse, lse_shape)
+
+
+def _combine(st: Combine, env: _Env) -> Iterator[str]:
+    missing = list(_need_tiles(env, o_parts=st.o_parts, lse_parts=st.lse_parts))
+    yield from missing
+    o_shape: Shape = (None, None)
+    lse_shape: Shape = (None,)
+    if not missing:
+        op, lp = env.tiles[st.o_parts], env.tiles[st.lse_parts]
+        if len(op) != 3 or len(lp) != 2 or not all(_same(a, b, env.program.schedule) for a, b in zip(op, lp)):
+            yield f"shape mismatch: combine needs o_parts [S, R, D] and lse_parts [S, R], got {_shape_str(op)} and {_shape_str(lp)}"
+        else:
+            o_shape, lse_shape = op[1:], lp[1:]
+    yield from _define(env, st.o, o_shape)
+    yield from _define(env, st.lse, lse_shape)
+
+
+def _for(st: For, env: _Env) -> Iterator[str]:
+    yield from _scalar_exprs(env, st.lo, st.hi)
+    if isinstance(st.step, bool) or not (st.step in ("BLOCK_N", "BLOCK_M") or isinstance(st.step, int) and st.step > 0):
+        yield f"loop step {st.step!r} must be a block size (BLOCK_N, BLOCK_M) or a positive int"
+    if st.order not in ("forward", "reverse"):
+        yield f"loop order {st.order!r} must be forward or reverse"
+    if not st.body:
+        yield "empty loop body"
+    inner = env.child()
+    yield from _define(inner, st.var, None)
+    yield from _walk_block(st.body, inner)
+
+
+def _if(st: IfBlock, env: _Env) -> Iterator[str]:
+    if not isinstance(st.cls, BlockClass):
+        yield f"unknown block class {st.cls!r}; known: full, partial, empty"
+    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+    if not st.then:
+        yield "empty 'if' body"
+    then, orelse = env.child(), env.child()
+    yield from _walk_block(st.then, then)
+    yield from _walk_block(st.orelse, orelse)
+    if st.orelse:
+        for name in then.tiles.keys() & orelse.tiles.keys() - env.tiles.keys():
+            env.tiles[name] = then.tiles[name]
+        env.scalars |= (then.scalars & orelse.scalars) - env.scalars
+
+
+STMT_RULES: dict[type, Rule] = {
+    Let: _let, Load: _load, Store: _store, Init: _init, Dot: _dot, Elementwise: _elementwise,
+    Reduce: _reduce, ScoreMod: _score_mod, Mask: _mask, OnlineSoftmax: _online_softmax,
+    Finalize: _finalize, Combine: _combine, For: _for, IfBlock: _if,
+}  # type: ignore[dict-item]
+
+
+def _walk_block(stmts: tuple[Stmt, ...], env: _Env) -> Iterator[Problem]:
+    for st in stmts:
+        env.counter[0] += 1
+        rule = STMT_RULES.get(type(st))
+        if rule is None:
+            yield Problem(f"kernel {env.kernel}, statement {env.counter[0]} ({st!r})",
+                          f"unknown statement kind {type(st).__name__}; known: {', '.join(t.__name__ for t in STMT_RULES)}")
+            continue
+        where = f"kernel {env.kernel}, statement {env.counter[0]} ({print_stmt_header(st)})"
+        for msg in rule(st, env):
+            yield msg if isinstance(msg, Problem) else Problem(where, msg)
+
+
+# ================================================================ program rules
+
+
+def _param_rules(p: Program) -> Iterator[Problem]:
+    seen: set[str] = set()
+    for prm in p.params:
+        where = f"param {getattr(prm, 'name', prm)!r}"
+        if not isinstance(prm, Param):
+            yield Problem(where, "not a Param")
+            continue
+        if not prm.name.isidentifier():
+            yield Problem(where, "name is not an identifier")
+        if prm.name in seen:
+            yield Problem(where, "defined twice")
+        seen.add(prm.name)
+        if not isinstance(prm.dtype, Dtype) or not isinstance(prm.role, Role):
+            yield Problem(where, f"unknown dtype or role ({prm.dtype!r}, {prm.role!r})")
+        if prm.role is Role.SCALAR and prm.shape:
+            yield Problem(where, "a scalar param has shape []")
+        for d in prm.shape:
+            if not (isinstance(d, str) and d.isidentifier() or isinstance(d, int) and not isinstance(d, bool) and d > 0):
+                yield Problem(where, f"dim {d!r} must be a name or a positive int")
+    if "q" in seen and _params(p)["q"].role is not Role.IN:
+        yield Problem("param 'q'", "q must be an in param")
+
+
+def _schedule_rules(p: Program) -> Iterator[Problem]:
+    s = p.schedule
+    if not isinstance(s, Schedule):
+        yield Problem("schedule", f"not a Schedule: {s!r}")
+        return
+    for key in ("block_m", "block_n", "num_warps", "num_stages", "num_splits"):
+        value = getattr(s, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            yield Problem("schedule", f"{key}={value!r} must be a positive int")
+    for key in ("block_m", "block_n", "num_warps"):
+        value = getattr(s, key)
+        if isinstance(value, int) and value > 0 and not _is_pow2(value):
+            yield Problem("schedule", f"{key}={value} must be a power of two")
+    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not _is_pow2(s.head_pad)):
+        yield Problem("schedule", f"head_pad={s.head_pad!r} must be 0 (auto) or a power of two")
+    if s.kv_order not in ("forward", "reverse"):
+        yield Problem("schedule", f"kv_order={s.kv_order!r} must be forward or reverse")
+    if not isinstance(s.warp_specialize, bool):
+        yield Problem("schedule", f"warp_specialize={s.warp_specialize!r} must be True or False")
+
+
+def _variant_rules(p: Program) -> Iterator[Problem]:
+    scalars = {prm.name for prm in p.params if prm.role is Role.SCALAR}
+    for slot, expected in (("score_mod", SCORE_MOD_PARAMS), ("mask_mod", MASK_MOD_PARAMS)):
+        fn = getattr(p, slot)
+        if fn is None:
+            continue
+        if not isinstance(fn, VariantFn):
+            yield Problem(slot, f"not a VariantFn: {fn!r}")
+            continue
+        if fn.kind != slot:
+            yield Problem(slot, f"holds a {fn.kind!r} function")
+        if len(fn.params) != len(expected) or len(set(fn.params)) != len(fn.params):
+            yield Problem(slot, f"takes {len(expected)} distinct parameters ({', '.join(expected)}), got {fn.params}")
+        scope = set(fn.params) | set(p.dims()) | scalars
+        for msg in _expr_problems(fn.body, scope, {}, p, allow_tiles=False, aux_only=True):
+            yield Problem(slot, msg)
+
+
+def _kernel_rules(p: Program) -> Iterator[Problem]:
+    if not p.kernels:
+        yield Problem(f"program {p.name}", "has no kernel")
+    names: set[str] = set()
+    for k in p.kernels:
+        if not isinstance(k, Kernel):
+            yield Problem(f"program {p.name}", f"not a Kernel: {k!r}")
+            continue
+        if k.name in names:
+            yield Problem(f"kernel {k.name}", "defined twice")
+        names.add(k.name)
+        env = _Env(p, k.name, _base_scalars(p), {})
+        if not k.grid:
+            yield Problem(f"kernel {k.name}", "grid has no axis")
+        for axis in k.grid:
+            for msg in _expr_problems(axis.extent, _base_scalars(p), {}, p, allow_tiles=False):
+                yield Problem(f"kernel {k.name}, grid axis {axis.name}", msg)
+            for msg in _define(env, axis.name, None):
+                yield Problem(f"kernel {k.name}, grid axis {axis.name}", msg)
+        if not k.body:
+            yield Problem(f"kernel {k.name}", "empty body")
+        yield from _walk_block(k.body, env)
+
+
+def _stores(stmts: tuple[Stmt, ...]) -> Iterator[Store]:
+    for st in stmts:
+        if isinstance(st, Store):
+            yield st
+        elif isinstance(st, For):
+            yield from _stores(st.body)
+        elif isinstance(st, IfBlock):
+            yield from _stores(st.then + st.orelse)
+
+
+def _outputs_stored(p: Program) -> Iterator[Problem]:
+    stored = {st.tensor for k in p.kernels if isinstance(k, Kernel) for st in _stores(k.body)}
+    for prm in p.params:
+        if isinstance(prm, Param) and prm.role is Role.OUT and prm.name not in stored:
+            yield Problem(f"param '{prm.name}'", "out param is never stored")
+
+
+PROGRAM_RULES: tuple[Callable[[Program], Iterator[Problem]], ...] = (
+    _param_rules, _schedule_rules, _variant_rules, _kernel_rules, _outputs_stored,
+)
+
+
+def problems(p: Program) -> tuple[Problem, ...]:
+    """Every rule violation of `p`, in rule order (empty when `p` is well-formed)."""
+    if not isinstance(p, Program):
+        return (Problem("program", f"not a Program: {type(p).__name__}"),)
+    return tuple(prob for rule in PROGRAM_RULES for prob in rule(p))
+
+
+def validate(p: Program) -> None:
+    """Raise `KBError` naming every bad node; return None for a well-formed program."""
+    found = problems(p)
+    if found:
+        head = f"program {getattr(p, 'name', '?')} is not valid IR ({len(found)} problem{'s' * (len(found) > 1)}):"
+        raise KBError("\n".join([head, *(f"  {prob}" for prob in found)]))
