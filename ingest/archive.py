@@ -1,0 +1,96 @@
+"""Safe, idempotent unpacking of sdists (.tar.gz) and wheels (.zip).
+
+Invariants: nothing is written outside `dest`; members with absolute paths, `..` components,
+or links (symlinks/hardlinks) are rejected before anything is extracted; a finished unpack is
+marked with a stamp holding the archive's sha256, so unpacking the same archive again is a no-op
+and a changed archive replaces the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tarfile
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from rich.progress import Progress
+
+from kb.errors import KBError
+
+__all__ = ["unpack", "STAMP"]
+
+log = logging.getLogger(__name__)
+STAMP = ".kb-unpacked"
+
+
+def _check_member(archive: Path, name: str) -> None:
+    p = PurePosixPath(name.replace("\\", "/"))
+    if p.is_absolute() or name.startswith(("/", "\\")) or (p.parts and ":" in p.parts[0]) or ".." in p.parts:
+        raise KBError(f"refusing to unpack {archive.name}: member {name!r} escapes the target directory",
+                      hint="the archive is malformed or malicious; delete it from the cache")
+
+
+def _tar_members(archive: Path, tf: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    members = tf.getmembers()
+    for m in members:
+        _check_member(archive, m.name)
+        if m.issym() or m.islnk():
+            raise KBError(f"refusing to unpack {archive.name}: member {m.name!r} is a link to {m.linkname!r}",
+                          hint="expert releases contain no links; delete the archive from the cache")
+        if not (m.isfile() or m.isdir()):
+            raise KBError(f"refusing to unpack {archive.name}: member {m.name!r} is a special file")
+    return members
+
+
+def unpack(archive: Path, dest: Path, sha256: str, *, show_progress: bool = False) -> Path:
+    """Unpack `archive` into `dest` (created); returns `dest`. Idempotent per sha256."""
+    stamp = dest / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == sha256:
+        return dest
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _extract(archive, tmp, show_progress)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / STAMP).write_text(sha256 + "\n")
+    tmp.rename(dest)
+    log.info("unpacked %s into %s", archive.name, dest)
+    return dest
+
+
+def _extract(archive: Path, dest: Path, show_progress: bool) -> None:
+    name = archive.name
+    if name.endswith((".tar.gz", ".tgz", ".tar")):
+        try:
+            with tarfile.open(archive) as tf:
+                members = _tar_members(archive, tf)
+                with Progress(disable=not show_progress, transient=True) as progress:
+                    task = progress.add_task(f"unpack {name}", total=len(members))
+                    for m in members:
+                        tf.extract(m, dest, filter="data")
+                        progress.advance(task)
+        except (tarfile.TarError, EOFError, OSError) as err:
+            raise KBError(f"cannot unpack {archive}: {err}", hint="delete it from the cache and fetch again") from err
+    elif name.endswith((".whl", ".zip")):
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                infos = zf.infolist()
+                for info in infos:
+                    _check_member(archive, info.filename)
+                    if (info.external_attr >> 16) & 0o170000 == 0o120000:
+                        raise KBError(f"refusing to unpack {name}: member {info.filename!r} is a symlink")
+                with Progress(disable=not show_progress, transient=True) as progress:
+                    task = progress.add_task(f"unpack {name}", total=len(infos))
+                    for info in infos:
+                        zf.extract(info, dest)
+                        progress.advance(task)
+        except (zipfile.BadZipFile, OSError) as err:
+            raise KBError(f"cannot unpack {archive}: {err}", hint="delete it from the cache and fetch again") from err
+    else:
+        raise KBError(f"do not know how to unpack {name}; expected .tar.gz or .whl")

@@ -1,0 +1,176 @@
+"""Tunables (tile shapes per head dim) from launch code: FA2's launch template and CUTLASS FMHA runners.
+
+FA2 (`flash_fwd_launch_template.h`): every `Flash_fwd_kernel_traits<Headdim, kBlockM, kBlockN,
+kNWarps, Is_Q_in_regs, Share_Q_K_smem, T>` inside `run_mha_fwd_hdimNN` / `run_mha_fwd_splitkv_dispatch`
+becomes one tunable per dtype, with the chain of enclosing if-conditions (negated in else
+branches) as its condition. Template arguments are evaluated with the function's
+`constexpr static int` constants; the split-KV dispatch is templated on Headdim and is evaluated
+for every head dim the file has a `run_mha_fwd_hdimNN` for.
+
+CUTLASS (88/77 `*_fmha.cu`): `run(Shape<_M, _N, HeadDim>{}, Kernel..{}, "label")` calls inside
+`run_fwd_NN`/`run_bwd_NN`-style functions, HeadDim from `using HeadDim = _D;`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+from tree_sitter import Node
+
+from ingest.cuda_tree import CudaFile, collapse, node_name
+
+__all__ = ["RawTunable", "fa2_launch_tunables", "cutlass_runner_tunables"]
+
+# (arch, head_dim, dtype, params, condition, line_start, line_end, family_suffix)
+RawTunable = tuple[str, int, str, dict, str, int, int, str]
+
+_TRAITS_PARAMS = ("head_dim", "block_m", "block_n", "num_warps", "q_in_regs", "share_qk_smem")
+
+
+def _walk(node: Node) -> Iterator[Node]:
+    yield node
+    for c in node.children:
+        yield from _walk(c)
+
+
+def _eval(node: Node, env: dict[str, int | bool]) -> int | bool:
+    """Evaluate a constant C++ integer/boolean expression (raises KeyError/ValueError otherwise)."""
+    t = node.type
+    text = node.text.decode() if node.text else ""
+    if t == "number_literal":
+        return int(text.rstrip("uUlL"), 0)
+    if t in ("true", "false"):
+        return t == "true"
+    if t in ("identifier", "type_identifier"):
+        return env[text]
+    if t == "type_descriptor":
+        return _eval(node.named_children[0], env)
+    if t == "parenthesized_expression":
+        return _eval(node.named_children[0], env)
+    if t == "unary_expression":
+        op = node.child_by_field_name("operator").type
+        v = _eval(node.child_by_field_name("argument"), env)
+        return (not v) if op == "!" else -v
+    if t == "conditional_expression":
+        cond = _eval(node.child_by_field_name("condition"), env)
+        return _eval(node.child_by_field_name("consequence" if cond else "alternative"), env)
+    if t == "binary_expression":
+        a = _eval(node.child_by_field_name("left"), env)
+        b = _eval(node.child_by_field_name("right"), env)
+        op = node.child_by_field_name("operator").type
+        ops = {"+": a + b, "-": a - b, "*": a * b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b,
+               "==": a == b, "!=": a != b, "&&": bool(a and b), "||": bool(a or b)}
+        if op == "/":
+            return int(a / b)
+        return ops[op]
+    raise ValueError(f"cannot evaluate {t}: {text}")
+
+
+def _conditions(node: Node, stop: Node, f: CudaFile) -> list[str]:
+    conds: list[str] = []
+    child, parent = node, node.parent
+    while parent is not None and parent != stop:
+        if parent.type == "if_statement":
+            cond = collapse(f.node_text(parent.child_by_field_name("condition")))
+            cond = cond.replace("constexpr", "").strip()
+            cond = cond[1:-1].strip() if cond.startswith("(") and cond.endswith(")") else cond
+            alt = parent.child_by_field_name("alternative")
+            conds.append(f"!({cond})" if alt is not None and child == alt else cond)
+        elif parent.type == "call_expression" and f.node_text(parent.child_by_field_name("function")).endswith("_SWITCH"):
+            pass  # FOO_SWITCH(cond, Name, lambda) only binds Name; conditions on Name follow inside
+        child, parent = parent, parent.parent
+    return [re.sub(r"^!\(!(\w+)\)$", r"\1", c) for c in reversed(conds)]
+
+
+def _arch(cond: str) -> str:
+    if re.search(r"(?<![!\w])is_sm8x(?!\w)", cond) and "!(is_sm8x)" not in cond:
+        return "sm86"
+    return "sm80"
+
+
+def fa2_launch_tunables(f: CudaFile) -> list[RawTunable]:
+    fns = [n for n in _walk(f.root) if n.type == "function_definition"]
+    hdims = sorted(int(m.group(1)) for fn in fns if (m := re.fullmatch(r"run_mha_fwd_hdim(\d+)", node_name(fn))))
+    out: list[RawTunable] = []
+    for fn in fns:
+        name = node_name(fn)
+        m = re.fullmatch(r"run_mha_fwd_hdim(\d+)", name)
+        if m is None and name != "run_mha_fwd_splitkv_dispatch":
+            continue
+        envs = [_const_env(fn, f, {})] if m else [_const_env(fn, f, {"Headdim": d}) for d in hdims]
+        for env in envs:
+            for n in _walk(fn):
+                if n.type != "template_type" or f.node_text(n.child_by_field_name("name")) != "Flash_fwd_kernel_traits":
+                    continue
+                args = n.child_by_field_name("arguments").named_children
+                try:
+                    values = [_eval(a, env) for a in args[:6]]
+                except (KeyError, ValueError, AttributeError, IndexError):
+                    continue
+                params = dict(zip(_TRAITS_PARAMS, values))
+                head_dim = int(params.pop("head_dim"))
+                params = {k: (bool(v) if k in ("q_in_regs", "share_qk_smem") else int(v)) for k, v in params.items()}
+                stmt = n
+                while stmt.parent is not None and stmt.type != "expression_statement":
+                    stmt = stmt.parent
+                cond = " && ".join(_conditions(stmt, fn, f))
+                suffix = "_splitkv" if m is None else ""
+                if m is None:
+                    params["split_kv"] = True
+                for dtype in ("fp16", "bf16"):
+                    out.append((_arch(cond), head_dim, dtype, dict(params), cond,
+                                stmt.start_point.row + 1, stmt.end_point.row + 1, suffix))
+    return out
+
+
+def _const_env(fn: Node, f: CudaFile, seed: dict[str, int]) -> dict[str, int | bool]:
+    env: dict[str, int | bool] = {"false": False, "true": True, **seed}
+    for n in _walk(fn):
+        if n.type == "declaration" and "constexpr" in f.node_text(n):
+            for d in n.children_by_field_name("declarator"):
+                if d.type == "init_declarator":
+                    try:
+                        env[f.node_text(d.child_by_field_name("declarator"))] = _eval(d.child_by_field_name("value"), env)
+                    except (KeyError, ValueError, AttributeError):
+                        pass
+    return env
+
+
+_SHAPE = re.compile(r"^Shape<\s*_(\d+)\s*,\s*_(\d+)\s*,\s*(\w+)\s*>")
+
+
+def cutlass_runner_tunables(f: CudaFile) -> list[RawTunable]:
+    out: list[RawTunable] = []
+    for fn in (n for n in _walk(f.root) if n.type == "function_definition"):
+        name = node_name(fn)
+        direction = "bwd" if "bwd" in name else "fwd" if "fwd" in name else ""
+        if not direction:
+            continue
+        fn_text = f.node_text(fn)
+        hd = re.search(r"using\s+HeadDim\s*=\s*_(\d+)\s*;", fn_text)
+        for call in (n for n in _walk(fn) if n.type == "call_expression"):
+            if f.node_text(call.child_by_field_name("function")) != "run":
+                continue
+            args = call.child_by_field_name("arguments").named_children
+            shape = _SHAPE.match(collapse(f.node_text(args[0]))) if args else None
+            if shape is None:
+                continue
+            third = shape.group(3)
+            head_dim = int(third[1:]) if third.startswith("_") and third[1:].isdigit() else (int(hd.group(1)) if hd else 0)
+            if not head_dim:
+                continue
+            params: dict[str, object] = {"block_m": int(shape.group(1)), "block_n": int(shape.group(2))}
+            for a in args[1:]:
+                text = collapse(f.node_text(a))
+                if a.type == "string_literal":
+                    params["label"] = text.strip('"')
+                elif re.match(r"^Kernel\w*\{\}$", text):
+                    params["kernel"] = text[:-2]
+                elif text.startswith("Option<"):
+                    params["options"] = f"{params['options']}, {text}" if "options" in params else text
+            stmt = call.parent if call.parent is not None else call
+            cond = " && ".join(_conditions(stmt, fn, f))
+            out.append(("", head_dim, "any", params, cond, stmt.start_point.row + 1, stmt.end_point.row + 1,
+                        "" if direction == "fwd" else "_bwd"))
+    return out
