@@ -1,0 +1,86 @@
+"""The child process: load, check and run one candidate, then write a JSON result.
+
+Run as `python -m verify.child REQUEST.json RESULT.json PROGRESS.txt` by `verify.runner`.
+RESULT holds {"result": VerifyResult} or {"user_error": message}; PROGRESS holds the
+call in flight, so a parent that sees the child die (segfault, memory limit) can say where.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verify.load import CandidateImportError, SpecError, check_signatures, load_candidate, load_spec
+from verify.options import VerifyOptions
+from verify.result import Finding, ShapeCase, Verdict, VerifyResult
+from verify.session import Session
+from verify.static import scan_candidate
+
+__all__ = ["run_in_process", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def _device(opts: VerifyOptions) -> str:
+    if opts.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return opts.device
+
+
+def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progress: Path | None = None) -> VerifyResult:
+    """The whole verification inside this process. Raises SpecError for user mistakes."""
+    start = time.monotonic()
+    seed = opts.seed if opts.seed is not None else secrets.randbits(31)
+    device = _device(opts)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    base = dict(spec=str(spec_path), candidate=str(cand_path), seed=seed, torch_baseline=opts.torch_baseline, device=device)
+    spec = load_spec(spec_path)
+
+    def early(finding: Finding) -> VerifyResult:
+        return VerifyResult(verdict=finding.verdict, message=finding.message, finding=finding,
+                            duration_s=time.monotonic() - start, **base)  # type: ignore[arg-type]
+
+    try:
+        static = scan_candidate(cand_path, spec_path, opts.torch_baseline)
+        cand_cls = load_candidate(cand_path)
+    except SyntaxError as err:
+        return early(Finding(Verdict.compile_error, f"candidate has a syntax error: {err}", detail=traceback.format_exc(limit=-2)))
+    except CandidateImportError as err:
+        return early(Finding(Verdict.compile_error, str(err), detail=err.detail))
+    check_signatures(spec.model_cls, cand_cls)
+    if static:
+        f = static[0]
+        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}"))
+    session = Session(spec, cand_cls, opts, device, seed, progress)
+    finding = session.run()
+    verdict = finding.verdict if finding else Verdict.passed
+    message = finding.message if finding else f"passed {session.calls} calls over {len(session.cases_run)} shapes"
+    timing = session.time_it() if finding is None else None
+    return session.result(verdict, message, finding, timing, time.monotonic() - start, base)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    request, result_path, progress = json.loads(Path(argv[0]).read_text()), Path(argv[1]), Path(argv[2])
+    opts = VerifyOptions.from_dict(request["options"])
+    payload: dict[str, Any]
+    try:
+        res = run_in_process(Path(request["spec"]), Path(request["candidate"]), opts, progress)
+        payload = {"result": res.to_dict()}
+    except SpecError as err:
+        payload = {"user_error": str(err)}
+    result_path.write_text(json.dumps(payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

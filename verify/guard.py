@@ -1,0 +1,130 @@
+"""Dynamic checks around one candidate call: forbidden torch ops, reference calls, threads.
+
+`CallGuard` is a context manager; after the block `violation` holds the first problem:
+- forbidden_call: an aten compute op an attention kernel must not use (matmul, softmax
+  and SDPA families), seen by a `TorchDispatchMode` at the aten level so Tensor methods,
+  `@`, `F.*` and `torch.*` are all caught; and, as an emulation catch, any torch op whose
+  output is `MATERIALISE_FACTOR` times larger than every input and the expected output
+  (e.g. `(q[..., None, :] * k[..., None, :, :]).sum(-1)`). Skipped in torch-baseline mode.
+- hack_suspected: a module whose forward is defined in the spec file was called (the
+  reference Model, in either mode), or a thread was started.
+The Triton interpreter only uses allocation/copy ops (empty, copy_, set_), never these.
+"""
+
+from __future__ import annotations
+
+import _thread
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from verify.result import Verdict
+
+__all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES"]
+
+FORBIDDEN_OPS = frozenset({
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "dot", "vdot", "mv", "addmv", "linear", "einsum",
+    "tensordot", "_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "special_softmax",
+    "scaled_dot_product_attention", "_int_mm", "_scaled_mm",
+})
+FORBIDDEN_PREFIXES = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention",
+                      "_cudnn_attention", "_fused_sdp")
+MATERIALISE_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Violation:
+    verdict: Verdict
+    op: str
+    message: str
+
+
+def forbidden_op(func: Any) -> str | None:
+    """The aten op's name if it belongs to a forbidden family, else None."""
+    name = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+    if name in FORBIDDEN_OPS or name.startswith(FORBIDDEN_PREFIXES):
+        return str(func)
+    return None
+
+
+class _OpWatch(TorchDispatchMode):
+    def __init__(self, guard: "CallGuard") -> None:
+        super().__init__()
+        self.guard = guard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        g = self.guard
+        if g.strict and g.violation is None:
+            name = forbidden_op(func)
+            if name:
+                g.violation = Violation(Verdict.forbidden_call, name, f"candidate called {name} inside forward")
+            elif g.max_numel and _has_tensor(args) and isinstance(out, torch.Tensor) and out.numel() > g.max_numel:
+                g.violation = Violation(
+                    Verdict.forbidden_call, str(func),
+                    f"{func} produced a tensor of {out.numel()} elements, over {MATERIALISE_FACTOR}x any input or "
+                    "the output: a torch op emulating matmul/softmax (score matrix materialised in torch)")
+        return out
+
+
+def _has_tensor(args: Any) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in args)
+
+
+class CallGuard:
+    """Watch one candidate call. `strict` False is torch-baseline mode (torch compute allowed)."""
+
+    def __init__(self, strict: bool, spec_file: str, inputs: list[Any], expected_numel: int) -> None:
+        self.strict = strict
+        self.spec_file = spec_file
+        sizes = [x.numel() for x in inputs if isinstance(x, torch.Tensor)] + [expected_numel]
+        self.max_numel = MATERIALISE_FACTOR * max(sizes)
+        self.violation: Violation | None = None
+        self._mode = _OpWatch(self)
+
+    # -- reference calls: any nn.Module defined in the spec file (however it was imported).
+    # A global module hook, not sys.setprofile: profiling every Python call slows the
+    # Triton interpreter 3-6x. Direct `Model.forward(...)` calls are the static scan's job.
+    def _module_call(self, module: torch.nn.Module, args: Any) -> None:
+        code = getattr(type(module).forward, "__code__", None)
+        if self.violation is None and code is not None and code.co_filename == self.spec_file:
+            self.violation = Violation(Verdict.hack_suspected, "calls_reference",
+                                       f"candidate called the spec's {type(module).__name__} ({self.spec_file})")
+
+    # -- threads: patch both the threading API and the raw _thread one for the call
+    def _thread_started(self, what: str) -> None:
+        if self.violation is None or self.violation.verdict is not Verdict.forbidden_call:
+            self.violation = Violation(Verdict.hack_suspected, "background_thread",
+                                       f"candidate started a thread ({what}) inside forward; work must finish before it returns")
+
+    def __enter__(self) -> "CallGuard":
+        self._threads_before = set(threading.enumerate())
+        self._orig_start, self._orig_raw = threading.Thread.start, _thread.start_new_thread
+        guard = self
+
+        def start(th: threading.Thread) -> None:
+            guard._thread_started(th.name)
+            return guard._orig_start(th)
+
+        def raw(*a: Any, **k: Any) -> Any:
+            guard._thread_started("_thread.start_new_thread")
+            return guard._orig_raw(*a, **k)
+
+        threading.Thread.start = start  # type: ignore[method-assign]
+        _thread.start_new_thread = raw
+        self._hook = register_module_forward_pre_hook(self._module_call)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+        self._hook.remove()
+        threading.Thread.start = self._orig_start  # type: ignore[method-assign]
+        _thread.start_new_thread = self._orig_raw
+        extra = [t for t in threading.enumerate() if t not in self._threads_before]
+        if extra and self.violation is None:
+            self._thread_started(extra[0].name)

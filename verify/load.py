@@ -1,0 +1,114 @@
+"""Loading spec and candidate files (KernelBench convention) and checking they fit together.
+
+A spec defines `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()` and may define
+`get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype)`, `get_shapes()` / `SHAPES`, `CROSS`, `GQA`
+and `CAUSAL`. A candidate defines `ModelNew(nn.Module)` with the same constructor and
+forward parameters. User mistakes in the spec or in the pairing raise `SpecError`; a
+candidate that does not import raises `CandidateImportError` (a compile_error verdict).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+__all__ = ["Spec", "SpecError", "CandidateImportError", "load_spec", "load_candidate", "check_signatures"]
+
+
+class SpecError(Exception):
+    """The spec or the spec/candidate pairing is wrong: a user mistake (KBError in the parent)."""
+
+
+class CandidateImportError(Exception):
+    """The candidate file does not import or lacks ModelNew; `detail` holds the traceback tail."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Spec:
+    path: Path
+    module: ModuleType
+    model_cls: type
+    get_inputs: Callable[[], list[Any]]
+    get_init_inputs: Callable[[], list[Any]]
+    get_inputs_for: Callable[..., list[Any]] | None
+    shape_hints: tuple[tuple[int, ...], ...]
+    cross: bool
+    gqa: bool
+    causal: bool
+
+
+def _import_file(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_spec(path: Path) -> Spec:
+    if not path.is_file():
+        raise SpecError(f"spec file {path} does not exist")
+    try:
+        module = _import_file(path, "_kb_verify_spec")
+    except Exception as err:  # noqa: BLE001 - any import failure of a user file is a user mistake
+        raise SpecError(f"spec {path} does not import: {type(err).__name__}: {err}") from err
+    missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(module, n)]
+    if missing:
+        raise SpecError(f"spec {path} lacks {', '.join(missing)}; a spec defines Model(nn.Module), "
+                        "get_inputs() and get_init_inputs() (KernelBench convention)")
+    hints = getattr(module, "get_shapes", None)
+    raw_hints = hints() if callable(hints) else getattr(module, "SHAPES", ())
+    return Spec(
+        path=path.resolve(), module=module, model_cls=module.Model,
+        get_inputs=module.get_inputs, get_init_inputs=module.get_init_inputs,
+        get_inputs_for=getattr(module, "get_inputs_for", None),
+        shape_hints=tuple(_hint(h, path) for h in raw_hints),
+        cross=bool(getattr(module, "CROSS", False)), gqa=bool(getattr(module, "GQA", False)),
+        causal=bool(getattr(module, "CAUSAL", False)),
+    )
+
+
+def _hint(hint: Any, path: Path) -> tuple[int, ...]:
+    keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D")
+    values = tuple(hint[k] for k in keys) if isinstance(hint, dict) else tuple(hint)
+    if len(values) != 6 or not all(isinstance(v, int) for v in values):
+        raise SpecError(f"spec {path}: shape hint {hint!r} must be (B, Hq, Hkv, Sq, Skv, D) or a dict with those keys")
+    return values
+
+
+def load_candidate(path: Path) -> type:
+    if not path.is_file():
+        raise SpecError(f"candidate file {path} does not exist")
+    try:
+        module = _import_file(path, "_kb_verify_candidate")
+    except BaseException as err:  # noqa: BLE001 - SyntaxError, ImportError, SystemExit...
+        raise CandidateImportError(f"candidate does not import: {type(err).__name__}: {err}",
+                                   traceback.format_exc(limit=-3)) from err
+    if not hasattr(module, "ModelNew"):
+        raise CandidateImportError("candidate defines no ModelNew(nn.Module)")
+    return module.ModelNew
+
+
+def _params(fn: Callable[..., Any]) -> list[str]:
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+def check_signatures(model_cls: type, candidate_cls: type) -> None:
+    """Constructor and forward parameter names must match exactly (order included)."""
+    for what in ("__init__", "forward"):
+        ref, cand = _params(getattr(model_cls, what)), _params(getattr(candidate_cls, what))
+        if ref != cand:
+            raise SpecError(f"ModelNew.{what}({', '.join(cand)}) does not match Model.{what}({', '.join(ref)}); "
+                            "give ModelNew the same parameters as the spec's Model")

@@ -1,0 +1,246 @@
+"""One verification session in the child: every (shape, distribution) call and its checks.
+
+Per shape case, for the first distribution the candidate is called three times:
+1. on fresh inputs X;
+2. on the same storage overwritten in place with new values X' (a result cached by
+   data_ptr or shape comes back unchanged and is caught as hack_suspected);
+3. on fresh-storage clones of X' (must be bitwise equal to call 2: determinism).
+Every other distribution gets one call on fresh inputs. Before each call the allocator
+is poisoned with NaN buffers and the reference output is kept alive, so a candidate that
+returns uninitialised memory sees NaN or zeros, never a previous answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verify.checks import compare, identity_problem, storage_ptrs
+from verify.guard import CallGuard
+from verify.inputs import make_inputs
+from verify.load import Spec, SpecError
+from verify.memory import measure_peak
+from verify.options import VerifyOptions
+from verify.reference import reference_output, tf32
+from verify.result import Finding, MemoryReport, ShapeCase, TimingReport, Verdict, VerifyResult
+from verify.shapes import Layout, find_layout, plan_cases
+from verify.timing import attention_bytes, attention_flops, composite_score, perf_term, roofline_ms, time_fn
+
+__all__ = ["Session"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    case: ShapeCase | None
+    dist: str
+    seed: int
+    step: str
+
+
+def poison_allocator(nbytes: int, device: str) -> None:
+    """Allocate, NaN-fill and free buffers of the output's size so `torch.empty` hands back NaN."""
+    for n in (nbytes, 2 * nbytes, nbytes + 4096):
+        buf = torch.full((max(1, n // 4),), float("nan"), device=device)
+        del buf
+
+
+class Session:
+    def __init__(self, spec: Spec, cand_cls: type, opts: VerifyOptions, device: str, seed: int, progress: Path | None) -> None:
+        self.spec, self.opts, self.device, self.seed, self.progress = spec, opts, device, seed, progress
+        self.calls, self.max_abs, self.max_rel = 0, 0.0, 0.0
+        self.cand_peak, self.ref_peak, self.mem_method = 0.0, 0.0, ""
+        self.cases_run: list[ShapeCase] = []
+        self.notes: list[str] = []
+        torch.manual_seed(seed)
+        init = list(spec.get_init_inputs())
+        self.native_model = spec.model_cls(*init).to(device).eval()
+        self.ref_model = spec.model_cls(*init).to(device).float().eval()
+        torch.manual_seed(seed)
+        self.cand_cls, self.init = cand_cls, init
+        self.own_inputs = list(spec.get_inputs())
+        self.layout: Layout = find_layout(self.own_inputs)
+        self._last: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # ---- driving
+    def run(self) -> Finding | None:
+        try:
+            torch.manual_seed(self.seed)
+            self.cand = self.cand_cls(*self.init).to(self.device)
+        except Exception as err:  # noqa: BLE001 - candidate code
+            return self._error(err, _Ctx(None, "-", self.seed, "construct ModelNew"))
+        cases, notes = plan_cases(self.spec, self.own_inputs, self.opts.max_cases)
+        self.notes += notes
+        for ci, case in enumerate(cases or [None]):
+            finding = self._run_case(ci, case)
+            if finding:
+                return finding
+        return None
+
+    def _run_case(self, ci: int, case: ShapeCase | None) -> Finding | None:
+        for di, dist in enumerate(self.opts.distributions):
+            ctx = _Ctx(case, dist, self.seed + 1000 * ci + di, "fresh inputs")
+            inputs = make_inputs(self.spec, self.layout, case, dist, ctx.seed, self.device)
+            try:
+                ref = reference_output(self.ref_model, inputs)
+            except Exception as err:  # noqa: BLE001 - spec code rejecting a planned shape
+                if case is None or case.origin == "spec":
+                    raise SpecError(f"spec's Model fails on its own get_inputs(): {type(err).__name__}: {err}") from err
+                self.notes.append(f"shape {case.label()} dropped: the spec's Model rejects it ({type(err).__name__})")
+                return None
+            if di == 0:
+                if case is not None:
+                    self.cases_run.append(case)
+                self._measure_reference(inputs)
+            finding, out = self._checked_call(inputs, ref, ctx)
+            if finding or di > 0:
+                if finding:
+                    return finding
+                continue
+            finding = self._probes(case, dist, ctx, inputs)
+            if finding:
+                return finding
+        return None
+
+    def _probes(self, case: ShapeCase | None, dist: str, ctx: _Ctx, inputs: list[Any]) -> Finding | None:
+        probe_seed = ctx.seed + 500
+        fresh = make_inputs(self.spec, self.layout, case, dist, probe_seed, self.device)
+        for dst, src in zip(inputs, fresh):
+            if isinstance(dst, torch.Tensor) and dst.is_floating_point():
+                dst.copy_(src)
+        ref = reference_output(self.ref_model, inputs)
+        finding, out = self._checked_call(inputs, ref, _Ctx(case, dist, probe_seed, "same storage, new values"))
+        if finding or not self.opts.determinism:
+            return finding
+        clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        dctx = _Ctx(case, dist, probe_seed, "determinism rerun")
+        finding, again = self._checked_call(clones, ref, dctx)
+        if finding:
+            return finding
+        if not torch.equal(out, again):
+            diff = float((out.float() - again.float()).abs().max())
+            return self._finding(Verdict.nondeterministic, "two runs on identical inputs differ", dctx,
+                                 op="nondeterministic", max_abs_err=diff)
+        return None
+
+    # ---- one call
+    def _checked_call(self, inputs: list[Any], ref: torch.Tensor, ctx: _Ctx) -> tuple[Finding | None, Any]:
+        self._progress(ctx)
+        saved = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        ptrs = storage_ptrs(inputs)
+        expected_dtype = self._expected_dtype()
+        poison_allocator(ref.numel() * torch.empty((), dtype=expected_dtype).element_size(), self.device)
+        guard = CallGuard(not self.opts.torch_baseline, str(self.spec.path), inputs, ref.numel())
+        out, error = None, None
+        with measure_peak(self.device) as peak:
+            try:
+                with guard, torch.no_grad():
+                    out = self.cand(*inputs)
+                    if self.device == "cuda":
+                        torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001 - candidate code
+                error = err
+        self.calls += 1
+        self.cand_peak = max(self.cand_peak, peak.mib)
+        if guard.violation:
+            v = guard.violation
+            return self._finding(v.verdict, v.message, ctx, op=v.op), out
+        if error is not None:
+            return self._error(error, ctx), out
+        return self._check_output(out, inputs, saved, ptrs, ref, expected_dtype, ctx), out
+
+    def _check_output(self, out: Any, inputs: list[Any], saved: list[Any], ptrs: set[int], ref: torch.Tensor,
+                      expected_dtype: torch.dtype, ctx: _Ctx) -> Finding | None:
+        problem = identity_problem(out, ptrs)
+        if problem:
+            return self._finding(Verdict.hack_suspected, problem[1], ctx, op=problem[0])
+        if any(isinstance(a, torch.Tensor) and not torch.equal(a, b) for a, b in zip(inputs, saved)):
+            return self._finding(Verdict.hack_suspected, "forward modified its inputs in place", ctx, op="modifies_inputs")
+        if tuple(out.shape) != tuple(ref.shape) or out.dtype != expected_dtype:
+            return self._finding(Verdict.shape_mismatch, f"output {tuple(out.shape)} {out.dtype}, expected "
+                                 f"{tuple(ref.shape)} {expected_dtype}", ctx)
+        key = tuple(ref.shape)
+        prev = self._last.get(key)
+        self._last[key] = (out.detach().clone(), ref.clone())
+        if prev is not None and torch.equal(prev[0], out) and not torch.allclose(prev[1], ref, equal_nan=True):
+            return self._finding(Verdict.hack_suspected, "returned the previous call's output for different inputs "
+                                 "(result cached by address or shape)", ctx, op="cached_result")
+        cmp = compare(out, ref, expected_dtype)
+        self.max_abs, self.max_rel = max(self.max_abs, cmp.max_abs_err), max(self.max_rel, cmp.max_rel_err)
+        if not cmp.ok:
+            what = f"{cmp.nonfinite} NaN/Inf where the reference is finite; " if cmp.nonfinite else ""
+            return self._finding(Verdict.numeric_mismatch, f"{what}{cmp.bad_elements} elements out of tolerance, "
+                                 f"first at {cmp.first_bad}", ctx, max_abs_err=cmp.max_abs_err, max_rel_err=cmp.max_rel_err)
+        return None
+
+    # ---- helpers
+    def _expected_dtype(self) -> torch.dtype:
+        if not hasattr(self, "_dtype"):
+            with torch.no_grad():
+                self._dtype = self.native_model(*self.own_inputs_on_device()).dtype
+        return self._dtype
+
+    def own_inputs_on_device(self) -> list[Any]:
+        return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self.own_inputs]
+
+    def _measure_reference(self, inputs: list[Any]) -> None:
+        native = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        with measure_peak(self.device) as peak, torch.no_grad():
+            self.native_model(*native)
+        self.ref_peak, self.mem_method = max(self.ref_peak, peak.mib), peak.method
+
+    def _progress(self, ctx: _Ctx) -> None:
+        if self.progress is not None:
+            label = ctx.case.label() if ctx.case else "spec inputs"
+            self.progress.write_text(f"{label} | {ctx.dist} | seed {ctx.seed} | {ctx.step}")
+
+    def _finding(self, verdict: Verdict, message: str, ctx: _Ctx, **kw: Any) -> Finding:
+        where = f" [{ctx.case.label() if ctx.case else 'spec inputs'}, {ctx.dist}, seed {ctx.seed}, {ctx.step}]"
+        return Finding(verdict, message + where, case=ctx.case, distribution=ctx.dist, seed=ctx.seed, **kw)
+
+    def _error(self, err: BaseException, ctx: _Ctx) -> Finding:
+        compile_err = type(err).__name__ in {"CompilationError", "CompileTimeAssertionFailure"}
+        verdict = Verdict.compile_error if compile_err else Verdict.runtime_error
+        detail = "".join(traceback.format_exception(err, limit=-4))[-4000:]
+        return self._finding(verdict, f"{type(err).__name__}: {str(err)[:300]}", ctx, detail=detail)
+
+    # ---- timing and result
+    def time_it(self) -> TimingReport:
+        if self.device != "cuda":
+            return TimingReport(timed=False, reason="no CUDA device: not timed")
+        inputs = make_inputs(self.spec, self.layout, None, "normal", self.seed, self.device)
+        o = self.opts
+        with torch.no_grad():
+            cand = time_fn(lambda: self.cand(*inputs), o.warmup, o.trials, o.flush_bytes)
+            with tf32(True):  # baselines run as users run them: TF32 on for fp32
+                base = time_fn(lambda: self.native_model(*inputs), o.warmup, o.trials, o.flush_bytes)
+        limit = self._limit_ms(inputs)
+        return TimingReport(timed=True, candidate_ms=cand.median_ms, candidate_iqr_ms=cand.iqr_ms,
+                            baseline_ms=base.median_ms, baseline_iqr_ms=base.iqr_ms, limit_ms=limit,
+                            speedup=base.median_ms / cand.median_ms, perf_term=perf_term(cand.median_ms, base.median_ms, limit))
+
+    def _limit_ms(self, inputs: list[Any]) -> float | None:
+        if self.layout.qkv is None:
+            return None
+        q, k = inputs[self.layout.qkv[0]], inputs[self.layout.qkv[1]]
+        B, Hq, Sq, D = q.shape
+        frac = 0.5 if self.spec.causal else 1.0
+        flops = attention_flops(B, Hq, Sq, k.shape[2], D, frac)
+        nbytes = attention_bytes(B, Hq, k.shape[1], Sq, k.shape[2], D, q.element_size())
+        return roofline_ms(flops, nbytes, self.opts.peak_tflops, self.opts.peak_gbps)
+
+    def result(self, verdict: Verdict, message: str, finding: Finding | None, timing: TimingReport | None,
+               duration: float, base: dict[str, Any]) -> VerifyResult:
+        perf = timing.perf_term if timing and timing.timed else None
+        return VerifyResult(
+            verdict=verdict, message=message, finding=finding, cases=tuple(self.cases_run),
+            distributions=tuple(self.opts.distributions), calls=self.calls, max_abs_err=self.max_abs,
+            max_rel_err=self.max_rel, memory=MemoryReport(self.cand_peak, self.ref_peak, self.mem_method),
+            timing=timing, score=composite_score(verdict is not Verdict.compile_error, verdict is Verdict.passed, perf),
+            notes=tuple(self.notes), duration_s=duration, **base)

@@ -1,0 +1,88 @@
+"""Which shapes to test: the spec's own, its hints, then ragged, batch, cross and GQA variants.
+
+The attention tensors are found in the spec's `get_inputs()`: the first three 4-D
+floating tensors are q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D]. Sequence lengths are
+varied only when every other input is shape-free (scalars, flags) or the spec provides
+`get_inputs_for`; otherwise only the spec's own shape plus batch variation are used,
+and a note says so. Seq_q differs from seq_kv only for `CROSS = True` specs or specs
+whose own shapes differ; head counts change only for `GQA = True` specs or specs whose
+own Hq != Hkv. A planned shape that the spec's Model rejects is dropped with a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verify.load import Spec
+from verify.result import ShapeCase
+
+__all__ = ["Layout", "find_layout", "plan_cases", "RAGGED"]
+
+RAGGED = (37, 1, 100, 129)  # none divisible by 16/32/64/128
+CROSS_PAIRS = ((1, 129), (37, 100), (100, 37))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Positions of q, k, v in the spec's input list (None: not an attention spec we understand)."""
+
+    qkv: tuple[int, int, int] | None
+    has_shaped_extras: bool  # tensors besides q/k/v whose shapes may depend on B or S
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def find_layout(inputs: list[Any]) -> Layout:
+    idx = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()]
+    qkv = tuple(idx[:3]) if len(idx) >= 3 else None
+    extras = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and (qkv is None or i not in qkv)]
+    return Layout(qkv=qkv, has_shaped_extras=bool(extras))  # type: ignore[arg-type]
+
+
+def own_case(inputs: list[Any], layout: Layout) -> ShapeCase | None:
+    if layout.qkv is None:
+        return None
+    q, k = inputs[layout.qkv[0]], inputs[layout.qkv[1]]
+    B, Hq, Sq, D = q.shape
+    return ShapeCase(B, Hq, k.shape[1], Sq, k.shape[2], D, dtype_name(q.dtype), "spec")
+
+
+def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[ShapeCase], list[str]]:
+    """Shape cases to run, the spec's own first, and notes on what could not be varied."""
+    layout = find_layout(inputs)
+    own = own_case(inputs, layout)
+    notes: list[str] = []
+    if own is None:
+        notes.append("no [B, H, S, D] q/k/v tensors found in get_inputs(): only the spec's own inputs are used")
+        return [], notes
+    cases = [own] + [ShapeCase(*h, own.dtype, "hint") for h in spec.shape_hints]  # type: ignore[misc]
+    can_vary = spec.get_inputs_for is not None or not layout.has_shaped_extras
+    if can_vary:
+        cases += _seq_variants(spec, own)
+        if spec.gqa or own.Hq != own.Hkv:
+            cases += [ShapeCase(own.B, own.Hq, h, 37, 37, own.D, own.dtype, "gqa") for h in (1, own.Hq) if own.Hq % h == 0]
+    else:
+        notes.append("spec has extra tensor inputs and no get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype): "
+                     "only the spec's own shapes plus batch variation are used")
+        cases += [ShapeCase(b, own.Hq, own.Hkv, own.Sq, own.Skv, own.D, own.dtype, "batch") for b in (1, 2 * own.B) if b != own.B]
+    unique = list(dict.fromkeys(cases))
+    dropped = len(unique) - max_cases
+    if dropped > 0:
+        notes.append(f"{dropped} planned shape cases left out (max_cases={max_cases})")
+    return unique[:max_cases], notes
+
+
+def _seq_variants(spec: Spec, own: ShapeCase) -> list[ShapeCase]:
+    b = min(own.B, 2)
+    cross = spec.cross or own.Sq != own.Skv
+    out = [ShapeCase(b, own.Hq, own.Hkv, 37, 37, own.D, own.dtype, "ragged"),
+           ShapeCase(own.B + 1, own.Hq, own.Hkv, own.Sq, own.Skv, own.D, own.dtype, "batch")]
+    out += [ShapeCase(b, own.Hq, own.Hkv, s, s, own.D, own.dtype, "ragged") for s in RAGGED[1:]]
+    if cross:
+        out += [ShapeCase(b, own.Hq, own.Hkv, sq, skv, own.D, own.dtype, "cross") for sq, skv in CROSS_PAIRS]
+    return out

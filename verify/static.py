@@ -1,0 +1,106 @@
+"""Static scan of the candidate's source (AST), before anything runs.
+
+Findings, most serious first:
+- hack_suspected "fallback": a `try` whose `except` handler calls the reference or a
+  torch compute op (a kernel that silently falls back when it fails).
+- hack_suspected "calls_reference": the name `Model`, an import of the spec module, or
+  dynamic code loading (exec/eval/compile/__import__/importlib/runpy) that could hide it.
+- forbidden_call: torch compute calls an attention kernel must not make (SDPA, softmax,
+  matmul family, `@`), unless torch-baseline mode. Calls rooted at `tl`/`triton` (e.g.
+  `tl.dot`) are kernel code and allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+from verify.result import Verdict
+
+__all__ = ["StaticFinding", "scan_candidate", "FORBIDDEN_CALLS"]
+
+FORBIDDEN_CALLS = frozenset({
+    "scaled_dot_product_attention", "softmax", "log_softmax", "matmul", "bmm", "mm", "baddbmm", "addmm", "addbmm",
+    "einsum", "tensordot", "linear", "mv", "dot", "flash_attn_func", "flex_attention", "multi_head_attention_forward",
+})
+KERNEL_ROOTS = frozenset({"tl", "triton", "cute", "cutlass"})
+LOADERS = frozenset({"exec", "eval", "compile", "__import__"})
+LOADER_MODULES = frozenset({"importlib", "runpy"})
+
+
+@dataclass(frozen=True)
+class StaticFinding:
+    verdict: Verdict
+    op: str
+    message: str
+    line: int
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.value if not isinstance(node, ast.Call) else node.func
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _forbidden_call(node: ast.AST, kernel_aliases: set[str]) -> str | None:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return "@ (matmul operator)"
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name in FORBIDDEN_CALLS and _root(func) not in kernel_aliases:
+        return name
+    return None
+
+
+def _reference_use(node: ast.AST, spec_module: str) -> str | None:
+    if isinstance(node, ast.Name) and node.id == "Model":
+        return "Model"
+    if isinstance(node, ast.Import) and any(a.name.split(".")[0] in {spec_module, *LOADER_MODULES} for a in node.names):
+        return "import " + ", ".join(a.name for a in node.names)
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in {spec_module, *LOADER_MODULES}:
+        return f"from {node.module} import ..."
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOADERS:
+        return node.func.id
+    return None
+
+
+def _kernel_aliases(tree: ast.AST) -> set[str]:
+    aliases = set(KERNEL_ROOTS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.asname and a.name.split(".")[0] in KERNEL_ROOTS}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in KERNEL_ROOTS:
+            aliases |= {a.asname or a.name for a in node.names}
+    return aliases
+
+
+def scan_candidate(path: Path, spec_path: Path, torch_baseline: bool) -> list[StaticFinding]:
+    """Findings in order of seriousness (empty: nothing suspicious). SyntaxError propagates."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = _kernel_aliases(tree)
+    spec_module = spec_path.stem
+    found: list[StaticFinding] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ExceptHandler):
+            for sub in ast.walk(node):
+                what = _reference_use(sub, spec_module) or _forbidden_call(sub, aliases)
+                if what:
+                    found.append(StaticFinding(Verdict.hack_suspected, "fallback",
+                                               f"except handler falls back to {what}", sub.lineno))
+                    break
+    for node in ast.walk(tree):
+        what = _reference_use(node, spec_module)
+        if what:
+            found.append(StaticFinding(Verdict.hack_suspected, "calls_reference",
+                                       f"candidate uses {what} (the reference or dynamic code loading)", node.lineno))
+    if not torch_baseline:
+        for node in ast.walk(tree):
+            what = _forbidden_call(node, aliases)
+            if what:
+                found.append(StaticFinding(Verdict.forbidden_call, what,
+                                           f"candidate calls {what}; use --torch-baseline for plain torch re-implementations",
+                                           node.lineno))
+    return found

@@ -1,0 +1,74 @@
+"""GPU timing with L2 flush, and the hardware-anchored score of DESIGN.md.
+
+`time_fn` runs `warmup` untimed calls, then `trials` timed ones; before each trial it
+writes a buffer of `flush_bytes` (larger than L2) so no trial reads warm cache, and each
+trial is bracketed by CUDA events with the device synchronised before the end event is
+read, so work left on side streams is counted. CPU-only machines are not timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Timing", "time_fn", "attention_flops", "attention_bytes", "roofline_ms", "perf_term", "composite_score"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    iqr_ms: float
+    min_ms: float
+    max_ms: float
+    trials: int
+
+
+def time_fn(fn: Callable[[], Any], warmup: int = 10, trials: int = 50, flush_bytes: int = 256 << 20) -> Timing:
+    """Median and IQR of `fn()` in ms on the current CUDA device."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("time_fn needs a CUDA device; CPU runs are reported as 'not timed'")
+    flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times: list[float] = []
+    for _ in range(trials):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        torch.cuda.synchronize()  # drain every stream, so side-stream work is inside the window
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return Timing(statistics.median(times), q[2] - q[0], min(times), max(times), len(times))
+
+
+def attention_flops(B: int, H: int, Sq: int, Skv: int, D: int, unmasked_fraction: float = 1.0) -> float:
+    """Forward FLOPs: two matmuls of 2*Sq*Skv*D each per (batch, head), times the unmasked share."""
+    return 4.0 * B * H * Sq * Skv * D * unmasked_fraction
+
+
+def attention_bytes(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, elem_bytes: int) -> float:
+    """Compulsory traffic: read q, k, v once and write o once."""
+    return float(elem_bytes * (2 * B * Hq * Sq * D + 2 * B * Hkv * Skv * D))
+
+
+def roofline_ms(flops: float, nbytes: float, peak_tflops: float, peak_gbps: float) -> float:
+    return max(flops / (peak_tflops * 1e12), nbytes / (peak_gbps * 1e9)) * 1e3
+
+
+def perf_term(t_cand: float, t_base: float, t_limit: float) -> float:
+    """(T_base - T_limit) / ((T_cand - T_limit) + (T_base - T_limit)): 0.5 at baseline speed, 1 at the limit."""
+    t_limit = min(t_limit, t_cand, t_base)
+    denom = (t_cand - t_limit) + (t_base - t_limit)
+    return 1.0 if denom <= 0 else (t_base - t_limit) / denom
+
+
+def composite_score(compiled: bool, correct: bool, perf: float | None) -> float:
+    """CANN Bench's composite: compile 0.2, correctness 0.3, performance 0.5 (0 when not correct/timed)."""
+    return 0.2 * compiled + 0.3 * correct + 0.5 * (perf if (correct and perf is not None) else 0.0)
