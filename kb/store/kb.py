@@ -323,7 +323,7 @@ def open_kb(settings: Settings, *, create: bool = True, embedder: Embedder | Non
     """
     target = db.parse_db_url(settings.resolved_db_url)
     if not create and target.path is not None and not target.path.exists():
-        raise KBError(f"no knowledge base at {target.path}", hint="run `kb init` (or set KB_HOME)")
+        raise KBError(f"no knowledge base at {target.path}", hint="run `kb init`, or set KB_HOME to an existing KB")
     if target.path is not None and target.path.exists() and not target.path.is_file():
         raise KBError(f"{target.path} is not a database file", hint="set KB_HOME or KB_DB_URL elsewhere")
     with _home_lock(settings.home):

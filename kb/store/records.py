@@ -2,8 +2,8 @@
 
 `assign_id` fills a record's id (and a kernel's content_hash) from its identifying
 fields; `embedding_doc` gives the text and Chroma metadata for the three embedded
-tables. `doc_hash` in that metadata lets `kb doctor` see an embedding that is stale
-with respect to its row.
+tables. `doc_hash` (over document and metadata) lets writes skip unchanged rows and
+`kb doctor` see an embedding that is stale with respect to its row.
 """
 
 from __future__ import annotations
@@ -120,5 +120,7 @@ def embedding_doc(r: SQLModel) -> EmbeddingDoc:
             meta = {"kind": r.kind, "run_id": r.run_id}
         case _:
             raise TypeError(f"{type(r).__name__} is not embedded")
-    meta["doc_hash"] = ids.sha256_text(doc)[:16]
-    return EmbeddingDoc(COLLECTION_OF[type(r)], r.id, doc, _clean(meta))  # type: ignore[attr-defined]
+    meta = _clean(meta)
+    # Covers the metadata too: a changed filter field (e.g. verified) must reach Chroma.
+    meta["doc_hash"] = ids.sha256_text(doc + "\0" + json.dumps(meta, sort_keys=True))[:16]
+    return EmbeddingDoc(COLLECTION_OF[type(r)], r.id, doc, meta)  # type: ignore[attr-defined]
