@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, call, const, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, OnlineSoftmax, Param, Program,
     Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
@@ -121,7 +121,7 @@ def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kerne
     q_start = _q_start(kernel.body)
     mask_at = _mask_at(loop, q_start)
     inner = _rewrite_loop_body(loop.body, target, strategy, mask_at)
-    lo, hi = _bounds(loop, target, strategy, q_start)
+    lo, hi = _bounds(loop, target, strategy, q_start, _split_axes(kernel))
     new_loop = replace(loop, lo=lo, hi=hi, body=inner)
     return replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
 
@@ -173,10 +173,10 @@ def _masking(target: Target, strategy: Strategy, at: dict[str, Expr], scores: st
     return [IfBlock(BlockClass.FULL, True, then=(mask,), **at)]
 
 
-def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr) -> tuple[Expr, Expr]:
+def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_axes: frozenset[str]) -> tuple[Expr, Expr]:
     if strategy is Strategy.REUSE:
         return loop.lo, loop.hi
-    split = _is_split(loop)
+    split = bool(split_axes & (free_vars(loop.lo) | free_vars(loop.hi)))
     lo, hi = (loop.lo, loop.hi) if split else (const(0), var("N"))
     if strategy is Strategy.DERIVE and target.mask_mod is not None:
         from kb.ir.classify import mask_kv_bounds
@@ -192,7 +192,6 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr) -> tup
     return lo, hi
 
 
-def _is_split(loop: For) -> bool:
-    from kb.ir.expr import free_vars
-
-    return "s" in free_vars(loop.lo) | free_vars(loop.hi)
+def _split_axes(kernel: Kernel) -> frozenset[str]:
+    """Grid axes that enumerate KV splits (their extent mentions NUM_SPLITS)."""
+    return frozenset(ax.name for ax in kernel.grid if "NUM_SPLITS" in free_vars(ax.extent))
