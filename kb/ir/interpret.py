@@ -36,8 +36,9 @@ from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, sca
 from kb.ir.interp_variants import TileCoords, classify_block, eval_variant, mask_tile
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let, Load, Mask,
-    OnlineSoftmax, Param, Program, Reduce, Role, ScoreMod, Stmt, StmtOp, Store,
+    OnlineSoftmax, Param, Program, Reduce, Role, ScoreMod, Stmt, StmtOp, Store, SCHEDULE_CONSTANTS,
 )
+from kb.ir.text import print_stmt_header
 
 __all__ = ["KernelStats", "RunStats", "RunResult", "bind_dims", "interpret", "run_program"]
 
@@ -217,7 +218,7 @@ class _Machine:
         self.p, self.k, self.dims, self.tensors = p, k, dims, tensors
         self.base: dict[str, Value] = {**dims, **scalars}
         # variant functions see dims and scalar params, not schedule constants or tiles
-        self.variant_env: dict[str, Value] = {**{d: n for d, n in dims.items() if d != "HEAD_PAD"}, **scalars}
+        self.variant_env: dict[str, Value] = {**{d: n for d, n in dims.items() if d not in SCHEDULE_CONSTANTS}, **scalars}
         self.aux = {prm.name: tensors[prm.name] for prm in p.params if prm.role is Role.AUX}
         self.env: dict[str, Value] = {}
         self.point: dict[str, int] = {}
@@ -253,7 +254,7 @@ class _Machine:
                 raise
             except (KBError, RuntimeError, IndexError, ZeroDivisionError, ValueError) as err:
                 where = ", ".join(f"{k}={v}" for k, v in self.point.items())
-                raise _LocatedError(f"kernel {self.k.name} at ({where}), {st.op.value} statement: {err}") from err
+                raise _LocatedError(f"kernel {self.k.name} at ({where}), `{print_stmt_header(st)}`: {err}") from err
 
     # -- helpers
 
