@@ -253,8 +253,8 @@ def test_error_structure() -> None:
     assert "before 'schedule'" in _err("\n".join(ln for ln in lines if not ln.startswith("schedule")))
     assert "no kernel" in _err("\n".join(lines[:_line_of("kernel")]))
     assert "expected an indented block" in _err("\n".join(lines[:_line_of("kernel") + 1]))
-    i = _line_of("online_softmax")
-    assert "'else:' without" in _err(_with_line(i, "    else:"))
+    assert "'else:' without" in _err(_with_line(_line_of("let m_start"), "  else:"))
+    assert "after line" in _err(_with_line(_line_of("online_softmax"), "    else:"))  # else with no block
     j = _line_of("param o")
     moved = lines[:j] + lines[j + 1:_line_of("kernel")] + [lines[j]] + lines[_line_of("kernel"):]
     assert "out of order" in _err("\n".join(moved))
