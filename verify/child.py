@@ -51,15 +51,17 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
 
     try:
         static = scan_candidate(cand_path, spec_path, opts.torch_baseline)
-        cand_cls = load_candidate(cand_path)
     except SyntaxError as err:
         return early(Finding(Verdict.compile_error, f"candidate has a syntax error: {err}", detail=traceback.format_exc(limit=-2)))
+    if static:  # decided before importing: importing already runs the candidate's code
+        f = static[0]
+        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}"))
+    sys.path.insert(0, str(cand_path.resolve().parent))  # candidates may import their sibling modules
+    try:
+        cand_cls = load_candidate(cand_path)
     except CandidateImportError as err:
         return early(Finding(Verdict.compile_error, str(err), detail=err.detail))
     check_signatures(spec.model_cls, cand_cls)
-    if static:
-        f = static[0]
-        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}"))
     session = Session(spec, cand_cls, opts, device, seed, progress)
     finding = session.run()
     verdict = finding.verdict if finding else Verdict.passed

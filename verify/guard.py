@@ -6,6 +6,7 @@
   `@`, `F.*` and `torch.*` are all caught; and, as an emulation catch, any torch op whose
   output is `MATERIALISE_FACTOR` times larger than every input and the expected output
   (e.g. `(q[..., None, :] * k[..., None, :, :]).sum(-1)`). Skipped in torch-baseline mode.
+- hack_suspected "side_stream" (CUDA): a torch op ran on a stream other than the caller's.
 - hack_suspected: a module whose forward is defined in the spec file was called (the
   reference Model, in either mode), or a thread was started.
 The Triton interpreter only uses allocation/copy ops (empty, copy_, set_), never these.
@@ -14,6 +15,7 @@ The Triton interpreter only uses allocation/copy ops (empty, copy_, set_), never
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,9 @@ class _OpWatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
         g = self.guard
+        if g.stream is not None and g.violation is None and torch.cuda.current_stream() != g.stream:
+            g.violation = Violation(Verdict.hack_suspected, "side_stream",
+                                    f"{func} ran on a side stream; work must run on the caller's stream")
         if g.strict and g.violation is None:
             name = forbidden_op(func)
             if name:
@@ -80,10 +85,12 @@ class CallGuard:
 
     def __init__(self, strict: bool, spec_file: str, inputs: list[Any], expected_numel: int) -> None:
         self.strict = strict
-        self.spec_file = spec_file
+        self.spec_file = os.path.realpath(spec_file)
         sizes = [x.numel() for x in inputs if isinstance(x, torch.Tensor)] + [expected_numel]
         self.max_numel = MATERIALISE_FACTOR * max(sizes)
         self.violation: Violation | None = None
+        self.stream = torch.cuda.current_stream() if any(
+            isinstance(x, torch.Tensor) and x.is_cuda for x in inputs) else None
         self._mode = _OpWatch(self)
 
     # -- reference calls: any nn.Module defined in the spec file (however it was imported).
@@ -91,7 +98,7 @@ class CallGuard:
     # Triton interpreter 3-6x. Direct `Model.forward(...)` calls are the static scan's job.
     def _module_call(self, module: torch.nn.Module, args: Any) -> None:
         code = getattr(type(module).forward, "__code__", None)
-        if self.violation is None and code is not None and code.co_filename == self.spec_file:
+        if self.violation is None and code is not None and os.path.realpath(code.co_filename) == self.spec_file:
             self.violation = Violation(Verdict.hack_suspected, "calls_reference",
                                        f"candidate called the spec's {type(module).__name__} ({self.spec_file})")
 

@@ -1,0 +1,16 @@
+"""Cheat: remembers results keyed by the inputs' addresses (fast on re-runs, wrong after in-place updates)."""
+import torch.nn as nn
+from _torch_attention import attention
+
+
+class ModelNew(nn.Module):
+    def __init__(self, causal: bool = False) -> None:
+        super().__init__()
+        self.causal = causal
+        self.cache = {}
+
+    def forward(self, q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in self.cache:
+            self.cache[key] = attention(q, k, v, self.causal)
+        return self.cache[key].clone()

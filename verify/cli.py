@@ -1,0 +1,39 @@
+"""`kb verify SPEC CANDIDATE`: register with `app.command("verify")(verify_command)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from kb.errors import KBError
+from verify.options import VerifyOptions
+from verify.report import result_table
+
+__all__ = ["verify_command"]
+
+
+def verify_command(
+    spec: Annotated[Path, typer.Argument(help="spec file: Model, get_inputs, get_init_inputs")],
+    candidate: Annotated[Path, typer.Argument(help="candidate file: ModelNew")],
+    json_out: Annotated[Optional[Path], typer.Option("--json-out", help="where to write the JSON report")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the JSON report instead of a table")] = False,
+    torch_baseline: Annotated[bool, typer.Option("--torch-baseline", help="allow torch compute ops (plain torch re-implementations)")] = False,
+) -> int:
+    """Verify CANDIDATE against SPEC; exit code 0 only on a pass."""
+    from verify import verify
+
+    for path, what in ((spec, "spec"), (candidate, "candidate")):
+        if not path.is_file():
+            raise KBError(f"{what} file {path} does not exist")
+    result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline))
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(result.to_json())
+    if as_json:
+        typer.echo(result.to_json())
+    else:
+        Console().print(result_table(result))
+    return 0 if result.passed else 1
