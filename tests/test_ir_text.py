@@ -14,7 +14,8 @@ import pytest
 from kb.errors import KBError
 from kb.ir.expr import CALLS, Expr, ExprOp, const, load, var
 from kb.ir.nodes import (
-    BlockClass, Dot, Dtype, For, Full, IfBlock, Init, Let, Load, Mask, Program, Role, Schedule, Span,
+    MASK_MOD_PARAMS, SCORE_MOD_PARAMS, BlockClass, Dot, Dtype, For, IfBlock, Init, Let, Load, Mask,
+    Program, Schedule, Span, VariantFn,
 )
 from kb.ir.text import content_hash, parse_program, print_program
 from tests.ir_programs import FIXTURES, all_fixtures, causal
@@ -148,7 +149,6 @@ def _perturb(p: Program, rng: random.Random) -> Program:
     for slot in ("score_mod", "mask_mod"):
         fn = getattr(p, slot)
         if fn is not None or rng.random() < 0.5:
-            from kb.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS, VariantFn
             variants[slot] = VariantFn(slot, SCORE_MOD_PARAMS if slot == "score_mod" else MASK_MOD_PARAMS, _rand_expr(rng))
     kernels = tuple(replace(k, body=_perturb_block(k.body, rng)) for k in p.kernels)
     return replace(p, name=p.name + "_r", params=params, schedule=sched, kernels=kernels, **variants)

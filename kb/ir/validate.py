@@ -419,6 +419,13 @@ STMT_RULES: dict[type, Rule] = {
 }  # type: ignore[dict-item]
 
 
+def _header(st: Stmt) -> str:
+    try:
+        return print_stmt_header(st)
+    except Exception:  # noqa: BLE001 - a malformed node (the rules say why) cannot be printed
+        return f"{st.op.value} ..."
+
+
 def _walk_block(stmts: tuple[Stmt, ...], env: _Env) -> Iterator[Problem]:
     for st in stmts:
         env.counter[0] += 1
@@ -427,7 +434,7 @@ def _walk_block(stmts: tuple[Stmt, ...], env: _Env) -> Iterator[Problem]:
             yield Problem(f"kernel {env.kernel}, statement {env.counter[0]} ({st!r})",
                           f"unknown statement kind {type(st).__name__}; known: {', '.join(t.__name__ for t in STMT_RULES)}")
             continue
-        where = f"kernel {env.kernel}, statement {env.counter[0]} ({print_stmt_header(st)})"
+        where = f"kernel {env.kernel}, statement {env.counter[0]} ({_header(st)})"
         for msg in rule(st, env):
             yield msg if isinstance(msg, Problem) else Problem(where, msg)
 
