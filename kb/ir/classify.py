@@ -40,6 +40,8 @@ __all__ = [
     "mask_kv_bounds",
     "features_from_variants",
     "conjuncts",
+    "Band",
+    "fit_band",
     "DEFAULT_GRID",
 ]
 
@@ -127,18 +129,20 @@ def _configs(e: Expr, dims: tuple[int, int] | None) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class _Band:
+class Band:
+    """`lo <= kv_idx - q_idx <= hi` (None = unbounded), or-ed with `kv_idx < prefix`."""
+
     lo: int | None
     hi: int | None
     prefix: int | None
 
 
-def _fit_band(g: torch.Tensor) -> _Band | None:
-    """Fit `g[q, kv]` to `lo <= kv - q <= hi`, optionally or-ed with `kv < prefix`."""
+def fit_band(g: torch.Tensor) -> Band | None:
+    """Fit a boolean [M, N] grid `g[q, kv]` to `lo <= kv - q <= hi`, optionally or-ed with `kv < prefix`."""
     M, N = g.shape
     d = torch.arange(N).view(1, N) - torch.arange(M).view(M, 1)
     if bool(g.all()):
-        return _Band(None, None, None)
+        return Band(None, None, None)
     plain = _fit_with_prefix(g, d, 0)
     if plain is not None:
         return plain
@@ -148,7 +152,7 @@ def _fit_band(g: torch.Tensor) -> _Band | None:
     return _fit_with_prefix(g, d, prefix) if prefix else None
 
 
-def _fit_with_prefix(g: torch.Tensor, d: torch.Tensor, prefix: int) -> _Band | None:
+def _fit_with_prefix(g: torch.Tensor, d: torch.Tensor, prefix: int) -> Band | None:
     M, N = g.shape
     rest = g[:, prefix:]
     dr = d[:, prefix:]
@@ -163,7 +167,7 @@ def _fit_with_prefix(g: torch.Tensor, d: torch.Tensor, prefix: int) -> _Band | N
     hi_b = None if hi >= int(dr.max()) else hi
     if prefix and lo_b is not None:
         return None  # a window plus a prefix: not a canonical form
-    return _Band(lo_b, hi_b, prefix or None)
+    return Band(lo_b, hi_b, prefix or None)
 
 
 # ---------------------------------------------------------------- masks
@@ -204,16 +208,16 @@ def _prefix_load_term(t: Expr) -> str | None:
     return None
 
 
-def _band_of(e: Expr, dims: tuple[int, int] | None) -> tuple[_Band, bool] | None:
+def _band_of(e: Expr, dims: tuple[int, int] | None) -> tuple[Band, bool] | None:
     """Fit a load-free boolean expression of positions; returns (band, bottom_right)."""
     if not free_vars(e) <= _POS_VARS:
         return None
-    fits: list[tuple[_Band, int, int]] = []
+    fits: list[tuple[Band, int, int]] = []
     for M, N in _configs(e, dims):
         g = _eval_bool(e, M, N)
         if g is None:
             return None
-        band = _fit_band(g)
+        band = fit_band(g)
         if band is None:
             return None
         fits.append((band, M, N))
@@ -234,7 +238,7 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
         (loaded if _has_load(t) else free).append(t)
     kinds: set[str] = set()
     tensors: list[str] = []
-    band, bottom_right = _Band(None, None, None), False
+    band, bottom_right = Band(None, None, None), False
     if free:
         conj = free[0]
         for t in free[1:]:
@@ -263,7 +267,7 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
             if sub is not None and sub[0].lo is None and sub[0].hi is not None:
                 kinds.add("prefix_lm")
                 tensors.append(_prefix_load_term(pre[0]) or "")
-                band, bottom_right = _Band(band.lo, sub[0].hi if band.hi is None else min(band.hi, sub[0].hi), None), sub[1]
+                band, bottom_right = Band(band.lo, sub[0].hi if band.hi is None else min(band.hi, sub[0].hi), None), sub[1]
                 continue
         kinds.add("custom")
         tensors.extend(sorted(loaded_tensors(t)))

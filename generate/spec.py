@@ -1,0 +1,299 @@
+"""Load an attention spec file and trace it into features and IR variant expressions.
+
+Two spec styles (docs/specs.md), also combined in one file:
+- KernelBench: `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()`; `forward(q, k, v, *extra)`
+  with q, k, v `[B, H, S, D]`. Traced with torch.fx (generate.spec_trace).
+- FlexAttention: module-level `score_mod(score, b, h, q_idx, kv_idx)` and/or
+  `mask_mod(b, h, q_idx, kv_idx)` plus `SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)`.
+  When a file has both, the mods define the variant expressions and `Model` the reference
+  and the shapes.
+
+Invariants of a `Spec`: `reference(q, k, v)` is the spec's own computation (the user's Model,
+or a dense torch evaluation of the user's mods, fully masked rows -> 0), never our IR;
+`aux` holds every tensor the expressions load, under the names they load it by.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from generate.spec_trace import NameOf, trace_attention, trace_mod
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.classify import features_from_variants
+from kb.ir.expr import Expr, print_expr
+
+__all__ = ["SpecKind", "Shapes", "Spec", "load_spec", "spec_inputs", "dense_reference", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SCORE_PARAMS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_PARAMS = ("b", "h", "q_idx", "kv_idx")
+
+Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SpecKind(Enum):
+    KERNELBENCH = "kernelbench"
+    FLEX = "flex"
+    BOTH = "both"  # mods define the variants, Model the reference
+
+
+@dataclass(frozen=True)
+class Shapes:
+    B: int
+    Hq: int
+    Hkv: int
+    M: int  # seq_q
+    N: int  # seq_kv
+    D: int
+    dtype: str  # one of DTYPES
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.Hq // self.Hkv
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Spec:
+    path: Path
+    kind: SpecKind
+    score_mod: Expr | None
+    mask_mod: Expr | None
+    aux: Mapping[str, torch.Tensor] = field(repr=False, compare=False)
+    shapes: Shapes
+    scale: float | None  # None = 1/sqrt(D)
+    features: Features
+    source_hash: str
+    reference: Reference = field(repr=False, compare=False)
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.shapes.D) if self.scale is None else self.scale
+
+    def variants_text(self) -> str:
+        """The variant slots in IR text form."""
+        lines = []
+        if self.score_mod is not None:
+            lines.append(f"score_mod(score, b, h, q_idx, kv_idx) = {print_expr(self.score_mod)}")
+        if self.mask_mod is not None:
+            lines.append(f"mask_mod(b, h, q_idx, kv_idx) = {print_expr(self.mask_mod)}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _import(path: Path) -> Any:
+    if not path.is_file():
+        raise KBError(f"spec file {path} does not exist")
+    name = "kb_spec_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise KBError(f"cannot import spec file {path}: not a Python file")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - the user's file failed to import
+        raise KBError(f"cannot import spec file {path}: {type(err).__name__}: {err}") from None
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+def _tensor_namer(named: list[tuple[str, torch.Tensor]]) -> NameOf:
+    """Find a captured tensor's name by identity, else by storage (views of a buffer)."""
+
+    def name_of(t: torch.Tensor) -> str | None:
+        for n, x in named:
+            if x is t:
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and x.shape == t.shape \
+                    and x.stride() == t.stride() and x.storage_offset() == t.storage_offset():
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return n
+        return None
+
+    return name_of
+
+
+def _module_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("__")]
+
+
+def _model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [(n, b) for n, b in model.named_buffers()] + [(n, p) for n, p in model.named_parameters()]
+    for mod_name, sub in model.named_modules():
+        for k, v in vars(sub).items():
+            if isinstance(v, torch.Tensor) and not k.startswith("_"):
+                named.append((f"{mod_name}.{k}" if mod_name else k, v))
+    return named
+
+
+def _forward_names(model: torch.nn.Module, n: int) -> list[str]:
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params][:n]
+    return names + [f"arg{i}" for i in range(len(names), n)]
+
+
+def _shapes_of(q: torch.Tensor, k: torch.Tensor, path: Path) -> Shapes:
+    if q.dim() != 4 or k.dim() != 4:
+        raise KBError(f"{path}: q and k must be [B, H, S, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype not in _DTYPE_NAMES:
+        raise KBError(f"{path}: unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise KBError(f"{path}: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype])
+
+
+def _shapes_from_dict(d: Mapping[str, Any], path: Path) -> Shapes:
+    try:
+        Hq = int(d.get("Hq", d.get("H")))
+        M = int(d.get("M", d.get("S")))
+        dtype = str(d.get("dtype", "fp32"))
+        if dtype not in DTYPES:
+            raise KBError(f"{path}: SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        return Shapes(int(d["B"]), Hq, int(d.get("Hkv", Hq)), M, int(d.get("N", M)), int(d["D"]), dtype)
+    except (KeyError, TypeError, ValueError) as err:
+        raise KBError(f"{path}: SHAPES needs B, Hq (or H), M (or S), D and optionally Hkv, N, dtype, scale ({err})") from None
+
+
+def _scale_or_none(scale: float, D: int) -> float | None:
+    return None if math.isclose(scale, 1.0 / math.sqrt(D), rel_tol=1e-6) else scale
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Load and trace a spec file (see module docstring); raises KBError on anything unsupported."""
+    path = Path(path)
+    text = path.read_text() if path.is_file() else ""
+    module = _import(path)
+    source_hash = hashlib.sha256(text.encode()).hexdigest()
+    has_model = all(hasattr(module, n) for n in ("Model", "get_inputs", "get_init_inputs"))
+    mods = {n: getattr(module, n) for n in ("score_mod", "mask_mod") if callable(getattr(module, n, None))}
+    if not has_model and not mods:
+        raise KBError(f"{path} is not a spec: define Model, get_inputs and get_init_inputs (KernelBench style) "
+                      "or score_mod/mask_mod with SHAPES (FlexAttention style)")
+    if has_model:
+        model, inputs = _instantiate(module, path)
+        names = _forward_names(model, len(inputs))
+        traced = trace_attention(model, inputs, names, _tensor_namer(_model_tensors(model)), str(path.resolve()))
+        qi, ki, vi = names.index(traced.q), names.index(traced.k), names.index(traced.v)
+        shapes = _shapes_of(inputs[qi], inputs[ki], path)
+        reference = _model_reference(model, inputs, qi, ki, vi)
+        score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
+        kind = SpecKind.KERNELBENCH
+    if mods:
+        name_of = _tensor_namer(_module_tensors(module))
+        src = str(path.resolve())
+        aux = {}
+        score = mask = None
+        if "score_mod" in mods:
+            score, a = trace_mod(mods["score_mod"], SCORE_PARAMS, name_of, src)
+            aux.update(a)
+            score = None if print_expr(score) == "score" else score
+        if "mask_mod" in mods:
+            mask, a = trace_mod(mods["mask_mod"], MASK_PARAMS, name_of, src, boolean=True)
+            aux.update(a)
+        shapes_dict = getattr(module, "SHAPES", None)
+        if not has_model:
+            if not isinstance(shapes_dict, Mapping):
+                raise KBError(f"{path}: a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)")
+            shapes = _shapes_from_dict(shapes_dict, path)
+            reference = dense_reference(mods.get("score_mod"), mods.get("mask_mod"), _flex_scale(shapes_dict, shapes))
+        scale = _flex_scale(shapes_dict if isinstance(shapes_dict, Mapping) else {}, shapes)
+        kind = SpecKind.BOTH if has_model else SpecKind.FLEX
+    features = features_from_variants(
+        score, mask, head_dim=shapes.D, dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M, seq_kv=shapes.N,
+    )
+    log.info("spec %s: %s", path, features.describe())
+    return Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference)
+
+
+def _flex_scale(d: Mapping[str, Any], shapes: Shapes) -> float:
+    s = d.get("scale")
+    return 1.0 / math.sqrt(shapes.D) if s is None else float(s)
+
+
+def _instantiate(module: Any, path: Path) -> tuple[torch.nn.Module, list[Any]]:
+    try:
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs())
+        model.eval()
+        inputs = list(module.get_inputs())
+    except Exception as err:  # noqa: BLE001 - the user's code failed
+        raise KBError(f"{path}: building Model(*get_init_inputs()) / get_inputs() failed: {type(err).__name__}: {err}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise KBError(f"{path}: Model is not a torch.nn.Module")
+    return model, inputs
+
+
+def _model_reference(model: torch.nn.Module, inputs: list[Any], qi: int, ki: int, vi: int) -> Reference:
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        args = list(inputs)
+        args[qi], args[ki], args[vi] = q, k, v
+        with torch.no_grad():
+            return model(*args)
+
+    return reference
+
+
+def dense_reference(score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None, scale: float) -> Reference:
+    """Plain torch attention evaluating the user's mods on broadcast index tensors
+    (int32, as FlexAttention passes them); fully masked rows give 0."""
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, Hq, M, _ = q.shape
+        rep = Hq // k.shape[1]
+        kk, vv = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
+        N = kk.shape[2]
+        s = (q.float() @ kk.transpose(-2, -1)) * scale
+        b = torch.arange(B, dtype=torch.int32).view(B, 1, 1, 1)
+        h = torch.arange(Hq, dtype=torch.int32).view(1, Hq, 1, 1)
+        qi = torch.arange(M, dtype=torch.int32).view(1, 1, M, 1)
+        ki = torch.arange(N, dtype=torch.int32).view(1, 1, 1, N)
+        if score_mod is not None:
+            s = torch.as_tensor(score_mod(s, b, h, qi, ki)).float().expand(B, Hq, M, N)
+        keep = torch.ones(B, Hq, M, N, dtype=torch.bool)
+        if mask_mod is not None:
+            keep = torch.as_tensor(mask_mod(b, h, qi, ki)).bool().expand(B, Hq, M, N)
+        s = s.masked_fill(~keep, -math.inf)
+        p = torch.softmax(s, dim=-1)
+        p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
+        return (p @ vv).to(q.dtype)
+
+    return reference
+
+
+def spec_inputs(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v of the spec's shapes and dtype."""
+    g = torch.Generator().manual_seed(seed)
+    s = spec.shapes
+    dt = s.torch_dtype
+    q = torch.randn(s.B, s.Hq, s.M, s.D, generator=g).to(dt)
+    k = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
+    v = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
+    return q, k, v

@@ -1,0 +1,394 @@
+"""Symbolic tensors: a shape plus one IR expression for every element.
+
+A `Sym` of shape `(s0, ..., sn)` stands for the tensor whose element at `(i0, ..., in)` is
+`expr` with the dim variables `_d0 .. _dn` replaced by the indices. Tracing a spec maps
+torch ops onto this algebra, so `arange(S)[:, None] >= arange(S)[None, :]` becomes the
+`Sym((S, S), _d0 >= _d1)` and, once the dims are named, `q_idx >= kv_idx`.
+
+Invariants:
+- `expr` only uses dim variables `_dk` with `k < len(shape)`, plus free names that are not
+  dim variables (`score`, `b`, `h`, ...) and loads of named aux tensors.
+- A dim of size 1 may still appear in `expr`; broadcasting substitutes it with 0, so every
+  view op here is exact (no approximation of indexing semantics).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+
+__all__ = ["Sym", "dvar", "scalar_sym", "full", "arange", "load_leaf", "broadcast_to", "broadcast_shapes",
+           "binary", "unary", "where", "permute", "unsqueeze", "squeeze", "expand", "view", "slice_", "select",
+           "index", "tril", "triu", "simplify", "NEG_INF_THRESHOLD", "is_neg_inf"]
+
+# Additive fills at or below this value are treated as -inf (masking), e.g. -1e4, -1e9, finfo.min.
+NEG_INF_THRESHOLD = -1.0e4
+
+
+def dvar(k: int) -> Expr:
+    return var(f"_d{k}")
+
+
+@dataclass(frozen=True)
+class Sym:
+    shape: tuple[int, ...]
+    expr: Expr
+    dtype: torch.dtype
+
+    @property
+    def is_bool(self) -> bool:
+        return self.dtype == torch.bool
+
+
+def scalar_sym(x: int | float | bool) -> Sym:
+    dt = torch.bool if isinstance(x, bool) else torch.int64 if isinstance(x, int) else torch.float32
+    return Sym((), const(x), dt)
+
+
+def full(shape: Sequence[int], value: int | float | bool, dtype: torch.dtype) -> Sym:
+    if dtype == torch.bool:
+        value = bool(value)
+    elif dtype.is_floating_point:
+        value = float(value)
+    else:
+        value = int(value)
+    return Sym(tuple(shape), const(value), dtype)
+
+
+def arange(start: int | float, end: int | float, step: int | float, dtype: torch.dtype) -> Sym:
+    n = max(0, math.ceil((end - start) / step))
+    e: Expr = dvar(0)
+    if step != 1:
+        e = Expr(ExprOp.MUL, (const(step), e))
+    if start != 0:
+        e = Expr(ExprOp.ADD, (e, const(start)))
+    return Sym((n,), e, dtype)
+
+
+def load_leaf(name: str, t: torch.Tensor) -> Sym:
+    return Sym(tuple(t.shape), Expr(ExprOp.LOAD, tuple(dvar(k) for k in range(t.dim())), name), t.dtype)
+
+
+def _rename(e: Expr, mapping: dict[int, Expr]) -> Expr:
+    return substitute(e, {f"_d{k}": v for k, v in mapping.items()})
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError as err:
+        raise KBError(f"shapes {shapes} do not broadcast: {err}") from None
+
+
+def broadcast_to(s: Sym, shape: tuple[int, ...]) -> Sym:
+    off = len(shape) - len(s.shape)
+    mapping = {k: (const(0) if n == 1 and shape[k + off] != 1 else dvar(k + off)) for k, n in enumerate(s.shape)}
+    return Sym(shape, _rename(s.expr, mapping), s.dtype)
+
+
+def _promote(a: Sym, b: Sym, op: ExprOp) -> torch.dtype:
+    if op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR):
+        return torch.bool
+    if op is ExprOp.DIV and not (a.dtype.is_floating_point or b.dtype.is_floating_point):
+        return torch.float32
+    return torch.promote_types(a.dtype, b.dtype)
+
+
+def binary(op: ExprOp, a: Sym, b: Sym, dtype: torch.dtype | None = None) -> Sym:
+    shape = broadcast_shapes(a.shape, b.shape)
+    a2, b2 = broadcast_to(a, shape), broadcast_to(b, shape)
+    ea, eb = a2.expr, b2.expr
+    if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL) and (a.is_bool or b.is_bool):
+        ea, eb = _as_number(a2), _as_number(b2)
+    return Sym(shape, Expr(op, (ea, eb)), dtype or _promote(a, b, op))
+
+
+def _as_number(s: Sym) -> Expr:
+    return call("where", s.expr, const(1), const(0)) if s.is_bool else s.expr
+
+
+def unary(op: ExprOp, a: Sym, dtype: torch.dtype | None = None) -> Sym:
+    return Sym(a.shape, Expr(op, (a.expr,)), dtype or a.dtype)
+
+
+def where(c: Sym, x: Sym, y: Sym, dtype: torch.dtype) -> Sym:
+    shape = broadcast_shapes(c.shape, x.shape, y.shape)
+    args = tuple(broadcast_to(s, shape).expr for s in (c, x, y))
+    return Sym(shape, Expr(ExprOp.WHERE, args), dtype)
+
+
+def permute(s: Sym, perm: Sequence[int]) -> Sym:
+    n = len(s.shape)
+    perm = [p % n for p in perm]
+    mapping = {p: dvar(i) for i, p in enumerate(perm)}
+    return Sym(tuple(s.shape[p] for p in perm), _rename(s.expr, mapping), s.dtype)
+
+
+def unsqueeze(s: Sym, dim: int) -> Sym:
+    n = len(s.shape) + 1
+    dim %= n
+    mapping = {k: dvar(k if k < dim else k + 1) for k in range(len(s.shape))}
+    return Sym(s.shape[:dim] + (1,) + s.shape[dim:], _rename(s.expr, mapping), s.dtype)
+
+
+def squeeze(s: Sym, dims: Sequence[int] | None = None) -> Sym:
+    n = len(s.shape)
+    drop = {d % n for d in dims} if dims is not None else set(range(n))
+    drop = {d for d in drop if s.shape[d] == 1}
+    mapping: dict[int, Expr] = {}
+    j = 0
+    for k in range(n):
+        if k in drop:
+            mapping[k] = const(0)
+        else:
+            mapping[k] = dvar(j)
+            j += 1
+    return Sym(tuple(x for k, x in enumerate(s.shape) if k not in drop), _rename(s.expr, mapping), s.dtype)
+
+
+def expand(s: Sym, sizes: Sequence[int]) -> Sym:
+    off = len(sizes) - len(s.shape)
+    target = tuple(s.shape[k - off] if (n == -1 and k >= off) else n for k, n in enumerate(sizes))
+    return broadcast_to(s, target)
+
+
+def view(s: Sym, shape: Sequence[int]) -> Sym:
+    shape = list(shape)
+    numel = math.prod(s.shape)
+    if -1 in shape:
+        rest = math.prod(x for x in shape if x != -1)
+        shape[shape.index(-1)] = numel // rest if rest else 0
+    new = tuple(shape)
+    if math.prod(new) != numel:
+        raise KBError(f"view {s.shape} -> {new} changes the number of elements")
+    old_big = [k for k, n in enumerate(s.shape) if n != 1]
+    new_big = [k for k, n in enumerate(new) if n != 1]
+    if [s.shape[k] for k in old_big] == [new[k] for k in new_big]:
+        mapping = {k: const(0) for k, n in enumerate(s.shape) if n == 1}
+        mapping.update({o: dvar(nk) for o, nk in zip(old_big, new_big)})
+        return Sym(new, _rename(s.expr, mapping), s.dtype)
+    # general reshape: through the flat (row-major) index
+    flat: Expr = const(0)
+    stride = 1
+    for k in reversed(range(len(new))):
+        if new[k] != 1:
+            term = dvar(k) if stride == 1 else Expr(ExprOp.MUL, (dvar(k), const(stride)))
+            flat = term if flat == const(0) else Expr(ExprOp.ADD, (term, flat))
+        stride *= new[k]
+    mapping = {}
+    stride = 1
+    for k in reversed(range(len(s.shape))):
+        idx = flat if stride == 1 else Expr(ExprOp.FLOORDIV, (flat, const(stride)))
+        mapping[k] = Expr(ExprOp.MOD, (idx, const(s.shape[k])))
+        stride *= s.shape[k]
+    return Sym(new, _rename(s.expr, mapping), s.dtype)
+
+
+def slice_(s: Sym, dim: int, start: int | None, end: int | None, step: int) -> Sym:
+    dim %= len(s.shape)
+    n = s.shape[dim]
+    lo, hi, _ = slice(start, end, step).indices(n)
+    size = max(0, math.ceil((hi - lo) / step))
+    idx: Expr = dvar(dim) if step == 1 else Expr(ExprOp.MUL, (dvar(dim), const(step)))
+    if lo:
+        idx = Expr(ExprOp.ADD, (idx, const(lo)))
+    shape = s.shape[:dim] + (size,) + s.shape[dim + 1:]
+    return Sym(shape, _rename(s.expr, {dim: idx}), s.dtype)
+
+
+def select(s: Sym, dim: int, i: int) -> Sym:
+    n = len(s.shape)
+    dim %= n
+    i %= s.shape[dim]
+    mapping = {k: (const(i) if k == dim else dvar(k if k < dim else k - 1)) for k in range(n)}
+    return Sym(s.shape[:dim] + s.shape[dim + 1:], _rename(s.expr, mapping), s.dtype)
+
+
+def index(s: Sym, indices: Sequence[Sym | None]) -> Sym:
+    """Advanced indexing `s[indices]` (None = full slice), torch/numpy placement rules."""
+    present = [k for k, ix in enumerate(indices) if ix is not None]
+    if not present:
+        return s
+    bshape = broadcast_shapes(*(indices[k].shape for k in present))  # type: ignore[union-attr]
+    contiguous = present == list(range(present[0], present[-1] + 1))
+    first = present[0] if contiguous else 0
+    rest = [k for k in range(len(s.shape)) if k not in present]
+    nb = len(bshape)
+    # output dims: rest dims before `first`, then the broadcast index dims, then the remaining rest dims
+    out_pos: dict[int, int] = {}
+    pos = 0
+    before = [k for k in rest if k < first] if contiguous else []
+    after = [k for k in rest if k not in before]
+    for k in before:
+        out_pos[k] = pos
+        pos += 1
+    bstart = pos
+    pos += nb
+    for k in after:
+        out_pos[k] = pos
+        pos += 1
+    mapping: dict[int, Expr] = {k: dvar(p) for k, p in out_pos.items()}
+    for k in present:
+        ix = broadcast_to(indices[k], bshape)  # type: ignore[arg-type]
+        ix_expr = _rename(ix.expr, {j: dvar(bstart + j) for j in range(nb)})
+        n = s.shape[k]
+        # negative indices wrap, as in torch
+        if _may_be_negative(ix_expr):
+            ix_expr = Expr(ExprOp.MOD, (ix_expr, const(n)))
+        mapping[k] = ix_expr
+    shape = tuple(s.shape[k] for k in before) + bshape + tuple(s.shape[k] for k in after)
+    return Sym(shape, _rename(s.expr, mapping), s.dtype)
+
+
+def _may_be_negative(e: Expr) -> bool:
+    return any(n.op in (ExprOp.SUB, ExprOp.NEG) or (n.op is ExprOp.CONST and isinstance(n.value, (int, float)) and n.value < 0)
+               for n in walk(e))
+
+
+def tril(s: Sym, diagonal: int = 0) -> Sym:
+    i, j = dvar(len(s.shape) - 2), dvar(len(s.shape) - 1)
+    cond = Expr(ExprOp.LE, (j, i if diagonal == 0 else Expr(ExprOp.ADD, (i, const(diagonal)))))
+    return Sym(s.shape, call("where", cond, s.expr, const(_zero(s.dtype))), s.dtype)
+
+
+def triu(s: Sym, diagonal: int = 0) -> Sym:
+    i, j = dvar(len(s.shape) - 2), dvar(len(s.shape) - 1)
+    cond = Expr(ExprOp.GE, (j, i if diagonal == 0 else Expr(ExprOp.ADD, (i, const(diagonal)))))
+    return Sym(s.shape, call("where", cond, s.expr, const(_zero(s.dtype))), s.dtype)
+
+
+def _zero(dtype: torch.dtype) -> int | float | bool:
+    return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+
+
+# ---------------------------------------------------------------- simplification
+
+_NEGATE = {ExprOp.LT: ExprOp.GE, ExprOp.LE: ExprOp.GT, ExprOp.GT: ExprOp.LE, ExprOp.GE: ExprOp.LT,
+           ExprOp.EQ: ExprOp.NE, ExprOp.NE: ExprOp.EQ}
+
+
+def is_neg_inf(e: Expr) -> bool:
+    return e.op is ExprOp.CONST and isinstance(e.value, float) and e.value <= NEG_INF_THRESHOLD
+
+
+def _is_const(e: Expr, *values: object) -> bool:
+    return e.op is ExprOp.CONST and not isinstance(e.value, bool) and any(e.value == v for v in values)
+
+
+def _fold(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    if not all(a.op is ExprOp.CONST for a in args):
+        return None
+    from kb.ir.evaluate import eval_expr  # local: only constant folding needs it
+
+    try:
+        v = eval_expr(Expr(op, args), {})
+    except Exception:  # noqa: BLE001 - leave unfoldable constants (e.g. division by zero) alone
+        return None
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return const(v)
+
+
+def _b(e: Expr, v: bool) -> bool:
+    """e is the boolean constant v (not merely == v: 1.0 == True in Python)."""
+    return e.op is ExprOp.CONST and isinstance(e.value, bool) and e.value is v
+
+
+def simplify(e: Expr) -> Expr:
+    """Local rewrites that keep the value exactly: constant folding, identities, boolean
+    normal forms (`~(a > b)` -> `a <= b`, `where(c, 1, 0) == 0` -> `~c`)."""
+    if not e.args:
+        return e
+    args = tuple(simplify(a) for a in e.args)
+    e = Expr(e.op, args, e.value)
+    folded = _fold(e.op, args) if e.op is not ExprOp.LOAD else None
+    if folded is not None:
+        return folded
+    op = e.op
+    if op is ExprOp.NOT:
+        (a,) = args
+        if a.op is ExprOp.NOT:
+            return a.args[0]
+        if a.op in _NEGATE:
+            return Expr(_NEGATE[a.op], a.args)
+        if a.op is ExprOp.CONST:
+            return const(not a.value)
+    if op is ExprOp.AND:
+        a, b = args
+        if _b(a, True):
+            return b
+        if _b(b, True) or a == b:
+            return a
+        if _b(a, False) or _b(b, False):
+            return const(False)
+    if op is ExprOp.OR:
+        a, b = args
+        if _b(a, False):
+            return b
+        if _b(b, False) or a == b:
+            return a
+        if _b(a, True) or _b(b, True):
+            return const(True)
+    if op is ExprOp.WHERE:
+        c, x, y = args
+        if c.op is ExprOp.CONST:
+            return x if c.value else y
+        if x == y:
+            return x
+        if _b(x, True) and _b(y, False):
+            return c
+        if _b(x, False) and _b(y, True):
+            return simplify(Expr(ExprOp.NOT, (c,)))
+    if op in (ExprOp.EQ, ExprOp.NE) and args[0].op is ExprOp.WHERE and args[1].op is ExprOp.CONST:
+        c, x, y = args[0].args
+        if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
+            return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
+    if op is ExprOp.ADD:
+        a, b = args
+        if _is_const(b, 0):
+            return a
+        if _is_const(a, 0):
+            return b
+        if b.op is ExprOp.CONST and isinstance(b.value, (int, float)) and not isinstance(b.value, bool) and b.value < 0:
+            return Expr(ExprOp.SUB, (a, const(-b.value)))
+        if b.op is ExprOp.NEG:
+            return Expr(ExprOp.SUB, (a, b.args[0]))
+    if op is ExprOp.SUB:
+        a, b = args
+        if _is_const(b, 0):
+            return a
+        if _is_const(a, 0):
+            return simplify(Expr(ExprOp.NEG, (b,)))
+    if op is ExprOp.MUL:
+        a, b = args
+        if _is_const(b, 1):
+            return a
+        if _is_const(a, 1):
+            return b
+        if _is_const(a, -1):
+            return Expr(ExprOp.NEG, (b,))
+        if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
+            return simplify(Expr(ExprOp.MUL, (a.args[0], const(a.args[1].value * b.value))))  # type: ignore[operator]
+    if op is ExprOp.DIV:
+        a, b = args
+        if _is_const(b, 1):
+            return a
+    if op is ExprOp.NEG and args[0].op is ExprOp.NEG:
+        return args[0].args[0]
+    return e
+
+
+def uses_only(e: Expr, names: set[str]) -> bool:
+    return free_vars(e) <= names
+
+
+def with_expr(s: Sym, e: Expr) -> Sym:
+    return replace(s, expr=e)

@@ -1,0 +1,780 @@
+"""Trace an attention computation with torch.fx and read off its variant expressions.
+
+`trace_attention(fn, inputs, ...)` runs `make_fx` (pre-dispatch aten ops, real tensors)
+and interprets the graph abstractly:
+- q, k, v are `Operand`s: the placeholders that reach `matmul`/`einsum`/SDPA through
+  layout ops only; transposes, head repetition (GQA: `repeat_interleave`, or
+  unsqueeze+expand+reshape) and scalar scaling are tracked on them;
+- everything on the score side is a `Sym` (spec_sym), with the QK^T product as the free
+  name `score`; buffers, parameters and extra inputs become loads of named aux tensors;
+- at softmax the [B, H, M, N] logits are named (b, h, q_idx, kv_idx) and split into a
+  score part and a mask (-inf fills, where/masked_fill, additive -inf masks);
+- after softmax only eval-mode dropout, dtype casts and the product with V are allowed.
+
+`trace_mod(fn, params, ...)` traces a FlexAttention-style score_mod/mask_mod the same way.
+Unsupported constructs raise `KBError` naming the aten op and the spec source line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from generate import spec_sym as S
+from generate.spec_sym import Sym
+from kb.errors import KBError
+from kb.ir.classify import fit_band
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+
+__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf"]
+
+log = logging.getLogger(__name__)
+
+NameOf = Callable[[torch.Tensor], str | None]
+_IDX = ("b", "h", "q_idx", "kv_idx")
+
+
+@dataclass(frozen=True)
+class Operand:
+    """q, k or v on its way to a matmul. `labels` name each dim: b, h, s, d, '1' (inserted
+    size-1 dim) or 'g' (head-group dim being expanded); `rep` = head repetition (GQA)."""
+
+    name: str
+    labels: tuple[str, ...]
+    shape: tuple[int, ...]
+    scale: float = 1.0
+    rep: int = 1
+
+
+@dataclass(frozen=True)
+class _Probs:
+    pass
+
+
+@dataclass(frozen=True)
+class _Output:
+    pass
+
+
+@dataclass(frozen=True)
+class TracedAttention:
+    """What a traced spec computes: softmax(score_mod(scale * q k^T) masked by mask_mod) @ v."""
+
+    score_mod: Expr | None
+    mask_mod: Expr | None
+    scale: float
+    q: str  # input names
+    k: str
+    v: str
+    gqa_ratio: int
+    aux: Mapping[str, torch.Tensor]
+    dropout: bool = False
+
+
+@dataclass
+class _State:
+    names: dict[torch.fx.Node, str]
+    name_of: NameOf
+    source: str | None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    q: Operand | None = None
+    k: Operand | None = None
+    v: Operand | None = None
+    logits: Sym | None = None
+    softmax_node: torch.fx.Node | None = None
+    n_const: int = 0
+
+
+def _where(node: torch.fx.Node, source: str | None) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+    if source:
+        mine = [f for f in frames if f[0] == source]
+        frames = mine or frames
+    if not frames:
+        return "at an unknown line"
+    f, line, code = frames[-1]
+    return f"at {f}:{line}: {code.strip()}"
+
+
+def _err(node: torch.fx.Node, st: _State, msg: str) -> KBError:
+    return KBError(f"{msg} (aten op {_op_name(node)}, {_where(node, st.source)})",
+                   hint="see docs/specs.md for the supported attention patterns")
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    t = node.target
+    return getattr(t, "__name__", str(t)) if not hasattr(t, "_overloadpacket") else str(t).replace("aten.", "")
+
+
+def _packet(node: torch.fx.Node) -> str:
+    t = node.target
+    if hasattr(t, "_overloadpacket"):
+        return t._overloadpacket.__name__  # type: ignore[union-attr]
+    return getattr(t, "__name__", str(t))
+
+
+# ---------------------------------------------------------------- leaves
+
+
+def _const_leaf(t: torch.Tensor, name: str) -> Sym:
+    if t.numel() == 1:
+        v = t.item()
+        return Sym(tuple(t.shape), const(bool(v) if t.dtype == torch.bool else v), t.dtype)
+    pattern = _pattern_leaf(t)
+    if pattern is not None:
+        return pattern
+    return S.load_leaf(name, t)
+
+
+def _pattern_leaf(t: torch.Tensor) -> Sym | None:
+    """A mask buffer whose values are exactly a diagonal band (tril, sliding window, prefix)
+    becomes that index expression instead of a load."""
+    if t.dim() < 2 or any(n != 1 for n in t.shape[:-2]):
+        return None
+    m = t.reshape(t.shape[-2], t.shape[-1])
+    if t.dtype == torch.bool:
+        attend, on, off = m, const(True), const(False)
+    else:
+        vals = torch.unique(m.float())
+        if set(vals.tolist()) <= {0.0, 1.0}:
+            attend = m != 0
+            on, off = (const(1.0), const(0.0)) if t.dtype.is_floating_point else (const(1), const(0))
+        elif len(vals) == 2 and vals[0].item() <= S.NEG_INF_THRESHOLD and vals[1].item() == 0.0:
+            attend, on, off = m == 0, const(0.0), const(vals[0].item())
+        else:
+            return None
+    band = fit_band(attend)
+    if band is None:
+        return None
+    i, j = S.dvar(t.dim() - 2), S.dvar(t.dim() - 1)
+    cond = _band_expr(i, j, band.lo, band.hi, band.prefix)
+    e = cond if t.dtype == torch.bool else call("where", cond, on, off)
+    return Sym(tuple(t.shape), e, t.dtype)
+
+
+def _band_expr(i: Expr, j: Expr, lo: int | None, hi: int | None, prefix: int | None) -> Expr:
+    parts: list[Expr] = []
+    if hi is not None:
+        parts.append(Expr(ExprOp.LE, (j, i if hi == 0 else Expr(ExprOp.ADD, (i, const(hi))))))
+    if lo is not None:
+        parts.append(Expr(ExprOp.LT, (Expr(ExprOp.SUB, (i, j)), const(1 - lo))))
+    cond = const(True)
+    for p in parts:
+        cond = p if cond == const(True) else Expr(ExprOp.AND, (cond, p))
+    if prefix:
+        cond = Expr(ExprOp.OR, (Expr(ExprOp.LT, (j, const(prefix))), cond))
+    return cond
+
+
+# ---------------------------------------------------------------- value coercion
+
+
+def _sym(x: Any, node: torch.fx.Node, st: _State) -> Sym:
+    if isinstance(x, Sym):
+        return x
+    if isinstance(x, (bool, int, float)):
+        return S.scalar_sym(x)
+    if isinstance(x, Operand):
+        raise _err(node, st, f"{x.name} (an attention input) is used in score arithmetic")
+    if isinstance(x, (_Probs, _Output)):
+        raise _err(node, st, "unsupported use of the attention probabilities/output")
+    raise _err(node, st, f"unsupported argument {type(x).__name__}")
+
+
+def _scalar(x: Any) -> float | None:
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, Sym) and x.expr.op is ExprOp.CONST and not x.is_bool and math.prod(x.shape) == 1:
+        return float(x.expr.value)  # type: ignore[arg-type]
+    return None
+
+
+def _dtype_of(node: torch.fx.Node) -> torch.dtype:
+    val = node.meta.get("val")
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
+
+
+# ---------------------------------------------------------------- operand (q/k/v) ops
+
+
+_LAYOUT = {"transpose", "permute", "t", "view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone",
+           "contiguous", "repeat_interleave", "_to_copy", "to", "alias", "detach", "mul", "div", "repeat", "squeeze"}
+
+
+def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _State) -> Operand:
+    out_shape = tuple(node.meta["val"].shape)
+    if pk in ("clone", "contiguous", "_to_copy", "to", "alias", "detach"):
+        return x
+    if pk in ("transpose", "t", "permute"):
+        n = len(x.labels)
+        if pk == "t":
+            perm = [1, 0]
+        elif pk == "transpose":
+            a, b = args[1] % n, args[2] % n
+            perm = list(range(n))
+            perm[a], perm[b] = perm[b], perm[a]
+        else:
+            perm = [p % n for p in args[1]]
+        return replace(x, labels=tuple(x.labels[p] for p in perm), shape=out_shape)
+    if pk == "unsqueeze":
+        d = args[1] % (len(x.labels) + 1)
+        return replace(x, labels=x.labels[:d] + ("1",) + x.labels[d:], shape=out_shape)
+    if pk == "squeeze":
+        keep = [i for i, n in enumerate(out_shape)]
+        labels = tuple(lab for lab, n in zip(x.labels, x.shape) if not (n == 1 and lab == "1"))
+        if len(labels) != len(keep):
+            raise _err(node, st, f"squeeze of {x.name}")
+        return replace(x, labels=labels, shape=out_shape)
+    if pk == "expand":
+        labels = tuple("g" if (lab == "1" and n != 1) else lab for lab, n in zip(x.labels, out_shape[-len(x.labels):]))
+        if len(out_shape) != len(x.labels):
+            raise _err(node, st, f"expand adds dims to {x.name}")
+        return replace(x, labels=labels, shape=out_shape)
+    if pk in ("view", "reshape", "_unsafe_view"):
+        return _operand_view(node, x, out_shape, st)
+    if pk == "repeat_interleave":
+        reps, dim = args[1], (args[2] if len(args) > 2 else node.kwargs.get("dim"))
+        if not isinstance(reps, int) or dim is None or x.labels[dim % len(x.labels)] != "h":
+            raise _err(node, st, f"repeat_interleave of {x.name} other than over the head dim by a constant")
+        return replace(x, rep=x.rep * reps, shape=out_shape)
+    if pk == "repeat":
+        if any(r != 1 for r, lab in zip(args[1][-len(x.labels):], x.labels) if lab == "h"):
+            raise _err(node, st, f"{x.name}.repeat() tiles heads (head j reads kv head j % Hkv); GQA maps head j to "
+                                 "j // (Hq // Hkv): use repeat_interleave(dim=1)")
+        if any(r != 1 for r in args[1]):
+            raise _err(node, st, f"repeat of {x.name}")
+        return x
+    if pk in ("mul", "div"):
+        other = args[1] if args[0] is x else args[0]
+        c = _scalar(other)
+        if c is None or (pk == "div" and args[0] is not x):
+            raise _err(node, st, f"{x.name} is combined elementwise with a tensor")
+        return replace(x, scale=x.scale * (c if pk == "mul" else 1.0 / c))
+    raise _err(node, st, f"unsupported op on attention input {x.name}")
+
+
+def _operand_view(node: torch.fx.Node, x: Operand, out_shape: tuple[int, ...], st: _State) -> Operand:
+    if out_shape == x.shape:
+        return x
+    labels = list(x.labels)
+    shape = list(x.shape)
+    # merge (h, g): repeat_interleave-style head expansion
+    for i in range(len(labels) - 1):
+        if labels[i] == "h" and labels[i + 1] == "g":
+            merged = shape[:i] + [shape[i] * shape[i + 1]] + shape[i + 2:]
+            if tuple(merged) == out_shape:
+                return replace(x, labels=tuple(labels[:i] + ["h"] + labels[i + 2:]), shape=out_shape, rep=x.rep * shape[i + 1])
+        if labels[i] == "g" and labels[i + 1] == "h":
+            raise _err(node, st, f"{x.name}: heads expanded as (group, head), i.e. head j reads kv head j % Hkv; "
+                                 "use repeat_interleave(dim=1)")
+    # drop inserted size-1 dims
+    kept = [(lab, n) for lab, n in zip(labels, shape) if not (lab == "1" and n == 1)]
+    if tuple(n for _, n in kept) == out_shape:
+        return replace(x, labels=tuple(lab for lab, _ in kept), shape=out_shape)
+    raise _err(node, st, f"reshape of {x.name} from {x.shape} to {out_shape} (q, k, v must stay [B, H, S, D])")
+
+
+def _expect(x: Operand, labels: tuple[str, ...], node: torch.fx.Node, st: _State, what: str) -> None:
+    if x.labels != labels:
+        raise _err(node, st, f"{what}: {x.name} has layout {x.labels}, expected {labels} "
+                             "(inputs must be [B, H, S, D])")
+
+
+def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, st: _State) -> Sym:
+    if st.q is not None:
+        raise _err(node, st, "a second QK^T product (only one attention per spec is supported)")
+    if q.rep != 1:
+        raise _err(node, st, f"{q.name} has repeated heads")
+    st.q, st.k = q, k
+    B, H, M = q.shape[0], q.shape[1], q.shape[2]
+    N = k.shape[3] if k.labels[2] == "d" else k.shape[2]
+    return Sym((B, H, M, N), var("score"), _dtype_of(node))
+
+
+def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
+    if not isinstance(probs, _Probs) or not isinstance(v, Operand):
+        raise _err(node, st, "the second matmul must be softmax(scores) @ v")
+    _expect(v, ("b", "h", "s", "d"), node, st, "P @ V")
+    if st.k is not None and v.rep != st.k.rep:
+        raise _err(node, st, f"k and v heads are repeated differently ({st.k.rep} vs {v.rep})")
+    if v.scale != 1.0:
+        raise _err(node, st, f"{v.name} is scaled")
+    st.v = v
+    return _Output()
+
+
+def _matmul(node: torch.fx.Node, a: Any, b: Any, st: _State) -> Any:
+    if isinstance(a, Operand) and isinstance(b, Operand):
+        _expect(a, ("b", "h", "s", "d"), node, st, "Q @ K^T")
+        _expect(b, ("b", "h", "d", "s"), node, st, "Q @ K^T")
+        return _start_scores(node, a, b, st)
+    return _finish(node, a, b, st)
+
+
+def _einsum(node: torch.fx.Node, eq: str, ops: list[Any], st: _State) -> Any:
+    lhs, out = eq.replace(" ", "").split("->")
+    ins = lhs.split(",")
+    if len(ops) != 2 or len(ins) != 2:
+        raise _err(node, st, f"einsum {eq!r}")
+    a, b = ops
+    if isinstance(a, Operand) and isinstance(b, Operand):
+        la = dict(zip(ins[0], a.labels))
+        lb = dict(zip(ins[1], b.labels))
+        qs = next((c for c, lab in la.items() if lab == "s"), None)
+        ks = next((c for c, lab in lb.items() if lab == "s"), None)
+        d = next((c for c, lab in la.items() if lab == "d"), None)
+        bh = [c for c, lab in la.items() if lab in ("b", "h")]
+        if None in (qs, ks, d) or lb.get(d) != "d" or out != "".join(bh) + qs + ks or \
+                [la[c] for c in bh] != ["b", "h"] or [lb.get(c) for c in bh] != ["b", "h"]:
+            raise _err(node, st, f"einsum {eq!r} is not Q K^T over [B, H, S, D] inputs")
+        return _start_scores(node, replace(a, labels=("b", "h", "s", "d")), replace(b, labels=("b", "h", "d", "s"), shape=b.shape[:2] + (b.shape[3], b.shape[2])), st)
+    if isinstance(a, _Probs) and isinstance(b, Operand):
+        lb = dict(zip(ins[1], b.labels))
+        if ins[0][:2] != out[:2] or lb.get(ins[0][3]) != "s" or out[3] not in lb or lb[out[3]] != "d":
+            raise _err(node, st, f"einsum {eq!r} is not P @ V")
+        return _finish(node, a, replace(b, labels=("b", "h", "s", "d")), st)
+    raise _err(node, st, f"einsum {eq!r} on unsupported operands")
+
+
+# ---------------------------------------------------------------- score-side ops
+
+_BIN = {
+    "add": ExprOp.ADD, "sub": ExprOp.SUB, "rsub": ExprOp.SUB, "mul": ExprOp.MUL, "div": ExprOp.DIV,
+    "eq": ExprOp.EQ, "ne": ExprOp.NE, "lt": ExprOp.LT, "le": ExprOp.LE, "gt": ExprOp.GT, "ge": ExprOp.GE,
+    "bitwise_and": ExprOp.AND, "logical_and": ExprOp.AND, "__and__": ExprOp.AND,
+    "bitwise_or": ExprOp.OR, "logical_or": ExprOp.OR, "__or__": ExprOp.OR,
+    "maximum": ExprOp.MAXIMUM, "minimum": ExprOp.MINIMUM, "remainder": ExprOp.MOD,
+    "floor_divide": ExprOp.FLOORDIV,
+}
+_UN = {"neg": ExprOp.NEG, "bitwise_not": ExprOp.NOT, "logical_not": ExprOp.NOT, "abs": ExprOp.ABS,
+       "exp": ExprOp.EXP, "exp2": ExprOp.EXP2, "log": ExprOp.LOG, "tanh": ExprOp.TANH, "sigmoid": ExprOp.SIGMOID,
+       "sqrt": ExprOp.SQRT}
+_IDENTITY = {"clone", "contiguous", "alias", "detach", "lift_fresh_copy", "lift_fresh"}
+
+
+def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
+    if dtype == x.dtype:
+        return x
+    if dtype == torch.bool:
+        return Sym(x.shape, x.expr if x.is_bool else Expr(ExprOp.NE, (x.expr, const(0))), dtype)
+    if x.is_bool:
+        one, zero = (const(1.0), const(0.0)) if dtype.is_floating_point else (const(1), const(0))
+        return Sym(x.shape, call("where", x.expr, one, zero), dtype)
+    if x.dtype.is_floating_point and not dtype.is_floating_point:
+        raise _err(node, st, "float to integer cast in the score computation")
+    return replace(x, dtype=dtype)
+
+
+def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    dt = _dtype_of(node)
+    shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
+    if pk in _IDENTITY:
+        return _sym(args[0], node, st)
+    if pk in ("_to_copy", "to"):
+        return _cast(_sym(args[0], node, st), dt, node, st)
+    if pk == "div" and kw.get("rounding_mode") == "floor":
+        return S.binary(ExprOp.FLOORDIV, _sym(args[0], node, st), _sym(args[1], node, st), dt)
+    if pk == "div" and kw.get("rounding_mode") == "trunc":
+        raise _err(node, st, "truncating division")
+    if pk in _BIN:
+        a, b = _sym(args[0], node, st), _sym(args[1], node, st)
+        if pk == "rsub":
+            a, b = b, a
+        alpha = kw.get("alpha", args[2] if len(args) > 2 else 1)
+        if pk in ("add", "sub", "rsub") and alpha != 1:
+            b = S.binary(ExprOp.MUL, b, S.scalar_sym(alpha))
+        return S.binary(_BIN[pk], a, b, dt)
+    if pk == "pow":
+        a, b = args[0], args[1]
+        if isinstance(b, (int, float)) and b in (2, 0.5, -0.5):
+            x = _sym(a, node, st)
+            if b == 2:
+                return S.binary(ExprOp.MUL, x, x, dt)
+            r = S.unary(ExprOp.SQRT, x, dt)
+            return r if b == 0.5 else S.binary(ExprOp.DIV, S.scalar_sym(1.0), r, dt)
+        if isinstance(a, (int, float)) and a == 2:
+            return S.unary(ExprOp.EXP2, _sym(b, node, st), dt)
+        raise _err(node, st, "power other than x**2, x**0.5, 2**x")
+    if pk == "rsqrt":
+        return S.binary(ExprOp.DIV, S.scalar_sym(1.0), S.unary(ExprOp.SQRT, _sym(args[0], node, st)), dt)
+    if pk in _UN:
+        return S.unary(_UN[pk], _sym(args[0], node, st), dt)
+    if pk in ("where", "masked_fill"):
+        if pk == "where":
+            c, x, y = (_sym(a, node, st) for a in args)
+        else:
+            y, c, x = (_sym(a, node, st) for a in args)
+        return S.where(c, x, y, dt)
+    if pk == "clamp":
+        x = _sym(args[0], node, st)
+        lo = args[1] if len(args) > 1 else kw.get("min")
+        hi = args[2] if len(args) > 2 else kw.get("max")
+        if lo is not None:
+            x = S.binary(ExprOp.MAXIMUM, x, _sym(lo, node, st), dt)
+        if hi is not None:
+            x = S.binary(ExprOp.MINIMUM, x, _sym(hi, node, st), dt)
+        return x
+    if pk in ("view", "reshape", "_unsafe_view"):
+        return S.view(_sym(args[0], node, st), args[1])
+    if pk == "unsqueeze":
+        return S.unsqueeze(_sym(args[0], node, st), args[1])
+    if pk == "squeeze":
+        dims = args[1] if len(args) > 1 else None
+        return S.squeeze(_sym(args[0], node, st), [dims] if isinstance(dims, int) else dims)
+    if pk == "expand":
+        return S.expand(_sym(args[0], node, st), args[1])
+    if pk in ("permute", "transpose", "t"):
+        x = _sym(args[0], node, st)
+        n = len(x.shape)
+        if pk == "permute":
+            perm = list(args[1])
+        else:
+            a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (0, 1)
+            perm = list(range(n))
+            perm[a], perm[b] = perm[b], perm[a]
+        return S.permute(x, perm)
+    if pk == "slice":
+        x = _sym(args[0], node, st)
+        dim = args[1] if len(args) > 1 else 0
+        start = args[2] if len(args) > 2 else None
+        end = args[3] if len(args) > 3 else None
+        step = args[4] if len(args) > 4 else 1
+        return S.slice_(x, dim, start, end if end is None or end < 2**62 else None, step)
+    if pk == "select":
+        return S.select(_sym(args[0], node, st), args[1], args[2])
+    if pk == "index":
+        return S.index(_sym(args[0], node, st), [None if i is None else _sym(i, node, st) for i in args[1]])
+    if pk in ("tril", "triu"):
+        x = _sym(args[0], node, st)
+        diag = args[1] if len(args) > 1 else kw.get("diagonal", 0)
+        return S.tril(x, diag) if pk == "tril" else S.triu(x, diag)
+    if pk == "arange":
+        nums = [a for a in args if isinstance(a, (int, float))]
+        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
+        return S.arange(start, end, step, dt)
+    if pk in ("ones", "zeros", "full", "scalar_tensor", "empty"):
+        if pk == "empty":
+            raise _err(node, st, "uninitialised tensor (torch.empty)")
+        value = {"ones": 1, "zeros": 0}.get(pk, args[1] if pk == "full" else args[0])
+        return S.full(shape or (), value, dt)
+    if pk in ("ones_like", "zeros_like", "full_like"):
+        value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
+        return S.full(shape or (), value, dt)
+    raise _err(node, st, "unsupported op in the score/mask computation")
+
+
+# ---------------------------------------------------------------- softmax: name dims, split mask
+
+
+def _split_mask(e: Expr) -> tuple[Expr, Expr | None]:
+    """Split logits into (finite score part, attend condition or None = always attend)."""
+    if S.is_neg_inf(e):
+        return const(0.0), const(False)
+    if e.op is ExprOp.WHERE:
+        c, x, y = e.args
+        fx, cx = _split_mask(x)
+        fy, cy = _split_mask(y)
+        if cx is None and cy is None:
+            return e, None
+        if cy == const(False):
+            return fx, _and(c, cx)
+        if cx == const(False):
+            return fy, _and(Expr(ExprOp.NOT, (c,)), cy)
+        return call("where", c, fx, fy), call("where", c, cx or const(True), cy or const(True))
+    if e.op in (ExprOp.ADD, ExprOp.SUB):
+        x, y = e.args
+        fx, cx = _split_mask(x)
+        fy, cy = (y, None) if e.op is ExprOp.SUB else _split_mask(y)
+        if cx is None and cy is None:
+            return e, None
+        return Expr(e.op, (fx, fy)), _and(cx, cy)
+    if e.op in (ExprOp.MUL, ExprOp.DIV) and e.args[1].op is ExprOp.CONST and float(e.args[1].value) > 0:  # type: ignore[arg-type]
+        fx, cx = _split_mask(e.args[0])
+        return (e, None) if cx is None else (Expr(e.op, (fx, e.args[1])), cx)
+    return e, None
+
+
+def _and(a: Expr | None, b: Expr | None) -> Expr | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return Expr(ExprOp.AND, (a, b))
+
+
+def _extract_scale(e: Expr) -> tuple[Expr, float]:
+    """If every `score` sits in `score * c` (same c), fold c into the softmax scale."""
+    factors = {float(n.args[1].value) for n in walk(e)  # type: ignore[arg-type]
+               if n.op is ExprOp.MUL and n.args[0] == var("score") and n.args[1].op is ExprOp.CONST}
+    n_score = sum(1 for n in walk(e) if n == var("score"))
+    n_scaled = sum(1 for n in walk(e) if n.op is ExprOp.MUL and n.args[0] == var("score") and n.args[1].op is ExprOp.CONST)
+    if len(factors) != 1 or n_scaled != n_score:
+        return e, 1.0
+    c = factors.pop()
+
+    def strip(n: Expr) -> Expr:
+        if n.op is ExprOp.MUL and n.args[0] == var("score") and n.args[1].op is ExprOp.CONST:
+            return var("score")
+        return Expr(n.op, tuple(strip(a) for a in n.args), n.value) if n.args else n
+
+    return strip(e), c
+
+
+def _normalize_scale(e: Expr) -> Expr:
+    """`score / c` -> `score * (1/c)` and `c * score` -> `score * c`, so scale extraction sees one form."""
+    if not e.args:
+        return e
+    e = Expr(e.op, tuple(_normalize_scale(a) for a in e.args), e.value)
+    if e.op is ExprOp.DIV and e.args[0] == var("score") and e.args[1].op is ExprOp.CONST:
+        return Expr(ExprOp.MUL, (var("score"), const(1.0 / float(e.args[1].value))))  # type: ignore[arg-type]
+    if e.op is ExprOp.MUL and e.args[1] == var("score") and e.args[0].op is ExprOp.CONST:
+        return Expr(ExprOp.MUL, (var("score"), e.args[0]))
+    return e
+
+
+def _variants(logits: Sym, node: torch.fx.Node, st: _State) -> tuple[Expr | None, Expr | None, float]:
+    named = substitute(logits.expr, {f"_d{k}": var(n) for k, n in enumerate(_IDX)})
+    named = S.simplify(named)
+    score, mask = _split_mask(named)
+    score = S.simplify(_normalize_scale(S.simplify(score)))
+    score, c = _extract_scale(score)
+    score = S.simplify(score)
+    if mask is not None:
+        mask = S.simplify(mask)
+        if "score" in free_vars(mask):
+            raise _err(node, st, "the mask depends on score values")
+        if mask == const(True):
+            mask = None
+    return (None if score == var("score") else score), mask, c
+
+
+# ---------------------------------------------------------------- the interpreter
+
+
+def _operand_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Placeholders that reach a matmul/einsum/SDPA operand through layout ops only."""
+    found: set[torch.fx.Node] = set()
+
+    def back(n: Any) -> None:
+        if not isinstance(n, torch.fx.Node):
+            return
+        if n.op == "placeholder":
+            found.add(n)
+        elif n.op == "call_function" and _packet(n) in _LAYOUT:
+            back(n.args[0])
+            if _packet(n) in ("mul", "div") and len(n.args) > 1:
+                back(n.args[1])
+
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            pk = _packet(n)
+            if pk in ("matmul", "bmm"):
+                back(n.args[0])
+                back(n.args[1])
+            elif pk == "einsum":
+                for a in n.args[1]:
+                    back(a)
+            elif pk == "scaled_dot_product_attention":
+                for a in n.args[:3]:
+                    back(a)
+    return found
+
+
+def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> torch.fx.GraphModule:
+    try:
+        return make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*inputs)
+    except KBError:
+        raise
+    except Exception as err:  # noqa: BLE001 - tracing failures are the user's spec
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise KBError(f"cannot trace {what}: {msg}",
+                      hint="data-dependent Python control flow and .item() are not supported") from None
+
+
+def _attr_leaf(gm: torch.fx.GraphModule, node: torch.fx.Node, st: _State) -> Sym:
+    t = getattr(gm, str(node.target))
+    name = st.name_of(t)
+    if name is None:
+        name = f"const{st.n_const}"
+        st.n_const += 1
+    name = re.sub(r"\W", "_", name)
+    leaf = _const_leaf(t, name)
+    if leaf.expr.op is ExprOp.LOAD or any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
+        base, i = name, 1
+        while name in st.aux and not torch.equal(st.aux[name], t):
+            name = f"{base}_{i}"
+            i += 1
+        st.aux[name] = t.detach().clone()
+        leaf = S.load_leaf(name, t)
+    return leaf
+
+
+def _run(gm: torch.fx.GraphModule, env: dict[torch.fx.Node, Any], st: _State) -> Any:
+    for node in gm.graph.nodes:
+        if node in env:
+            continue
+        if node.op == "get_attr":
+            env[node] = _attr_leaf(gm, node, st)
+            continue
+        if node.op == "output":
+            out = node.args[0]
+            return env[out[0]] if isinstance(out, (tuple, list)) else env[out]
+        if node.op != "call_function":
+            raise _err(node, st, f"unsupported graph node {node.op}")
+        args = [_lookup(a, env) for a in node.args]
+        kw = {k: _lookup(a, env) for k, a in node.kwargs.items()}
+        env[node] = _step(node, args, kw, st)
+    raise AssertionError("graph without output")
+
+
+def _lookup(a: Any, env: dict[torch.fx.Node, Any]) -> Any:
+    if isinstance(a, torch.fx.Node):
+        return env[a]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_lookup(x, env) for x in a)
+    return a
+
+
+def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Any:
+    pk = _packet(node)
+    if node.target is operator.getitem:
+        return args[0][args[1]]
+    first = args[0] if args else None
+    if pk in ("matmul", "bmm"):
+        return _matmul(node, args[0], args[1], st)
+    if pk == "einsum":
+        return _einsum(node, args[0], list(args[1]), st)
+    if pk == "scaled_dot_product_attention":
+        return _sdpa(node, args, kw, st)
+    if pk in ("softmax", "_softmax", "_safe_softmax"):
+        return _softmax(node, args, st)
+    if pk in ("dropout", "native_dropout", "feature_dropout"):
+        p, train = args[1], args[2] if len(args) > 2 else kw.get("train", True)
+        if train and p > 0:
+            raise _err(node, st, f"dropout(p={p}) in training mode (call model.eval() or drop it)")
+        return (first, None) if pk == "native_dropout" else first
+    if isinstance(first, Operand):
+        return _operand_op(pk, node, first, args, st)
+    if pk in ("mul", "div") and len(args) > 1 and isinstance(args[1], Operand):
+        return _operand_op(pk, node, args[1], args, st)
+    if isinstance(first, _Probs):
+        if pk in _IDENTITY | {"_to_copy", "to"}:
+            return first
+        raise _err(node, st, "op between softmax and the product with v")
+    if isinstance(first, _Output):
+        if pk in _IDENTITY | {"_to_copy", "to"}:
+            return first
+        raise _err(node, st, "op after the attention output (the spec must return softmax(...) @ v as [B, H, M, D])")
+    return _sym_op(pk, node, args, kw, st)
+
+
+def _softmax(node: torch.fx.Node, args: list[Any], st: _State) -> _Probs:
+    x = args[0]
+    if not isinstance(x, Sym) or "score" not in free_vars(x.expr):
+        raise _err(node, st, "softmax of something other than the attention scores")
+    if args[1] % len(x.shape) != len(x.shape) - 1 or len(x.shape) != 4:
+        raise _err(node, st, "softmax over a dim other than the last of [B, H, M, N]")
+    if st.logits is not None:
+        raise _err(node, st, "a second softmax")
+    st.logits = x
+    st.softmax_node = node
+    return _Probs()
+
+
+def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> _Output:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+    a = dict(zip(names, args)) | kw
+    q, k, v = a["query"], a["key"], a["value"]
+    if not all(isinstance(x, Operand) for x in (q, k, v)):
+        raise _err(node, st, "scaled_dot_product_attention on non-input tensors")
+    if a.get("dropout_p", 0.0):
+        raise _err(node, st, f"scaled_dot_product_attention with dropout_p={a['dropout_p']}")
+    if a.get("enable_gqa") and k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = replace(k, rep=k.rep * rep), replace(v, rep=v.rep * rep)
+    _expect(q, ("b", "h", "s", "d"), node, st, "sdpa")
+    _expect(k, ("b", "h", "s", "d"), node, st, "sdpa")
+    kt = replace(k, labels=("b", "h", "d", "s"), shape=k.shape[:2] + (k.shape[3], k.shape[2]))
+    scores = _start_scores(node, q, kt, st)
+    scale = a.get("scale")
+    d = q.shape[3]
+    sc = S.binary(ExprOp.MUL, scores, S.scalar_sym(float(scale) if scale is not None else 1.0 / math.sqrt(d)))
+    m = a.get("attn_mask")
+    if m is not None:
+        m = _sym(m, node, st)
+        sc = S.where(m, sc, S.scalar_sym(-math.inf), sc.dtype) if m.is_bool else S.binary(ExprOp.ADD, sc, m)
+    if a.get("is_causal"):
+        causal = Sym((1, 1, sc.shape[2], sc.shape[3]), Expr(ExprOp.LE, (S.dvar(3), S.dvar(2))), torch.bool)
+        sc = S.where(causal, sc, S.scalar_sym(-math.inf), sc.dtype)
+    st.logits = sc
+    st.softmax_node = node
+    return _finish(node, _Probs(), v, st)
+
+
+def trace_attention(
+    fn: Callable[..., Any],
+    inputs: Sequence[Any],
+    input_names: Sequence[str],
+    name_of: NameOf,
+    source: str | None = None,
+) -> TracedAttention:
+    """Trace `fn(*inputs)` (an attention forward) into variant expressions."""
+    inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    gm = _make_fx(fn, inputs, "the spec's forward")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    operands = _operand_inputs(gm)
+    st = _State(names={}, name_of=name_of, source=source)
+    env: dict[torch.fx.Node, Any] = {}
+    for node, name, x in zip(placeholders, input_names, inputs):
+        if not isinstance(x, torch.Tensor):
+            env[node] = x
+        elif node in operands:
+            env[node] = Operand(name, ("b", "h", "s", "d") if x.dim() == 4 else tuple("?" * x.dim()), tuple(x.shape))
+        else:
+            st.aux[name] = x.detach().clone()
+            env[node] = S.load_leaf(name, x) if x.numel() != 1 else _const_leaf(x, name)
+    out = _run(gm, env, st)
+    if not isinstance(out, _Output) or st.logits is None or st.q is None or st.k is None or st.v is None:
+        raise KBError("the spec's forward does not compute softmax(q @ k^T) @ v (no attention pattern found)",
+                      hint="see docs/specs.md for the supported attention patterns")
+    score, mask, c = _variants(st.logits, st.softmax_node, st)  # type: ignore[arg-type]
+    used = set().union(*(e and {n.value for n in walk(e) if n.op is ExprOp.LOAD} or set() for e in (score, mask)))
+    aux = {k: v for k, v in st.aux.items() if k in used}
+    return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
+                           st.k.rep, aux)
+
+
+def trace_mod(
+    fn: Callable[..., Any],
+    params: Sequence[str],
+    name_of: NameOf,
+    source: str | None = None,
+    boolean: bool = False,
+) -> tuple[Expr, dict[str, torch.Tensor]]:
+    """Trace a FlexAttention-style mod: each parameter is a one-element tensor standing for
+    the variable of the same name (score: fp32, indices: int32). Returns (expr, aux)."""
+    inputs = [torch.zeros(1, dtype=torch.float32 if p == "score" else torch.int32) for p in params]
+    gm = _make_fx(fn, inputs, f"{getattr(fn, '__name__', 'mod')}()")
+    st = _State(names={}, name_of=name_of, source=source)
+    env: dict[torch.fx.Node, Any] = {}
+    for node, p, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], params, inputs):
+        env[node] = Sym((1,), var(p), x.dtype)
+    out = _run(gm, env, st)
+    if not isinstance(out, Sym):
+        raise KBError(f"{getattr(fn, '__name__', 'mod')}() must return a tensor computed from its arguments")
+    if out.shape not in ((), (1,)):
+        raise KBError(f"{getattr(fn, '__name__', 'mod')}() returns shape {out.shape}; it must be elementwise")
+    e = substitute(out.expr, {"_d0": const(0)})
+    if boolean and not out.is_bool:
+        e = Expr(ExprOp.NE, (e, const(0)))
+    e = S.simplify(e)
+    used = {str(n.value) for n in walk(e) if n.op is ExprOp.LOAD}
+    return e, {k: v for k, v in st.aux.items() if k in used}
