@@ -65,8 +65,17 @@ def parse_db_url(url: str) -> DbTarget:
     if backend in ("postgresql", "postgres"):
         if not parsed.database:
             raise KBError(f"KB_DB_URL {parsed.render_as_string(hide_password=True)} names no database")
-        return DbTarget(url, Dialect.POSTGRESQL, None)
+        driver = parsed.get_driver_name() if "+" in parsed.drivername else _pg_driver()
+        parsed = parsed.set(drivername=f"postgresql+{driver}")
+        return DbTarget(parsed.render_as_string(hide_password=False), Dialect.POSTGRESQL, None)
     raise KBError(f"KB_DB_URL uses unsupported database {backend!r}", hint="use sqlite:/// or postgresql://")
+
+
+def _pg_driver() -> str:
+    """psycopg2 when installed (kernel-kb's dev extra), else psycopg 3 (SQLAlchemy 2.1's default)."""
+    import importlib.util
+
+    return "psycopg2" if importlib.util.find_spec("psycopg2") else "psycopg"
 
 
 @dataclass(frozen=True)
@@ -106,9 +115,9 @@ def _sqlite_engine(url: str, begin: str) -> Engine:
 def make_engines(url: str) -> Engines:
     target = parse_db_url(url)
     if target.dialect is Dialect.SQLITE:
-        return Engines(target, _sqlite_engine(url, "BEGIN"), _sqlite_engine(url, "BEGIN IMMEDIATE"))
+        return Engines(target, _sqlite_engine(target.url, "BEGIN"), _sqlite_engine(target.url, "BEGIN IMMEDIATE"))
     try:
-        engine = create_engine(url, pool_pre_ping=True)
+        engine = create_engine(target.url, pool_pre_ping=True)
     except ImportError as err:
         raise KBError(f"no driver for {target.display} ({err})", hint="pip install psycopg2-binary") from err
     return Engines(target, engine, engine)
