@@ -1,0 +1,85 @@
+"""Which files of a fetched source go to which lifter, and running the lifters over them.
+
+Manifest paths are globs with one level of `{a,b}` alternation (expanded here; `glob` has none).
+Local sources (`kb ingest PATH`) pick lifters by file type: C++/CUDA sources -> cuda; Python
+files that import `cutlass.cute` -> cute, `triton` -> triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ingest.manifest import Manifest
+from ingest.model import FetchedSource, LiftReport, SourceKind
+
+__all__ = ["LiftTarget", "expand_braces", "select_files", "local_targets", "lift_target", "lift_source"]
+
+log = logging.getLogger(__name__)
+_CPP_SUFFIXES = {".h", ".cuh", ".cu", ".hpp", ".cpp", ".cc", ".cxx"}
+
+
+@dataclass(frozen=True)
+class LiftTarget:
+    path: Path
+    lifter: str
+    family: str
+
+
+def expand_braces(pattern: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    return [p for alt in m.group(1).split(",") for p in expand_braces(pattern[: m.start()] + alt + pattern[m.end():])]
+
+
+def select_files(manifest: Manifest, source: FetchedSource) -> tuple[list[LiftTarget], list[tuple[str, str]]]:
+    """Targets in manifest order, and (pattern, reason) for patterns that matched nothing."""
+    targets: list[LiftTarget] = []
+    missing: list[tuple[str, str]] = []
+    for rule in manifest.files:
+        for pattern in expand_braces(rule.path):
+            found = sorted(p for p in source.root.glob(pattern) if p.is_file())
+            if not found:
+                missing.append((pattern, f"no file in {manifest.filename} matches"))
+            targets.extend(LiftTarget(p, rule.lifter, rule.family) for p in found)
+    return targets, missing
+
+
+def local_targets(source: FetchedSource) -> list[LiftTarget]:
+    root = source.root
+    files = [root / source.filename] if (root / source.filename).is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    out = []
+    for p in files:
+        if p.suffix in _CPP_SUFFIXES:
+            out.append(LiftTarget(p, "cuda", "local_cuda"))
+        elif p.suffix == ".py":
+            head = p.read_text(encoding="utf-8", errors="replace")
+            if re.search(r"^\s*(from|import)\s+cutlass(\.cute)?\b", head, re.M):
+                out.append(LiftTarget(p, "cute", "local_cute"))
+            elif re.search(r"^\s*(from|import)\s+triton\b", head, re.M):
+                out.append(LiftTarget(p, "triton", "local_triton"))
+    return out
+
+
+def lift_target(target: LiftTarget, source: FetchedSource) -> LiftReport:
+    """Run one lifter; a lifter module that is missing or fails is reported, not raised."""
+    try:
+        module = importlib.import_module(f"ingest.lift_{target.lifter}")
+    except ImportError as err:
+        return LiftReport(target.path.name, skipped=((str(target.path), f"lifter {target.lifter!r} unavailable: {err}"),))
+    return module.lift_file(target.path, source, family=target.family)
+
+
+def lift_source(source: FetchedSource, manifest: Manifest | None = None) -> list[LiftReport]:
+    if manifest is None or source.kind is SourceKind.LOCAL:
+        targets, missing = local_targets(source), []
+    else:
+        targets, missing = select_files(manifest, source)
+    reports = [lift_target(t, source) for t in targets]
+    if missing:
+        reports.append(LiftReport(manifest.name if manifest else source.filename, skipped=tuple(missing)))
+    return reports
