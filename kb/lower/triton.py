@@ -1,0 +1,843 @@
+"""Program -> Triton source: one `@triton.jit` function per IR kernel plus a host `forward`.
+
+Reference-guided: the statement structure of the Program decides the code shape. Each IR
+statement becomes a few lines in the FlashAttention-2 Triton forward style (q tile in
+registers, K/V streamed by the `for` loop with the IR's exact bounds, `tl.dot` with fp32
+accumulation, `p` cast to v's dtype before the second dot, exp2 with log2(e) folded into
+one multiply-add).
+
+Invariants of the generated module:
+- It is standalone (imports only math, os, torch, triton) and importable from a file.
+- Every tensor gets explicit strides, so non-contiguous inputs work; every tile load/store
+  is masked by the extents of the dims it spans (ragged lengths, HEAD_PAD > D).
+- The online-softmax state keeps the IR's natural-log meaning (`m` is the natural row
+  max); only the exponentials use exp2 on `x * log2(e) - m * log2(e)` (one FMA, as FA2).
+- Fully masked rows never produce NaN: the max used in the exponent is 0 while the row
+  max is -inf, `finalize` divides by 1 where l == 0 and gives lse = -inf there.
+- `if block(...) is CLASS` is decided in closed form on (q_start, kv_start) when the
+  mask_mod is a conjunction of bounds on one linear form in q_idx/kv_idx with unit
+  coefficients (causal, sliding window, offsets); otherwise the host evaluates mask_mod
+  densely in torch and passes a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8.
+  Table codes: 0 empty, 1 partial, 2 full; an unaligned tile start reads as partial.
+- The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
+  the extra columns are zero-padded and masked, so results do not change).
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterator
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
+from kb.ir.nodes import (
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
+    Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
+    Stmt, Store,
+)
+from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
+
+__all__ = ["lower_program", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_LOG2E = "1.4426950408889634"
+_NEG_INF = 'float("-inf")'
+_TL_DTYPE = {Dtype.F32: "tl.float32", Dtype.BF16: "tl.bfloat16", Dtype.F16: "tl.float16",
+             Dtype.I32: "tl.int32", Dtype.I64: "tl.int64", Dtype.BOOL: "tl.int1"}
+_TORCH_DTYPE = {Dtype.F32: "torch.float32", Dtype.BF16: "torch.bfloat16", Dtype.F16: "torch.float16",
+                Dtype.I32: "torch.int32", Dtype.I64: "torch.int64", Dtype.BOOL: "torch.bool"}
+_KIND = {Dtype.F32: Kind.FLOAT, Dtype.BF16: Kind.FLOAT, Dtype.F16: Kind.FLOAT,
+         Dtype.I32: Kind.INT, Dtype.I64: Kind.INT, Dtype.BOOL: Kind.BOOL}
+_RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
+
+
+def kernel_fn_name(k: Kernel) -> str:
+    return f"_{k.name}_kernel"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# ------------------------------------------------------------------ block classes
+
+
+class BlockMaskKind(Enum):
+    NO_MASK = "no_mask"  # classes follow from the tile bounds alone
+    ANALYTIC = "analytic"  # L_i <= alpha*q_idx + beta*kv_idx <= U_j, decided on the tile corners
+    TABLE = "table"  # host-computed table, read by the kernel
+
+
+@dataclass(frozen=True)
+class BlockMaskPlan:
+    kind: BlockMaskKind
+    alpha: int = 0
+    beta: int = 0
+    lower: tuple[Expr, ...] = ()  # integer bounds; may use b, h, dims, scalars
+    upper: tuple[Expr, ...] = ()
+    per_b: bool = False  # TABLE: does the class depend on b / h?
+    per_h: bool = False
+
+
+def _linear(e: Expr) -> tuple[int, int, Expr] | None:
+    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx."""
+    if not ({"q_idx", "kv_idx"} & free_vars(e)):
+        return (0, 0, e) if not any(n.op is ExprOp.LOAD for n in walk(e)) else None
+    if e.op is ExprOp.VAR:
+        return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
+    if e.op in (ExprOp.ADD, ExprOp.SUB):
+        a, b = _linear(e.args[0]), _linear(e.args[1])
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op is ExprOp.ADD else -1
+        return a[0] + sign * b[0], a[1] + sign * b[1], Expr(e.op, (a[2], b[2]))
+    if e.op is ExprOp.NEG:
+        a = _linear(e.args[0])
+        return None if a is None else (-a[0], -a[1], Expr(ExprOp.NEG, (a[2],)))
+    if e.op is ExprOp.MUL:
+        for x, y in (e.args, e.args[::-1]):
+            if x.op is ExprOp.CONST and isinstance(x.value, int) and not isinstance(x.value, bool):
+                lin = _linear(y)
+                return None if lin is None else (x.value * lin[0], x.value * lin[1], Expr(ExprOp.MUL, (x, lin[2])))
+    return None
+
+
+_FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
+
+
+def _conjuncts(e: Expr) -> Iterator[Expr]:
+    if e.op is ExprOp.AND:
+        for a in e.args:
+            yield from _conjuncts(a)
+    else:
+        yield e
+
+
+def _int_expr(e: Expr) -> bool:
+    return all(n.op not in (ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT)
+               and not (n.op is ExprOp.CONST and isinstance(n.value, float)) for n in walk(e))
+
+
+def plan_block_mask(p: Program) -> BlockMaskPlan:
+    """Decide how block classes are computed for `p`'s mask_mod (see module docstring)."""
+    if p.mask_mod is None:
+        return BlockMaskPlan(BlockMaskKind.NO_MASK)
+    body = p.mask_mod.body
+    float_scalars = {q.name for q in p.params if q.role is Role.SCALAR and _KIND[q.dtype] is Kind.FLOAT}
+    direction: tuple[int, int] | None = None
+    lower: list[Expr] = []
+    upper: list[Expr] = []
+    for atom in _conjuncts(body):
+        lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
+        if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) or free_vars(lin[2]) & float_scalars:
+            return _table_plan(p)
+        a, b, c = lin
+        op = atom.op
+        if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
+            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
+        if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
+            return _table_plan(p)
+        direction = (a, b)
+        r = Expr(ExprOp.NEG, (c,))  # a*q + b*kv  op  r
+        if op in (ExprOp.GE, ExprOp.EQ):
+            lower.append(r)
+        if op is ExprOp.GT:
+            lower.append(r + 1)
+        if op in (ExprOp.LE, ExprOp.EQ):
+            upper.append(r)
+        if op is ExprOp.LT:
+            upper.append(r - 1)
+    assert direction is not None
+    return BlockMaskPlan(BlockMaskKind.ANALYTIC, direction[0], direction[1], tuple(lower), tuple(upper))
+
+
+def _table_plan(p: Program) -> BlockMaskPlan:
+    fv = free_vars(p.mask_mod.body) if p.mask_mod else frozenset()
+    return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
+
+
+def _any(es: list[Expr]) -> Expr:
+    out = es[0]
+    for e in es[1:]:
+        out = Expr(ExprOp.OR, (out, e))
+    return out
+
+
+def _all(es: list[Expr]) -> Expr:
+    out = es[0]
+    for e in es[1:]:
+        out = Expr(ExprOp.AND, (out, e))
+    return out
+
+
+def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
+    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
+    q0, k0 = st.q_start, st.kv_start
+    q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
+    k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
+    empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
+    full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
+    if plan.kind is BlockMaskKind.ANALYTIC:
+        lo_terms, hi_terms = [], []
+        for coef, lo, hi in ((plan.alpha, q0, q1), (plan.beta, k0, k1)):
+            if coef == 1:
+                lo_terms.append(lo), hi_terms.append(hi)
+            elif coef == -1:
+                lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
+        g_min, g_max = lo_terms[0], hi_terms[0]
+        for a, b in zip(lo_terms[1:], hi_terms[1:]):
+            g_min, g_max = g_min + a, g_max + b
+        at = {"b": st.b, "h": st.h}
+        lower = [substitute(x, at) for x in plan.lower]
+        upper = [substitute(x, at) for x in plan.upper]
+        empty += [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
+        empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
+        full += [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
+    return _any(empty), _all(full)
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@dataclass(frozen=True)
+class _Tile:
+    shape: tuple[str, ...]  # size codes (constexpr names or int literals)
+    dtype: Dtype
+
+
+@dataclass
+class _Signature:
+    """What every kernel of the program receives (one shared argument list keeps launches uniform)."""
+
+    tensors: tuple[Param, ...]
+    dims: tuple[str, ...]
+    scalars: tuple[Param, ...]
+    table: bool
+    pads: list[str] = field(default_factory=list)  # PAD_<dim> constexprs for Full over runtime dims
+
+    def args(self) -> list[str]:
+        out = [f"{t.name}_ptr" for t in self.tensors]
+        out += [f"stride_{t.name}_{i}" for t in self.tensors for i in range(len(t.shape))]
+        out += list(self.dims) + [s.name for s in self.scalars]
+        if self.table:
+            out += ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nb", "bc_nh", "bc_nm", "bc_nn"]
+        return out
+
+    def constexprs(self) -> list[str]:
+        return list(SCHEDULE_CONSTANTS) + self.pads
+
+
+class _KernelGen:
+    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan) -> None:
+        self.p, self.k, self.sig, self.plan = p, k, sig, plan
+        self.lines: list[str] = []
+        self.depth = 1
+        self.names: dict[str, Sym] = {}
+        self.tiles: dict[str, _Tile] = {}
+        self.offs: list[dict[tuple[str, str], str]] = [{}]
+        self.used: set[str] = set()
+        self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
+        for d in sig.dims:
+            self.names[d] = Sym(d, Kind.INT, True)
+        for c in SCHEDULE_CONSTANTS:
+            self.names[c] = Sym(c, Kind.INT, True)
+        for s in sig.scalars:
+            self.names[s.name] = Sym(s.name, _KIND[s.dtype])
+        self.aux = {t.name: AuxRef(f"{t.name}_ptr", tuple(f"stride_{t.name}_{i}" for i in range(len(t.shape))),
+                                   tuple(self._dim(d) for d in t.shape), _KIND[t.dtype])
+                    for t in sig.tensors if t.role is Role.AUX}
+
+    # -- helpers
+    def emit(self, line: str) -> None:
+        self.lines.append("    " * self.depth + line)
+
+    def ctx(self, names: dict[str, Sym] | None = None, aux: dict[str, AuxRef] | None = None) -> ExprContext:
+        return ExprContext(ExprTarget.DEVICE, self.names if names is None else names, self.aux if aux is None else aux)
+
+    def ex(self, e: Expr) -> str:
+        return _strip(lower_expr(e, self.ctx()))
+
+    def local(self, ir_name: str) -> str:
+        code = ir_name if ir_name not in _RESERVED and not keyword.iskeyword(ir_name) and not ir_name.startswith("_") \
+            and not ir_name.endswith("_ptr") and not ir_name.startswith(("stride_", "offs_", "bc_")) else f"v_{ir_name}"
+        return code
+
+    def bind_scalar(self, name: str, e: Expr) -> str:
+        code = self.local(name)
+        sym = Sym(code, expr_kind(e, self.ctx()), is_nonneg(e, self.ctx()))
+        self._invalidate(code)
+        self.emit(f"{code} = {self.ex(e)}")
+        self.names[name] = sym
+        return code
+
+    def _invalidate(self, code: str) -> None:
+        pat = re.compile(rf"\b{re.escape(code)}\b")
+        for scope in self.offs:
+            for key in [k for k in scope if pat.search(k[0])]:
+                del scope[key]
+
+    def _dim(self, d: object) -> str:
+        return str(d)
+
+    def _full_size(self, d: object) -> str:
+        if d == "D":
+            return "HEAD_PAD"
+        if isinstance(d, int):
+            return str(_next_pow2(d))
+        if d in SCHEDULE_CONSTANTS and d != "HEAD_PAD":
+            val = {"BLOCK_M": self.p.schedule.block_m, "BLOCK_N": self.p.schedule.block_n,
+                   "NUM_SPLITS": self.p.schedule.num_splits}[str(d)]
+            return str(_next_pow2(val))
+        if d == "HEAD_PAD":
+            return "HEAD_PAD"
+        pad = f"PAD_{d}"
+        if pad not in self.sig.pads:
+            self.sig.pads.append(pad)
+        return pad
+
+    def offsets(self, start: Expr | None, size: str) -> str:
+        start_code = "0" if start is None else self.ex(start)
+        key = (start_code, size)
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key]
+        base = "offs_" + (start_code if re.fullmatch(r"[A-Za-z_]\w*", start_code) and start is not None
+                          else "d" if size == "HEAD_PAD" else "r")
+        name, i = base, 1
+        while name in self.used:
+            i += 1
+            name = f"{base}{i}"
+        self.used.add(name)
+        arange = f"tl.arange(0, {size})"
+        self.emit(f"{name} = {arange}" if start is None else f"{name} = {start_code} + {arange}")
+        self.offs[-1][key] = name
+        return name
+
+    def set_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype) -> str:
+        code = self.local(ir_name)
+        self.tiles[ir_name] = _Tile(shape, dtype)
+        self.names[ir_name] = Sym(code, _KIND[dtype])
+        return code
+
+    def tile(self, ir_name: str) -> _Tile:
+        try:
+            return self.tiles[ir_name]
+        except KeyError:
+            raise KBError(f"kernel {self.k.name}: tile {ir_name!r} is used before it is defined") from None
+
+    # -- addressing
+    def address(self, tensor: str, index: tuple) -> tuple[str, str | None, tuple[str, ...]]:
+        """(pointer expression, mask expression or None, tile shape) of `tensor[index]`."""
+        try:
+            prm = self.p.param(tensor)
+        except KeyError:
+            raise KBError(f"kernel {self.k.name}: unknown tensor {tensor!r}") from None
+        if len(index) != len(prm.shape):
+            raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
+        spans: list[tuple[str, str, str, bool]] = []  # (offs, size, extent, needs lower guard)
+        terms: list[str] = []
+        rank = sum(not isinstance(i, Expr) for i in index)
+        pos = 0
+        for dim_i, (d, item) in enumerate(zip(prm.shape, index)):
+            stride = f"stride_{tensor}_{dim_i}"
+            if isinstance(item, Expr):
+                terms.append(f"{_wrap(self.ex(item))} * {stride}")
+                continue
+            if isinstance(item, Span):
+                size = str(item.size)
+                offs = self.offsets(item.start, size)
+                guard = not is_nonneg(item.start, self.ctx())
+            else:
+                size = self._full_size(d)
+                offs = self.offsets(None, size)
+                guard = False
+            bc = offs + _bcast(pos, rank)
+            terms.append(f"{bc} * {stride}")
+            extent = self._dim(d)
+            if not (isinstance(d, int) and str(d) == size):
+                spans.append((bc, size, extent, guard))
+            pos += 1
+        mask_parts = [f"({bc} < {ext})" for bc, _, ext, _ in spans] + [f"({bc} >= 0)" for bc, _, _, g in spans if g]
+        shape = tuple(str(item.size) if isinstance(item, Span) else self._full_size(d)
+                      for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
+        return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
+
+    # -- statements
+    def block(self, body: tuple[Stmt, ...]) -> None:
+        self.offs.append({})
+        before = len(self.lines)
+        for st in body:
+            self.stmt(st)
+        if len(self.lines) == before:
+            self.emit("pass")
+        self.offs.pop()
+
+    def stmt(self, st: Stmt) -> None:
+        getattr(self, "s_" + type(st).__name__.lower())(st)
+
+    def s_let(self, st: Let) -> None:
+        self.bind_scalar(st.name, st.value)
+
+    def s_load(self, st: Load) -> None:
+        ptr, mask, shape = self.address(st.tensor, st.index)
+        out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
+        other = _NEG_INF if st.other == float("-inf") else repr(float(st.other))
+        self.emit(f"{out} = tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
+
+    def s_store(self, st: Store) -> None:
+        ptr, mask, _ = self.address(st.tensor, st.index)
+        self.tile(st.value)
+        value = f"{self.local(st.value)}.to({st.tensor}_ptr.dtype.element_ty)"
+        self.emit(f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")"))
+
+    def s_init(self, st: Init) -> None:
+        for d in st.shape:
+            if isinstance(d, str) and d not in SCHEDULE_CONSTANTS:
+                raise KBError(f"init {st.out}: tile dims must be schedule constants or ints, got {d!r}")
+        shape = tuple(str(d) for d in st.shape)
+        out = self.set_tile(st.out, shape, st.dtype)
+        fill = _NEG_INF if st.fill == float("-inf") else repr(float(st.fill)) if _KIND[st.dtype] is Kind.FLOAT \
+            else repr(int(st.fill))
+        self.emit(f"{out} = tl.full([{', '.join(shape)}], {fill}, {_TL_DTYPE[st.dtype]})")
+
+    def _prec(self, *tiles: _Tile) -> str:
+        return ', input_precision="ieee"' if all(t.dtype is Dtype.F32 for t in tiles) else ""
+
+    def s_dot(self, st: Dot) -> None:
+        a, b = self.tile(st.a), self.tile(st.b)
+        n = b.shape[0] if st.trans_b else b.shape[-1]
+        bcode = f"tl.trans({self.local(st.b)})" if st.trans_b else self.local(st.b)
+        out = self.set_tile(st.out, (a.shape[0], n), Dtype.F32)
+        self.emit(f"{out} = tl.dot({self.local(st.a)}, {bcode}{self._prec(a, b)})")
+
+    def s_elementwise(self, st: Elementwise) -> None:
+        used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
+        shape = max((t.shape for t in used), key=len, default=())
+        code = self.ex(st.value)
+        kind = expr_kind(st.value, self.ctx())
+        dtype = Dtype.F32 if kind is Kind.FLOAT else Dtype.I32 if kind is Kind.INT else Dtype.BOOL
+        if not shape:
+            self.bind_scalar(st.out, st.value)
+            return
+        out = self.set_tile(st.out, shape, dtype)
+        self.emit(f"{out} = {code}")
+
+    def s_reduce(self, st: Reduce) -> None:
+        src = self.tile(st.src)
+        if st.kind not in ("max", "sum"):
+            raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
+        out = self.set_tile(st.out, tuple(s for i, s in enumerate(src.shape) if i != st.axis), src.dtype)
+        self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {st.axis})")
+
+    def variant_names(self, st: ScoreMod | Mask, score: str | None) -> dict[str, Sym]:
+        tile = self.tile(st.tile)
+        if len(tile.shape) != 2:
+            raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
+        om = self.offsets(st.q_start, tile.shape[0])
+        on = self.offsets(st.kv_start, tile.shape[1])
+        names = {d: self.names[d] for d in self.sig.dims}
+        names.update({s.name: self.names[s.name] for s in self.sig.scalars})
+        names["b"] = Sym(_wrap(self.ex(st.b)), Kind.INT, is_nonneg(st.b, self.ctx()))
+        names["h"] = Sym(_wrap(self.ex(st.h)), Kind.INT, is_nonneg(st.h, self.ctx()))
+        names["q_idx"] = Sym(f"{om}[:, None]", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        names["kv_idx"] = Sym(f"{on}[None, :]", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        if score is not None:
+            names["score"] = Sym(score, Kind.FLOAT)
+        return names
+
+    def s_scoremod(self, st: ScoreMod) -> None:
+        if self.p.score_mod is None:
+            raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
+        code = self.local(st.tile)
+        names = self.variant_names(st, code)
+        self.emit(f"{code} = {_strip(lower_expr(self.p.score_mod.body, self.ctx(names)))}")
+
+    def s_mask(self, st: Mask) -> None:
+        code = self.local(st.tile)
+        names = self.variant_names(st, None)
+        keep = f"({names['kv_idx'].code} < {self.n_dim})"
+        if st.use_mask_mod:
+            if self.p.mask_mod is None:
+                raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
+            keep += f" & {_wrap(lower_expr(self.p.mask_mod.body, self.ctx(names)))}"
+        self.emit(f"{code} = tl.where({keep}, {code}, {_NEG_INF})")
+
+    def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
+        m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
+        prec = self._prec(self.tile(st.values))
+        self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1))")
+        self.emit("# rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN")
+        self.emit(f"_m_log2 = tl.where(_m_new == {_NEG_INF}, 0.0, _m_new) * {_LOG2E}")
+        self.emit(f"_alpha = tl.exp2({m} * {_LOG2E} - _m_log2)")
+        self.emit(f"_p = tl.exp2({s} * {_LOG2E} - _m_log2[:, None])")
+        self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
+        self.emit(f"{acc} = tl.dot(_p.to({v}.dtype), {v}, {acc} * _alpha[:, None]{prec})")
+        self.emit(f"{m} = _m_new")
+
+    def s_finalize(self, st: Finalize) -> None:
+        m, l, acc = (self.local(n) for n in (st.m, st.l, st.acc))
+        acc_t, l_t = self.tile(st.acc), self.tile(st.l)
+        o = self.set_tile(st.o, acc_t.shape, Dtype.F32)
+        lse = self.set_tile(st.lse, l_t.shape, Dtype.F32)
+        self.emit(f"_l_safe = tl.where({l} == 0.0, 1.0, {l})")
+        self.emit(f"{o} = {acc} / _l_safe[:, None]")
+        self.emit(f"{lse} = tl.where({l} == 0.0, {_NEG_INF}, {m} + tl.log(_l_safe))")
+
+    def s_combine(self, st: Combine) -> None:
+        po_t, pl_t = self.tile(st.o_parts), self.tile(st.lse_parts)
+        if len(po_t.shape) != len(pl_t.shape) + 1:
+            raise KBError(f"combine {st.o}: o_parts must have one more dim than lse_parts")
+        po, pl = self.local(st.o_parts), self.local(st.lse_parts)
+        o = self.set_tile(st.o, po_t.shape[1:], Dtype.F32)
+        lse = self.set_tile(st.lse, pl_t.shape[1:], Dtype.F32)
+        w_bc = "[" + ", ".join([":"] * len(pl_t.shape) + ["None"]) + "]"
+        self.emit(f"_lse_max = tl.max({pl}, 0)")
+        self.emit(f"_lse_max = tl.where(_lse_max == {_NEG_INF}, 0.0, _lse_max)")
+        self.emit(f"_w = tl.exp({pl} - _lse_max[None, :])  # splits without keys have lse = -inf: weight 0")
+        self.emit("_w_sum = tl.sum(_w, 0)")
+        self.emit("_w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)")
+        self.emit(f"{lse} = tl.where(_w_sum == 0.0, {_NEG_INF}, _lse_max + tl.log(_w_safe))")
+        self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+
+    def s_for(self, st: For) -> None:
+        lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
+        loop_var = self.local(st.var)
+        self._invalidate(loop_var)
+        sym = Sym(loop_var, Kind.INT, is_nonneg(st.lo, self.ctx()))
+        if st.order == "reverse":
+            n_iter = f"_n_iter_{loop_var}"
+            self.emit(f"{n_iter} = tl.cdiv({hi} - {_wrap(lo)}, {step})")
+            self.emit(f"for _it_{loop_var} in range(0, {n_iter}):")
+            self.depth += 1
+            self.emit(f"{loop_var} = {_wrap(lo)} + ({n_iter} - 1 - _it_{loop_var}) * {step}")
+            self.depth -= 1
+        elif st.order == "forward":
+            self.emit(f"for {loop_var} in range({lo}, {hi}, {step}):")
+        else:
+            raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
+        self.names[st.var] = sym
+        self.depth += 1
+        self.block(st.body)
+        self.depth -= 1
+
+    def s_ifblock(self, st: IfBlock) -> None:
+        cond = self.block_condition(st)
+        self.emit(f"if {cond}:")
+        self.depth += 1
+        self.block(st.then)
+        self.depth -= 1
+        if st.orelse:
+            self.emit("else:")
+            self.depth += 1
+            self.block(st.orelse)
+            self.depth -= 1
+
+    def block_condition(self, st: IfBlock) -> str:
+        code = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}[st.cls]
+        op = "!=" if st.negate else "=="
+        if self.plan.kind is BlockMaskKind.TABLE:
+            bq, bk = var("BLOCK_M"), var("BLOCK_N")
+            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.q_start, bq)), const(0))),
+                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.kv_start, bk)), const(0)))))
+            cell = load("__bc", st.b if self.plan.per_b else const(0), st.h if self.plan.per_h else const(0),
+                        Expr(ExprOp.FLOORDIV, (st.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.kv_start, bk)))
+            aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
+                                              ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
+            cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
+            self.emit("# block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial")
+            self.emit(f"_bclass = {cls}")
+            return f"_bclass {op} {code}"
+        empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
+        self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
+                  f"({_strip(self.ex(st.q_start))}, {_strip(self.ex(st.kv_start))})")
+        if st.cls is BlockClass.FULL:
+            test = full
+        elif st.cls is BlockClass.EMPTY:
+            test = empty
+        else:
+            test = Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
+        self.emit(f"_is_{st.cls.value} = {self.ex(test)}")
+        return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
+
+    # -- whole kernel
+    def generate(self) -> list[str]:
+        axes = self.k.grid
+        self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
+        if len(axes) == 1:
+            self.emit(f"{self.local(axes[0].name)} = tl.program_id(0)")
+        else:
+            self.emit("pid = tl.program_id(0)")
+            for a in reversed(axes[1:]):
+                ext = _wrap(self.ex(a.extent))
+                self.emit(f"{self.local(a.name)} = pid % {ext}")
+                self.emit(f"pid = pid // {ext}")
+            self.emit(f"{self.local(axes[0].name)} = pid")
+        for a in axes:
+            self.names[a.name] = Sym(self.local(a.name), Kind.INT, True)
+        self.block(self.k.body)
+        return self.lines
+
+
+def _strip(code: str) -> str:
+    """Drop one pair of redundant outer parentheses."""
+    if code.startswith("(") and code.endswith(")"):
+        depth = 0
+        for i, ch in enumerate(code):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i < len(code) - 1:
+                return code
+        return code[1:-1]
+    return code
+
+
+def _wrap(code: str) -> str:
+    """Parenthesise unless `code` is atomic or already one parenthesised group."""
+    atomic = re.fullmatch(r"[\w.]+", code) or (code.startswith("(") and _strip(code) != code)
+    return code if atomic else f"({code})"
+
+
+def _bcast(pos: int, rank: int) -> str:
+    if rank == 1:
+        return ""
+    return "[" + ", ".join(":" if i == pos else "None" for i in range(rank)) + "]"
+
+
+# ------------------------------------------------------------------ module
+
+
+_PREAMBLE = '''\
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreter_index_compat():
+    """Triton <= 3.6's interpreter turns scalars into ints with int(array of shape (1,)), which
+    NumPy >= 2.4 refuses (triton-lang/triton#9171); `range` over runtime bounds needs it."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kb_index_compat", False):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._kb_index_compat = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_index_compat()
+
+
+@triton.jit
+def _floordiv(a, b):
+    q = a // b
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _floormod(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+def _tensor(*xs):
+    return any(isinstance(x, torch.Tensor) for x in xs)
+
+
+def _hcdiv(a, b):
+    return -(-a // b)
+
+
+def _hmaximum(a, b):
+    return torch.maximum(torch.as_tensor(a), torch.as_tensor(b)) if _tensor(a, b) else max(a, b)
+
+
+def _hminimum(a, b):
+    return torch.minimum(torch.as_tensor(a), torch.as_tensor(b)) if _tensor(a, b) else min(a, b)
+
+
+def _hwhere(c, x, y):
+    return torch.where(torch.as_tensor(c), torch.as_tensor(x), torch.as_tensor(y)) if _tensor(c, x, y) else (x if c else y)
+
+
+def _hnot(x):
+    return ~x if isinstance(x, torch.Tensor) else not x
+
+
+def _hfloat(f):
+    return lambda x: f(torch.as_tensor(x).float())
+
+
+_hexp, _hexp2, _hlog, _htanh = _hfloat(torch.exp), _hfloat(torch.exp2), _hfloat(torch.log), _hfloat(torch.tanh)
+_hsigmoid, _hsqrt, _habs = _hfloat(torch.sigmoid), _hfloat(torch.sqrt), lambda x: torch.as_tensor(x).abs()
+
+
+def _hload(t, idx):
+    """t[idx] with broadcast index tensors; out-of-range elements read 0 (the IR's load rule)."""
+    idx = torch.broadcast_tensors(*(torch.as_tensor(i, device=t.device).long() for i in idx))
+    ok = torch.ones(idx[0].shape, dtype=torch.bool, device=t.device)
+    for i, n in zip(idx, t.shape):
+        ok &= (i >= 0) & (i < n)
+    vals = t[tuple(torch.where(ok, i, 0) for i in idx)]
+    return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
+    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
+    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
+    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
+    in_range = (q_idx < M) & (kv_idx < N)
+    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
+    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
+    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
+    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
+    for b in range(nb):
+        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
+        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
+        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
+        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
+        out[b] = cls.to(torch.int8)
+    return out
+
+
+class ForwardArgumentError(ValueError):
+    """Bad arguments to forward(): a missing aux tensor or scalar, or inconsistent shapes."""
+
+
+def _bind(dims, name, t, spec):
+    if t.dim() != len(spec):
+        raise ForwardArgumentError(f"{name}: expected {len(spec)} dims {spec}, got shape {tuple(t.shape)}")
+    for d, n in zip(spec, t.shape):
+        if isinstance(d, int):
+            if d != n:
+                raise ForwardArgumentError(f"{name}: expected size {d}, got shape {tuple(t.shape)}")
+        elif dims.setdefault(d, n) != n:
+            raise ForwardArgumentError(f"{name}: dim {d} is {n} here but {dims[d]} elsewhere")
+'''
+
+
+def lower_program(p: Program) -> str:
+    """The source text of a standalone Python module running `p` with Triton."""
+    _check_program(p)
+    plan = plan_block_mask(p)
+    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in _walk_stmts(k.body))
+    tensors = tuple(q for q in p.params if q.role is not Role.SCALAR)
+    runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
+    sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
+                     table=has_if and plan.kind is BlockMaskKind.TABLE)
+    bodies = [(k, _KernelGen(p, k, sig, plan).generate()) for k in p.kernels]
+    out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
+    for k, lines in bodies:
+        args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
+        out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    out += ["", *_host(p, sig, plan)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
+    for st in body:
+        yield st
+        if isinstance(st, For):
+            yield from _walk_stmts(st.body)
+        if isinstance(st, IfBlock):
+            yield from _walk_stmts(st.then)
+            yield from _walk_stmts(st.orelse)
+
+
+def _check_program(p: Program) -> None:
+    for name in ("q", "k"):
+        try:
+            prm = p.param(name)
+        except KeyError:
+            raise KBError(f"program {p.name}: the Triton lowering needs a param {name!r} [B, H, S, D]") from None
+        if len(prm.shape) != 4:
+            raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
+
+
+def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+    s = p.schedule
+    ins = [q for q in p.params if q.role is Role.IN]
+    aux = [q for q in p.params if q.role is Role.AUX]
+    outs = [q for q in p.params if q.role is Role.OUT]
+    scratch = [q for q in p.params if q.role is Role.SCRATCH]
+    scalars = [q for q in p.params if q.role is Role.SCALAR]
+    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in scalars})
+    hctx = ExprContext(ExprTarget.HOST, names)
+    sig_text = ", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else "")
+    L = [f"def forward({sig_text}, **aux_and_scalars):",
+         f'    """Run `{p.name}`. Returns ({", ".join(q.name for q in outs)}). '
+         f'Aux tensors: {", ".join(q.name for q in aux) or "none"}; scalars: {", ".join(q.name for q in scalars) or "none"}."""',
+         "    kw = dict(aux_and_scalars)"]
+    for q in aux:
+        L.append(f'    if "{q.name}" not in kw:')
+        L.append(f'        raise ForwardArgumentError("forward() needs the aux tensor {q.name}={list(q.shape)}")')
+        L.append(f'    {q.name} = kw.pop("{q.name}")')
+    L.append("    dims = {}")
+    for q in (*ins, *aux):
+        L.append(f'    _bind(dims, "{q.name}", {q.name}, {tuple(q.shape)!r})')
+    for d in sig.dims:
+        L.append(f'    {d} = dims["{d}"]')
+    for q in scalars:
+        if q.name == "sm_scale":
+            L.append(f"    sm_scale = 1.0 / math.sqrt({ins[0].name}.shape[-1]) if sm_scale is None else float(sm_scale)")
+        else:
+            L.append(f'    if "{q.name}" not in kw:')
+            L.append(f'        raise ForwardArgumentError("forward() needs the scalar {q.name}=...")')
+            L.append(f'    {q.name} = float(kw.pop("{q.name}"))')
+    L.append("    if kw:")
+    L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
+    head_pad = str(s.head_pad) if s.head_pad else "max(16, triton.next_power_of_2(D))"
+    L.append(f"    BLOCK_M, BLOCK_N, NUM_SPLITS = {s.block_m}, {s.block_n}, {s.num_splits}")
+    L.append(f"    HEAD_PAD = {head_pad}")
+    if "D" in sig.dims:
+        L.append("    if HEAD_PAD < D:")
+        L.append('        raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")')
+    for pad in sig.pads:
+        L.append(f"    {pad} = triton.next_power_of_2({pad[4:]})")
+    device = ins[0].name + ".device"
+    for q in (*outs, *scratch):
+        shape = ", ".join(str(d) for d in q.shape)
+        L.append(f"    {q.name} = torch.empty(({shape},), dtype={_TORCH_DTYPE[q.dtype]}, device={device})")
+    table_args: list[str] = []
+    if sig.table:
+        assert p.mask_mod is not None
+        mnames = {**names, **{n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")}}
+        mctx = ExprContext(ExprTarget.HOST, mnames, {q.name: AuxRef(q.name, (), tuple(str(d) for d in q.shape), _KIND[q.dtype])
+                                                     for q in aux})
+        qshape = p.param("q").shape
+        nb = str(qshape[0]) if plan.per_b else "1"
+        nh = str(qshape[1]) if plan.per_h else "1"
+        L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
+        L.append(f"    mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
+        L.append(f"    block_class = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+                 f"BLOCK_M, BLOCK_N, {device})")
+        table_args = ["block_class", "*block_class.stride()", "*block_class.shape"]
+    args = [q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims) \
+        + [q.name for q in sig.scalars] + table_args
+    const_kw = ", ".join(f"{c}={c}" for c in sig.constexprs())
+    for k in p.kernels:
+        grid = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k.grid)
+        L.append(f"    {kernel_fn_name(k)}[({grid},)](")
+        L.append(f"        {', '.join(args)},")
+        L.append(f"        {const_kw}, num_warps={s.num_warps}, num_stages={s.num_stages},")
+        L.append("    )")
+    L.append(f"    return {', '.join(q.name for q in outs)}")
+    return L
