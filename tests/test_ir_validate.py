@@ -264,3 +264,15 @@ def test_parsed_text_errors_are_located_in_text_terms() -> None:
     text = print_program(plain()).replace("load vt = v[", "load vt = vv[")
     msg = _msg(parse_program(text))
     assert "kernel fwd, statement 9 (load vt = vv[b, hk, n_start:+BLOCK_N, :]): tensor 'vv' is not a param" in msg
+
+
+def test_names_must_survive_the_expression_syntax() -> None:
+    for bad in ("inf", "lambda", "True", "not a name"):
+        p = _with_body(plain(), (Let(bad, E("1")),) + _body(plain()))
+        assert f"{bad!r} is not a valid name" in _msg(p)
+
+
+def test_an_unknown_tile_shape_does_not_cascade() -> None:
+    p = _with_body(plain(), tuple(replace(st, tensor="qq") if isinstance(st, Load) else st for st in _body(plain())))
+    assert [str(x) for x in problems(p)] == [
+        "kernel fwd, statement 3 (load qt = qq[b, h, m_start:+BLOCK_M, :]): tensor 'qq' is not a param"]

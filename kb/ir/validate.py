@@ -18,6 +18,7 @@ kind, run while walking each kernel body with the names in scope). Invariants th
 
 from __future__ import annotations
 
+import keyword
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -53,7 +54,7 @@ class _Env:
     program: Program
     kernel: str
     scalars: set[str]
-    tiles: dict[str, Shape]
+    tiles: dict[str, Shape | None]  # None: shape unknown (an earlier problem was reported)
     counter: list[int] = field(default_factory=lambda: [0])  # shared by child scopes
 
     def child(self) -> "_Env":
@@ -109,7 +110,7 @@ def _shape_str(shape: Shape) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def _expr_problems(e: object, env_scalars: set[str], tiles: dict[str, Shape], p: Program,
+def _expr_problems(e: object, env_scalars: set[str], tiles: dict[str, Shape | None], p: Program,
                    *, allow_tiles: bool, aux_only: bool = False) -> Iterator[str]:
     """Well-formedness and scope of one expression."""
     if not isinstance(e, Expr):
@@ -200,15 +201,22 @@ def _access_problems(st: Load | Store, env: _Env) -> Iterator[str]:
             yield from _scalar_exprs(env, ix)
 
 
-def _define(env: _Env, name: str, shape: Shape | None) -> Iterator[str]:
-    """Bind `name` as a tile (shape given) or a scalar (shape None)."""
-    if not isinstance(name, str) or not name.isidentifier():
-        yield f"{name!r} is not a valid name"
+_NOT_NAMES = frozenset(keyword.kwlist) | {"inf", "True", "False", "None"}
+
+
+def _bad_name(name: object) -> bool:
+    return not isinstance(name, str) or not name.isidentifier() or name in _NOT_NAMES
+
+
+def _define(env: _Env, name: str, shape: Shape | None, *, scalar: bool = False) -> Iterator[str]:
+    """Bind `name` as a scalar, or as a tile of `shape` (None: unknown after an earlier problem)."""
+    if _bad_name(name):
+        yield f"{name!r} is not a valid name (an identifier, not a keyword or inf)"
         return
     if name in _reserved(env.program):
         yield f"'{name}' shadows a param, dim or schedule constant; pick another name"
         return
-    if shape is None:
+    if scalar:
         if name in env.tiles:
             yield f"'{name}' is already a tile; scalars and tiles share one namespace"
             return
@@ -220,12 +228,22 @@ def _define(env: _Env, name: str, shape: Shape | None) -> Iterator[str]:
         env.tiles[name] = shape
 
 
+def _known(env: _Env, *names: str) -> list[Shape] | None:
+    """Shapes of defined tiles, or None when any is undefined or of unknown shape."""
+    shapes = [env.tiles.get(n) for n in names]
+    return None if any(sh is None for sh in shapes) else shapes  # type: ignore[return-value]
+
+
+def _agree(a: Shape, b: Shape, s: Schedule) -> bool:
+    return len(a) == len(b) and all(_same(x, y, s) for x, y in zip(a, b))
+
+
 # ================================================================ statement rules
 
 
 def _let(st: Let, env: _Env) -> Iterator[str]:
     yield from _scalar_exprs(env, st.value)
-    yield from _define(env, st.name, None)
+    yield from _define(env, st.name, None, scalar=True)
 
 
 def _load(st: Load, env: _Env) -> Iterator[str]:
@@ -234,7 +252,7 @@ def _load(st: Load, env: _Env) -> Iterator[str]:
     if isinstance(st.other, bool) or not isinstance(st.other, (int, float)) or math.isnan(st.other):
         yield f"other={st.other!r} must be a number"
     prm = _params(env.program).get(st.tensor)
-    shape = _index_shape(prm, st.index, env.program.schedule) if prm and not bad else (None, None)
+    shape = _index_shape(prm, st.index, env.program.schedule) if prm and not bad else None
     yield from _define(env, st.out, shape)
 
 
@@ -251,7 +269,7 @@ def _store(st: Store, env: _Env) -> Iterator[str]:
     target = _index_shape(prm, st.index, env.program.schedule)
     if len(shape) != len(target):
         yield f"tile '{st.value}' has rank {len(shape)} but the store target {_shape_str(target)} has rank {len(target)}"
-    elif not all(_same(a, b, env.program.schedule) for a, b in zip(shape, target)):
+    elif not _agree(shape, target, env.program.schedule):
         yield f"shape mismatch: tile '{st.value}' is {_shape_str(shape)}, store target is {_shape_str(target)}"
 
 
@@ -262,17 +280,16 @@ def _init(st: Init, env: _Env) -> Iterator[str]:
             yield f"init dim {d!r} must be a schedule constant, a dim or a positive int"
     if not isinstance(st.dtype, Dtype):
         yield f"unknown dtype {st.dtype!r}"
-    if not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
+    if isinstance(st.fill, bool) or not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
         yield f"fill {st.fill!r} must be a number"
     yield from _define(env, st.out, tuple(st.shape))
 
 
 def _dot(st: Dot, env: _Env) -> Iterator[str]:
-    missing = list(_need_tiles(env, a=st.a, b=st.b))
-    yield from missing
-    out: Shape = (None, None)
-    if not missing:
-        a, b = env.tiles[st.a], env.tiles[st.b]
+    yield from _need_tiles(env, a=st.a, b=st.b)
+    out: Shape | None = None
+    if (known := _known(env, st.a, st.b)) is not None:
+        a, b = known
         if len(a) != 2 or len(b) != 2:
             yield f"dot needs 2-D tiles, got '{st.a}' {_shape_str(a)} and '{st.b}' {_shape_str(b)}"
         else:
@@ -286,11 +303,13 @@ def _dot(st: Dot, env: _Env) -> Iterator[str]:
 
 def _elementwise(st: Elementwise, env: _Env) -> Iterator[str]:
     yield from _expr_problems(st.value, env.scalars, env.tiles, env.program, allow_tiles=True)
-    shapes = {n: env.tiles[n] for n in sorted(_vars(st.value)) if n in env.tiles}
-    out: Shape = ()
-    for name, shape in shapes.items():
-        if out and (len(out) != len(shape) or not all(_same(a, b, env.program.schedule) for a, b in zip(out, shape))):
-            yield f"shape mismatch: elementwise operands have shapes {', '.join(f'{n} {_shape_str(s)}' for n, s in shapes.items())}"
+    names = [n for n in sorted(_vars(st.value)) if n in env.tiles]
+    known = _known(env, *names)
+    out: Shape | None = None if known is None else ()
+    for shape in known or ():
+        if out and not _agree(out, shape, env.program.schedule):
+            listed = ", ".join(f"{n} {_shape_str(sh)}" for n, sh in zip(names, known or ()))
+            yield f"shape mismatch: elementwise operands have shapes {listed}"
             break
         out = out or shape
     yield from _define(env, st.out, out)
@@ -303,12 +322,11 @@ def _vars(e: object) -> set[str]:
 def _reduce(st: Reduce, env: _Env) -> Iterator[str]:
     if st.kind not in ("max", "sum"):
         yield f"reduce kind {st.kind!r} must be max or sum"
-    missing = list(_need_tiles(env, src=st.src))
-    yield from missing
-    out: Shape = (None,)
-    if not missing:
-        src = env.tiles[st.src]
-        if not isinstance(st.axis, int) or not 0 <= st.axis < len(src):
+    yield from _need_tiles(env, src=st.src)
+    out: Shape | None = None
+    if (known := _known(env, st.src)) is not None:
+        (src,) = known
+        if isinstance(st.axis, bool) or not isinstance(st.axis, int) or not 0 <= st.axis < len(src):
             yield f"axis {st.axis!r} out of range for '{st.src}' {_shape_str(src)}"
         else:
             out = src[:st.axis] + src[st.axis + 1:]
@@ -337,46 +355,44 @@ def _mask(st: Mask, env: _Env) -> Iterator[str]:
 
 
 def _online_softmax(st: OnlineSoftmax, env: _Env) -> Iterator[str]:
-    missing = list(_need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values))
-    yield from missing
-    if missing:
+    yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values)
+    known = _known(env, st.scores, st.values, st.m, st.l, st.acc)
+    if known is None:
         return
-    s, v = env.tiles[st.scores], env.tiles[st.values]
+    s, v = known[:2]
     if len(s) != 2 or len(v) != 2:
         yield f"online_softmax needs 2-D scores and values, got {_shape_str(s)} and {_shape_str(v)}"
         return
     sched = env.program.schedule
-    want = {st.m: (s[0],), st.l: (s[0],), st.acc: (s[0], v[1])}
     if not _same(s[1], v[0], sched):
         yield f"shape mismatch: scores '{st.scores}' {_shape_str(s)} and values '{st.values}' {_shape_str(v)} disagree on the kv dim"
-    for name, shape in want.items():
-        got = env.tiles[name]
-        if len(got) != len(shape) or not all(_same(a, b, sched) for a, b in zip(got, shape)):
+    want = {st.m: (s[0],), st.l: (s[0],), st.acc: (s[0], v[1])}
+    for (name, shape), got in zip(want.items(), known[2:]):
+        if not _agree(got, shape, sched):
             yield f"shape mismatch: '{name}' is {_shape_str(got)}, the softmax state needs {_shape_str(shape)}"
 
 
 def _finalize(st: Finalize, env: _Env) -> Iterator[str]:
-    missing = list(_need_tiles(env, m=st.m, l=st.l, acc=st.acc))
-    yield from missing
-    o_shape: Shape = (None, None)
-    lse_shape: Shape = (None,)
-    if not missing:
-        m, acc = env.tiles[st.m], env.tiles[st.acc]
+    yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc)
+    o_shape: Shape | None = None
+    lse_shape: Shape | None = None
+    if (known := _known(env, st.m, st.acc)) is not None:
+        m, acc = known
         if len(m) != 1 or len(acc) != 2 or not _same(m[0], acc[0], env.program.schedule):
             yield f"shape mismatch: finalize needs m [R] and acc [R, D], got {_shape_str(m)} and {_shape_str(acc)}"
-        o_shape, lse_shape = acc, m
+        else:
+            o_shape, lse_shape = acc, m
     yield from _define(env, st.o, o_shape)
     yield from _define(env, st.lse, lse_shape)
 
 
 def _combine(st: Combine, env: _Env) -> Iterator[str]:
-    missing = list(_need_tiles(env, o_parts=st.o_parts, lse_parts=st.lse_parts))
-    yield from missing
-    o_shape: Shape = (None, None)
-    lse_shape: Shape = (None,)
-    if not missing:
-        op, lp = env.tiles[st.o_parts], env.tiles[st.lse_parts]
-        if len(op) != 3 or len(lp) != 2 or not all(_same(a, b, env.program.schedule) for a, b in zip(op, lp)):
+    yield from _need_tiles(env, o_parts=st.o_parts, lse_parts=st.lse_parts)
+    o_shape: Shape | None = None
+    lse_shape: Shape | None = None
+    if (known := _known(env, st.o_parts, st.lse_parts)) is not None:
+        op, lp = known
+        if len(op) != 3 or len(lp) != 2 or not _agree(op[:2], lp, env.program.schedule):
             yield f"shape mismatch: combine needs o_parts [S, R, D] and lse_parts [S, R], got {_shape_str(op)} and {_shape_str(lp)}"
         else:
             o_shape, lse_shape = op[1:], lp[1:]
@@ -393,7 +409,7 @@ def _for(st: For, env: _Env) -> Iterator[str]:
     if not st.body:
         yield "empty loop body"
     inner = env.child()
-    yield from _define(inner, st.var, None)
+    yield from _define(inner, st.var, None, scalar=True)
     yield from _walk_block(st.body, inner)
 
 
@@ -449,7 +465,7 @@ def _param_rules(p: Program) -> Iterator[Problem]:
         if not isinstance(prm, Param):
             yield Problem(where, "not a Param")
             continue
-        if not prm.name.isidentifier():
+        if _bad_name(prm.name):
             yield Problem(where, "name is not an identifier")
         if prm.name in seen:
             yield Problem(where, "defined twice")
@@ -521,7 +537,7 @@ def _kernel_rules(p: Program) -> Iterator[Problem]:
         for axis in k.grid:
             for msg in _expr_problems(axis.extent, _base_scalars(p), {}, p, allow_tiles=False):
                 yield Problem(f"kernel {k.name}, grid axis {axis.name}", msg)
-            for msg in _define(env, axis.name, None):
+            for msg in _define(env, axis.name, None, scalar=True):
                 yield Problem(f"kernel {k.name}, grid axis {axis.name}", msg)
         if not k.body:
             yield Problem(f"kernel {k.name}", "empty body")
