@@ -9,7 +9,7 @@ import pytest
 from kb.errors import KBError
 from kb.ir.expr import Expr, parse_expr as E
 from kb.ir.nodes import (
-    BlockClass, Dot, Dtype, Elementwise, For, Full, GridAxis, IfBlock, Let, Mask, OnlineSoftmax,
+    BlockClass, Dot, Dtype, Elementwise, For, Full, GridAxis, IfBlock, Let, Load, Mask, OnlineSoftmax,
     Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn,
 )
 from kb.ir.text import parse_program, print_program
