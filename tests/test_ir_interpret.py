@@ -223,6 +223,15 @@ def test_block_classes_find_empty_blocks_across_documents() -> None:
     assert (st.kv_blocks_visited, st.full_blocks, st.partial_blocks, st.empty_blocks) == (10, 0, 4, 6)
 
 
+def test_ragged_kv_block_is_never_full() -> None:
+    # every in-range pair attends, so only the ragged last KV block (32..47 of N=37) needs the bounds mask
+    p = forward("all_pairs", mask_mod="kv_idx >= 0", block_classes=True)
+    st = _stats(p, Shape(1, 2, 1, 37, 37, 16))
+    grid = 1 * 2 * 3
+    assert (st.full_blocks, st.partial_blocks, st.empty_blocks) == (2 * grid, grid, 0)
+    assert st.masks_applied == grid
+
+
 def test_stores_write_exactly_the_in_range_elements() -> None:
     s = SHAPES[0]
     res = interpret(FIXTURES["plain"](), make_inputs(FIXTURES["plain"](), s))
