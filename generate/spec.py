@@ -32,9 +32,10 @@ from generate.spec_trace import NameOf, trace_attention, trace_mod
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.classify import features_from_variants
+from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, print_expr
 
-__all__ = ["SpecKind", "Shapes", "Spec", "load_spec", "spec_inputs", "dense_reference", "DTYPES"]
+__all__ = ["SpecKind", "Shapes", "Spec", "load_spec", "spec_inputs", "dense_reference", "variants_attention", "DTYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -297,3 +298,19 @@ def spec_inputs(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
     k = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
     v = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
     return q, k, v
+
+
+def variants_attention(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention computed from the spec's *extracted* IR expressions (fp32, dense): the
+    independent check of tracing is `variants_attention == spec.reference`."""
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
+    s = (q.float() @ kk.transpose(-2, -1)) * spec.softmax_scale
+    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": D}
+    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, spec.aux)
+    keep = keep.expand(B, Hq, M, N)
+    p = torch.softmax(s.float().masked_fill(~keep, -math.inf), dim=-1)
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
+    return (p @ vv).to(q.dtype)

@@ -239,11 +239,24 @@ def index(s: Sym, indices: Sequence[Sym | None]) -> Sym:
         ix_expr = _rename(ix.expr, {j: dvar(bstart + j) for j in range(nb)})
         n = s.shape[k]
         # negative indices wrap, as in torch
-        if _may_be_negative(ix_expr):
+        if _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape):
             ix_expr = Expr(ExprOp.MOD, (ix_expr, const(n)))
         mapping[k] = ix_expr
     shape = tuple(s.shape[k] for k in before) + bshape + tuple(s.shape[k] for k in after)
     return Sym(shape, _rename(s.expr, mapping), s.dtype)
+
+
+def _nonnegative(e: Expr, shape: tuple[int, ...]) -> bool:
+    """True if `e` (over dim vars only) is >= 0 everywhere on `shape`."""
+    from kb.ir.evaluate import eval_expr
+
+    if not free_vars(e) <= {f"_d{k}" for k in range(len(shape))}:
+        return False
+    env = {f"_d{k}": torch.arange(n).view([n if j == k else 1 for j in range(len(shape))]) for k, n in enumerate(shape)}
+    try:
+        return bool((torch.as_tensor(eval_expr(e, env)) >= 0).all())
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _may_be_negative(e: Expr) -> bool:
@@ -279,6 +292,10 @@ def is_neg_inf(e: Expr) -> bool:
 
 def _is_const(e: Expr, *values: object) -> bool:
     return e.op is ExprOp.CONST and not isinstance(e.value, bool) and any(e.value == v for v in values)
+
+
+def _num(e: Expr) -> bool:
+    return e.op is ExprOp.CONST and isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
 
 
 def _fold(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
@@ -361,6 +378,10 @@ def simplify(e: Expr) -> Expr:
             return Expr(ExprOp.SUB, (a, const(-b.value)))
         if b.op is ExprOp.NEG:
             return Expr(ExprOp.SUB, (a, b.args[0]))
+    if op in (ExprOp.ADD, ExprOp.SUB) and _num(args[1]) and args[0].op in (ExprOp.ADD, ExprOp.SUB) and _num(args[0].args[1]):
+        inner, c1 = args[0].args
+        total = (c1.value if args[0].op is ExprOp.ADD else -c1.value) + (args[1].value if op is ExprOp.ADD else -args[1].value)  # type: ignore[operator]
+        return simplify(Expr(ExprOp.ADD, (inner, const(total))))
     if op is ExprOp.SUB:
         a, b = args
         if _is_const(b, 0):
