@@ -1,0 +1,699 @@
+"""Lift Triton attention kernels into complete, executable IR Programs (checked by the interpreter).
+
+`lift_file(path, provenance_base)` parses the file with `ast` (never imports it), finds the
+`@triton.jit` kernels, and for every supported combination of feature flags (causal, ALiBi):
+1. specializes constexpr `if`s and inlines jit helpers (`ingest.triton_source`);
+2. walks the kernel symbolically (`ingest.triton_exec`): index math becomes IR expressions,
+   tile operations become idiom events with their source lines;
+3. finds the launch grid roles (batch / head / query block / split) from the strides the
+   q pointer uses, and walks again with those roles bound to IR grid variables;
+4. assembles the FlashAttention structure from the recognized idioms: q tile load, KV loops
+   with the source's bounds (block skipping, full/masked loop split), score scaling, masks
+   (`tl.where(..., -inf)` -> mask_mod), additive score terms (ALiBi -> score_mod, with log2
+   units folded back to natural ones), the online-softmax update, the epilogue, and for a
+   split-KV kernel plus a reduce kernel, the LSE combine;
+5. validates (`kb.ir.validate`) and runs the program in the interpreter against dense torch.
+
+Invariants: a program is only returned with `verified=True` if the interpreter matched the
+dense reference on ragged shapes; anything the walk could not translate is listed in the
+report's `skipped` with its line; no hard-coded file names or templates: a kernel without the
+idioms is skipped with the missing idioms named.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import itertools
+import logging
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.evaluate import dense_scores_mask
+from kb.ir.expr import Expr, ExprOp, const, free_vars, parse_expr as E, substitute, var
+from kb.ir.nodes import (
+    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, Init, Kernel, Let, Load, Mask,
+    OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
+    SCORE_MOD_PARAMS,
+)
+from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
+from ingest.triton_source import (
+    ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
+)
+from ingest.triton_sym import compare, normalize, scale_poly, simplify, to_expr
+
+__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "LIFTER_VERSION"]
+
+log = logging.getLogger(__name__)
+LIFTER_VERSION = "triton-ast-1"
+_DIMS = {"B", "Hq", "Hkv", "M", "N", "D", "BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD"}
+
+
+@dataclass(frozen=True)
+class LiftedProgram:
+    name: str
+    family: str
+    program: Program
+    provenance: Provenance
+    tunables: tuple[LiftedTunable, ...]
+    verified: bool
+    verify_note: str
+    features: Features
+    flags: tuple[tuple[str, bool], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+class _Skip(Exception):
+    """This kernel/flag combination cannot become a Program; the message says why."""
+
+
+@dataclass
+class _Ctx:
+    mod: TritonModule
+    base: Provenance
+    family: str
+    snippets: list[LiftedSnippet] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    seen_snippets: set = field(default_factory=set)
+
+
+# ---------------------------------------------------------------- provenance + snippets
+
+
+def _prov(ctx: _Ctx, start: int, end: int, file: str | None = None) -> Provenance:
+    return replace(ctx.base, file=file or ctx.base.file, line_start=start, line_end=max(start, end),
+                   lifter="triton", lifter_version=LIFTER_VERSION)
+
+
+def _text(ctx: _Ctx, start: int, end: int, file: str | None) -> str:
+    lines = ctx.mod.lines
+    if file and file != ctx.base.file:
+        p = ctx.mod.path.parent / Path(file).name
+        lines = p.read_text(encoding="utf-8", errors="replace").splitlines() if p.exists() else []
+    return "\n".join(lines[start - 1:end])
+
+
+def _snippet(ctx: _Ctx, kind: str, title: str, ir_text: str, start: int, end: int, file: str | None = None,
+             features: dict | None = None) -> None:
+    key = (kind, file or ctx.base.file, start, end)
+    if key in ctx.seen_snippets or start <= 0:
+        return
+    ctx.seen_snippets.add(key)
+    ctx.snippets.append(LiftedSnippet(kind, title, ir_text, _text(ctx, start, end, file), features or {},
+                                      _prov(ctx, start, end, file)))
+
+
+# ---------------------------------------------------------------- flags + tunables
+
+
+def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
+    """Fixed constexpr values by policy, and the enumerated feature flags present in the kernel."""
+    fixed: dict[str, object] = {}
+    enumerated: list[str] = []
+    names = list(fn.constexprs) + list(mod.module_consts)
+    for n in names:
+        if any(p.search(n) for p in ENUMERATED_FLAGS.values()):
+            enumerated.append(n)
+            continue
+        try:
+            fixed[n] = flag_policy(n)
+        except Unknown:
+            pass
+    for n in ast.walk(fn.node):  # local constexpr flags (`RCP_LN2: tl.constexpr = ...` are folded by specialize)
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            try:
+                fixed[n.target.id] = flag_policy(n.target.id)
+            except Unknown:
+                pass
+    return fixed, enumerated
+
+
+def _tunables(ctx: _Ctx, kernel: str) -> list[LiftedTunable]:
+    out: list[LiftedTunable] = []
+    for c in ctx.mod.configs:
+        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in c.params.items()}
+        arch = "cdna" if "cdna" in c.function else "rdna" if "rdna" in c.function else "any"
+        out.append(LiftedTunable(ctx.family, arch, 0, "any", params, f"{c.function}()", _prov(ctx, c.line, c.line)))
+    for site in ctx.mod.launches:
+        if site.kernel != kernel:
+            continue
+        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in site.constants.items()
+                  if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu")}
+        for k in ("num_warps", "num_stages"):
+            if k not in params and k in site.keyword_exprs:
+                params[k] = site.keyword_exprs[k]
+        if params:
+            out.append(LiftedTunable(ctx.family, "any", 0, "any", params, f"launch of {kernel}", _prov(ctx, site.line, site.line)))
+    return out
+
+
+def _default_schedule(ctx: _Ctx, kernel: str, tunables: list[LiftedTunable]) -> tuple[Schedule, str]:
+    """The default config: launch constants if the launch fixes blocks, else the arch-neutral autotune config."""
+    launch = [t for t in tunables if t.condition == f"launch of {kernel}" and "block_m" in t.params]
+    neutral = [t for t in tunables if t.condition.endswith("()") and t.arch == "any"]
+    pick = (launch or neutral or [t for t in tunables if t.condition.endswith("()")] or [None])[0]
+    if pick is None:
+        return Schedule(block_m=64, block_n=64, num_warps=4, num_stages=1), "no config found: 64x64 default"
+    p = pick.params
+    nw = p.get("num_warps", 4)
+    sched = Schedule(block_m=int(p.get("block_m", 64)), block_n=int(p.get("block_n", 64)),
+                     num_warps=nw if isinstance(nw, int) else 4, num_stages=int(p.get("num_stages", 1)))
+    return sched, f"schedule from {pick.condition} (line {pick.provenance.line_start})"
+
+
+# ---------------------------------------------------------------- roles
+
+
+def _loads(walk: KernelWalk, base: str) -> list[Event]:
+    evs = walk.events + [e for lp in walk.loops for e in lp.events]
+    return [e for e in evs if e.kind == "load" and e.payload[0] == base]
+
+
+def _roles(walk: KernelWalk, q_base: str, k_base: str) -> tuple[dict[str, Expr], dict[str, str]]:
+    """Overrides binding source names to IR grid vars, from the strides of the q and k pointers."""
+    q_loads = _loads(walk, q_base)
+    if not q_loads:
+        raise _Skip(f"no tile load of {q_base}")
+    parts = stride_indices(simplify(q_loads[0].payload[1]))
+    if parts is None:
+        raise _Skip(f"q pointer offset {q_loads[0].payload[1]} is not a sum of index * stride terms")
+    overrides: dict[str, Expr] = {}
+    found: dict[str, str] = {}
+    for stride, idx in parts:
+        if not stride:
+            continue
+        role = stride[-1]
+        names = sorted(free_vars(idx) - {"_r", "_c", "_d", "BLOCK_M"})
+        if not stride:
+            continue
+        if role in "bz" and len(names) == 1 and idx == var(names[0]):
+            overrides[names[0]], found["b"] = var("b"), names[0]
+        elif role == "h" and len(names) == 1 and idx == var(names[0]):
+            overrides[names[0]], found["h"] = var("h"), names[0]
+        elif role == "g" and len(names) == 1:
+            overrides[names[0]], found["g"] = const(0), names[0]
+        elif "_r" in free_vars(idx):
+            pids = [n for n in names if re.fullmatch(r"pid\d", n)]
+            if len(pids) != 1:
+                raise _Skip(f"query-row index {idx} does not come from one program_id")
+            overrides[pids[0]], found["m"] = var("m"), pids[0]
+    missing = {"b", "h", "m"} - set(found)
+    if missing:
+        raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {[s for s, _ in parts]})")
+    return overrides, found
+
+
+def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
+    k_loads = _loads(walk, k_base)
+    parts = stride_indices(simplify(k_loads[0].payload[1])) if k_loads else None
+    if not parts:
+        raise _Skip(f"k pointer offset not understood")
+    heads = [idx for s, idx in parts if s.endswith("h")]
+    if len(heads) != 1:
+        raise _Skip("no head stride in the k pointer")
+    return heads[0]
+
+
+# ---------------------------------------------------------------- assembly
+
+
+@dataclass
+class _Lifted:
+    kernels: tuple[Kernel, ...]
+    params: tuple[Param, ...]
+    schedule_splits: int
+    score_mod: Expr | None
+    mask_mod: Expr | None
+    notes: list[str]
+    spans: list[tuple[str, str, int, int, str | None]]  # (kind, ir_text, start, end, file)
+
+
+def _events(walk: KernelWalk, kind: str) -> list[Event]:
+    return [e for e in walk.events + [x for lp in walk.loops for x in lp.events] if e.kind == kind]
+
+
+def _check_names(e: Expr, allowed: set[str], what: str) -> None:
+    bad = free_vars(e) - allowed
+    if bad:
+        raise _Skip(f"{what} {e} uses names the IR cannot bind: {sorted(bad)}")
+
+
+def _log2_units(walk: KernelWalk) -> bool:
+    for e in _events(walk, "scale"):
+        for mono, c in normalize(e.payload).items():
+            if var("sm_scale") in mono and abs(abs(c) - LOG2E) < 1e-6:
+                return True
+    return False
+
+
+def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], score_terms: list[Expr],
+             notes: list[str], spans: list) -> tuple:
+    kinds = {e.kind for e in lp.events}
+    needed = {"score_dot", "pv_dot", "rowmax", "rowsum", "rescale"}
+    missing = needed - kinds
+    if not ({"exp", "exp2"} & kinds):
+        missing.add("exp/exp2")
+    if missing:
+        raise _Skip(f"KV loop at line {lp.line}: online-softmax idioms missing: {sorted(missing)}")
+    for e in lp.events:
+        if e.kind == "exp2" and not (log2 or "log2e" in e.payload):
+            raise _Skip(f"line {e.line}: exp2 on natural-log scores (no log2(e) folding found)")
+        if e.kind == "exp" and log2:
+            raise _Skip(f"line {e.line}: exp on log2-scaled scores")
+    masked, uses_mod = False, False
+    for e in lp.events:
+        if e.kind == "mask":
+            cond = lane_to_idx(e.payload, lp.var)
+            if cond.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE):
+                cond = compare(cond.op, cond.args[0], cond.args[1])
+            fv = free_vars(cond)
+            if "q_idx" in fv:
+                _check_names(cond, {"q_idx", "kv_idx", "b", "h"} | _DIMS, "mask")
+                if e.cond is not None:
+                    raise _Skip(f"line {e.line}: mask_mod applied under a runtime condition {e.cond}")
+                if cond not in mask_terms:
+                    mask_terms.append(cond)
+                uses_mod = True
+                spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
+            elif "kv_idx" in fv:
+                if cond != compare(ExprOp.LT, var("kv_idx"), var("N")):
+                    notes.append(f"line {e.line}: kv range mask {cond} is covered by the IR's kv_idx < N mask and "
+                                 f"the loop bounds (per-split ends rounded to BLOCK_N)")
+                spans.append(("mask_bounds", str(cond), e.line, e.line, e.file))
+            else:
+                raise _Skip(f"line {e.line}: mask condition {cond} has no kv/q index")
+            masked = True
+        elif e.kind == "score_term":
+            term = lane_to_idx(e.payload, lp.var)
+            if log2:
+                term = to_expr(scale_poly(normalize(term), 1 / LOG2E))
+            _check_names(term, {"q_idx", "kv_idx", "b", "h"} | _DIMS, "score term")
+            if term not in score_terms:
+                score_terms.append(term)
+            spans.append(("alibi", str(term), e.line, e.line, e.file))
+    n = var(lp.var)
+    body: list = [
+        Load("kt", "k", (var("b"), var("hk"), Span(n, "BLOCK_N"), Full())),
+        Load("vt", "v", (var("b"), var("hk"), Span(n, "BLOCK_N"), Full())),
+        Dot("qk", "qt", "kt", trans_b=True),
+        Elementwise("qk", E("qk * sm_scale")),
+    ]
+    if score_terms:
+        body.append(ScoreMod("qk", var("b"), var("h"), var("m_start"), n))
+    if masked:
+        body.append(Mask("qk", var("b"), var("h"), var("m_start"), n, use_mask_mod=uses_mod))
+    body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
+    first = min(e.line for e in lp.events if e.kind in ("rowmax",))
+    last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
+    spans.append(("online_softmax", "online_softmax (m_i, l_i, acc) += qk @ vt", first, last,
+                  next(e.file for e in lp.events if e.kind == "rowmax")))
+    spans.append(("kv_loop_bounds", f"for {lp.var} in range({lp.lo}, {lp.hi}, BLOCK_N) forward:", lp.line, lp.line,
+                  next((e.file for e in lp.events), None)))
+    for e in lp.events:
+        if e.kind in ("score_dot", "pv_dot"):
+            spans.append(("score_mod" if e.kind == "score_dot" else "softmax_rescale",
+                          "dot qk = qt @ trans(kt)" if e.kind == "score_dot" else "online_softmax (m_i, l_i, acc) += qk @ vt",
+                          e.line, e.line, e.file))
+    return For(lp.var, lp.lo, lp.hi, "BLOCK_N", "forward", tuple(body)), uses_mod
+
+
+def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> _Lifted:
+    notes: list[str] = []
+    spans: list = []
+    log2 = _log2_units(walk)
+    if not _events(walk, "scale"):
+        raise _Skip("no multiplication of the scores by the softmax scale parameter")
+    if not walk.loops:
+        raise _Skip("no loop over KV blocks (range(lo, hi, BLOCK_N) with tl.dot)")
+    mask_terms: list[Expr] = []
+    score_terms: list[Expr] = []
+    lets: list = [Let("m_start", E("m * BLOCK_M"))]
+    prologue = [
+        Let("hk", simplify(hk)),
+        Load("qt", "q", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M"), Full())),
+        Init("m_i", ("BLOCK_M",), float("-inf"), Dtype.F32),
+        Init("l_i", ("BLOCK_M",), 0.0, Dtype.F32),
+        Init("acc", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32),
+    ]
+    body: list = list(lets)
+    placed = False
+    for item in walk.lets:
+        if item[0] == "let":
+            body.append(Let(item[1], item[2]))
+            continue
+        lp: Loop = item[1]
+        if not any(e.kind == "score_dot" for e in lp.events):
+            raise _Skip(f"loop at line {lp.line} has no score dot")
+        if not placed:
+            body.extend(prologue)
+            placed = True
+        loop, _ = _loop_ir(lp, walk, log2, mask_terms, score_terms, notes, spans)
+        body.append(loop)
+    # epilogue: stores at kernel scope
+    stores = [e for e in walk.events if e.kind == "store"]
+    o_stores = [e for e in stores if "pv" in e.payload[1]]
+    stat_stores = [e for e in stores if "pv" not in e.payload[1] and ({"rowsum", "rowmax"} & e.payload[1])]
+    if not o_stores:
+        raise _Skip("no store of the accumulator")
+    normalized = "rowsum" in o_stores[0].payload[1]
+    for e in stat_stores:
+        if "log2" in e.payload[1] and "ln2" not in e.payload[1]:
+            raise _Skip(f"line {e.line}: LSE stored in log2 units")
+    spans.append(("epilogue", "finalize ot, lt = (m_i, l_i, acc)", min(e.line for e in stores),
+                  max(e.line for e in stores), o_stores[0].file))
+    for e in _events(walk, "where_tile"):
+        notes.append(f"line {e.line}: tile-level tl.where outside the masks (NaN/fully-masked-row guard): "
+                     f"the IR's finalize gives o = 0, lse = -inf for fully masked rows")
+    if walk.early_exits:
+        notes.append(f"early exit at lines {walk.early_exits}: fully masked query blocks (the IR runs the empty loop)")
+    body.append(Finalize("ot", "lt", "m_i", "l_i", "acc"))
+    params = [
+        Param("q", ("B", "Hq", "M", "D"), Dtype.F16, Role.IN),
+        Param("k", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
+        Param("v", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
+        Param("o", ("B", "Hq", "M", "D"), Dtype.F16, Role.OUT),
+        Param("lse", ("B", "Hq", "M"), Dtype.F32, Role.OUT),
+        Param("sm_scale", (), Dtype.F32, Role.SCALAR),
+    ]
+    for e in _events(walk, "aux_load"):
+        base, idx = e.payload
+        dims = tuple({"b": "B", "h": "Hq"}.get(str(i), "?") for _, i in idx)
+        if "?" in dims:
+            raise _Skip(f"line {e.line}: auxiliary load {base}{[str(i) for _, i in idx]} not indexed by (b, h)")
+        if not any(p.name == base.lower() for p in params):
+            params.append(Param(base.lower(), dims, Dtype.F32, Role.AUX))
+    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", E("cdiv(M, BLOCK_M)")))
+    if split_axis is None:
+        if not normalized:
+            raise _Skip("accumulator stored without normalization and no split-KV combine kernel")
+        body += [Store("o", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M"), Full()), "ot"),
+                 Store("lse", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M")), "lt")]
+        kernels = (Kernel("fwd", grid, tuple(_prune(body))),)
+    else:
+        notes.append("split partials: the source stores unnormalized acc with (m, l); the IR stores o_s = acc / l and "
+                     "lse_s = m + log(l), which the combine merges identically")
+        body += [Store("o_part", (var("b"), var("h"), var("s"), Span(var("m_start"), "BLOCK_M"), Full()), "ot"),
+                 Store("lse_part", (var("b"), var("h"), var("s"), Span(var("m_start"), "BLOCK_M")), "lt")]
+        part = Kernel("split", grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body)))
+        comb = Kernel("combine", grid, (
+            Let("m_start", E("m * BLOCK_M")),
+            Load("po", "o_part", (var("b"), var("h"), Full(), Span(var("m_start"), "BLOCK_M"), Full())),
+            Load("pl", "lse_part", (var("b"), var("h"), Full(), Span(var("m_start"), "BLOCK_M")), other=float("-inf")),
+            Combine("ot", "lt", "po", "pl"),
+            Store("o", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M"), Full()), "ot"),
+            Store("lse", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M")), "lt"),
+        ))
+        kernels = (part, comb)
+        params += [Param("o_part", ("B", "Hq", "NUM_SPLITS", "M", "D"), Dtype.F32, Role.SCRATCH),
+                   Param("lse_part", ("B", "Hq", "NUM_SPLITS", "M"), Dtype.F32, Role.SCRATCH)]
+    mask = None
+    for t in mask_terms:
+        mask = t if mask is None else Expr(ExprOp.AND, (mask, t))
+    score = None
+    if score_terms:
+        score = var("score")
+        for t in score_terms:
+            score = Expr(ExprOp.ADD, (score, t))
+    return _Lifted(kernels, tuple(params), 1, score, mask, notes, spans)
+
+
+def _stmt_exprs(st) -> list[Expr]:
+    out: list[Expr] = []
+    for f in ("value", "lo", "hi", "b", "h", "q_start", "kv_start"):
+        x = getattr(st, f, None)
+        if isinstance(x, Expr):
+            out.append(x)
+    for ix in getattr(st, "index", ()) or ():
+        out.append(ix.start if isinstance(ix, Span) else ix) if not isinstance(ix, Full) else None
+    for sub in list(getattr(st, "body", ()) or ()) + list(getattr(st, "then", ()) or ()):
+        out += _stmt_exprs(sub)
+    return out
+
+
+def _prune(body: list) -> list:
+    """Drop `let`s nobody reads (the walk binds every kernel-scope scalar)."""
+    while True:
+        used: set[str] = set()
+        for st in body:
+            if not isinstance(st, Let):
+                for e in _stmt_exprs(st):
+                    used |= free_vars(e)
+            else:
+                used |= free_vars(st.value)
+        dead = [st for st in body if isinstance(st, Let) and st.name not in used]
+        if not dead:
+            return body
+        body = [st for st in body if st not in dead]
+
+
+# ---------------------------------------------------------------- verification
+
+
+def _shapes(split: bool) -> list[tuple[int, int, int, int, int]]:
+    # (Hq, Hkv, M, N, D): ragged lengths, seq_q != seq_kv, non-power-of-two head dim
+    if split:
+        return [(2, 2, 3, 77, 16), (4, 2, 1, 50, 24)]
+    return [(2, 2, 37, 37, 16), (4, 2, 29, 45, 24)]
+
+
+_TORCH_DTYPES = {Dtype.F16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.F32: torch.float32}
+
+
+def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tuple[bool, str]:
+    """Interpreter vs dense fp32 torch on ragged shapes, at the lifted schedule and at 16x16 blocks."""
+    try:
+        from kb.ir.interpret import run_program
+    except ImportError:
+        return False, "kb.ir.interpret is not available"
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    runs = [(p.schedule, _shapes(split)[:1]), (replace(p.schedule, block_m=16, block_n=16), _shapes(split))]
+    for sched, shapes in runs:
+        prog = replace(p, schedule=sched)
+        for Hq, Hkv, M, N, D in shapes:
+            if not gqa:
+                Hkv = Hq
+            B = 2
+            dt = _TORCH_DTYPES[p.param("q").dtype]
+            q = torch.randn(B, Hq, M, D, generator=g).to(dt)
+            k = torch.randn(B, Hkv, N, D, generator=g).to(dt)
+            v = torch.randn(B, Hkv, N, D, generator=g).to(dt)
+            scale = 1.0 / math.sqrt(D)
+            aux = {prm.name: torch.rand(*(B if d == "B" else Hq for d in prm.shape), generator=g) * 0.5
+                   for prm in p.params if prm.role is Role.AUX}
+            inputs = {"q": q, "k": k, "v": v, "sm_scale": scale, **aux}
+            try:
+                out = run_program(prog, inputs)
+            except KBError as err:
+                return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, M={M} N={N}: {err}"
+            ro, rl = _dense(p, q, k, v, scale, aux)
+            fin = torch.isfinite(rl)
+            if not torch.equal(fin, torch.isfinite(out["lse"])):
+                return False, f"fully-masked rows differ at M={M} N={N}"
+            err_o = (out["o"].float() - ro).abs().max().item()
+            err_l = (out["lse"][fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
+            worst = max(worst, err_o, err_l)
+            if err_o > 4e-3 or err_l > 1e-3:  # o is stored in the program's 16-bit dtype
+                return False, f"mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: o {err_o:.2e} lse {err_l:.2e}"
+    return True, f"interpreter == dense torch (max abs err {worst:.1e}) on {sum(len(s) for _, s in runs)} ragged cases (blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)"
+
+
+def _dense(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]:
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    kf = k.float().repeat_interleave(Hq // Hkv, 1)
+    vf = v.float().repeat_interleave(Hq // Hkv, 1)
+    s = q.float() @ kf.transpose(-1, -2) * scale
+    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "M": M, "N": N, "D": D, "sm_scale": scale}
+    s, mask = dense_scores_mask(s, p.score_mod.body if p.score_mod else None,
+                                p.mask_mod.body if p.mask_mod else None, env, aux)
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    pr = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    return pr @ vf, lse
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, Expr]) -> KernelWalk:
+    body = specialize(copy.deepcopy(fn.node.body), dict(consts), ctx.mod)
+    return walk_kernel(ctx.mod, fn.node, body, dict(consts), overrides)
+
+
+def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, object]) -> JitFn | None:
+    """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits."""
+    stored = {e.payload[0] for e in split_walk.events if e.kind == "store"}
+    for name, fn in ctx.mod.jit.items():
+        if fn is split_fn or not stored <= {a.arg for a in fn.node.args.args}:
+            continue
+        fixed, _ = _flag_values(fn, ctx.mod)
+        w = _walk(ctx, fn, {**fixed, **flags}, {})
+        kinds = {e.kind for e in w.events}
+        if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds):
+            _snippet(ctx, "split_kv_combine", f"{name}: LSE merge of split partials", "combine ot, lt = (po, pl)",
+                     fn.node.lineno, fn.node.end_lineno or fn.node.lineno, features={"split_kv": True})
+            return fn
+    return None
+
+
+def _flag_snippets(ctx: _Ctx, fn: JitFn) -> None:
+    for n in ast.walk(fn.node):
+        if isinstance(n, ast.If):
+            t = ast.unparse(n.test)
+            if "DROPOUT" in t:
+                _snippet(ctx, "dropout", f"{fn.name}: dropout ({t})", "where(keep, p, 0.0)", n.lineno,
+                         n.end_lineno or n.lineno, node_file_of(n, ctx), {"dropout": True})
+            elif "GQA" in t or "GROUP_SIZE" in t:
+                _snippet(ctx, "gqa", f"{fn.name}: GQA head mapping", "h // (Hq // Hkv)", n.lineno,
+                         n.end_lineno or n.lineno, node_file_of(n, ctx))
+            elif "ALIBI" in t:
+                _snippet(ctx, "alibi", f"{fn.name}: ALiBi ({t})", "score - slopes[b, h] * abs(q_idx + N - M - kv_idx)",
+                         n.lineno, n.end_lineno or n.lineno, node_file_of(n, ctx), {"alibi": True})
+
+
+def node_file_of(n: ast.AST, ctx: _Ctx) -> str:
+    return getattr(n, "_kb_file", ctx.base.file)
+
+
+def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
+    fixed, enumerated = _flag_values(fn, ctx.mod)
+    tunables = _tunables(ctx, fn.name)
+    schedule, sched_note = _default_schedule(ctx, fn.name, tunables)
+    _flag_snippets(ctx, fn)
+    for t in tunables:
+        pass
+    out: list[LiftedProgram] = []
+    for values in itertools.product((False, True), repeat=len(enumerated)):
+        flags = dict(zip(enumerated, values))
+        label = ",".join(f"{k}={v}" for k, v in flags.items()) or "default"
+        consts = {**fixed, **flags}
+        try:
+            first = _walk(ctx, fn, consts, {})
+            dots = [e for e in first.events + [x for lp in first.loops for x in lp.events] if e.kind == "score_dot"]
+            if not dots:
+                raise _Skip("no tl.dot of a q tile with a k tile")
+            q_base, k_base = dots[0].payload
+            overrides, found = _roles(first, q_base, k_base)
+            pids = {f"pid{i}" for i in range(3)} - set(found.values())
+            split_axis = None
+            loop_names = set()
+            for lp in first.loops:
+                loop_names |= free_vars(lp.lo) | free_vars(lp.hi)
+            lets = {it[1]: it[2] for it in first.lets if it[0] == "let"}
+            for name in list(loop_names):
+                if name in lets:
+                    loop_names |= free_vars(lets[name])
+            for pid in sorted(pids):
+                if pid in loop_names:
+                    overrides[pid], split_axis = var("s"), pid
+            walk = _walk(ctx, fn, consts, overrides)
+            if walk.unknown:
+                raise _Skip("constructs not understood: " + "; ".join(f"line {ln}: {w}" for ln, w in walk.unknown[:6]))
+            hk = _kv_head(walk, k_base)
+            combine_fn = None
+            if split_axis is not None:
+                combine_fn = _combine_kernel(ctx, fn, walk, flags)
+                if combine_fn is None:
+                    raise _Skip("split-KV kernel without a recognizable combine kernel")
+            lifted = _assemble(ctx, walk, hk, split_axis)
+        except _Skip as why:
+            ctx.skipped.append((f"{fn.name}[{label}]", str(why)))
+            continue
+        sched = schedule
+        if split_axis is not None:
+            sched = replace(sched, num_splits=3)
+        name = f"{ctx.family}_{fn.name.strip('_')}" + "".join(f"_{k.lower()}" for k, v in flags.items() if v)
+        prog = Program(name, lifted.params, sched, lifted.kernels,
+                       score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, lifted.score_mod) if lifted.score_mod else None,
+                       mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, lifted.mask_mod) if lifted.mask_mod else None)
+        notes = [sched_note, *lifted.notes]
+        try:
+            from kb.ir.validate import validate
+            validate(prog)
+        except ImportError:
+            notes.append("kb.ir.validate not available")
+        except KBError as err:
+            ctx.skipped.append((f"{fn.name}[{label}]", f"lifted program fails validation: {err}"))
+            _spans_to_snippets(ctx, lifted, flags)
+            continue
+        gqa = any(isinstance(st, Let) and st.name == "hk" and "Hkv" in free_vars(st.value) for st in prog.kernels[0].body)
+        ok, note = verify_program(prog, split=split_axis is not None, gqa=gqa)
+        _spans_to_snippets(ctx, lifted, flags)
+        if not ok:
+            ctx.skipped.append((f"{fn.name}[{label}]", f"interpreter check failed: {note}"))
+            continue
+        feats = _features(prog, flags, split_axis is not None)
+        prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
+        out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
+                                 tuple(flags.items()), tuple(notes)))
+    return out
+
+
+def _features(p: Program, flags: dict[str, bool], split: bool) -> Features:
+    try:
+        from kb.ir.features import derive_features
+        f = derive_features(p)
+    except ImportError:
+        f = Features()
+    changes: dict[str, object] = {"split_kv": split or f.split_kv, "return_lse": True}
+    if any(v and "ALIBI" in k for k, v in flags.items()):
+        changes["alibi"] = True
+        if f.score_mod == "none":
+            changes["score_mod"] = "alibi"
+    return replace(f, **changes)
+
+
+def _spans_to_snippets(ctx: _Ctx, lifted: _Lifted, flags: dict[str, bool]) -> None:
+    feats = {"causal": True} if any(v and "CAUSAL" in k for k, v in flags.items()) else {}
+    for kind, ir, start, end, file in lifted.spans:
+        if kind == "score_mod":
+            continue  # the score dot itself is not a snippet
+        _snippet(ctx, kind, f"{kind.replace('_', ' ')} ({Path(file or ctx.base.file).name}:{start})", ir, start, end,
+                 file, feats if kind == "mask_causal" else {})
+
+
+def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> LiftReport:
+    ctx = _Ctx(mod, provenance_base, family)
+    if not mod.jit:
+        return LiftReport(provenance_base.file, skipped=(("file", "no @triton.jit kernel in the file"),))
+    programs: list[LiftedProgram] = []
+    tunables: list[LiftedTunable] = []
+    called = {n.func.id for f in mod.jit.values() for n in ast.walk(f.node)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    for fn in mod.jit.values():
+        if fn.name in called:
+            continue  # helpers are inlined into the kernels that call them
+        reach = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
+        if not any(ast.unparse(n.func).endswith("dot") for r in reach for n in ast.walk(r) if isinstance(n, ast.Call)):
+            continue  # no matmul anywhere: a reduce kernel, reached from its split kernel
+        if "bwd" in fn.name:
+            ctx.skipped.append((fn.name, "backward kernel: the IR models the forward pass only"))
+            continue
+        try:
+            progs = _lift_kernel(ctx, fn)
+        except (RecursionError, KBError, KeyError, ValueError, TypeError, IndexError) as err:
+            ctx.skipped.append((fn.name, f"lifter error: {type(err).__name__}: {err}"))
+            continue
+        programs += progs
+        tunables += _tunables(ctx, fn.name)
+    return LiftReport(provenance_base.file, programs=tuple(programs), snippets=tuple(ctx.snippets),
+                      tunables=tuple(tunables), skipped=tuple(ctx.skipped))
+
+
+def lift_file(path: Path, provenance_base: Provenance, family: str = "triton") -> LiftReport:
+    """Lift every forward attention kernel in `path`; malformed files are reported as skipped, never raised."""
+    try:
+        mod = parse_module(Path(path), provenance_base.file)
+    except SyntaxError as err:
+        return LiftReport(provenance_base.file, skipped=(("file", f"syntax error at line {err.lineno}: {err.msg}"),))
+    except (OSError, UnicodeError) as err:
+        return LiftReport(provenance_base.file, skipped=(("file", f"cannot read: {err}"),))
+    return lift_module(mod, provenance_base, family)

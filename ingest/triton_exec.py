@@ -1,0 +1,577 @@
+"""Symbolic walk of one specialized Triton kernel: index math to IR expressions, tile idioms to events.
+
+The walker keeps an environment from source names to symbolic values:
+- `Expr` for scalars and index vectors (lanes `_r`, `_c`, `_d` stand for `tl.arange` over
+  BLOCK_M, BLOCK_N and the head dim; `lane_to_idx` turns them into `q_idx` / `kv_idx`);
+- `Ptr` for pointer arithmetic (a base param plus an offset expression over strides);
+- `Tile` for tile values, with the idioms they came from (`score`, `pv`, `rowmax`, ...).
+Kernel-scope scalar assignments become IR `let`s (named after the source variable); loops
+over KV blocks become `Loop`s with the events seen in their body; runtime `if`s on scalars
+become `where(...)`. Every event keeps its source line, so snippets point at real code.
+
+Invariant: the walker never guesses a value: what it cannot translate becomes `Opaque`
+and is listed in `unknown` with its line.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+from dataclasses import dataclass, field
+
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
+from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
+from ingest.triton_sym import compare, simplify
+
+__all__ = ["Tile", "Ptr", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
+           "DIM_PATTERNS"]
+
+LOG2E = 1.4426950408889634
+LANES = ("_r", "_c", "_d")
+
+# Source size names -> IR dims / schedule constants (matched against kernel parameter names).
+DIM_PATTERNS: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"(?i)^(max_)?seqlens?_q$|^n_ctx_q$"), "M"),
+    (re.compile(r"(?i)^(max_)?seqlens?_k$|^n_ctx_k$"), "N"),
+    (re.compile(r"(?i)^(nheads|nheads_q|hq|h_q|h)$"), "Hq"),
+    (re.compile(r"(?i)^(hk|h_kv|nheads_k)$"), "Hkv"),
+    (re.compile(r"(?i)^(headdim|actual_block_dmodel)$"), "D"),
+    (re.compile(r"^(Z|batch)$"), "B"),
+    (re.compile(r"^BLOCK_M$"), "BLOCK_M"),
+    (re.compile(r"^BLOCK_N$"), "BLOCK_N"),
+    (re.compile(r"^(BLOCK_DMODEL|BLOCK_HEADDIM)$"), "HEAD_PAD"),
+    (re.compile(r"^(split_k|NUM_SPLITS)$"), "NUM_SPLITS"),
+    (re.compile(r"^GROUP_SIZE$"), "Hq // Hkv"),
+    (re.compile(r"^(G_q|G)$"), "1"),  # head groups of the 5-D decode layout: the IR has none (G = 1)
+    (re.compile(r"PER_SPLIT"), "cdiv(cdiv(N, NUM_SPLITS), BLOCK_N) * BLOCK_N"),
+)
+_SCALE = re.compile(r"(?i)^(sm_scale|softmax_scale)$")
+
+
+@dataclass(frozen=True)
+class Tile:
+    deps: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Ptr:
+    base: str
+    offset: Expr
+
+
+@dataclass(frozen=True)
+class Opaque:
+    text: str
+
+
+Sym = Expr | Tile | Ptr | Opaque
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # score_dot, pv_dot, scale, mask, score_term, rowmax, colmax, rowsum, colsum, exp, exp2, log, log2, store, load, rescale, where_tile
+    line: int
+    file: str
+    payload: object = None
+    cond: Expr | None = None  # runtime condition the event sits under
+
+
+@dataclass
+class Loop:
+    var: str  # IR loop variable
+    lo: Expr
+    hi: Expr
+    line: int
+    end_line: int
+    events: list[Event] = field(default_factory=list)
+
+
+@dataclass
+class KernelWalk:
+    lets: list = field(default_factory=list)  # ("let", name, Expr) | ("loop", Loop)
+    events: list[Event] = field(default_factory=list)  # kernel scope
+    loops: list[Loop] = field(default_factory=list)
+    unknown: list[tuple[int, str]] = field(default_factory=list)
+    early_exits: list[tuple[int, int]] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)  # source param -> role ("ptr", "dim:X", "scale", "other")
+    pids: dict[int, str] = field(default_factory=dict)
+
+
+_RESERVED = {"b", "h", "m", "s", "hk", "q_idx", "kv_idx", "score", "q", "k", "v", "o", "lse", "m_start", "inf",
+             "B", "Hq", "Hkv", "M", "N", "D", "BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD", "sm_scale",
+             *LANES}
+
+
+def _is_bool(e: Expr) -> bool:
+    return e.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR,
+                    ExprOp.NOT) or (e.op is ExprOp.CONST and isinstance(e.value, bool))
+
+
+def _as_int(e: Expr) -> Expr:
+    return call("where", e, const(1), const(0)) if _is_bool(e) else e
+
+
+def _as_bool(e: Expr) -> Expr:
+    return e if _is_bool(e) else Expr(ExprOp.NE, (e, const(0)))
+
+
+def lane_to_idx(e: Expr, loop_var: str = "n_start") -> Expr:
+    """Lanes to absolute indices: `_r = q_idx - m * BLOCK_M`, `_c = kv_idx - loop_var` (then simplified)."""
+    m_start = Expr(ExprOp.MUL, (var("m"), var("BLOCK_M")))
+    return simplify(substitute(e, {"_r": Expr(ExprOp.SUB, (var("q_idx"), m_start)),
+                                   "_c": Expr(ExprOp.SUB, (var("kv_idx"), var(loop_var)))}))
+
+
+def _has_lanes(e: Expr) -> bool:
+    return bool(free_vars(e) & set(LANES))
+
+
+def _num_of(e: Sym) -> float | None:
+    if isinstance(e, Expr) and e.op is ExprOp.CONST and not isinstance(e.value, bool):
+        return float(e.value)  # type: ignore[arg-type]
+    if isinstance(e, Expr) and e.op is ExprOp.NEG:
+        v = _num_of(e.args[0])
+        return None if v is None else -v
+    return None
+
+
+_BIN = {ast.Add: ExprOp.ADD, ast.Sub: ExprOp.SUB, ast.Mult: ExprOp.MUL, ast.Div: ExprOp.DIV,
+        ast.FloorDiv: ExprOp.FLOORDIV, ast.Mod: ExprOp.MOD, ast.BitAnd: ExprOp.AND, ast.BitOr: ExprOp.OR}
+_CMP = {ast.Lt: ExprOp.LT, ast.LtE: ExprOp.LE, ast.Gt: ExprOp.GT, ast.GtE: ExprOp.GE, ast.Eq: ExprOp.EQ,
+        ast.NotEq: ExprOp.NE}
+_PURE_CALLS = {"cdiv": "cdiv", "minimum": "minimum", "maximum": "maximum", "min": "minimum", "max": "maximum",
+               "abs": "abs"}
+
+
+class _Walker:
+    def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr]):
+        self.mod, self.consts, self.overrides = mod, consts, overrides
+        self.out = KernelWalk()
+        self.env: dict[str, Sym] = {}
+        self.used_names: set[str] = set()
+        self.loop: Loop | None = None
+        self.scalars = _scalar_params(fn)
+        self.cond: Expr | None = None
+        self.collect: list | None = None
+        self.stored: dict[tuple[str, str], Tile] = {}
+        for a in fn.args.args:
+            self.env[a.arg] = self._param(a.arg)
+
+    # ---- params
+    def _param(self, name: str) -> Sym:
+        if name in self.overrides:
+            return self.overrides[name]
+        for pat, dim in DIM_PATTERNS:
+            if pat.search(name):
+                self.out.params[name] = f"dim:{dim}"
+                return parse_expr(dim)
+        if _SCALE.search(name):
+            self.out.params[name] = "scale"
+            return var("sm_scale")
+        if name.startswith("stride"):
+            return var(name)
+        if name in getattr(self, "scalars", ()):
+            self.out.params[name] = "scalar"
+            return var(name)
+        if name in self.consts and isinstance(self.consts[name], (bool, int, float, str)):
+            c = self.consts[name]
+            return const(c) if not isinstance(c, str) else Opaque(c)  # type: ignore[arg-type]
+        self.out.params[name] = "ptr"
+        return Ptr(name, const(0))
+
+    # ---- events
+    def _event(self, kind: str, node: ast.AST, payload: object = None) -> None:
+        ev = Event(kind, getattr(node, "lineno", 0), node_file(node, self.mod.file), payload, self.cond)
+        (self.loop.events if self.loop is not None else self.out.events).append(ev)
+
+    def _unknown(self, node: ast.AST, what: str) -> Opaque:
+        self.out.unknown.append((getattr(node, "lineno", 0), what))
+        return Opaque(what)
+
+    # ---- expressions
+    def ev(self, n: ast.AST) -> Sym:
+        if isinstance(n, ast.Constant):
+            if isinstance(n.value, (bool, int, float)):
+                return const(n.value)
+            return Opaque(repr(n.value))
+        if isinstance(n, ast.Name):
+            if n.id in self.env:
+                return self.env[n.id]
+            if n.id in self.consts and isinstance(self.consts[n.id], (bool, int, float)):
+                return const(self.consts[n.id])  # type: ignore[arg-type]
+            return Opaque(n.id)
+        if isinstance(n, ast.Subscript):  # x[:, None] / x[None, :]: broadcasting only
+            return self.ev(n.value)
+        if isinstance(n, ast.Tuple):
+            return Opaque("tuple")
+        if isinstance(n, ast.UnaryOp):
+            v = self.ev(n.operand)
+            if isinstance(v, Expr):
+                if isinstance(n.op, ast.USub):
+                    return const(-v.value) if v.op is ExprOp.CONST else Expr(ExprOp.NEG, (v,))  # type: ignore[operator]
+                if isinstance(n.op, (ast.Not, ast.Invert)):
+                    return Expr(ExprOp.NOT, (_as_bool(v),))
+            return v if isinstance(v, Tile) else Opaque(ast.unparse(n))
+        if isinstance(n, ast.BoolOp):
+            vals = [self.ev(v) for v in n.values]
+            if all(isinstance(v, Expr) for v in vals):
+                out = _as_bool(vals[0])  # type: ignore[arg-type]
+                for v in vals[1:]:
+                    out = Expr(ExprOp.AND if isinstance(n.op, ast.And) else ExprOp.OR, (out, _as_bool(v)))  # type: ignore[arg-type]
+                return out
+            return Opaque(ast.unparse(n))
+        if isinstance(n, ast.Compare) and len(n.ops) == 1 and type(n.ops[0]) in _CMP:
+            a, b = self.ev(n.left), self.ev(n.comparators[0])
+            if isinstance(a, Tile) or isinstance(b, Tile):
+                return Tile(_deps(a) | _deps(b) | {"compare"})
+            if isinstance(a, Expr) and isinstance(b, Expr):
+                return Expr(_CMP[type(n.ops[0])], (a, b))
+            return Opaque(ast.unparse(n))
+        if isinstance(n, ast.IfExp):
+            try:
+                return self.ev(n.body if const_eval(n.test, self.consts) else n.orelse)
+            except Unknown:
+                t, a, b = self.ev(n.test), self.ev(n.body), self.ev(n.orelse)
+                if all(isinstance(x, Expr) for x in (t, a, b)):
+                    return call("where", _as_bool(t), a, b)  # type: ignore[arg-type]
+                return Opaque(ast.unparse(n))
+        if isinstance(n, ast.BinOp):
+            return self._binop(n)
+        if isinstance(n, ast.Call):
+            return self._call(n)
+        if isinstance(n, ast.Attribute):
+            return Opaque(ast.unparse(n))
+        return self._unknown(n, f"unsupported syntax {type(n).__name__}")
+
+    def _binop(self, n: ast.BinOp) -> Sym:
+        a, b = self.ev(n.left), self.ev(n.right)
+        op = _BIN.get(type(n.op))
+        if op is None:
+            return self._unknown(n, f"operator {type(n.op).__name__}")
+        if isinstance(a, Ptr) and isinstance(b, Expr) and op is ExprOp.ADD:
+            return Ptr(a.base, Expr(ExprOp.ADD, (a.offset, b)))
+        if isinstance(b, Ptr) and isinstance(a, Expr) and op is ExprOp.ADD:
+            return Ptr(b.base, Expr(ExprOp.ADD, (b.offset, a)))
+        if isinstance(a, Tile) or isinstance(b, Tile):
+            deps = _deps(a) | _deps(b)
+            other = b if isinstance(a, Tile) else a
+            if op is ExprOp.MUL and isinstance(other, Expr) and "sm_scale" in free_vars(other):
+                self._event("scale", n, other)
+            if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
+                    and abs(float(other.value) - LOG2E) < 1e-6:  # type: ignore[arg-type]
+                deps = deps | {"log2e"}
+            if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
+                    and abs(float(other.value) - math.log(2)) < 1e-6:  # type: ignore[arg-type]
+                deps = deps | {"ln2"}
+            if op is ExprOp.DIV and isinstance(b, Expr) and _num_of(b) is not None and abs(_num_of(b) - LOG2E) < 1e-6:
+                deps = deps | {"ln2"}
+            if op is ExprOp.MUL and isinstance(a, Tile) and isinstance(b, Tile):
+                for x, y in ((a, b), (b, a)):
+                    if "init_acc" in x.deps and "rowmax" in y.deps:
+                        self._event("rescale", n)
+                        break
+            if op in (ExprOp.ADD, ExprOp.SUB) and isinstance(other, Expr) and _has_lanes(other) \
+                    and ("score" in _deps(a) or "score" in _deps(b)):
+                self._event("score_term", n, other if op is ExprOp.ADD else Expr(ExprOp.NEG, (other,)))
+            return Tile(deps)
+        if isinstance(a, Expr) and isinstance(b, Expr):
+            if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL):
+                a, b = _as_int(a), _as_int(b)
+            return Expr(op, (a, b))
+        return Opaque(ast.unparse(n))
+
+    def _fname(self, n: ast.Call) -> str:
+        f = ast.unparse(n.func)
+        return f.split(".")[-1]
+
+    def _call(self, n: ast.Call) -> Sym:
+        full, name = ast.unparse(n.func), self._fname(n)
+        kw = {k.arg: k.value for k in n.keywords if k.arg}
+        if isinstance(n.func, ast.Attribute) and name == "to":
+            return self.ev(n.func.value)
+        if name == "program_id":
+            axis = int(const_eval(n.args[0], {})) if n.args else int(const_eval(kw["axis"], {}))  # type: ignore[arg-type]
+            return self.overrides.get(f"pid{axis}", var(f"pid{axis}"))
+        if name == "arange":
+            hi = self.ev(n.args[1])
+            lane = "_r" if hi == var("BLOCK_M") else "_c" if hi == var("BLOCK_N") else "_d"
+            return var(lane)
+        if name == "multiple_of":
+            return self.ev(n.args[0])
+        if name == "float" and n.args:
+            try:
+                return const(float(const_eval(n.args[0], {})))  # type: ignore[arg-type]
+            except (Unknown, ValueError):
+                return Opaque(full)
+        if name in ("zeros", "full"):
+            if name == "full" and len(n.args) > 1:
+                val = self.ev(n.args[1])
+                dt = ast.unparse(kw.get("dtype", n.args[2] if len(n.args) > 2 else ast.Constant(None)))
+                if isinstance(val, Expr) and "int" in dt:
+                    return val
+            shape = n.args[0] if n.args else kw.get("shape")
+            elts = shape.elts if isinstance(shape, (ast.List, ast.Tuple)) else []
+            last = self.ev(elts[-1]) if elts else None
+            tag = "init_row" if len(elts) == 1 else "init_s" if last == var("BLOCK_N") else "init_acc"
+            return Tile(frozenset({"init", tag}))
+        if name == "cdiv" or (name in _PURE_CALLS and not any(isinstance(self.ev(a), Tile) for a in n.args)):
+            args = [self.ev(a) for a in n.args]
+            if all(isinstance(a, Expr) for a in args) and len(args) == (1 if name == "abs" else 2):
+                return call(_PURE_CALLS.get(name, name), *args)  # type: ignore[arg-type]
+            return self._unknown(n, f"{full}() on untranslatable arguments")
+        if name == "load":
+            return self._load(n)
+        if name == "store":
+            ptr, val = self.ev(n.args[0]), self.ev(n.args[1])
+            base = ptr.base if isinstance(ptr, Ptr) else None
+            self._event("store", n, (base, _deps(val), ptr.offset if isinstance(ptr, Ptr) else None))
+            if isinstance(ptr, Ptr) and isinstance(val, Tile):
+                self.stored[(ptr.base, str(ptr.offset))] = val
+            return Opaque("store")
+        if name == "dot":
+            a, b = self.ev(n.args[0]), self.ev(n.args[1])
+            da, db = _deps(a), _deps(b)
+            if any(d.startswith("load:") for d in da) and any(d.startswith("load:") for d in db) and "score" not in da:
+                self._event("score_dot", n, (_load_base(da), _load_base(db)))
+                return Tile(frozenset({"score"} | {d for d in da if d == "log2e"}))
+            if "score" in da and any(d.startswith("load:") for d in db):
+                self._event("pv_dot", n, _load_base(db))
+                return Tile(frozenset({"pv"}))
+            return self._unknown(n, "tl.dot on operands that are not q/k or p/v tiles")
+        if name == "where":
+            c, x, y = (self.ev(a) for a in n.args[:3])
+            ninf = _num_of(y) == -math.inf
+            if isinstance(c, Expr) and ninf and (isinstance(x, Tile) or _num_of(x) == 0.0):
+                self._event("mask", n, c)
+                return x if isinstance(x, Tile) else Tile(frozenset({"mask"}))
+            if any(isinstance(v, Tile) for v in (c, x, y)):
+                self._event("where_tile", n)
+                return Tile(_deps(c) | _deps(x) | _deps(y))
+            if all(isinstance(v, Expr) for v in (c, x, y)):
+                return call("where", _as_bool(c), x, y)  # type: ignore[arg-type]
+            return Opaque(full)
+        if name in ("max", "sum", "exp", "exp2", "log", "log2") and n.args and isinstance(self.ev(n.args[0]), Tile):
+            src = self.ev(n.args[0])
+            deps = _deps(src)
+            if name in ("max", "sum"):
+                axis_node = n.args[1] if len(n.args) > 1 else kw.get("axis")
+                axis = const_eval(axis_node, {}) if axis_node is not None else None
+                kind = ("row" if axis == 1 else "col") + name
+                self._event(kind, n, deps)
+                return Tile(deps | {kind.replace("col", "row")} | ({"colreduce"} if axis == 0 else set()))
+            self._event(name, n, deps)
+            return Tile(deps | {name})
+        if name in ("maximum", "minimum"):
+            args = [self.ev(a) for a in n.args]
+            return Tile(frozenset().union(*(_deps(a) for a in args)))
+        if name in ("debug_barrier", "static_print", "device_print"):
+            return Opaque(name)
+        if name == "rand":
+            return self._unknown(n, "tl.rand (dropout RNG)")
+        return self._unknown(n, f"call {full}()")
+
+    def _load(self, n: ast.Call) -> Sym:
+        ptr = self.ev(n.args[0])
+        if not isinstance(ptr, Ptr):
+            return self._unknown(n, "tl.load of a non-pointer")
+        off = simplify(ptr.offset)
+        if (ptr.base, str(ptr.offset)) in self.stored:  # store-then-load round trip (compiler workaround)
+            self._event("reload", n, ptr.base)
+            return self.stored[(ptr.base, str(ptr.offset))]
+        if _has_lanes(off):
+            self._event("load", n, (ptr.base, off))
+            return Tile(frozenset({f"load:{ptr.base}"}))
+        # scalar load from an auxiliary tensor: index per stride, in parameter order
+        idx = _stride_indices(off)
+        if idx is None:
+            return self._unknown(n, f"scalar load from {ptr.base} with non-strided offset {off}")
+        self._event("aux_load", n, (ptr.base, tuple(idx)))
+        return Expr(ExprOp.LOAD, tuple(e for _, e in idx), ptr.base.lower())
+
+    # ---- statements
+    def run(self, body: list[ast.stmt]) -> bool:
+        """Walk `body`; False once a `return` ends the kernel."""
+        for st in body:
+            if isinstance(st, ast.Return):
+                return False
+            if isinstance(st, (ast.Assign, ast.AnnAssign)):
+                if st.value is None:
+                    continue
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                for t in targets:
+                    self._assign(t, st.value, st)
+            elif isinstance(st, ast.AugAssign):
+                self._assign(st.target, ast.copy_location(ast.BinOp(left=_load_ctx(st.target), op=st.op, right=st.value), st), st)
+            elif isinstance(st, ast.Expr):
+                self.ev(st.value)
+            elif isinstance(st, ast.For):
+                self._for(st)
+            elif isinstance(st, ast.If):
+                if not self._if(st):
+                    return False
+            elif isinstance(st, ast.Pass):
+                continue
+            else:
+                self._unknown(st, f"statement {type(st).__name__}")
+        return True
+
+    def _assign(self, target: ast.AST, value: ast.AST, st: ast.stmt) -> None:
+        if isinstance(target, ast.Tuple):
+            vals = value.elts if isinstance(value, ast.Tuple) else None
+            for i, t in enumerate(target.elts):
+                if isinstance(t, ast.Name):
+                    self.env[t.id] = self.ev(vals[i]) if vals else Opaque("tuple item")
+            return
+        if not isinstance(target, ast.Name):
+            self._unknown(st, f"assignment to {ast.unparse(target)}")
+            return
+        name = target.id
+        if name in self.overrides:
+            self.env[name] = self.overrides[name]
+            return
+        val = self.ev(value)
+        if isinstance(val, Expr) and self.loop is None and self.collect is None and not _has_lanes(val) \
+                and val.op not in (ExprOp.VAR, ExprOp.CONST) and not any(v.startswith("stride") for v in free_vars(val)) \
+                and "sm_scale" not in free_vars(val) and not any(x.op is ExprOp.LOAD for x in walk(val)) \
+                and not any(x.op is ExprOp.CONST and isinstance(x.value, float) for x in walk(val)):
+            let = self._fresh(name)
+            self.out.lets.append(("let", let, simplify(val), st.lineno))
+            val = var(let)
+        self.env[name] = val
+
+    def _fresh(self, name: str) -> str:
+        base = name if name not in _RESERVED else f"{name}_"
+        cand, i = base, 1
+        while cand in self.used_names:
+            cand, i = f"{base}_{i}", i + 1
+        self.used_names.add(cand)
+        return cand
+
+    def _for(self, st: ast.For) -> None:
+        it = st.iter
+        if not (isinstance(it, ast.Call) and ast.unparse(it.func) == "range" and isinstance(st.target, ast.Name)):
+            self._unknown(st, "for loop that is not over range()")
+            return
+        args = [self.ev(a) for a in it.args]
+        if len(args) != 3 or not all(isinstance(a, Expr) for a in args) or args[2] != var("BLOCK_N"):
+            self._unknown(st, f"loop {ast.unparse(it)} is not range(lo, hi, BLOCK_N)")
+            return
+        if self.loop is not None:
+            self._unknown(st, "nested loop")
+            return
+        lv = self._fresh("n_start")
+        loop = Loop(lv, simplify(args[0]), simplify(args[1]), st.lineno, st.end_lineno or st.lineno)  # type: ignore[arg-type]
+        saved_cond = self.cond
+        self.loop, self.cond = loop, None
+        self.env[st.target.id] = var(lv)
+        self.run(st.body)
+        self.loop, self.cond = None, saved_cond
+        if saved_cond is not None:  # a loop under a runtime `if` runs empty when the condition is false
+            loop.hi = call("where", saved_cond, loop.hi, loop.lo)
+        self.out.loops.append(loop)
+        (self.collect if self.collect is not None else self.out.lets).append(("loop", loop))
+
+    def _if(self, st: ast.If) -> bool:
+        if st.body and isinstance(st.body[-1], ast.Return):
+            self.out.early_exits.append((st.lineno, st.end_lineno or st.lineno))
+            return True
+        test = self.ev(st.test)
+        if not isinstance(test, Expr):
+            # a tile-valued condition: record what is inside as conditional events
+            self._unknown(st, f"if on a tile value: {ast.unparse(st.test)}")
+            return True
+        cond = _as_bool(test)
+        before = dict(self.env)
+        outer_cond = self.cond
+        self.cond = cond if outer_cond is None else Expr(ExprOp.AND, (outer_cond, cond))
+        cont = self.run(st.body)
+        then_env = self.env
+        self.env = dict(before)
+        self.cond = Expr(ExprOp.NOT, (cond,)) if outer_cond is None else Expr(ExprOp.AND, (outer_cond, Expr(ExprOp.NOT, (cond,))))
+        cont_else = self.run(st.orelse)
+        else_env = self.env
+        self.cond = outer_cond
+        merged = dict(else_env)
+        for k, tv in then_env.items():
+            ev_ = else_env.get(k)
+            if tv == ev_:
+                continue
+            if isinstance(tv, Expr) and isinstance(ev_, Expr):
+                w = simplify(call("where", cond, tv, ev_))
+                if self.loop is None and not _has_lanes(w):
+                    let = self._fresh(k)
+                    self.out.lets.append(("let", let, w, st.lineno))
+                    merged[k] = var(let)
+                else:
+                    merged[k] = w
+            elif isinstance(tv, Tile) or isinstance(ev_, Tile):
+                merged[k] = Tile(_deps(tv) | _deps(ev_))
+            else:
+                merged[k] = tv if ev_ is None else Opaque(f"{k} differs by branch")
+        self.env = merged
+        return cont or cont_else
+
+
+def _scalar_params(fn: ast.FunctionDef) -> set[str]:
+    """Params used in integer arithmetic (`x * n`, `x // n`, `x % n`) are scalars, not pointers."""
+    params = {a.arg for a in fn.args.args}
+    out: set[str] = set()
+    for n in ast.walk(fn):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.FloorDiv, ast.Mod)):
+            for side in (n.left, n.right):
+                if isinstance(side, ast.Name) and side.id in params:
+                    out.add(side.id)
+    return out
+
+
+def _load_ctx(t: ast.AST) -> ast.AST:
+    c = ast.parse(ast.unparse(t), mode="eval").body
+    return ast.copy_location(c, t)
+
+
+def _deps(x: Sym | None) -> frozenset[str]:
+    return x.deps if isinstance(x, Tile) else frozenset()
+
+
+def _load_base(deps: frozenset[str]) -> str:
+    return sorted(d[5:] for d in deps if d.startswith("load:"))[0]
+
+
+def _stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
+    """Split `i * stride_x + j * stride_y + c` into [(stride_x, i), (stride_y, j), ("", c)]; None if not of that form.
+
+    Monomials sharing a stride are summed (`(m * BLOCK_M + _r) * stride_qm`); terms without a
+    stride are the contiguous last dim, keyed "".
+    """
+    from ingest.triton_sym import normalize, to_expr
+
+    groups: dict[str, dict] = {}
+    for mono, c in normalize(off).items():
+        strides = [a for a in mono if a.op is ExprOp.VAR and str(a.value).startswith("stride")]
+        if len(strides) > 1:
+            return None
+        key = str(strides[0].value) if strides else ""
+        rest = tuple(a for a in mono if not strides or a is not strides[0])
+        groups.setdefault(key, {})[rest] = c
+    return [(k, to_expr(p)) for k, p in groups.items()]
+
+
+def walk_kernel(mod: TritonModule, fn: ast.FunctionDef, body: list[ast.stmt], consts: dict[str, object],
+                overrides: dict[str, Expr]) -> KernelWalk:
+    w = _Walker(mod, fn, consts, overrides)
+    w.run(body)
+    for i, a in enumerate(fn.args.args):
+        w.out.params.setdefault(a.arg, "other")
+    return w.out
+
+
+def stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
+    return _stride_indices(off)
+
+
+def uses(e: Expr) -> set[str]:
+    return {str(n.value) for n in walk(e) if n.op in (ExprOp.VAR, ExprOp.LOAD)}
+
+
+__all__ += ["stride_indices", "uses", "compare"]

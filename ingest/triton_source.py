@@ -1,0 +1,429 @@
+"""Read a Triton source file: jit kernels, constexpr flags, autotune configs, launch constants.
+
+`specialize` folds `if` statements on constexpr flags and inlines calls to other `@triton.jit`
+functions (same file, or a sibling module named in `from .x import f`), so that the lifter
+sees one flat statement list per kernel and flag combination.
+
+Invariants: every AST node keeps its original line numbers; nodes that come from another
+file carry `_kb_file` (the file name), so spans always point at real lines. Nothing here
+imports or runs the source.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["TritonModule", "JitFn", "ConfigEntry", "LaunchSite", "parse_module", "specialize", "const_eval",
+           "Unknown", "flag_policy", "node_file"]
+
+log = logging.getLogger(__name__)
+
+
+class Unknown(Exception):
+    """A value that is not a compile-time constant."""
+
+
+class _NotNone:
+    """A runtime value known not to be None (so `x is not None` folds)."""
+
+    def __repr__(self) -> str:
+        return "<not None>"
+
+
+NOT_NONE = _NotNone()
+
+
+@dataclass(frozen=True)
+class JitFn:
+    name: str
+    node: ast.FunctionDef
+    file: str
+    constexprs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    """One `triton.Config(...)`: kwargs dict + num_warps/num_stages, the function it is in, its line."""
+
+    params: dict
+    function: str
+    line: int
+
+
+@dataclass(frozen=True)
+class LaunchSite:
+    kernel: str
+    line: int
+    constants: dict  # keyword -> literal value (or launcher-local literal)
+    keyword_exprs: dict  # keyword -> source text
+
+
+@dataclass
+class TritonModule:
+    path: Path
+    file: str
+    tree: ast.Module
+    lines: list[str]
+    jit: dict[str, JitFn] = field(default_factory=dict)
+    configs: list[ConfigEntry] = field(default_factory=list)
+    launches: list[LaunchSite] = field(default_factory=list)
+    module_consts: dict[str, object] = field(default_factory=dict)
+    imported_jit: dict[str, JitFn] = field(default_factory=dict)
+
+
+def node_file(node: ast.AST, default: str) -> str:
+    return getattr(node, "_kb_file", default)
+
+
+def _is_jit(fn: ast.FunctionDef) -> bool:
+    for d in fn.decorator_list:
+        target = d.func if isinstance(d, ast.Call) else d
+        if isinstance(target, ast.Attribute) and target.attr == "jit":
+            return True
+        if isinstance(target, ast.Name) and target.id == "jit":
+            return True
+    return False
+
+
+def _constexprs(fn: ast.FunctionDef) -> tuple[str, ...]:
+    return tuple(a.arg for a in fn.args.args if a.annotation is not None and "constexpr" in ast.unparse(a.annotation))
+
+
+def _literal(node: ast.AST) -> object:
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError):
+        raise Unknown(ast.unparse(node)) from None
+
+
+def _collect_jit(tree: ast.Module, file: str) -> dict[str, JitFn]:
+    out: dict[str, JitFn] = {}
+    for n in tree.body:
+        if isinstance(n, ast.FunctionDef) and _is_jit(n):
+            if file:
+                for sub in ast.walk(n):
+                    setattr(sub, "_kb_file", file)
+            out[n.name] = JitFn(n.name, n, file, _constexprs(n))
+    return out
+
+
+def parse_module(path: Path, file: str) -> TritonModule:
+    """Parse `path` (raises SyntaxError on a malformed file; the caller reports it)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    tree = ast.parse(text, filename=str(path))
+    mod = TritonModule(path, file, tree, text.splitlines())
+    mod.jit = _collect_jit(tree, "")
+    _collect_configs(mod)
+    _collect_launches(mod)
+    for n in tree.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "constexpr" in ast.unparse(n.annotation):
+            mod.module_consts[n.target.id] = None  # resolved by flag policy
+        if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module:
+            sibling = path.parent / (n.module.replace(".", "/") + ".py")
+            if sibling.exists():
+                try:
+                    stree = ast.parse(sibling.read_text(encoding="utf-8", errors="replace"))
+                except SyntaxError:
+                    continue
+                rel = str(Path(file).parent / sibling.name) if file else sibling.name
+                sj = _collect_jit(stree, rel)
+                for alias in n.names:
+                    if alias.name in sj:
+                        mod.imported_jit[alias.asname or alias.name] = sj[alias.name]
+    return mod
+
+
+def _enclosing_functions(tree: ast.Module) -> dict[int, str]:
+    owner: dict[int, str] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for sub in ast.walk(fn):
+                owner.setdefault(id(sub), fn.name)
+    return owner
+
+
+def _collect_configs(mod: TritonModule) -> None:
+    owner = _enclosing_functions(mod.tree)
+    for n in ast.walk(mod.tree):
+        if isinstance(n, ast.Call) and ast.unparse(n.func) in ("triton.Config", "Config") and n.args:
+            try:
+                params = dict(_literal(n.args[0]))  # type: ignore[arg-type]
+                for kw in n.keywords:
+                    params[kw.arg] = _literal(kw.value)
+            except Unknown:
+                continue
+            mod.configs.append(ConfigEntry(params, owner.get(id(n), "<module>"), n.lineno))
+
+
+def _collect_launches(mod: TritonModule) -> None:
+    for fn in ast.walk(mod.tree):
+        if not isinstance(fn, ast.FunctionDef) or fn.name in mod.jit:
+            continue
+        local: dict[str, object] = {}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                try:
+                    local[n.targets[0].id] = _literal(n.value)
+                except Unknown:
+                    pass
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name) \
+                    and n.func.value.id in mod.jit:
+                consts: dict[str, object] = {}
+                exprs: dict[str, str] = {}
+                for kw in n.keywords:
+                    if kw.arg is None:
+                        continue
+                    exprs[kw.arg] = ast.unparse(kw.value)
+                    try:
+                        consts[kw.arg] = _literal(kw.value)
+                    except Unknown:
+                        if isinstance(kw.value, ast.Name) and kw.value.id in local:
+                            consts[kw.arg] = local[kw.value.id]
+                mod.launches.append(LaunchSite(n.func.value.id, n.lineno, consts, exprs))
+
+
+# ---------------------------------------------------------------- flag policy
+
+# Flags that select a feature the IR can execute: the lifter enumerates them.
+ENUMERATED_FLAGS = {"causal": re.compile(r"CAUSAL"), "alibi": re.compile(r"ALIBI")}
+# Everything else is fixed to the general path the IR can express; dropout, fp8, varlen, paged
+# caches, bias pointers and debug dumps are switched off (recorded as snippets/skips instead).
+_POLICY: tuple[tuple[re.Pattern, object], ...] = (
+    (re.compile(r"DROPOUT|FP8|VARLEN|INFERENCE|RETURN_SCORES|NEW_KV|CACHE|USE_BIAS|DUMP"), False),
+    (re.compile(r"^BIAS_TYPE$"), "none"),
+    (re.compile(r"^EVEN_"), False),
+    (re.compile(r"PRE_LOAD_V"), False),
+    (re.compile(r"PADDED_HEAD|BOUNDS_CHECKS|MASK_SPLITK|^IS_GQA$"), True),
+    (re.compile(r"USE_EXP2"), True),
+)
+
+
+def flag_policy(name: str) -> object:
+    """The fixed value of a non-enumerated constexpr flag; raises Unknown for non-flags."""
+    for pat, value in _POLICY:
+        if pat.search(name):
+            return value
+    raise Unknown(name)
+
+
+# ---------------------------------------------------------------- constant folding
+
+
+def const_eval(node: ast.AST, consts: dict[str, object]) -> object:
+    """Fold `node` under `consts`; raises Unknown if it depends on a runtime value."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in consts:
+            if consts[node.id] is NOT_NONE:
+                raise Unknown(node.id)
+            return consts[node.id]
+        if node.id in ("True", "False", "None"):
+            return {"True": True, "False": False, "None": None}[node.id]
+        raise Unknown(node.id)
+    if isinstance(node, ast.UnaryOp):
+        v = const_eval(node.operand, consts)
+        if isinstance(node.op, ast.Not):
+            return not v
+        if isinstance(node.op, ast.USub):
+            return -v  # type: ignore[operator]
+        raise Unknown(ast.unparse(node))
+    if isinstance(node, ast.BoolOp):
+        vals = []
+        for v in node.values:
+            try:
+                vals.append(const_eval(v, consts))
+            except Unknown:
+                vals.append(Unknown)
+        known = [v for v in vals if v is not Unknown]
+        if isinstance(node.op, ast.And):
+            if any(not v for v in known):
+                return False
+            if len(known) == len(vals):
+                return all(vals)
+        else:
+            if any(bool(v) for v in known):
+                return True
+            if len(known) == len(vals):
+                return False
+        raise Unknown(ast.unparse(node))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+        sides = []
+        for x in (node.left, node.comparators[0]):
+            if isinstance(x, ast.Name) and consts.get(x.id, None) is NOT_NONE:
+                sides.append(NOT_NONE)
+            else:
+                sides.append(const_eval(x, consts))
+        if None in sides:
+            same = sides[0] is sides[1]
+            return same if isinstance(node.ops[0], ast.Is) else not same
+        raise Unknown(ast.unparse(node))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        a, b = const_eval(node.left, consts), const_eval(node.comparators[0], consts)
+        op = node.ops[0]
+        table = {ast.Eq: lambda: a == b, ast.NotEq: lambda: a != b, ast.Is: lambda: a is b,
+                 ast.IsNot: lambda: a is not b, ast.Lt: lambda: a < b, ast.Gt: lambda: a > b,  # type: ignore[operator]
+                 ast.LtE: lambda: a <= b, ast.GtE: lambda: a >= b}  # type: ignore[operator]
+        if type(op) in table:
+            return table[type(op)]()
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+        a, b = const_eval(node.left, consts), const_eval(node.right, consts)
+        return (a and b) if isinstance(node.op, ast.BitAnd) else (a or b)
+    if isinstance(node, ast.IfExp):
+        return const_eval(node.body if const_eval(node.test, consts) else node.orelse, consts)
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("constexpr") and node.args:
+        return const_eval(node.args[0], consts)
+    raise Unknown(ast.unparse(node))
+
+
+# ---------------------------------------------------------------- specialization + inlining
+
+
+def _bind(name: str, value: ast.expr, at: ast.AST) -> ast.Assign:
+    a = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value)
+    return ast.copy_location(a, at)
+
+
+def _maybe_none(value: ast.AST, consts: dict[str, object]) -> object:
+    """The constant value, or NOT_NONE for a runtime value that cannot be None."""
+    try:
+        return const_eval(value, consts)
+    except Unknown:
+        pass
+    if isinstance(value, ast.IfExp):
+        try:
+            return _maybe_none(value.body if const_eval(value.test, consts) else value.orelse, consts)
+        except Unknown:
+            return None if False else _Unset
+    if isinstance(value, ast.Name):
+        return consts.get(value.id, _Unset)
+    return NOT_NONE
+
+
+_Unset = object()
+
+
+def _track(target: ast.AST, value: ast.AST, consts: dict[str, object]) -> None:
+    if isinstance(target, ast.Name):
+        try:
+            consts[target.id] = flag_policy(target.id)  # a policy flag keeps its fixed value
+            return
+        except Unknown:
+            pass
+        v = _maybe_none(value, consts)
+        if v is _Unset:
+            consts.pop(target.id, None)
+        else:
+            consts[target.id] = v
+
+
+def _inline(call: ast.Call, fn: JitFn, targets: list[ast.expr], consts: dict[str, object],
+            mod: TritonModule, depth: int) -> list[ast.stmt]:
+    """Bind parameters, specialize the body in a child constant scope, turn `return` into assigns."""
+    raw = [a.arg for a in fn.node.args.args]
+    fn_body = copy.deepcopy(fn.node.body)
+    _INLINE_COUNT[0] += 1
+    rename = _local_names(raw, fn_body, _INLINE_COUNT[0])
+    params = [rename[p] for p in raw]
+    defaults = dict(zip(params[len(params) - len(fn.node.args.defaults):], fn.node.args.defaults))
+    args: dict[str, ast.expr] = dict(zip(params, call.args))
+    args.update({rename[kw.arg]: kw.value for kw in call.keywords if kw.arg in rename})
+    child = dict(consts)
+    out: list[ast.stmt] = []
+    for p in params:
+        val = args.get(p, defaults.get(p))
+        if val is None:
+            continue
+        out.append(_bind(p, val, call))
+        v = _maybe_none(val, consts)
+        if v is _Unset:
+            child.pop(p, None)
+        else:
+            child[p] = v
+    body = specialize(fn_body, child, mod, depth + 1)
+    for st in body:
+        if isinstance(st, ast.Return) and st.value is not None:
+            vals = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
+            tgts = targets[0].elts if len(targets) == 1 and isinstance(targets[0], ast.Tuple) else targets
+            for t, v in zip(tgts, vals):
+                if isinstance(t, ast.Name) and not (isinstance(v, ast.Name) and v.id == t.id):
+                    out.append(_bind(t.id, v, st))
+        else:
+            out.append(st)
+    return out
+
+
+_INLINE_COUNT = [0]
+
+
+def _local_names(params: list[str], body: list[ast.stmt], k: int) -> dict[str, str]:
+    """Rename the callee's params and locals (`x` -> `x_i<k>`) so inlining cannot clobber the caller.
+
+    Flags (names the policy or the enumerated flags know) keep their names: their values are
+    bound from the call's arguments in the child constant scope either way.
+    """
+    local = set(params)
+    for st in body:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                local.add(n.id)
+    rename = {n: f"{n}_i{k}" for n in local}
+    for st in body:
+        for n in ast.walk(st):
+            if isinstance(n, ast.Name) and n.id in rename:
+                n.id = rename[n.id]
+    return rename
+
+
+def _callee(node: ast.AST, mod: TritonModule) -> JitFn | None:
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        return mod.jit.get(node.func.id) or mod.imported_jit.get(node.func.id)
+    return None
+
+
+def specialize(body: list[ast.stmt], consts: dict[str, object], mod: TritonModule, depth: int = 0) -> list[ast.stmt]:
+    """Fold constexpr `if`s, inline jit calls, track constant assignments (in `consts`)."""
+    if depth > 8:
+        raise RecursionError("jit call nesting deeper than 8")
+    out: list[ast.stmt] = []
+    for st in body:
+        if isinstance(st, ast.If):
+            try:
+                taken = const_eval(st.test, consts)
+            except Unknown:
+                st.body = specialize(st.body, dict(consts), mod, depth)
+                st.orelse = specialize(st.orelse, dict(consts), mod, depth)
+                for sub in st.body + st.orelse:  # runtime branch: assigned names are no longer constant
+                    for n in ast.walk(sub):
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                            consts.pop(n.id, None)
+                out.append(st)
+                continue
+            out.extend(specialize(st.body if taken else st.orelse, consts, mod, depth))
+            continue
+        if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
+            targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+            fn = _callee(st.value, mod)
+            if fn is not None:
+                out.extend(_inline(st.value, fn, targets, consts, mod, depth))  # type: ignore[arg-type]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            consts.pop(n.id, None)
+                continue
+            if len(targets) == 1:
+                _track(targets[0], st.value, consts)
+            out.append(st)
+            continue
+        if isinstance(st, ast.For):
+            st.body = specialize(st.body, dict(consts), mod, depth)
+            out.append(st)
+            continue
+        out.append(st)
+    return out
