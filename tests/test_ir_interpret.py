@@ -90,7 +90,7 @@ def test_fixture_matches_reference_fp32(name: str, shape: Shape) -> None:
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_fixture_low_precision_inputs(name: str, dtype: Dtype) -> None:
     p = FIXTURES[name](dtype=dtype)
-    inputs = make_inputs(p, SHAPES[0], LOW[dtype], seed=1)
+    inputs = make_inputs(p, Shape(1, 4, 2, 37, 45, 16), LOW[dtype], seed=1)
     out = run_program(p, inputs)
     assert out["o"].dtype == LOW[dtype]  # o in o's dtype, lse in fp32
     assert_matches(out, reference(p, inputs), TOL[dtype])
