@@ -1,0 +1,208 @@
+"""Hybrid retrieval: embedding similarity + structural score + measured performance.
+
+total = w_embedding * similarity + sum(structural terms) + w_perf * perf, where similarity is
+1 - cosine distance of the IR/feature text, the structural terms come from
+`retrieve.structural`, and perf is the candidate's best measured TFLOP/s on the target arch
+relative to the best candidate (0 when none was measured). All weights live in one table
+(`retrieve/weights.json` once fitted). Every ranked row keeps its terms for `kb query`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sqlmodel import select
+
+from kb.features import Features
+from kb.store.kb import KnowledgeBase
+from kb.store.models import Kernel, Lesson, PerfRecord, Snippet
+from retrieve.structural import load_weights, match_vector
+
+__all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["hybrid", "embedding", "structural"]
+EMBED_POOL = 200  # nearest embeddings fetched per query; the rest count as similarity 0
+
+
+@dataclass(frozen=True)
+class Filters:
+    arch: str | None = None
+    dtype: str | None = None
+    head_dim: int | None = None
+    decode: bool | None = None  # True: split-KV/decode kernels only; False: forward only
+    programs_only: bool = True  # only kernels with an executable program (not snippet-only rows)
+    memory: bool = True  # include generated kernels and lessons (write-back memory)
+
+
+@dataclass(frozen=True)
+class RankedKernel:
+    id: str
+    name: str
+    family: str
+    origin: str
+    score: float
+    terms: dict[str, float]  # term -> contribution to score
+    features: Features
+
+
+@dataclass(frozen=True)
+class RankedSnippet:
+    id: str
+    kind: str
+    title: str
+    ir_text: str
+    where: str  # "dist==ver file:L1-L2"
+    similarity: float
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    target: Features | None
+    kernels: list[RankedKernel]
+    snippets: list[RankedSnippet]
+    lessons: list[str] = field(default_factory=list)
+
+
+def needed_snippet_kinds(f: Features) -> list[str]:
+    """The snippet kinds a transfer to `f` draws on."""
+    kinds = ["online_softmax", "epilogue"]
+    kinds += {"causal": ["mask_causal", "kv_loop_bounds"], "sliding_window": ["mask_local", "kv_loop_bounds"],
+              "document": ["mask_mod", "block_sparse"], "prefix_lm": ["mask_mod"], "block_sparse": ["block_sparse"],
+              "custom": ["mask_mod"]}.get(f.mask, [])
+    kinds += {"alibi": ["alibi"], "softcap": ["softcap"], "relative_bias": ["score_mod"],
+              "bias_table": ["score_mod"], "custom": ["score_mod"]}.get(f.score_mod, [])
+    if f.gqa_ratio > 1:
+        kinds.append("gqa")
+    if f.split_kv or f.decode:
+        kinds.append("split_kv_combine")
+    for flag, kind in (("paged_kv", "paged_kv"), ("varlen", "varlen"), ("dropout", "dropout")):
+        if getattr(f, flag):
+            kinds.append(kind)
+    return kinds
+
+
+def _passes(k: Kernel, f: Features, flt: Filters) -> bool:
+    if flt.arch and k.arch not in ("any", flt.arch):
+        return False
+    if flt.dtype and k.dtype and k.dtype != flt.dtype:
+        return False
+    if flt.head_dim and k.head_dim and k.head_dim != flt.head_dim:
+        return False
+    if flt.decode is not None and (f.split_kv or f.decode) != flt.decode:
+        return False
+    if not flt.memory and k.origin == "generated":
+        return False
+    return True
+
+
+_GPU_ARCH = {"A100": "sm80", "A10": "sm86", "L4": "sm89", "H100": "sm90", "H200": "sm90", "H800": "sm90", "B200": "sm100"}
+
+
+def gpu_arch(gpu_name: str) -> str:
+    """'NVIDIA H200' -> 'sm90'; unknown names -> ''."""
+    for key, arch in _GPU_ARCH.items():
+        if key in (gpu_name or "").upper():
+            return arch
+    return ""
+
+
+def _perf_terms(kb: KnowledgeBase, ids: list[str], arch: str | None) -> dict[str, float]:
+    if not ids:
+        return {}
+    with kb.read_session() as s:
+        rows = s.exec(select(PerfRecord).where(PerfRecord.kernel_id.in_(ids), PerfRecord.kind == "measured")).all()  # type: ignore[attr-defined]
+    best: dict[str, float] = {}
+    for r in rows:
+        if r.tflops and (arch in (None, "any") or gpu_arch(r.gpu) == arch):
+            best[r.kernel_id] = max(best.get(r.kernel_id, 0.0), r.tflops)
+    top = max(best.values(), default=0.0)
+    return {k: v / top for k, v in best.items()} if top else {}
+
+
+def query(
+    kb: KnowledgeBase,
+    text: str,
+    target: Features | None = None,
+    *,
+    k: int = 5,
+    filters: Filters = Filters(),
+    mode: Mode = "hybrid",
+    weights: dict[str, float] | None = None,
+    snippets_per_kind: int = 1,
+) -> QueryResult:
+    """Rank kernels for `text` (the spec's IR/feature description) and `target` features."""
+    w = weights or load_weights()
+    with kb.read_session() as s:
+        kernels = list(s.exec(select(Kernel)))
+    cands: list[tuple[Kernel, Features]] = []
+    for kern in kernels:
+        f = Features.from_json(kern.features_json)
+        if filters.programs_only and not kern.ir_text.startswith("program "):
+            continue
+        if _passes(kern, f, filters):
+            cands.append((kern, f))
+    sims = {kid: 1.0 - dist for kid, dist in kb.vector_query("kernels", text, min(EMBED_POOL, max(1, len(kernels))))}
+    perf = _perf_terms(kb, [c.id for c, _ in cands], filters.arch)
+    ranked = []
+    for kern, f in cands:
+        terms: dict[str, float] = {}
+        if mode in ("hybrid", "embedding"):
+            terms["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
+        if mode in ("hybrid", "structural") and target is not None:
+            vec = match_vector(target, f, verified=kern.verified, executable=kern.ir_text.startswith("program "))
+            terms.update({t: w[t] * v for t, v in vec.items() if v and w.get(t)})
+        if mode == "hybrid" and kern.id in perf:
+            terms["perf"] = w.get("perf", 0.5) * perf[kern.id]
+        ranked.append(RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f))
+    ranked.sort(key=lambda r: (-r.score, r.id))
+    snippets = _snippets(kb, text, target, snippets_per_kind) if target is not None else []
+    lessons = _lessons(kb, text, target) if filters.memory else []
+    return QueryResult(target, ranked[:k], snippets, lessons)
+
+
+def _snippets(kb: KnowledgeBase, text: str, target: Features, per_kind: int) -> list[RankedSnippet]:
+    out: list[RankedSnippet] = []
+    for kind in needed_snippet_kinds(target):
+        hits = kb.vector_query("snippets", f"{kind}: {text}", per_kind, where={"kind": kind})
+        with kb.read_session() as s:
+            for sid, dist in hits:
+                sn = s.get(Snippet, sid)
+                if sn is not None:
+                    out.append(RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist))
+    return out
+
+
+def _where(kb: KnowledgeBase, sn: Snippet) -> str:
+    src = sn.source_id or "local"
+    span = f":{sn.line_start}-{sn.line_end}" if sn.line_start else ""
+    return f"{src} {sn.file}{span}"
+
+
+def _lessons(kb: KnowledgeBase, text: str, target: Features | None, k: int = 5) -> list[str]:
+    hits = kb.vector_query("lessons", text, k)
+    out = []
+    with kb.read_session() as s:
+        for lid, _ in hits:
+            les = s.get(Lesson, lid)
+            if les is None:
+                continue
+            if target is not None:
+                lf = Features.from_json(les.features_json or "{}")
+                if lf.mask != target.mask and lf.score_mod != target.score_mod:
+                    continue
+            out.append(les.text)
+    return out
+
+
+def describe_target(f: Features, score_mod: str | None, mask_mod: str | None) -> str:
+    """The text embedded for a query: feature sentence plus the variant expressions."""
+    parts = [f.describe()]
+    if mask_mod:
+        parts.append(f"mask_mod: {mask_mod}")
+    if score_mod:
+        parts.append(f"score_mod: {score_mod}")
+    return "; ".join(parts)
