@@ -276,3 +276,8 @@ def test_an_unknown_tile_shape_does_not_cascade() -> None:
     p = _with_body(plain(), tuple(replace(st, tensor="qq") if isinstance(st, Load) else st for st in _body(plain())))
     assert [str(x) for x in problems(p)] == [
         "kernel fwd, statement 3 (load qt = qq[b, h, m_start:+BLOCK_M, :]): tensor 'qq' is not a param"]
+
+
+def test_printed_names_must_be_identifiers() -> None:
+    msg = _msg(replace(plain(), name="fa4-sm90", kernels=(replace(plain().kernels[0], name="fwd kernel"),)))
+    assert "program 'fa4-sm90': name must be an identifier" in msg and "kernel 'fwd kernel': name must be" in msg

@@ -28,7 +28,7 @@ from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
 from kb.ir.nodes import Combine, Dtype, For, Full, IfBlock, Load, Program, Role, Span, Stmt, Store
 
-__all__ = ["derive_features", "is_split_kv", "returns_lse"]
+__all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 
 
 def _stmts(stmts: tuple[Stmt, ...]) -> Iterator[Stmt]:
@@ -167,3 +167,6 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
     return feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
+
+
+derive = derive_features  # the name kb/features.py's docstring uses

@@ -520,6 +520,18 @@ def _variant_rules(p: Program) -> Iterator[Problem]:
             yield Problem(slot, msg)
 
 
+def _name_rules(p: Program) -> Iterator[Problem]:
+    """Names the text form prints bare must read back as NAME tokens."""
+    if _bad_name(p.name):
+        yield Problem(f"program {p.name!r}", "name must be an identifier (letters, digits, _)")
+    for k in p.kernels:
+        if isinstance(k, Kernel) and _bad_name(k.name):
+            yield Problem(f"kernel {k.name!r}", "name must be an identifier (letters, digits, _)")
+    for fn in (p.score_mod, p.mask_mod):
+        if isinstance(fn, VariantFn) and any(_bad_name(n) for n in fn.params):
+            yield Problem(fn.kind, f"parameter names {fn.params} must be identifiers")
+
+
 def _kernel_rules(p: Program) -> Iterator[Problem]:
     if not p.kernels:
         yield Problem(f"program {p.name}", "has no kernel")
@@ -562,7 +574,7 @@ def _outputs_stored(p: Program) -> Iterator[Problem]:
 
 
 PROGRAM_RULES: tuple[Callable[[Program], Iterator[Problem]], ...] = (
-    _param_rules, _schedule_rules, _variant_rules, _kernel_rules, _outputs_stored,
+    _name_rules, _param_rules, _schedule_rules, _variant_rules, _kernel_rules, _outputs_stored,
 )
 
 
