@@ -336,6 +336,9 @@ def simplify(e: Expr) -> Expr:
             return a.args[0]
         if a.op in _NEGATE:
             return Expr(_NEGATE[a.op], a.args)
+        if a.op in (ExprOp.AND, ExprOp.OR):  # De Morgan: keeps masks as & of simple terms
+            inv = ExprOp.OR if a.op is ExprOp.AND else ExprOp.AND
+            return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
         if a.op is ExprOp.CONST:
             return const(not a.value)
     if op is ExprOp.AND:

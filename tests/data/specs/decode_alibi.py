@@ -1,0 +1,56 @@
+"""Decode with ALiBi over a 512-token cache (BLOOM generation).
+
+Labelled retrieval spec (tests/data/specs): LABEL states the expected reference family,
+the snippet kinds a transfer needs and the features tracing must find.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+B, HQ, HKV, SQ, SKV, D = 1, 8, 8, 1, 512, 64
+DTYPE = torch.float32
+
+LABEL = {
+    "family": "triton_decode",
+    "snippets": [
+        "online_softmax",
+        "alibi",
+        "split_kv_combine"
+    ],
+    "features": {
+        "mask": "none",
+        "causal": False,
+        "sliding_window": False,
+        "score_mod": "alibi",
+        "alibi": True,
+        "softcap": False,
+        "gqa_ratio": 1,
+        "head_dim": 64,
+        "dtype": "fp32",
+        "decode": True,
+        "split_kv": True,
+        "cross": False
+    }
+}
+
+
+class Model(nn.Module):
+    def __init__(self, n_heads):
+        super().__init__()
+        self.register_buffer('slopes', torch.tensor([2.0 ** (-8.0 * (i + 1) / n_heads) for i in range(n_heads)]))
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        pos_q = torch.arange(s.shape[2])[:, None]
+        pos_k = torch.arange(s.shape[3])[None, :]
+        s = s + self.slopes.view(1, -1, 1, 1) * (pos_k - pos_q)
+        return torch.softmax(s, dim=-1) @ v
+
+
+def get_inputs():
+    return [torch.randn(B, HQ, SQ, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE)]
+
+
+def get_init_inputs():
+    return [HQ]

@@ -1,0 +1,55 @@
+"""Multi-query attention (one kv head), no mask.
+
+Labelled retrieval spec (tests/data/specs): LABEL states the expected reference family,
+the snippet kinds a transfer needs and the features tracing must find.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+B, HQ, HKV, SQ, SKV, D = 2, 8, 1, 64, 64, 64
+DTYPE = torch.float32
+
+LABEL = {
+    "family": "triton_fwd",
+    "snippets": [
+        "online_softmax",
+        "gqa"
+    ],
+    "features": {
+        "mask": "none",
+        "causal": False,
+        "sliding_window": False,
+        "score_mod": "none",
+        "alibi": False,
+        "softcap": False,
+        "gqa_ratio": 8,
+        "head_dim": 64,
+        "dtype": "fp32",
+        "decode": False,
+        "split_kv": False,
+        "cross": False
+    }
+}
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, q, k, v):
+        b_, hkv, n_, d_ = k.shape
+        g = q.shape[1] // hkv
+        k = k.unsqueeze(2).expand(b_, hkv, g, n_, d_).reshape(b_, hkv * g, n_, d_)
+        v = v.unsqueeze(2).expand(b_, hkv, g, n_, d_).reshape(b_, hkv * g, n_, d_)
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        return torch.softmax(s, dim=-1) @ v
+
+
+def get_inputs():
+    return [torch.randn(B, HQ, SQ, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE)]
+
+
+def get_init_inputs():
+    return []

@@ -1,0 +1,53 @@
+"""Grok-style tanh soft-capping (cap 30), no mask.
+
+Labelled retrieval spec (tests/data/specs): LABEL states the expected reference family,
+the snippet kinds a transfer needs and the features tracing must find.
+"""
+import math
+
+import torch
+import torch.nn as nn
+
+B, HQ, HKV, SQ, SKV, D = 1, 4, 4, 64, 64, 64
+DTYPE = torch.float32
+
+LABEL = {
+    "family": "fa2_cuda",
+    "snippets": [
+        "online_softmax",
+        "softcap"
+    ],
+    "features": {
+        "mask": "none",
+        "causal": False,
+        "sliding_window": False,
+        "score_mod": "softcap",
+        "alibi": False,
+        "softcap": True,
+        "gqa_ratio": 1,
+        "head_dim": 64,
+        "dtype": "fp32",
+        "decode": False,
+        "split_kv": False,
+        "cross": False
+    }
+}
+
+
+class Model(nn.Module):
+    def __init__(self, cap):
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        s = self.cap * torch.tanh(s / self.cap)
+        return torch.softmax(s, dim=-1) @ v
+
+
+def get_inputs():
+    return [torch.randn(B, HQ, SQ, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE), torch.randn(B, HKV, SKV, D, dtype=DTYPE)]
+
+
+def get_init_inputs():
+    return [30.0]
