@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingest.manifest import Manifest
-from ingest.model import FetchedSource, LiftReport, SourceKind
+from ingest.model import FetchedSource, LiftReport, Provenance, SourceKind
 
 __all__ = ["LiftTarget", "expand_braces", "select_files", "local_targets", "lift_target", "lift_source"]
 
@@ -71,6 +71,13 @@ def lift_target(target: LiftTarget, source: FetchedSource) -> LiftReport:
         module = importlib.import_module(f"ingest.lift_{target.lifter}")
     except ImportError as err:
         return LiftReport(target.path.name, skipped=((str(target.path), f"lifter {target.lifter!r} unavailable: {err}"),))
+    if target.lifter == "triton":  # the Triton lifter takes a provenance template instead of the source
+        try:
+            rel = target.path.resolve().relative_to(source.root.resolve()).as_posix()
+        except ValueError:
+            rel = target.path.name
+        base = Provenance(source.distribution, source.version, rel, 1, 1, "triton", str(getattr(module, "LIFTER_VERSION", "1")))
+        return module.lift_file(target.path, base, family=target.family)
     return module.lift_file(target.path, source, family=target.family)
 
 

@@ -62,9 +62,9 @@ def _p(kinds: str, head: str, kind: str, title: str, ir: str, features: dict | N
 
 RULES: tuple[PyRule, ...] = (
     # FA4 mask.py
-    _p("if", r"^not mask_causal and not mask_local and mask_mod is None$", "mask_bounds",
+    _p("if", r"^not mask_causal and \(?not mask_local\)? and \(?mask_mod is None\)?$", "mask_bounds",
        "Seqlen-only mask: columns past seqlen_k -> -inf", BOUNDS, scope=r"apply_mask"),
-    _p("if", r"^not mask_causal and not mask_local and mask_mod is not None$", "mask_mod",
+    _p("if", r"^not mask_causal and \(?not mask_local\)? and \(?mask_mod is not None\)?$", "mask_mod",
        "FlexAttention-style mask_mod evaluated per (b, h, q_idx, kv_idx) on the score tile", MASK_MOD, {"mask": "custom"},
        scope=r"apply_mask"),
     _p("if", r"^mask_causal$", "mask_causal", "Causal mask, bottom-right aligned (col limit = row + 1 + seqlen_k - seqlen_q)",

@@ -21,11 +21,11 @@ from ingest.model import SourceKind
 CACHE = Path(__file__).resolve().parent.parent / ".kb-test-cache"
 
 
-@pytest.fixture(scope="module")
-def cache_env():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KB_CACHE_DIR", str(CACHE))
-        yield CACHE
+@pytest.fixture
+def cache_env(monkeypatch):
+    # Function-scoped: conftest's autouse fixture clears KB_* before every test.
+    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    return CACHE
 
 
 def test_manifests_pin_real_releases():
