@@ -158,6 +158,8 @@ class Session:
 
     def _check_output(self, out: Any, inputs: list[Any], saved: list[Any], ptrs: set[int], ref: torch.Tensor,
                       expected_dtype: torch.dtype, ctx: _Ctx) -> Finding | None:
+        if not isinstance(out, torch.Tensor):
+            return self._finding(Verdict.shape_mismatch, f"forward returned {type(out).__name__}, not a tensor", ctx)
         problem = identity_problem(out, ptrs)
         if problem:
             return self._finding(Verdict.hack_suspected, problem[1], ctx, op=problem[0])

@@ -1,5 +1,6 @@
-"""A candidate that crashes the process (reads address 0), like a kernel with a bad pointer."""
-import ctypes
+"""A candidate whose process dies of SIGSEGV, like a kernel launch with a bad pointer."""
+import os
+import signal
 
 import torch.nn as nn
 
@@ -9,4 +10,4 @@ class ModelNew(nn.Module):
         super().__init__()
 
     def forward(self, q, k, v):
-        return ctypes.string_at(0, 8)
+        os.kill(os.getpid(), signal.SIGSEGV)
