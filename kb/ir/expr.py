@@ -9,7 +9,9 @@ Its text form is a subset of Python expression syntax, so it is parsed with `ast
 
 Invariants:
 - `parse_expr(print_expr(e)) == e` for every well-formed `e` (printing is canonical:
-  minimal parentheses by precedence, floats in `repr` form).
+  minimal parentheses by precedence, floats in `repr` form). Well-formed includes: a NEG
+  never wraps a numeric constant (negative constants are folded, as the parser does;
+  build them with `const(-x)`).
 - `&`, `|`, `~` are logical and/or/not on boolean operands (as on tensors in torch).
 - `LOAD` reads an auxiliary tensor: `value` is the tensor name, `args` the indices.
 - Constants are int, float or bool; `inf` is the float infinity (a VAR named `inf` never exists).
