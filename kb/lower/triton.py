@@ -159,6 +159,48 @@ def _table_plan(p: Program) -> BlockMaskPlan:
     return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
 
 
+def _is_int(e: Expr) -> bool:
+    return e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
+
+
+def _simplify(e: Expr) -> Expr:
+    """Fold integer constants and drop +0/-0/double negation (keeps generated conditions readable)."""
+    args = tuple(_simplify(a) for a in e.args)
+    e = Expr(e.op, args, e.value) if args else e
+    if e.op is ExprOp.NEG:
+        (a,) = args
+        if _is_int(a):
+            return const(-a.value)  # type: ignore[operator]
+        if a.op is ExprOp.NEG:
+            return a.args[0]
+        if a.op is ExprOp.SUB:
+            return _simplify(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
+    if e.op in (ExprOp.ADD, ExprOp.SUB):
+        a, b = args
+        if _is_int(a) and _is_int(b):
+            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
+        if _is_int(b) and b.value == 0:
+            return a
+        if _is_int(a) and a.value == 0:
+            return b if e.op is ExprOp.ADD else _simplify(Expr(ExprOp.NEG, (b,)))
+        if b.op is ExprOp.NEG:
+            return _simplify(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
+        if _is_int(b) and b.value < 0:  # type: ignore[operator]
+            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
+        if _is_int(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and _is_int(a.args[1]):
+            # (x +- c1) +- c2 -> x + (+-c1 +- c2)
+            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
+                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
+            return _simplify(Expr(ExprOp.ADD, (a.args[0], const(c))))
+    if e.op is ExprOp.MUL:
+        a, b = args
+        if _is_int(a) and a.value == 1:
+            return b
+        if _is_int(b) and b.value == 1:
+            return a
+    return e
+
+
 def _any(es: list[Expr]) -> Expr:
     out = es[0]
     for e in es[1:]:
@@ -196,7 +238,7 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
         empty += [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
         empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
         full += [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
-    return _any(empty), _all(full)
+    return _simplify(_any(empty)), _simplify(_all(full))
 
 
 # ------------------------------------------------------------------ kernels
@@ -618,12 +660,15 @@ import triton
 import triton.language as tl
 
 
-def _interpreter_index_compat():
-    """Triton <= 3.6's interpreter turns scalars into ints with int(array of shape (1,)), which
-    NumPy >= 2.4 refuses (triton-lang/triton#9171); `range` over runtime bounds needs it."""
+def _interpreter_compat():
+    """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
+    scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
+    (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs)."""
+    import numpy as np
     from triton.runtime import interpreter
 
-    if getattr(interpreter, "_kb_index_compat", False):
+    if getattr(interpreter, "_kb_compat", False):
         return
     patch_tensor = interpreter._patch_lang_tensor
 
@@ -631,12 +676,23 @@ def _interpreter_index_compat():
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
     interpreter._patch_lang_tensor = patched
-    interpreter._kb_index_compat = True
+    interpreter.InterpreterBuilder.create_dot = dot
+    interpreter._kb_compat = True
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _interpreter_index_compat()
+    _interpreter_compat()
 
 
 @triton.jit
