@@ -84,6 +84,11 @@ class Spec:
     features: Features
     source_hash: str
     reference: Reference = field(repr=False, compare=False)
+    # the call a candidate must accept: Model.forward's parameter names, which of them are q, k, v,
+    # and Model.__init__'s parameter names (empty for FlexAttention-style specs: forward(q, k, v))
+    forward_names: tuple[str, ...] = ("q", "k", "v")
+    qkv_names: tuple[str, str, str] = ("q", "k", "v")
+    init_params: tuple[str, ...] = ()
 
     @property
     def softmax_scale(self) -> float:
@@ -207,6 +212,7 @@ def load_spec(path: str | Path) -> Spec:
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
         kind = SpecKind.KERNELBENCH
+        call = (tuple(names), (traced.q, traced.k, traced.v), _init_names(module.Model))
     if mods:
         name_of = _tensor_namer(_module_tensors(module))
         src = str(path.resolve())
@@ -231,7 +237,15 @@ def load_spec(path: str | Path) -> Spec:
         score, mask, head_dim=shapes.D, dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M, seq_kv=shapes.N,
     )
     log.info("spec %s: %s", path, features.describe())
-    return Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference)
+    call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
+    return Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
+                *call)
+
+
+def _init_names(cls: type) -> tuple[str, ...]:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return tuple(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _flex_scale(d: Mapping[str, Any], shapes: Shapes) -> float:

@@ -49,7 +49,8 @@ DEFAULT_WEIGHTS: dict[str, float] = {
 
 def match_vector(target: Features, cand: Features, *, verified: bool, executable: bool) -> dict[str, float]:
     """Indicator terms for a (target, candidate) pair; keys are exactly TERMS."""
-    hd_ratio = max(target.head_dim, cand.head_dim) / max(1, min(target.head_dim, cand.head_dim))
+    # head_dim 0 = the program takes any head dim (HEAD_PAD decided at launch)
+    hd_ratio = 1.0 if cand.head_dim == 0 else max(target.head_dim, cand.head_dim) / max(1, min(target.head_dim, cand.head_dim))
     return {
         "mask_same": float(target.mask == cand.mask),
         "mask_none_vs_some": float((target.mask == "none") != (cand.mask == "none")),

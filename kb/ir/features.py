@@ -7,7 +7,7 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
   (a specialised program); else 1 (symbolic heads say nothing about the ratio).
 - head_dim: shapes["D"]; else schedule.head_pad when set; else an integer last dim of q;
   else 0, meaning "any head dim" (a program generic in D).
-- dtype: q's dtype (`Dtype.value`, e.g. "bf16").
+- dtype: q's dtype, spelled as specs spell it ("fp32", "bf16", "fp16").
 - split_kv: a grid axis whose extent uses NUM_SPLITS, or a `combine` statement.
 - decode: split_kv with num_splits > 1, or decode-shaped `shapes` (seq_q <= 16, seq_kv >= 8 seq_q).
 - return_lse: an out param named `lse` is stored.
@@ -115,11 +115,16 @@ def _head_dim(p: Program, shapes: Mapping[str, int]) -> int:
     return d if isinstance(d, int) else 0
 
 
+# Features spell dtypes as specs do (fp32, bf16, fp16); the IR spells them f32, bf16, f16.
+_FEATURE_DTYPE = {Dtype.F32: "fp32", Dtype.BF16: "bf16", Dtype.F16: "fp16"}
+
+
 def _dtype(p: Program) -> str:
     try:
-        return p.param("q").dtype.value
+        dt = p.param("q").dtype
     except KeyError:
-        return Dtype.F32.value
+        dt = Dtype.F32
+    return _FEATURE_DTYPE.get(dt, dt.value)
 
 
 _PROBES = (17, 50)  # runtime scalar values tried during classification

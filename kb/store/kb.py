@@ -162,6 +162,12 @@ class KnowledgeBase:
     def write_lesson(self, lesson: Lesson) -> str:
         return self._write_rows([assign_id(lesson)])[0]
 
+    def write_records(self, records: Sequence[SQLModel]) -> list[str]:
+        """Write mixed records (e.g. a generated kernel, its run, attempts and lessons) in ONE transaction.
+
+        Parents must precede children (kernel before run before attempts)."""
+        return self._write_rows([assign_id(r) for r in records])
+
     def _write_rows(self, records: Sequence[SQLModel]) -> list[str]:
         """Validate, upsert all `records` in one transaction, then embed the embedded ones."""
         for r in records:
@@ -182,23 +188,30 @@ class KnowledgeBase:
         return [r.id for r in records]  # type: ignore[attr-defined]
 
     def _embed(self, records: Sequence[SQLModel], force: bool = False) -> int:
-        """Embed and upsert `records` whose document Chroma does not already hold; returns how many."""
-        done = 0
-        by_col: dict[str, list] = {}
-        for r in records:
-            doc = embedding_doc(r)
-            by_col.setdefault(doc.collection, []).append(doc)
-        for col, docs in by_col.items():
-            if not force:
-                have = self.vectors.doc_hashes(col, [d.id for d in docs])
-                docs = [d for d in docs if have.get(d.id) != d.metadata["doc_hash"]]
-            step = max(1, self.settings.embed_batch * 4)
-            for i in range(0, len(docs), step):
-                chunk = docs[i : i + step]
-                vecs = self.embedder.embed([d.document for d in chunk])
-                self.vectors.upsert(col, [d.id for d in chunk], vecs, [d.document for d in chunk], [d.metadata for d in chunk])
-                done += len(chunk)
-        return done
+        """Embed and upsert `records` whose document Chroma does not already hold; returns how many.
+
+        One model call per chunk across all collections (the model call dominates the cost).
+        """
+        docs = [embedding_doc(r) for r in records]
+        if not force:
+            todo = []
+            for col in COLLECTIONS:
+                mine = [d for d in docs if d.collection == col]
+                have = self.vectors.doc_hashes(col, [d.id for d in mine]) if mine else {}
+                todo += [d for d in mine if have.get(d.id) != d.metadata["doc_hash"]]
+            docs = todo
+        step = max(1, self.settings.embed_batch * 4)
+        for i in range(0, len(docs), step):
+            chunk = docs[i : i + step]
+            vecs = self.embedder.embed([d.document for d in chunk])
+            for col in COLLECTIONS:
+                idx = [j for j, d in enumerate(chunk) if d.collection == col]
+                if idx:
+                    self.vectors.upsert(
+                        col, [chunk[j].id for j in idx], [vecs[j] for j in idx],
+                        [chunk[j].document for j in idx], [chunk[j].metadata for j in idx],
+                    )
+        return len(docs)
 
     # -- reads -----------------------------------------------------------------
     def find(self, id_: str) -> SQLModel | None:

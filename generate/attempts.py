@@ -1,0 +1,102 @@
+"""One generation attempt: its typed outcome, the IR check against the spec, strategy planning."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+
+import torch
+
+from generate.spec import Spec, spec_inputs
+from generate.transfer import STRATEGY_ORDER, Strategy
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.interpret import run_program
+from kb.ir.nodes import Program, Role
+from kb.store.models import Lesson
+
+__all__ = ["Stage", "AttemptOutcome", "check_program", "plan_strategies", "IR_CHECK_TOL"]
+
+# max |o - ref| allowed in the IR check: the interpreter computes in fp32 from the same inputs
+IR_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
+
+
+class Stage(Enum):
+    TRANSFER = "transfer"
+    IR_CHECK = "ir_check"
+    LOWER = "lower"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    n: int
+    reference_id: str | None
+    strategy: str  # rule strategy, or "llm"
+    stage: Stage  # the last stage reached
+    verdict: str  # a verify.Verdict value, or "passed"
+    feedback: str
+    seconds: float
+    ir_text: str
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "passed"
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["stage"] = self.stage.value
+        d.pop("ir_text")
+        return d
+
+
+def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
+    """Run `program` in the interpreter on the spec's inputs; None if it matches the spec's reference."""
+    q, k, v = spec_inputs(spec, seed)
+    inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
+    for p in program.params:
+        if p.role is Role.AUX:
+            if p.name not in spec.aux:
+                return f"program loads aux tensor {p.name!r} that the spec does not have"
+            inputs[p.name] = spec.aux[p.name]
+    try:
+        out = run_program(program, inputs)["o"]
+    except KBError as err:
+        return f"interpreter error: {err}"
+    ref = spec.reference(q, k, v).float()
+    if out.shape != ref.shape:
+        return f"output shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    err = (out.float() - ref).abs()
+    bad = torch.isnan(out).any().item()
+    tol = IR_CHECK_TOL.get(spec.shapes.dtype, 1e-4) * max(1.0, ref.abs().max().item())
+    if bad or err.max().item() > tol:
+        b, h, m, _ = (err.nan_to_num(1e9) == err.nan_to_num(1e9).max()).nonzero()[0].tolist()
+        return (f"IR output differs from the spec reference: max abs err {err.nan_to_num(float('inf')).max().item():.3g} "
+                f"(tolerance {tol:.3g}) first at b={b}, h={h}, q row {m}; nan={bool(bad)}")
+    return None
+
+
+def _lesson_signature(f: Features) -> tuple[str, str, bool]:
+    return (f.mask, f.score_mod, f.split_kv or f.decode)
+
+
+def plan_strategies(spec: Spec, reference: object, lessons: list[Lesson]) -> list[Strategy]:
+    """Strategy order for one reference: default order, reordered by lessons for the same kind of spec.
+
+    A lesson `strategy_succeeded:<s>` for the same (mask, score, decode) moves <s> first;
+    `strategy_failed:<s>` moves <s> last. Without lessons the order is STRATEGY_ORDER.
+    """
+    sig = _lesson_signature(spec.features)
+    good: list[Strategy] = []
+    bad: list[Strategy] = []
+    for les in lessons:
+        if _lesson_signature(Features.from_json(les.features_json or "{}")) != sig:
+            continue
+        outcome, _, name = les.kind.partition(":")
+        try:
+            s = Strategy(name)
+        except ValueError:
+            continue
+        (good if outcome == "strategy_succeeded" else bad).append(s)
+    order = [s for s in STRATEGY_ORDER if s in good] + [s for s in STRATEGY_ORDER if s not in good and s not in bad]
+    return order + [s for s in STRATEGY_ORDER if s in bad and s not in good]

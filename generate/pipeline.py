@@ -1,0 +1,247 @@
+"""`generate(kb, spec_path, options)`: spec -> retrieve -> transfer -> check IR -> lower -> verify -> write back.
+
+Attempts are (reference, strategy) pairs for the rule engine, or LLM rounds for the LLM
+engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
+On success the kernel (with lineage: parent = reference), its sources, the attempts, the
+run and the lessons are written in ONE transaction; on failure the run, attempts and lessons
+are written, and no kernel. With memory off, retrieval ignores generated kernels and lessons.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
+from generate.candidate import write_candidate, write_outputs
+from generate.lessons import lessons_for_run
+from generate.spec import Spec, load_spec
+from generate.target import target_for
+from generate.transfer import Strategy, transfer
+from kb.errors import KBError
+from kb.ir.features import derive_features
+from kb.ir.nodes import Program
+from kb.ir.text import content_hash, parse_program, print_program
+from kb.ir.validate import validate
+from kb.store.kb import KnowledgeBase
+from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
+from kb.store.records import assign_id
+from retrieve.hybrid import Filters, RankedKernel, describe_target, query
+
+__all__ = ["GenerateOptions", "GenerateResult", "generate"]
+
+log = logging.getLogger(__name__)
+Engine = Literal["rule", "llm"]
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    engine: Engine = "rule"
+    memory: bool = True
+    out_dir: Path | None = None
+    max_attempts: int = 6
+    references: int = 3  # top-k references the rule engine may try
+    verify_kernel: bool = True  # run the verify harness on the lowered Triton candidate
+    verify_distributions: tuple[str, ...] = ("normal", "adversarial")
+    verify_max_cases: int = 3
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    spec_path: Path
+    run_id: str
+    succeeded: bool
+    kernel_id: str | None
+    attempts: tuple[AttemptOutcome, ...]
+    files: dict[str, Path] = field(default_factory=dict)
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def attempts_to_success(self) -> int | None:
+        return len(self.attempts) if self.succeeded else None
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions()) -> GenerateResult:
+    """Generate a verified kernel for one spec; never raises for kernel failures (they are results)."""
+    t0 = time.perf_counter()
+    spec_path = Path(spec_path)
+    run = GenerationRun(spec_path=str(spec_path), engine=options.engine, memory=options.memory)
+    try:
+        spec = load_spec(spec_path)
+    except KBError as err:
+        run.status, run.error, run.finished_at = "failed", f"spec: {err}", _now()
+        run_id = kb.write_run(run)
+        return GenerateResult(spec_path, run_id, False, None, (), error=str(err), seconds=time.perf_counter() - t0)
+    run.spec_hash = spec.source_hash
+    run_id = kb.write_run(run)
+    run = kb.get(run_id)  # type: ignore[assignment]
+    try:
+        outcomes, program, ref = _attempts(kb, spec, options)
+    except KBError as err:  # e.g. LLM endpoint unreachable: the run is recorded as failed
+        outcomes, program, ref = [], None, None
+        run.error = str(err)
+    return _finish(kb, spec, run, outcomes, program, ref, options, t0)
+
+
+def _references(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[RankedKernel], list[str]]:
+    text = describe_target(spec.features, *_variant_texts(spec))
+    res = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
+    if not res.kernels:
+        raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
+    return res.kernels, res.lessons
+
+
+def _variant_texts(spec: Spec) -> tuple[str | None, str | None]:
+    from kb.ir.expr import print_expr
+
+    return (print_expr(spec.score_mod) if spec.score_mod is not None else None,
+            print_expr(spec.mask_mod) if spec.mask_mod is not None else None)
+
+
+def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[AttemptOutcome], Program | None, RankedKernel | None]:
+    refs, _ = _references(kb, spec, options)
+    if options.engine == "llm":
+        return _llm_attempts(kb, spec, refs[0], options)
+    lessons = _strategy_lessons(kb, spec) if options.memory else []
+    outcomes: list[AttemptOutcome] = []
+    for ref in refs:
+        ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
+        for strategy in plan_strategies(spec, ref, lessons):
+            if len(outcomes) >= options.max_attempts:
+                return outcomes, None, None
+            outcome, program = _try(spec, ref, ref_program, strategy, options, len(outcomes) + 1)
+            outcomes.append(outcome)
+            if program is not None:
+                return outcomes, program, ref
+    return outcomes, None, None
+
+
+def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, options: GenerateOptions,
+         n: int) -> tuple[AttemptOutcome, Program | None]:
+    t0 = time.perf_counter()
+    target = target_for(spec)
+    try:
+        program = transfer(ref_program, target, strategy, name=_name(spec))
+        validate(program)
+    except KBError as err:
+        return AttemptOutcome(n, ref.id, strategy.value, Stage.TRANSFER, "compile_error", str(err), time.perf_counter() - t0, ""), None
+    text = print_program(program)
+    failure = check_program(program, spec)
+    if failure:
+        return AttemptOutcome(n, ref.id, strategy.value, Stage.IR_CHECK, "numeric_mismatch", failure, time.perf_counter() - t0, text), None
+    return AttemptOutcome(n, ref.id, strategy.value, Stage.IR_CHECK, "passed", "", time.perf_counter() - t0, text), program
+
+
+def _llm_attempts(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, options: GenerateOptions):
+    from generate.llm_transfer import llm_transfer
+
+    return llm_transfer(kb, spec, ref, options)
+
+
+def _strategy_lessons(kb: KnowledgeBase, spec: Spec) -> list[Lesson]:
+    return [les for les in kb.list(Lesson) if les.kind.startswith("strategy_")]
+
+
+def _name(spec: Spec) -> str:
+    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec.path.stem)
+
+
+def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], program: Program | None,
+            ref: RankedKernel | None, options: GenerateOptions, t0: float) -> GenerateResult:
+    files: dict[str, Path] = {}
+    kernel: Kernel | None = None
+    if program is not None and ref is not None:
+        lowered = _lower_and_verify(spec, program, options, outcomes)
+        if lowered is not None:
+            kernel, files = lowered
+            kernel.parent_id = ref.id
+    succeeded = kernel is not None
+    run.status = "succeeded" if succeeded else "failed"
+    run.finished_at = _now()
+    if not succeeded and not run.error:
+        run.error = outcomes[-1].feedback[:2000] if outcomes else "no attempt was possible"
+    records: list = []
+    if kernel is not None:
+        records.append(assign_id(kernel))
+        run.kernel_id = kernel.id
+    records.append(run)
+    records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict,
+                        feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds) for o in outcomes]
+    records += lessons_for_run(run.id, spec, outcomes, succeeded)
+    kb.write_records(records)
+    return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), files,
+                          run.error, time.perf_counter() - t0)
+
+
+def _lower_and_verify(spec: Spec, program: Program, options: GenerateOptions,
+                      outcomes: list[AttemptOutcome]) -> tuple[Kernel, dict[str, Path]] | None:
+    """Lower to Triton (+ CUDA), write the files, verify the candidate; appends a failing outcome on error."""
+    from kb.lower.triton import lower_program
+
+    last = outcomes[-1]
+    out_dir = options.out_dir or (Path.cwd() / "out")
+    stem = _name(spec)
+    try:
+        triton_src = lower_program(program)
+    except KBError as err:
+        outcomes[-1] = replace(last, stage=Stage.LOWER, verdict="compile_error", feedback=str(err))
+        return None
+    cuda_src = _cuda_source(program)
+    aux = [p.name for p in program.params if p.role.value == "aux"]
+    cand = write_candidate(spec, triton_src, aux, {}, out_dir, stem)
+    verdict, detail = "not_run", ""
+    if options.verify_kernel:
+        verdict, detail = _verify(spec, cand.candidate, options)
+        if verdict != "passed":
+            outcomes[-1] = replace(last, stage=Stage.VERIFY, verdict=verdict, feedback=detail)
+            return None
+    ir_text = print_program(program)
+    report = {"spec": str(spec.path), "features": spec.features.to_json(), "verify": {"verdict": verdict, "detail": detail},
+              "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(program)}
+    files = {"candidate": cand.candidate, "triton": cand.triton, **write_outputs(out_dir, stem, ir_text=ir_text,
+                                                                                    cuda_source=cuda_src, report=report)}
+    feats = derive_features(program, shapes=_shape_dict(spec))
+    kernel = Kernel(name=program.name, family="generated", origin="generated", ir_text=ir_text,
+                    features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
+                    verified=verdict == "passed", verify_note=f"verify: {verdict}", spec_hash=spec.source_hash,
+                    triton_src=triton_src, cuda_src=cuda_src or "", file=str(spec.path))
+    return kernel, files
+
+
+def _shape_dict(spec: Spec) -> dict[str, int]:
+    s = spec.shapes
+    return {"B": s.B, "Hq": s.Hq, "Hkv": s.Hkv, "M": s.M, "N": s.N, "D": s.D}
+
+
+def _cuda_source(program: Program) -> str | None:
+    try:
+        from kb.lower.cuda import lower_program as lower_cuda
+    except ImportError:
+        return None
+    try:
+        return lower_cuda(program)
+    except KBError as err:
+        log.warning("CUDA lowering failed: %s", err)
+        return None
+
+
+def _verify(spec: Spec, candidate: Path, options: GenerateOptions) -> tuple[str, str]:
+    from verify import VerifyOptions, verify
+
+    res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
+                                                     max_cases=options.verify_max_cases, determinism=True))
+    return res.verdict.value, res.summary() if hasattr(res, "summary") else str(res.verdict.value)
+
+
+_ = torch  # torch is imported first so triton's interpreter sees it configured
