@@ -33,7 +33,7 @@ def test_fixture_features(name: str) -> None:
         f = derive_features(FIXTURES[name](dtype=dtype))
         assert (f.mask, f.causal, f.sliding_window, f.score_mod) == (mask, is_causal, window, score)
         assert (f.split_kv, f.decode) == (split, split)
-        assert f.dtype == dtype.value
+        assert f.dtype == {Dtype.F32: "fp32", Dtype.BF16: "bf16"}[dtype]
         assert f.return_lse and not (f.paged_kv or f.varlen or f.dropout or f.cross)
         assert f.alibi == (score == "alibi") and f.softcap == (score == "softcap")
         assert (f.gqa_ratio, f.head_dim, f.arch) == (1, 0, "any")  # generic program: any ratio, any head dim
