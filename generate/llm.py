@@ -91,15 +91,15 @@ _THINK = re.compile(r"<think>.*?</think>", re.S)
 
 
 def extract_ir(answer: str) -> str:
-    """The first ```kbir block; else the first fenced block that starts with `program`; else the answer."""
+    """The IR text of an answer: the last fenced block holding a whole program (```kbir preferred),
+    else the first ```kbir block, else the whole answer; <think>...</think> sections are ignored."""
     text = _THINK.sub("", answer)
-    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
-    for lang, body in blocks:
-        if lang == "kbir":
-            return body.strip("\n")
-    for _, body in blocks:
-        if body.lstrip().startswith("program "):
-            return body.strip("\n")
+    blocks = [(lang.lower(), body.strip("\n")) for lang, body in _FENCE.findall(text)]
+    programs = [(lang, body) for lang, body in blocks if body.lstrip().startswith("program ")]
+    for choice in ([b for lang, b in programs if lang == "kbir"], [b for _, b in programs],
+                   [b for lang, b in blocks if lang == "kbir"][:1]):
+        if choice:
+            return choice[-1]
     return text.strip()
 
 

@@ -70,8 +70,10 @@ Semantics you must respect:
   variables, dims, scalar params and BLOCK_M, BLOCK_N, NUM_SPLITS, HEAD_PAD.
 - score_mod/mask_mod bodies see only their own parameters, dims, scalar params and aux tensors
   (loaded as name[i]); every aux tensor and extra scalar needs its own `param` line.
-- `mask s at (...) mask_mod` applies mask_mod and always masks kv_idx >= N; masked scores are -inf.
-  Fully masked rows give o = 0 and lse = -inf.
+- `score_mod s at (b, h, q_start, kv_start)` applies score_mod to the scaled scores of the tile
+  whose first query/key indices are q_start/kv_start; `mask s at (...) mask_mod` then sets
+  scores where mask_mod is false to -inf and always masks kv_idx >= N. Fully masked rows give
+  o = 0 and lse = -inf. `if block(...) is full|partial|empty` classes a tile by mask_mod.
 - KV-loop bounds may skip a block only when mask_mod is false for every element of it; when in
   doubt, loop over the full range [0, N) and let the mask decide.
 - Every out param must be stored. Block sizes are powers of two."""
@@ -118,8 +120,9 @@ def spec_summary(spec: "Spec", *, max_source_chars: int = MAX_SOURCE_CHARS) -> s
     lines.append("softmax scale: " + ("1/sqrt(D), passed as scalar sm_scale" if spec.scale is None
                                       else f"{spec.scale!r}, passed as scalar sm_scale"))
     if spec.aux:
-        aux = ", ".join(f"{n} {list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for n, t in spec.aux.items())
-        lines.append(f"aux tensors (declare as aux params): {aux}")
+        lines.append("aux tensors the variant slots load (dims may be symbolic when they follow the shapes):")
+        lines += [f"  param {n}: [{', '.join(str(d) for d in t.shape)}] {_TORCH_TO_IR.get(str(t.dtype), str(t.dtype))} aux"
+                  for n, t in spec.aux.items()]
     lines.append(f"features: {spec.features.describe()}")
     try:
         source = Path(spec.path).read_text()
@@ -129,6 +132,10 @@ def spec_summary(spec: "Spec", *, max_source_chars: int = MAX_SOURCE_CHARS) -> s
         lines.append("torch reference (the spec's own code):")
         lines.append(_fenced("python", _clip(source, max_source_chars)))
     return "\n".join(lines)
+
+
+_TORCH_TO_IR = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16", "torch.int32": "i32",
+                "torch.int64": "i64", "torch.bool": "bool"}
 
 
 def _ir_dtype(dtype: str) -> str:

@@ -7,13 +7,13 @@ A real `http.server.ThreadingHTTPServer` on 127.0.0.1 (ephemeral port) serving
 Invariants:
 - Each chat request takes the next scripted `Reply` from the queue, in order; when the queue is
   empty the server answers HTTP 500 "no scripted reply left", so an unexpected extra request
-  fails the test loudly instead of hanging.
+  fails the test loudly instead of hanging (unless `repeat_last`: then the last reply repeats).
 - Every request body (parsed JSON) is recorded in `requests`, in arrival order, before any delay.
 - A delayed reply waits on the server's closing event, so `close()` never waits for a sleeper;
   after `close()` the port is released and no thread of the server is left serving.
 
 Run standalone (`python -m tests.fake_llm_server 'answer text' ...`) to serve fixed answers
-until interrupted, e.g. to try `kb generate --engine llm` by hand.
+in order, the last one repeating, until interrupted, e.g. to try `kb generate --engine llm` by hand.
 """
 
 from __future__ import annotations
@@ -108,9 +108,12 @@ class _Handler(BaseHTTPRequestHandler):
         owner.requests.append(body)
         try:
             reply = owner.replies.get_nowait()
+            owner.last = reply
         except queue.Empty:
-            self._error(500, "no scripted reply left")
-            return
+            if not (owner.repeat_last and owner.last):
+                self._error(500, "no scripted reply left")
+                return
+            reply = owner.last
         if reply.delay_s and owner.closing.wait(reply.delay_s):
             return  # server closing: drop the connection
         if reply.status != 200:
@@ -128,8 +131,10 @@ class _Server(ThreadingHTTPServer):
 class FakeLLMServer:
     """Context manager: `with FakeLLMServer() as srv: srv.script(answer("..."))`; `srv.base_url`."""
 
-    def __init__(self, model: str = "fake-model") -> None:
+    def __init__(self, model: str = "fake-model", *, repeat_last: bool = False) -> None:
         self.model = model
+        self.repeat_last = repeat_last
+        self.last: Reply | None = None
         self.requests: list[dict[str, Any]] = []
         self.replies: queue.Queue[Reply] = queue.Queue()
         self.closing = threading.Event()
@@ -176,9 +181,9 @@ class FakeLLMServer:
 if __name__ == "__main__":
     import sys
 
-    with FakeLLMServer() as srv:
+    with FakeLLMServer(repeat_last=True) as srv:
         srv.script(*sys.argv[1:])
-        print(f"serving {srv.pending} scripted answers at {srv.base_url} (model {srv.model}); Ctrl-C stops")
+        print(f"serving {srv.pending} scripted answers (the last one repeats) at {srv.base_url} (model {srv.model}); Ctrl-C stops")
         try:
             while True:
                 time.sleep(1)

@@ -204,6 +204,8 @@ def test_settings_come_from_env(monkeypatch: pytest.MonkeyPatch, fake_llm: FakeL
     ("<think>```kbir\nprogram draft\n```</think>```kbir\nprogram d\n```", "program d"),
     ("```kbir\nprogram e\n", "program e"),  # answer cut before the closing fence
     ("program f\n", "program f"),  # no fence: the whole answer
+    ("reference:\n```kbir\nprogram ref\n```\ntarget:\n```kbir\nprogram g\n```", "program g"),  # last program
+    ("```kbir\nmask s at (b, h, m, n) mask_mod\n```", "mask s at (b, h, m, n) mask_mod"),  # a fragment
 ])
 def test_extract_ir(answer: str, expected: str) -> None:
     assert extract_ir(answer) == expected
@@ -244,8 +246,7 @@ def test_spec_summary_of_a_real_spec() -> None:
     assert spec.variants_text().splitlines()[0] in text
     assert f"B={spec.shapes.B} Hq={spec.shapes.Hq}" in text and spec.features.describe() in text
     assert "def score_mod" in text  # the torch reference source
-    for name in spec.aux:
-        assert name in text
+    assert "  param SLOPES: [8] f32 aux" in text  # ready to paste into the program
 
 
 def test_fake_server_models_route_and_clean_shutdown() -> None:
@@ -268,3 +269,12 @@ def test_fake_server_close_does_not_wait_for_a_delayed_reply() -> None:
     t0 = time.perf_counter()
     srv.close()
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_fake_server_repeat_last_serves_the_last_reply_again() -> None:
+    with FakeLLMServer(repeat_last=True) as srv:
+        srv.script("first", "second")
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=5)
+        texts = [client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                 .choices[0].message.content for _ in range(3)]
+    assert texts == ["first", "second", "second"] and len(srv.requests) == 3
