@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var
 from kb.ir.nodes import (
-    BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, OnlineSoftmax, Param, Program,
+    BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
     Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 
@@ -114,7 +114,39 @@ def _q_start(body: tuple[Stmt, ...]) -> Expr:
     raise KBError("reference program has no `load ... = q[..., start:+BLOCK_M, ...]`: cannot find its query block")
 
 
+def _adapt_heads(kernel: Kernel) -> Kernel:
+    """GQA/MQA head mapping: k/v head = h // (Hq // Hkv) wherever the reference used the query head.
+
+    Identity for MHA (Hq == Hkv), so it is always applied; a reference already mapping heads
+    (a let or index other than plain `h`) is left alone.
+    """
+    head_axis = kernel.grid[1].name if len(kernel.grid) > 1 else "h"
+    mapped = parse_expr(f"{head_axis} // (Hq // Hkv)")
+    plain = var(head_axis)
+    aliases = {st.name for st in kernel.body if isinstance(st, Let) and st.value == plain}
+
+    def fix_index(ix: tuple) -> tuple:
+        if len(ix) > 1 and isinstance(ix[1], Expr) and (ix[1] == plain or (ix[1].op is ExprOp.VAR and ix[1].value in aliases)):
+            return (ix[0], mapped, *ix[2:])
+        return ix
+
+    def fix(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
+        out: list[Stmt] = []
+        for st in body:
+            if isinstance(st, Load) and st.tensor in ("k", "v"):
+                st = replace(st, index=fix_index(st.index))
+            elif isinstance(st, For):
+                st = replace(st, body=fix(st.body))
+            elif isinstance(st, IfBlock):
+                st = replace(st, then=fix(st.then), orelse=fix(st.orelse))
+            out.append(st)
+        return tuple(out)
+
+    return replace(kernel, body=fix(kernel.body))
+
+
 def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kernel:
+    kernel = _adapt_heads(kernel)
     loop = _kv_loop(kernel.body)
     if loop is None:
         return kernel  # e.g. a split-KV combine kernel: nothing variant-specific
