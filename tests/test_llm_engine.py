@@ -25,7 +25,7 @@ from kb.settings import Settings
 from tests.attn_reference import reference_attention
 from tests.fake_llm_server import FakeLLMServer, delayed, http_error
 from tests.fixtures_llm import fake_llm, llm_settings  # noqa: F401 - pytest fixtures
-from tests.ir_programs import causal, plain, sliding_window
+from tests.ir_programs import alibi, causal, plain, sliding_window
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = "variant slots:\n  mask_mod(b, h, q_idx, kv_idx) = q_idx >= kv_idx\nshapes: B=1 Hq=2 Hkv=1 M=20 N=20 D=8"
@@ -238,15 +238,42 @@ def test_snippet_text_carries_meaning_and_provenance() -> None:
     assert "```kbir\nscore_mod(score, b, h, q_idx, kv_idx) = softcap * tanh(score / softcap)\n```" in text
 
 
-def test_spec_summary_of_a_real_spec() -> None:
+@pytest.fixture(scope="module")
+def alibi_spec():
     from generate.spec import load_spec
 
-    spec = load_spec(REPO / "examples" / "specs" / "flex_alibi_causal.py")
+    return load_spec(REPO / "examples" / "specs" / "flex_alibi_causal.py")
+
+
+def test_spec_summary_of_a_real_spec(alibi_spec) -> None:
+    spec = alibi_spec
     text = spec_summary(spec)
     assert spec.variants_text().splitlines()[0] in text
     assert f"B={spec.shapes.B} Hq={spec.shapes.Hq}" in text and spec.features.describe() in text
     assert "def score_mod" in text  # the torch reference source
     assert "  param SLOPES: [8] f32 aux" in text  # ready to paste into the program
+
+
+def test_transfer_for_a_real_spec_checked_against_its_own_reference(
+        fake_llm: FakeLLMServer, llm_settings: Settings, alibi_spec) -> None:
+    """The caller's path: summary of a real spec; check = interpreter vs the spec's torch reference."""
+    spec = alibi_spec
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, spec.shapes.Hq, 20, 8, generator=g) for _ in range(3))  # tiny, ragged vs 16
+    o_ref = spec.reference(q, k, v)
+
+    def check(p: Program) -> str | None:
+        out = run_program(p, {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale, **spec.aux})
+        err = (out["o"] - o_ref).abs().max().item()
+        return None if err < 1e-4 else f"numeric mismatch: max |o - o_ref| = {err:.3g}"
+
+    fixed = print_program(alibi()).replace("slopes", "SLOPES")
+    fake_llm.script(fenced(causal(), "Kept the causal mask."), f"```kbir\n{fixed}```")
+    result = LLMEngine(llm_settings).transfer(spec_summary(spec), print_program(causal()), [], [], check)
+    assert result.ok and result.program.score_mod is not None
+    assert [a.stage for a in result.attempts] == [Stage.CHECK, Stage.PASSED]
+    first_user = fake_llm.requests[0]["messages"][1]["content"]
+    assert "score + SLOPES[h] * (kv_idx - q_idx)" in first_user and "param SLOPES: [8] f32 aux" in first_user
 
 
 def test_fake_server_models_route_and_clean_shutdown() -> None:
