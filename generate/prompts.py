@@ -121,8 +121,9 @@ def spec_summary(spec: "Spec", *, max_source_chars: int = MAX_SOURCE_CHARS) -> s
                                       else f"{spec.scale!r}, passed as scalar sm_scale"))
     if spec.aux:
         lines.append("aux tensors the variant slots load (dims may be symbolic when they follow the shapes):")
-        lines += [f"  param {n}: [{', '.join(str(d) for d in t.shape)}] {_TORCH_TO_IR.get(str(t.dtype), str(t.dtype))} aux"
-                  for n, t in spec.aux.items()]
+        for n, t in spec.aux.items():
+            dims = ", ".join(str(d) for d in t.shape)
+            lines.append(f"  param {n}: [{dims}] {_TORCH_TO_IR.get(str(t.dtype), str(t.dtype))} aux")
     lines.append(f"features: {spec.features.describe()}")
     try:
         source = Path(spec.path).read_text()

@@ -183,7 +183,8 @@ if __name__ == "__main__":
 
     with FakeLLMServer(repeat_last=True) as srv:
         srv.script(*sys.argv[1:])
-        print(f"serving {srv.pending} scripted answers (the last one repeats) at {srv.base_url} (model {srv.model}); Ctrl-C stops")
+        print(f"serving {srv.pending} scripted answers (the last one repeats) at {srv.base_url} "
+              f"(model {srv.model}); Ctrl-C stops")
         try:
             while True:
                 time.sleep(1)

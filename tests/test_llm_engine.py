@@ -29,7 +29,8 @@ from tests.ir_programs import alibi, causal, plain, sliding_window
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = "variant slots:\n  mask_mod(b, h, q_idx, kv_idx) = q_idx >= kv_idx\nshapes: B=1 Hq=2 Hkv=1 M=20 N=20 D=8"
-SNIPPETS = ["[mask] causal mask (from flash-attn==2.8.3 mask.h:10-20)\n```kbir\nmask s at (b, h, m_start, n_start) mask_mod\n```"]
+SNIPPETS = ["[mask] causal mask (from flash-attn==2.8.3 mask.h:10-20)\n"
+            "```kbir\nmask s at (b, h, m_start, n_start) mask_mod\n```"]
 LESSONS = ["causal masks: bound the KV loop by minimum(N, m_start + BLOCK_M)"]
 
 
@@ -40,7 +41,8 @@ def fenced(p: Program, chatter: str = "Here is the program.") -> str:
 def numeric_check(target: Program, seed: int = 0):
     """The caller's check: interpret the candidate and compare with dense attention for `target`."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = torch.randn(1, 2, 20, 8, generator=g), torch.randn(1, 1, 20, 8, generator=g), torch.randn(1, 1, 20, 8, generator=g)
+    q = torch.randn(1, 2, 20, 8, generator=g)  # [B, Hq, M, D]; GQA 2:1, ragged vs BLOCK 16
+    k, v = torch.randn(1, 1, 20, 8, generator=g), torch.randn(1, 1, 20, 8, generator=g)
     o_ref, lse_ref = reference_attention(target, q, k, v, 0.35)
 
     def check(candidate: Program) -> str | None:
