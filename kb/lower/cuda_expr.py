@@ -1,0 +1,170 @@
+"""IR expressions -> CUDA C++ expression text (device and host code alike).
+
+The value kinds and the non-negativity proofs are the Triton lowering's (`kb.lower.triton_expr`:
+`Kind`, `Sym`, `AuxRef`, `ExprContext`, `expr_kind`, `is_nonneg`), so both lowerings type an
+expression the same way; only the spelling differs. `ExprContext.target` is ignored here:
+the generated helpers are `__host__ __device__`.
+
+C++ types: INT is `long long`, FLOAT is `float`, BOOL is `bool`.
+
+Invariants:
+- Every binary operation is parenthesised (the output never depends on C++ precedence).
+- `//` and `%` keep Python's floor semantics: plain `/` and `%` only when both operands are
+  provably non-negative integers, else `kb_floordiv`/`kb_floormod` (ints) or `floorf` forms
+  (floats). `/` is always true division in float.
+- `maximum`/`minimum`/`where` cast both value operands to the result kind, so C++ overload
+  resolution never sees mixed types.
+- Aux loads (`t[i, j]`) read `ptr[i*s0 + j*s1]` only when every index is in range, else 0
+  (the IR's load rule); element types convert through the `kb_f` overloads.
+- Unknown names raise `KBError` (from `triton_expr`), so nothing unbound is ever emitted.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kb.ir.expr import Expr, ExprOp
+from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+
+__all__ = ["lower_cexpr", "cxx_type", "float_literal", "Kind", "Sym", "AuxRef", "ExprContext", "ExprTarget",
+           "expr_kind", "is_nonneg", "EXPR_HELPERS"]
+
+_CXX_TYPE = {Kind.INT: "long long", Kind.FLOAT: "float", Kind.BOOL: "bool"}
+_CMP = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
+_FLOAT_FN = {ExprOp.EXP: "expf", ExprOp.EXP2: "exp2f", ExprOp.LOG: "logf", ExprOp.TANH: "tanhf",
+             ExprOp.SIGMOID: "kb_sigmoid", ExprOp.SQRT: "sqrtf"}
+
+# Device/host helpers the lowered expressions call; part of every generated source's preamble.
+EXPR_HELPERS = r"""
+#define KB_HD __host__ __device__ __forceinline__
+KB_HD long long kb_floordiv(long long a, long long b) {
+  long long q = a / b;
+  return ((a % b != 0) && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+KB_HD long long kb_floormod(long long a, long long b) {
+  long long r = a % b;
+  return ((r != 0) && ((r < 0) != (b < 0))) ? r + b : r;
+}
+KB_HD float kb_floordivf(float a, float b) { return floorf(a / b); }
+KB_HD float kb_floormodf(float a, float b) { return a - b * floorf(a / b); }
+KB_HD long long kb_cdiv(long long a, long long b) { return -kb_floordiv(-a, b); }
+KB_HD long long kb_max(long long a, long long b) { return a > b ? a : b; }
+KB_HD long long kb_min(long long a, long long b) { return a < b ? a : b; }
+KB_HD float kb_max(float a, float b) { return fmaxf(a, b); }
+KB_HD float kb_min(float a, float b) { return fminf(a, b); }
+KB_HD float kb_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+KB_HD long long kb_abs(long long x) { return x < 0 ? -x : x; }
+KB_HD float kb_abs(float x) { return fabsf(x); }
+KB_HD float kb_f(float x) { return x; }
+KB_HD float kb_f(double x) { return (float)x; }
+KB_HD float kb_f(int x) { return (float)x; }
+KB_HD float kb_f(long long x) { return (float)x; }
+KB_HD float kb_f(bool x) { return x ? 1.0f : 0.0f; }
+KB_HD float kb_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+KB_HD float kb_f(__half x) { return __half2float(x); }
+template <typename T> KB_HD T kb_cvt(float x) { return (T)x; }
+template <> KB_HD __nv_bfloat16 kb_cvt<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> KB_HD __half kb_cvt<__half>(float x) { return __float2half(x); }
+template <> KB_HD bool kb_cvt<bool>(float x) { return x != 0.0f; }
+""".strip("\n")
+
+
+def cxx_type(kind: Kind) -> str:
+    return _CXX_TYPE[kind]
+
+
+def float_literal(v: float) -> str:
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "(-INFINITY)"
+    text = repr(float(v))
+    return f"{text}f" if ("e" in text or "." in text) else f"{text}.0f"
+
+
+def _const(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return float_literal(v)
+    return f"{v}LL"
+
+
+def _as(kind: Kind, code: str, have: Kind) -> str:
+    """`code` (of kind `have`) converted to `kind`."""
+    if kind is have:
+        return code
+    return f"(({_CXX_TYPE[kind]})({code}))"
+
+
+def lower_cexpr(e: Expr, ctx: ExprContext) -> str:
+    """C++ source text computing `e` (a `long long`, `float` or `bool` by `expr_kind`)."""
+    op = e.op
+    if op is ExprOp.CONST:
+        return _const(e.value)
+    if op is ExprOp.VAR:
+        return _sym(e, ctx).code
+    if op is ExprOp.LOAD:
+        return _lower_load(e, ctx)
+    args = [lower_cexpr(a, ctx) for a in e.args]
+    kinds = [expr_kind(a, ctx) for a in e.args]
+    kind = expr_kind(e, ctx)
+    if op is ExprOp.NEG:
+        return f"(-{args[0]})"
+    if op is ExprOp.NOT:
+        return f"(!{args[0]})"
+    if op in (ExprOp.AND, ExprOp.OR):
+        return f"({args[0]} {'&&' if op is ExprOp.AND else '||'} {args[1]})"
+    if op in (ExprOp.FLOORDIV, ExprOp.MOD):
+        if kind is Kind.FLOAT:
+            fn = "kb_floordivf" if op is ExprOp.FLOORDIV else "kb_floormodf"
+            return f"{fn}({_as(Kind.FLOAT, args[0], kinds[0])}, {_as(Kind.FLOAT, args[1], kinds[1])})"
+        if all(is_nonneg(a, ctx) for a in e.args):
+            return f"({args[0]} {'/' if op is ExprOp.FLOORDIV else '%'} {args[1]})"
+        fn = "kb_floordiv" if op is ExprOp.FLOORDIV else "kb_floormod"
+        return f"{fn}({args[0]}, {args[1]})"
+    if op is ExprOp.DIV:
+        return f"({_as(Kind.FLOAT, args[0], kinds[0])} / {_as(Kind.FLOAT, args[1], kinds[1])})"
+    if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL):
+        a, b = (_as(Kind.INT, x, k) if k is Kind.BOOL else x for x, k in zip(args, kinds))
+        return f"({a} {op.value} {b})"
+    if op in _CMP:
+        return f"({args[0]} {op.value} {args[1]})"
+    if op is ExprOp.WHERE:
+        c = args[0]
+        x, y = (_as(kind, a, k) for a, k in zip(args[1:], kinds[1:]))
+        return f"({c} ? {x} : {y})"
+    if op in (ExprOp.MAXIMUM, ExprOp.MINIMUM):
+        fn = "kb_max" if op is ExprOp.MAXIMUM else "kb_min"
+        want = Kind.FLOAT if kind is Kind.FLOAT else Kind.INT
+        return f"{fn}({_as(want, args[0], kinds[0])}, {_as(want, args[1], kinds[1])})"
+    if op is ExprOp.CDIV:
+        return f"kb_cdiv({_as(Kind.INT, args[0], kinds[0])}, {_as(Kind.INT, args[1], kinds[1])})"
+    if op is ExprOp.ABS:
+        want = Kind.FLOAT if kinds[0] is Kind.FLOAT else Kind.INT
+        return f"kb_abs({_as(want, args[0], kinds[0])})"
+    if op in _FLOAT_FN:
+        return f"{_FLOAT_FN[op]}({_as(Kind.FLOAT, args[0], kinds[0])})"
+    raise AssertionError(f"unhandled expression op {op}")
+
+
+def _sym(e: Expr, ctx: ExprContext) -> Sym:
+    # expr_kind raises the project's KBError for unknown names; reuse it for the message
+    expr_kind(e, ctx)
+    return ctx.names[str(e.value)]
+
+
+def _lower_load(e: Expr, ctx: ExprContext) -> str:
+    kind = expr_kind(e, ctx)  # validates the tensor name and arity
+    ref: AuxRef = ctx.aux[str(e.value)]
+    idx = [_as(Kind.INT, lower_cexpr(a, ctx), expr_kind(a, ctx)) for a in e.args]
+    offset = " + ".join(f"{i} * {s}" for i, s in zip(idx, ref.strides))
+    guards = []
+    for a, i, size in zip(e.args, idx, ref.sizes):
+        if not is_nonneg(a, ctx):
+            guards.append(f"({i} >= 0LL)")
+        guards.append(f"({i} < {size})")
+    elem = f"{ref.code}[{offset}]"
+    if kind is Kind.FLOAT:
+        return f"({' && '.join(guards)} ? kb_f({elem}) : 0.0f)"
+    if kind is Kind.INT:
+        return f"({' && '.join(guards)} ? (long long)({elem}) : 0LL)"
+    return f"({' && '.join(guards)} && (bool)({elem}))"
