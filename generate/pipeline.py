@@ -87,19 +87,11 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     run_id = kb.write_run(run)
     run = kb.get(run_id)  # type: ignore[assignment]
     try:
-        outcomes, program, ref = _attempts(kb, spec, options)
-    except KBError as err:  # e.g. LLM endpoint unreachable: the run is recorded as failed
-        outcomes, program, ref = [], None, None
+        outcomes, built, ref = _attempts(kb, spec, options)
+    except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
+        outcomes, built, ref = [], None, None
         run.error = str(err)
-    return _finish(kb, spec, run, outcomes, program, ref, options, t0)
-
-
-def _references(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[RankedKernel], list[str]]:
-    text = describe_target(spec.features, *_variant_texts(spec))
-    res = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
-    if not res.kernels:
-        raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
-    return res.kernels, res.lessons
+    return _finish(kb, spec, run, outcomes, built, ref, options, t0)
 
 
 def _variant_texts(spec: Spec) -> tuple[str | None, str | None]:
@@ -109,47 +101,86 @@ def _variant_texts(spec: Spec) -> tuple[str | None, str | None]:
             print_expr(spec.mask_mod) if spec.mask_mod is not None else None)
 
 
-def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[AttemptOutcome], Program | None, RankedKernel | None]:
-    refs, _ = _references(kb, spec, options)
+@dataclass
+class _Built:
+    """A program that passed every stage, with what was written for it."""
+
+    program: Program
+    triton_src: str
+    cuda_src: str | None
+    files: dict[str, Path]
+    verdict: str
+    detail: str
+
+
+Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
+
+
+def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
+    text = describe_target(spec.features, *_variant_texts(spec))
+    found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
+    if not found.kernels:
+        raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
     if options.engine == "llm":
-        return _llm_attempts(kb, spec, refs[0], options)
-    lessons = _strategy_lessons(kb, spec) if options.memory else []
+        return _llm_attempts(kb, spec, found, options)
+    lessons = _strategy_lessons(kb) if options.memory else []
     outcomes: list[AttemptOutcome] = []
-    for ref in refs:
+    for ref in found.kernels:
         ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
         for strategy in plan_strategies(spec, ref, lessons):
             if len(outcomes) >= options.max_attempts:
                 return outcomes, None, None
-            outcome, program = _try(spec, ref, ref_program, strategy, options, len(outcomes) + 1)
+            outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options)
             outcomes.append(outcome)
-            if program is not None:
-                return outcomes, program, ref
+            if built is not None:
+                return outcomes, built, ref
     return outcomes, None, None
 
 
-def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, options: GenerateOptions,
-         n: int) -> tuple[AttemptOutcome, Program | None]:
+def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, n: int,
+         options: GenerateOptions) -> tuple[AttemptOutcome, _Built | None]:
     t0 = time.perf_counter()
-    target = target_for(spec)
+
+    def outcome(stage: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
+        return AttemptOutcome(n, ref.id, strategy.value, stage, verdict, detail, time.perf_counter() - t0, text)
+
     try:
-        program = transfer(ref_program, target, strategy, name=_name(spec))
+        program = transfer(ref_program, target_for(spec), strategy, name=_name(spec))
         validate(program)
     except KBError as err:
-        return AttemptOutcome(n, ref.id, strategy.value, Stage.TRANSFER, "compile_error", str(err), time.perf_counter() - t0, ""), None
+        return outcome(Stage.TRANSFER, "compile_error", str(err)), None
     text = print_program(program)
     failure = check_program(program, spec)
     if failure:
-        return AttemptOutcome(n, ref.id, strategy.value, Stage.IR_CHECK, "numeric_mismatch", failure, time.perf_counter() - t0, text), None
-    return AttemptOutcome(n, ref.id, strategy.value, Stage.IR_CHECK, "passed", "", time.perf_counter() - t0, text), program
+        return outcome(Stage.IR_CHECK, "numeric_mismatch", failure, text), None
+    built = _realise(spec, program, options)
+    if isinstance(built, tuple):
+        return outcome(*built, text), None
+    return outcome(Stage.VERIFY if options.verify_kernel else Stage.LOWER, "passed", built.detail, text), built
 
 
-def _llm_attempts(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, options: GenerateOptions):
+def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions):  # noqa: ANN001
+    """LLM rounds; the check is the whole chain (IR check, lowering, verification), so any failure is feedback."""
     from generate.llm_transfer import llm_transfer
 
-    return llm_transfer(kb, spec, ref, options)
+    holder: list[_Built] = []
+
+    def check(program: Program) -> str | None:
+        failure = check_program(program, spec)
+        if failure:
+            return failure
+        built = _realise(spec, replace(program, name=_name(spec)), options)
+        if isinstance(built, tuple):
+            stage, verdict, detail = built
+            return f"{stage.value} failed ({verdict}): {detail}"
+        holder.append(built)
+        return None
+
+    outcomes, program, ref = llm_transfer(kb, spec, found.kernels[0], found, options.max_attempts, check)
+    return outcomes, (holder[-1] if program is not None and holder else None), ref
 
 
-def _strategy_lessons(kb: KnowledgeBase, spec: Spec) -> list[Lesson]:
+def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
     return [les for les in kb.list(Lesson) if les.kind.startswith("strategy_")]
 
 
@@ -157,15 +188,9 @@ def _name(spec: Spec) -> str:
     return "gen_" + "".join(c if c.isalnum() else "_" for c in spec.path.stem)
 
 
-def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], program: Program | None,
+def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
             ref: RankedKernel | None, options: GenerateOptions, t0: float) -> GenerateResult:
-    files: dict[str, Path] = {}
-    kernel: Kernel | None = None
-    if program is not None and ref is not None:
-        lowered = _lower_and_verify(spec, program, options, outcomes)
-        if lowered is not None:
-            kernel, files = lowered
-            kernel.parent_id = ref.id
+    kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
     succeeded = kernel is not None
     run.status = "succeeded" if succeeded else "failed"
     run.finished_at = _now()
@@ -180,43 +205,47 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
                         feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds) for o in outcomes]
     records += lessons_for_run(run.id, spec, outcomes, succeeded)
     kb.write_records(records)
+    files = dict(built.files) if built is not None else {}
+    if built is not None:
+        report = {"spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
+                  "reference_id": ref.id if ref else None, "engine": options.engine, "memory": options.memory,
+                  "features": spec.features.to_json(), "verify": {"verdict": built.verdict, "detail": built.detail},
+                  "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(built.program)}
+        files.update(write_outputs(files["candidate"].parent, _name(spec), ir_text=print_program(built.program),
+                                   cuda_source=built.cuda_src, report=report))
     return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), files,
                           run.error, time.perf_counter() - t0)
 
 
-def _lower_and_verify(spec: Spec, program: Program, options: GenerateOptions,
-                      outcomes: list[AttemptOutcome]) -> tuple[Kernel, dict[str, Path]] | None:
-    """Lower to Triton (+ CUDA), write the files, verify the candidate; appends a failing outcome on error."""
+def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
+    feats = derive_features(built.program, shapes=_shape_dict(spec))
+    return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
+                  features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
+                  verified=built.verdict == "passed", verify_note=f"verify: {built.verdict}", spec_hash=spec.source_hash,
+                  triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref.id)
+
+
+def _realise(spec: Spec, program: Program, options: GenerateOptions) -> _Built | Failure:
+    """Lower to Triton (+ CUDA), write the candidate, verify it."""
     from kb.lower.triton import lower_program
 
-    last = outcomes[-1]
     out_dir = options.out_dir or (Path.cwd() / "out")
-    stem = _name(spec)
     try:
         triton_src = lower_program(program)
     except KBError as err:
-        outcomes[-1] = replace(last, stage=Stage.LOWER, verdict="compile_error", feedback=str(err))
-        return None
+        return Stage.LOWER, "compile_error", str(err)
     cuda_src = _cuda_source(program)
     aux = [p.name for p in program.params if p.role.value == "aux"]
-    cand = write_candidate(spec, triton_src, aux, {}, out_dir, stem)
-    verdict, detail = "not_run", ""
+    try:
+        cand = write_candidate(spec, triton_src, aux, {}, out_dir, _name(spec))
+    except KBError as err:
+        return Stage.LOWER, "compile_error", str(err)
+    verdict, detail = "not_run", "kernel verification skipped (--no-verify)"
     if options.verify_kernel:
         verdict, detail = _verify(spec, cand.candidate, options)
         if verdict != "passed":
-            outcomes[-1] = replace(last, stage=Stage.VERIFY, verdict=verdict, feedback=detail)
-            return None
-    ir_text = print_program(program)
-    report = {"spec": str(spec.path), "features": spec.features.to_json(), "verify": {"verdict": verdict, "detail": detail},
-              "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(program)}
-    files = {"candidate": cand.candidate, "triton": cand.triton, **write_outputs(out_dir, stem, ir_text=ir_text,
-                                                                                    cuda_source=cuda_src, report=report)}
-    feats = derive_features(program, shapes=_shape_dict(spec))
-    kernel = Kernel(name=program.name, family="generated", origin="generated", ir_text=ir_text,
-                    features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
-                    verified=verdict == "passed", verify_note=f"verify: {verdict}", spec_hash=spec.source_hash,
-                    triton_src=triton_src, cuda_src=cuda_src or "", file=str(spec.path))
-    return kernel, files
+            return Stage.VERIFY, verdict, detail
+    return _Built(program, triton_src, cuda_src, {"candidate": cand.candidate, "triton": cand.triton}, verdict, detail)
 
 
 def _shape_dict(spec: Spec) -> dict[str, int]:
@@ -241,7 +270,12 @@ def _verify(spec: Spec, candidate: Path, options: GenerateOptions) -> tuple[str,
 
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
                                                      max_cases=options.verify_max_cases, determinism=True))
-    return res.verdict.value, res.summary() if hasattr(res, "summary") else str(res.verdict.value)
+    return res.verdict.value, _verify_detail(res)
+
+
+def _verify_detail(res) -> str:  # noqa: ANN001 - verify.VerifyResult
+    return (f"{res.message} (seed {res.seed}, {res.calls} calls, {len(res.cases)} shapes, "
+            f"max abs err {res.max_abs_err:.3g})")
 
 
 _ = torch  # torch is imported first so triton's interpreter sees it configured
