@@ -198,7 +198,10 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
         run.error = outcomes[-1].feedback[:2000] if outcomes else "no attempt was possible"
     records: list = []
     if kernel is not None:
-        records.append(assign_id(kernel))
+        assign_id(kernel)
+        if kernel.id == kernel.parent_id:  # regenerated exactly what the reference is: keep its lineage
+            kernel.parent_id = kb.get(kernel.id).parent_id  # type: ignore[union-attr]
+        records.append(kernel)
         run.kernel_id = kernel.id
     records.append(run)
     records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict,
