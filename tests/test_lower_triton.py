@@ -24,7 +24,7 @@ from kb.errors import KBError
 from kb.ir.evaluate import eval_expr
 from kb.ir.nodes import Dtype, For, IfBlock, Kernel, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
-from kb.lower.triton import BlockMaskKind, _block_tests, lower_program, plan_block_mask
+from kb.lower.triton import BlockMaskKind, LowerOptions, _block_tests, lower_program, plan_block_mask
 from tests.attn_reference import reference_attention
 from tests.ir_programs import FIXTURES, forward
 
@@ -206,12 +206,17 @@ def test_golden_source(name: str) -> None:
 
 
 def test_generated_code_shape_follows_fa2() -> None:
-    src = lower_program(FIXTURES["causal"](dtype=Dtype.BF16))
+    # the unsplit, unfolded shape (the speed options are checked below)
+    src = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(split_kv_loop=False, fold_scale=False))
     assert "for n_start in range(0, tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N):" in src  # IR's exact loop bounds
     assert "tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None])" in src  # p in v's dtype, fp32 acc
     assert "tl.exp2(s * 1.4426950408889634 - _m_log2[:, None])" in src  # log2(e) folded into one FMA
     assert "num_warps=4, num_stages=1" in src and "BLOCK_M: tl.constexpr" in src
     assert 'input_precision="ieee"' not in src  # only fp32 programs ask for exact fp32 dots
+    fast = lower_program(FIXTURES["causal"](dtype=Dtype.BF16))
+    assert "_kv_hi_n_start = tl.minimum(N, (m_start + BLOCK_M))" in fast  # split loops keep the IR's bounds
+    assert fast.count("for n_start in range(") == 3 and "# full blocks" in fast
+    assert "tl.exp2(s * _qk_scale - _m_log2[:, None])" in fast  # sm_scale * log2(e) in one FMA
 
 
 def test_module_imports_under_real_jit(tmp_path: Path) -> None:

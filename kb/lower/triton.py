@@ -40,7 +40,7 @@ from kb.ir.nodes import (
 )
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
-__all__ = ["lower_program", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _LOG2E = "1.4426950408889634"
@@ -52,6 +52,27 @@ _TORCH_DTYPE = {Dtype.F32: "torch.float32", Dtype.BF16: "torch.bfloat16", Dtype.
 _KIND = {Dtype.F32: Kind.FLOAT, Dtype.BF16: Kind.FLOAT, Dtype.F16: Kind.FLOAT,
          Dtype.I32: Kind.INT, Dtype.I64: Kind.INT, Dtype.BOOL: Kind.BOOL}
 _RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
+
+
+@dataclass(frozen=True)
+class LowerOptions:
+    """Speed transformations of the lowering; each keeps the IR's semantics exactly.
+
+    - split_kv_loop: a forward KV loop whose masks/block-class tests all concern the loop's own
+      (BLOCK_M x BLOCK_N) tile, under a closed-form plan (no mask, or bounds on q_idx - kv_idx),
+      becomes three loops: partial blocks, full blocks (no mask code, unmasked K/V loads), partial
+      blocks. Full blocks form one interval of kv_start, computed in closed form per program.
+    - fold_scale: `s = s * c` (c a positive scalar param, checked on the host) followed only by
+      masks and online_softmax is folded into the softmax's exp2 argument (one FMA per score).
+    - even_headdim: loads/stores over the head dim drop the `< D` mask when D == HEAD_PAD (constexpr).
+    - heavy_first: grids whose last axis moves the KV loop bound (causal-like) run that axis in
+      reverse, so the longest programs start first and the tail of the launch is short.
+    """
+
+    split_kv_loop: bool = True
+    fold_scale: bool = True
+    even_headdim: bool = True
+    heavy_first: bool = True
 
 
 def kernel_fn_name(k: Kernel) -> str:
@@ -259,6 +280,8 @@ class _Signature:
     scalars: tuple[Param, ...]
     table: bool
     pads: list[str] = field(default_factory=list)  # PAD_<dim> constexprs for Full over runtime dims
+    even_d: bool = False  # EVEN_D constexpr: D == HEAD_PAD, head-dim masks are dropped
+    pos_scalars: list[str] = field(default_factory=list)  # POS_<scalar> constexprs: scalar > 0 (fold_scale)
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
@@ -269,12 +292,75 @@ class _Signature:
         return out
 
     def constexprs(self) -> list[str]:
-        return list(SCHEDULE_CONSTANTS) + self.pads
+        return list(SCHEDULE_CONSTANTS) + self.pads + (["EVEN_D"] if self.even_d else []) \
+            + [f"POS_{n}" for n in self.pos_scalars]
+
+
+@dataclass(frozen=True)
+class _Region:
+    """One part of a split KV loop: every tile at (b, h, q_start, var) is full, or none is."""
+
+    var: str  # the IR loop variable (the tile's kv_start)
+    at: tuple[Expr, Expr, Expr]  # (b, h, q_start) shared by every mask / block test in the loop
+    full: bool
+
+    def covers(self, st: Mask | IfBlock) -> bool:
+        return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
+
+    def decide(self, st: IfBlock) -> bool | None:
+        """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
+        if self.full:
+            return st.cls is BlockClass.FULL
+        return False if st.cls is BlockClass.FULL else None
+
+
+def _reads(st: Stmt) -> set[str]:
+    """Names (tiles and scalars) a statement reads, nested bodies included."""
+    if isinstance(st, (For, IfBlock)):
+        out = set().union(*(_reads(x) for x in _walk_stmts(st.body if isinstance(st, For) else st.then + st.orelse)))
+        return out | (free_vars(st.lo) | free_vars(st.hi) if isinstance(st, For) else set())
+    names: set[str] = set()
+    for f in st.__dataclass_fields__:
+        val = getattr(st, f)
+        if isinstance(val, Expr):
+            names |= free_vars(val)
+        elif isinstance(val, tuple):
+            names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
+            names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
+    for f in ("a", "b", "src", "tile", "m", "l", "acc", "scores", "values", "value", "o_parts", "lse_parts"):
+        val = getattr(st, f, None)
+        if isinstance(val, str):
+            names.add(val)
+    return names
+
+
+def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
+    """The scalar c when `st` is `t = t * c` and `t` is then only masked and fed to online_softmax."""
+    if not isinstance(st, Elementwise) or st.value.op is not ExprOp.MUL:
+        return None
+    x, y = st.value.args
+    if y.op is ExprOp.VAR and y.value == st.out:
+        x, y = y, x
+    if not (x.op is ExprOp.VAR and x.value == st.out and y.op is ExprOp.VAR and y.value in scalars):
+        return None
+    t = st.out
+    for nxt in rest:
+        for sub in _walk_stmts((nxt,)):
+            if isinstance(sub, IfBlock) or (isinstance(sub, Mask) and sub.tile == t):
+                continue
+            if isinstance(sub, OnlineSoftmax) and sub.scores == t:
+                return str(y.value) if not any(t in _reads(r) for r in rest[rest.index(nxt) + 1:]) else None
+            if t in _reads(sub) or getattr(sub, "out", None) == t:
+                return None
+    return None
 
 
 class _KernelGen:
-    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan) -> None:
-        self.p, self.k, self.sig, self.plan = p, k, sig, plan
+    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions) -> None:
+        self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        self.region: _Region | None = None  # set while lowering one part of a split KV loop
+        self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
+        self.fold_next: dict[str, str] = {}
         self.lines: list[str] = []
         self.depth = 1
         self.names: dict[str, Sym] = {}
@@ -380,6 +466,7 @@ class _KernelGen:
         if len(index) != len(prm.shape):
             raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
         spans: list[tuple[str, str, str, bool]] = []  # (offs, size, extent, needs lower guard)
+        even: list[str] = []  # head-dim bounds, dropped when EVEN_D
         terms: list[str] = []
         rank = sum(not isinstance(i, Expr) for i in index)
         pos = 0
@@ -388,10 +475,14 @@ class _KernelGen:
             if isinstance(item, Expr):
                 terms.append(f"{_wrap(self.ex(item))} * {stride}")
                 continue
+            in_full_block = False
             if isinstance(item, Span):
                 size = str(item.size)
                 offs = self.offsets(item.start, size)
                 guard = not is_nonneg(item.start, self.ctx())
+                # a full block lies inside [0, N): n_start + BLOCK_N <= N
+                in_full_block = self.region is not None and self.region.full and item.start == var(self.region.var) \
+                    and size == "BLOCK_N" and d == self.n_dim
             else:
                 size = self._full_size(d)
                 offs = self.offsets(None, size)
@@ -399,10 +490,19 @@ class _KernelGen:
             bc = offs + _bcast(pos, rank)
             terms.append(f"{bc} * {stride}")
             extent = self._dim(d)
-            if not (isinstance(d, int) and str(d) == size):
+            if self.sig.even_d and d == "D" and size == "HEAD_PAD":
+                even.append(f"({bc} < {extent})")
+            elif not (isinstance(d, int) and str(d) == size) and not in_full_block:
                 spans.append((bc, size, extent, guard))
             pos += 1
         mask_parts = [f"({bc} < {ext})" for bc, _, ext, _ in spans] + [f"({bc} >= 0)" for bc, _, _, g in spans if g]
+        if even:
+            always = " & ".join(mask_parts)
+            both = " & ".join(mask_parts + even)
+            mask = f"({always or 'None'} if EVEN_D else {both})"
+            return f"{tensor}_ptr + " + " + ".join(terms), mask, tuple(
+                str(item.size) if isinstance(item, Span) else self._full_size(d)
+                for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
         shape = tuple(str(item.size) if isinstance(item, Span) else self._full_size(d)
                       for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
         return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
@@ -411,7 +511,13 @@ class _KernelGen:
     def block(self, body: tuple[Stmt, ...]) -> None:
         self.offs.append({})
         before = len(self.lines)
-        for st in body:
+        float_scalars = {q.name for q in self.sig.scalars if _KIND[q.dtype] is Kind.FLOAT}
+        for i, st in enumerate(body):
+            c = _fold_target(st, body[i + 1:], float_scalars) if self.opts.fold_scale else None
+            if c is not None:
+                if c not in self.sig.pos_scalars:
+                    self.sig.pos_scalars.append(c)
+                self.fold_next[st.out] = c  # type: ignore[union-attr]
             self.stmt(st)
         if len(self.lines) == before:
             self.emit("pass")
@@ -427,6 +533,8 @@ class _KernelGen:
         ptr, mask, shape = self.address(st.tensor, st.index)
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
         other = _NEG_INF if st.other == float("-inf") else repr(float(st.other))
+        if mask and mask.startswith("(None if EVEN_D"):
+            other = f"(None if EVEN_D else {other})"  # tl.load refuses `other` without a mask
         self.emit(f"{out} = tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
 
     def s_store(self, st: Store) -> None:
@@ -456,6 +564,13 @@ class _KernelGen:
         self.emit(f"{out} = tl.dot({self.local(st.a)}, {bcode}{self._prec(a, b)})")
 
     def s_elementwise(self, st: Elementwise) -> None:
+        if st.out in self.fold_next:
+            c = self.fold_next.pop(st.out)
+            code = self.local(st.out)
+            self.folded[st.out] = c
+            self.emit(f"# `{code} * {c}` is folded into the softmax exponent when {c} > 0 (POS_{c})")
+            self.emit(f"{code} = {code} if POS_{c} else {code} * {self.names[c].code}")
+            return
         used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
         shape = max((t.shape for t in used), key=len, default=())
         code = self.ex(st.value)
@@ -499,6 +614,10 @@ class _KernelGen:
 
     def s_mask(self, st: Mask) -> None:
         code = self.local(st.tile)
+        if self.region is not None and self.region.full and self.region.covers(st) \
+                and self.tile(st.tile).shape == ("BLOCK_M", "BLOCK_N"):
+            self.emit(f"# full block: every in-range pair attends and no kv index is past N; no mask for {code}")
+            return
         names = self.variant_names(st, None)
         keep = f"({names['kv_idx'].code} < {self.n_dim})"
         if st.use_mask_mod:
@@ -510,11 +629,17 @@ class _KernelGen:
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
         m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
         prec = self._prec(self.tile(st.values))
-        self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1))")
+        c = self.folded.pop(st.scores, None)
+        if c is None:
+            self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1))")
+        else:
+            cc = self.names[c].code
+            self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1) * ({cc} if POS_{c} else 1.0))")
+            self.emit(f"_qk_scale = {cc} * {_LOG2E} if POS_{c} else {_LOG2E}")
         self.emit("# rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN")
         self.emit(f"_m_log2 = tl.where(_m_new == {_NEG_INF}, 0.0, _m_new) * {_LOG2E}")
         self.emit(f"_alpha = tl.exp2({m} * {_LOG2E} - _m_log2)")
-        self.emit(f"_p = tl.exp2({s} * {_LOG2E} - _m_log2[:, None])")
+        self.emit(f"_p = tl.exp2({s} * {_LOG2E if c is None else '_qk_scale'} - _m_log2[:, None])")
         self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
         self.emit(f"{acc} = tl.dot(_p.to({v}.dtype), {v}, {acc} * _alpha[:, None]{prec})")
         self.emit(f"{m} = _m_new")
@@ -544,7 +669,31 @@ class _KernelGen:
         self.emit(f"{lse} = tl.where(_w_sum == 0.0, {_NEG_INF}, _lse_max + tl.log(_w_safe))")
         self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
 
+    def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class."""
+        plan = self.plan
+        if not self.opts.split_kv_loop or self.region is not None or st.order != "forward" or str(st.step) != "BLOCK_N":
+            return None
+        if plan.kind is BlockMaskKind.TABLE or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
+            return None
+        stmts = list(_walk_stmts(st.body))
+        tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
+        if not tests or any(isinstance(x, For) for x in stmts):
+            return None
+        at = (tests[0].b, tests[0].h, tests[0].q_start)
+        defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
+                              if isinstance(getattr(x, n, None), str)}
+        if any(x.kv_start != var(st.var) or (x.b, x.h, x.q_start) != at for x in tests):
+            return None
+        if any(free_vars(e) & defined for e in at):
+            return None
+        return at
+
     def s_for(self, st: For) -> None:
+        at = self.split_at(st)
+        if at is not None:
+            self.split_for(st, at)
+            return
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
@@ -565,7 +714,52 @@ class _KernelGen:
         self.block(st.body)
         self.depth -= 1
 
+    def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
+        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order)."""
+        v = self.local(st.var)
+        q0 = at[2]
+        q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
+        # full <=> n_start in [first, last]: every bound on g = q_idx - kv_idx holds at the tile corners
+        last: Expr = var(self.n_dim) - var("BLOCK_N")
+        first: Expr = st.lo
+        sub = {"b": at[0], "h": at[1]}
+        for lower in self.plan.lower:  # g_min = q0 - (n + BLOCK_N - 1) >= L
+            last = call("minimum", last, q0 - var("BLOCK_N") + 1 - substitute(lower, sub))
+        for upper in self.plan.upper:  # g_max = q1 - n <= U
+            first = call("maximum", first, q1 - substitute(upper, sub))
+        self.emit(f"# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
+        lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
+        self.emit(f"{lo} = {self.ex(st.lo)}")
+        self.emit(f"{hi} = {self.ex(st.hi)}")
+        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
+        self.emit(f"_full_first_{v} = {self.ex(_simplify(first))}")
+        self.emit(f"_full_last_{v} = {self.ex(_simplify(last))}")
+        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
+        self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
+                  f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
+        bounds = [(lo, f"{lo} + _i_a_{v} * BLOCK_N", False),
+                  (f"{lo} + _i_a_{v} * BLOCK_N", f"{lo} + _i_b_{v} * BLOCK_N", True),
+                  (f"{lo} + _i_b_{v} * BLOCK_N", hi, False)]
+        for a, b, full in bounds:
+            self._invalidate(v)
+            self.names[st.var] = Sym(v, Kind.INT, is_nonneg(st.lo, self.ctx()))
+            self.emit(f"for {v} in range({a}, {b}, BLOCK_N):  # {'full' if full else 'partial'} blocks")
+            self.region = _Region(st.var, at, full)
+            self.depth += 1
+            self.block(st.body)
+            self.depth -= 1
+            self.region = None
+
     def s_ifblock(self, st: IfBlock) -> None:
+        if self.region is not None and self.region.covers(st):
+            holds = self.region.decide(st)
+            if holds is not None:
+                cond = f"{'not ' if st.negate else ''}block is {st.cls.value}"
+                self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
+                taken = st.then if holds != st.negate else st.orelse
+                for sub in taken:
+                    self.stmt(sub)
+                return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
         self.depth += 1
@@ -605,16 +799,34 @@ class _KernelGen:
         return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
 
     # -- whole kernel
+    def moves_kv_bound(self, axis: str) -> bool:
+        """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
+        deps: dict[str, set[str]] = {}
+        for st in self.k.body:
+            if isinstance(st, Let):
+                fv = free_vars(st.value)
+                deps[st.name] = set(fv).union(*(deps.get(n, set()) for n in fv))
+            if isinstance(st, For):
+                fv = free_vars(st.hi)
+                if axis in set(fv).union(*(deps.get(n, set()) for n in fv)):
+                    return True
+        return False
+
     def generate(self) -> list[str]:
         axes = self.k.grid
         self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
+        heavy = self.opts.heavy_first and len(axes) > 1 and self.moves_kv_bound(axes[-1].name)
         if len(axes) == 1:
             self.emit(f"{self.local(axes[0].name)} = tl.program_id(0)")
         else:
             self.emit("pid = tl.program_id(0)")
             for a in reversed(axes[1:]):
                 ext = _wrap(self.ex(a.extent))
-                self.emit(f"{self.local(a.name)} = pid % {ext}")
+                if heavy and a is axes[-1]:
+                    self.emit(f"# `{a.name}` moves the KV loop bound: largest {a.name} first, so the launch ends on short programs")
+                    self.emit(f"{self.local(a.name)} = {ext} - 1 - pid % {ext}")
+                else:
+                    self.emit(f"{self.local(a.name)} = pid % {ext}")
                 self.emit(f"pid = pid // {ext}")
             self.emit(f"{self.local(axes[0].name)} = pid")
         for a in axes:
@@ -789,16 +1001,17 @@ def _bind(dims, name, t, spec):
 '''
 
 
-def lower_program(p: Program) -> str:
+def lower_program(p: Program, options: LowerOptions | None = None) -> str:
     """The source text of a standalone Python module running `p` with Triton."""
+    opts = options or LowerOptions()
     _check_program(p)
     plan = plan_block_mask(p)
     has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in _walk_stmts(k.body))
     tensors = tuple(q for q in p.params if q.role is not Role.SCALAR)
     runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
     sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
-                     table=has_if and plan.kind is BlockMaskKind.TABLE)
-    bodies = [(k, _KernelGen(p, k, sig, plan).generate()) for k in p.kernels]
+                     table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims)
+    bodies = [(k, _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
     out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
     for k, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
@@ -868,6 +1081,10 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         L.append('        raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")')
     for pad in sig.pads:
         L.append(f"    {pad} = triton.next_power_of_2({pad[4:]})")
+    if sig.even_d:
+        L.append("    EVEN_D = HEAD_PAD == D")
+    for name in sig.pos_scalars:
+        L.append(f"    POS_{name} = {name} > 0")
     device = ins[0].name + ".device"
     for q in (*outs, *scratch):
         shape = ", ".join(str(d) for d in q.shape)

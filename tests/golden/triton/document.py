@@ -185,10 +185,13 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    POS_sm_scale: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
-    m = pid % (tl.cdiv(M, BLOCK_M))
+    # `m` moves the KV loop bound: largest m first, so the launch ends on short programs
+    m = (tl.cdiv(M, BLOCK_M)) - 1 - pid % (tl.cdiv(M, BLOCK_M))
     pid = pid // (tl.cdiv(M, BLOCK_M))
     h = pid % Hq
     pid = pid // Hq
@@ -197,32 +200,34 @@ def _fwd_kernel(
     m_start = m * BLOCK_M
     offs_m_start = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=(offs_m_start[:, None] < M) & (offs_d[None, :] < D), other=0.0)
+    qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
     for n_start in range(0, tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N):
         offs_n_start = n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(offs_n_start[:, None] < N) & (offs_d[None, :] < D), other=0.0)
-        vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(offs_n_start[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+        kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
-        s = s * sm_scale
+        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+        s = s if POS_sm_scale else s * sm_scale
         # block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial
         _bclass = tl.where((((m_start % BLOCK_M) == 0) & ((n_start % BLOCK_N) == 0)), tl.load(bc_ptr + b * stride_bc_0 + 0 * stride_bc_1 + (m_start // BLOCK_M) * stride_bc_2 + (n_start // BLOCK_N) * stride_bc_3, mask=(b < bc_nb) & (0 < bc_nh) & ((m_start // BLOCK_M) < bc_nm) & ((n_start // BLOCK_N) < bc_nn), other=0), 1)
         if _bclass != 2:
             s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(b < B) & (offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(b < B) & (offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
-        _m_new = tl.maximum(m_i, tl.max(s, 1))
+        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
         _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
         _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
-        _p = tl.exp2(s * 1.4426950408889634 - _m_log2[:, None])
+        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
         l_i = l_i * _alpha + tl.sum(_p, 1)
         acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
         m_i = _m_new
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
-    tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=(offs_m_start[:, None] < M) & (offs_d[None, :] < D))
+    tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
@@ -250,6 +255,8 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     HEAD_PAD = max(16, triton.next_power_of_2(D))
     if HEAD_PAD < D:
         raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
+    EVEN_D = HEAD_PAD == D
+    POS_sm_scale = sm_scale > 0
     o = torch.empty((B, Hq, M, D,), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
     # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)
@@ -257,6 +264,6 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     block_class = _hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)
     _fwd_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
         q, k, v, o, lse, doc_ids, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *doc_ids.stride(), B, Hq, M, D, Hkv, N, sm_scale, block_class, *block_class.stride(), *block_class.shape,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, num_warps=4, num_stages=1,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, num_warps=4, num_stages=1,
     )
     return o, lse
