@@ -1,0 +1,154 @@
+"""Run every IR fixture through the CUDA lowering on a GPU and compare with the dense fp32 oracle.
+
+Usage (on a GPU machine, from the repo root):
+    python3 bench/cuda_check.py [--dtypes f32,bf16] [--only causal,document] [--time]
+
+For each fixture x dtype x shape it prints the max |error| of o and lse against
+`tests/attn_reference.py` (computed on CPU in fp32), NaN counts, and PASS/FAIL at the
+dtype's tolerance; `--time` adds a median runtime of a larger bf16 causal/plain case next to
+torch SDPA. Exit status 0 only when every case passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from kb.ir.nodes import Dtype, Program, Role  # noqa: E402
+from kb.lower.cuda_runtime import CudaKernel  # noqa: E402
+from tests.attn_reference import reference_attention  # noqa: E402
+from tests.ir_programs import FIXTURES  # noqa: E402
+
+TORCH = {Dtype.F32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16}
+TOL = {Dtype.F32: 1e-4, Dtype.BF16: 2e-2, Dtype.F16: 5e-3}
+# (B, Hq, Hkv, M, N, D): ragged lengths, several head dims (so several HEAD_PAD instantiations)
+SHAPES = [(2, 2, 2, 37, 29, 24), (1, 4, 2, 64, 64, 64), (2, 2, 1, 100, 130, 128)]
+SPECIAL = {"gqa": [(2, 4, 2, 37, 29, 24), (1, 8, 2, 70, 90, 64)],
+           "document": [(2, 2, 2, 29, 37, 24), (1, 2, 2, 100, 130, 128)],
+           "decode_split_kv": [(2, 2, 2, 3, 45, 16), (1, 4, 2, 1, 300, 128)]}
+
+
+def make_inputs(p: Program, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> tuple[dict, dict, dict]:
+    B, Hq, Hkv, M, N, D = shape
+    g = torch.Generator().manual_seed(seed)
+    qkv = {"q": torch.randn(B, Hq, M, D, generator=g).to(dtype), "k": torch.randn(B, Hkv, N, D, generator=g).to(dtype),
+           "v": torch.randn(B, Hkv, N, D, generator=g).to(dtype)}
+    scalars = {q.name: 2.5 for q in p.params if q.role is Role.SCALAR and q.name != "sm_scale"}
+    aux = {}
+    for q in p.params:
+        if q.name == "slopes":
+            aux["slopes"] = torch.rand(Hq, generator=g)
+        elif q.name == "doc_ids":
+            aux["doc_ids"] = torch.sort(torch.randint(0, 3, (B, N), generator=g), dim=1).values.to(torch.int32)
+    return qkv, scalars, aux
+
+
+def check(name: str, dtype: Dtype, cache: Path) -> bool:
+    p = FIXTURES[name](dtype=dtype)
+    t0 = time.perf_counter()
+    kernel = CudaKernel.from_program(p, cache)
+    build_s = time.perf_counter() - t0
+    ok_all = True
+    for i, shape in enumerate(SPECIAL.get(name, SHAPES)):
+        qkv, scalars, aux = make_inputs(p, shape, TORCH[dtype], seed=i)
+        dev = {k: v.cuda() for k, v in {**qkv, **aux}.items()}
+        out = kernel.run({**dev, **scalars})
+        torch.cuda.synchronize()
+        o_ref, lse_ref = reference_attention(p, qkv["q"], qkv["k"], qkv["v"], scalars=scalars, aux=aux)
+        o, lse = out["o"].float().cpu(), out["lse"].cpu()
+        nan = int(torch.isnan(o).sum() + torch.isnan(lse).sum())
+        err_o = (o - o_ref).abs().max().item()
+        finite = torch.isfinite(lse_ref)
+        inf_ok = bool(torch.equal(torch.isfinite(lse), finite))
+        err_lse = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
+        tol = TOL[dtype]
+        ok = nan == 0 and inf_ok and err_o <= tol * 5 and err_lse <= tol * 5 and \
+            torch.allclose(o, o_ref, atol=tol, rtol=tol)
+        ok_all &= ok
+        print(f"{name:16s} {dtype.value:5s} {str(shape):28s} max|do|={err_o:.2e} max|dlse|={err_lse:.2e} "
+              f"nan={nan} -inf rows match={inf_ok} build={build_s:5.1f}s {'PASS' if ok else 'FAIL'}", flush=True)
+        build_s = 0.0
+    return ok_all
+
+
+def bench(cache: Path) -> None:
+    B, H, S, D = 2, 16, 2048, 128
+    for name in ("plain", "causal"):
+        p = FIXTURES[name](dtype=Dtype.BF16)
+        kernel = CudaKernel.from_program(p, cache)
+        q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ms = _time(lambda: kernel.run({"q": q, "k": k, "v": v}))
+        ref = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=name == "causal"))
+        flops = 4 * B * H * S * S * D / (2 if name == "causal" else 1)
+        print(f"time {name:8s} bf16 B={B} H={H} S={S} D={D}: kb-cuda {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s), "
+              f"sdpa {ref:.3f} ms ({flops / ref / 1e9:.1f} TFLOP/s)", flush=True)
+
+
+def _time(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _try_build(name: str, dtype: Dtype, cache: Path) -> bool:
+    try:
+        CudaKernel.from_program(FIXTURES[name](dtype=dtype), cache)
+        return True
+    except Exception as err:
+        print(f"{name:16s} {dtype.value:5s} BUILD ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
+        return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="f32,bf16")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--cache", default=str(ROOT / "build" / "cuda_check"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device visible: run this on a GPU machine", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    names = [n for n in FIXTURES if not args.only or n in args.only.split(",")]
+    dtypes = [Dtype(d) for d in args.dtypes.split(",")]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:  # nvcc runs outside the GIL
+        built = list(pool.map(lambda nd: _try_build(nd[0], nd[1], Path(args.cache)), itertools.product(names, dtypes)))
+    print(f"built {sum(built)}/{len(built)} programs in {time.perf_counter() - t0:.1f} s", flush=True)
+    ok = True
+    for dt in dtypes:
+        for name in names:
+            try:
+                ok &= check(name, dt, Path(args.cache))
+            except Exception as err:  # report and go on: one broken fixture should not hide the rest
+                ok = False
+                print(f"{name:16s} {dt.value:5s} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
+    if args.time:
+        bench(Path(args.cache))
+    print("ALL PASS" if ok else "SOME FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
