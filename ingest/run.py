@@ -80,17 +80,18 @@ def _fetch(name: str, kind: str, manifest: Manifest | None) -> FetchedSource:
 def _with_fa2_reference(reports: list[LiftReport], src: FetchedSource) -> list[LiftReport]:
     """Add the FA2 CUDA reference Program built from the lifted CUDA snippets and tunables."""
     try:
-        from ingest.fa2_reference import build_fa2_reference
+        from ingest.fa2_reference import build_fa2_references
     except ImportError:
         return reports
-    cuda = [r for r in reports if r.snippets and r.snippets[0].provenance.lifter == "cuda" and "flash_attn/src" in r.file]
+    cuda = [r for r in reports if "flash_attn/src" in r.file
+            and any(x.provenance.lifter == "cuda" for x in (*r.snippets, *r.tunables))]
     if not cuda:
         return reports
     try:
-        lp = build_fa2_reference(cuda, [t for r in cuda for t in r.tunables])
+        programs = build_fa2_references(cuda, [t for r in cuda for t in r.tunables])
     except KBError as err:
         return reports + [LiftReport("fa2_reference", skipped=(("fa2 reference program", str(err)),))]
-    return reports + [LiftReport(f"{lp.provenance.file} (FA2 reference program)", programs=(lp,))]
+    return reports + [LiftReport(f"{programs[0].provenance.file} (FA2 reference programs)", programs=tuple(programs))]
 
 
 def ingest(kb: KnowledgeBase, names: list[str], *, progress: bool = True) -> IngestSummary:

@@ -175,6 +175,10 @@ def import_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL fil
     out.print(f"imported {sum(counts.values())} records from {file}")
 
 
+# the working commands (ingest, query, verify, generate, bench) register themselves on `app`
+from kb import cli_work  # noqa: E402,F401
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
