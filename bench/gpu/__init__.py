@@ -1,0 +1,1 @@
+"""GPU benchmark of generated attention kernels against SDPA, FlexAttention and eager PyTorch (see docs/bench.md)."""

@@ -1,0 +1,85 @@
+"""GPU bench plumbing on CPU: suite programs match their torch semantics, FLOP counting, JSON report, no-GPU error."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench.gpu import baselines, suite
+from bench.gpu.report import geomean, summarize, summary_table
+from bench.gpu.run import SCHEMA, Record, _write, require_cuda
+from kb.errors import KBError
+from kb.ir.nodes import Schedule
+from kb.lower.runtime import TritonKernel
+
+
+@pytest.mark.parametrize("variant", sorted(suite.VARIANTS))
+def test_suite_program_matches_torch_semantics(variant: str, tmp_path) -> None:
+    # small blocks so the interpreter is quick; S not a multiple of the blocks; window/prefix scaled by the case
+    case = suite.Case(variant, 1, 2, 1 if variant == "gqa" else 2, 1100 if variant == "sliding_window" else 80, 32)
+    prog, source = suite.load_program(variant)
+    assert source.startswith(("builder:", "kbir:"))
+    prog = suite.with_schedule(prog, Schedule(block_m=32, block_n=16, num_warps=4, num_stages=1))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(case.B, case.Hq, case.S, case.D, generator=g).to(torch.bfloat16)
+    k = torch.randn(case.B, case.Hkv, case.S, case.D, generator=g).to(torch.bfloat16)
+    v = torch.randn(case.B, case.Hkv, case.S, case.D, generator=g).to(torch.bfloat16)
+    aux = suite.aux_tensors(case, "cpu")
+    mask, score = suite.torch_mods(case, aux)
+    o = TritonKernel.from_program(prog, tmp_path).run({"q": q, "k": k, "v": v, **aux})["o"].float()
+    ref = baselines.eager_fn(case, q, k, v, mask, score)().float()
+    assert float((o - ref).norm() / ref.norm()) < 1e-2 and float((o - ref).abs().max()) < 0.1
+
+
+def test_attended_pairs_are_exact() -> None:
+    c = suite.Case("causal", 2, 16, 16, 100, 64)
+    mask, _ = suite.torch_mods(c, {})
+    assert suite.attended_pairs(c, mask, "cpu", chunk=7) == 2 * 100 * 101 // 2
+    assert suite.attended_pairs(suite.Case("plain", 2, 16, 16, 100, 64), None, "cpu") == 2 * 100 * 100
+    sw = suite.Case("sliding_window", 1, 1, 1, 3000, 64)
+    m, _ = suite.torch_mods(sw, {})
+    W = suite.WINDOW
+    assert suite.attended_pairs(sw, m, "cpu") == sum(min(i + 1, W) for i in range(3000))
+    assert suite.attention_flops(c, 10) == 4.0 * 16 * 64 * 10
+
+
+def test_suites_cover_the_required_variants() -> None:
+    cases = suite.suite_cases("h200")
+    assert {c.variant for c in cases} >= {"causal", "sliding_window", "alibi", "softcap", "document", "prefix_lm", "gqa"}
+    assert all(c.B * c.S == 32768 for c in cases) and {c.D for c in cases} == {64, 128}
+    with pytest.raises(KBError, match="unknown bench suite"):
+        suite.suite_cases("nope")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_no_gpu_is_a_clear_user_error() -> None:
+    with pytest.raises(KBError, match="kb bench needs a CUDA GPU"):
+        require_cuda()
+
+
+def test_json_schema_and_table(tmp_path) -> None:
+    env = {"gpu": "NVIDIA H200", "driver": "570", "torch_version": "2.11", "triton_version": "3.6", "cuda": "12.8",
+           "command": "run.py smoke", "date": "2026-01-01T00:00:00+00:00"}
+    shape = {"B": 1, "Hq": 2, "Hkv": 2, "M": 512, "N": 512, "D": 64, "attended_pairs": 10, "flops": 1.0}
+    recs = [Record("c1", "causal", impl, "x", shape, "bf16", "ok", ms=ms, tflops=1 / ms, frac_peak=0.1)
+            for impl, ms in (("generated", 1.0), ("generated[64x64 w4 s3]", 0.5), ("flex", 2.0), ("sdpa-cudnn", 1.0))]
+    recs.append(Record("c1", "causal", "eager", "x", shape, "bf16", "oom", error="CUDA out of memory"))
+    path = tmp_path / "b.json"
+    _write(path, env, 800.0, recs, "smoke")
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == SCHEMA and doc["peak_bf16_tflops"] == 800.0
+    for r in doc["records"]:
+        assert {"gpu", "driver", "torch_version", "triton_version", "shape", "dtype", "ms", "tflops", "command",
+                "date", "impl", "status"} <= set(r)
+    (s,) = summarize(doc)
+    assert s.speedup("flex") == 2.0 and s.best_generated == "generated[64x64 w4 s3]"
+    assert math.isclose(geomean([2.0, 8.0]), 4.0)
+    table = summary_table(doc)
+    assert "geomean speedup vs flex: default schedule 2.00x, best schedule 4.00x" in table
