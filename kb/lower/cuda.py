@@ -25,7 +25,8 @@ Code shape (plain SIMT, every tile in dynamic shared memory):
   int8 table [B|1, H|1, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] (0 empty, 1 partial, 2 full; an
   unaligned tile start reads as partial), the Triton lowering's table semantics.
 - HEAD_PAD is a template parameter: the schedule's head_pad when set, else the launcher
-  dispatches on max(16, next_pow2(D)) over `HEAD_PADS` (FlashAttention's head-dim dispatch).
+  dispatches on max(16, next_pow2(D)) over `HEAD_PADS` (FlashAttention's head-dim dispatch);
+  building with `-DKB_HEAD_PAD_ONLY=<hp>` compiles that one instantiation (fast checks).
 - Fully masked rows never produce NaN: the max used in the exponent is 0 while the row max is
   -inf; `finalize` divides by 1 where l == 0 and gives lse = -inf there.
 
@@ -643,8 +644,8 @@ class _KernelGen:
         if st.order not in ("forward", "reverse"):
             raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
         self.emit(f"// for {st.var} in range({st.lo}, {st.hi}, {st.step}) {st.order}")
-        self.emit("#pragma unroll 1")
         if st.order == "forward":
+            self.emit("#pragma unroll 1")
             header = f"for (long long {var} = {lo}; {var} < {hi}; {var} += {step})"
             with self.indent(header):
                 self.scopes[-1].add(var)
@@ -653,6 +654,7 @@ class _KernelGen:
         else:
             it, n = self.fresh("it"), self.fresh("n_iter")
             self.emit(f"const long long {n} = kb_cdiv({hi} - {lo}, {step});")
+            self.emit("#pragma unroll 1")
             with self.indent(f"for (long long {it} = 0; {it} < {n}; ++{it})"):
                 self.emit(f"const long long {var} = {lo} + ({n} - 1 - {it}) * {step};")
                 self.scopes[-1].add(var)
@@ -921,14 +923,18 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
             raise KBError(f"program {p.name}: head_pad=0 needs a dim named D to dispatch on; set schedule head_pad")
         L.append("  long long kb_hp = 16;")
         L.append("  while (kb_hp < kb_a.D) kb_hp *= 2;")
+        L.append("#ifdef KB_HEAD_PAD_ONLY  // a faster build with one instantiation (-DKB_HEAD_PAD_ONLY=64)")
+        L.append(f"  return kb_hp == KB_HEAD_PAD_ONLY ? kb_run<KB_HEAD_PAD_ONLY>(kb_a, kb_stream) : {_err_name()};")
+        L.append("#else")
         L.append("  switch (kb_hp) {")
         for hp in HEAD_PADS:
             L.append(f"    case {hp}: return kb_run<{hp}>(kb_a, kb_stream);")
         L.append(f"    default: return {_err_name()};")
         L.append("  }")
+        L.append("#endif")
     L += ["}", "",
           f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
-          f'  if (code == {_err_name()}) return "head dim D is larger than {HEAD_PADS[-1]}, the largest compiled HEAD_PAD";',
+          f'  if (code == {_err_name()}) return "no kernel was compiled for this head dim (the largest HEAD_PAD is {HEAD_PADS[-1]})";',
           "  return cudaGetErrorString(static_cast<cudaError_t>(code));",
           "}"]
     return L

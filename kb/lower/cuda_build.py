@@ -1,7 +1,7 @@
 """Compile generated CUDA C++ with nvcc: a shared library to load, or an object to check.
 
 `build(source, out_dir, mode)` writes `<out_dir>/<name>_<sha12>.cu` and runs
-`nvcc -std=c++17 -arch=<arch> -O3 --compiler-options -fPIC -shared` (or `-c` for OBJECT).
+`nvcc -std=c++17 -arch=<arch> -O3 --compiler-options -fPIC [-D...] -shared` (or `-c` for OBJECT).
 The result is a typed `BuildResult`; a compile error is a result (status COMPILE_ERROR with
 nvcc's log), not an exception, so callers can feed the log back to a generator. Only a
 missing nvcc raises `KBError` (from `find_nvcc`), because nothing can be done without it.
@@ -69,25 +69,27 @@ def find_nvcc() -> str:
 
 
 def nvcc_command(src: Path, out: Path, mode: BuildMode, arch: str = DEFAULT_ARCH, opt: str = "-O3",
-                 nvcc: str | None = None) -> list[str]:
+                 nvcc: str | None = None, defines: tuple[str, ...] = ()) -> list[str]:
     cmd = [nvcc or find_nvcc(), "-std=c++17", f"-arch={arch}", opt, "--compiler-options", "-fPIC"]
+    cmd += [f"-D{d}" for d in defines]
     cmd += ["-shared"] if mode is BuildMode.SHARED else ["-c"]
     return cmd + ["-o", str(out), str(src)]
 
 
 def build(source: str, out_dir: Path, mode: BuildMode = BuildMode.SHARED, *, name: str = "kernel",
-          arch: str = DEFAULT_ARCH, opt: str = "-O3", timeout_s: float = 600.0) -> BuildResult:
+          arch: str = DEFAULT_ARCH, opt: str = "-O3", defines: tuple[str, ...] = (),
+          timeout_s: float = 600.0) -> BuildResult:
     """Compile `source` into `out_dir` (created if needed); see the module docstring."""
     nvcc = find_nvcc()
     out_dir.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(f"{source}\0{mode.value}\0{arch}\0{opt}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{source}\0{mode.value}\0{arch}\0{opt}\0{defines}".encode()).hexdigest()[:12]
     stem = f"{name}_{digest}"
     src = out_dir / f"{stem}.cu"
     artefact = out_dir / (f"{stem}.so" if mode is BuildMode.SHARED else f"{stem}.o")
     if not src.exists() or src.read_text() != source:
         src.write_text(source)
     tmp = artefact.with_name(f".{artefact.name}.{os.getpid()}.tmp")
-    cmd = nvcc_command(src, tmp, mode, arch, opt, nvcc)
+    cmd = nvcc_command(src, tmp, mode, arch, opt, nvcc, defines)
     if artefact.exists():
         return BuildResult(BuildStatus.OK, artefact, src, tuple(cmd), "", 0.0, cached=True)
     t0 = time.perf_counter()
