@@ -71,6 +71,12 @@ def flex_fn(case: Case, q, k, v, mask: MaskFn | None, score: ScoreFn | None) -> 
 
     global _FLEX_COMPILED
     if _FLEX_COMPILED is None:
+        import torch._dynamo
+
+        # one compile per (variant, shape): the suite needs more than dynamo's default 8 recompiles,
+        # past which flex_attention silently falls back to the unfused, materialising path
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.cache_size_limit = 256
         _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if mask is not None:

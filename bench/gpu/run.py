@@ -133,7 +133,16 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
 
     default = with_schedule(prog, schedule_for(case.D)) if source.startswith("builder") else prog
     sched = dataclasses.asdict(default.schedule)
-    out.append(("generated", source, gen(default), {"schedule": sched, "content_hash": content_hash(default)}))
+    meta = {"schedule": sched, "content_hash": content_hash(default)}
+    kern = TritonKernel.from_program(default)
+    if hasattr(kern.module, "block_class_table"):
+        # host-table variants: the table is built once, as FlexAttention's block mask is ("generated");
+        # "generated+table" also builds it on every call
+        table = kern.module.block_class_table(q, k, v, **aux)
+        out.append(("generated", source, lambda: kern.run({**inputs, "block_class": table})["o"], meta))
+        out.append(("generated+table", source, gen(default), meta))
+    else:
+        out.append(("generated", source, gen(default), meta))
     is_tune = tune and case.variant == "causal" and case.S == 8192
     if is_tune:
         for bm, bn, w, st in TUNE_SCHEDULES[128 if case.D > 64 else 64]:

@@ -1071,6 +1071,8 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
             L.append(f'    if "{q.name}" not in kw:')
             L.append(f'        raise ForwardArgumentError("forward() needs the scalar {q.name}=...")')
             L.append(f'    {q.name} = float(kw.pop("{q.name}"))')
+    if sig.table:  # like FlexAttention's block mask: built once by the caller and passed back, or built here
+        L.append('    block_class, only_table = kw.pop("block_class", None), kw.pop("_only_block_class", False)')
     L.append("    if kw:")
     L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
     head_pad = str(s.head_pad) if s.head_pad else "max(16, triton.next_power_of_2(D))"
@@ -1099,9 +1101,12 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         nb = str(qshape[0]) if plan.per_b else "1"
         nh = str(qshape[1]) if plan.per_h else "1"
         L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
-        L.append(f"    mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
-        L.append(f"    block_class = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+        L.append("    if block_class is None:")
+        L.append(f"        mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
+        L.append(f"        block_class = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})")
+        L.append("    if only_table:")
+        L.append("        return block_class")
         table_args = ["block_class", "*block_class.stride()", "*block_class.shape"]
     args = [q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims) \
         + [q.name for q in sig.scalars] + table_args
@@ -1113,4 +1118,8 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         L.append(f"        {const_kw}, num_warps={s.num_warps}, num_stages={s.num_stages},")
         L.append("    )")
     L.append(f"    return {', '.join(q.name for q in outs)}")
+    if sig.table:
+        L += ["", "", "def block_class_table(*args, **kw):",
+              '    """The block-class table forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
+              "    return forward(*args, _only_block_class=True, **kw)"]
     return L

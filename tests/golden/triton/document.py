@@ -249,6 +249,7 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     Hkv = dims["Hkv"]
     N = dims["N"]
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    block_class, only_table = kw.pop("block_class", None), kw.pop("_only_block_class", False)
     if kw:
         raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")
     BLOCK_M, BLOCK_N, NUM_SPLITS = 16, 16, 1
@@ -260,10 +261,18 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     o = torch.empty((B, Hq, M, D,), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
     # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)
-    mask_mod = lambda b, h, q_idx, kv_idx: (_hload(doc_ids, (b, q_idx,)) == _hload(doc_ids, (b, kv_idx,))) & (q_idx >= kv_idx)
-    block_class = _hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)
+    if block_class is None:
+        mask_mod = lambda b, h, q_idx, kv_idx: (_hload(doc_ids, (b, q_idx,)) == _hload(doc_ids, (b, kv_idx,))) & (q_idx >= kv_idx)
+        block_class = _hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)
+    if only_table:
+        return block_class
     _fwd_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
         q, k, v, o, lse, doc_ids, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *doc_ids.stride(), B, Hq, M, D, Hkv, N, sm_scale, block_class, *block_class.stride(), *block_class.shape,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, num_warps=4, num_stages=1,
     )
     return o, lse
+
+
+def block_class_table(*args, **kw):
+    """The block-class table forward(*args, **kw) builds; pass it back as block_class= to reuse it."""
+    return forward(*args, _only_block_class=True, **kw)
