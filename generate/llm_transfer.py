@@ -10,7 +10,6 @@ from generate.llm import Stage as LLMStage
 from generate.prompts import snippet_text, spec_summary
 from generate.spec import Spec
 from kb.ir.nodes import Program
-from kb.settings import load_settings
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import QueryResult, RankedKernel
 
@@ -31,7 +30,7 @@ def llm_transfer(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, found: QueryR
     """Ask the configured LLM for the target program; `check` runs every later stage (None = passed).
 
     Service errors end the run as a failed attempt (the answers received before are kept)."""
-    engine = LLMEngine(load_settings())
+    engine = LLMEngine(kb.settings)
     reference_ir = kb.get(ref.id).ir_text  # type: ignore[union-attr]
     try:
         res = engine.transfer(spec_summary(spec), reference_ir, [snippet_text(s) for s in found.snippets],

@@ -211,6 +211,7 @@ def load_spec(path: str | Path) -> Spec:
         shapes = _shapes_of(inputs[qi], inputs[ki], path)
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
+        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, path)
         kind = SpecKind.KERNELBENCH
         call = (tuple(names), (traced.q, traced.k, traced.v), _init_names(module.Model))
     if mods:
@@ -240,6 +241,30 @@ def load_spec(path: str | Path) -> Spec:
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
     return Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
                 *call)
+
+
+def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
+                       traced: Any, path: Path) -> tuple[Expr | None, Expr | None]:
+    """Variant expressions with shape-derived constants written in M and N (see spec_generalize)."""
+    from generate.spec_generalize import DELTA, generalize
+
+    qi, ki, vi = qkv
+    q, k = inputs[qi], inputs[ki]
+    m, n = q.shape[2], k.shape[2]
+    for dm, dn in (DELTA, (DELTA[0], DELTA[0])):
+        args = list(inputs)
+        args[qi] = torch.randn(*q.shape[:2], m + dm, q.shape[3], dtype=q.dtype)
+        args[ki] = torch.randn(*k.shape[:2], n + dn, k.shape[3], dtype=k.dtype)
+        args[vi] = torch.randn(*inputs[vi].shape[:2], n + dn, inputs[vi].shape[3], dtype=inputs[vi].dtype)
+        try:
+            again = trace_attention(model, args, names, _tensor_namer(_model_tensors(model)), str(path.resolve()))
+        except Exception:  # noqa: BLE001 - the spec only works at its own shapes (or M == N): try the next delta
+            continue
+        dims1, dims2 = (m, n), (m + dm, n + dn)
+        return (generalize(traced.score_mod, again.score_mod, dims1, dims2),
+                generalize(traced.mask_mod, again.mask_mod, dims1, dims2))
+    log.info("%s: variant constants kept as traced (the spec does not run at other sequence lengths)", path)
+    return traced.score_mod, traced.mask_mod
 
 
 def _init_names(cls: type) -> tuple[str, ...]:

@@ -1,0 +1,60 @@
+"""Turn shape-derived constants of traced variant expressions back into dim expressions.
+
+Tracing runs the spec at its own shapes, so `q_idx + (N - M)` comes out as `q_idx + 128`.
+Tracing again with q and k/v lengths changed by (dM, dN) = (3, 5) tells such constants
+apart: a constant c that moves by 3a + 5b (a, b in {-1, 0, 1}, all nine sums distinct) is
+`a*M + b*N + d`. Constants that do not move stay constants; if the two traces differ in
+structure, or a constant moves by anything else, the expression is left as it was (the
+verifier's held-out shapes will then tell the user the kernel is shape-specialised).
+"""
+
+from __future__ import annotations
+
+from kb.ir.expr import Expr, ExprOp, const, var
+
+__all__ = ["generalize", "DELTA"]
+
+DELTA = (3, 5)  # (dM, dN) of the second trace; (3, 3) when the spec needs M == N
+_COEFFS = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
+
+
+def _dim_expr(a: int, b: int, d: int) -> Expr:
+    """a*M + b*N + d with a, b in {-1, 0, 1}, written the way a person would (N - M + 2, not -1*M + ...)."""
+    pos = [var(n) for n, c in (("N", b), ("M", a)) if c > 0]
+    neg = [var(n) for n, c in (("M", a), ("N", b)) if c < 0]
+    e: Expr | None = pos[0] if pos else None
+    for t in pos[1:]:
+        e = Expr(ExprOp.ADD, (e, t))
+    for t in neg:
+        e = Expr(ExprOp.NEG, (t,)) if e is None else Expr(ExprOp.SUB, (e, t))
+    if e is None:
+        return const(d)
+    return e if d == 0 else Expr(ExprOp.ADD if d > 0 else ExprOp.SUB, (e, const(abs(d))))
+
+
+def generalize(e1: Expr | None, e2: Expr | None, dims1: tuple[int, int], dims2: tuple[int, int]) -> Expr | None:
+    """`e1` (traced at (M1, N1)) with shape-derived constants replaced, using `e2` traced at (M2, N2)."""
+    if e1 is None or e2 is None:
+        return e1
+    out = _walk(e1, e2, dims1, dims2)
+    return e1 if out is None else out
+
+
+def _walk(a: Expr, b: Expr, d1: tuple[int, int], d2: tuple[int, int]) -> Expr | None:
+    if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
+        return None
+    if a.op is ExprOp.CONST:
+        if a.value == b.value or isinstance(a.value, bool) or not isinstance(a.value, int) or not isinstance(b.value, int):
+            return a if a.value == b.value else None
+        dm, dn = d2[0] - d1[0], d2[1] - d1[1]
+        for ca, cb in _COEFFS:
+            if ca * dm + cb * dn == b.value - a.value:
+                return _dim_expr(ca, cb, a.value - ca * d1[0] - cb * d1[1])
+        return None
+    args = []
+    for x, y in zip(a.args, b.args):
+        g = _walk(x, y, d1, d2)
+        if g is None:
+            return None
+        args.append(g)
+    return Expr(a.op, tuple(args), a.value)

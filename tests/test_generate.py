@@ -1,0 +1,76 @@
+"""Memory-augmented generation with the offline rule engine: spec -> verified kernel -> write-back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from generate.pipeline import GenerateOptions, generate
+from kb.ir.text import parse_program
+from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
+from tests.generate_fixtures import REPO, ingested_home, ingested_kb, ingested_kb_settings  # noqa: F401
+
+pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
+
+EXAMPLES = REPO / "examples" / "specs"
+# quick verification in tests (one distribution, the spec's own shape); `kb generate` runs the full harness
+QUICK = dict(verify_distributions=("normal",), verify_max_cases=1)
+RULE_SPECS = [
+    "causal_d64.py", "causal_gqa_d128.py", "sliding_window.py", "alibi.py", "softcap_causal.py", "document_mask.py",
+    "prefix_lm.py", "relative_bias.py", "mqa.py", "cross_attention.py", "decode_gqa_splitkv.py",
+    "sdpa_causal_d128_bf16.py", "chunked_prefill_bottom_right.py",
+]
+
+
+@pytest.mark.parametrize("name", RULE_SPECS)
+def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, name: str) -> None:  # noqa: F811
+    r = generate(ingested_kb, EXAMPLES / name, GenerateOptions(out_dir=tmp_path / "out", **QUICK))
+    assert r.succeeded, f"{name}: {r.error}\n" + "\n".join(f"{a.strategy}/{a.stage.value}: {a.verdict} {a.feedback[:200]}" for a in r.attempts)
+    # the files a user gets
+    for key in ("candidate", "triton", "ir", "report"):
+        assert r.files[key].is_file(), key
+    report = json.loads(r.files["report"].read_text())
+    assert report["verify"]["verdict"] == "passed" and report["kernel_id"] == r.kernel_id
+    assert "class ModelNew" in r.files["candidate"].read_text()
+    # write-back: the kernel, its lineage, the run and its attempts
+    kernel = ingested_kb.get(r.kernel_id)
+    assert isinstance(kernel, Kernel) and kernel.origin == "generated" and kernel.verified
+    assert kernel.parent_id and ingested_kb.get(kernel.parent_id).origin in ("ingest", "generated")
+    assert parse_program(kernel.ir_text).name.startswith("gen_")
+    run = ingested_kb.get(r.run_id)
+    assert isinstance(run, GenerationRun) and run.status == "succeeded" and run.kernel_id == r.kernel_id
+    assert len(ingested_kb.list(Attempt, run_id=r.run_id)) == len(r.attempts)
+
+
+def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:  # noqa: F811
+    before = len(ingested_kb.list_kernels())
+    r = generate(ingested_kb, REPO / "tests/data/specs_bad/op_after_softmax.py", GenerateOptions(out_dir=tmp_path))
+    assert not r.succeeded and r.error
+    run = ingested_kb.get(r.run_id)
+    assert run.status == "failed" and run.error
+    assert len(ingested_kb.list_kernels()) == before
+
+
+def test_memory_makes_the_second_task_of_a_kind_cheaper(ingested_kb_settings, embedder, tmp_path: Path) -> None:  # noqa: F811
+    """Two prefix-LM specs in a row: with memory, the second reuses what the first learnt."""
+    import shutil
+
+    from kb.settings import load_settings
+    from kb.store import open_kb
+
+    seq = [REPO / "tests/data/specs/prefix_lm_16.py", EXAMPLES / "prefix_lm.py"]
+    attempts = {}
+    for memory in (False, True):
+        home = tmp_path / f"kb-{memory}"
+        shutil.copytree(ingested_kb_settings.home, home)
+        with open_kb(load_settings(home=home), embedder=embedder) as kb:
+            results = [generate(kb, s, GenerateOptions(memory=memory, out_dir=tmp_path / str(memory), **QUICK)) for s in seq]
+            assert all(r.succeeded for r in results), [r.error for r in results]
+            attempts[memory] = [len(r.attempts) for r in results]
+            if memory:
+                assert kb.list(Lesson), "lessons are written back"
+    # same first task either way; the second task needs fewer attempts with memory
+    assert attempts[True][0] == attempts[False][0]
+    assert attempts[True][1] < attempts[False][1], attempts
