@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; override on a machine with a GPU (e.g. TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 DEMO_HOME ?= $(CURDIR)/.kb-demo
+DEMO_SPEC ?= examples/specs/sliding_window.py
+KB := KB_HOME=$(DEMO_HOME) $(VENV)/bin/kb
 
 .PHONY: venv demo test clean
 
@@ -12,14 +14,17 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# Offline except for the package index: ingest the pinned corpus, answer a query, generate a verified kernel.
 demo: venv
-	KB_HOME=$(DEMO_HOME) $(VENV)/bin/kb init
-	KB_HOME=$(DEMO_HOME) $(VENV)/bin/kb stats
+	$(KB) init
+	$(KB) ingest --all
+	$(KB) stats
+	$(KB) query $(DEMO_SPEC) -k 3
+	$(KB) generate $(DEMO_SPEC) --out $(DEMO_HOME)/out
 
 test: venv
 	$(PY) -m pytest -q
