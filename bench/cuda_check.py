@@ -5,13 +5,14 @@ Usage (on a GPU machine, from the repo root):
 
 For each fixture x dtype x shape it prints the max |error| of o and lse against
 `tests/attn_reference.py` (computed on CPU in fp32), NaN counts, and PASS/FAIL at the
-dtype's tolerance; `--time` adds a median runtime of a larger bf16 causal/plain case next to
-torch SDPA. Exit status 0 only when every case passes.
+dtype's tolerance; `--time` adds the median runtime of a larger bf16 causal/plain case next to
+torch SDPA, for each `--schedules` entry (BLOCK_M x BLOCK_N x num_warps). Exit status 0 only when every case passes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import statistics
@@ -82,16 +83,17 @@ def check(name: str, dtype: Dtype, cache: Path) -> bool:
     return ok_all
 
 
-def bench(cache: Path) -> None:
+def bench(cache: Path, schedules: list[tuple[int, int, int]]) -> None:
     B, H, S, D = 2, 16, 2048, 128
-    for name in ("plain", "causal"):
+    for (bm, bn, warps), name in itertools.product(schedules, ("plain", "causal")):
         p = FIXTURES[name](dtype=Dtype.BF16)
+        p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=bm, block_n=bn, num_warps=warps))
         kernel = CudaKernel.from_program(p, cache)
         q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         ms = _time(lambda: kernel.run({"q": q, "k": k, "v": v}))
         ref = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=name == "causal"))
         flops = 4 * B * H * S * S * D / (2 if name == "causal" else 1)
-        print(f"time {name:8s} bf16 B={B} H={H} S={S} D={D}: kb-cuda {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s), "
+        print(f"time {name:8s} bf16 B={B} H={H} S={S} D={D} block {bm}x{bn} warps={warps}: kb-cuda {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s), "
               f"sdpa {ref:.3f} ms ({flops / ref / 1e9:.1f} TFLOP/s)", flush=True)
 
 
@@ -123,6 +125,8 @@ def main() -> int:
     ap.add_argument("--dtypes", default="f32,bf16")
     ap.add_argument("--only", default="")
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--schedules", default="16x16x4,64x64x4,64x64x8",
+                    help="BLOCK_MxBLOCK_Nxnum_warps schedules timed by --time")
     ap.add_argument("--cache", default=str(ROOT / "build" / "cuda_check"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -145,7 +149,7 @@ def main() -> int:
                 ok = False
                 print(f"{name:16s} {dt.value:5s} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
     if args.time:
-        bench(Path(args.cache))
+        bench(Path(args.cache), [tuple(int(x) for x in sch.split("x")) for sch in args.schedules.split(",")])
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

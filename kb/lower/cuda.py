@@ -15,7 +15,9 @@ Code shape (plain SIMT, every tile in dynamic shared memory):
 - Elementwise work (load, store, init, elementwise, score_mod, mask, finalize) is a
   block-stride loop over the tile's elements with the last dim fastest, so global loads and
   stores are coalesced along the head dim. Row statistics (reduce over the last axis and the
-  online-softmax row max/sum) use one warp per row with shuffles. Dots read only shared memory.
+  online-softmax row max/sum) use one warp per row with shuffles. Dots (S = Q K^T and the
+  P V update) read only shared memory, with register micro-tiles of up to 16 x 4 outputs per
+  thread where the tile shape allows (`_KernelGen.matmul`); fp32 SIMT FMAs, no tensor cores.
 - A `__syncthreads()` follows every tile-producing statement (tile statements are barriers);
   scalars (grid axes, `let`, loop variables) are uniform across the CTA, so every loop and `if`
   is uniform and the barriers inside them are legal.
@@ -460,13 +462,57 @@ class _KernelGen:
             raise KBError(f"dot {st.out}: the output may not overwrite an operand")
         out = self.new_tile(st.out, (a.shape[0], n), Dtype.F32)
         self.emit(f"// dot {st.out} = {st.a} @ {'trans(' + st.b + ')' if st.trans_b else st.b}: fp32 accumulation from shared memory")
-        with self.elements(out.shape) as c:
-            bk = b.read([c[1], "kb_k"]) if st.trans_b else b.read(["kb_k", c[1]])
-            self.emit("float kb_t = 0.0f;")
-            self.emit("#pragma unroll 8")
-            self.emit(f"for (int kb_k = 0; kb_k < {k_a}; ++kb_k) kb_t = fmaf({a.read([c[0], 'kb_k'])}, {bk}, kb_t);")
-            self.emit(f"{out.code}[{out.addr(c)}] = kb_t;")
+        self.matmul(out, lambda i, k: a.read([i, k]),
+                    (lambda k, j: b.read([j, k])) if st.trans_b else (lambda k, j: b.read([k, j])), k_a,
+                    lambda i, j, t: f"{out.code}[{out.addr([i, j])}] = {t};")
         self.sync()
+
+    def matmul(self, out: _Tile, a_at, b_at, k: str, store) -> None:
+        """out[i, j] = store(i, j, sum_k a_at(i, k) * b_at(k, j)), fp32, operands in shared memory.
+
+        Register micro-tiles when the shape allows (checked at compile time with `if constexpr`,
+        HEAD_PAD being a template parameter): each thread owns KB_NR rows x KB_NC columns, strided
+        so that a warp's column reads are consecutive, i.e. KB_NR + KB_NC shared loads per
+        KB_NR * KB_NC FMAs. Otherwise one output element per loop step.
+        """
+        rows, cols = out.shape
+        self.emit("{")
+        with self.indent():
+            self.emit(f"constexpr int KB_NC = ({cols}) >= 64 ? 4 : ({cols}) >= 32 ? 2 : 1;")
+            self.emit(f"constexpr int KB_TC = ({cols}) / KB_NC;  // threads along a row")
+            self.emit("constexpr int KB_TR = KB_THREADS / KB_TC;  // row groups")
+            self.emit(f"constexpr int KB_NR = KB_TR > 0 ? ({rows}) / KB_TR : 0;")
+            cond = f"KB_THREADS % KB_TC == 0 && KB_TR <= ({rows}) && ({rows}) % KB_TR == 0 && KB_NR <= 16"
+            with self.indent(f"if constexpr ({cond})"):
+                self.emit("const int kb_j0 = threadIdx.x % KB_TC, kb_i0 = threadIdx.x / KB_TC;")
+                self.emit("float kb_t[KB_NR][KB_NC];")
+                self.emit("#pragma unroll")
+                self.emit("for (int r = 0; r < KB_NR; ++r)")
+                self.emit("  #pragma unroll")
+                self.emit("  for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = 0.0f;")
+                self.emit("#pragma unroll 4")
+                with self.indent(f"for (int kb_k = 0; kb_k < {k}; ++kb_k)"):
+                    self.emit("float kb_bv[KB_NC];")
+                    self.emit("#pragma unroll")
+                    self.emit(f"for (int c = 0; c < KB_NC; ++c) kb_bv[c] = {b_at('kb_k', 'kb_j0 + c * KB_TC')};")
+                    self.emit("#pragma unroll")
+                    with self.indent("for (int r = 0; r < KB_NR; ++r)"):
+                        self.emit(f"const float kb_av = {a_at('kb_i0 + r * KB_TR', 'kb_k')};")
+                        self.emit("#pragma unroll")
+                        self.emit("for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = fmaf(kb_av, kb_bv[c], kb_t[r][c]);")
+                self.emit("#pragma unroll")
+                with self.indent("for (int r = 0; r < KB_NR; ++r)"):
+                    self.emit("#pragma unroll")
+                    with self.indent("for (int c = 0; c < KB_NC; ++c)"):
+                        self.emit("const int kb_i = kb_i0 + r * KB_TR, kb_j = kb_j0 + c * KB_TC;")
+                        self.emit(store("kb_i", "kb_j", "kb_t[r][c]"))
+            with self.indent("else"):
+                with self.elements(out.shape) as c:
+                    self.emit("float kb_s = 0.0f;")
+                    self.emit("#pragma unroll 8")
+                    self.emit(f"for (int kb_k = 0; kb_k < {k}; ++kb_k) kb_s = fmaf({a_at(c[0], 'kb_k')}, {b_at('kb_k', c[1])}, kb_s);")
+                    self.emit(store(c[0], c[1], "kb_s"))
+        self.emit("}")
 
     def s_elementwise(self, st: Elementwise) -> None:
         used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
@@ -586,12 +632,9 @@ class _KernelGen:
                 self.emit(f"{m.code}[kb_r] = kb_m_new;")
         self.sync()
         self.emit(f"// {st.acc} = {st.acc} * alpha + p @ {st.values}")
-        with self.elements(acc.shape) as c:
-            self.emit("float kb_t = 0.0f;")
-            self.emit("#pragma unroll 8")
-            self.emit(f"for (int kb_j = 0; kb_j < {cols}; ++kb_j) "
-                      f"kb_t = fmaf({p.code}[{p.addr([c[0], 'kb_j'])}], {v.read(['kb_j', c[1]])}, kb_t);")
-            self.emit(f"{acc.code}[{acc.addr(c)}] = fmaf({acc.code}[{acc.addr(c)}], {alpha.code}[{c[0]}], kb_t);")
+        self.matmul(acc, lambda i, j: f"{p.code}[{p.addr([i, j])}]", lambda j, d: v.read([j, d]), cols,
+                    lambda i, d, t: f"{acc.code}[{acc.addr([i, d])}] = fmaf({acc.code}[{acc.addr([i, d])}], "
+                                    f"{alpha.code}[{i}], {t});")
         self.sync()
 
     def s_finalize(self, st: Finalize) -> None:

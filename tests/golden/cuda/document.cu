@@ -208,13 +208,49 @@ __global__ void __launch_bounds__(128) kb_fwd_kernel(const KbArgs kb_a) {
     }
     __syncthreads();
     // dot s = qt @ trans(kt): fp32 accumulation from shared memory
-    for (int kb_e = threadIdx.x; kb_e < 16 * 16; kb_e += KB_THREADS) {
-      const int kb_c1 = kb_e % 16;
-      const int kb_c0 = kb_e / 16;
-      float kb_t = 0.0f;
-      #pragma unroll 8
-      for (int kb_k = 0; kb_k < HEAD_PAD; ++kb_k) kb_t = fmaf(qt[(kb_c0) * (HEAD_PAD + 1) + kb_k], kt[(kb_c1) * (HEAD_PAD + 1) + kb_k], kb_t);
-      s[(kb_c0) * (16 + 1) + kb_c1] = kb_t;
+    {
+      constexpr int KB_NC = (16) >= 64 ? 4 : (16) >= 32 ? 2 : 1;
+      constexpr int KB_TC = (16) / KB_NC;  // threads along a row
+      constexpr int KB_TR = KB_THREADS / KB_TC;  // row groups
+      constexpr int KB_NR = KB_TR > 0 ? (16) / KB_TR : 0;
+      if constexpr (KB_THREADS % KB_TC == 0 && KB_TR <= (16) && (16) % KB_TR == 0 && KB_NR <= 16) {
+        const int kb_j0 = threadIdx.x % KB_TC, kb_i0 = threadIdx.x / KB_TC;
+        float kb_t[KB_NR][KB_NC];
+        #pragma unroll
+        for (int r = 0; r < KB_NR; ++r)
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = 0.0f;
+        #pragma unroll 4
+        for (int kb_k = 0; kb_k < HEAD_PAD; ++kb_k) {
+          float kb_bv[KB_NC];
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) kb_bv[c] = kt[(kb_j0 + c * KB_TC) * (HEAD_PAD + 1) + kb_k];
+          #pragma unroll
+          for (int r = 0; r < KB_NR; ++r) {
+            const float kb_av = qt[(kb_i0 + r * KB_TR) * (HEAD_PAD + 1) + kb_k];
+            #pragma unroll
+            for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = fmaf(kb_av, kb_bv[c], kb_t[r][c]);
+          }
+        }
+        #pragma unroll
+        for (int r = 0; r < KB_NR; ++r) {
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) {
+            const int kb_i = kb_i0 + r * KB_TR, kb_j = kb_j0 + c * KB_TC;
+            s[(kb_i) * (16 + 1) + kb_j] = kb_t[r][c];
+          }
+        }
+      }
+      else {
+        for (int kb_e = threadIdx.x; kb_e < 16 * 16; kb_e += KB_THREADS) {
+          const int kb_c1 = kb_e % 16;
+          const int kb_c0 = kb_e / 16;
+          float kb_s = 0.0f;
+          #pragma unroll 8
+          for (int kb_k = 0; kb_k < HEAD_PAD; ++kb_k) kb_s = fmaf(qt[(kb_c0) * (HEAD_PAD + 1) + kb_k], kt[(kb_c1) * (HEAD_PAD + 1) + kb_k], kb_s);
+          s[(kb_c0) * (16 + 1) + kb_c1] = kb_s;
+        }
+      }
     }
     __syncthreads();
     // elementwise s = s * sm_scale
@@ -262,13 +298,49 @@ __global__ void __launch_bounds__(128) kb_fwd_kernel(const KbArgs kb_a) {
     }
     __syncthreads();
     // acc = acc * alpha + p @ vt
-    for (int kb_e = threadIdx.x; kb_e < 16 * HEAD_PAD; kb_e += KB_THREADS) {
-      const int kb_c1 = kb_e % HEAD_PAD;
-      const int kb_c0 = kb_e / HEAD_PAD;
-      float kb_t = 0.0f;
-      #pragma unroll 8
-      for (int kb_j = 0; kb_j < 16; ++kb_j) kb_t = fmaf(kb_p_acc[(kb_c0) * (16 + 1) + kb_j], vt[(kb_j) * (HEAD_PAD + 1) + kb_c1], kb_t);
-      acc[(kb_c0) * (HEAD_PAD + 1) + kb_c1] = fmaf(acc[(kb_c0) * (HEAD_PAD + 1) + kb_c1], kb_alpha_acc[kb_c0], kb_t);
+    {
+      constexpr int KB_NC = (HEAD_PAD) >= 64 ? 4 : (HEAD_PAD) >= 32 ? 2 : 1;
+      constexpr int KB_TC = (HEAD_PAD) / KB_NC;  // threads along a row
+      constexpr int KB_TR = KB_THREADS / KB_TC;  // row groups
+      constexpr int KB_NR = KB_TR > 0 ? (16) / KB_TR : 0;
+      if constexpr (KB_THREADS % KB_TC == 0 && KB_TR <= (16) && (16) % KB_TR == 0 && KB_NR <= 16) {
+        const int kb_j0 = threadIdx.x % KB_TC, kb_i0 = threadIdx.x / KB_TC;
+        float kb_t[KB_NR][KB_NC];
+        #pragma unroll
+        for (int r = 0; r < KB_NR; ++r)
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = 0.0f;
+        #pragma unroll 4
+        for (int kb_k = 0; kb_k < 16; ++kb_k) {
+          float kb_bv[KB_NC];
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) kb_bv[c] = vt[(kb_k) * (HEAD_PAD + 1) + kb_j0 + c * KB_TC];
+          #pragma unroll
+          for (int r = 0; r < KB_NR; ++r) {
+            const float kb_av = kb_p_acc[(kb_i0 + r * KB_TR) * (16 + 1) + kb_k];
+            #pragma unroll
+            for (int c = 0; c < KB_NC; ++c) kb_t[r][c] = fmaf(kb_av, kb_bv[c], kb_t[r][c]);
+          }
+        }
+        #pragma unroll
+        for (int r = 0; r < KB_NR; ++r) {
+          #pragma unroll
+          for (int c = 0; c < KB_NC; ++c) {
+            const int kb_i = kb_i0 + r * KB_TR, kb_j = kb_j0 + c * KB_TC;
+            acc[(kb_i) * (HEAD_PAD + 1) + kb_j] = fmaf(acc[(kb_i) * (HEAD_PAD + 1) + kb_j], kb_alpha_acc[kb_i], kb_t[r][c]);
+          }
+        }
+      }
+      else {
+        for (int kb_e = threadIdx.x; kb_e < 16 * HEAD_PAD; kb_e += KB_THREADS) {
+          const int kb_c1 = kb_e % HEAD_PAD;
+          const int kb_c0 = kb_e / HEAD_PAD;
+          float kb_s = 0.0f;
+          #pragma unroll 8
+          for (int kb_k = 0; kb_k < 16; ++kb_k) kb_s = fmaf(kb_p_acc[(kb_c0) * (16 + 1) + kb_k], vt[(kb_k) * (HEAD_PAD + 1) + kb_c1], kb_s);
+          acc[(kb_c0) * (HEAD_PAD + 1) + kb_c1] = fmaf(acc[(kb_c0) * (HEAD_PAD + 1) + kb_c1], kb_alpha_acc[kb_c0], kb_s);
+        }
+      }
     }
     __syncthreads();
   }
