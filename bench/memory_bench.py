@@ -32,6 +32,8 @@ from kb.store.kb import open_kb  # noqa: E402
 # whether what was learnt on the first of a kind makes the next one cheaper.
 DEFAULT_SEQUENCE = [
     "tests/data/specs/causal_where_d128.py",
+    "examples/specs/chunked_prefill_bottom_right.py",
+    "tests/data/specs/chunked_prefill_causal.py",
     "tests/data/specs/prefix_lm_16.py",
     "examples/specs/prefix_lm.py",
     "tests/data/specs/document_packed.py",
