@@ -91,6 +91,10 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
         outcomes, built, ref = [], None, None
         run.error = str(err)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
+        run.status, run.error, run.finished_at = "failed", "interrupted before a kernel was verified", _now()
+        kb.write_run(run)
+        raise
     return _finish(kb, spec, run, outcomes, built, ref, options, t0)
 
 

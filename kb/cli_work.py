@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 from pathlib import Path
 
 import typer
@@ -158,6 +159,7 @@ def generate_cmd(
         if not p.is_file():
             raise KBError(f"spec file {p} does not exist")
     kb = _open(ctx)
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run is recorded as failed, like Ctrl-C
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts)
     table = Table(title="generate")
@@ -175,6 +177,10 @@ def generate_cmd(
     out.print(f"outputs in {out_dir.resolve()}")
     if failed:
         raise typer.Exit(1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command("bench")
