@@ -16,6 +16,7 @@ import pytest
 from tests.generate_fixtures import REPO, ingested_home  # noqa: F401
 
 pytestmark = pytest.mark.network
+KB = str(Path(sys.executable).parent / "kb")  # the console script, as a user runs it
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
@@ -30,7 +31,7 @@ def test_stopped_generate_leaves_no_half_written_kernel(ingested_home: Path, tmp
     db = home / "kb.sqlite"
     kernels_before = _rows(db, "select count(*) from kernels")[0][0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")} | {"KB_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kb.cli", "generate", str(REPO / "examples/specs/alibi.py"),
+    proc = subprocess.Popen([KB, "generate", str(REPO / "examples/specs/alibi.py"),
                              "--out", str(tmp_path / "out")], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
@@ -46,5 +47,5 @@ def test_stopped_generate_leaves_no_half_written_kernel(ingested_home: Path, tmp
         assert status == "failed" and "interrupted" in error
     else:  # SIGKILL cannot be caught: the run stays 'running', and nothing else was written
         assert status == "running"
-    doctor = subprocess.run([sys.executable, "-m", "kb.cli", "doctor"], env=env, cwd=REPO, capture_output=True, text=True)
+    doctor = subprocess.run([KB, "doctor"], env=env, cwd=REPO, capture_output=True, text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
