@@ -14,9 +14,12 @@ REPO = Path(__file__).resolve().parents[1]
 TEST_CACHE = REPO / ".kb-test-cache"
 
 
+INGEST_SUMMARY: dict = {}  # the IngestSummary of the session KB, for coverage tests
+
+
 @pytest.fixture(scope="session")
 def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  # noqa: ANN001
-    """A KB home with flash-attn-2 ingested (downloads cached in .kb-test-cache between runs)."""
+    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache)."""
     import os
 
     from ingest.run import ingest
@@ -26,8 +29,10 @@ def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  
     old = os.environ.get("KB_CACHE_DIR")
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     try:
+        from ingest.manifest import list_manifests
+
         with open_kb(load_settings(home=home), embedder=embedder) as kb:
-            ingest(kb, ["flash-attn-2"], progress=False)
+            INGEST_SUMMARY["all"] = ingest(kb, [m.name for m in list_manifests()], progress=False)
     finally:
         if old is None:
             os.environ.pop("KB_CACHE_DIR", None)
