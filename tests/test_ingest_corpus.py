@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -51,7 +52,7 @@ def test_reingest_is_a_noop_and_bad_sources_change_nothing(ingested_home: Path, 
     before = _run(["stats", "--json"], home).stdout
     again = _run(["ingest", "nvidia-cutlass", "--json"], home)
     assert again.returncode == 0, again.stderr
-    assert '"new_rows": 0' in again.stdout
+    assert json.loads(again.stdout)["totals"]["new_rows"] == 0
     for bad in (["ingest", "no-such-corpus"], ["ingest", "pypi:flash-attn"], ["ingest", str(tmp_path / "missing")]):
         res = _run(bad, home)
         assert res.returncode == 1 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
