@@ -85,8 +85,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], scal
 
 def _init_signature(spec: Spec) -> str:
     """`, a, b=1` for the spec Model's constructor (defaults kept), or '' for none."""
-    params = spec.init_params
-    return "".join(f", {p}" for p in params) if params else ", *args, **kwargs"
+    return "".join(f", {p}" for p in spec.init_params)
 
 
 def write_outputs(out_dir: Path, stem: str, *, ir_text: str, cuda_source: str | None, report: dict) -> dict[str, Path]:
