@@ -27,9 +27,12 @@ def _index_dims(exprs: list[Expr], tensor: str, rank: int) -> list[set[str]]:
     return dims
 
 
-def _aux_param(name: str, t, exprs: list[Expr]) -> Param:  # noqa: ANN001 - a torch.Tensor
+def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param:  # noqa: ANN001 - a torch.Tensor
     """Symbolic where the index says which dim a position runs over (doc_ids[b, q_idx] -> [B, M]), else concrete."""
     implied = _index_dims(exprs, name, t.dim())
+    # a position indexed by both q_idx and kv_idx (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) runs over N
+    # when the spec is self-attention (M == N); otherwise it stays concrete
+    implied = [{"N"} if d == {"M", "N"} and self_attention else d for d in implied]
     shape = tuple(next(iter(d)) if len(d) == 1 and "?" not in d else int(n) for d, n in zip(implied, t.shape))
     return Param(name, shape, _TORCH_TO_IR.get(str(t.dtype), Dtype.F32), Role.AUX)
 
@@ -42,5 +45,5 @@ def target_for(spec: Spec) -> Target:
             used |= loaded_tensors(e)
             names |= free_vars(e)
     exprs = [e for e in (spec.score_mod, spec.mask_mod) if e is not None]
-    aux = tuple(_aux_param(n, spec.aux[n], exprs) for n in sorted(used) if n in spec.aux)
+    aux = tuple(_aux_param(n, spec.aux[n], exprs, spec.shapes.M == spec.shapes.N) for n in sorted(used) if n in spec.aux)
     return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.shapes.dtype], aux=aux)
