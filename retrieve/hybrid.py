@@ -9,15 +9,17 @@ relative to the best candidate (0 when none was measured). All weights live in o
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sqlmodel import select
+from sqlmodel import func, select
 
 from kb.features import Features
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel, Lesson, PerfRecord, Snippet
+from kb.store.records import EMBEDDED
 from retrieve.structural import load_weights, match_vector
 
 __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
@@ -25,6 +27,7 @@ __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "q
 log = logging.getLogger(__name__)
 
 Mode = Literal["hybrid", "embedding", "structural"]
+PROGRAM_PREFIX = "program "  # IR text of a complete program starts so; snippet-only rows do not
 EMBED_POOL = 200  # nearest embeddings fetched per query; the rest count as similarity 0
 
 
@@ -85,7 +88,7 @@ def needed_snippet_kinds(f: Features) -> list[str]:
     return kinds
 
 
-def _passes(k: Kernel, f: Features, flt: Filters) -> bool:
+def _passes(k: "_Row", f: Features, flt: Filters) -> bool:
     if flt.arch and k.arch not in ("any", flt.arch):
         return False
     if flt.dtype and k.dtype and k.dtype != flt.dtype:
@@ -134,18 +137,22 @@ def query(
     weights: dict[str, float] | None = None,
     snippets_per_kind: int = 1,
 ) -> QueryResult:
-    """Rank kernels for `text` (the spec's IR/feature description) and `target` features."""
+    """Rank kernels for `text` (the spec's IR/feature description) and `target` features.
+
+    The query text is embedded once (one more batched call for the snippet kinds); the
+    candidate table is read without IR text, and parsed features are cached by their JSON.
+    """
     w = weights or load_weights()
-    with kb.read_session() as s:
-        kernels = list(s.exec(select(Kernel)))
-    cands: list[tuple[Kernel, Features]] = []
-    for kern in kernels:
-        f = Features.from_json(kern.features_json)
-        if filters.programs_only and not kern.ir_text.startswith("program "):
+    rows = _candidates(kb)
+    cands: list[tuple[_Row, Features]] = []
+    for row in rows:
+        if filters.programs_only and not row.executable:
             continue
-        if _passes(kern, f, filters):
-            cands.append((kern, f))
-    sims = {kid: 1.0 - dist for kid, dist in kb.vector_query("kernels", text, min(EMBED_POOL, max(1, len(kernels))))}
+        f = _features(row.features_json)
+        if _passes(row, f, filters):
+            cands.append((row, f))
+    qvec = kb.embedder.embed([text])[0]
+    sims = {kid: 1.0 - dist for kid, dist in _nearest(kb, "kernels", qvec, min(EMBED_POOL, max(1, len(rows))))}
     perf = _perf_terms(kb, [c.id for c, _ in cands], filters.arch)
     ranked = []
     for kern, f in cands:
@@ -153,23 +160,67 @@ def query(
         if mode in ("hybrid", "embedding"):
             terms["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
         if mode in ("hybrid", "structural") and target is not None:
-            vec = match_vector(target, f, verified=kern.verified, executable=kern.ir_text.startswith("program "))
+            vec = match_vector(target, f, verified=kern.verified, executable=kern.executable)
             terms.update({t: w[t] * v for t, v in vec.items() if v and w.get(t)})
         if mode == "hybrid" and kern.id in perf:
             terms["perf"] = w.get("perf", 0.5) * perf[kern.id]
         ranked.append(RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f))
     ranked.sort(key=lambda r: (-r.score, r.id))
     snippets = _snippets(kb, text, target, snippets_per_kind) if target is not None else []
-    lessons = _lessons(kb, text, target) if filters.memory else []
+    lessons = _lessons(kb, qvec, target) if filters.memory else []
     return QueryResult(target, ranked[:k], snippets, lessons)
 
 
+@dataclass(frozen=True)
+class _Row:
+    """The columns ranking reads from a kernel row (no IR text, no sources)."""
+
+    id: str
+    name: str
+    family: str
+    origin: str
+    features_json: str
+    arch: str
+    dtype: str
+    head_dim: int | None
+    verified: bool
+    executable: bool  # a complete program, not snippets only
+
+
+def _candidates(kb: KnowledgeBase) -> list[_Row]:
+    prefix = func.substr(Kernel.ir_text, 1, len(PROGRAM_PREFIX)) == PROGRAM_PREFIX
+    cols = (Kernel.id, Kernel.name, Kernel.family, Kernel.origin, Kernel.features_json, Kernel.arch,
+            Kernel.dtype, Kernel.head_dim, Kernel.verified, prefix)
+    with kb.read_session() as s:
+        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols)).all()]  # type: ignore[call-overload]
+
+
+@functools.lru_cache(maxsize=65536)
+def _features(features_json: str) -> Features:
+    return Features.from_json(features_json)
+
+
+def _nearest(kb: KnowledgeBase, collection: str, vec: list[float], k: int,
+             where: dict[str, object] | None = None) -> list[tuple[str, float]]:
+    """`KnowledgeBase.vector_query` for an already embedded query (ids without a SQL row dropped)."""
+    hits = kb.vectors.query(collection, vec, k, where)
+    if not hits:
+        return []
+    table = EMBEDDED[collection]
+    with kb.read_session() as s:
+        known = set(s.exec(select(table.id).where(table.id.in_([h[0] for h in hits]))))  # type: ignore[attr-defined]
+    if len(known) < len(hits):
+        log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(known), collection)
+    return [h for h in hits if h[0] in known]
+
+
 def _snippets(kb: KnowledgeBase, text: str, target: Features, per_kind: int) -> list[RankedSnippet]:
+    kinds = needed_snippet_kinds(target)
+    vecs = kb.embedder.embed([f"{kind}: {text}" for kind in kinds])
     out: list[RankedSnippet] = []
-    for kind in needed_snippet_kinds(target):
-        hits = kb.vector_query("snippets", f"{kind}: {text}", per_kind, where={"kind": kind})
-        with kb.read_session() as s:
-            for sid, dist in hits:
+    with kb.read_session() as s:
+        for kind, vec in zip(kinds, vecs):
+            for sid, dist in _nearest(kb, "snippets", vec, per_kind, where={"kind": kind}):
                 sn = s.get(Snippet, sid)
                 if sn is not None:
                     out.append(RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist))
@@ -182,8 +233,8 @@ def _where(kb: KnowledgeBase, sn: Snippet) -> str:
     return f"{src} {sn.file}{span}"
 
 
-def _lessons(kb: KnowledgeBase, text: str, target: Features | None, k: int = 5) -> list[str]:
-    hits = kb.vector_query("lessons", text, k)
+def _lessons(kb: KnowledgeBase, qvec: list[float], target: Features | None, k: int = 5) -> list[str]:
+    hits = _nearest(kb, "lessons", qvec, k)
     out = []
     with kb.read_session() as s:
         for lid, _ in hits:

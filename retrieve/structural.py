@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kb.features import Features
 
-__all__ = ["TERMS", "match_vector", "StructuralScore", "structural_score", "load_weights", "WEIGHTS_PATH"]
+__all__ = ["TERMS", "HYBRID_TERMS", "match_vector", "StructuralScore", "structural_score", "load_weights", "WEIGHTS_PATH"]
 
 WEIGHTS_PATH = Path(__file__).with_name("weights.json")
 
@@ -39,7 +39,14 @@ TERMS: dict[str, str] = {
     "bias": "constant",
 }
 
+# Hybrid terms beside the structural ones: embedding similarity and relative measured perf.
+HYBRID_TERMS: dict[str, str] = {
+    "embedding": "cosine similarity of the query text and the kernel's IR/feature text",
+    "perf": "best measured TFLOP/s on the target arch relative to the best candidate",
+}
+
 DEFAULT_WEIGHTS: dict[str, float] = {
+    "embedding": 1.0, "perf": 0.5,
     "mask_same": 2.0, "mask_none_vs_some": -1.0, "causal_same": 1.0, "window_same": 1.0,
     "score_same": 1.5, "score_missing": -0.5, "split_same": 2.0, "decode_same": 1.0,
     "gqa_target": 0.5, "head_dim_same": 0.5, "head_dim_close": 0.25, "dtype_same": 0.25,
@@ -79,7 +86,10 @@ class StructuralScore:
 
 
 def load_weights(path: Path = WEIGHTS_PATH) -> dict[str, float]:
-    """Fitted weights if present, else the defaults; unknown or missing terms are an error in the file."""
+    """Fitted weights if present, else the defaults; a structural term missing from the file is an error.
+
+    The result always has every TERMS and HYBRID_TERMS key (hybrid terms the file lacks keep their default).
+    """
     if not path.is_file():
         return dict(DEFAULT_WEIGHTS)
     data = json.loads(path.read_text())
@@ -87,7 +97,9 @@ def load_weights(path: Path = WEIGHTS_PATH) -> dict[str, float]:
     missing = set(TERMS) - set(weights)
     if missing:
         raise ValueError(f"{path}: weights missing terms {sorted(missing)}")
-    return {k: float(weights[k]) for k in TERMS}
+    out = {k: float(weights[k]) for k in TERMS}
+    out.update({k: float(weights.get(k, DEFAULT_WEIGHTS[k])) for k in HYBRID_TERMS})
+    return out
 
 
 def structural_score(
