@@ -11,11 +11,12 @@ from generate.spec import Spec, spec_inputs
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
 from kb.features import Features
+from kb.ir.expr import loaded_tensors
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program, Role
 from kb.store.models import Lesson
 
-__all__ = ["Stage", "AttemptOutcome", "check_program", "plan_strategies", "IR_CHECK_TOL"]
+__all__ = ["Stage", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
 
 # max |o - ref| allowed in the IR check: the interpreter computes in fp32 from the same inputs
 IR_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
@@ -80,12 +81,29 @@ def _lesson_signature(f: Features) -> tuple[str, str, bool]:
     return (f.mask, f.score_mod, f.split_kv or f.decode)
 
 
+def default_order(spec: Spec, reference_features: Features | None) -> list[Strategy]:
+    """The order a transfer tries KV-loop strategies in, before any lesson.
+
+    - masks that read aux tensors (documents, block-sparse, per-batch prefixes) can only skip
+      blocks at run time: BLOCK_MASK first (it skips empty blocks, FlexAttention-style);
+    - a mask of another kind than the reference's: DERIVE first (bounds from the target mask);
+    - otherwise REUSE first: the reference's own loop bounds, the most faithful transfer.
+    """
+    mask = spec.mask_mod
+    if mask is not None and loaded_tensors(mask):
+        return [Strategy.BLOCK_MASK, Strategy.DERIVE, Strategy.REUSE]
+    if reference_features is not None and reference_features.mask != spec.features.mask:
+        return [Strategy.DERIVE, Strategy.REUSE, Strategy.BLOCK_MASK]
+    return list(STRATEGY_ORDER)
+
+
 def plan_strategies(spec: Spec, reference: object, lessons: list[Lesson]) -> list[Strategy]:
-    """Strategy order for one reference: default order, reordered by lessons for the same kind of spec.
+    """Strategy order for one reference: `default_order`, reordered by lessons for the same kind of spec.
 
     A lesson `strategy_succeeded:<s>` for the same (mask, score, decode) moves <s> first;
-    `strategy_failed:<s>` moves <s> last. Without lessons the order is STRATEGY_ORDER.
+    `strategy_failed:<s>` moves <s> last.
     """
+    base = default_order(spec, getattr(reference, "features", None))
     sig = _lesson_signature(spec.features)
     good: list[Strategy] = []
     bad: list[Strategy] = []
@@ -98,5 +116,5 @@ def plan_strategies(spec: Spec, reference: object, lessons: list[Lesson]) -> lis
         except ValueError:
             continue
         (good if outcome == "strategy_succeeded" else bad).append(s)
-    order = [s for s in STRATEGY_ORDER if s in good] + [s for s in STRATEGY_ORDER if s not in good and s not in bad]
-    return order + [s for s in STRATEGY_ORDER if s in bad and s not in good]
+    order = [s for s in base if s in good] + [s for s in base if s not in good and s not in bad]
+    return order + [s for s in base if s in bad and s not in good]
