@@ -268,9 +268,10 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
 
 
 def _init_names(cls: type) -> tuple[str, ...]:
+    """Model.__init__'s parameters as source text (`n_heads`, `window=64`, `*args`, `**kwargs`), self excluded."""
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    return tuple(p.name if p.default is p.empty else f"{p.name}={p.default!r}" for p in params
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(prefix.get(p.kind, "") + (p.name if p.default is p.empty else f"{p.name}={p.default!r}") for p in params)
 
 
 def _flex_scale(d: Mapping[str, Any], shapes: Shapes) -> float:
