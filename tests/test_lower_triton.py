@@ -219,6 +219,25 @@ def test_generated_code_shape_follows_fa2() -> None:
     assert "tl.exp2(s * _qk_scale - _m_log2[:, None])" in fast  # sm_scale * log2(e) in one FMA
 
 
+def test_hopper_tma_form() -> None:
+    """Descriptor forms sit beside the masked forms, K/V descriptors are built once before the KV
+    loops, and the portable path (no USE_TMA) is the only one the interpreter ever takes."""
+    fast = lower_program(FIXTURES["causal"](dtype=Dtype.BF16))
+    head, loops = fast.split("# KV loop split", 1)
+    assert "_desc_q = tl.make_tensor_descriptor(q_ptr + b * stride_q_0 + h * stride_q_1, shape=[M, D]" in head
+    pre = loops.split("for n_start in", 1)[0]
+    assert "_desc_k = tl.make_tensor_descriptor(" in pre and "_desc_v = tl.make_tensor_descriptor(" in pre
+    assert fast.count("kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(") == 3
+    assert "_desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))" in fast
+    assert "USE_TMA = _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))" in fast
+    off = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(tma=False))
+    assert "USE_TMA" not in off and "make_tensor_descriptor" not in off and "for n_start in range(" in off
+    ws = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(warp_specialize=True))
+    assert ws.count("tl.range(") == 3 and "warp_specialize=WARP_SPEC" in ws and "WARP_SPEC = USE_TMA and False" in ws
+    mod, _ = load_module(fast, "causal_tma_cpu")
+    assert mod._use_tma((torch.zeros(4, 4),), (16, 16, 16)) is False  # CPU tensors / interpreter: portable path
+
+
 def test_module_imports_under_real_jit(tmp_path: Path) -> None:
     """Without the interpreter, `triton.jit` parses each kernel's source into a JITFunction."""
     script = (

@@ -100,10 +100,10 @@ def suite_cases(name: str) -> tuple[Case, ...]:
 
 
 def schedule_for(D: int) -> Schedule:
-    """The default schedule per head dim (the lead's tunables should set these)."""
+    """The default schedule per head dim (the lead's tunables should set these; see bench/results/NOTES.md)."""
     if D <= 64:
         return Schedule(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    return Schedule(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return Schedule(block_m=128, block_n=128, num_warps=8, num_stages=3)
 
 
 # schedules swept on the tuning cases (causal S=8K): (BLOCK_M, BLOCK_N, num_warps, num_stages)

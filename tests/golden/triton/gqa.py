@@ -121,6 +121,24 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+def _tma_alloc(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(tensors, tile_sides):
+    """The Hopper tensor-descriptor path (USE_TMA): a CUDA GPU of capability >= 9.0, not interpreting,
+    tile sides <= 256, every tensor's last dim contiguous, its base and other strides 16-byte aligned."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    if torch.cuda.get_device_capability(tensors[0].device) < (9, 0) or max(tile_sides) > 256:
+        return False
+    for t in tensors:
+        if t.dim() < 2 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    triton.set_allocator(_tma_alloc)  # device-side descriptors live in a small global scratch
+    return True
+
+
 class ForwardArgumentError(ValueError):
     """Bad arguments to forward(): a missing aux tensor or scalar, or inconsistent shapes."""
 
@@ -175,6 +193,7 @@ def _fwd_kernel(
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -188,7 +207,8 @@ def _fwd_kernel(
     m_start = m * BLOCK_M
     offs_m_start = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+    _desc_q = tl.make_tensor_descriptor(q_ptr + b * stride_q_0 + h * stride_q_1, shape=[M, D], strides=[stride_q_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
+    qt = _desc_q.load([m_start, 0]) if USE_TMA else tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
@@ -200,10 +220,12 @@ def _fwd_kernel(
     _full_last_n_start = tl.minimum((N - BLOCK_N), ((m_start - BLOCK_N) + 1))
     _i_a_n_start = tl.minimum(tl.cdiv(tl.maximum(_full_first_n_start - _kv_lo_n_start, 0), BLOCK_N), _n_iter_n_start)
     _i_b_n_start = tl.minimum(tl.maximum(tl.where(_full_last_n_start >= _kv_lo_n_start, (_full_last_n_start - _kv_lo_n_start) // BLOCK_N + 1, 0), _i_a_n_start), _n_iter_n_start)
+    _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
+    _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     for n_start in range(_kv_lo_n_start, _kv_lo_n_start + _i_a_n_start * BLOCK_N, BLOCK_N):  # partial blocks
         offs_n_start = n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
@@ -219,8 +241,8 @@ def _fwd_kernel(
         m_i = _m_new
     for n_start in range(_kv_lo_n_start + _i_a_n_start * BLOCK_N, _kv_lo_n_start + _i_b_n_start * BLOCK_N, BLOCK_N):  # full blocks
         offs_n_start2 = n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start2[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
-        vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start2[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
@@ -236,8 +258,8 @@ def _fwd_kernel(
         m_i = _m_new
     for n_start in range(_kv_lo_n_start + _i_b_n_start * BLOCK_N, _kv_hi_n_start, BLOCK_N):  # partial blocks
         offs_n_start3 = n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start3[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start3[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
@@ -254,7 +276,11 @@ def _fwd_kernel(
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
-    tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+    _desc_o = tl.make_tensor_descriptor(o_ptr + b * stride_o_0 + h * stride_o_1, shape=[M, D], strides=[stride_o_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
+    if USE_TMA:
+        _desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))
+    else:
+        tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
@@ -282,8 +308,10 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     POS_sm_scale = sm_scale > 0
     o = torch.empty((B, Hq, M, D,), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
+    # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
+    USE_TMA = _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
     _fwd_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, num_warps=4, num_stages=1,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=4, num_stages=1,
     )
     return o, lse
