@@ -231,7 +231,7 @@ def test_hopper_tma_form() -> None:
     assert "_desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))" in fast
     assert "USE_TMA = _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))" in fast
     off = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(tma=False))
-    assert "USE_TMA" not in off and "make_tensor_descriptor" not in off and "for n_start in range(" in off
+    assert "USE_TMA:" not in off and "tl.make_tensor_descriptor" not in off and "for n_start in range(" in off
     ws = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(warp_specialize=True))
     assert ws.count("tl.range(") == 3 and "warp_specialize=WARP_SPEC" in ws and "WARP_SPEC = USE_TMA and False" in ws
     mod, _ = load_module(fast, "causal_tma_cpu")
