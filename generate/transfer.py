@@ -6,8 +6,9 @@ transfer, so it is an explicit `Strategy`, tried in order and remembered as a le
 
 - REUSE: keep the reference's loop bounds and block tests (right when the masks agree).
 - DERIVE: bounds derived from the target mask (causal / sliding window block skipping).
-- BLOCK_MASK: full KV range; runtime block classes skip empty blocks and unmask full ones
-  (always correct; the FlexAttention strategy).
+- BLOCK_MASK: bounds from the mask's static terms only (else the full KV range); runtime
+  block classes skip empty blocks and unmask full ones (the FlexAttention strategy).
+DERIVE and BLOCK_MASK classify mask constants at the spec's lengths (`Target.dims`).
 
 Every function here is `Program -> Program` (or builds a Program); nothing is mutated.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr, substitute, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
     Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
@@ -45,6 +46,7 @@ class Target:
     dtype: Dtype
     aux: tuple[Param, ...] = ()  # AUX params the variant functions load from
     scalars: tuple[str, ...] = ()  # scalar params the variant functions use
+    dims: tuple[int, int] | None = None  # the spec's (M, N): mask constants are classified at these lengths
     block_m: int | None = None  # schedule override (e.g. a tunable for the target head dim)
     block_n: int | None = None
     extras: dict = field(default_factory=dict, compare=False)
@@ -210,10 +212,8 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_
         return loop.lo, loop.hi
     split = bool(split_axes & (free_vars(loop.lo) | free_vars(loop.hi)))
     lo, hi = (loop.lo, loop.hi) if split else (const(0), var("N"))
-    if strategy is Strategy.DERIVE and target.mask_mod is not None:
-        from kb.ir.classify import mask_kv_bounds
-
-        bounds = mask_kv_bounds(target.mask_mod)
+    if target.mask_mod is not None:
+        bounds = _band_bounds(target.mask_mod, target.dims)
         if bounds is not None:
             mlo, mhi = (substitute(e, {"m_start": q_start}) for e in bounds)
             step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
@@ -222,6 +222,22 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_
             lo = mlo if not split else call("maximum", lo, mlo)
             hi = call("minimum", hi, mhi)
     return lo, hi
+
+
+def _band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] | None:
+    """KV bounds implied by the load-free `&` terms of the mask (exact: keys outside them are masked).
+
+    `doc[b, q_idx] == doc[b, kv_idx] & (kv_idx <= q_idx)` keeps the causal bound of its second term;
+    data-dependent terms are left to runtime block classes."""
+    from kb.ir.classify import conjuncts, mask_kv_bounds
+
+    static = [t for t in conjuncts(mask) if not loaded_tensors(t)]
+    if not static:
+        return None
+    band = static[0]
+    for t in static[1:]:
+        band = Expr(ExprOp.AND, (band, t))
+    return mask_kv_bounds(band, dims)
 
 
 def _split_axes(kernel: Kernel) -> frozenset[str]:
