@@ -55,7 +55,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], scal
     triton_path = out_dir / f"{stem}_triton.py"
     triton_path.write_text(triton_source)
     init_args = _init_signature(spec)
-    aux_kwargs = ", ".join([f"{a}={a}" if a in names else f"{a}=self._aux[{a!r}].to({qn}.device)" for a in program_aux]
+    aux_kwargs = ", ".join([f"{a}={a}" if a in names else f"{a}=getattr(self, {a!r})" for a in program_aux]
                            + [f"{k}={v!r}" for k, v in scalars.items()])
     scale = repr(float(spec.softmax_scale))
     lines = [
@@ -71,7 +71,10 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], scal
         f"    def __init__(self{init_args}):",
         "        super().__init__()",
         f"        _aux = _Path(__file__).with_name({aux_path.name!r})" if aux_path else "        _aux = None",
-        "        self._aux = _torch.load(_aux) if _aux is not None else {}",
+        "        # the spec's constant tensors, registered under their own names (a verifier may share",
+        "        # the spec model's weights by name); initial values saved at generation time",
+        "        for _name, _t in (_torch.load(_aux) if _aux is not None else {}).items():",
+        "            self.register_buffer(_name, _t)",
         "",
         f"    def forward(self, {', '.join(names)}):",
         f"        o, _lse = forward({qn}, {kn}, {vn}, sm_scale={scale}{', ' + aux_kwargs if aux_kwargs else ''})",

@@ -12,6 +12,8 @@ returns uninitialised memory sees NaN or zeros, never a previous answer.
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import traceback
 from dataclasses import dataclass
@@ -61,7 +63,8 @@ class Session:
         torch.manual_seed(seed)
         init = list(spec.get_init_inputs())
         self.native_model = spec.model_cls(*init).to(device).eval()
-        self.ref_model = spec.model_cls(*init).to(device).float().eval()
+        # the fp32 reference is the same model (same random weights), not a second draw
+        self.ref_model = copy.deepcopy(self.native_model).float().eval()
         torch.manual_seed(seed)
         self.cand_cls, self.init = cand_cls, init
         self.own_inputs = list(spec.get_inputs())
@@ -73,8 +76,11 @@ class Session:
         try:
             torch.manual_seed(self.seed)
             self.cand = self.cand_cls(*self.init).to(self.device)
+            shared = _share_weights(self.native_model, self.cand)
         except Exception as err:  # noqa: BLE001 - candidate code
             return self._error(err, _Ctx(None, "-", self.seed, "construct ModelNew"))
+        if shared:
+            self.notes.append(f"weights shared from Model by name: {', '.join(shared)}")
         cases, notes = plan_cases(self.spec, self.own_inputs, self.opts.max_cases)
         self.notes += notes
         for ci, case in enumerate(cases or [None]):
@@ -247,3 +253,17 @@ class Session:
             max_rel_err=self.max_rel, memory=MemoryReport(self.cand_peak, self.ref_peak, self.mem_method),
             timing=timing, score=composite_score(verdict is not Verdict.compile_error, verdict is Verdict.passed, perf),
             notes=tuple(self.notes), duration_s=duration, **base)
+
+
+def _share_weights(model: torch.nn.Module, cand: torch.nn.Module) -> list[str]:
+    """Copy Model's parameters and buffers into same-named, same-shaped ones of ModelNew.
+
+    Weights are inputs of the computation (KernelBench gets the same effect by seeding both
+    constructors); copying by name lets a candidate declare the weights without re-creating
+    the spec's initialisation. Nothing else of Model reaches the candidate."""
+    theirs = model.state_dict()
+    mine = cand.state_dict()
+    same = {k: v for k, v in theirs.items() if k in mine and mine[k].shape == v.shape}
+    if same:
+        cand.load_state_dict(same, strict=False)
+    return sorted(same)
