@@ -34,18 +34,13 @@ DEFAULT_SEQUENCE = [
     "tests/data/specs/causal_where_d128.py",
     "examples/specs/chunked_prefill_bottom_right.py",
     "tests/data/specs/chunked_prefill_causal.py",
-    "tests/data/specs/prefix_lm_16.py",
-    "examples/specs/prefix_lm.py",
-    "tests/data/specs/document_packed.py",
-    "examples/specs/document_mask.py",
     "tests/data/specs/sliding_window_32.py",
     "examples/specs/sliding_window.py",
-    "tests/data/specs/mqa_bidirectional.py",
-    "examples/specs/cross_attention.py",
-    "tests/data/specs/decode_mha.py",
-    "examples/specs/decode_gqa_splitkv.py",
+    "tests/data/specs/document_packed.py",
+    "examples/specs/document_mask.py",
     "tests/data/specs/alibi_causal.py",
     "examples/specs/alibi.py",
+    "examples/specs/decode_gqa_splitkv.py",
 ]
 
 
