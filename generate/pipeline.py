@@ -50,6 +50,7 @@ class GenerateOptions:
     verify_kernel: bool = True  # run the verify harness on the lowered Triton candidate
     verify_distributions: tuple[str, ...] = ("normal", "adversarial")
     verify_max_cases: int = 3
+    compile_cuda: bool = True  # nvcc-compile the CUDA lowering (object only) and report the result
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,9 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
         report = {"spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
                   "reference_id": ref.id if ref else None, "engine": options.engine, "memory": options.memory,
                   "features": spec.features.to_json(), "verify": {"verdict": built.verdict, "detail": built.detail},
-                  "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(built.program)}
+                  "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(built.program),
+                  "cuda": compile_cuda(built.cuda_src, files["candidate"].parent, spec.shapes.D)
+                  if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"}}
         files.update(write_outputs(files["candidate"].parent, _name(spec), ir_text=print_program(built.program),
                                    cuda_source=built.cuda_src, report=report))
     return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), files,
@@ -261,15 +264,27 @@ def _shape_dict(spec: Spec) -> dict[str, int]:
 
 
 def _cuda_source(program: Program) -> str | None:
-    try:
-        from kb.lower.cuda import lower_program as lower_cuda
-    except ImportError:
-        return None
+    from kb.lower.cuda import lower_program as lower_cuda
+
     try:
         return lower_cuda(program)
     except KBError as err:
         log.warning("CUDA lowering failed: %s", err)
         return None
+
+
+def compile_cuda(source: str, out_dir: Path, head_dim: int) -> dict:
+    """Compile the CUDA source with nvcc (object only: no GPU here); a typed summary for the report."""
+    from kb.lower.cuda_build import BuildMode, build
+
+    pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+    try:
+        res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1",
+                    defines=(f"KB_HEAD_PAD_ONLY={pad}",), timeout_s=300)
+    except KBError as err:  # no nvcc on this machine
+        return {"compiled": False, "status": "not_run", "log": str(err)}
+    return {"compiled": res.ok, "status": res.status.value, "seconds": round(res.seconds, 1),
+            "command": " ".join(res.command), "log": res.log[-2000:]}
 
 
 def _verify(spec: Spec, candidate: Path, options: GenerateOptions) -> tuple[str, str]:

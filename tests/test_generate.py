@@ -16,7 +16,7 @@ pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn r
 
 EXAMPLES = REPO / "examples" / "specs"
 # quick verification in tests (one distribution, the spec's own shape); `kb generate` runs the full harness
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1)
+QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 RULE_SPECS = [
     "causal_d64.py", "causal_gqa_d128.py", "sliding_window.py", "alibi.py", "softcap_causal.py", "document_mask.py",
     "prefix_lm.py", "relative_bias.py", "mqa.py", "cross_attention.py", "decode_gqa_splitkv.py",
@@ -42,6 +42,15 @@ def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, na
     run = ingested_kb.get(r.run_id)
     assert isinstance(run, GenerationRun) and run.status == "succeeded" and run.kernel_id == r.kernel_id
     assert len(ingested_kb.list(Attempt, run_id=r.run_id)) == len(r.attempts)
+
+
+def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -> None:  # noqa: F811
+    opts = GenerateOptions(out_dir=tmp_path / "out", **{**QUICK, "compile_cuda": True})
+    r = generate(ingested_kb, EXAMPLES / "alibi.py", opts)
+    assert r.succeeded, r.error
+    report = json.loads(r.files["report"].read_text())
+    assert r.files["cuda"].read_text().count("__global__") >= 1
+    assert report["cuda"]["compiled"], report["cuda"]["log"]
 
 
 def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:  # noqa: F811
