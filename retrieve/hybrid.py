@@ -10,9 +10,10 @@ relative to the best candidate (0 when none was measured). All weights live in o
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from sqlmodel import func, select
 
@@ -116,11 +117,14 @@ def gpu_arch(gpu_name: str) -> str:
 def _perf_terms(kb: KnowledgeBase, ids: list[str], arch: str | None) -> dict[str, float]:
     if not ids:
         return {}
+    # all measured records, filtered here: an IN list of every candidate id costs more than the
+    # (small) perf table, and compiles one bound parameter per id
+    wanted = set(ids)
     with kb.read_session() as s:
-        rows = s.exec(select(PerfRecord).where(PerfRecord.kernel_id.in_(ids), PerfRecord.kind == "measured")).all()  # type: ignore[attr-defined]
+        rows = s.exec(select(PerfRecord).where(PerfRecord.kind == "measured")).all()
     best: dict[str, float] = {}
     for r in rows:
-        if r.tflops and (arch in (None, "any") or gpu_arch(r.gpu) == arch):
+        if r.kernel_id in wanted and r.tflops and (arch in (None, "any") or gpu_arch(r.gpu) == arch):
             best[r.kernel_id] = max(best.get(r.kernel_id, 0.0), r.tflops)
     top = max(best.values(), default=0.0)
     return {k: v / top for k, v in best.items()} if top else {}
@@ -139,8 +143,10 @@ def query(
 ) -> QueryResult:
     """Rank kernels for `text` (the spec's IR/feature description) and `target` features.
 
-    The query text is embedded once (one more batched call for the snippet kinds); the
-    candidate table is read without IR text, and parsed features are cached by their JSON.
+    One model call embeds the query text and the snippet-kind texts; the candidate table is
+    read without IR text, parsed features are cached by their JSON, structural terms are
+    computed once per distinct (features, verified, executable), and only the top `k` rows
+    become `RankedKernel`s.
     """
     w = weights or load_weights()
     rows = _candidates(kb)
@@ -151,28 +157,34 @@ def query(
         f = _features(row.features_json)
         if _passes(row, f, filters):
             cands.append((row, f))
-    qvec = kb.embedder.embed([text])[0]
+    kinds = needed_snippet_kinds(target) if target is not None else []
+    qvec, *kind_vecs = kb.embedder.embed([text] + [f"{kind}: {text}" for kind in kinds])  # one model call
     sims = {kid: 1.0 - dist for kid, dist in _nearest(kb, "kernels", qvec, min(EMBED_POOL, max(1, len(rows))))}
     perf = _perf_terms(kb, [c.id for c, _ in cands], filters.arch)
-    ranked = []
+    structural: dict[tuple[str, bool, bool], dict[str, float]] = {}  # many rows share features
+    scored = []
     for kern, f in cands:
         terms: dict[str, float] = {}
         if mode in ("hybrid", "embedding"):
             terms["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
         if mode in ("hybrid", "structural") and target is not None:
-            vec = match_vector(target, f, verified=kern.verified, executable=kern.executable)
-            terms.update({t: w[t] * v for t, v in vec.items() if v and w.get(t)})
+            key = (kern.features_json, kern.verified, kern.executable)
+            if key not in structural:
+                vec = match_vector(target, f, verified=kern.verified, executable=kern.executable)
+                structural[key] = {t: w[t] * v for t, v in vec.items() if v and w.get(t)}
+            terms.update(structural[key])
         if mode == "hybrid" and kern.id in perf:
             terms["perf"] = w.get("perf", 0.5) * perf[kern.id]
-        ranked.append(RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f))
-    ranked.sort(key=lambda r: (-r.score, r.id))
-    snippets = _snippets(kb, text, target, snippets_per_kind) if target is not None else []
+        scored.append((-sum(terms.values()), kern.id, kern, f, terms))
+    top = heapq.nsmallest(k, scored, key=lambda e: (e[0], e[1]))  # == sorted(...)[:k]
+    ranked = [RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f)
+              for _, _, kern, f, terms in top]
+    snippets = _snippets(kb, kinds, kind_vecs, snippets_per_kind)
     lessons = _lessons(kb, qvec, target) if filters.memory else []
-    return QueryResult(target, ranked[:k], snippets, lessons)
+    return QueryResult(target, ranked, snippets, lessons)
 
 
-@dataclass(frozen=True)
-class _Row:
+class _Row(NamedTuple):  # a NamedTuple: built 10k times per query, a frozen dataclass costs 10x
     """The columns ranking reads from a kernel row (no IR text, no sources)."""
 
     id: str
@@ -192,7 +204,7 @@ def _candidates(kb: KnowledgeBase) -> list[_Row]:
     cols = (Kernel.id, Kernel.name, Kernel.family, Kernel.origin, Kernel.features_json, Kernel.arch,
             Kernel.dtype, Kernel.head_dim, Kernel.verified, prefix)
     with kb.read_session() as s:
-        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols)).all()]  # type: ignore[call-overload]
+        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols)).tuples()]  # type: ignore[call-overload]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -214,9 +226,7 @@ def _nearest(kb: KnowledgeBase, collection: str, vec: list[float], k: int,
     return [h for h in hits if h[0] in known]
 
 
-def _snippets(kb: KnowledgeBase, text: str, target: Features, per_kind: int) -> list[RankedSnippet]:
-    kinds = needed_snippet_kinds(target)
-    vecs = kb.embedder.embed([f"{kind}: {text}" for kind in kinds])
+def _snippets(kb: KnowledgeBase, kinds: list[str], vecs: list[list[float]], per_kind: int) -> list[RankedSnippet]:
     out: list[RankedSnippet] = []
     with kb.read_session() as s:
         for kind, vec in zip(kinds, vecs):
