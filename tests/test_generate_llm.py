@@ -64,7 +64,7 @@ def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: P
 
 
 @pytest.mark.parametrize("reply,needle", [(http_error(500, "model overloaded"), "overloaded"),
-                                           (delayed(5.0, "late"), "timed out")])
+                                           (delayed(5.0, "late"), "did not answer")])
 def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path: Path, reply, needle: str) -> None:  # noqa: ANN001, F811
     kernels_before = len(llm_kb.list_kernels())
     fake_llm.script(reply)
