@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,3 +40,51 @@ def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
     with open_kb(kb_settings, embedder=embedder) as store:
         yield store
 
+
+# ---- a KB holding the real ingested corpus, built once per session (generate/ingest tests)
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_CACHE = REPO / ".kb-test-cache"
+
+
+INGEST_SUMMARY: dict = {}  # the IngestSummary of the session KB, for coverage tests
+
+
+@pytest.fixture(scope="session")
+def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  # noqa: ANN001
+    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache)."""
+    import os
+
+    from ingest.run import ingest
+    from kb.store import open_kb
+
+    home = tmp_path_factory.mktemp("kb-ingested")
+    old = os.environ.get("KB_CACHE_DIR")
+    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
+    try:
+        from ingest.manifest import list_manifests
+
+        with open_kb(load_settings(home=home), embedder=embedder) as kb:
+            INGEST_SUMMARY["all"] = ingest(kb, [m.name for m in list_manifests()], progress=False)
+    finally:
+        if old is None:
+            os.environ.pop("KB_CACHE_DIR", None)
+        else:
+            os.environ["KB_CACHE_DIR"] = old
+    return home
+
+
+@pytest.fixture
+def ingested_kb_settings(ingested_home: Path, tmp_path: Path) -> Settings:
+    """A private copy of the ingested KB, so each test's write-back starts from the same state."""
+    home = tmp_path / "kb"
+    shutil.copytree(ingested_home, home)
+    return load_settings(home=home)
+
+
+@pytest.fixture
+def ingested_kb(ingested_kb_settings: Settings, embedder) -> Iterator:  # noqa: ANN001
+    from kb.store import open_kb
+
+    with open_kb(ingested_kb_settings, embedder=embedder) as kb:
+        yield kb

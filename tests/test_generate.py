@@ -10,7 +10,7 @@ import pytest
 from generate.pipeline import GenerateOptions, generate
 from kb.ir.text import parse_program
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
-from tests.generate_fixtures import REPO, ingested_home, ingested_kb, ingested_kb_settings  # noqa: F401
+from tests.generate_fixtures import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -19,13 +19,15 @@ EXAMPLES = REPO / "examples" / "specs"
 QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 RULE_SPECS = [
     "causal_d64.py", "causal_gqa_d128.py", "sliding_window.py", "alibi.py", "softcap_causal.py", "document_mask.py",
-    "prefix_lm.py", "relative_bias.py", "mqa.py", "cross_attention.py", "decode_gqa_splitkv.py",
-    "sdpa_causal_d128_bf16.py", "chunked_prefill_bottom_right.py",
+    "prefix_lm.py", "relative_bias.py", "mqa.py", "cross_attention.py", "sdpa_causal_d128_bf16.py",
+    "chunked_prefill_bottom_right.py", "../../tests/data/specs/decode_mha.py",
 ]
+# (examples/specs/decode_gqa_splitkv.py, bf16 with 2048 keys, takes minutes in the Triton interpreter;
+#  the small split-KV decode spec above covers the same transfer)
 
 
 @pytest.mark.parametrize("name", RULE_SPECS)
-def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, name: str) -> None:  # noqa: F811
+def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, name: str) -> None:
     r = generate(ingested_kb, EXAMPLES / name, GenerateOptions(out_dir=tmp_path / "out", **QUICK))
     assert r.succeeded, f"{name}: {r.error}\n" + "\n".join(f"{a.strategy}/{a.stage.value}: {a.verdict} {a.feedback[:200]}" for a in r.attempts)
     # the files a user gets
@@ -44,7 +46,7 @@ def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, na
     assert len(ingested_kb.list(Attempt, run_id=r.run_id)) == len(r.attempts)
 
 
-def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -> None:  # noqa: F811
+def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -> None:
     opts = GenerateOptions(out_dir=tmp_path / "out", **{**QUICK, "compile_cuda": True})
     r = generate(ingested_kb, EXAMPLES / "alibi.py", opts)
     assert r.succeeded, r.error
@@ -53,7 +55,7 @@ def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -
     assert report["cuda"]["compiled"], report["cuda"]["log"]
 
 
-def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:  # noqa: F811
+def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:
     before = len(ingested_kb.list_kernels())
     r = generate(ingested_kb, REPO / "tests/data/specs_bad/op_after_softmax.py", GenerateOptions(out_dir=tmp_path))
     assert not r.succeeded and r.error
@@ -62,7 +64,7 @@ def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -
     assert len(ingested_kb.list_kernels()) == before
 
 
-def test_memory_makes_the_second_task_of_a_kind_cheaper(ingested_kb_settings, embedder, tmp_path: Path) -> None:  # noqa: F811
+def test_memory_makes_the_second_task_of_a_kind_cheaper(ingested_kb_settings, embedder, tmp_path: Path) -> None:
     """Two bottom-right (chunked-prefill) causal specs in a row.
 
     The nearest ingested reference is FA2's top-left causal Triton kernel, whose loop bounds

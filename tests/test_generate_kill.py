@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.generate_fixtures import REPO, ingested_home  # noqa: F401
+from tests.generate_fixtures import REPO
 
 pytestmark = pytest.mark.network
 KB = str(Path(sys.executable).parent / "kb")  # the console script, as a user runs it
@@ -25,7 +25,7 @@ def _rows(db: Path, sql: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_stopped_generate_leaves_no_half_written_kernel(ingested_home: Path, tmp_path: Path, sig: int) -> None:  # noqa: F811
+def test_stopped_generate_leaves_no_half_written_kernel(ingested_home: Path, tmp_path: Path, sig: int) -> None:
     home = tmp_path / "kb"
     shutil.copytree(ingested_home, home)
     db = home / "kb.sqlite"

@@ -17,7 +17,7 @@ from kb.store import open_kb
 from kb.store.models import Attempt, GenerationRun
 from tests.fake_llm_server import answer, delayed, http_error
 from tests.fixtures_llm import fake_llm  # noqa: F401
-from tests.generate_fixtures import REPO, ingested_home  # noqa: F401
+from tests.generate_fixtures import REPO
 
 pytestmark = pytest.mark.network
 
@@ -40,14 +40,17 @@ def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):  # noqa: AN
 def _programs(kb) -> tuple[str, str]:  # noqa: ANN001
     """(a correct answer, a numerically wrong one) for SPEC, built from an ingested reference."""
     spec = load_spec(SPEC)
-    ref = next(k for k in kb.list_kernels(origin="ingest") if k.ir_text.startswith("program ") and "split" not in k.ir_text)
+    from kb.features import Features
+
+    ref = next(k for k in kb.list_kernels(origin="ingest")
+               if k.ir_text.startswith("program ") and not Features.from_json(k.features_json).split_kv)
     good = transfer(parse_program(ref.ir_text), target_for(spec), Strategy.BLOCK_MASK, name="llm_causal")
     wrong = replace(good, mask_mod=None, kernels=transfer(parse_program(ref.ir_text), replace(target_for(spec), mask_mod=None),
                                                           Strategy.BLOCK_MASK).kernels)
     return print_program(good), print_program(wrong)
 
 
-def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: Path) -> None:  # noqa: F811
+def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: Path) -> None:
     good, wrong = _programs(llm_kb)
     fake_llm.script(answer("I think the kernel is fine."), answer(f"```kbir\n{wrong}\n```"), answer(f"```kbir\n{good}\n```"))
     r = generate(llm_kb, SPEC, GenerateOptions(engine="llm", out_dir=tmp_path / "out", **QUICK))
@@ -76,7 +79,7 @@ def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path
     assert llm_kb.doctor().ok
 
 
-def test_llm_engine_without_settings_says_what_to_set(ingested_home: Path, tmp_path: Path, embedder) -> None:  # noqa: F811
+def test_llm_engine_without_settings_says_what_to_set(ingested_home: Path, tmp_path: Path, embedder) -> None:
     from kb.settings import load_settings
 
     home = tmp_path / "kb"

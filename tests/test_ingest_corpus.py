@@ -14,14 +14,14 @@ import pytest
 from kb.features import Features
 from kb.store import open_kb
 from kb.store.models import Kernel, Snippet
-from tests.generate_fixtures import INGEST_SUMMARY, REPO, TEST_CACHE, ingested_home  # noqa: F401
+from tests.generate_fixtures import INGEST_SUMMARY, REPO, TEST_CACHE
 
 pytestmark = pytest.mark.network
 KB = str(Path(sys.executable).parent / "kb")
 REQUIRED_KINDS = {"mask_causal", "mask_local", "alibi", "softcap", "dropout", "split_kv_combine", "paged_kv", "gqa", "varlen"}
 
 
-def test_corpus_coverage(ingested_home: Path, embedder) -> None:  # noqa: F811
+def test_corpus_coverage(ingested_home: Path, embedder) -> None:
     from kb.settings import load_settings
 
     with open_kb(load_settings(home=ingested_home), embedder=embedder) as kb:
@@ -46,7 +46,7 @@ def _run(args: list[str], home: Path) -> subprocess.CompletedProcess:
     return subprocess.run([KB, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def test_reingest_is_a_noop_and_bad_sources_change_nothing(ingested_home: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_reingest_is_a_noop_and_bad_sources_change_nothing(ingested_home: Path, tmp_path: Path) -> None:
     home = tmp_path / "kb"
     shutil.copytree(ingested_home, home)
     before = _run(["stats", "--json"], home).stdout
