@@ -166,14 +166,19 @@ def generate_cmd(
     for col in ("spec", "result", "attempts", "kernel", "seconds", "detail"):
         table.add_column(col)
     failed = 0
+    made: list[str] = []
     for p in paths:
         with out.status(f"generating {p.name} …"):
             r = generate(kb, p, opts)
         failed += not r.succeeded
+        if r.succeeded:
+            made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
         detail = str(r.files.get("candidate", "")) if r.succeeded else r.error[:120]
         table.add_row(p.name, "[green]verified[/]" if r.succeeded else "[red]failed[/]", str(len(r.attempts)),
                       r.kernel_id or "-", f"{r.seconds:.1f}", detail)
     out.print(table)
+    for line in made:
+        out.print(line, soft_wrap=True)
     out.print(f"outputs in {out_dir.resolve()}")
     if failed:
         raise typer.Exit(1)
