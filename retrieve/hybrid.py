@@ -204,7 +204,7 @@ def _candidates(kb: KnowledgeBase) -> list[_Row]:
     cols = (Kernel.id, Kernel.name, Kernel.family, Kernel.origin, Kernel.features_json, Kernel.arch,
             Kernel.dtype, Kernel.head_dim, Kernel.verified, prefix)
     with kb.read_session() as s:
-        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols)).tuples()]  # type: ignore[call-overload]
+        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols))]  # type: ignore[call-overload]
 
 
 @functools.lru_cache(maxsize=65536)
