@@ -149,33 +149,32 @@ def query(
     become `RankedKernel`s.
     """
     w = weights or load_weights()
-    rows = _candidates(kb)
-    cands: list[tuple[_Row, Features]] = []
-    for row in rows:
-        if filters.programs_only and not row.executable:
-            continue
-        f = _features(row.features_json)
-        if _passes(row, f, filters):
-            cands.append((row, f))
+    table = _candidate_table(kb)
     kinds = needed_snippet_kinds(target) if target is not None else []
     qvec, *kind_vecs = kb.embedder.embed([text] + [f"{kind}: {text}" for kind in kinds])  # one model call
-    sims = {kid: 1.0 - dist for kid, dist in _nearest(kb, "kernels", qvec, min(EMBED_POOL, max(1, len(rows))))}
-    perf = _perf_terms(kb, [c.id for c, _ in cands], filters.arch)
-    structural: dict[tuple[str, bool, bool], dict[str, float]] = {}  # many rows share features
+    sims = {kid: 1.0 - dist for kid, dist in _nearest(kb, "kernels", qvec, min(EMBED_POOL, max(1, table.size)))}
+    groups = [g for g in table.groups if (not filters.programs_only or g.rep.executable) and _passes(g.rep, g.features, filters)]
+    perf = _perf_terms(kb, [r.id for g in groups for r in g.rows], filters.arch) if mode == "hybrid" else {}
     scored = []
-    for kern, f in cands:
-        terms: dict[str, float] = {}
-        if mode in ("hybrid", "embedding"):
-            terms["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
+    for g in groups:
+        shared: dict[str, float] = {}
         if mode in ("hybrid", "structural") and target is not None:
-            key = (kern.features_json, kern.verified, kern.executable)
-            if key not in structural:
-                vec = match_vector(target, f, verified=kern.verified, executable=kern.executable)
-                structural[key] = {t: w[t] * v for t, v in vec.items() if v and w.get(t)}
-            terms.update(structural[key])
-        if mode == "hybrid" and kern.id in perf:
-            terms["perf"] = w.get("perf", 0.5) * perf[kern.id]
-        scored.append((-sum(terms.values()), kern.id, kern, f, terms))
+            vec = match_vector(target, g.features, verified=g.rep.verified, executable=g.rep.executable)
+            shared = {t: w[t] * v for t, v in vec.items() if v and w.get(t)}
+        # rows without a per-row term all score `shared`: only the first k of them (by id) can rank
+        plain = 0
+        for kern in g.rows:
+            if kern.id not in sims and kern.id not in perf:
+                if plain >= k:
+                    continue
+                plain += 1
+            own: dict[str, float] = {}
+            if mode in ("hybrid", "embedding"):
+                own["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
+            if kern.id in perf:
+                own["perf"] = w.get("perf", 0.5) * perf[kern.id]
+            terms = {**own, **shared}
+            scored.append((-sum(terms.values()), kern.id, kern, g.features, terms))
     top = heapq.nsmallest(k, scored, key=lambda e: (e[0], e[1]))  # == sorted(...)[:k]
     ranked = [RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f)
               for _, _, kern, f, terms in top]
@@ -197,6 +196,47 @@ class _Row(NamedTuple):  # a NamedTuple: built 10k times per query, a frozen dat
     head_dim: int | None
     verified: bool
     executable: bool  # a complete program, not snippets only
+
+
+class _Group(NamedTuple):
+    """Kernels that rank alike: same features, verified/executable flags and filter columns."""
+
+    features: Features
+    rep: _Row  # the first row; its filter columns stand for the group
+    rows: list[_Row]  # sorted by id
+
+
+class _Table(NamedTuple):
+    marker: tuple
+    size: int
+    groups: list[_Group]
+
+
+_TABLES: dict[str, _Table] = {}
+
+
+def _marker(kb: KnowledgeBase) -> tuple:
+    """Changes whenever kernels are added or their ranking columns change (ids are content hashes)."""
+    stmt = select(func.count(Kernel.id), func.max(Kernel.created_at), func.sum(func.length(Kernel.features_json)),
+                  func.sum(Kernel.verified))
+    with kb.read_session() as s:
+        return tuple(s.execute(stmt).one())
+
+
+def _candidate_table(kb: KnowledgeBase) -> _Table:
+    """The grouped candidate rows of `kb`, rebuilt only when the kernels table changed."""
+    key = kb.settings.resolved_db_url
+    marker = _marker(kb)
+    cached = _TABLES.get(key)
+    if cached is not None and cached.marker == marker:
+        return cached
+    rows = _candidates(kb)
+    by_key: dict[tuple, list[_Row]] = {}
+    for r in sorted(rows, key=lambda r: r.id):
+        by_key.setdefault((r.features_json, r.verified, r.executable, r.arch, r.dtype, r.head_dim, r.origin), []).append(r)
+    groups = [_Group(_features(fj), rs[0], rs) for (fj, *_), rs in by_key.items()]
+    _TABLES[key] = table = _Table(marker, len(rows), groups)
+    return table
 
 
 def _candidates(kb: KnowledgeBase) -> list[_Row]:
