@@ -39,8 +39,7 @@ def _buffer_aux(spec: Spec, forward_names: list[str]) -> dict[str, torch.Tensor]
     return {n: t for n, t in spec.aux.items() if n not in forward_names}
 
 
-def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], scalars: dict[str, float],
-                    out_dir: Path, stem: str) -> CandidateFiles:
+def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str) -> CandidateFiles:
     """Write the candidate and the plain Triton module; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names, (qn, kn, vn) = forward_signature(spec)
@@ -55,8 +54,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], scal
     triton_path = out_dir / f"{stem}_triton.py"
     triton_path.write_text(triton_source)
     init_args = _init_signature(spec)
-    aux_kwargs = ", ".join([f"{a}={a}" if a in names else f"{a}=getattr(self, {a!r})" for a in program_aux]
-                           + [f"{k}={v!r}" for k, v in scalars.items()])
+    aux_kwargs = ", ".join(f"{a}={a}" if a in names else f"{a}=getattr(self, {a!r})" for a in program_aux)
     scale = repr(float(spec.softmax_scale))
     lines = [
         triton_source.rstrip(),

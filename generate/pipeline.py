@@ -16,8 +16,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import torch
-
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.candidate import write_candidate, write_outputs
 from generate.lessons import lessons_for_run
@@ -99,13 +97,6 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     return _finish(kb, spec, run, outcomes, built, ref, options, t0)
 
 
-def _variant_texts(spec: Spec) -> tuple[str | None, str | None]:
-    from kb.ir.expr import print_expr
-
-    return (print_expr(spec.score_mod) if spec.score_mod is not None else None,
-            print_expr(spec.mask_mod) if spec.mask_mod is not None else None)
-
-
 @dataclass
 class _Built:
     """A program that passed every stage, with what was written for it."""
@@ -122,7 +113,7 @@ Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
 
 
 def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
-    text = describe_target(spec.features, *_variant_texts(spec))
+    text = describe_target(spec.features, *spec.variant_strings())
     found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
     if not found.kernels:
         raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
@@ -247,7 +238,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions) -> _Built |
     cuda_src = _cuda_source(program)
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
-        cand = write_candidate(spec, triton_src, aux, {}, out_dir, _name(spec))
+        cand = write_candidate(spec, triton_src, aux, out_dir, _name(spec))
     except KBError as err:
         return Stage.LOWER, "compile_error", str(err)
     verdict, detail = "not_run", "kernel verification skipped (--no-verify)"
@@ -299,5 +290,3 @@ def _verify_detail(res) -> str:  # noqa: ANN001 - verify.VerifyResult
     return (f"{res.message} (seed {res.seed}, {res.calls} calls, {len(res.cases)} shapes, "
             f"max abs err {res.max_abs_err:.3g})")
 
-
-_ = torch  # torch is imported first so triton's interpreter sees it configured

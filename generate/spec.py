@@ -94,13 +94,19 @@ class Spec:
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.shapes.D) if self.scale is None else self.scale
 
+    def variant_strings(self) -> tuple[str | None, str | None]:
+        """(score_mod, mask_mod) bodies as IR expression text; None where the spec has none."""
+        return (print_expr(self.score_mod) if self.score_mod is not None else None,
+                print_expr(self.mask_mod) if self.mask_mod is not None else None)
+
     def variants_text(self) -> str:
         """The variant slots in IR text form."""
+        score, mask = self.variant_strings()
         lines = []
-        if self.score_mod is not None:
-            lines.append(f"score_mod(score, b, h, q_idx, kv_idx) = {print_expr(self.score_mod)}")
-        if self.mask_mod is not None:
-            lines.append(f"mask_mod(b, h, q_idx, kv_idx) = {print_expr(self.mask_mod)}")
+        if score is not None:
+            lines.append(f"score_mod(score, b, h, q_idx, kv_idx) = {score}")
+        if mask is not None:
+            lines.append(f"mask_mod(b, h, q_idx, kv_idx) = {mask}")
         return "\n".join(lines)
 
 

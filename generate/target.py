@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from generate.spec import Spec
 from generate.transfer import Target
-from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, walk
+from kb.ir.expr import Expr, ExprOp, loaded_tensors, walk
 from kb.ir.nodes import Dtype, Param, Role
 
 __all__ = ["target_for", "SPEC_DTYPES"]
@@ -39,11 +39,9 @@ def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param: 
 
 def target_for(spec: Spec) -> Target:
     used: set[str] = set()
-    names: set[str] = set()
     for e in (spec.score_mod, spec.mask_mod):
         if e is not None:
             used |= loaded_tensors(e)
-            names |= free_vars(e)
     exprs = [e for e in (spec.score_mod, spec.mask_mod) if e is not None]
     aux = tuple(_aux_param(n, spec.aux[n], exprs, spec.shapes.M == spec.shapes.N) for n in sorted(used) if n in spec.aux)
     return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.shapes.dtype], aux=aux,

@@ -22,7 +22,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr, substitute, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
-    Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+    Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 
 __all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
@@ -91,24 +91,13 @@ def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:
 def _kv_loop(body: tuple[Stmt, ...]) -> For | None:
     """The KV loop: the For whose body holds the online softmax update."""
     for st in body:
-        if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in _flatten(st.body)):
+        if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body)):
             return st
     return None
 
 
-def _flatten(body: tuple[Stmt, ...]) -> list[Stmt]:
-    out: list[Stmt] = []
-    for st in body:
-        out.append(st)
-        if isinstance(st, IfBlock):
-            out += _flatten(st.then) + _flatten(st.orelse)
-        elif isinstance(st, For):
-            out += _flatten(st.body)
-    return out
-
-
 def _q_start(body: tuple[Stmt, ...]) -> Expr:
-    for st in _flatten(body):
+    for st in walk_stmts(body):
         if isinstance(st, Load) and st.tensor == "q":
             for ix in st.index:
                 if isinstance(ix, Span):
@@ -161,7 +150,7 @@ def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kerne
 
 
 def _mask_at(loop: For, q_start: Expr) -> dict[str, Expr]:
-    for st in _flatten(loop.body):
+    for st in walk_stmts(loop.body):
         if isinstance(st, (Mask, ScoreMod, IfBlock)):
             return dict(b=st.b, h=st.h, q_start=st.q_start, kv_start=st.kv_start)
     return dict(b=var("b"), h=var("h"), q_start=q_start, kv_start=var(loop.var))

@@ -32,12 +32,11 @@ class FileCoverage:
 
 
 def source_id(src: FetchedSource) -> str:
-    return f"src-{src.distribution}=={src.version}:{src.kind.value if hasattr(src.kind, 'value') else src.kind}"
+    return f"src-{src.distribution}=={src.version}:{src.kind.value}"
 
 
 def source_row(src: FetchedSource) -> Source:
-    kind = src.kind.value if hasattr(src.kind, "value") else str(src.kind)
-    return Source(id=source_id(src), distribution=src.distribution, version=src.version, kind=kind,
+    return Source(id=source_id(src), distribution=src.distribution, version=src.version, kind=src.kind.value,
                   filename=src.filename, sha256=src.sha256)
 
 

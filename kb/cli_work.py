@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kb.cli import _open, app, out, settings_of
+from kb.cli import _open, app, out
 from kb.errors import KBError
 
 __all__ = ["ingest_cmd", "query_cmd", "generate_cmd", "bench_cmd"]
@@ -81,12 +81,10 @@ def query_cmd(
     path = Path(spec_or_text)
     if path.suffix == ".py" or path.is_file():
         from generate.spec import load_spec
-        from kb.ir.expr import print_expr
 
         spec = load_spec(path)
         target = spec.features
-        text = describe_target(target, print_expr(spec.score_mod) if spec.score_mod is not None else None,
-                               print_expr(spec.mask_mod) if spec.mask_mod is not None else None)
+        text = describe_target(target, *spec.variant_strings())
     kb = _open(ctx)
     res = query(kb, text, target, k=k, mode=mode,  # type: ignore[arg-type]
                 filters=Filters(arch=arch, dtype=dtype, head_dim=head_dim, memory=not no_memory))
@@ -190,7 +188,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 @app.command("bench")
 def bench_cmd(
-    ctx: typer.Context,
     suite: str = typer.Argument("default", help="Benchmark suite name (see docs/bench.md)."),
     out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Where JSON results and plots go."),
 ) -> None:
@@ -199,5 +196,4 @@ def bench_cmd(
         from bench.gpu.run import main as bench_main
     except ImportError as err:
         raise KBError(f"the GPU benchmark is not available in this checkout ({err})") from None
-    settings_of(ctx)
     bench_main(suite, out_dir)

@@ -110,15 +110,14 @@ def _out_tensor(res: object) -> torch.Tensor:
 def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> list[tuple[str, str, Callable, dict]]:
     """(impl, source, fn, extra) for every implementation of `case`; fn may raise Unsupported."""
     from bench.gpu import baselines as bl
-    from bench.gpu.suite import TUNE_SCHEDULES, VARIANTS, load_program, schedule_for, with_schedule
+    from bench.gpu.suite import TUNE_SCHEDULES, VARIANTS, declared_aux, load_program, schedule_for, with_schedule
     from kb.ir.nodes import Schedule
     from kb.ir.text import content_hash
     from kb.lower.runtime import TritonKernel
     from kb.lower.triton import LowerOptions
 
     prog, source = load_program(case.variant)
-    declared = {p.name for p in prog.params}
-    aux = {name: t for name, t in aux.items() if name in declared}  # generated programs may inline constants
+    aux = declared_aux(prog, aux)
     inputs = {"q": q, "k": k, "v": v, **aux}
     out: list[tuple[str, str, Callable, dict]] = []
 

@@ -128,6 +128,12 @@ def load_program(variant: str) -> tuple[Program, str]:
     return p, "builder:tests/ir_programs.forward"
 
 
+def declared_aux(p: Program, aux: dict) -> dict:
+    """The aux tensors/scalars `p` declares: a generated program may inline a constant (softcap 30.0)."""
+    names = {q.name for q in p.params}
+    return {n: t for n, t in aux.items() if n in names}
+
+
 def with_schedule(p: Program, s: Schedule) -> Program:
     return dataclasses.replace(p, schedule=s)
 

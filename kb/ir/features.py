@@ -26,27 +26,18 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, IfBlock, Load, Program, Role, Span, Stmt, Store
+from kb.ir.nodes import Combine, Dtype, For, Full, IfBlock, Load, Program, Role, Span, Stmt, Store, walk_stmts
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 
 
-def _stmts(stmts: tuple[Stmt, ...]) -> Iterator[Stmt]:
-    for st in stmts:
-        yield st
-        if isinstance(st, For):
-            yield from _stmts(st.body)
-        elif isinstance(st, IfBlock):
-            yield from _stmts(st.then + st.orelse)
-
-
 def _all_stmts(p: Program) -> Iterator[Stmt]:
     for k in p.kernels:
-        yield from _stmts(k.body)
+        yield from walk_stmts(k.body)
 
 
 def _loop_vars(stmts: tuple[Stmt, ...]) -> set[str]:
-    return {st.var for st in _stmts(stmts) if isinstance(st, For)}
+    return {st.var for st in walk_stmts(stmts) if isinstance(st, For)}
 
 
 def is_split_kv(p: Program) -> bool:
@@ -82,7 +73,7 @@ def _addressing(p: Program) -> tuple[bool, bool]:
     varlen = paged = False
     for k in p.kernels:
         loops = _loop_vars(k.body)
-        for st in _stmts(k.body):
+        for st in walk_stmts(k.body):
             if isinstance(st, Load):
                 varlen |= st.tensor == "q" and _indirect(st, None)
                 paged |= st.tensor in ("k", "v") and _indirect(st, loops)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, Union
+from typing import ClassVar, Iterator, Union
 
 from kb.ir.expr import Expr
 
@@ -38,7 +38,7 @@ __all__ = [
     "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Index",
     "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
-    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS",
+    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "walk_stmts",
 ]
 
 
@@ -304,6 +304,17 @@ class IfBlock:
 
 
 Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock]
+
+
+def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
+    """Every statement of `body` in pre-order: a For before its body, an IfBlock before `then`, then `orelse`."""
+    for st in body:
+        yield st
+        if isinstance(st, For):
+            yield from walk_stmts(st.body)
+        elif isinstance(st, IfBlock):
+            yield from walk_stmts(st.then)
+            yield from walk_stmts(st.orelse)
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,15 @@ from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store,
+    Stmt, Store, walk_stmts,
 )
 from kb.lower.cuda_expr import (
     EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
     lower_cexpr,
 )
-from kb.lower.triton import EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, plan_block_mask
+from kb.lower.triton import (
+    EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, check_attention_params, plan_block_mask,
+)
 
 __all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
            "LAUNCH_SYMBOL", "ERROR_SYMBOL", "KB_ERR_HEAD_DIM"]
@@ -137,9 +139,9 @@ class LaunchAbi:
 
 
 def launch_abi(p: Program) -> LaunchAbi:
-    _check_program(p)
+    check_attention_params(p, "CUDA")
     plan = plan_block_mask(p)
-    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in _walk(k.body))
+    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body))
     table = None
     if has_if and plan.kind is BlockMaskKind.TABLE:
         qs, ks = p.param("q").shape, p.param("k").shape
@@ -153,26 +155,6 @@ def launch_abi(p: Program) -> LaunchAbi:
         table=table,
         head_pad=p.schedule.head_pad,
     )
-
-
-def _walk(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
-    for st in body:
-        yield st
-        if isinstance(st, For):
-            yield from _walk(st.body)
-        if isinstance(st, IfBlock):
-            yield from _walk(st.then)
-            yield from _walk(st.orelse)
-
-
-def _check_program(p: Program) -> None:
-    for name in ("q", "k"):
-        try:
-            prm = p.param(name)
-        except KeyError:
-            raise KBError(f"program {p.name}: the CUDA lowering needs a param {name!r} [B, H, S, D]") from None
-        if len(prm.shape) != 4:
-            raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
 
 
 # ------------------------------------------------------------------ tiles

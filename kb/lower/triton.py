@@ -36,7 +36,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, v
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store,
+    Stmt, Store, walk_stmts,
 )
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
@@ -335,7 +335,7 @@ class _Region:
 def _reads(st: Stmt) -> set[str]:
     """Names (tiles and scalars) a statement reads, nested bodies included."""
     if isinstance(st, (For, IfBlock)):
-        out = set().union(*(_reads(x) for x in _walk_stmts(st.body if isinstance(st, For) else st.then + st.orelse)))
+        out = set().union(*(_reads(x) for x in walk_stmts(st.body if isinstance(st, For) else st.then + st.orelse)))
         return out | (free_vars(st.lo) | free_vars(st.hi) if isinstance(st, For) else set())
     names: set[str] = set()
     for f in st.__dataclass_fields__:
@@ -363,7 +363,7 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
         return None
     t = st.out
     for nxt in rest:
-        for sub in _walk_stmts((nxt,)):
+        for sub in walk_stmts((nxt,)):
             if isinstance(sub, IfBlock) or (isinstance(sub, Mask) and sub.tile == t):
                 continue
             if isinstance(sub, OnlineSoftmax) and sub.scores == t:
@@ -585,7 +585,7 @@ class _KernelGen:
         """Mark the current line as where descriptors of this (outermost) loop's loads are built."""
         if self.hoist is not None:
             return False
-        stmts = list(_walk_stmts(st.body))
+        stmts = list(walk_stmts(st.body))
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc", "var")
                               if isinstance(getattr(x, n, None), str)}
         self.hoist, self.descs = (len(self.lines), self.depth, defined), {}
@@ -597,7 +597,7 @@ class _KernelGen:
 
     def loop_range(self, st: For, lo: str, hi: str, step: str) -> str:
         """`range(...)`, or `tl.range(..., warp_specialize=WARP_SPEC)` for an innermost forward loop."""
-        if self.sig.ws and not any(isinstance(x, For) for x in _walk_stmts(st.body)):
+        if self.sig.ws and not any(isinstance(x, For) for x in walk_stmts(st.body)):
             return f"tl.range({lo}, {hi}, {step}, warp_specialize=WARP_SPEC)"
         return f"range({lo}, {hi}, {step})"
 
@@ -780,7 +780,7 @@ class _KernelGen:
             return None
         if plan.kind is BlockMaskKind.TABLE or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
             return None
-        stmts = list(_walk_stmts(st.body))
+        stmts = list(walk_stmts(st.body))
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
@@ -1130,9 +1130,9 @@ def _bind(dims, name, t, spec):
 def lower_program(p: Program, options: LowerOptions | None = None) -> str:
     """The source text of a standalone Python module running `p` with Triton."""
     opts = options or LowerOptions()
-    _check_program(p)
+    check_attention_params(p, "Triton")
     plan = plan_block_mask(p)
-    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in _walk_stmts(k.body))
+    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body))
     tensors = tuple(q for q in p.params if q.role is not Role.SCALAR)
     runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
     sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
@@ -1147,22 +1147,13 @@ def lower_program(p: Program, options: LowerOptions | None = None) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
-    for st in body:
-        yield st
-        if isinstance(st, For):
-            yield from _walk_stmts(st.body)
-        if isinstance(st, IfBlock):
-            yield from _walk_stmts(st.then)
-            yield from _walk_stmts(st.orelse)
-
-
-def _check_program(p: Program) -> None:
+def check_attention_params(p: Program, lowering: str) -> None:
+    """Both lowerings need q and k as [B, H, S, D] params; KBError naming the lowering otherwise."""
     for name in ("q", "k"):
         try:
             prm = p.param(name)
         except KeyError:
-            raise KBError(f"program {p.name}: the Triton lowering needs a param {name!r} [B, H, S, D]") from None
+            raise KBError(f"program {p.name}: the {lowering} lowering needs a param {name!r} [B, H, S, D]") from None
         if len(prm.shape) != 4:
             raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
 
