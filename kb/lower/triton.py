@@ -701,13 +701,19 @@ class _KernelGen:
         on = self.offsets(st.kv_start, tile.shape[1])
         names = {d: self.names[d] for d in self.sig.dims}
         names.update({s.name: self.names[s.name] for s in self.sig.scalars})
-        names["b"] = Sym(_wrap(self.ex(st.b)), Kind.INT, is_nonneg(st.b, self.ctx()))
-        names["h"] = Sym(_wrap(self.ex(st.h)), Kind.INT, is_nonneg(st.h, self.ctx()))
+        names["b"] = self.index_sym(st.b)
+        names["h"] = self.index_sym(st.h)
         names["q_idx"] = Sym(f"{om}[:, None]", Kind.INT, is_nonneg(st.q_start, self.ctx()))
         names["kv_idx"] = Sym(f"{on}[None, :]", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
         return names
+
+    def index_sym(self, e: Expr) -> Sym:
+        """A batch/head index: a grid axis keeps what the grid knows about it (>= 0, below its extent)."""
+        if e.op is ExprOp.VAR and str(e.value) in self.names:
+            return self.names[str(e.value)]
+        return Sym(_wrap(self.ex(e)), Kind.INT, is_nonneg(e, self.ctx()))
 
     def s_scoremod(self, st: ScoreMod) -> None:
         if self.p.score_mod is None:
@@ -938,7 +944,8 @@ class _KernelGen:
                 self.emit(f"pid = pid // {ext}")
             self.emit(f"{self.local(axes[0].name)} = pid")
         for a in axes:
-            self.names[a.name] = Sym(self.local(a.name), Kind.INT, True)
+            below = _wrap(self.ex(a.extent)) if a.extent.op is ExprOp.VAR else None
+            self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
         self.block(self.k.body)
         return self.lines
 

@@ -40,11 +40,13 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class Sym:
-    """What a name lowers to: its code, value kind, and whether it is known to be >= 0."""
+    """What a name lowers to: its code, value kind, whether it is known to be >= 0, and the size code it
+    is known to stay below (a launch-grid axis is below its extent), so loads need no guard there."""
 
     code: str
     kind: Kind
     nonneg: bool = False
+    below: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,10 @@ def _lower_load(e: Expr, ctx: ExprContext) -> str:
     offset = " + ".join(f"{i} * {s}" for i, s in zip(idx, ref.strides))
     guards = []
     for a, i, size in zip(e.args, idx, ref.sizes):
+        if a.op is ExprOp.VAR and _sym(a, ctx).below == size:
+            continue  # a grid index below this size by construction (forward() checks the aux shape)
         if not is_nonneg(a, ctx):
             guards.append(f"({i} >= 0)")
         guards.append(f"({i} < {size})")
-    return f"tl.load({ref.code} + {offset}, mask={' & '.join(guards)}, other=0)"
+    ptr = f"{ref.code} + {offset}"
+    return f"tl.load({ptr}, mask={' & '.join(guards)}, other=0)" if guards else f"tl.load({ptr})"

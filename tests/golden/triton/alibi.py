@@ -229,7 +229,7 @@ def _fwd_kernel(
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0, mask=(h < Hq), other=0) * (offs_n_start[None, :] - offs_m_start[:, None]))
+        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start[None, :] - offs_m_start[:, None]))
         s = tl.where((offs_n_start[None, :] < N) & (offs_m_start[:, None] >= offs_n_start[None, :]), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -245,7 +245,7 @@ def _fwd_kernel(
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0, mask=(h < Hq), other=0) * (offs_n_start2[None, :] - offs_m_start[:, None]))
+        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start2[None, :] - offs_m_start[:, None]))
         # full block: every in-range pair attends and no kv index is past N; no mask for s
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -261,7 +261,7 @@ def _fwd_kernel(
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0, mask=(h < Hq), other=0) * (offs_n_start3[None, :] - offs_m_start[:, None]))
+        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start3[None, :] - offs_m_start[:, None]))
         s = tl.where((offs_n_start3[None, :] < N) & (offs_m_start[:, None] >= offs_n_start3[None, :]), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN

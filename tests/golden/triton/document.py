@@ -236,7 +236,7 @@ def _fwd_kernel(
         # block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial
         _bclass = tl.where((((m_start % BLOCK_M) == 0) & ((n_start % BLOCK_N) == 0)), tl.load(bc_ptr + b * stride_bc_0 + 0 * stride_bc_1 + (m_start // BLOCK_M) * stride_bc_2 + (n_start // BLOCK_N) * stride_bc_3, mask=(b < bc_nb) & (0 < bc_nh) & ((m_start // BLOCK_M) < bc_nm) & ((n_start // BLOCK_N) < bc_nn), other=0), 1)
         if _bclass != 2:
-            s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(b < B) & (offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(b < B) & (offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
+            s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
         _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
