@@ -106,3 +106,19 @@ def test_record_results_writes_measured_perf_for_matching_kernels(kb, tmp_path) 
     assert record_results(kb, path) == 1  # idempotent: same measurement, same row
     (row,) = kb.list(PerfRecord, kernel_id=kid)
     assert (row.kind, row.gpu, row.ms, row.tflops, row.dtype) == ("measured", "NVIDIA H200", 2.0, 450.0, "bf16")
+
+
+@pytest.mark.parametrize("variant", ["causal", "document", "prefix_lm"])
+def test_bench_kernels_compile_for_hopper(variant: str) -> None:
+    """The GPU path the interpreter never runs: Triton's compiler (bundled ptxas) builds the bench schedule for
+    sm_90 with TMA, using wgmma and bulk tensor copies; the table variants take the indexed KV loop."""
+    from kb.lower.triton_aot import compile_for_arch
+
+    from kb.lower.triton import lower_program
+
+    prog, _ = suite.load_program(variant)
+    prog = suite.with_schedule(prog, suite.schedule_for(128))
+    assert ("_kvl_full_" in lower_program(prog)) == (variant != "causal")
+    (k,) = compile_for_arch(prog, arch=90, head_dim=128, tma=True)
+    assert k.wgmma > 0 and k.tma_loads > 0
+    assert k.shared_bytes <= 227 * 1024  # sm_90's opt-in shared memory per block

@@ -143,9 +143,12 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
         table = kern.module.block_class_table(q, k, v, **aux)
         out.append(("generated", source, lambda: kern.run({**inputs, "block_class": table})["o"], meta))
         out.append(("generated+table", source, gen(default), meta))
+        # the same kernel scanning every KV block with a per-block class branch (before indexed_kv_loop)
+        noindex = TritonKernel.from_program(default, options=LowerOptions(indexed_kv_loop=False))
+        out.append(("generated-noindex", source, lambda: noindex.run({**inputs, "block_class": table[0]})["o"], meta))
     else:
         out.append(("generated", source, gen(default), meta))
-    is_tune = tune and case.variant == "causal" and case.S == 8192
+    is_tune = tune and case.variant == "causal" and case.S in (1024, 8192)
     if is_tune:
         for bm, bn, w, st in TUNE_SCHEDULES[128 if case.D > 64 else 64]:
             s = Schedule(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
@@ -154,7 +157,7 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
             p = with_schedule(default, s)
             out.append((f"generated[{bm}x{bn} w{w} s{st}]", source, gen(p), {"schedule": dataclasses.asdict(s),
                                                                             "content_hash": content_hash(p)}))
-    if ablate and is_tune or (ablate and case.variant == "plain" and case.S == 8192 and case.D == 128):
+    if ablate and is_tune and case.S == 8192 or (ablate and case.variant == "plain" and case.S == 8192 and case.D == 128):
         for label, opts in (("generated-noopt", LowerOptions(False, False, False, False)),
                             ("generated-nosplit", LowerOptions(split_kv_loop=False)),
                             ("generated-nofold", LowerOptions(fold_scale=False)),

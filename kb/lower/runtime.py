@@ -26,7 +26,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.nodes import Program, Role
-from kb.lower.triton import kernel_fn_name, lower_program
+from kb.lower.triton import LowerOptions, kernel_fn_name, lower_program
 
 __all__ = ["TritonKernel", "load_module"]
 
@@ -79,8 +79,8 @@ class TritonKernel:
     module: ModuleType
 
     @classmethod
-    def from_program(cls, p: Program, cache_dir: Path | None = None) -> "TritonKernel":
-        source = lower_program(p)
+    def from_program(cls, p: Program, cache_dir: Path | None = None, options: LowerOptions | None = None) -> "TritonKernel":
+        source = lower_program(p, options)
         module, path = load_module(source, p.name, cache_dir)
         return cls(p, source, path, module)
 

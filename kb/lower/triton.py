@@ -19,6 +19,8 @@ Invariants of the generated module:
   coefficients (causal, sliding window, offsets); otherwise the host evaluates mask_mod
   densely in torch and passes a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8.
   Table codes: 0 empty, 1 partial, 2 full; an unaligned tile start reads as partial.
+  From it the host also builds per-row lists of partial and of full blocks, which a KV loop
+  over such a mask iterates instead of every block (LowerOptions.indexed_kv_loop).
 - The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
   the extra columns are zero-padded and masked, so results do not change).
 """
@@ -80,6 +82,12 @@ class LowerOptions:
     - warp_specialize (off by default): with USE_TMA and the schedule's `warp_specialize` hint,
       innermost forward loops become `tl.range(..., warp_specialize=True)` (WARP_SPEC constexpr).
       Triton 3.6 on H200 gave no gain (w8) and failed to compile at num_warps=4 (NVGPUWarpSpecialization).
+    - indexed_kv_loop: the same split under a host-table plan (data-dependent masks such as
+      document ids or a per-batch prefix), where full blocks are not one interval: the host turns
+      the block-class table into per-row lists of partial and of full KV blocks (FlexAttention's
+      kv_indices / full_kv_indices) and the loop becomes two loops over those lists, partial blocks
+      first, then full ones (no mask code); empty blocks are never visited. Needs the tile's
+      q_start and the loop's lower bound to be multiples of BLOCK_M / BLOCK_N (checked statically).
     """
 
     split_kv_loop: bool = True
@@ -88,6 +96,7 @@ class LowerOptions:
     heavy_first: bool = True
     tma: bool = True
     warp_specialize: bool = False
+    indexed_kv_loop: bool = True
 
 
 def kernel_fn_name(k: Kernel) -> str:
@@ -307,6 +316,7 @@ class _Signature:
         out += list(self.dims) + [s.name for s in self.scalars]
         if self.table:
             out += ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nb", "bc_nh", "bc_nm", "bc_nn"]
+            out += ["kvl_ptr", *(f"stride_kvl_{i}" for i in range(5))]
         return out
 
     def constexprs(self) -> list[str]:
@@ -316,20 +326,27 @@ class _Signature:
 
 @dataclass(frozen=True)
 class _Region:
-    """One part of a split KV loop: every tile at (b, h, q_start, var) is full, or none is."""
+    """One part of a split KV loop: the block classes its tiles at (b, h, q_start, var) can have."""
 
     var: str  # the IR loop variable (the tile's kv_start)
     at: tuple[Expr, Expr, Expr]  # (b, h, q_start) shared by every mask / block test in the loop
-    full: bool
+    classes: frozenset[BlockClass]
+
+    @property
+    def full(self) -> bool:
+        return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
         return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
-        if self.full:
-            return st.cls is BlockClass.FULL
-        return False if st.cls is BlockClass.FULL else None
+        if st.cls not in self.classes:
+            return False
+        return True if self.classes == {st.cls} else None
+
+
+_SPLIT_PARTIAL = frozenset({BlockClass.EMPTY, BlockClass.PARTIAL})  # closed-form split: partial parts may hold empty blocks
 
 
 def _reads(st: Stmt) -> set[str]:
@@ -376,6 +393,7 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
 class _KernelGen:
     def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.region: _Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
         self.fold_next: dict[str, str] = {}
@@ -780,11 +798,37 @@ class _KernelGen:
         self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
 
     def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class."""
+        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
         plan = self.plan
-        if not self.opts.split_kv_loop or self.region is not None or st.order != "forward" or str(st.step) != "BLOCK_N":
+        if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
+                or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
             return None
-        if plan.kind is BlockMaskKind.TABLE or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
+        return self.loop_tile(st)
+
+    def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
+        if not self.opts.indexed_kv_loop or not self.sig.table:
+            return None
+        at = self.loop_tile(st)
+        if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
+            return None
+        return at
+
+    def multiple_of(self, e: Expr, unit: str) -> bool:
+        """Is `e` a multiple of the constexpr `unit` by its form (0, unit * x, sums, min/max, lets)?"""
+        if e.op is ExprOp.CONST:
+            return e.value == 0
+        if e.op is ExprOp.VAR:
+            return e.value == unit or (str(e.value) in self.lets and self.multiple_of(self.lets[str(e.value)], unit))
+        if e.op is ExprOp.MUL:
+            return any(self.multiple_of(a, unit) for a in e.args)
+        if e.op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MAXIMUM, ExprOp.MINIMUM):
+            return all(self.multiple_of(a, unit) for a in e.args)
+        return e.op is ExprOp.NEG and self.multiple_of(e.args[0], unit)
+
+    def loop_tile(self, st: For) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) when every mask / block test in a forward BLOCK_N loop concerns the loop's own tile."""
+        if self.region is not None or st.order != "forward" or str(st.step) != "BLOCK_N":
             return None
         stmts = list(walk_stmts(st.body))
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
@@ -803,6 +847,10 @@ class _KernelGen:
         at = self.split_at(st)
         if at is not None:
             self.split_for(st, at)
+            return
+        at = self.indexed_at(st)
+        if at is not None:
+            self.indexed_for(st, at)
             return
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
         loop_var = self.local(st.var)
@@ -857,11 +905,40 @@ class _KernelGen:
             self._invalidate(v)
             self.names[st.var] = Sym(v, Kind.INT, is_nonneg(st.lo, self.ctx()))
             self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {'full' if full else 'partial'} blocks")
-            self.region = _Region(st.var, at, full)
+            self.region = _Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL)
             self.depth += 1
             self.block(st.body)
             self.depth -= 1
             self.region = None
+        self.end_hoist(started)
+
+    def indexed_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
+        """Two loops over the host's lists of partial, then full, KV blocks of this tile row in [lo, hi)."""
+        v = self.local(st.var)
+        b = self.ex(at[0]) if self.plan.per_b else "0"
+        h = self.ex(at[1]) if self.plan.per_h else "0"
+        row, j_lo, j_hi = f"_kvl_row_{v}", f"_j_lo_{v}", f"_j_hi_{v}"
+        self.emit("# KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block")
+        self.emit("# indices): partial blocks, then full blocks (no mask code); empty blocks are never visited")
+        self.emit(f"{row} = kvl_ptr + {_wrap(b)} * stride_kvl_0 + {_wrap(h)} * stride_kvl_1 "
+                  f"+ ({_wrap(self.ex(at[2]))} // BLOCK_M) * stride_kvl_2")
+        lo = self.ex(st.lo)
+        self.emit(f"{j_lo} = {lo if is_nonneg(st.lo, self.ctx()) else f'tl.maximum({lo}, 0)'} // BLOCK_N")
+        self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, BLOCK_N), bc_nn), {j_lo})")
+        started = self.start_hoist(st)
+        for cls in (BlockClass.PARTIAL, BlockClass.FULL):
+            code = {BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}[cls]
+            lst, it = f"_kvl_{cls.value}_{v}", f"_i_{cls.value}_{v}"
+            self.emit(f"{lst} = {row} + {code - 1} * stride_kvl_3")
+            self._invalidate(v)
+            self.names[st.var] = Sym(v, Kind.INT, True)
+            self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_kvl_4), tl.load({lst} + {j_hi} * stride_kvl_4)):")
+            self.depth += 1
+            self.emit(f"{v} = tl.load({lst} + (bc_nn + 1 + {it}) * stride_kvl_4) * BLOCK_N  # {cls.value} blocks")
+            self.region = _Region(st.var, at, frozenset({cls}))
+            self.block(st.body)
+            self.region = None
+            self.depth -= 1
         self.end_hoist(started)
 
     def s_ifblock(self, st: IfBlock) -> None:
@@ -1100,6 +1177,17 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+def _hblock_lists(block_class):
+    """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
+    row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
+    nn = block_class.shape[-1]
+    of_class = torch.stack((block_class == 1, block_class == 2), dim=3)
+    out = torch.zeros(*of_class.shape[:-1], 2 * nn + 1, dtype=torch.int32, device=block_class.device)
+    out[..., 1:nn + 1] = of_class.cumsum(-1)
+    out[..., nn + 1:] = torch.argsort((~of_class).to(torch.int8), dim=-1, stable=True)
+    return out
+
+
 def _tma_alloc(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -1234,11 +1322,13 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
         L.append("    if block_class is None:")
         L.append(f"        mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
-        L.append(f"        block_class = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+        L.append(f"        bc = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})")
+        L.append("        block_class = (bc, _hblock_lists(bc))")
         L.append("    if only_table:")
         L.append("        return block_class")
-        table_args = ["block_class", "*block_class.stride()", "*block_class.shape"]
+        L.append("    bc, kvl = block_class")
+        table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"]
     args = [q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims) \
         + [q.name for q in sig.scalars] + table_args
     const_kw = ", ".join(f"{c}={c}" for c in sig.constexprs())
@@ -1251,6 +1341,6 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     L.append(f"    return {', '.join(q.name for q in outs)}")
     if sig.table:
         L += ["", "", "def block_class_table(*args, **kw):",
-              '    """The block-class table forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
+              '    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
               "    return forward(*args, _only_block_class=True, **kw)"]
     return L

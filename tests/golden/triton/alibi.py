@@ -121,6 +121,17 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+def _hblock_lists(block_class):
+    """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
+    row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
+    nn = block_class.shape[-1]
+    of_class = torch.stack((block_class == 1, block_class == 2), dim=3)
+    out = torch.zeros(*of_class.shape[:-1], 2 * nn + 1, dtype=torch.int32, device=block_class.device)
+    out[..., 1:nn + 1] = of_class.cumsum(-1)
+    out[..., nn + 1:] = torch.argsort((~of_class).to(torch.int8), dim=-1, stable=True)
+    return out
+
+
 def _tma_alloc(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 

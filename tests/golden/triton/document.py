@@ -121,6 +121,17 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+def _hblock_lists(block_class):
+    """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
+    row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
+    nn = block_class.shape[-1]
+    of_class = torch.stack((block_class == 1, block_class == 2), dim=3)
+    out = torch.zeros(*of_class.shape[:-1], 2 * nn + 1, dtype=torch.int32, device=block_class.device)
+    out[..., 1:nn + 1] = of_class.cumsum(-1)
+    out[..., nn + 1:] = torch.argsort((~of_class).to(torch.int8), dim=-1, stable=True)
+    return out
+
+
 def _tma_alloc(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -199,6 +210,12 @@ def _fwd_kernel(
     bc_nh,
     bc_nm,
     bc_nn,
+    kvl_ptr,
+    stride_kvl_0,
+    stride_kvl_1,
+    stride_kvl_2,
+    stride_kvl_3,
+    stride_kvl_4,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -224,19 +241,43 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
+    # KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block
+    # indices): partial blocks, then full blocks (no mask code); empty blocks are never visited
+    _kvl_row_n_start = kvl_ptr + b * stride_kvl_0 + 0 * stride_kvl_1 + (m_start // BLOCK_M) * stride_kvl_2
+    _j_lo_n_start = tl.maximum(0, 0) // BLOCK_N
+    _j_hi_n_start = tl.maximum(tl.minimum(tl.cdiv(tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N), bc_nn), _j_lo_n_start)
     _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
-    for n_start in range(0, tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N):
+    _kvl_partial_n_start = _kvl_row_n_start + 0 * stride_kvl_3
+    for _i_partial_n_start in range(tl.load(_kvl_partial_n_start + _j_lo_n_start * stride_kvl_4), tl.load(_kvl_partial_n_start + _j_hi_n_start * stride_kvl_4)):
+        n_start = tl.load(_kvl_partial_n_start + (bc_nn + 1 + _i_partial_n_start) * stride_kvl_4) * BLOCK_N  # partial blocks
         offs_n_start = n_start + tl.arange(0, BLOCK_N)
         kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
-        # block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial
-        _bclass = tl.where((((m_start % BLOCK_M) == 0) & ((n_start % BLOCK_N) == 0)), tl.load(bc_ptr + b * stride_bc_0 + 0 * stride_bc_1 + (m_start // BLOCK_M) * stride_bc_2 + (n_start // BLOCK_N) * stride_bc_3, mask=(b < bc_nb) & (0 < bc_nh) & ((m_start // BLOCK_M) < bc_nm) & ((n_start // BLOCK_N) < bc_nn), other=0), 1)
-        if _bclass != 2:
-            s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
+        # `not block is full` is True in every block of this part of the split loop
+        s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
+        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
+        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
+        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
+        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
+        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
+        l_i = l_i * _alpha + tl.sum(_p, 1)
+        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
+        m_i = _m_new
+    _kvl_full_n_start = _kvl_row_n_start + 1 * stride_kvl_3
+    for _i_full_n_start in range(tl.load(_kvl_full_n_start + _j_lo_n_start * stride_kvl_4), tl.load(_kvl_full_n_start + _j_hi_n_start * stride_kvl_4)):
+        n_start = tl.load(_kvl_full_n_start + (bc_nn + 1 + _i_full_n_start) * stride_kvl_4) * BLOCK_N  # full blocks
+        offs_n_start2 = n_start + tl.arange(0, BLOCK_N)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start2[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+        s = s if POS_sm_scale else s * sm_scale
+        # `not block is full` is False in every block of this part of the split loop
         _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
         _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -291,16 +332,18 @@ def forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
     # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)
     if block_class is None:
         mask_mod = lambda b, h, q_idx, kv_idx: (_hload(doc_ids, (b, q_idx,)) == _hload(doc_ids, (b, kv_idx,))) & (q_idx >= kv_idx)
-        block_class = _hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)
+        bc = _hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)
+        block_class = (bc, _hblock_lists(bc))
     if only_table:
         return block_class
+    bc, kvl = block_class
     _fwd_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
-        q, k, v, o, lse, doc_ids, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *doc_ids.stride(), B, Hq, M, D, Hkv, N, sm_scale, block_class, *block_class.stride(), *block_class.shape,
+        q, k, v, o, lse, doc_ids, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *doc_ids.stride(), B, Hq, M, D, Hkv, N, sm_scale, bc, *bc.stride(), *bc.shape, kvl, *kvl.stride(),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=4, num_stages=1,
     )
     return o, lse
 
 
 def block_class_table(*args, **kw):
-    """The block-class table forward(*args, **kw) builds; pass it back as block_class= to reuse it."""
+    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""
     return forward(*args, _only_block_class=True, **kw)
