@@ -87,6 +87,8 @@ SUITES: dict[str, tuple[Case, ...]] = {
     "h200": tuple(_case(v, 8192, 128) for v in VARIANTS)
     + tuple(_case("causal", S, 128) for S in (1024, 4096, 16384))
     + tuple(_case("causal", S, 64) for S in (1024, 4096, 8192, 16384)),
+    # the host-table (data-dependent) masks, with causal beside them: a short run for a short device budget
+    "h200-masks": tuple(_case(v, 8192, 128) for v in ("document", "prefix_lm", "causal")),
     "smoke": (Case("causal", 1, 2, 2, 512, 64), Case("document", 1, 2, 2, 512, 64), Case("softcap", 1, 2, 2, 512, 128)),
 }
 
