@@ -145,7 +145,7 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
         out.append(("generated+table", source, gen(default), meta))
         # the same kernel scanning every KV block with a per-block class branch (before indexed_kv_loop)
         noindex = TritonKernel.from_program(default, options=LowerOptions(indexed_kv_loop=False))
-        out.append(("generated-noindex", source, lambda: noindex.run({**inputs, "block_class": table[0]})["o"], meta))
+        out.append(("generated-noindex", source, lambda: noindex.run({**inputs, "block_class": table})["o"], meta))
     else:
         out.append(("generated", source, gen(default), meta))
     is_tune = tune and case.variant == "causal" and case.S in (1024, 8192)
