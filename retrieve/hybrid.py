@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from sqlmodel import func, select
+import numpy as np
+from sqlalchemy import Integer, cast
+from sqlmodel import Session, func, select
 
 from kb.features import Features
 from kb.store.kb import KnowledgeBase
-from kb.store.models import Kernel, Lesson, PerfRecord, Snippet
+from kb.store.models import Kernel, PerfRecord, Snippet
 from kb.store.records import EMBEDDED
-from retrieve.structural import load_weights, match_vector
+from retrieve.structural import CandidateColumns, Coded, candidate_columns, coded, load_weights, term_columns
 
 __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
 
@@ -89,20 +93,6 @@ def needed_snippet_kinds(f: Features) -> list[str]:
     return kinds
 
 
-def _passes(k: "_Row", f: Features, flt: Filters) -> bool:
-    if flt.arch and k.arch not in ("any", flt.arch):
-        return False
-    if flt.dtype and k.dtype and k.dtype != flt.dtype:
-        return False
-    if flt.head_dim and k.head_dim and k.head_dim != flt.head_dim:
-        return False
-    if flt.decode is not None and (f.split_kv or f.decode) != flt.decode:
-        return False
-    if not flt.memory and k.origin == "generated":
-        return False
-    return True
-
-
 _GPU_ARCH = {"A100": "sm80", "A10": "sm86", "L4": "sm89", "H100": "sm90", "H200": "sm90", "H800": "sm90", "B200": "sm100"}
 
 
@@ -114,18 +104,18 @@ def gpu_arch(gpu_name: str) -> str:
     return ""
 
 
-def _perf_terms(kb: KnowledgeBase, ids: list[str], arch: str | None) -> dict[str, float]:
-    if not ids:
-        return {}
+def _perf_terms(kb: KnowledgeBase, table: _Table, ok: np.ndarray, arch: str | None) -> dict[str, float]:
+    """Best measured TFLOP/s on `arch` of the passing rows (`ok` per group), relative to the best of them."""
     # all measured records, filtered here: an IN list of every candidate id costs more than the
     # (small) perf table, and compiles one bound parameter per id
-    wanted = set(ids)
     with kb.read_session() as s:
-        rows = s.exec(select(PerfRecord).where(PerfRecord.kind == "measured")).all()
+        rows = s.execute(select(PerfRecord.kernel_id, PerfRecord.gpu, PerfRecord.tflops)
+                         .where(PerfRecord.kind == "measured")).all()
     best: dict[str, float] = {}
-    for r in rows:
-        if r.kernel_id in wanted and r.tflops and (arch in (None, "any") or gpu_arch(r.gpu) == arch):
-            best[r.kernel_id] = max(best.get(r.kernel_id, 0.0), r.tflops)
+    for kid, gpu, tflops in rows:
+        at = table.where.get(kid)
+        if at is not None and ok[at[0]] and tflops and (arch in (None, "any") or gpu_arch(gpu) == arch):
+            best[kid] = max(best.get(kid, 0.0), tflops)
     top = max(best.values(), default=0.0)
     return {k: v / top for k, v in best.items()} if top else {}
 
@@ -143,47 +133,116 @@ def query(
 ) -> QueryResult:
     """Rank kernels for `text` (the spec's IR/feature description) and `target` features.
 
-    One model call embeds the query text and the snippet-kind texts; the candidate table is
-    read without IR text, parsed features are cached by their JSON, structural terms are
-    computed once per distinct (features, verified, executable), and only the top `k` rows
-    become `RankedKernel`s.
+    One model call embeds the query text; its vector finds the nearest kernels, the snippets
+    of each needed kind (a Chroma `kind` filter) and lessons. The candidate table is cached
+    per KB, grouped by everything ranking reads, with numpy columns per group: filters and
+    structural terms are computed for all groups at once. Only rows that can reach the top
+    `k` are scored one by one (see `_contenders`), and only the top `k` become `RankedKernel`s.
     """
     w = weights or load_weights()
     table = _candidate_table(kb)
+    qvec = kb.embedder.embed([text])[0]
+    ok = _passing(table, filters)
+    sims = _kernel_sims(kb, table, qvec) if mode != "structural" else {}
+    perf = _perf_terms(kb, table, ok, filters.arch) if mode == "hybrid" else {}
+    shared: dict[str, np.ndarray] = {}  # term -> weighted contribution per group
+    if mode != "embedding" and target is not None:
+        shared = {t: w[t] * v for t, v in term_columns(target, table.columns).items() if w.get(t)}
+    ranked = _top(table, ok, _Scorer(mode, w, sims, perf, shared), k)
     kinds = needed_snippet_kinds(target) if target is not None else []
-    qvec, *kind_vecs = kb.embedder.embed([text] + [f"{kind}: {text}" for kind in kinds])  # one model call
-    sims = {kid: 1.0 - dist for kid, dist in _nearest(kb, "kernels", qvec, min(EMBED_POOL, max(1, table.size)))}
-    groups = [g for g in table.groups if (not filters.programs_only or g.rep.executable) and _passes(g.rep, g.features, filters)]
-    perf = _perf_terms(kb, [r.id for g in groups for r in g.rows], filters.arch) if mode == "hybrid" else {}
-    scored = []
-    for g in groups:
-        shared: dict[str, float] = {}
-        if mode in ("hybrid", "structural") and target is not None:
-            vec = match_vector(target, g.features, verified=g.rep.verified, executable=g.rep.executable)
-            shared = {t: w[t] * v for t, v in vec.items() if v and w.get(t)}
-        # rows without a per-row term all score `shared`: only the first k of them (by id) can rank
-        plain = 0
-        for kern in g.rows:
-            if kern.id not in sims and kern.id not in perf:
-                if plain >= k:
-                    continue
-                plain += 1
-            own: dict[str, float] = {}
-            if mode in ("hybrid", "embedding"):
-                own["embedding"] = w.get("embedding", 1.0) * sims.get(kern.id, 0.0)
-            if kern.id in perf:
-                own["perf"] = w.get("perf", 0.5) * perf[kern.id]
-            terms = {**own, **shared}
-            scored.append((-sum(terms.values()), kern.id, kern, g.features, terms))
-    top = heapq.nsmallest(k, scored, key=lambda e: (e[0], e[1]))  # == sorted(...)[:k]
-    ranked = [RankedKernel(kern.id, kern.name, kern.family, kern.origin, sum(terms.values()), terms, f)
-              for _, _, kern, f, terms in top]
-    snippets = _snippets(kb, kinds, kind_vecs, snippets_per_kind)
+    snippets = _snippets(kb, kinds, qvec, snippets_per_kind)
     lessons = _lessons(kb, qvec, target) if filters.memory else []
     return QueryResult(target, ranked, snippets, lessons)
 
 
-class _Row(NamedTuple):  # a NamedTuple: built 10k times per query, a frozen dataclass costs 10x
+class _Scorer(NamedTuple):
+    """A query's ranking terms: per row (embedding, perf) and per group (structural)."""
+
+    mode: Mode
+    weights: dict[str, float]
+    sims: dict[str, float]
+    perf: dict[str, float]
+    shared: dict[str, np.ndarray]  # term -> weighted contribution per group
+
+    def group_scores(self, n_groups: int) -> np.ndarray:
+        """What a row without embedding or perf term scores, per group."""
+        return _fold(self.shared.values(), n_groups)
+
+    def own(self, kid: str) -> dict[str, float]:
+        own: dict[str, float] = {}
+        if self.mode in ("hybrid", "embedding"):
+            own["embedding"] = self.weights.get("embedding", 1.0) * self.sims.get(kid, 0.0)
+        if kid in self.perf:
+            own["perf"] = self.weights.get("perf", 0.5) * self.perf[kid]
+        return own
+
+    def totals(self, rows: list[tuple[int, _Row]]) -> np.ndarray:
+        """Scores of (group, row) pairs, bit-identical to `sum(self.terms(...).values())`."""
+        gis = np.fromiter((gi for gi, _ in rows), dtype=np.int64, count=len(rows))
+        own = [self.own(r.id) for _, r in rows]
+        per_row = [np.fromiter((o.get(t, 0.0) for o in own), dtype=np.float64, count=len(rows)) for t in ("embedding", "perf")]
+        return _fold([*per_row, *(v[gis] for v in self.shared.values())], len(rows))
+
+    def terms(self, gi: int, kid: str) -> dict[str, float]:
+        """The explained terms of one row (term -> contribution), zero structural terms left out."""
+        return {**self.own(kid), **{t: float(v[gi]) for t, v in self.shared.items() if v[gi]}}
+
+
+def _top(table: _Table, ok: np.ndarray, scorer: _Scorer, k: int) -> list[RankedKernel]:
+    """The `k` best passing rows by (-score, id), each with its terms."""
+    rows = _contenders(table, ok, scorer, k)
+    top = heapq.nsmallest(k, zip((-s for s in scorer.totals(rows).tolist()), (r.id for _, r in rows), rows))
+    ranked = []
+    for _, _, (gi, r) in top:
+        terms = scorer.terms(gi, r.id)
+        ranked.append(RankedKernel(r.id, r.name, r.family, r.origin, sum(terms.values()), terms, table.groups[gi].features))
+    return ranked
+
+
+def _fold(parts: Iterable[np.ndarray], n: int) -> np.ndarray:
+    # left to right from 0, the order `sum(terms.values())` adds in, so scores (and ties) are exact;
+    # zero parts change no sum
+    total = np.zeros(n)
+    for p in parts:
+        total += p
+    return total
+
+
+def _contenders(table: _Table, ok: np.ndarray, scorer: _Scorer, k: int) -> list[tuple[int, _Row]]:
+    """Every (group, row) that can be in the top `k`, in no particular order.
+
+    Rows with an embedding or perf term are scored one by one. Every other row scores its
+    group's structural score, so ranks by (group score, id): only the k groups with the best
+    (group score, first such id) can hold one of the k best, and only their first k such rows.
+    """
+    if k <= 0:
+        return []
+    special = [at for kid in (scorer.sims.keys() | scorer.perf.keys()) if (at := table.where.get(kid)) and ok[at[0]]]
+    skip = {r.id for _, r in special}
+    plain = [(gi, r) for gi in _plain_groups(table, ok, scorer, skip, k)
+             for r in itertools.islice((r for r in table.groups[gi].rows if r.id not in skip), k)]
+    return special + plain
+
+
+def _plain_groups(table: _Table, ok: np.ndarray, scorer: _Scorer, skip: set[str], k: int) -> list[int]:
+    """The (at most k) passing groups whose best row outside `skip` ranks among the k best such rows."""
+    n_special = np.bincount(np.fromiter((table.where[kid][0] for kid in skip), dtype=np.int64, count=len(skip)),
+                            minlength=len(table.groups))
+    idx = np.flatnonzero(ok & (table.sizes > n_special))
+    if len(idx) <= k:
+        return idx.tolist()
+    score = scorer.group_scores(len(table.groups))[idx]
+    keep = score >= np.partition(score, len(idx) - k)[len(idx) - k]  # cheap cut before sorting the ties
+    idx, score = idx[keep], score[keep]
+    if len(idx) <= k:
+        return idx.tolist()
+    first = table.first_ids[idx]  # fancy indexing copies
+    for j in np.flatnonzero(n_special[idx]).tolist():
+        first[j] = next(r.id for r in table.groups[idx[j]].rows if r.id not in skip)
+    return idx[np.lexsort((first, -score))[:k]].tolist()
+
+
+class _Row(NamedTuple):  # a NamedTuple: built 10k times per table, a frozen dataclass costs 10x
     """The columns ranking reads from a kernel row (no IR text, no sources)."""
 
     id: str
@@ -206,37 +265,109 @@ class _Group(NamedTuple):
     rows: list[_Row]  # sorted by id
 
 
+class _FilterColumns(NamedTuple):
+    """The row columns `Filters` test, per group (from the group's representative row)."""
+
+    arch: Coded
+    dtype: Coded  # "" = no dtype recorded
+    head_dim: np.ndarray  # 0 = no head dim recorded
+    generated: np.ndarray
+    decode: np.ndarray  # features split_kv or decode
+
+
 class _Table(NamedTuple):
-    marker: tuple
+    """The candidate rows of a KB grouped, with numpy columns per group for filters and structural terms."""
+
+    marker: tuple  # `_marker` when read
+    seen: tuple | None  # `_sqlite_version` when `marker` was last current
     size: int
     groups: list[_Group]
+    where: dict[str, tuple[int, _Row]]  # kernel id -> (group index, row)
+    sizes: np.ndarray  # rows per group
+    first_ids: np.ndarray  # each group's smallest id (wide enough for any id)
+    columns: CandidateColumns  # the structural terms' inputs per group
+    filter: _FilterColumns
+
+
+def _passing(table: _Table, flt: Filters) -> np.ndarray:
+    """Per group: does it pass `flt`?"""
+    c = table.filter
+    ok = table.columns.executable.copy() if flt.programs_only else np.ones(len(table.groups), dtype=bool)
+    if flt.arch:
+        ok &= c.arch.eq("any") | c.arch.eq(flt.arch)
+    if flt.dtype:
+        ok &= c.dtype.eq("") | c.dtype.eq(flt.dtype)
+    if flt.head_dim:
+        ok &= (c.head_dim == 0) | (c.head_dim == flt.head_dim)
+    if flt.decode is not None:
+        ok &= c.decode == flt.decode
+    if not flt.memory:
+        ok &= ~c.generated
+    return ok
 
 
 _TABLES: dict[str, _Table] = {}
 
 
-def _marker(kb: KnowledgeBase) -> tuple:
+def _marker(s: Session) -> tuple:
     """Changes whenever kernels are added or their ranking columns change (ids are content hashes)."""
+    # verified cast: a sum typed Boolean comes back as True for any count (and PostgreSQL has no sum(boolean))
     stmt = select(func.count(Kernel.id), func.max(Kernel.created_at), func.sum(func.length(Kernel.features_json)),
-                  func.sum(Kernel.verified))
-    with kb.read_session() as s:
-        return tuple(s.execute(stmt).one())
+                  func.sum(cast(Kernel.verified, Integer)))
+    return tuple(s.execute(stmt).one())
+
+
+def _sqlite_version(s: Session) -> tuple | None:
+    """On SQLite, a cheap value that changes with every commit to the database, by any connection.
+
+    `PRAGMA data_version` counts other connections' commits, `total_changes()` this one's; both
+    are per connection, hence the token stored with it. None on other databases.
+    """
+    conn = s.connection()
+    if conn.dialect.name != "sqlite":
+        return None
+    token = conn.connection.info.setdefault("retrieve_token", object())
+    return (token, conn.exec_driver_sql("PRAGMA data_version").scalar(),
+            conn.exec_driver_sql("SELECT total_changes()").scalar())
 
 
 def _candidate_table(kb: KnowledgeBase) -> _Table:
-    """The grouped candidate rows of `kb`, rebuilt only when the kernels table changed."""
+    """The grouped candidate rows of `kb`, rebuilt only when the kernels table changed.
+
+    The marker scans the kernels table; on SQLite it is only recomputed after a commit.
+    """
     key = kb.settings.resolved_db_url
-    marker = _marker(kb)
     cached = _TABLES.get(key)
-    if cached is not None and cached.marker == marker:
-        return cached
+    with kb.read_session() as s:
+        seen = _sqlite_version(s)
+        if cached is not None and seen is not None and cached.seen == seen:
+            return cached
+        marker = _marker(s)
+    if cached is None or cached.marker != marker:
+        cached = _build_table(kb, marker)
+    _TABLES[key] = cached = cached._replace(seen=seen)
+    return cached
+
+
+def _build_table(kb: KnowledgeBase, marker: tuple) -> _Table:
     rows = _candidates(kb)
     by_key: dict[tuple, list[_Row]] = {}
     for r in sorted(rows, key=lambda r: r.id):
         by_key.setdefault((r.features_json, r.verified, r.executable, r.arch, r.dtype, r.head_dim, r.origin), []).append(r)
     groups = [_Group(_features(fj), rs[0], rs) for (fj, *_), rs in by_key.items()]
-    _TABLES[key] = table = _Table(marker, len(rows), groups)
-    return table
+    reps = [g.rep for g in groups]
+    return _Table(
+        marker, None, len(rows), groups,
+        where={r.id: (gi, r) for gi, g in enumerate(groups) for r in g.rows},
+        sizes=np.array([len(g.rows) for g in groups], dtype=np.int64),
+        first_ids=np.array([g.rep.id for g in groups], dtype=f"U{max((len(r.id) for r in rows), default=1)}"),
+        columns=candidate_columns([(g.features, g.rep.verified, g.rep.executable) for g in groups]),
+        filter=_FilterColumns(
+            arch=coded([r.arch for r in reps]), dtype=coded([r.dtype or "" for r in reps]),
+            head_dim=np.array([r.head_dim or 0 for r in reps], dtype=np.int64),
+            generated=np.array([r.origin == "generated" for r in reps], dtype=bool),
+            decode=np.array([g.features.split_kv or g.features.decode for g in groups], dtype=bool)),
+    )
 
 
 def _candidates(kb: KnowledgeBase) -> list[_Row]:
@@ -252,29 +383,31 @@ def _features(features_json: str) -> Features:
     return Features.from_json(features_json)
 
 
-def _nearest(kb: KnowledgeBase, collection: str, vec: list[float], k: int,
-             where: dict[str, object] | None = None) -> list[tuple[str, float]]:
-    """`KnowledgeBase.vector_query` for an already embedded query (ids without a SQL row dropped)."""
-    hits = kb.vectors.query(collection, vec, k, where)
+def _kernel_sims(kb: KnowledgeBase, table: _Table, vec: list[float]) -> dict[str, float]:
+    """Similarity of the `EMBED_POOL` kernels nearest to `vec` that are in `table` (the others count 0)."""
+    hits = kb.vectors.query("kernels", vec, min(EMBED_POOL, max(1, table.size)))
+    stray = [h for h in hits if h[0] not in table.where]
+    if stray:
+        _rows(kb, "kernels", stray)  # warns about drift (a kernel committed since the table was read has its row)
+    return {kid: 1.0 - dist for kid, dist in hits if kid in table.where}
+
+
+def _rows(kb: KnowledgeBase, collection: str, hits: list[tuple[str, float]]) -> list[tuple[Any, float]]:
+    """The SQL rows of Chroma `hits` (id, distance), in order; ids without a row are dropped with a warning."""
     if not hits:
         return []
-    table = EMBEDDED[collection]
+    model: Any = EMBEDDED[collection]
     with kb.read_session() as s:
-        known = set(s.exec(select(table.id).where(table.id.in_([h[0] for h in hits]))))  # type: ignore[attr-defined]
-    if len(known) < len(hits):
-        log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(known), collection)
-    return [h for h in hits if h[0] in known]
+        rows = {r.id: r for r in s.exec(select(model).where(model.id.in_([h[0] for h in hits])))}
+    if len(rows) < len(hits):  # hits have distinct ids
+        log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(rows), collection)
+    return [(rows[i], dist) for i, dist in hits if i in rows]
 
 
-def _snippets(kb: KnowledgeBase, kinds: list[str], vecs: list[list[float]], per_kind: int) -> list[RankedSnippet]:
-    out: list[RankedSnippet] = []
-    with kb.read_session() as s:
-        for kind, vec in zip(kinds, vecs):
-            for sid, dist in _nearest(kb, "snippets", vec, per_kind, where={"kind": kind}):
-                sn = s.get(Snippet, sid)
-                if sn is not None:
-                    out.append(RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist))
-    return out
+def _snippets(kb: KnowledgeBase, kinds: list[str], vec: list[float], per_kind: int) -> list[RankedSnippet]:
+    hits = [h for kind in kinds for h in kb.vectors.query("snippets", vec, per_kind, {"kind": kind})]
+    return [RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist)
+            for sn, dist in _rows(kb, "snippets", hits)]
 
 
 def _where(kb: KnowledgeBase, sn: Snippet) -> str:
@@ -284,18 +417,13 @@ def _where(kb: KnowledgeBase, sn: Snippet) -> str:
 
 
 def _lessons(kb: KnowledgeBase, qvec: list[float], target: Features | None, k: int = 5) -> list[str]:
-    hits = _nearest(kb, "lessons", qvec, k)
     out = []
-    with kb.read_session() as s:
-        for lid, _ in hits:
-            les = s.get(Lesson, lid)
-            if les is None:
+    for les, _ in _rows(kb, "lessons", kb.vectors.query("lessons", qvec, k)):
+        if target is not None:
+            lf = Features.from_json(les.features_json or "{}")
+            if lf.mask != target.mask and lf.score_mod != target.score_mod:
                 continue
-            if target is not None:
-                lf = Features.from_json(les.features_json or "{}")
-                if lf.mask != target.mask and lf.score_mod != target.score_mod:
-                    continue
-            out.append(les.text)
+        out.append(les.text)
     return out
 
 

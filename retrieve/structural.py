@@ -1,20 +1,28 @@
 """Structural similarity: an additive model over feature matches (SparseDitto-style ranking).
 
-`match_vector(target, candidate)` turns a (spec features, kernel features) pair into named
-indicator terms; the score is the dot product with one visible weight table. Weights are
-fitted on the labelled spec set by `bench/fit_retrieval.py` (logistic regression) and saved
-to `retrieve/weights.json`; `DEFAULT_WEIGHTS` are only the fallback before any fit.
+`term_columns(target, columns)` is the one definition of the named indicator terms: it
+compares spec features with many candidates at once, read from numpy columns
+(`candidate_columns`, strings integer-coded). `match_vector(target, candidate)` is the same
+for one (spec features, kernel features) pair. The score is the dot product with one
+visible weight table. Weights are fitted on the labelled spec set by
+`bench/fit_retrieval.py` (logistic regression) and saved to `retrieve/weights.json`;
+`DEFAULT_WEIGHTS` are only the fallback before any fit.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from kb.features import Features
 
-__all__ = ["TERMS", "HYBRID_TERMS", "match_vector", "StructuralScore", "structural_score", "load_weights", "WEIGHTS_PATH"]
+__all__ = ["TERMS", "HYBRID_TERMS", "Coded", "coded", "CandidateColumns", "candidate_columns", "term_columns", "match_vector",
+           "StructuralScore", "structural_score", "load_weights", "WEIGHTS_PATH"]
 
 WEIGHTS_PATH = Path(__file__).with_name("weights.json")
 
@@ -54,29 +62,89 @@ DEFAULT_WEIGHTS: dict[str, float] = {
 }
 
 
-def match_vector(target: Features, cand: Features, *, verified: bool, executable: bool) -> dict[str, float]:
-    """Indicator terms for a (target, candidate) pair; keys are exactly TERMS."""
+class Coded(NamedTuple):
+    """A string column as integer codes; `vocab` maps each string to its code."""
+
+    codes: np.ndarray
+    vocab: dict[str, int]
+
+    def eq(self, value: str) -> np.ndarray:
+        return self.codes == self.vocab.get(value, -1)
+
+
+def coded(values: Sequence[str]) -> Coded:
+    vocab: dict[str, int] = {}
+    codes = np.fromiter((vocab.setdefault(v, len(vocab)) for v in values), dtype=np.int64, count=len(values))
+    return Coded(codes, vocab)
+
+
+class CandidateColumns(NamedTuple):
+    """Exactly what the terms read from candidates, one entry per candidate."""
+
+    mask: Coded
+    score_mod: Coded
+    dtype: Coded
+    arch: Coded
+    causal: np.ndarray  # bool columns
+    sliding_window: np.ndarray
+    split_kv: np.ndarray
+    decode: np.ndarray
+    return_lse: np.ndarray
+    verified: np.ndarray
+    executable: np.ndarray
+    gqa_ratio: np.ndarray  # int columns
+    head_dim: np.ndarray
+
+
+def candidate_columns(cands: Sequence[tuple[Features, bool, bool]]) -> CandidateColumns:
+    """Columns of (features, verified, executable) candidates, for `term_columns`."""
+    fs = [f for f, _, _ in cands]
+
+    def col(values: Iterable[object], dtype: type) -> np.ndarray:
+        return np.fromiter(values, dtype=dtype, count=len(fs))
+
+    return CandidateColumns(
+        mask=coded([f.mask for f in fs]), score_mod=coded([f.score_mod for f in fs]),
+        dtype=coded([f.dtype for f in fs]), arch=coded([f.arch for f in fs]),
+        causal=col((f.causal for f in fs), bool), sliding_window=col((f.sliding_window for f in fs), bool),
+        split_kv=col((f.split_kv for f in fs), bool), decode=col((f.decode for f in fs), bool),
+        return_lse=col((f.return_lse for f in fs), bool), verified=col((v for _, v, _ in cands), bool),
+        executable=col((e for _, _, e in cands), bool), gqa_ratio=col((f.gqa_ratio for f in fs), np.int64),
+        head_dim=col((f.head_dim for f in fs), np.int64),
+    )
+
+
+def term_columns(target: Features, c: CandidateColumns) -> dict[str, np.ndarray]:
+    """Every indicator term of `target` against every candidate: keys exactly TERMS, float64 columns."""
+    hd, t_hd = c.head_dim, target.head_dim
     # head_dim 0 = the program takes any head dim (HEAD_PAD decided at launch)
-    hd_ratio = 1.0 if cand.head_dim == 0 else max(target.head_dim, cand.head_dim) / max(1, min(target.head_dim, cand.head_dim))
-    return {
-        "mask_same": float(target.mask == cand.mask),
-        "mask_none_vs_some": float((target.mask == "none") != (cand.mask == "none")),
-        "causal_same": float(target.causal == cand.causal),
-        "window_same": float(target.sliding_window == cand.sliding_window),
-        "score_same": float(target.score_mod == cand.score_mod),
-        "score_missing": float(target.score_mod != "none" and cand.score_mod == "none"),
-        "split_same": float(target.split_kv == cand.split_kv),
-        "decode_same": float(target.decode == cand.decode),
-        "gqa_target": float(target.gqa_ratio > 1 and cand.gqa_ratio > 1),
-        "head_dim_same": float(target.head_dim == cand.head_dim),
-        "head_dim_close": float(hd_ratio <= 2),
-        "dtype_same": float(target.dtype == cand.dtype),
-        "arch_ok": float(cand.arch in ("any", target.arch) or target.arch == "any"),
-        "lse_same": float(target.return_lse == cand.return_lse),
-        "verified": float(verified),
-        "executable": float(executable),
-        "bias": 1.0,
+    hd_ratio = np.where(hd == 0, 1.0, np.maximum(t_hd, hd) / np.maximum(1, np.minimum(t_hd, hd)))
+    vals = {
+        "mask_same": c.mask.eq(target.mask),
+        "mask_none_vs_some": (target.mask == "none") != c.mask.eq("none"),
+        "causal_same": c.causal == target.causal,
+        "window_same": c.sliding_window == target.sliding_window,
+        "score_same": c.score_mod.eq(target.score_mod),
+        "score_missing": (target.score_mod != "none") & c.score_mod.eq("none"),
+        "split_same": c.split_kv == target.split_kv,
+        "decode_same": c.decode == target.decode,
+        "gqa_target": (target.gqa_ratio > 1) & (c.gqa_ratio > 1),
+        "head_dim_same": hd == t_hd,
+        "head_dim_close": hd_ratio <= 2,
+        "dtype_same": c.dtype.eq(target.dtype),
+        "arch_ok": c.arch.eq("any") | c.arch.eq(target.arch) | (target.arch == "any"),
+        "lse_same": c.return_lse == target.return_lse,
+        "verified": c.verified,
+        "executable": c.executable,
+        "bias": np.ones(len(hd), dtype=bool),
     }
+    return {t: v.astype(np.float64) for t, v in vals.items()}
+
+
+def match_vector(target: Features, cand: Features, *, verified: bool, executable: bool) -> dict[str, float]:
+    """Indicator terms for one (target, candidate) pair; keys are exactly TERMS."""
+    cols = candidate_columns([(cand, verified, executable)])
+    return {t: float(v[0]) for t, v in term_columns(target, cols).items()}
 
 
 @dataclass(frozen=True)
