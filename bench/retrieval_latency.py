@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from bench.eval_retrieval import ROOT, load_labelled
 from kb.embed import get_embedder
@@ -129,6 +130,8 @@ def main() -> None:
     with open_kb(settings, embedder=TimedEmbedder(real)) as kb:
         res["kernels"] = kb.counts().rows["kernels"]
         kb.embedder.embed(["warm up"])  # model load is not query latency
+        # the end-of-run load average counts this run's own threads; the start shows other jobs
+        res["load_avg_1m_start"], res["torch_threads"] = round(os.getloadavg()[0], 2), torch.get_num_threads()
         t = time.perf_counter()
         kb.embedder.embed([specs[0].text])
         res["embed_one_ms"] = round((time.perf_counter() - t) * 1000, 1)
