@@ -7,6 +7,12 @@ overriding KB_HOME). A `KBError` from any command, including ones registered lat
 
 from __future__ import annotations
 
+import os
+
+# OpenMP threads that spin after the embedding model's forward pass slow the vector query that
+# follows (11.5 vs 4.5 ms at 10k kernels on 2 cores); must be set before torch loads libgomp
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import json
 import logging
 from pathlib import Path
