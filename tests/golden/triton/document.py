@@ -244,7 +244,7 @@ def _fwd_kernel(
     # KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block
     # indices): partial blocks, then full blocks (no mask code); empty blocks are never visited
     _kvl_row_n_start = kvl_ptr + b * stride_kvl_0 + 0 * stride_kvl_1 + (m_start // BLOCK_M) * stride_kvl_2
-    _j_lo_n_start = tl.maximum(0, 0) // BLOCK_N
+    _j_lo_n_start = 0 // BLOCK_N
     _j_hi_n_start = tl.maximum(tl.minimum(tl.cdiv(tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N), bc_nn), _j_lo_n_start)
     _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
