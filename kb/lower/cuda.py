@@ -57,7 +57,7 @@ from kb.lower.cuda_expr import (
     lower_cexpr,
 )
 from kb.lower.triton import (
-    EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, check_attention_params, plan_block_mask,
+    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, check_attention_params, plan_block_mask,
 )
 
 __all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
@@ -699,7 +699,7 @@ class _KernelGen:
                 self.block(st.orelse)
 
     def block_condition(self, st: IfBlock) -> str:
-        code = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}[st.cls]
+        code = CLASS_CODE[st.cls]
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             cls = self.fresh("bclass")

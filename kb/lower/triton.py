@@ -42,9 +42,10 @@ from kb.ir.nodes import (
 )
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
-__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL"]
+__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
+CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
 _LOG2E = "1.4426950408889634"
 _NEG_INF = 'float("-inf")'
 _TL_DTYPE = {Dtype.F32: "tl.float32", Dtype.BF16: "tl.bfloat16", Dtype.F16: "tl.float16",
@@ -927,9 +928,8 @@ class _KernelGen:
         self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, BLOCK_N), bc_nn), {j_lo})")
         started = self.start_hoist(st)
         for cls in (BlockClass.PARTIAL, BlockClass.FULL):
-            code = {BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}[cls]
             lst, it = f"_kvl_{cls.value}_{v}", f"_i_{cls.value}_{v}"
-            self.emit(f"{lst} = {row} + {code - 1} * stride_kvl_3")
+            self.emit(f"{lst} = {row} + {CLASS_CODE[cls] - PARTIAL} * stride_kvl_3")
             self._invalidate(v)
             self.names[st.var] = Sym(v, Kind.INT, True)
             self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_kvl_4), tl.load({lst} + {j_hi} * stride_kvl_4)):")
@@ -963,7 +963,7 @@ class _KernelGen:
             self.depth -= 1
 
     def block_condition(self, st: IfBlock) -> str:
-        code = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}[st.cls]
+        code = CLASS_CODE[st.cls]
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             bq, bk = var("BLOCK_M"), var("BLOCK_N")
