@@ -107,7 +107,7 @@ def _out_tensor(res: object) -> torch.Tensor:
     return res  # type: ignore[return-value]
 
 
-def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> list[tuple[str, str, Callable, dict]]:
+def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> list[tuple[str, str, Callable, dict]]:
     """(impl, source, fn, extra) for every implementation of `case`; fn may raise Unsupported."""
     from bench.gpu import baselines as bl
     from bench.gpu.suite import TUNE_SCHEDULES, VARIANTS, declared_aux, load_program, schedule_for, with_schedule
@@ -121,16 +121,10 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
     inputs = {"q": q, "k": k, "v": v, **aux}
     out: list[tuple[str, str, Callable, dict]] = []
 
-    def gen(p, opts: LowerOptions | None = None) -> Callable:
-        if opts is None:
-            kern = TritonKernel.from_program(p)
-        else:  # ablation: same program, some speed options off
-            from kb.lower.runtime import load_module
-            from kb.lower.triton import lower_program
-
-            mod, _ = load_module(lower_program(p, opts), p.name + "_ablate")
-            return lambda: mod.forward(q, k, v, **aux)[0]
-        return lambda: kern.run(inputs)["o"]
+    def gen(p, opts: LowerOptions | None = None, **extra) -> Callable:
+        """Program `p` lowered (with `opts`: an ablation, some speed options off), run on the case's inputs."""
+        kern = TritonKernel.from_program(p, options=opts)
+        return lambda: kern.run({**inputs, **extra})["o"]
 
     # the program's structure is the generated one; the launch schedule is this GPU's per-head-dim choice
     default = with_schedule(prog, schedule_for(case.D))
@@ -142,12 +136,11 @@ def _impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> l
         # "generated+table" also builds it on every call
         table = kern.module.block_class_table(q, k, v, **aux)
         out.append(("generated", source, lambda: kern.run({**inputs, "block_class": table})["o"], meta))
-        out.append(("generated+table", source, gen(default), meta))
+        out.append(("generated+table", source, lambda: kern.run(inputs)["o"], meta))
         # the same kernel scanning every KV block with a per-block class branch (before indexed_kv_loop)
-        noindex = TritonKernel.from_program(default, options=LowerOptions(indexed_kv_loop=False))
-        out.append(("generated-noindex", source, lambda: noindex.run({**inputs, "block_class": table})["o"], meta))
+        out.append(("generated-noindex", source, gen(default, LowerOptions(indexed_kv_loop=False), block_class=table), meta))
     else:
-        out.append(("generated", source, gen(default), meta))
+        out.append(("generated", source, lambda: kern.run(inputs)["o"], meta))
     is_tune = tune and case.variant == "causal" and case.S in (1024, 8192)
     if is_tune:
         for bm, bn, w, st in TUNE_SCHEDULES[128 if case.D > 64 else 64]:
@@ -192,23 +185,30 @@ def _raiser(err: Exception) -> Callable:
     return run
 
 
-def run_case(case, env: dict, peak: float, tune: bool, ablate: bool) -> list[Record]:
-    from bench.gpu.baselines import Unsupported
-    from bench.gpu.suite import attended_pairs, attention_flops, aux_tensors, torch_mods
-    from verify.timing import time_fn
+def case_tensors(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """bf16 q, k, v on the GPU (seeded by the case) and the case's aux tensors."""
+    from bench.gpu.suite import aux_tensors
 
     torch.manual_seed(hash(case) % (2 ** 31))
     q = torch.randn(case.B, case.Hq, case.S, case.D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(case.B, case.Hkv, case.S, case.D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(case.B, case.Hkv, case.S, case.D, device="cuda", dtype=torch.bfloat16)
-    aux = aux_tensors(case, "cuda")
+    return q, k, v, aux_tensors(case, "cuda")
+
+
+def run_case(case, env: dict, peak: float, tune: bool, ablate: bool) -> list[Record]:
+    from bench.gpu.baselines import Unsupported
+    from bench.gpu.suite import attended_pairs, attention_flops, torch_mods
+    from verify.timing import time_fn
+
+    q, k, v, aux = case_tensors(case)
     mask, score = torch_mods(case, aux)
     pairs = attended_pairs(case, mask, "cuda")
     flops = attention_flops(case, pairs)
     shape = {"B": case.B, "Hq": case.Hq, "Hkv": case.Hkv, "M": case.S, "N": case.S, "D": case.D,
              "attended_pairs": pairs, "flops": flops}
     base = dict(case=case.label, variant=case.variant, shape=shape, dtype="bf16")
-    impls = _impls(case, q, k, v, aux, mask, score, tune, ablate)
+    impls = case_impls(case, q, k, v, aux, mask, score, tune, ablate)
     outs: dict[str, torch.Tensor] = {}
     status: dict[str, tuple[str, str]] = {}
     for name, _, fn, _ in impls:  # correctness first: one run each, nothing timed yet
