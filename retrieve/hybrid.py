@@ -12,10 +12,9 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from sqlalchemy import Integer, cast
@@ -24,12 +23,9 @@ from sqlmodel import Session, func, select
 from kb.features import Features
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel, PerfRecord, Snippet
-from kb.store.records import EMBEDDED
 from retrieve.structural import CandidateColumns, Coded, candidate_columns, coded, load_weights, term_columns
 
 __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
-
-log = logging.getLogger(__name__)
 
 Mode = Literal["hybrid", "embedding", "structural"]
 PROGRAM_PREFIX = "program "  # IR text of a complete program starts so; snippet-only rows do not
@@ -272,7 +268,6 @@ class _FilterColumns(NamedTuple):
     dtype: Coded  # "" = no dtype recorded
     head_dim: np.ndarray  # 0 = no head dim recorded
     generated: np.ndarray
-    decode: np.ndarray  # features split_kv or decode
 
 
 class _Table(NamedTuple):
@@ -300,7 +295,7 @@ def _passing(table: _Table, flt: Filters) -> np.ndarray:
     if flt.head_dim:
         ok &= (c.head_dim == 0) | (c.head_dim == flt.head_dim)
     if flt.decode is not None:
-        ok &= c.decode == flt.decode
+        ok &= (table.columns.split_kv | table.columns.decode) == flt.decode
     if not flt.memory:
         ok &= ~c.generated
     return ok
@@ -365,8 +360,7 @@ def _build_table(kb: KnowledgeBase, marker: tuple) -> _Table:
         filter=_FilterColumns(
             arch=coded([r.arch for r in reps]), dtype=coded([r.dtype or "" for r in reps]),
             head_dim=np.array([r.head_dim or 0 for r in reps], dtype=np.int64),
-            generated=np.array([r.origin == "generated" for r in reps], dtype=bool),
-            decode=np.array([g.features.split_kv or g.features.decode for g in groups], dtype=bool)),
+            generated=np.array([r.origin == "generated" for r in reps], dtype=bool)),
     )
 
 
@@ -388,26 +382,14 @@ def _kernel_sims(kb: KnowledgeBase, table: _Table, vec: list[float]) -> dict[str
     hits = kb.vectors.query("kernels", vec, min(EMBED_POOL, max(1, table.size)))
     stray = [h for h in hits if h[0] not in table.where]
     if stray:
-        _rows(kb, "kernels", stray)  # warns about drift (a kernel committed since the table was read has its row)
+        kb.hit_rows("kernels", stray)  # warns about drift (a kernel committed since the table was read has its row)
     return {kid: 1.0 - dist for kid, dist in hits if kid in table.where}
-
-
-def _rows(kb: KnowledgeBase, collection: str, hits: list[tuple[str, float]]) -> list[tuple[Any, float]]:
-    """The SQL rows of Chroma `hits` (id, distance), in order; ids without a row are dropped with a warning."""
-    if not hits:
-        return []
-    model: Any = EMBEDDED[collection]
-    with kb.read_session() as s:
-        rows = {r.id: r for r in s.exec(select(model).where(model.id.in_([h[0] for h in hits])))}
-    if len(rows) < len(hits):  # hits have distinct ids
-        log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(rows), collection)
-    return [(rows[i], dist) for i, dist in hits if i in rows]
 
 
 def _snippets(kb: KnowledgeBase, kinds: list[str], vec: list[float], per_kind: int) -> list[RankedSnippet]:
     hits = [h for kind in kinds for h in kb.vectors.query("snippets", vec, per_kind, {"kind": kind})]
     return [RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist)
-            for sn, dist in _rows(kb, "snippets", hits)]
+            for sn, dist in kb.hit_rows("snippets", hits)]
 
 
 def _where(kb: KnowledgeBase, sn: Snippet) -> str:
@@ -418,7 +400,7 @@ def _where(kb: KnowledgeBase, sn: Snippet) -> str:
 
 def _lessons(kb: KnowledgeBase, qvec: list[float], target: Features | None, k: int = 5) -> list[str]:
     out = []
-    for les, _ in _rows(kb, "lessons", kb.vectors.query("lessons", qvec, k)):
+    for les, _ in kb.hit_rows("lessons", kb.vectors.query("lessons", qvec, k)):
         if target is not None:
             lf = Features.from_json(les.features_json or "{}")
             if lf.mask != target.mask and lf.score_mod != target.score_mod:

@@ -275,12 +275,21 @@ class KnowledgeBase:
         if collection not in COLLECTIONS:
             raise KBError(f"unknown collection {collection!r}; one of {list(COLLECTIONS)}")
         hits = self.vectors.query(collection, self.embedder.embed([text])[0], k, where)
-        table = EMBEDDED[collection]
+        return [(row.id, dist) for row, dist in self.hit_rows(collection, hits)]
+
+    def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> list[tuple[SQLModel, float]]:
+        """The SQL rows of vector `hits` (id, distance) in one SELECT, in hit order.
+
+        Ids Chroma returns without a SQL row (drift) are dropped with a warning.
+        """
+        if not hits:
+            return []
+        model = EMBEDDED[collection]
         with self.read_session() as s:
-            known = set(s.exec(select(table.id).where(table.id.in_([h[0] for h in hits]))))  # type: ignore[attr-defined]
-        if len(known) < len(hits):
-            log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(known), collection)
-        return [h for h in hits if h[0] in known]
+            rows = {r.id: r for r in s.exec(select(model).where(model.id.in_([h[0] for h in hits])))}  # type: ignore[attr-defined]
+        if len(rows) < len(hits):  # hits have distinct ids
+            log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(rows), collection)
+        return [(rows[i], dist) for i, dist in hits if i in rows]
 
     # -- maintenance -----------------------------------------------------------
     def doctor(self, fix: bool = False):  # -> DoctorReport
