@@ -2,7 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build of torch; override on a machine with a GPU (e.g. TORCH_SPEC=torch).
+# torch 2.13.0, installed before the project so that nothing else picks a torch for us. On this
+# workplace's machines and CI, pip's configured find-links (/opt/wheels) hold the CPU build of exactly
+# this release (2.13.0+cpu), so the pin installs that local wheel instead of downloading PyPI's
+# multi-GB CUDA build; everything here runs on CPU. Elsewhere PyPI serves the CUDA build of 2.13.0,
+# which works too. On a GPU machine, choose your own build: make TORCH_SPEC='torch==X.Y.Z'.
 TORCH_SPEC ?= torch==2.13.0
 DEMO_HOME ?= $(CURDIR)/.kb-demo
 DEMO_SPEC ?= examples/specs/sliding_window.py
@@ -27,6 +31,7 @@ demo: venv
 	$(KB) generate $(DEMO_SPEC) --out $(DEMO_HOME)/out
 
 test: venv
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 clean:

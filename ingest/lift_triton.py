@@ -214,7 +214,7 @@ def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
     k_loads = _loads(walk, k_base)
     parts = stride_indices(simplify(k_loads[0].payload[1])) if k_loads else None
     if not parts:
-        raise _Skip(f"k pointer offset not understood")
+        raise _Skip("k pointer offset not understood")
     heads = [idx for s, idx in parts if s.endswith("h")]
     if len(heads) != 1:
         raise _Skip("no head stride in the k pointer")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,18 @@ import pytest
 
 from kb.embed import SentenceEmbedder, get_embedder
 from kb.settings import Settings, load_settings
+
+# ---- hermetic caches: a warm machine must not hide a failure (a kernel that only "compiles"
+# because ~/.triton/cache already holds it). Every compiler cache of this run, and of every
+# process it starts (they inherit the environment), lives in one fresh directory removed at exit.
+_RUN_CACHES = Path(tempfile.mkdtemp(prefix="kb-test-caches-"))
+for _var, _sub in (("TRITON_HOME", "triton-home"), ("TRITON_CACHE_DIR", "triton-cache"),
+                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("XDG_CACHE_HOME", "xdg-cache")):
+    os.environ[_var] = str(_RUN_CACHES / _sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_RUN_CACHES, ignore_errors=True)
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

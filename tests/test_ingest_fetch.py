@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import tarfile
 import time
 import zipfile
@@ -91,8 +90,10 @@ def _tar(path: Path, members: list[tarfile.TarInfo], data: bytes = b"x") -> Path
 @pytest.mark.parametrize("name,kind,link", [("../evil.h", tarfile.REGTYPE, ""), ("/abs/evil.h", tarfile.REGTYPE, ""),
                                              ("pkg/link", tarfile.SYMTYPE, "/etc/passwd"), ("pkg/hard", tarfile.LNKTYPE, "../../x")])
 def test_unsafe_tar_members_are_refused(tmp_path, name, kind, link):
-    ok = tarfile.TarInfo("pkg/ok.h"); ok.size = 1
-    bad = tarfile.TarInfo(name); bad.type = kind; bad.linkname = link; bad.size = 1 if kind == tarfile.REGTYPE else 0
+    ok = tarfile.TarInfo("pkg/ok.h")
+    ok.size = 1
+    bad = tarfile.TarInfo(name)
+    bad.type, bad.linkname, bad.size = kind, link, 1 if kind == tarfile.REGTYPE else 0
     archive = _tar(tmp_path / "bad.tar.gz", [ok, bad])
     with pytest.raises(KBError, match="refusing to unpack"):
         unpack(archive, tmp_path / "out", sha256_file(archive))
@@ -109,7 +110,8 @@ def test_unsafe_zip_member_is_refused(tmp_path):
 
 
 def test_unpack_is_idempotent(tmp_path):
-    ok = tarfile.TarInfo("pkg/ok.h"); ok.size = 1
+    ok = tarfile.TarInfo("pkg/ok.h")
+    ok.size = 1
     archive = _tar(tmp_path / "good.tar.gz", [ok])
     out = unpack(archive, tmp_path / "out", "h1")
     marker = out / "pkg" / "marker"

@@ -22,7 +22,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.evaluate import eval_expr
-from kb.ir.nodes import Dtype, For, IfBlock, Kernel, Param, Program, Role
+from kb.ir.nodes import Dtype, For, IfBlock, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import BlockMaskKind, LowerOptions, _block_tests, lower_program, plan_block_mask
 from tests.attn_reference import reference_attention
@@ -262,3 +262,15 @@ def test_interpreter_kernels_exist(cache_dir: Path) -> None:
     k = TritonKernel.from_program(FIXTURES["decode_split_kv"](), cache_dir)
     assert set(k.jit_functions) == {"split", "combine"}
     assert k.path.exists() and k.path.read_text() == k.source
+
+
+def test_module_cache_is_keyed_by_interpreter_mode(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`@triton.jit` picks interpreter or compiler when the module is imported, so one source imported in
+    both modes gives two modules; a module made for the interpreter is never handed to a compiled launch."""
+    source = lower_program(FIXTURES["causal"]())
+    interp, _ = load_module(source, "mode_key", cache_dir)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    compiled, _ = load_module(source, "mode_key", cache_dir)
+    assert interp is not compiled and interp.__name__.endswith("_interp") and not compiled.__name__.endswith("_interp")
+    assert type(compiled._fwd_kernel).__name__ == "JITFunction"
+    assert type(interp._fwd_kernel).__name__ == "InterpretedFunction"

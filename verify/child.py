@@ -20,7 +20,7 @@ import torch
 
 from verify.load import CandidateImportError, SpecError, check_signatures, load_candidate, load_spec
 from verify.options import VerifyOptions
-from verify.result import Finding, ShapeCase, Verdict, VerifyResult
+from verify.result import Finding, Verdict, VerifyResult
 from verify.session import Session
 from verify.static import scan_candidate
 

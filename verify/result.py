@@ -9,7 +9,7 @@ through JSON (`to_json` / `from_json`) because the child process reports in JSON
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 

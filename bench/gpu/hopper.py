@@ -8,7 +8,6 @@ Also checks ragged / padded-head shapes: the TMA path must equal the portable pa
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -90,14 +89,14 @@ def main(out: Path, deadline_s: float) -> None:
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         impls = []
         for be, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-            def run(backend=backend):
+            def run(backend=backend, q=q, k=k, v=v):
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
             impls.append((be, run))
         for label, tma, bm, bn, w, st, ws in CONFIGS:
             try:
                 mod = _module(variant, tma, bm, bn, w, st, ws)
-                impls.append((label, lambda mod=mod: mod.forward(q, k, v)[0]))
+                impls.append((label, lambda mod=mod, q=q, k=k, v=v: mod.forward(q, k, v)[0]))
             except Exception as err:  # noqa: BLE001
                 impls.append((label, err))
         for label, fn in impls:

@@ -18,7 +18,6 @@ import dataclasses
 import datetime as dt
 import json
 import logging
-import math
 import subprocess
 import sys
 import time

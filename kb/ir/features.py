@@ -26,7 +26,7 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, IfBlock, Load, Program, Role, Span, Stmt, Store, walk_stmts
+from kb.ir.nodes import Combine, Dtype, For, Full, Load, Program, Role, Span, Stmt, Store, walk_stmts
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 

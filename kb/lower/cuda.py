@@ -48,7 +48,7 @@ from typing import Iterator, Mapping
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     Stmt, Store, walk_stmts,
 )

@@ -6,8 +6,11 @@ so it must live in a real file) and imports it. `run(inputs)` calls the module's
 `forward`, which allocates outputs and scratch, computes grids and launches the kernels.
 
 Invariants: the file name carries the sha256 of the source, so a cached file is never
-stale and two programs never share a module; set `TRITON_INTERPRET=1` before the first
-`import triton` to run on CPU.
+stale and two programs never share a module. `@triton.jit` makes interpreted or compiled
+functions depending on `TRITON_INTERPRET` at the moment the module is imported, so the module
+name also says which mode it was imported in: a module loaded for the interpreter is never
+handed to a compiled launch, or the reverse. Set `TRITON_INTERPRET=1` before the first
+`import triton` to run on CPU (Triton's own library functions are fixed at that import).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,7 +49,8 @@ def _default_cache_dir() -> Path:
 def load_module(source: str, name: str, cache_dir: Path | None = None) -> tuple[ModuleType, Path]:
     """Write `source` to a content-addressed file under `cache_dir` and import it."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    mod_name = f"kb_triton_{name}_{digest}"
+    mode = "_interp" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+    mod_name = f"kb_triton_{name}_{digest}{mode}"
     if mod_name in sys.modules:
         mod = sys.modules[mod_name]
         return mod, Path(mod.__file__ or "")

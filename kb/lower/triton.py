@@ -36,7 +36,7 @@ from typing import Iterator
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     Stmt, Store, walk_stmts,
 )
@@ -888,7 +888,7 @@ class _KernelGen:
             last = call("minimum", last, q0 - var("BLOCK_N") + 1 - substitute(lower, sub))
         for upper in self.plan.upper:  # g_max = q1 - n <= U
             first = call("maximum", first, q1 - substitute(upper, sub))
-        self.emit(f"# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
+        self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.ex(st.lo)}")
         self.emit(f"{hi} = {self.ex(st.hi)}")

@@ -5,33 +5,34 @@ that is valid Python yet fails to compile (a type error in the compiled dialect,
 over the limit, a pass crash) would only surface on the GPU machine. `compile_for_arch` runs the
 real compiler (`triton.compile` with a `GPUTarget`, Triton's bundled ptxas) on this machine, with
 concrete constexprs taken from the program's schedule, and reports what the GPU would get.
+
+Why a child process: Triton decides interpreter or compiler once per function, when `@triton.jit`
+decorates it (`knobs.runtime.interpret`, read from `TRITON_INTERPRET` at that moment). Triton's
+own library functions (`tl.cdiv`, `tl.sum`, ...) are decorated when `triton.language` is first
+imported, so a process that ever imported Triton with `TRITON_INTERPRET=1` holds interpreter
+versions of them for good, and the compiler fails on the first call into one ("'block_argument'
+object has no attribute 'dtype'"). Unsetting the variable later cannot undo that; only a process
+that never set it can compile. The compile therefore always runs in a fresh interpreter with the
+variable removed from its environment, whatever the calling process did before.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 from kb.errors import KBError
 from kb.ir.nodes import Dtype, Program, Role
-from kb.lower.runtime import load_module
-from kb.lower.triton import LowerOptions, kernel_fn_name, lower_program
+from kb.lower.triton import LowerOptions
 
 __all__ = ["AotKernel", "compile_for_arch"]
 
 _PTR = {Dtype.F32: "*fp32", Dtype.BF16: "*bf16", Dtype.F16: "*fp16", Dtype.I32: "*i32", Dtype.I64: "*i64", Dtype.BOOL: "*i1"}
 _TABLE_PTRS = {"bc_ptr": "*i8", "kvl_ptr": "*i32"}
-
-
-def _compiled_module(p: Program, options: LowerOptions | None) -> ModuleType:
-    """The lowered module imported with TRITON_INTERPRET unset, so `@triton.jit` makes compilable functions."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        return load_module(lower_program(p, options), p.name + "_aot")[0]
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,38 @@ class AotKernel:
 
 
 def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bool = True,
-                     options: LowerOptions | None = None) -> list[AotKernel]:
+                     options: LowerOptions | None = None, timeout_s: float = 300.0) -> list[AotKernel]:
     """Compile every kernel of `p` for sm_`arch` as the host would launch it at `head_dim` (USE_TMA=`tma`)."""
+    from kb.ir.text import print_program
+
+    request = {"ir": print_program(p), "arch": arch, "head_dim": head_dim, "tma": tma,
+               "options": dataclasses.asdict(options or LowerOptions())}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "kb.lower.triton_aot"], input=json.dumps(request), env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        raise KBError(f"{p.name}: the Triton compile for sm_{arch} took over {timeout_s:.0f} s") from err
+    try:
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):  # the child died before answering: show the end of what it said
+        tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+        raise KBError(f"{p.name}: the Triton compile process failed (exit status {done.returncode}):\n{tail}") from None
+    if "error" in answer:
+        raise KBError(answer["error"])
+    return [AotKernel(**k) for k in answer["kernels"]]
+
+
+def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: LowerOptions) -> list[AotKernel]:
+    """The compile itself; runs only in a process whose Triton was imported without TRITON_INTERPRET."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module = _compiled_module(p, options)
+    from kb.lower.runtime import load_module
+    from kb.lower.triton import kernel_fn_name, lower_program
+
+    module = load_module(lower_program(p, options), p.name)[0]
     tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR}
     scalars = {q.name for q in p.params if q.role is Role.SCALAR}
     s = p.schedule
@@ -77,3 +103,24 @@ def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bo
         out.append(AotKernel(k.name, compiled.metadata.shared, ptx.count("wgmma.mma_async"),
                              ptx.count("cp.async.bulk.tensor")))
     return out
+
+
+def _main() -> int:
+    from kb.ir.text import parse_program
+
+    if os.environ.get("TRITON_INTERPRET"):
+        print("kb.lower.triton_aot must run without TRITON_INTERPRET", file=sys.stderr)
+        return 2
+    req = json.loads(sys.stdin.read())
+    try:
+        kernels = _compile_here(parse_program(req["ir"]), req["arch"], req["head_dim"], req["tma"],
+                                LowerOptions(**req["options"]))
+    except KBError as err:
+        print(json.dumps({"error": str(err)}))
+        return 1
+    print(json.dumps({"kernels": [dataclasses.asdict(k) for k in kernels]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -31,7 +31,6 @@ from kb.store import db
 from kb.store.ids import PREFIXES
 from kb.store.models import (
     TABLE_BY_NAME,
-    TABLES,
     Attempt,
     GenerationRun,
     Kernel,
