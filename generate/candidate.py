@@ -9,7 +9,6 @@ the spec's Model holds as buffers are saved next to it as `<stem>.aux.pt` and lo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 from generate.spec import Spec
 from kb.errors import KBError
 
-__all__ = ["CandidateFiles", "forward_signature", "write_candidate", "write_outputs"]
+__all__ = ["CandidateFiles", "forward_signature", "write_candidate"]
 
 
 @dataclass(frozen=True)
@@ -87,14 +86,3 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
 def _init_signature(spec: Spec) -> str:
     """`, a, b=1` for the spec Model's constructor (defaults kept), or '' for none."""
     return "".join(f", {p}" for p in spec.init_params)
-
-
-def write_outputs(out_dir: Path, stem: str, *, ir_text: str, cuda_source: str | None, report: dict) -> dict[str, Path]:
-    paths = {"ir": out_dir / f"{stem}.kbir", "report": out_dir / f"{stem}.report.json"}
-    paths["ir"].write_text(ir_text)
-    if cuda_source is not None:
-        paths["cuda"] = out_dir / f"{stem}.cu"
-        paths["cuda"].write_text(cuda_source)
-    paths["report"].write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    return paths
-

@@ -4,7 +4,10 @@ Attempts are (reference, strategy) pairs for the rule engine, or LLM rounds for 
 engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
 On success the kernel (with lineage: parent = reference), its sources, the attempts, the
 run and the lessons are written in ONE transaction; on failure the run, attempts and lessons
-are written, and no kernel. With memory off, retrieval ignores generated kernels and lessons.
+are written, and no kernel. Lineage is append-only: a run whose program is already in the KB
+links to that kernel and changes nothing about it. With memory off, retrieval ignores
+generated kernels and lessons. The files in `--out` are published as one set at the end of
+the run (generate.outputs), with a report whose `status` says what they are.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from pathlib import Path
 from typing import Literal
 
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
-from generate.candidate import write_candidate, write_outputs
+from generate.candidate import write_candidate
+from generate.outputs import publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.target import target_for
@@ -61,6 +65,7 @@ class GenerateResult:
     files: dict[str, Path] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
+    status: str = "failed"  # "verified", "generated, not verified" or "failed": the report's status
 
     @property
     def attempts_to_success(self) -> int | None:
@@ -76,25 +81,30 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     t0 = time.perf_counter()
     spec_path = Path(spec_path)
     run = GenerationRun(spec_path=str(spec_path), engine=options.engine, memory=options.memory)
+    out_dir = options.out_dir or (Path.cwd() / "out")
     try:
         spec = load_spec(spec_path)
     except KBError as err:
         run.status, run.error, run.finished_at = "failed", f"spec: {err}", _now()
         run_id = kb.write_run(run)
-        return GenerateResult(spec_path, run_id, False, None, (), error=str(err), seconds=time.perf_counter() - t0)
+        # the spec's earlier files go; a report says why nothing replaced them
+        files = publish(out_dir, _stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
+                                                         "kernel_id": None, "error": run.error, "attempts": []})
+        return GenerateResult(spec_path, run_id, False, None, (), files, str(err), time.perf_counter() - t0)
     run.spec_hash = spec.source_hash
     run_id = kb.write_run(run)
     run = kb.get(run_id)  # type: ignore[assignment]
-    try:
-        outcomes, built, ref = _attempts(kb, spec, options)
-    except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
-        outcomes, built, ref = [], None, None
-        run.error = str(err)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
-        run.status, run.error, run.finished_at = "failed", "interrupted before a kernel was verified", _now()
-        kb.write_run(run)
-        raise
-    return _finish(kb, spec, run, outcomes, built, ref, options, t0)
+    with staging_dir(out_dir) as stage:
+        try:
+            outcomes, built, ref = _attempts(kb, spec, options, stage)
+        except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
+            outcomes, built, ref = [], None, None
+            run.error = str(err)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
+            run.status, run.error, run.finished_at = "failed", "interrupted before a kernel was verified", _now()
+            kb.write_run(run)
+            raise
+        return _finish(kb, spec, run, outcomes, built, ref, options, t0, out_dir)
 
 
 @dataclass
@@ -112,13 +122,14 @@ class _Built:
 Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
 
 
-def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
+def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
+              stage: Path) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
     text = describe_target(spec.features, *spec.variant_strings())
     found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
     if not found.kernels:
         raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
     if options.engine == "llm":
-        return _llm_attempts(kb, spec, found, options)
+        return _llm_attempts(kb, spec, found, options, stage)
     lessons = _strategy_lessons(kb) if options.memory else []
     outcomes: list[AttemptOutcome] = []
     for ref in found.kernels:
@@ -126,7 +137,7 @@ def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[
         for strategy in plan_strategies(spec, ref, lessons):
             if len(outcomes) >= options.max_attempts:
                 return outcomes, None, None
-            outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options)
+            outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options, stage)
             outcomes.append(outcome)
             if built is not None:
                 return outcomes, built, ref
@@ -134,7 +145,7 @@ def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> tuple[
 
 
 def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, n: int,
-         options: GenerateOptions) -> tuple[AttemptOutcome, _Built | None]:
+         options: GenerateOptions, stage: Path) -> tuple[AttemptOutcome, _Built | None]:
     t0 = time.perf_counter()
 
     def outcome(stage: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
@@ -149,13 +160,13 @@ def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy
     failure = check_program(program, spec)
     if failure:
         return outcome(Stage.IR_CHECK, "numeric_mismatch", failure, text), None
-    built = _realise(spec, program, options)
+    built = _realise(spec, program, options, stage)
     if isinstance(built, tuple):
         return outcome(*built, text), None
     return outcome(Stage.VERIFY if options.verify_kernel else Stage.LOWER, "passed", built.detail, text), built
 
 
-def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions):  # noqa: ANN001
+def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions, stage: Path):  # noqa: ANN001
     """LLM rounds; the check is the whole chain (IR check, lowering, verification), so any failure is feedback."""
     from generate.llm_transfer import llm_transfer
 
@@ -165,10 +176,10 @@ def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions
         failure = check_program(program, spec)
         if failure:
             return failure
-        built = _realise(spec, replace(program, name=_name(spec)), options)
+        built = _realise(spec, replace(program, name=_name(spec)), options, stage)
         if isinstance(built, tuple):
-            stage, verdict, detail = built
-            return f"{stage.value} failed ({verdict}): {detail}"
+            failed_stage, verdict, detail = built
+            return f"{failed_stage.value} failed ({verdict}): {detail}"
         holder.append(built)
         return None
 
@@ -181,11 +192,16 @@ def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
 
 
 def _name(spec: Spec) -> str:
-    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec.path.stem)
+    return _stem(spec.path)
+
+
+def _stem(spec_path: Path) -> str:
+    """The program name and file stem of a spec's outputs: gen_<spec file stem>."""
+    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec_path.stem)
 
 
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
-            ref: RankedKernel | None, options: GenerateOptions, t0: float) -> GenerateResult:
+            ref: RankedKernel | None, options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
     kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
     succeeded = kernel is not None
     run.status = "succeeded" if succeeded else "failed"
@@ -193,29 +209,53 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
     if not succeeded and not run.error:
         run.error = outcomes[-1].feedback[:2000] if outcomes else "no attempt was possible"
     records: list = []
+    existing = None
     if kernel is not None:
         assign_id(kernel)
-        if kernel.id == kernel.parent_id:  # regenerated exactly what the reference is: keep its lineage
-            kernel.parent_id = kb.get(kernel.id).parent_id  # type: ignore[union-attr]
-        records.append(kernel)
+        existing = kb.find(kernel.id)  # the same program again: link the run to it; its lineage stays as written
+        if existing is None:
+            records.append(kernel)
         run.kernel_id = kernel.id
     records.append(run)
     records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict,
                         feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds) for o in outcomes]
     records += lessons_for_run(run.id, spec, outcomes, succeeded)
     kb.write_records(records)
+    report = _report(spec, run, kernel, existing, built, ref, outcomes, options)
     files = dict(built.files) if built is not None else {}
     if built is not None:
-        report = {"spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
-                  "reference_id": ref.id if ref else None, "engine": options.engine, "memory": options.memory,
-                  "features": spec.features.to_json(), "verify": {"verdict": built.verdict, "detail": built.detail},
-                  "attempts": [o.as_dict() for o in outcomes], "ir_hash": content_hash(built.program),
-                  "cuda": compile_cuda(built.cuda_src, files["candidate"].parent, spec.shapes.D)
-                  if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"}}
-        files.update(write_outputs(files["candidate"].parent, _name(spec), ir_text=print_program(built.program),
-                                   cuda_source=built.cuda_src, report=report))
-    return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), files,
-                          run.error, time.perf_counter() - t0)
+        files["ir"] = _stage_text(files["candidate"].with_suffix(".kbir"), print_program(built.program))
+        if built.cuda_src:
+            files["cuda"] = _stage_text(files["candidate"].with_suffix(".cu"), built.cuda_src)
+    published = publish(out_dir, _name(spec), files, report)
+    return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), published,
+                          run.error, time.perf_counter() - t0, report["status"])
+
+
+def _stage_text(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: object, built: _Built | None,
+            ref: RankedKernel | None, outcomes: list[AttemptOutcome], options: GenerateOptions) -> dict:
+    """What this run produced, in words a user reads first: `status` is the truth about the files beside it."""
+    if built is None:
+        status = "failed"
+    elif built.verdict == "passed":
+        status = "verified"
+    else:
+        status = "generated, not verified"
+    report = {"status": status, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
+              "kernel_was_in_kb": existing is not None, "reference_id": ref.id if ref else None,
+              "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),
+              "attempts": [o.as_dict() for o in outcomes], "error": run.error or None}
+    if built is not None:
+        report["verify"] = {"verdict": built.verdict, "detail": built.detail}
+        report["ir_hash"] = content_hash(built.program)
+        report["cuda"] = (compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D)
+                          if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})
+    return report
 
 
 def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
@@ -226,11 +266,10 @@ def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
                   triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref.id)
 
 
-def _realise(spec: Spec, program: Program, options: GenerateOptions) -> _Built | Failure:
-    """Lower to Triton (+ CUDA), write the candidate, verify it."""
+def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path) -> _Built | Failure:
+    """Lower to Triton (+ CUDA), write the candidate into the staging directory, verify it."""
     from kb.lower.triton import lower_program
 
-    out_dir = options.out_dir or (Path.cwd() / "out")
     try:
         triton_src = lower_program(program)
     except KBError as err:
@@ -238,7 +277,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions) -> _Built |
     cuda_src = _cuda_source(program)
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
-        cand = write_candidate(spec, triton_src, aux, out_dir, _name(spec))
+        cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
     except KBError as err:
         return Stage.LOWER, "compile_error", str(err)
     verdict, detail = "not_run", "kernel verification skipped (--no-verify)"
@@ -246,7 +285,8 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions) -> _Built |
         verdict, detail = _verify(spec, cand.candidate, options)
         if verdict != "passed":
             return Stage.VERIFY, verdict, detail
-    return _Built(program, triton_src, cuda_src, {"candidate": cand.candidate, "triton": cand.triton}, verdict, detail)
+    files = {"candidate": cand.candidate, "triton": cand.triton, **({"aux": cand.aux} if cand.aux else {})}
+    return _Built(program, triton_src, cuda_src, files, verdict, detail)
 
 
 def _shape_dict(spec: Spec) -> dict[str, int]:

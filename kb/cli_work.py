@@ -161,25 +161,33 @@ def generate_cmd(
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts)
     table = Table(title="generate")
-    for col in ("spec", "result", "attempts", "kernel", "seconds", "detail"):
+    for col in ("spec", "result", "attempts", "kernel", "seconds"):
         table.add_column(col)
+    table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
     failed = 0
     made: list[str] = []
+    results = []
     for p in paths:
         with out.status(f"generating {p.name} …"):
             r = generate(kb, p, opts)
+        results.append(r)
         failed += not r.succeeded
         if r.succeeded:
             made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
-        detail = str(r.files.get("candidate", "")) if r.succeeded else r.error[:120]
-        table.add_row(p.name, "[green]verified[/]" if r.succeeded else "[red]failed[/]", str(len(r.attempts)),
+        detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
+        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status), str(len(r.attempts)),
                       r.kernel_id or "-", f"{r.seconds:.1f}", detail)
     out.print(table)
     for line in made:
         out.print(line, soft_wrap=True)
-    out.print(f"outputs in {out_dir.resolve()}")
+    written = sorted({str(f.parent) for r in results for f in r.files.values()})
+    if written:
+        out.print(f"outputs in {', '.join(written)} (each spec's .report.json says what its files are)")
     if failed:
         raise typer.Exit(1)
+
+
+_STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]"}
 
 
 def _interrupt(signum: int, frame: object) -> None:

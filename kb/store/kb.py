@@ -312,9 +312,20 @@ def _upsert(s: Session, record: SQLModel) -> None:
     if existing is None:
         s.add(record)
         return
+    if isinstance(existing, Kernel):
+        _update_kernel(existing, record)  # type: ignore[arg-type]
+        return
     for name in type(record).model_fields:  # type: ignore[attr-defined]
         if name not in _KEEP_ON_UPDATE:
             setattr(existing, name, getattr(record, name))
+
+
+def _update_kernel(existing: Kernel, record: Kernel) -> None:
+    """Kernels are append-only history: the first write of an IR program fixes its provenance and lineage
+    (parent, source, file, spec, code). Writing the same program again (a re-generation, a re-ingest, an
+    import) changes nothing, except that a kernel stored unverified may be upgraded by a verified write."""
+    if record.verified and not existing.verified:
+        existing.verified, existing.verify_note = True, record.verify_note
 
 
 @contextmanager

@@ -51,12 +51,24 @@ def parent_first(kernels: list[Kernel]) -> list[Kernel]:
     return out
 
 
+def _check_lineage(kernels: list[Kernel]) -> None:
+    """An export must import: every parent precedes its children (a cycle cannot be ordered)."""
+    seen: set[str] = set()
+    ids = {k.id for k in kernels}
+    for k in kernels:
+        if k.parent_id in ids and k.parent_id not in seen:
+            raise KBError(f"kernel lineage has a cycle through {k.id} -> {k.parent_id}; nothing was exported",
+                          hint="run `kb doctor --fix`, then export again")
+        seen.add(k.id)
+
+
 def _rows(kb: KnowledgeBase) -> Iterator[tuple[str, SQLModel]]:
     with kb.read_session() as s:
         for model in TABLES:
             rows = list(s.exec(select(model).order_by(model.id)))  # type: ignore[attr-defined]
             if model is Kernel:
                 rows = parent_first(rows)
+                _check_lineage(rows)
             for r in rows:
                 yield model.__tablename__, r  # type: ignore[attr-defined]
 
@@ -75,6 +87,8 @@ def export_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
         os.replace(tmp, path)
     except OSError as err:
         raise KBError(f"cannot write {path}: {err.strerror or err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)  # a failed export leaves no half-written file
     return counts
 
 
