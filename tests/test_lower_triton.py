@@ -211,7 +211,8 @@ def test_generated_code_shape_follows_fa2() -> None:
     assert "for n_start in range(0, tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N):" in src  # IR's exact loop bounds
     assert "tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None])" in src  # p in v's dtype, fp32 acc
     assert "tl.exp2(s * 1.4426950408889634 - _m_log2[:, None])" in src  # log2(e) folded into one FMA
-    assert "num_warps=4, num_stages=1" in src and "BLOCK_M: tl.constexpr" in src
+    assert "num_warps=num_warps, num_stages=num_stages" in src and "BLOCK_M: tl.constexpr" in src
+    assert "PROGRAM_DESIGN = (16, 16, 1, 4, 1, True)" in src  # the program's schedule, for the interpreter
     assert 'input_precision="ieee"' not in src  # only fp32 programs ask for exact fp32 dots
     fast = lower_program(FIXTURES["causal"](dtype=Dtype.BF16))
     assert "_kv_hi_n_start = tl.minimum(N, (m_start + BLOCK_M))" in fast  # split loops keep the IR's bounds
@@ -229,7 +230,7 @@ def test_hopper_tma_form() -> None:
     assert "_desc_k = tl.make_tensor_descriptor(" in pre and "_desc_v = tl.make_tensor_descriptor(" in pre
     assert fast.count("kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(") == 3
     assert "_desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))" in fast
-    assert "USE_TMA = _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))" in fast
+    assert "USE_TMA = tma and _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))" in fast
     off = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(tma=False))
     assert "USE_TMA:" not in off and "tl.make_tensor_descriptor" not in off and "for n_start in range(" in off
     ws = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(warp_specialize=True))

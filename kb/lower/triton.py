@@ -34,6 +34,7 @@ from enum import Enum
 from typing import Iterator
 
 from kb.errors import KBError
+from kb.ir.design import Design, DesignTable
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
@@ -455,10 +456,6 @@ class _KernelGen:
             return "HEAD_PAD"
         if isinstance(d, int):
             return str(_next_pow2(d))
-        if d in SCHEDULE_CONSTANTS and d != "HEAD_PAD":
-            val = {"BLOCK_M": self.p.schedule.block_m, "BLOCK_N": self.p.schedule.block_n,
-                   "NUM_SPLITS": self.p.schedule.num_splits}[str(d)]
-            return str(_next_pow2(val))
         if d == "HEAD_PAD":
             return "HEAD_PAD"
         pad = f"PAD_{d}"
@@ -1056,12 +1053,15 @@ def _bcast(pos: int, rank: int) -> str:
 
 
 _PREAMBLE = '''\
+import logging
 import math
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+_log = logging.getLogger("kernel_kb.generated")
 
 
 def _interpreter_compat():
@@ -1188,6 +1188,64 @@ def _hblock_lists(block_class):
     return out
 
 
+_PICKED = {}  # shape key -> the design this module runs for it (chosen once per key)
+
+
+def _interpreting(t):
+    return os.environ.get("TRITON_INTERPRET") == "1" or not t.is_cuda
+
+
+def _launches(design, launch):
+    """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
+    try:
+        return launch(design)
+    except triton.runtime.errors.OutOfResources as err:
+        _log.info("%s: design %s does not fit this GPU (%s)", PROGRAM, design, err)
+        return None
+
+
+def _choose_design(t, D, key, launch):
+    """The design for inputs like `t` with head dim D: on a GPU the module lists designs for (the first
+    that fits); on another GPU, the fastest of every design listed for this head dim, timed once per shape
+    and logged; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    if key in _PICKED:
+        return _PICKED[key]
+    if _interpreting(t):
+        _PICKED[key] = PROGRAM_DESIGN
+        return PROGRAM_DESIGN
+    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
+    bucket = max(16, triton.next_power_of_2(D))
+    listed = DESIGNS.get(arch, {}).get(bucket, ())
+    choice = next((d for d in listed if _launches(d, launch) is not None), None)
+    if choice is None:
+        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())] + [PROGRAM_DESIGN]
+        pool = list(dict.fromkeys(pool))
+        from triton.testing import do_bench
+
+        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d)
+                 for d in pool if _launches(d, launch) is not None]
+        if not timed:
+            raise RuntimeError(f"{PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
+        ms, choice = min(timed)
+        _log.warning("%s: no design measured for %s at head dim %d; timed %d designs for shape %s, "
+                     "running %s (%.3f ms)", PROGRAM, arch, D, len(timed), key[2:], choice, ms)
+    _PICKED[key] = choice
+    return choice
+
+
+def _auto_splits(programs, kv_blocks, device):
+    """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
+    count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= 0.8 * sms:
+        return 1
+    counts = range(1, max(1, min(128, kv_blocks)) + 1)
+    busy = [programs * n / (_hcdiv(programs * n, sms) * sms) for n in counts]
+    return next(n for n, e in zip(counts, busy) if e >= 0.85 * max(busy))
+
+
 def _tma_alloc(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -1222,8 +1280,11 @@ def _bind(dims, name, t, spec):
 '''
 
 
-def lower_program(p: Program, options: LowerOptions | None = None) -> str:
-    """The source text of a standalone Python module running `p` with Triton."""
+def lower_program(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
+    """The source text of a standalone Python module running `p` with Triton.
+
+    `designs` ({arch: {head-dim bucket: designs best first}}) are the launch parameters the module picks from on a
+    GPU; without them (or for a GPU they miss) it times what it has once per shape, including the program's schedule."""
     opts = options or LowerOptions()
     check_attention_params(p, "Triton")
     plan = plan_block_mask(p)
@@ -1238,7 +1299,7 @@ def lower_program(p: Program, options: LowerOptions | None = None) -> str:
     for k, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
         out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
-    out += ["", *_host(p, sig, plan)]
+    out += ["", *_design_lines(p, designs), *_host(p, sig, plan)]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -1253,8 +1314,29 @@ def check_attention_params(p: Program, lowering: str) -> None:
             raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
 
 
+def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
+    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule."""
+    table = {arch: {bucket: [d.as_tuple() for d in ds] for bucket, ds in sorted(by.items())}
+             for arch, by in sorted((designs or {}).items())}
+    own = Design.of_schedule(p.schedule, tma=True).as_tuple()
+    return [f"PROGRAM = {p.name!r}",
+            "# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew",
+            "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma);",
+            "# NUM_SPLITS 0 = chosen at launch from the grid and the SM count",
+            f"DESIGNS = {table!r}",
+            "# the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses",
+            f"PROGRAM_DESIGN = {own!r}", "", ""]
+
+
+def _out_dtype(q: Param, first_in: Param) -> str:
+    """The attention output (a tile tensor of q's rank, typed like q in the IR) follows the inputs' dtype at run
+    time (bf16 in, bf16 out); any other declared dtype (the LSE's f32, a spec's deliberate fp32 output) is kept."""
+    if q.dtype == first_in.dtype and len(q.shape) == len(first_in.shape):
+        return f"{first_in.name}.dtype"
+    return _TORCH_DTYPE[q.dtype]
+
+
 def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
-    s = p.schedule
     ins = [q for q in p.params if q.role is Role.IN]
     aux = [q for q in p.params if q.role is Role.AUX]
     outs = [q for q in p.params if q.role is Role.OUT]
@@ -1264,9 +1346,10 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
     sig_text = ", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else "")
-    L = [f"def forward({sig_text}, **aux_and_scalars):",
+    L = [f"def forward({sig_text}, _design=None, **aux_and_scalars):",
          f'    """Run `{p.name}`. Returns ({", ".join(q.name for q in outs)}). '
-         f'Aux tensors: {", ".join(q.name for q in aux) or "none"}; scalars: {", ".join(q.name for q in scalars) or "none"}."""',
+         f'Aux tensors: {", ".join(q.name for q in aux) or "none"}; scalars: {", ".join(q.name for q in scalars) or "none"}.',
+         "    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.\"\"\"",
          "    kw = dict(aux_and_scalars)"]
     for q in aux:
         L.append(f'    if "{q.name}" not in kw:')
@@ -1288,8 +1371,39 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         L.append('    block_class, only_table = kw.pop("block_class", None), kw.pop("_only_block_class", False)')
     L.append("    if kw:")
     L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
+    L.append("")
+    L.append("    def launch(design, table_only=False):")
+    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch)]
+    L.append("")
+    first = ins[0].name
+    dims_key = ", ".join(sig.dims)
+    d_dim = "D" if "D" in sig.dims else f"{first}.shape[-1]"
+    L.append(f"    design = tuple(_design) if _design is not None else _choose_design({first}, {d_dim}, "
+             f"({first}.device, {first}.dtype, {dims_key}{',' if len(sig.dims) == 1 else ''}), launch)")
+    if sig.table:
+        L.append("    return launch(design, table_only=only_table)")
+    else:
+        L.append("    return launch(design)")
+    if sig.table:
+        L += ["", "", "def block_class_table(*args, **kw):",
+              '    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
+              "    return forward(*args, _only_block_class=True, **kw)"]
+    return L
+
+
+def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprContext, names: dict,
+                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param]) -> list[str]:
+    """The body of forward's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
+    s = p.schedule
+    L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design"]
+    split_axes = [a for k in p.kernels for a in k.grid if "NUM_SPLITS" in free_vars(a.extent)]
+    if split_axes:
+        k0 = next(k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid))
+        base = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k0.grid if "NUM_SPLITS" not in free_vars(a.extent)) or "1"
+        L.append(f"    NUM_SPLITS = NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {ins[0].name}.device)")
+    else:
+        L.append("    NUM_SPLITS = max(1, NUM_SPLITS)")
     head_pad = str(s.head_pad) if s.head_pad else "max(16, triton.next_power_of_2(D))"
-    L.append(f"    BLOCK_M, BLOCK_N, NUM_SPLITS = {s.block_m}, {s.block_n}, {s.num_splits}")
     L.append(f"    HEAD_PAD = {head_pad}")
     if "D" in sig.dims:
         L.append("    if HEAD_PAD < D:")
@@ -1301,15 +1415,6 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     for name in sig.pos_scalars:
         L.append(f"    POS_{name} = {name} > 0")
     device = ins[0].name + ".device"
-    for q in (*outs, *scratch):
-        shape = ", ".join(str(d) for d in q.shape)
-        L.append(f"    {q.name} = torch.empty(({shape},), dtype={_TORCH_DTYPE[q.dtype]}, device={device})")
-    if sig.tma:
-        tma_ts = ", ".join(sig.tma_tensors) + ("," if len(sig.tma_tensors) == 1 else "")
-        L.append("    # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow")
-        L.append(f"    USE_TMA = _use_tma(({tma_ts}), (BLOCK_M, BLOCK_N, HEAD_PAD))")
-    if sig.ws:
-        L.append(f"    WARP_SPEC = USE_TMA and {bool(s.warp_specialize)}")
     table_args: list[str] = []
     if sig.table:
         assert p.mask_mod is not None
@@ -1320,15 +1425,26 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         nb = str(qshape[0]) if plan.per_b else "1"
         nh = str(qshape[1]) if plan.per_h else "1"
         L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
-        L.append("    if block_class is None:")
+        L.append("    table = block_class")
+        L.append("    if table is None:")
         L.append(f"        mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
         L.append(f"        bc = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})")
-        L.append("        block_class = (bc, _hblock_lists(bc))")
-        L.append("    if only_table:")
-        L.append("        return block_class")
-        L.append("    bc, kvl = block_class")
+        L.append("        table = (bc, _hblock_lists(bc))")
+        L.append("    if table_only:")
+        L.append("        return table")
+        L.append("    bc, kvl = table")
         table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"]
+    for q in (*outs, *scratch):
+        shape = ", ".join(str(d) for d in q.shape)
+        dtype = _out_dtype(q, ins[0]) if q.role is Role.OUT else _TORCH_DTYPE[q.dtype]
+        L.append(f"    {q.name} = torch.empty(({shape},), dtype={dtype}, device={device})")
+    if sig.tma:
+        tma_ts = ", ".join(sig.tma_tensors) + ("," if len(sig.tma_tensors) == 1 else "")
+        L.append("    # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow")
+        L.append(f"    USE_TMA = tma and _use_tma(({tma_ts}), (BLOCK_M, BLOCK_N, HEAD_PAD))")
+    if sig.ws:
+        L.append(f"    WARP_SPEC = USE_TMA and {bool(s.warp_specialize)}")
     args = [q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims) \
         + [q.name for q in sig.scalars] + table_args
     const_kw = ", ".join(f"{c}={c}" for c in sig.constexprs())
@@ -1336,11 +1452,7 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
         grid = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k.grid)
         L.append(f"    {kernel_fn_name(k)}[({grid},)](")
         L.append(f"        {', '.join(args)},")
-        L.append(f"        {const_kw}, num_warps={s.num_warps}, num_stages={s.num_stages},")
+        L.append(f"        {const_kw}, num_warps=num_warps, num_stages=num_stages,")
         L.append("    )")
     L.append(f"    return {', '.join(q.name for q in outs)}")
-    if sig.table:
-        L += ["", "", "def block_class_table(*args, **kw):",
-              '    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
-              "    return forward(*args, _only_block_class=True, **kw)"]
     return L

@@ -17,7 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
-from sqlalchemy import event, inspect
+from sqlalchemy import event, inspect, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, OperationalError
 from sqlmodel import Session, SQLModel, create_engine, select
@@ -125,7 +125,14 @@ def make_engines(url: str) -> Engines:
 
 # Step from version N to N+1, run inside one transaction. Versions without a step
 # cannot be upgraded in place: export with the old kernel-kb and import here.
-MIGRATIONS: dict[int, Callable[[Session], None]] = {}
+def _v1_to_v2(s: Session) -> None:
+    """perf_records gain `arch` and `design_json` (measured designs); existing rows record none."""
+    s.execute(text("ALTER TABLE perf_records ADD COLUMN arch VARCHAR NOT NULL DEFAULT ''"))
+    s.execute(text("ALTER TABLE perf_records ADD COLUMN design_json VARCHAR NOT NULL DEFAULT '{}'"))
+    s.execute(text("CREATE INDEX ix_perf_records_arch ON perf_records (arch)"))
+
+
+MIGRATIONS: dict[int, Callable[[Session], None]] = {1: _v1_to_v2}
 
 
 def _stored_version(engines: Engines) -> int | None:

@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 # Bump when a table changes; add a step to `kb.store.db.MIGRATIONS` at the same time.
-SCHEMA_VERSION = 1
+# 2: perf_records.arch and perf_records.design_json (which design of a kernel was measured, on which arch)
+SCHEMA_VERSION = 2
 
 
 def utcnow() -> datetime:
@@ -64,6 +65,7 @@ class RunStatus(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    INTERRUPTED = "interrupted"  # stopped by Ctrl-C / SIGTERM, or found dead by `kb doctor`
 
 
 class Meta(SQLModel, table=True):
@@ -173,6 +175,8 @@ class PerfRecord(SQLModel, table=True):
     measured_at: datetime | None = None
     citation: str = ""
     notes: str = ""
+    arch: str = Field(default="", index=True)  # sm90, sm80, ...: the target the measured design ran on
+    design_json: str = "{}"  # kb.ir.design.Design.to_dict() of what was timed; {} when not recorded
 
 
 class GenerationRun(SQLModel, table=True):
@@ -185,7 +189,7 @@ class GenerationRun(SQLModel, table=True):
     engine: str = ""
     memory: bool = True
     status: str = RunStatus.RUNNING.value
-    error: str = ""
+    error: str = ""  # the failure; while `running`, the owner process (kb.procs.Owner.note) for `kb doctor`
     kernel_id: str | None = Field(default=None, foreign_key="kernels.id")
     started_at: datetime = Field(default_factory=utcnow)
     finished_at: datetime | None = None

@@ -95,6 +95,8 @@ RULES: dict[type[SQLModel], tuple[Rule, ...]] = {
         ),
         ("ms and tflops are positive", lambda r: all(v is None or v > 0 for v in (r.ms, r.tflops))),
         ("shape_json is JSON", lambda r: _json_any(r.shape_json)),
+        ("design_json is a JSON object", lambda r: _json_object(r.design_json)),
+        ("a measured design names its arch", lambda r: r.design_json in ("{}", "") or bool(r.arch)),
     ),
     GenerationRun: (
         (f"status is one of {[s.value for s in RunStatus]}", lambda r: r.status in set(RunStatus)),

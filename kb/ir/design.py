@@ -1,0 +1,110 @@
+"""Designs: everything about a kernel that is not its meaning, chosen per target GPU.
+
+A `Design` is the part of a schedule that the emitted module may pick at launch (tile sizes,
+warps, pipeline stages, split-KV count, whether Hopper's TMA path is used), so one lowered
+module serves many designs. The code shape (which loops exist, block skipping, masks) comes
+from the IR and the lowering, never from the design. A `DesignTable` maps a target arch and a
+head-dim bucket to designs ordered best first.
+
+Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`) and ` notma` when they differ from
+the defaults; `parse_design(str(d)) == d`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from kb.errors import KBError
+from kb.ir.nodes import Program, Schedule
+
+__all__ = ["AUTO_SPLITS", "Design", "DesignTable", "head_bucket", "parse_design", "arch_of_capability",
+           "SHARED_MEMORY_BYTES"]
+
+AUTO_SPLITS = 0  # num_splits chosen at launch from the grid size and the SM count (flash-decoding)
+# shared memory a block may opt in to, per arch (CUDA programming guide, compute capabilities table)
+SHARED_MEMORY_BYTES = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024, "sm90": 227 * 1024,
+                       "sm100": 227 * 1024, "sm120": 99 * 1024}
+_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True, order=True)
+class Design:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1  # AUTO_SPLITS: chosen at launch
+    tma: bool = True  # use tensor descriptors (TMA) where the GPU and layouts allow
+
+    def __post_init__(self) -> None:
+        bad = [f for f in ("block_m", "block_n", "num_warps") if not _pow2(getattr(self, f))]
+        if bad or not 16 <= self.block_m <= 256 or not 16 <= self.block_n <= 256 or self.num_warps > 16:
+            raise KBError(f"invalid design {self!r}: blocks are powers of two in [16, 256], warps a power of two <= 16")
+        if not 1 <= self.num_stages <= 8 or self.num_splits < 0:
+            raise KBError(f"invalid design {self!r}: stages in [1, 8], num_splits >= 0 (0 = chosen at launch)")
+
+    def __str__(self) -> str:
+        split = "" if self.num_splits == 1 else (" split-auto" if self.num_splits == AUTO_SPLITS else f" split{self.num_splits}")
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{split}{'' if self.tma else ' notma'}"
+
+    def as_tuple(self) -> tuple[int, int, int, int, int, bool]:
+        """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma): the launch parameters in an emitted module."""
+        return (self.block_m, self.block_n, self.num_splits, self.num_warps, self.num_stages, self.tma)
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Design:
+        try:
+            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})  # type: ignore[arg-type]
+        except TypeError as err:
+            raise KBError(f"not a design: {dict(d)} ({err})") from None
+
+    @classmethod
+    def of_schedule(cls, s: Schedule, tma: bool = True) -> Design:
+        return cls(s.block_m, s.block_n, s.num_warps, s.num_stages, s.num_splits, tma)
+
+    def apply(self, p: Program) -> Program:
+        """`p` with this design's schedule (the IR's meaning is unchanged)."""
+        s = dataclasses.replace(p.schedule, block_m=self.block_m, block_n=self.block_n, num_warps=self.num_warps,
+                                num_stages=self.num_stages, num_splits=max(1, self.num_splits))
+        return dataclasses.replace(p, schedule=s)
+
+    def shared_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """A lower bound on the shared memory of a forward attention tile loop: the Q tile plus
+        `num_stages` buffered K and V tiles (Triton may need more; a launch that fails tries the next design)."""
+        pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+        return elem_bytes * pad * (self.block_m + 2 * self.num_stages * self.block_n)
+
+    def fits(self, arch: str, head_dim: int, elem_bytes: int = 2) -> bool:
+        return self.shared_bytes(head_dim, elem_bytes) <= SHARED_MEMORY_BYTES.get(arch, 99 * 1024)
+
+
+def parse_design(text: str) -> Design:
+    m = _TEXT.fullmatch(text.strip())
+    if m is None:
+        raise KBError(f"not a design: {text!r}; write e.g. '128x64 w4 s3', '64x128 w4 s2 split-auto notma'")
+    split = m.group(5).strip()
+    splits = 1 if not split else (AUTO_SPLITS if split == "split-auto" else int(split[5:]))
+    return Design(int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), splits, not m.group(6))
+
+
+def head_bucket(head_dim: int) -> int:
+    """The padded head dim a design is chosen for: the next power of two >= D, at least 16."""
+    return max(16, 1 << max(0, head_dim - 1).bit_length())
+
+
+def arch_of_capability(major: int, minor: int) -> str:
+    return f"sm{major}{minor}"
+
+
+# {arch: {head-dim bucket: designs best first}}
+DesignTable = Mapping[str, Mapping[int, tuple[Design, ...]]]
