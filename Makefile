@@ -32,6 +32,7 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/ruff check .
+	bash tests/install_services.sh
 	$(PY) -m pytest -q
 
 clean:

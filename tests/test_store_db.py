@@ -1,12 +1,7 @@
-"""Database and Chroma targets: URL parsing, dialect selection, schema versions, bad files, PostgreSQL."""
+"""Database and Chroma targets: URL parsing, dialect selection, schema versions, bad files."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +12,6 @@ from kb.settings import load_settings
 from kb.store import SCHEMA_VERSION, open_kb
 from kb.store.db import Dialect, make_engines, parse_db_url
 from kb.store.vectors import parse_chroma_url
-from tests.helpers_store import make_kernel, make_snippets, make_source
 
 
 def test_sqlite_url_is_default_under_home(tmp_path: Path) -> None:
@@ -115,55 +109,4 @@ def test_other_embedding_model_is_refused(tmp_path: Path, embedder) -> None:  # 
         open_kb(load_settings(home=tmp_path, embed_model="/models/other"))
 
 
-# -- a real PostgreSQL server, when its binaries are installed ------------------------
-
-def _pg_bin() -> Path | None:
-    for d in [*sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True), Path("/usr/local/bin")]:
-        if (d / "initdb").exists() and (d / "pg_ctl").exists():
-            return d
-    return None
-
-
-@pytest.fixture(scope="module")
-def pg_url():  # noqa: ANN201
-    bindir = _pg_bin()
-    if bindir is None:
-        pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not installed; `apt-get install postgresql` to run this")
-    as_user: list[str] = []
-    data = Path(tempfile.mkdtemp(prefix="kb-pg-"))
-    if os.geteuid() == 0:  # PostgreSQL refuses to run as root
-        if shutil.which("runuser") is None:
-            pytest.skip("running as root without runuser; cannot start PostgreSQL")
-        try:
-            shutil.chown(data, "postgres")
-        except (LookupError, PermissionError):
-            pytest.skip("running as root and there is no 'postgres' user to run the server")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    run = lambda *a: subprocess.run([*as_user, *map(str, a)], check=True, capture_output=True, timeout=120)  # noqa: E731
-    run(bindir / "initdb", "-D", data / "db", "-A", "trust", "-U", "kb")
-    run(bindir / "pg_ctl", "-D", data / "db", "-l", data / "log", "-w", "-o", f"-p {port} -k {data} -c listen_addresses=127.0.0.1", "start")
-    try:
-        run(bindir / "createdb", "-h", "127.0.0.1", "-p", port, "-U", "kb", "kernels")
-        yield f"postgresql+psycopg2://kb@127.0.0.1:{port}/kernels"
-    finally:
-        run(bindir / "pg_ctl", "-D", data / "db", "-m", "immediate", "stop")
-        shutil.rmtree(data, ignore_errors=True)
-
-
-def test_postgresql_round_trip(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
-    s = load_settings(home=tmp_path, db_url=pg_url)
-    with open_kb(s, embedder=embedder) as kb:
-        assert kb.engines.target.dialect is Dialect.POSTGRESQL
-        src = kb.write_source(make_source())
-        kid = kb.write_kernel(make_kernel(0, src), snippets=make_snippets(0, src))
-        assert kb.write_kernel(make_kernel(0, src), snippets=make_snippets(0, src)) == kid
-        assert kb.counts().rows["kernels"] == 1 and kb.counts().rows["snippets"] == 3
-        assert kb.get(kid).created_at.tzinfo is not None
-        assert kb.doctor().ok
-        kb.export_jsonl(tmp_path / "pg.jsonl")
-    with open_kb(s, embedder=embedder) as again:  # schema check on an existing PostgreSQL KB
-        assert again.import_jsonl(tmp_path / "pg.jsonl")["kernels"] == 1
-        assert again.counts().rows["kernels"] == 1
+# (a real PostgreSQL server: tests/test_store_postgres.py; a Chroma server: tests/test_chroma_server.py)

@@ -5,12 +5,15 @@ Embedded (`PersistentClient` under KB_HOME) by default; `KB_CHROMA_URL`
 Invariants: vectors are always supplied by kernel-kb's embedder (collections have no
 embedding function); each collection records the embedding model it was built with,
 and opening it with another model raises `KBError` instead of mixing vector spaces.
+A server that stops answering mid-session raises `KBError` naming it, not a transport
+traceback; SQL rows committed before that stay, and `kb doctor --fix` embeds them later.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -85,10 +88,24 @@ class VectorStore:
         self._client = client
         self._cols = {name: self._collection(name) for name in COLLECTIONS}
 
+    @contextmanager
+    def _served(self) -> Iterator[None]:
+        """A Chroma server that went away (refused, reset, timed out) becomes one `KBError` naming it."""
+        import httpx  # chromadb's HttpClient transport
+
+        try:
+            yield
+        except httpx.TransportError as err:
+            raise KBError(
+                f"cannot reach Chroma at {self.target.display}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                hint="start the Chroma server; rows already committed to the database stay, and `kb doctor --fix` embeds them",
+            ) from err
+
     def _collection(self, name: str):  # noqa: ANN202
-        col = self._client.get_or_create_collection(
-            name, metadata={"hnsw:space": "cosine", "embed_model": self.model_name}, embedding_function=None
-        )
+        with self._served():
+            col = self._client.get_or_create_collection(
+                name, metadata={"hnsw:space": "cosine", "embed_model": self.model_name}, embedding_function=None
+            )
         built_with = (col.metadata or {}).get("embed_model", self.model_name)
         if built_with != self.model_name:
             raise KBError(
@@ -106,32 +123,36 @@ class VectorStore:
         metadatas: Sequence[Mapping[str, object]],
     ) -> None:
         if ids:
-            self._cols[collection].upsert(
-                ids=list(ids), embeddings=[list(e) for e in embeddings], documents=list(documents),
-                metadatas=[dict(m) for m in metadatas],
-            )
+            with self._served():
+                self._cols[collection].upsert(
+                    ids=list(ids), embeddings=[list(e) for e in embeddings], documents=list(documents),
+                    metadatas=[dict(m) for m in metadatas],
+                )
 
     def delete(self, collection: str, ids: Sequence[str]) -> None:
         if ids:
-            self._cols[collection].delete(ids=list(ids))
+            with self._served():
+                self._cols[collection].delete(ids=list(ids))
 
     def doc_hashes(self, collection: str, ids: Sequence[str] | None = None) -> dict[str, str]:
         """Ids in `collection` (all, or those of `ids` present) with the `doc_hash` in their metadata."""
         col, out = self._cols[collection], {}
-        if ids is not None:
-            for i in range(0, len(ids), _PAGE):
-                _collect(col.get(ids=list(ids[i : i + _PAGE]), include=["metadatas"]), out)
-            return out
-        offset = 0
-        while True:
-            page = col.get(include=["metadatas"], limit=_PAGE, offset=offset)
-            _collect(page, out)
-            if len(page["ids"]) < _PAGE:
+        with self._served():
+            if ids is not None:
+                for i in range(0, len(ids), _PAGE):
+                    _collect(col.get(ids=list(ids[i : i + _PAGE]), include=["metadatas"]), out)
                 return out
-            offset += _PAGE
+            offset = 0
+            while True:
+                page = col.get(include=["metadatas"], limit=_PAGE, offset=offset)
+                _collect(page, out)
+                if len(page["ids"]) < _PAGE:
+                    return out
+                offset += _PAGE
 
     def count(self, collection: str) -> int:
-        return self._cols[collection].count()
+        with self._served():
+            return self._cols[collection].count()
 
     def query(
         self, collection: str, embedding: Sequence[float], k: int, where: Mapping[str, object] | None = None
@@ -140,8 +161,9 @@ class VectorStore:
         if k <= 0:
             return []
         # no count() first: it costs ~1 ms a call, and Chroma returns fewer than n_results when fewer match
-        res = self._cols[collection].query(query_embeddings=[list(embedding)], n_results=k, where=_where(where),
-                                           include=["distances"])
+        with self._served():
+            res = self._cols[collection].query(query_embeddings=[list(embedding)], n_results=k, where=_where(where),
+                                               include=["distances"])
         return list(zip(res["ids"][0], (float(d) for d in res["distances"][0])))
 
 
