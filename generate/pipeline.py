@@ -21,16 +21,19 @@ from typing import Literal
 
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.candidate import write_candidate
+from generate.designs import design_table
 from generate.outputs import publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.errors import KBError
+from kb.ir.design import DesignTable, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash, parse_program, print_program
 from kb.ir.validate import validate
+from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
 from kb.store.records import assign_id
@@ -53,6 +56,10 @@ class GenerateOptions:
     verify_distributions: tuple[str, ...] = ("normal", "adversarial")
     verify_max_cases: int = 3
     compile_cuda: bool = True  # nvcc-compile the CUDA lowering (object only) and report the result
+    timeout_s: float = 600.0  # ONE budget (s) for a spec's attempts (--timeout, KB_VERIFY_TIMEOUT); each verify gets what is left
+    deadline: float | None = None  # time.monotonic() when that budget ends; generate() sets it per spec
+    target: str = "auto"  # GPU arch to design for (sm90, sm80, ...); auto: this machine's GPU, else the setting
+    designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
 
 
 @dataclass(frozen=True)
@@ -92,18 +99,22 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
                                                          "kernel_id": None, "error": run.error, "attempts": []})
         return GenerateResult(spec_path, run_id, False, None, (), files, str(err), time.perf_counter() - t0)
     run.spec_hash = spec.source_hash
+    run.error = Owner.current().note  # while running: its process, so `kb doctor` can tell a run whose process died
     run_id = kb.write_run(run)
     run = kb.get(run_id)  # type: ignore[assignment]
+    run.error = ""  # the run's final write replaces the owner note
+    options = replace(options, deadline=time.monotonic() + options.timeout_s,
+                      designs=options.designs if options.designs is not None else _designs(kb, spec, options))
     with staging_dir(out_dir) as stage:
         try:
             outcomes, built, ref = _attempts(kb, spec, options, stage)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
             outcomes, built, ref = [], None, None
             run.error = str(err)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
-            run.status, run.error, run.finished_at = "failed", "interrupted before a kernel was verified", _now()
+        except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
+            run.status, run.error, run.finished_at = "interrupted", "interrupted (Ctrl-C or SIGTERM) before a kernel was verified", _now()
             kb.write_run(run)
-            raise
+            raise KeyboardInterrupt(f"run {run.id} recorded as interrupted; no kernel written") from err
         return _finish(kb, spec, run, outcomes, built, ref, options, t0, out_dir)
 
 
@@ -137,6 +148,8 @@ def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
         for strategy in plan_strategies(spec, ref, lessons):
             if len(outcomes) >= options.max_attempts:
                 return outcomes, None, None
+            if outcomes and _budget_left(options) <= 0:
+                return _budget_spent(outcomes, options), None, None
             outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options, stage)
             outcomes.append(outcome)
             if built is not None:
@@ -249,7 +262,9 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
     report = {"status": status, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
               "kernel_was_in_kb": existing is not None, "reference_id": ref.id if ref else None,
               "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),
-              "attempts": [o.as_dict() for o in outcomes], "error": run.error or None}
+              "attempts": [o.as_dict() for o in outcomes], "error": run.error or None,
+              "designs": {arch: {str(b): [str(d) for d in ds] for b, ds in by.items()}
+                          for arch, by in (options.designs or {}).items()}}
     if built is not None:
         report["verify"] = {"verdict": built.verdict, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)
@@ -271,7 +286,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     from kb.lower.triton import lower_program
 
     try:
-        triton_src = lower_program(program)
+        triton_src = lower_program(program, designs=options.designs)
     except KBError as err:
         return Stage.LOWER, "compile_error", str(err)
     cuda_src = _cuda_source(program)
@@ -318,11 +333,47 @@ def compile_cuda(source: str, out_dir: Path, head_dim: int) -> dict:
             "command": " ".join(res.command), "log": res.log[-2000:]}
 
 
+def resolve_target(target: str, default: str) -> str:
+    """`auto`: this machine's GPU if it has one, else `default` (the KB_TARGET_ARCH setting)."""
+    if target != "auto":
+        if not target.startswith("sm") or not target[2:].isdigit():
+            raise KBError(f"unknown --target {target!r}; use auto or an arch such as sm90, sm80")
+        return target
+    import torch
+
+    if torch.cuda.is_available():
+        return "sm%d%d" % torch.cuda.get_device_capability()
+    return default
+
+
+def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> DesignTable:
+    """The designs the emitted module carries: the target arch first, sm80/sm90 beside it, for the spec's
+    head-dim bucket and the common 64/128 buckets, ranked by what the KB knows (measured sweeps with memory on)."""
+    target = resolve_target(options.target, kb.settings.target_arch)
+    archs = list(dict.fromkeys([target, "sm90", "sm80"]))
+    buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
+    return design_table(kb, spec.features, archs, buckets, memory=options.memory)
+
+
+def _budget_left(options: GenerateOptions) -> float:
+    """Seconds left of the spec's budget (all of it outside generate(), which sets the deadline)."""
+    return options.timeout_s if options.deadline is None else options.deadline - time.monotonic()
+
+
+def _budget_spent(outcomes: list[AttemptOutcome], options: GenerateOptions) -> list[AttemptOutcome]:
+    """The outcomes, the last saying why no further attempt was started (its feedback becomes the run's error)."""
+    note = f"; the spec's budget of {options.timeout_s:g}s (--timeout) is spent: no further attempt started"
+    return outcomes[:-1] + [replace(outcomes[-1], feedback=outcomes[-1].feedback + note)]
+
+
 def _verify(spec: Spec, candidate: Path, options: GenerateOptions) -> tuple[str, str]:
     from verify import VerifyOptions, verify
 
+    left = _budget_left(options)
+    if left <= 0:
+        return "timeout", f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
-                                                     max_cases=options.verify_max_cases, determinism=True))
+                                                     max_cases=options.verify_max_cases, determinism=True, timeout_s=left))
     return res.verdict.value, _verify_detail(res)
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import functools
 import json
-import signal
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from kb.cli import _open, app, out
+from kb.cli import _open, app, out, settings_of
 from kb.errors import KBError
 
 __all__ = ["ingest_cmd", "query_cmd", "generate_cmd", "bench_cmd"]
@@ -140,9 +140,14 @@ def generate_cmd(
     no_memory: bool = typer.Option(False, "--no-memory", help="Ignore written-back kernels and lessons."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the verify harness on the lowered kernel."),
     max_attempts: int = typer.Option(6, help="Attempts per spec."),
+    timeout: float = typer.Option(None, "--timeout", metavar="SECONDS",
+                                  help="Budget per spec for all its attempts; each verify gets what is left [default: KB_VERIFY_TIMEOUT, 600]."),
+    target: str = typer.Option("auto", "--target", metavar="ARCH",
+                               help="GPU arch the emitted designs are chosen for: sm90, sm80, ... or auto "
+                                    "(this machine's GPU, else KB_TARGET_ARCH, default sm90)."),
 ) -> None:
     """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back."""
-    from generate.pipeline import GenerateOptions, generate
+    from generate.pipeline import GenerateOptions, generate, resolve_target
 
     if engine not in ("rule", "llm"):
         raise KBError(f"unknown --engine {engine!r}; use rule or llm")
@@ -156,10 +161,11 @@ def generate_cmd(
     for p in paths:
         if not p.is_file():
             raise KBError(f"spec file {p} does not exist")
+    settings = settings_of(ctx) if timeout is None else replace(settings_of(ctx), verify_timeout=timeout)
     kb = _open(ctx)
-    signal.signal(signal.SIGTERM, _interrupt)  # a terminated run is recorded as failed, like Ctrl-C
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
-                           max_attempts=max_attempts)
+                           max_attempts=max_attempts, timeout_s=settings.verify_timeout,
+                           target=resolve_target(target, settings.target_arch))
     table = Table(title="generate")
     for col in ("spec", "result", "attempts", "kernel", "seconds"):
         table.add_column(col)
@@ -169,7 +175,11 @@ def generate_cmd(
     results = []
     for p in paths:
         with out.status(f"generating {p.name} …"):
-            r = generate(kb, p, opts)
+            try:
+                r = generate(kb, p, opts)
+            except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (kb.cli maps it): say what the earlier specs kept
+                kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
+                raise KeyboardInterrupt(f"{err or 'stopped'}{kept}") from err
         results.append(r)
         failed += not r.succeeded
         if r.succeeded:
@@ -188,10 +198,6 @@ def generate_cmd(
 
 
 _STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]"}
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 @app.command("bench")

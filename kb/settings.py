@@ -33,6 +33,13 @@ class Settings:
     llm_temperature: float = 0.2
     llm_timeout_s: float = 60.0
     llm_max_attempts: int = 3
+    verify_timeout: float = 600.0  # seconds: `kb verify`'s limit on the candidate; `kb generate`'s budget per spec
+    target_arch: str = "sm90"  # the GPU `kb generate --target auto` designs for when this machine has none
+
+    def __post_init__(self) -> None:
+        if not self.verify_timeout > 0:  # also refuses NaN
+            raise KBError(f"verify timeout must be a positive number of seconds (--timeout or KB_VERIFY_TIMEOUT), "
+                          f"not {self.verify_timeout!r}")
 
     @property
     def resolved_db_url(self) -> str:

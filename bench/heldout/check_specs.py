@@ -175,7 +175,8 @@ def main():
 
     head = ("spec", "small shape", "dtype", "max err", "tol", "mods effect", "SDPA check", "bench shape (bf16)", "status")
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
+    def line(r):
+        return "  ".join(str(c).ljust(w) for c, w in zip(r, widths))
     print(line(head))
     print("  ".join("-" * w for w in widths))
     for r in rows:

@@ -1,0 +1,157 @@
+"""Which designs a generated kernel should run on a target GPU, from what the KB knows.
+
+Three sources, in this order of trust:
+1. **measured sweeps** (performance memory): `measured` perf records that name a design and an
+   arch, grouped per (kernel, shape) into sweeps. A design's score for the target is the
+   similarity-weighted mean, over sweeps on the same arch and head-dim bucket, of its speed
+   relative to the best design of that sweep (0 where the sweep did not time it). Similarity
+   counts the features that change which design wins (decode or prefill, the mask's block
+   structure, the score_mod's cost, GQA, cross attention, dtype): `PERF_FEATURE_WEIGHTS`.
+2. **expert tunables** lifted from the launch templates (FA2 per head dim for sm80/sm86, CUTLASS
+   Hopper FMHA for sm90), mapped onto Triton launch parameters.
+3. a small **default grid**, so a design search always has candidates.
+`rank_designs` is a pure function of those inputs; `design_table` reads them from a KB.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kb.features import Features
+from kb.ir.design import AUTO_SPLITS, Design, head_bucket
+
+__all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
+           "sweeps_from_kb", "design_table", "TABLE_DEPTH"]
+
+TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to survive a design that does not fit
+_SCORE_COST = {"none": 0, "alibi": 1, "relative_bias": 1, "bias_table": 1, "softcap": 2, "custom": 2}
+_MASK_CLASS = {"none": "none", "causal": "bounds", "sliding_window": "bounds", "prefix_lm": "table",
+               "document": "table", "block_sparse": "table", "custom": "table"}
+PERF_FEATURE_WEIGHTS = {"decode": 0.35, "mask": 0.2, "mask_class": 0.05, "score_cost": 0.15, "gqa": 0.1,
+                        "cross": 0.1, "dtype": 0.05}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Designs of one kernel timed at one shape on one arch: design -> median ms."""
+
+    kernel_id: str
+    features: Features
+    arch: str
+    bucket: int
+    times: tuple[tuple[Design, float], ...]
+
+    def relative(self) -> dict[Design, float]:
+        best = min(ms for _, ms in self.times)
+        return {d: best / ms for d, ms in self.times}
+
+
+def _decode(f: Features) -> bool:
+    return f.decode or f.split_kv
+
+
+def perf_similarity(a: Features, b: Features) -> float:
+    """In [0, 1]: how alike two kernels are in what decides their best design."""
+    w = PERF_FEATURE_WEIGHTS
+    same = {"decode": _decode(a) == _decode(b), "mask": a.mask == b.mask,
+            "mask_class": _MASK_CLASS.get(a.mask, "table") == _MASK_CLASS.get(b.mask, "table"),
+            "score_cost": _SCORE_COST.get(a.score_mod, 2) == _SCORE_COST.get(b.score_mod, 2),
+            "gqa": (a.gqa_ratio > 1) == (b.gqa_ratio > 1), "cross": a.cross == b.cross, "dtype": a.dtype == b.dtype}
+    return sum(w[k] for k, ok in same.items() if ok)
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket: int, decode: bool) -> list[Design]:
+    """Designs from expert launch configurations `(arch, head_dim, params)` for this arch and head dim.
+
+    Exact-arch configurations come first, then those of the other NVIDIA archs (FA2's sm80 choices
+    are good starting points on Hopper too). Warps: the source's, else 8 for CUTLASS's two-consumer
+    (cooperative / ping-pong) kernels, else 4; stages: the source's, else 3 on sm90 and 2 before."""
+    same, other = [], []
+    for t_arch, head_dim, params in tunables:
+        if head_dim not in (0, bucket) or not t_arch.startswith("sm") or bool(params.get("split_kv")) != decode:
+            continue
+        bm, bn = _int(params.get("block_m")), _int(params.get("block_n"))
+        if bm is None or bn is None:
+            continue
+        warps = _int(params.get("num_warps")) or (8 if any(w in str(params.get("kernel", "")) for w in ("Cooperative", "Pingpong")) else 4)
+        stages = _int(params.get("num_stages")) or (3 if arch >= "sm90" else 2)
+        try:
+            d = Design(16 if decode else bm, bn, warps, stages, AUTO_SPLITS if decode else 1)
+        except Exception:  # noqa: BLE001 - a configuration Triton cannot express (e.g. 192-wide tiles)
+            continue
+        (same if t_arch == arch else other).append(d)
+    return list(dict.fromkeys(same + other))
+
+
+def default_designs(decode: bool) -> list[Design]:
+    """The grid a design search always includes (Triton's usual attention tiles on NVIDIA GPUs)."""
+    if decode:
+        return [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),
+                                                                   (256, 8, 2), (64, 2, 2))] \
+            + [Design(16, 128, 4, 2, 16), Design(16, 64, 4, 2, 32)]
+    grid = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3),
+            (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3), (64, 32, 4, 3))
+    return [Design(m, n, w, s) for m, n, w, s in grid] + [Design(128, 128, 8, 3, tma=False), Design(128, 64, 4, 3, tma=False)]
+
+
+def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Sweep],
+                 tunables: Iterable[tuple[str, int, dict]], *, memory: bool = True) -> list[Design]:
+    """Every candidate design for `target` on `arch` at head-dim `bucket`, most promising first."""
+    decode = _decode(target)
+    measured: list[Design] = []
+    if memory:
+        scores: dict[Design, float] = {}
+        near = [(s, math.exp(8.0 * (perf_similarity(target, s.features) - 1.0))) for s in sweeps
+                if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode]
+        total = sum(w for _, w in near)
+        for sweep, w in near:
+            for d, rel in sweep.relative().items():
+                scores[d] = scores.get(d, 0.0) + w * rel / total
+        measured = sorted(scores, key=lambda d: (-scores[d], d))
+    ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
+    return list(dict.fromkeys(ranked))
+
+
+# ---- reading the KB --------------------------------------------------------------------------
+
+def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 - kb.store.KnowledgeBase
+    """Measured designs grouped per (kernel, shape, arch, gpu): the performance memory."""
+    from kb.store import Kernel, PerfRecord
+
+    rows = [r for r in kb.list(PerfRecord, kind="measured") if r.arch and r.design_json not in ("", "{}")
+            and (arch is None or r.arch == arch) and r.ms]
+    groups: dict[tuple[str, str, str, str], list] = {}
+    for r in rows:
+        groups.setdefault((r.kernel_id, r.shape_json, r.arch, r.gpu), []).append(r)
+    out = []
+    for (kid, shape_json, rec_arch, _), recs in sorted(groups.items()):
+        kernel = kb.find(kid)
+        if not isinstance(kernel, Kernel):
+            continue
+        d = json.loads(shape_json).get("D") or kernel.head_dim or 128
+        times = {Design.from_dict(json.loads(r.design_json)): r.ms for r in recs}
+        out.append(Sweep(kid, Features.from_json(kernel.features_json), rec_arch, head_bucket(int(d)),
+                         tuple(sorted(times.items()))))
+    return out
+
+
+def _tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
+    from kb.store import Tunable
+
+    return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
+
+
+def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,  # noqa: ANN001
+                 memory: bool = True, depth: int = TABLE_DEPTH) -> dict[str, dict[int, tuple[Design, ...]]]:
+    """{arch: {bucket: the top `depth` designs}} for an emitted module."""
+    sweeps = sweeps_from_kb(kb) if memory else []
+    tunables = _tunable_rows(kb)
+    return {arch: {b: tuple(rank_designs(target, arch, b, sweeps, tunables, memory=memory)[:depth]) for b in buckets}
+            for arch in archs}
