@@ -15,6 +15,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json
 import logging
+import signal
+import tempfile
 from pathlib import Path
 
 import click
@@ -33,14 +35,40 @@ out = Console(highlight=False, soft_wrap=True)
 
 
 class _KBGroup(TyperGroup):
-    """Turns `KBError` into one line on stderr and exit status 1."""
+    """Turns `KBError` into one line on stderr and exit status 1, and a stop into one line and 128 + signal.
+
+    SIGTERM raises KeyboardInterrupt like Ctrl-C, so both unwind through every `finally` (the
+    verify runner kills its candidate there, generate records its run as interrupted). A command
+    says what it kept as the KeyboardInterrupt's message: `kb: interrupted: <message>`.
+    """
 
     def invoke(self, ctx: click.Context):  # noqa: ANN201
+        caught: list[int] = []
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            caught.append(signum)
+            raise KeyboardInterrupt
+
+        previous = _set_handler(signal.SIGTERM, on_sigterm)
         try:
             return super().invoke(ctx)
         except KBError as err:
             click.echo(f"kb: error: {err}", err=True)
             ctx.exit(1)
+        except KeyboardInterrupt as err:
+            click.echo(f"kb: interrupted: {err}" if str(err) else "kb: interrupted", err=True)
+            ctx.exit(128 + (caught[0] if caught else signal.SIGINT))
+        finally:
+            if previous is not None:
+                _set_handler(signal.SIGTERM, previous)
+
+
+def _set_handler(signum: int, handler):  # noqa: ANN001, ANN202
+    """signal.signal, or None where it cannot be set (not the main thread)."""
+    try:
+        return signal.signal(signum, handler)
+    except ValueError:
+        return None
 
 
 app = typer.Typer(
@@ -148,18 +176,21 @@ def _show_kernel(kb, k) -> None:  # noqa: ANN001
 @app.command()
 def doctor(
     ctx: typer.Context,
-    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, recompute hashes."),
+    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, recompute hashes, "
+                                                "mark dead runs interrupted, cut broken lineage links, remove orphaned temp dirs."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Check that SQL rows and Chroma embeddings agree; exit 1 if drift remains unfixed."""
+    """Check the KB: SQL vs Chroma drift, hashes, lineage, runs whose process died, orphaned verify temp dirs; exit 1 if any remain unfixed."""
+    from kb.store.doctor import run_doctor
+
     with _open(ctx) as kb:
-        report = kb.doctor(fix=fix)
+        report = run_doctor(kb, fix=fix, temp_root=Path(tempfile.gettempdir()))
     if as_json:
         issues = [{"kind": d.kind.value, "table": d.table, "id": d.id, "detail": d.detail} for d in report.issues]
         out.print_json(json.dumps({"ok": report.ok, "fixed": report.fixed, "issues": issues}))
     else:
         for d in report.issues:
-            out.print(f"  {d.kind.value:18} {d.table:9} {d.id} {d.detail}", markup=False)
+            out.print(f"  {d.kind.value:18} {d.table:15} {d.id} {d.detail}", markup=False)
         out.print(report.summary())
     if not report.ok and not report.fixed:
         raise typer.Exit(1)

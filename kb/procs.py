@@ -3,7 +3,7 @@
 An `Owner` names one process for its whole life: host, pid and the process's start time in
 clock ticks since boot (field 22 of /proc/PID/stat), so a pid that a later process reuses is
 not mistaken for the owner. Generation runs record their owner while they are `running`, and
-verify temp directories carry it in their name (`kb-verify-PID-START-…`); `kb doctor` uses
+verify temp directories carry it in their name (`owned_prefix`: `kb-verify-PID-START-…`); `kb doctor` uses
 `Owner.alive()` to find the ones whose process is gone.
 
 `die_with_parent` arms Linux's PR_SET_PDEATHSIG. The kernel sends the signal when the *thread*
@@ -22,10 +22,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Owner", "start_ticks", "die_with_parent"]
+__all__ = ["Owner", "start_ticks", "die_with_parent", "VERIFY_TEMP", "owned_prefix", "owner_of_temp"]
 
 PR_SET_PDEATHSIG = 1
+VERIFY_TEMP = "kb-verify-"  # the temp directories of `verify.runner`
 _NOTE = re.compile(r"owner pid=(\d+) host=(\S+) start=(\d+)")
+_TEMP = re.compile(r"(\d+)-(\d+)-")
 
 
 def start_ticks(pid: int) -> int | None:
@@ -79,6 +81,18 @@ class Owner:
         except PermissionError:
             pass
         return True
+
+
+def owned_prefix(kind: str = VERIFY_TEMP) -> str:
+    """`kb-verify-PID-START-`: a temp directory prefix naming this process as its owner."""
+    me = Owner.current()
+    return f"{kind}{me.pid}-{me.start}-"
+
+
+def owner_of_temp(name: str, kind: str = VERIFY_TEMP) -> Owner | None:
+    """The owner named by a temp directory made with `owned_prefix` (on this host), or None."""
+    m = _TEMP.match(name.removeprefix(kind)) if name.startswith(kind) else None
+    return Owner(int(m[1]), socket.gethostname(), int(m[2])) if m else None
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Callable[[], None]:

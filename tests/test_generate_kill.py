@@ -1,22 +1,28 @@
-"""A generation run stopped half-way leaves a recorded failed run and no half-written kernel."""
+"""A generation run stopped half-way leaves a recorded run, no half-written kernel and no process.
+
+Ctrl-C and SIGTERM record the run as `interrupted` and say so on one line; SIGKILL leaves the run
+`running` and the verify temp dir behind until `kb doctor --fix` sees that their process is gone.
+Either way the verify child is gone with `kb`. The spec's budget (--timeout) bounds all its attempts.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from generate.pipeline import GenerateOptions, generate
 from tests.generate_fixtures import REPO
+from tests.test_process_lifetime import KB, group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
 
 pytestmark = pytest.mark.network
-KB = str(Path(sys.executable).parent / "kb")  # the console script, as a user runs it
+SPEC = REPO / "examples/specs/alibi.py"
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
@@ -24,28 +30,51 @@ def _rows(db: Path, sql: str) -> list[tuple]:
         return con.execute(sql).fetchall()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_stopped_generate_leaves_no_half_written_kernel(ingested_home: Path, tmp_path: Path, sig: int) -> None:
-    home = tmp_path / "kb"
-    shutil.copytree(ingested_home, home)
-    db = home / "kb.sqlite"
+def _doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KB, "doctor", "--json", *flags], env=env, cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_stopped_generate_leaves_no_half_written_kernel_and_no_process(ingested_home: Path, tmp_path: Path, sig: int) -> None:
+    shutil.copytree(ingested_home, tmp_path / "kb")
+    db = tmp_path / "kb" / "kb.sqlite"
     kernels_before = _rows(db, "select count(*) from kernels")[0][0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")} | {"KB_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([KB, "generate", str(REPO / "examples/specs/alibi.py"),
-                             "--out", str(tmp_path / "out")], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline and not _rows(db, "select id from generation_runs where status = 'running'"):
-        assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-        time.sleep(0.5)
-    time.sleep(2.0)  # inside the attempts now
+    env = kb_env(tmp_path)
+    proc = subprocess.Popen([KB, "generate", str(SPEC), "--out", str(tmp_path / "out")], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default)
+    child = wait_for(lambda: [r for r in proc_table() if r[1] == proc.pid and "verify.child" in r[4]], 300, proc)
+    pgid = child[0][2]  # type: ignore[index]
     proc.send_signal(sig)
-    proc.wait(timeout=120)
+    _, err = proc.communicate(timeout=120)
+    assert group_ends(pgid), "the verify child (or what it started) outlived kb generate"
     assert _rows(db, "select count(*) from kernels")[0][0] == kernels_before  # no kernel without its run and checks
+    (run_id, status, error), = _rows(db, "select id, status, error from generation_runs")
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 128 + sig, err.decode()[-2000:]
+        assert err.decode().splitlines()[-1] == f"kb: interrupted: run {run_id} recorded as interrupted; no kernel written"
+        assert status == "interrupted" and "interrupted" in error
+        assert verify_dirs(tmp_path) == []
+        assert _doctor(env).returncode == 0
+        return
+    # SIGKILL runs no handler: the run stays `running` (with its owner) and the temp dir stays, until kb doctor
+    assert status == "running" and f"pid={proc.pid}" in error
+    left = verify_dirs(tmp_path)
+    assert len(left) == 1
+    found = _doctor(env)
+    assert found.returncode == 1
+    assert {(i["kind"], i["id"]) for i in json.loads(found.stdout)["issues"]} == {("stuck_run", run_id),
+                                                                                   ("orphan_temp_dir", str(left[0]))}
+    assert _doctor(env, "--fix").returncode == 0
     (status, error), = _rows(db, "select status, error from generation_runs")
-    if sig == signal.SIGTERM:
-        assert status == "failed" and "interrupted" in error
-    else:  # SIGKILL cannot be caught: the run stays 'running', and nothing else was written
-        assert status == "running"
-    doctor = subprocess.run([KB, "doctor"], env=env, cwd=REPO, capture_output=True, text=True)
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert status == "interrupted" and f"pid {proc.pid}" in error
+    assert verify_dirs(tmp_path) == [] and _doctor(env).returncode == 0
+
+
+def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
+    """A spec's --timeout is shared: once spent, no further attempt starts, and the run says so."""
+    t0 = time.monotonic()
+    res = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path / "out", timeout_s=1.0, compile_cuda=False))
+    assert not res.succeeded and len(res.attempts) == 1 and res.attempts[0].verdict == "timeout"
+    assert "budget of 1s (--timeout) is spent: no further attempt started" in res.error
+    assert ingested_kb.get(res.run_id).status == "failed"
+    assert time.monotonic() - t0 < 120

@@ -3,13 +3,17 @@
 Run as `python -m verify.child REQUEST.json RESULT.json PROGRESS.txt` by `verify.runner`.
 RESULT holds {"result": VerifyResult} or {"user_error": message}; PROGRESS holds the
 call in flight, so a parent that sees the child die (segfault, memory limit) can say where.
+The child first starts `verify.reaper` in its process group: when the child dies, however it
+dies, the reaper kills whatever else the candidate left running in the group.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import subprocess
 import sys
 import time
 import traceback
@@ -70,7 +74,14 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
     return session.result(verdict, message, finding, timing, time.monotonic() - start, base)
 
 
+def _start_reaper() -> subprocess.Popen:
+    """`verify.reaper` in this process group, armed to kill the group when this process dies."""
+    return subprocess.Popen([sys.executable, "-m", "verify.reaper", str(os.getpid())], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def main(argv: list[str]) -> int:
+    reaper = _start_reaper()  # noqa: F841 - lives until this process dies, then kills the group
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     request, result_path, progress = json.loads(Path(argv[0]).read_text()), Path(argv[1]), Path(argv[2])
     opts = VerifyOptions.from_dict(request["options"])

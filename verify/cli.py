@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.console import Console
 
 from kb.errors import KBError
+from kb.settings import Settings, load_settings
 from verify.options import VerifyOptions
 from verify.report import result_table
 
 __all__ = ["verify_command"]
+
+
+def _settings() -> Settings:
+    """The settings `kb`'s root callback loaded (`--home`), or fresh ones when called from Python."""
+    ctx = click.get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return obj if isinstance(obj, Settings) else load_settings()
 
 
 def verify_command(
@@ -21,6 +31,8 @@ def verify_command(
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="where to write the JSON report")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the JSON report instead of a table")] = False,
     torch_baseline: Annotated[bool, typer.Option("--torch-baseline", help="allow torch compute ops (plain torch re-implementations)")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS",
+                                                     help="limit on the candidate process [default: KB_VERIFY_TIMEOUT, 600]")] = None,
 ) -> int:
     """Verify CANDIDATE against SPEC; exit code 0 only on a pass."""
     from verify import verify
@@ -28,7 +40,11 @@ def verify_command(
     for path, what in ((spec, "spec"), (candidate, "candidate")):
         if not path.is_file():
             raise KBError(f"{what} file {path} does not exist")
-    result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline))
+    settings = _settings() if timeout is None else replace(_settings(), verify_timeout=timeout)
+    try:
+        result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline, timeout_s=settings.verify_timeout))
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as `kb` maps it: the runner already killed the candidate
+        raise KeyboardInterrupt("verification stopped; no candidate process or temp directory left, no report written") from err
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(result.to_json())

@@ -23,7 +23,7 @@ class VerifyOptions:
     max_cases: int = 8  # shape cases, the spec's own shape first
     seed: int | None = None
     determinism: bool = True
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the child's whole life; the CLI passes --timeout or KB_VERIFY_TIMEOUT
     memory_limit_mib: int = 16384  # RLIMIT_AS of the child on CPU (torch alone maps ~2-4 GiB)
     device: str = "auto"  # auto | cpu | cuda
     warmup: int = 10

@@ -1,10 +1,16 @@
-"""`kb doctor`: find (and with `fix`, repair) drift between the SQL rows and Chroma.
+"""`kb doctor`: find (and with `fix`, repair) what a crash, a kill or an older kernel-kb left behind.
 
 Drift kinds: a row without its embedding, an embedding without its row (orphan),
-an embedding whose document no longer matches its row (stale), and a kernel whose
-stored `content_hash` is not the sha256 of its stored IR text.
+an embedding whose document no longer matches its row (stale), a kernel whose
+stored `content_hash` is not the sha256 of its stored IR text, a kernel whose
+`parent_id` names no kernel, a cycle of `parent_id` links, a generation run left
+`running` by a process that is gone (SIGKILL, power loss), and, when `temp_root` is
+given (the CLI passes the temp directory), a `kb-verify-PID-START-…` directory whose
+owner is gone.
 Repair: recompute the hash (and mark the kernel unverified, since its text changed
-under us), embed missing and stale rows, delete orphans. SQL is never deleted from.
+under us), cut the broken or cyclic `parent_id` link (NULL; for a cycle, the link of
+its newest kernel), mark the dead run `interrupted`, embed missing and stale rows,
+delete orphans and orphaned temp directories. No SQL row is ever deleted.
 Invariant: after `run_doctor(kb, fix=True)`, `run_doctor(kb)` reports no issues
 unless a writer ran in between.
 """
@@ -12,16 +18,20 @@ unless a writer ran in between.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sqlmodel import Session, select
 
+from kb.procs import VERIFY_TEMP, Owner, owner_of_temp
 from kb.store import db
 from kb.store.ids import sha256_text
-from kb.store.models import Kernel
+from kb.store.models import GenerationRun, Kernel, RunStatus
 from kb.store.records import EMBEDDED, embedding_doc
 
 if TYPE_CHECKING:
@@ -39,12 +49,16 @@ class DriftKind(StrEnum):
     ORPHAN_EMBEDDING = "orphan_embedding"
     STALE_EMBEDDING = "stale_embedding"
     HASH_MISMATCH = "hash_mismatch"
+    MISSING_PARENT = "missing_parent"
+    LINEAGE_CYCLE = "lineage_cycle"
+    STUCK_RUN = "stuck_run"
+    ORPHAN_TEMP_DIR = "orphan_temp_dir"
 
 
 @dataclass(frozen=True)
 class Drift:
     kind: DriftKind
-    table: str
+    table: str  # a table or Chroma collection; "tmp" for a temp directory (id: its path)
     id: str
     detail: str = ""
 
@@ -63,7 +77,8 @@ class DoctorReport:
 
     def summary(self) -> str:
         if self.ok:
-            return "no drift: every row has its embedding and every hash matches"
+            return ("no issues: every row has its embedding, every hash matches, lineage has no broken link or cycle, "
+                    "no run is left running by a dead process")
         parts = ", ".join(f"{n} {k.value.replace('_', ' ')}" for k, n in sorted(self.by_kind().items()))
         return f"{'fixed' if self.fixed else 'found'}: {parts}"
 
@@ -108,11 +123,107 @@ def _fix_hashes(kb: KnowledgeBase, ids: list[str]) -> None:
     db.retrying(txn)
 
 
-def run_doctor(kb: KnowledgeBase, fix: bool = False) -> DoctorReport:
-    """Report drift; with `fix`, repair it and report what was repaired."""
+# -- lineage: every parent_id names a kernel, and following parents always ends
+
+def _lineage_issues(kb: KnowledgeBase) -> list[Drift]:
+    with kb.read_session() as s:
+        rows = s.exec(select(Kernel.id, Kernel.parent_id, Kernel.created_at)).all()
+    parent = {id_: p for id_, p, _ in rows}
+    created = {id_: c for id_, _, c in rows}
+    out = [Drift(DriftKind.MISSING_PARENT, "kernels", id_, f"parent {p} is not in the KB; --fix cuts the link")
+           for id_, p in sorted(parent.items()) if p is not None and p not in parent]
+    done: set[str] = set()
+    for start in sorted(parent):
+        path: dict[str, int] = {}  # kernel -> position on this walk
+        cur: str | None = start
+        while cur in parent and cur not in done and cur not in path:
+            path[cur] = len(path)
+            cur = parent[cur]
+        if cur in path:  # a cycle: cut the link of its newest kernel (the link that closed it)
+            cycle = list(path)[path[cur]:]
+            cut = max(cycle, key=lambda k: (str(created[k] or ""), k))
+            out.append(Drift(DriftKind.LINEAGE_CYCLE, "kernels", cut,
+                             "cycle " + " -> ".join(cycle + [cur]) + f"; --fix cuts the parent link of {cut} (the newest)"))
+        done.update(path)
+    return out
+
+
+def _fix_lineage(kb: KnowledgeBase, ids: list[str]) -> None:
+    def txn() -> None:
+        with Session(kb.engines.write) as s:
+            for id_ in ids:
+                k = s.get(Kernel, id_)
+                if k is not None:
+                    k.parent_id = None
+            s.commit()
+
+    db.retrying(txn)
+
+
+# -- runs: a run at `running` whose owning process is gone was killed (SIGKILL, power loss)
+
+def _run_issues(kb: KnowledgeBase) -> list[Drift]:
+    with kb.read_session() as s:
+        rows = s.exec(select(GenerationRun).where(GenerationRun.status == RunStatus.RUNNING.value)).all()
+    out = []
+    for r in rows:
+        owner = Owner.parse(r.error)
+        if owner is None:
+            out.append(Drift(DriftKind.STUCK_RUN, "generation_runs", r.id, "running, but no owning process was recorded"))
+        elif owner.alive() is False:  # None: another host, whose processes we cannot see
+            out.append(Drift(DriftKind.STUCK_RUN, "generation_runs", r.id,
+                             f"running, but its process (pid {owner.pid} on {owner.host}) is gone"))
+    return out
+
+
+def _fix_runs(kb: KnowledgeBase, issues: list[Drift]) -> None:
+    def txn() -> None:
+        with Session(kb.engines.write) as s:
+            for d in issues:
+                r = s.get(GenerationRun, d.id)
+                if r is not None and r.status == RunStatus.RUNNING.value:
+                    r.status = RunStatus.INTERRUPTED.value
+                    r.error = f"interrupted: {d.detail.removeprefix('running, but ')} (found by kb doctor)"
+                    s.add(r)
+            s.commit()
+
+    db.retrying(txn)
+
+
+# -- temp directories of verify runs whose owner is gone (host-local, so only when asked)
+
+def _temp_issues(temp_root: Path) -> list[Drift]:
+    out = []
+    for path in sorted(temp_root.glob(VERIFY_TEMP + "*")):
+        owner = owner_of_temp(path.name)  # None: an older kernel-kb's name, without its owner; left alone
+        try:
+            mine = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if owner is not None and mine and owner.alive() is False:
+            out.append(Drift(DriftKind.ORPHAN_TEMP_DIR, "tmp", str(path), f"its owner (pid {owner.pid}) is gone"))
+    return out
+
+
+def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = None) -> DoctorReport:
+    """Report issues; with `fix`, repair them and report what was repaired.
+
+    `temp_root` (e.g. `tempfile.gettempdir()`) adds orphaned verify temp directories under it;
+    they are this machine's state, not the KB's, so library callers leave it out.
+    """
     issues = _hash_issues(kb)
     if fix and issues:
         _fix_hashes(kb, [d.id for d in issues])
+    lineage = _lineage_issues(kb)
+    if fix and lineage:
+        _fix_lineage(kb, [d.id for d in lineage])
+    runs = _run_issues(kb)
+    if fix and runs:
+        _fix_runs(kb, runs)
+    temps = _temp_issues(temp_root) if temp_root is not None else []
+    if fix:
+        for d in temps:
+            shutil.rmtree(d.id, ignore_errors=True)
     vec = _vector_issues(kb)
     if fix and vec:
         for col, table in EMBEDDED.items():
@@ -123,5 +234,7 @@ def run_doctor(kb: KnowledgeBase, fix: bool = False) -> DoctorReport:
                 with kb.read_session() as s:
                     rows = list(s.exec(select(table).where(table.id.in_(redo))))  # type: ignore[attr-defined]
                 kb._embed(rows, force=True)
-        log.info("doctor repaired %d issues", len(issues) + len(vec))
-    return DoctorReport(tuple(issues + vec), fixed=fix and bool(issues or vec))
+    found = issues + lineage + runs + temps + vec
+    if fix and found:
+        log.info("doctor repaired %d issues", len(found))
+    return DoctorReport(tuple(found), fixed=fix and bool(found))
