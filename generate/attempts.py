@@ -7,7 +7,7 @@ from enum import Enum
 
 import torch
 
-from generate.spec import Spec, spec_inputs
+from generate.spec import DTYPES, Spec, spec_inputs
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
 from kb.features import Features
@@ -16,7 +16,7 @@ from kb.ir.interpret import run_program
 from kb.ir.nodes import Program, Role
 from kb.store.models import Lesson
 
-__all__ = ["Stage", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
+__all__ = ["Stage", "Cause", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
 
 # max |o - ref| allowed in the IR check: the interpreter computes in fp32 from the same inputs
 IR_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
@@ -29,6 +29,14 @@ class Stage(Enum):
     VERIFY = "verify"
 
 
+class Cause(Enum):
+    """Whose failure an attempt's is: only the kernel's teach something about kernels (generate.lessons)."""
+
+    KERNEL = "kernel"  # the transferred program, its lowering or the strategy
+    ENVIRONMENT = "environment"  # the LLM service, the verify harness process (timeout, memory limit)
+    SPEC = "spec"  # the spec itself (an unsupported construct that slipped past tracing)
+
+
 @dataclass(frozen=True)
 class AttemptOutcome:
     n: int
@@ -39,6 +47,7 @@ class AttemptOutcome:
     feedback: str
     seconds: float
     ir_text: str
+    cause: Cause = Cause.KERNEL  # of a failure, as known where it happened (lessons classify further)
 
     @property
     def passed(self) -> bool:
@@ -47,6 +56,7 @@ class AttemptOutcome:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["stage"] = self.stage.value
+        d["cause"] = self.cause.value
         d.pop("ir_text")
         return d
 
@@ -54,7 +64,8 @@ class AttemptOutcome:
 def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
     """Run `program` in the interpreter on the spec's inputs; None if it matches the spec's reference."""
     q, k, v = spec_inputs(spec, seed)
-    inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
+    kdt = DTYPES[spec.kernel_dtype]  # the candidate casts its inputs to the kernel's dtype
+    inputs: dict = {"q": q.to(kdt), "k": k.to(kdt), "v": v.to(kdt), "sm_scale": spec.softmax_scale}
     for p in program.params:
         if p.role is Role.AUX:
             if p.name not in spec.aux:

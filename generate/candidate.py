@@ -2,9 +2,19 @@
 
 The candidate file is self-contained: the generated Triton module's source followed by a
 `ModelNew` with the spec's constructor and forward signature. It never names the spec's
-`Model` nor imports the spec (the verifier treats that as a hack). Constant aux tensors that
-the spec's Model holds as buffers are saved next to it as `<stem>.aux.pt` and loaded by
-`ModelNew.__init__`; aux tensors that are forward inputs are passed straight through.
+`Model` nor imports the spec (the verifier treats that as a hack).
+
+State: `ModelNew` holds every entry of the spec Model's state_dict under the same key
+(parameters as nn.Parameter, buffers as buffers; initial values saved next to it in
+`<stem>.aux.pt`), so `ModelNew.load_state_dict(Model.state_dict())` works. The kernel reads
+the ones it uses at every call (a learnable temperature or bias table takes its current
+value). Buffers compiled into the kernel as the index expression their value equals (a tril
+mask) are checked when a state_dict is loaded: a different value is refused, never ignored.
+Other constant aux tensors (plain tensor attributes, module-level tensors of FlexAttention
+specs) are non-persistent buffers; aux tensors that are forward inputs are passed through.
+
+Dtypes: the kernel computes in `spec.kernel_dtype` (inputs are cast to it when it differs)
+and `ModelNew` returns `spec.output_dtype`, casting the kernel's output whenever they differ.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from generate.spec import Spec
+from generate.spec import DTYPES, Spec
 from kb.errors import KBError
 
 __all__ = ["CandidateFiles", "forward_signature", "write_candidate"]
@@ -34,27 +44,74 @@ def forward_signature(spec: Spec) -> tuple[list[str], tuple[str, str, str]]:
     return ["q", "k", "v"], ("q", "k", "v")
 
 
-def _buffer_aux(spec: Spec, forward_names: list[str]) -> dict[str, torch.Tensor]:
-    return {n: t for n, t in spec.aux.items() if n not in forward_names}
+def _constants(spec: Spec, forward_names: list[str]) -> dict[str, torch.Tensor]:
+    """Aux tensors that are neither forward inputs nor state: constants of the spec."""
+    state = {e.aux for e in spec.state if e.aux}
+    return {n: t for n, t in spec.aux.items() if n not in forward_names and n not in state}
+
+
+def _torch_dtype(name: str) -> str:
+    return "_torch." + str(DTYPES[name]).removeprefix("torch.")
+
+
+def _aux_arg(name: str, spec: Spec, forward_names: list[str]) -> str:
+    """The expression ModelNew passes for the kernel's aux tensor `name` (0-dim tensors as shape [1])."""
+    entry = next((e for e in spec.state if e.aux == name), None)
+    if name in forward_names:
+        return f"{name}.reshape(1) if {name}.dim() == 0 else {name}" if spec.aux[name].shape == (1,) else name
+    if entry is not None:
+        get = "get_parameter" if entry.parameter else "get_buffer"
+        flat = ".reshape(1)" if spec.state_values[entry.key].dim() == 0 else ""
+        return f"self.{get}({entry.key!r}){flat}"
+    return f"self.{name}"
+
+
+_HELPERS = '''
+def _kb_register(module, key, value, parameter):
+    """Register `value` at the dotted state_dict `key` (submodules created as needed)."""
+    *path, leaf = key.split(".")
+    for part in path:
+        if part not in module._modules:
+            module.add_module(part, _torch.nn.Module())
+        module = module._modules[part]
+    if parameter:
+        module.register_parameter(leaf, _torch.nn.Parameter(value))
+    else:
+        module.register_buffer(leaf, value)
+
+
+def _kb_check_baked(module, incompatible_keys):
+    """Buffers compiled into the kernel as the index expression their value equals must keep that value."""
+    saved = _torch.load(_KB_STATE)["state"]
+    changed = [k for k in _KB_BAKED if not _torch.equal(module.get_buffer(k).detach().cpu(), saved[k])]
+    if changed:
+        raise RuntimeError(f"buffer(s) {changed} are compiled into this kernel as the index expressions their "
+                           "generation-time values equal; a state_dict with other values needs a regenerated kernel")
+'''
 
 
 def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str) -> CandidateFiles:
     """Write the candidate and the plain Triton module; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names, (qn, kn, vn) = forward_signature(spec)
-    buffers = _buffer_aux(spec, names)
     missing = [a for a in program_aux if a not in spec.aux]
     if missing:
         raise KBError(f"program loads aux tensors {missing} that the spec does not provide")
+    saved = {"state": {k: t.detach().cpu().contiguous() for k, t in spec.state_values.items()},
+             "constants": {n: t.detach().cpu().contiguous() for n, t in _constants(spec, names).items()}}
     aux_path = None
-    if buffers:
+    if saved["state"] or saved["constants"]:
         aux_path = out_dir / f"{stem}.aux.pt"
-        torch.save({n: t.detach().cpu().contiguous() for n, t in buffers.items()}, aux_path)
+        torch.save(saved, aux_path)
     triton_path = out_dir / f"{stem}_triton.py"
     triton_path.write_text(triton_source)
-    init_args = _init_signature(spec)
-    aux_kwargs = ", ".join(f"{a}={a}" if a in names else f"{a}=getattr(self, {a!r})" for a in program_aux)
+    aux_kwargs = "".join(f", {a}={_aux_arg(a, spec, names)}" for a in program_aux)
     scale = repr(float(spec.softmax_scale))
+    cast_in = spec.kernel_dtype != spec.shapes.dtype
+    qkv = ", ".join(f"{n}.to({_torch_dtype(spec.kernel_dtype)})" if cast_in else n for n in (qn, kn, vn))
+    out = _torch_dtype(spec.output_dtype)
+    params = tuple(e.key for e in spec.state if e.parameter)
+    baked = tuple(e.key for e in spec.state if e.baked)
     lines = [
         triton_source.rstrip(),
         "",
@@ -63,19 +120,27 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         "import torch as _torch",
         "from pathlib import Path as _Path",
         "",
+        f"_KB_STATE = _Path(__file__).with_name({aux_path.name!r})" if aux_path else "_KB_STATE = None",
+        f"_KB_PARAMETERS = {params!r}  # state_dict keys that are nn.Parameters of the spec's Model",
+        f"_KB_BAKED = {baked!r}  # buffers held by the kernel as the index expression their value equals",
+        _HELPERS,
         "",
         "class ModelNew(_torch.nn.Module):",
-        f"    def __init__(self{init_args}):",
+        f"    def __init__(self{_init_signature(spec)}):",
         "        super().__init__()",
-        f"        _aux = _Path(__file__).with_name({aux_path.name!r})" if aux_path else "        _aux = None",
-        "        # the spec's constant tensors, registered under their own names (a verifier may share",
-        "        # the spec model's weights by name); initial values saved at generation time",
-        "        for _name, _t in (_torch.load(_aux) if _aux is not None else {}).items():",
-        "            self.register_buffer(_name, _t)",
+        "        # the spec Model's state under its own keys (initial values saved at generation time; a",
+        "        # verifier or user loads the real ones with load_state_dict), and its constant tensors",
+        '        _saved = _torch.load(_KB_STATE) if _KB_STATE is not None else {"state": {}, "constants": {}}',
+        '        for _key, _t in _saved["state"].items():',
+        "            _kb_register(self, _key, _t, _key in _KB_PARAMETERS)",
+        '        for _name, _t in _saved["constants"].items():',
+        "            self.register_buffer(_name, _t, persistent=False)",
+        "        if _KB_BAKED:",
+        "            self.register_load_state_dict_post_hook(_kb_check_baked)",
         "",
         f"    def forward(self, {', '.join(names)}):",
-        f"        o, _lse = forward({qn}, {kn}, {vn}, sm_scale={scale}{', ' + aux_kwargs if aux_kwargs else ''})",
-        "        return o",
+        f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})",
+        f"        return _o if _o.dtype == {out} else _o.to({out})",
         "",
     ]
     cand = out_dir / f"{stem}.py"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from generate.attempts import AttemptOutcome, Stage
+from generate.attempts import AttemptOutcome, Cause, Stage
 from generate.llm import LLMAttempt, LLMEngine, LLMServiceError
 from generate.llm import Stage as LLMStage
 from generate.prompts import snippet_text, spec_summary
@@ -29,7 +29,9 @@ def llm_transfer(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, found: QueryR
                  check: Callable[[Program], str | None]) -> tuple[list[AttemptOutcome], Program | None, RankedKernel | None]:
     """Ask the configured LLM for the target program; `check` runs every later stage (None = passed).
 
-    Service errors end the run as a failed attempt (the answers received before are kept)."""
+    Service errors (connection refused, timeout, HTTP errors) end the run as a failed attempt whose
+    cause is the environment, not the kernel (no lesson is drawn from it); the answers received
+    before are kept."""
     engine = LLMEngine(kb.settings)
     reference_ir = kb.get(ref.id).ir_text  # type: ignore[union-attr]
     try:
@@ -37,7 +39,8 @@ def llm_transfer(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, found: QueryR
                               found.lessons, check, max_attempts=max_attempts)
     except LLMServiceError as err:
         outcomes = [_outcome(a, ref) for a in err.attempts]
-        outcomes.append(AttemptOutcome(len(outcomes) + 1, ref.id, "llm", Stage.TRANSFER, "runtime_error", str(err), 0.0, ""))
+        outcomes.append(AttemptOutcome(len(outcomes) + 1, ref.id, "llm", Stage.TRANSFER, "runtime_error", str(err), 0.0, "",
+                                       Cause.ENVIRONMENT))
         return outcomes, None, None
     outcomes = [_outcome(a, ref) for a in res.attempts]
     return outcomes, res.program, ref if res.program is not None else None

@@ -10,7 +10,10 @@ Two spec styles (docs/specs.md), also combined in one file:
 
 Invariants of a `Spec`: `reference(q, k, v)` is the spec's own computation (the user's Model,
 or a dense torch evaluation of the user's mods, fully masked rows -> 0), never our IR;
-`aux` holds every tensor the expressions load, under the names they load it by.
+`aux` holds every tensor the expressions load, under the names they load it by. Parameters and
+persistent buffers of the Model are never folded into constants: they are aux tensors the kernel
+reads at run time (`state` says which state_dict entry each one is), except buffers whose values
+equal an index expression (tril/band masks), which `state` marks as baked.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from generate.spec_trace import NameOf, trace_attention, trace_mod
+from generate.spec_trace import NameOf, aux_name, trace_attention, trace_mod
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.classify import features_from_variants
 from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, print_expr
+from verify.flex import dense_attention, parse_shapes
 
-__all__ = ["SpecKind", "Shapes", "Spec", "load_spec", "spec_inputs", "dense_reference", "variants_attention", "DTYPES"]
+__all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "spec_inputs", "dense_reference",
+           "variants_attention", "DTYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,17 @@ class Shapes:
 
 
 @dataclass(frozen=True)
+class StateTensor:
+    """One entry of the spec Model's state_dict, as a candidate must hold it so that
+    `ModelNew.load_state_dict(Model.state_dict())` works and a new value takes effect."""
+
+    key: str  # the state_dict key, e.g. "attn.rel_bias"
+    parameter: bool  # an nn.Parameter (else a buffer)
+    aux: str | None  # the aux tensor the kernel reads it as (a 0-dim one as `aux[0]` of shape [1]); None: not read
+    baked: bool = False  # a buffer the kernel holds as the index expression its value equals (tril/band masks)
+
+
+@dataclass(frozen=True)
 class Spec:
     path: Path
     kind: SpecKind
@@ -89,10 +105,23 @@ class Spec:
     forward_names: tuple[str, ...] = ("q", "k", "v")
     qkv_names: tuple[str, str, str] = ("q", "k", "v")
     init_params: tuple[str, ...] = ()
+    out_dtype: str | None = None  # what the spec returns (one of DTYPES); None = the input dtype
+    state: tuple[StateTensor, ...] = ()  # the Model's state_dict entries (none for FlexAttention-style specs)
+    state_values: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # key -> value
 
     @property
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.shapes.D) if self.scale is None else self.scale
+
+    @property
+    def output_dtype(self) -> str:
+        return self.out_dtype or self.shapes.dtype
+
+    @property
+    def kernel_dtype(self) -> str:
+        """The dtype the kernel computes in: the input dtype, or fp32 when the spec returns another
+        dtype than it takes (a Model that upcasts bf16 inputs and returns fp32 computes in fp32)."""
+        return self.shapes.dtype if self.output_dtype == self.shapes.dtype else "fp32"
 
     def variant_strings(self) -> tuple[str | None, str | None]:
         """(score_mod, mask_mod) bodies as IR expression text; None where the spec has none."""
@@ -182,16 +211,12 @@ def _shapes_of(q: torch.Tensor, k: torch.Tensor, path: Path) -> Shapes:
     return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype])
 
 
-def _shapes_from_dict(d: Mapping[str, Any], path: Path) -> Shapes:
+def _shapes_from_dict(d: Any, path: Path) -> Shapes:
     try:
-        Hq = int(d.get("Hq", d.get("H")))
-        M = int(d.get("M", d.get("S")))
-        dtype = str(d.get("dtype", "fp32"))
-        if dtype not in DTYPES:
-            raise KBError(f"{path}: SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        return Shapes(int(d["B"]), Hq, int(d.get("Hkv", Hq)), M, int(d.get("N", M)), int(d["D"]), dtype)
-    except (KeyError, TypeError, ValueError) as err:
-        raise KBError(f"{path}: SHAPES needs B, Hq (or H), M (or S), D and optionally Hkv, N, dtype, scale ({err})") from None
+        f = parse_shapes(d)
+    except ValueError as err:
+        raise KBError(f"{path}: {err}") from None
+    return Shapes(f.B, f.Hq, f.Hkv, f.M, f.N, f.D, f.dtype)
 
 
 def _scale_or_none(scale: float, D: int) -> float | None:
@@ -209,15 +234,22 @@ def load_spec(path: str | Path) -> Spec:
     if not has_model and not mods:
         raise KBError(f"{path} is not a spec: define Model, get_inputs and get_init_inputs (KernelBench style) "
                       "or score_mod/mask_mod with SHAPES (FlexAttention style)")
+    state: tuple[StateTensor, ...] = ()
+    state_values: dict[str, torch.Tensor] = {}
+    out_dtype: str | None = None
     if has_model:
         model, inputs = _instantiate(module, path)
         names = _forward_names(model, len(inputs))
-        traced = trace_attention(model, inputs, names, _tensor_namer(_model_tensors(model)), str(path.resolve()))
+        kinds = _state_kinds(model)
+        traced = trace_attention(model, inputs, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
         qi, ki, vi = names.index(traced.q), names.index(traced.k), names.index(traced.v)
         shapes = _shapes_of(inputs[qi], inputs[ki], path)
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
-        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, path)
+        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        out_dtype = _dtype_name(traced.out_dtype, "output", path)
+        state, state_values = _state_of(model, kinds, traced.state, traced.baked)
+        _check_constants(module, model, set(aux) - set(traced.state) - set(names), path)
         kind = SpecKind.KERNELBENCH
         call = (tuple(names), (traced.q, traced.k, traced.v), _init_names(module.Model))
     if mods:
@@ -234,8 +266,6 @@ def load_spec(path: str | Path) -> Spec:
             aux.update(a)
         shapes_dict = getattr(module, "SHAPES", None)
         if not has_model:
-            if not isinstance(shapes_dict, Mapping):
-                raise KBError(f"{path}: a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)")
             shapes = _shapes_from_dict(shapes_dict, path)
             reference = dense_reference(mods.get("score_mod"), mods.get("mask_mod"), _flex_scale(shapes_dict, shapes))
         scale = _flex_scale(shapes_dict if isinstance(shapes_dict, Mapping) else {}, shapes)
@@ -245,12 +275,80 @@ def load_spec(path: str | Path) -> Spec:
     )
     log.info("spec %s: %s", path, features.describe())
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
-    return Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
-                *call)
+    spec = Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
+                *call, out_dtype=out_dtype, state=state, state_values=state_values)
+    _self_check(spec)
+    return spec
+
+
+# gross-error bound of the self check (the IR check and verify do the precise work)
+_SELF_CHECK_TOL = {"fp32": 1e-3, "fp16": 1e-2, "bf16": 5e-2}
+
+
+def _self_check(spec: Spec) -> None:
+    """The attention read off the spec must be what the spec computes; otherwise tracing missed a
+    construct, and every kernel would fail for the spec's reason (which is not a lesson about kernels)."""
+    q, k, v = spec_inputs(spec, seed=1)
+    with torch.no_grad():
+        ref = spec.reference(q, k, v).float()
+        got = variants_attention(spec, q, k, v).float()
+    if ref.shape != got.shape:
+        raise KBError(f"{spec.path}: the spec returns shape {tuple(ref.shape)}, attention over its q, k, v gives "
+                      f"{tuple(got.shape)} ([B, Hq, M, D])")
+    defined = ~torch.isnan(ref)  # rows the spec leaves undefined (fully masked, softmax of -inf)
+    err = float((ref - got).abs()[defined].max()) if bool(defined.any()) else 0.0
+    tol = _SELF_CHECK_TOL[spec.shapes.dtype] * max(1.0, float(ref[defined].abs().max()) if bool(defined.any()) else 1.0)
+    if not err <= tol:
+        text = spec.variants_text() or "plain softmax(q @ k^T * scale) @ v"
+        raise KBError(f"{spec.path}: what tracing read off the spec ({text}; scale {spec.softmax_scale:.6g}) differs from "
+                      f"what the spec computes (max abs err {err:.3g}): it uses a construct tracing does not capture",
+                      hint="see docs/specs.md for the supported attention patterns")
+
+
+def _dtype_name(dtype: torch.dtype, what: str, path: Path) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise KBError(f"{path}: the spec's {what} dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    return _DTYPE_NAMES[dtype]
+
+
+def _state_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """state_dict key -> "parameter" | "buffer" (persistent buffers only: the others are not state)."""
+    params = {n for n, _ in model.named_parameters()}
+    return {k: "parameter" if k in params else "buffer" for k in model.state_dict()}
+
+
+def _state_of(model: torch.nn.Module, kinds: Mapping[str, str], read: Mapping[str, str],
+              baked: frozenset[str]) -> tuple[tuple[StateTensor, ...], dict[str, torch.Tensor]]:
+    """Every state_dict entry with how the kernel uses it; `read` maps aux names to the keys they read."""
+    aux_of = {key: name for name, key in read.items()}
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    entries = tuple(StateTensor(k, kinds[k] == "parameter", aux_of.get(k), k in baked and k not in aux_of)
+                    for k in values)
+    return entries, values
+
+
+def _check_constants(module: Any, model: torch.nn.Module, names: set[str], path: Path) -> None:
+    """Refuse tensors the kernel would hold as constants although every Model(*get_init_inputs())
+    draws them anew (plain tensor attributes or non-persistent buffers with random values): the
+    kernel keeps the generation-time value, the Model another one, and no state_dict carries it."""
+    if not names:
+        return
+    torch.manual_seed(1)
+    try:
+        again = module.Model(*module.get_init_inputs())
+    except Exception:  # noqa: BLE001 - it constructed once with seed 0; nothing to compare
+        return
+    first, second = dict(_model_tensors(model)), dict(_model_tensors(again))
+    random = sorted(k for k, t in first.items() if aux_name(k) in names and k in second
+                    and (t.shape != second[k].shape or not torch.equal(t, second[k])))
+    if random:
+        raise KBError(f"{path}: Model tensor(s) {', '.join(random)} take a new random value in every "
+                      "Model(*get_init_inputs()) but are not in its state_dict, so a kernel cannot receive them; "
+                      "make them nn.Parameter or persistent buffers (register_buffer(name, t))")
 
 
 def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
-                       traced: Any, path: Path) -> tuple[Expr | None, Expr | None]:
+                       traced: Any, kinds: Mapping[str, str], path: Path) -> tuple[Expr | None, Expr | None]:
     """Variant expressions with shape-derived constants written in M and N (see spec_generalize)."""
     from generate.spec_generalize import DELTA, generalize
 
@@ -263,7 +361,7 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
         args[ki] = torch.randn(*k.shape[:2], n + dn, k.shape[3], dtype=k.dtype)
         args[vi] = torch.randn(*inputs[vi].shape[:2], n + dn, inputs[vi].shape[3], dtype=inputs[vi].dtype)
         try:
-            again = trace_attention(model, args, names, _tensor_namer(_model_tensors(model)), str(path.resolve()))
+            again = trace_attention(model, args, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
         except Exception:  # noqa: BLE001 - the spec only works at its own shapes (or M == N): try the next delta
             continue
         dims1, dims2 = (m, n), (m + dm, n + dn)
@@ -309,28 +407,12 @@ def _model_reference(model: torch.nn.Module, inputs: list[Any], qi: int, ki: int
 
 
 def dense_reference(score_mod: Callable[..., Any] | None, mask_mod: Callable[..., Any] | None, scale: float) -> Reference:
-    """Plain torch attention evaluating the user's mods on broadcast index tensors
-    (int32, as FlexAttention passes them); fully masked rows give 0."""
+    """Plain torch attention evaluating the user's mods on broadcast index tensors (int32, as
+    FlexAttention passes them); fully masked rows give 0. The same function `kb verify` runs
+    as the Model of a FlexAttention-style spec (verify.flex)."""
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, Hq, M, _ = q.shape
-        rep = Hq // k.shape[1]
-        kk, vv = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
-        N = kk.shape[2]
-        s = (q.float() @ kk.transpose(-2, -1)) * scale
-        b = torch.arange(B, dtype=torch.int32).view(B, 1, 1, 1)
-        h = torch.arange(Hq, dtype=torch.int32).view(1, Hq, 1, 1)
-        qi = torch.arange(M, dtype=torch.int32).view(1, 1, M, 1)
-        ki = torch.arange(N, dtype=torch.int32).view(1, 1, 1, N)
-        if score_mod is not None:
-            s = torch.as_tensor(score_mod(s, b, h, qi, ki)).float().expand(B, Hq, M, N)
-        keep = torch.ones(B, Hq, M, N, dtype=torch.bool)
-        if mask_mod is not None:
-            keep = torch.as_tensor(mask_mod(b, h, qi, ki)).bool().expand(B, Hq, M, N)
-        s = s.masked_fill(~keep, -math.inf)
-        p = torch.softmax(s, dim=-1)
-        p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
-        return (p @ vv).to(q.dtype)
+        return dense_attention(q, k, v, score_mod, mask_mod, scale)
 
     return reference
 

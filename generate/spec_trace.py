@@ -33,7 +33,7 @@ from kb.errors import KBError
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
-__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf"]
+__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name"]
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,15 @@ _IDX = ("b", "h", "q_idx", "kv_idx")
 @dataclass(frozen=True)
 class Operand:
     """q, k or v on its way to a matmul. `labels` name each dim: b, h, s, d, '1' (inserted
-    size-1 dim) or 'g' (head-group dim being expanded); `rep` = head repetition (GQA)."""
+    size-1 dim) or 'g' (head-group dim being expanded); `rep` = head repetition (GQA);
+    `factor` = a run-time scalar it is multiplied by (`q * self.temperature`), None if none."""
 
     name: str
     labels: tuple[str, ...]
     shape: tuple[int, ...]
     scale: float = 1.0
     rep: int = 1
+    factor: Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,12 @@ class TracedAttention:
     gqa_ratio: int
     aux: Mapping[str, torch.Tensor]
     dropout: bool = False
+    out_dtype: torch.dtype = torch.float32  # the dtype the traced forward returns
+    # aux tensors that are entries of the Model's state_dict (parameters, persistent buffers):
+    # aux name -> state_dict key. The kernel reads them at run time, so a new value takes effect.
+    state: Mapping[str, str] = field(default_factory=dict)
+    # state_dict keys of buffers replaced by the index expression their values equal (a tril mask)
+    baked: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -84,6 +92,9 @@ class _State:
     name_of: NameOf
     source: str | None
     aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    state_kinds: Mapping[str, str] = field(default_factory=dict)  # state_dict key -> "parameter" | "buffer"
+    state: dict[str, str] = field(default_factory=dict)  # aux name -> state_dict key
+    baked: set[str] = field(default_factory=set)
     q: Operand | None = None
     k: Operand | None = None
     v: Operand | None = None
@@ -254,11 +265,24 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
         return x
     if pk in ("mul", "div"):
         other = args[1] if args[0] is x else args[0]
+        if pk == "div" and args[0] is not x:
+            raise _err(node, st, f"{x.name} is a divisor")
         c = _scalar(other)
-        if c is None or (pk == "div" and args[0] is not x):
+        if c is not None:
+            return replace(x, scale=x.scale * (c if pk == "mul" else 1.0 / c))
+        f = _scalar_expr(other)
+        if f is None:
             raise _err(node, st, f"{x.name} is combined elementwise with a tensor")
-        return replace(x, scale=x.scale * (c if pk == "mul" else 1.0 / c))
+        prev = x.factor if x.factor is not None else const(1.0)
+        return replace(x, factor=Expr(ExprOp.MUL if pk == "mul" else ExprOp.DIV, (prev, f)))
     raise _err(node, st, f"unsupported op on attention input {x.name}")
+
+
+def _scalar_expr(x: Any) -> Expr | None:
+    """A one-element non-boolean Sym (a run-time scalar such as a learnable temperature) as an expression."""
+    if not isinstance(x, Sym) or x.is_bool or math.prod(x.shape) != 1:
+        return None
+    return substitute(x.expr, {f"_d{i}": const(0) for i in range(len(x.shape))})
 
 
 def _operand_view(node: torch.fx.Node, x: Operand, out_shape: tuple[int, ...], st: _State) -> Operand:
@@ -296,7 +320,11 @@ def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, st: _State) -> Sy
     st.q, st.k = q, k
     B, H, M = q.shape[0], q.shape[1], q.shape[2]
     N = k.shape[3] if k.labels[2] == "d" else k.shape[2]
-    return Sym((B, H, M, N), var("score"), _dtype_of(node))
+    score = var("score")
+    for f in (q.factor, k.factor):  # run-time scalars q or k were multiplied by: factors of every score
+        if f is not None:
+            score = Expr(ExprOp.MUL, (score, f))
+    return Sym((B, H, M, N), score, _dtype_of(node))
 
 
 def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
@@ -305,7 +333,7 @@ def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
     _expect(v, ("b", "h", "s", "d"), node, st, "P @ V")
     if st.k is not None and v.rep != st.k.rep:
         raise _err(node, st, f"k and v heads are repeated differently ({st.k.rep} vs {v.rep})")
-    if v.scale != 1.0:
+    if v.scale != 1.0 or v.factor is not None:
         raise _err(node, st, f"{v.name} is scaled")
     st.v = v
     return _Output()
@@ -588,6 +616,66 @@ def _operand_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return found
 
 
+_PRODUCTS = ("matmul", "bmm", "einsum", "scaled_dot_product_attention")
+_INDEXING = {"select", "slice", "index", "unbind", "split", "split_with_sizes", "chunk", "narrow", "getitem",
+             "unsafe_split", "unsafe_chunk", "tensor_split"}
+
+
+def _sources(n: Any) -> tuple[set[torch.fx.Node], bool]:
+    """Placeholders that `n` is a view or a slice of, and whether indexing was crossed on the way."""
+    found: set[torch.fx.Node] = set()
+    indexed = False
+    todo = [n]
+    while todo:
+        x = todo.pop()
+        if not isinstance(x, torch.fx.Node):
+            continue
+        if x.op == "placeholder":
+            found.add(x)
+            continue
+        pk = "getitem" if x.target is operator.getitem else _packet(x) if x.op == "call_function" else ""
+        if pk in _INDEXING:
+            indexed = True
+            todo.append(x.args[0])
+        elif pk in _LAYOUT:
+            todo.append(x.args[0])
+    return found, indexed
+
+
+def _product_operands(n: torch.fx.Node) -> list[Any]:
+    pk = _packet(n)
+    if pk == "einsum":
+        return list(n.args[1])
+    return list(n.args[:3] if pk == "scaled_dot_product_attention" else n.args[:2])
+
+
+def _check_structure(gm: torch.fx.GraphModule, input_names: list[str], st: _State) -> None:
+    """Name the constructs that would otherwise surface as a misleading error at some matmul:
+    a Python loop over heads (or several attentions) and q, k, v sliced out of one packed tensor."""
+    products = [n for n in gm.graph.nodes if n.op == "call_function" and _packet(n) in _PRODUCTS]
+    if not products:
+        return
+    names = {p: name for p, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], input_names)}
+    first = products[0]
+    srcs = [_sources(a) for a in _product_operands(first)]
+    places = [s for s, _ in srcs]
+    if len(places) >= 2 and len(places[0] | places[1]) == 1 and places[0] and all(ix for _, ix in srcs[:2]):
+        (p,) = places[0]
+        raise _err(first, st, f"q, k, v sliced from a packed qkv tensor ({names.get(p, p.name)!r}) by indexing is not "
+                              "supported; pass q, k, v separately as [B, H, S, D] tensors")
+    sdpa = sum(1 for n in products if _packet(n) == "scaled_dot_product_attention")
+    count = len(products) + sdpa  # SDPA is both products
+    if count <= 2:
+        return
+    if any(ix for _, ix in srcs):
+        raise _err(first, st, f"a Python loop over heads (torch.fx saw {count} matmuls, each on a slice of the "
+                              "inputs); write the attention once over [B, H, S, D] tensors")
+    third = products[1] if _packet(first) == "scaled_dot_product_attention" else products[min(2, len(products) - 1)]
+    raise _err(third, st,
+               f"several attentions in one spec (torch.fx saw {count} matmuls); a spec holds one attention "
+               "softmax(q @ k^T) @ v over [B, H, S, D] tensors")
+
+
 def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> torch.fx.GraphModule:
     try:
         return make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*inputs)
@@ -599,20 +687,45 @@ def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> torch.
                       hint="data-dependent Python control flow and .item() are not supported") from None
 
 
+def aux_name(key: str) -> str:
+    """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`)."""
+    return re.sub(r"\W", "_", key)
+
+
+def _runtime_leaf(name: str, t: torch.Tensor, st: _State) -> Sym:
+    """A tensor the kernel reads at run time: a load, never a constant. A 0-dim tensor is read
+    as `name[0]` of a [1]-shaped aux tensor (the candidate passes `x.reshape(1)`)."""
+    if t.dim() == 0:
+        st.aux[name] = t.detach().reshape(1).clone()
+        return Sym(tuple(t.shape), Expr(ExprOp.LOAD, (const(0),), name), t.dtype)
+    st.aux[name] = t.detach().clone()
+    return S.load_leaf(name, t)
+
+
 def _attr_leaf(gm: torch.fx.GraphModule, node: torch.fx.Node, st: _State) -> Sym:
     t = getattr(gm, str(node.target))
-    name = st.name_of(t)
-    if name is None:
+    key = st.name_of(t)
+    if key is None:
         name = f"const{st.n_const}"
         st.n_const += 1
-    name = re.sub(r"\W", "_", name)
+    else:
+        name = aux_name(key)
+    kind = st.state_kinds.get(key) if key is not None else None
+    if kind is not None and (kind == "parameter" or t.numel() == 1):
+        # learnable (or loadable) state: its value at call time, not at trace time
+        st.state[name] = key  # type: ignore[assignment]
+        return _runtime_leaf(name, t, st)
     leaf = _const_leaf(t, name)
+    if kind is not None and not any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
+        st.baked.add(key)  # type: ignore[arg-type]
     if leaf.expr.op is ExprOp.LOAD or any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
         base, i = name, 1
         while name in st.aux and not torch.equal(st.aux[name], t):
             name = f"{base}_{i}"
             i += 1
         st.aux[name] = t.detach().clone()
+        if kind is not None:
+            st.state[name] = key  # type: ignore[assignment]
         leaf = S.load_leaf(name, t)
     return leaf
 
@@ -725,13 +838,19 @@ def trace_attention(
     input_names: Sequence[str],
     name_of: NameOf,
     source: str | None = None,
+    state_kinds: Mapping[str, str] | None = None,
 ) -> TracedAttention:
-    """Trace `fn(*inputs)` (an attention forward) into variant expressions."""
+    """Trace `fn(*inputs)` (an attention forward) into variant expressions.
+
+    `state_kinds` maps the names `name_of` gives to the Model's state_dict entries to
+    "parameter" or "buffer": those stay run-time inputs of the kernel (never folded into
+    constants), except buffers whose values equal an index expression (recorded in `baked`)."""
     inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
     gm = _make_fx(fn, inputs, "the spec's forward")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    st = _State(names={}, name_of=name_of, source=source, state_kinds=state_kinds or {})
+    _check_structure(gm, list(input_names), st)
     operands = _operand_inputs(gm)
-    st = _State(names={}, name_of=name_of, source=source)
     env: dict[torch.fx.Node, Any] = {}
     for node, name, x in zip(placeholders, input_names, inputs):
         if not isinstance(x, torch.Tensor):
@@ -739,8 +858,7 @@ def trace_attention(
         elif node in operands:
             env[node] = Operand(name, ("b", "h", "s", "d") if x.dim() == 4 else tuple("?" * x.dim()), tuple(x.shape))
         else:
-            st.aux[name] = x.detach().clone()
-            env[node] = S.load_leaf(name, x) if x.numel() != 1 else _const_leaf(x, name)
+            env[node] = _runtime_leaf(name, x, st)  # an extra forward input: its value at call time
     out = _run(gm, env, st)
     if not isinstance(out, _Output) or st.logits is None or st.q is None or st.k is None or st.v is None:
         raise KBError("the spec's forward does not compute softmax(q @ k^T) @ v (no attention pattern found)",
@@ -749,7 +867,15 @@ def trace_attention(
     used = set().union(*(e and {n.value for n in walk(e) if n.op is ExprOp.LOAD} or set() for e in (score, mask)))
     aux = {k: v for k, v in st.aux.items() if k in used}
     return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
-                           st.k.rep, aux)
+                           st.k.rep, aux, out_dtype=_output_dtype(gm),
+                           state={k: v for k, v in st.state.items() if k in used}, baked=frozenset(st.baked))
+
+
+def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
 
 def trace_mod(

@@ -2,7 +2,9 @@
 
 A spec defines `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()` and may define
 `get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype)`, `get_shapes()` / `SHAPES`, `CROSS`, `GQA`
-and `CAUSAL`. A candidate defines `ModelNew(nn.Module)` with the same constructor and
+and `CAUSAL`. A FlexAttention-style spec (module-level `score_mod` / `mask_mod` and a
+`SHAPES` dict, no Model) gets those three from `verify.flex`: a dense-PyTorch Model of its
+mods and inputs drawn at `SHAPES`. A candidate defines `ModelNew(nn.Module)` with the same constructor and
 forward parameters. User mistakes in the spec or in the pairing raise `SpecError`; a
 candidate that does not import raises `CandidateImportError` (a compile_error verdict).
 """
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
+
+from verify.flex import flex_entry_points, is_flex_module
 
 __all__ = ["Spec", "SpecError", "CandidateImportError", "load_spec", "load_candidate", "check_signatures"]
 
@@ -64,12 +68,17 @@ def load_spec(path: Path) -> Spec:
         module = _import_file(path, "_kb_verify_spec")
     except Exception as err:  # noqa: BLE001 - any import failure of a user file is a user mistake
         raise SpecError(f"spec {path} does not import: {type(err).__name__}: {err}") from err
+    if is_flex_module(module):
+        return _flex_spec(path, module)
     missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(module, n)]
     if missing:
         raise SpecError(f"spec {path} lacks {', '.join(missing)}; a spec defines Model(nn.Module), "
-                        "get_inputs() and get_init_inputs() (KernelBench convention)")
+                        "get_inputs() and get_init_inputs() (KernelBench convention), or score_mod/mask_mod "
+                        "and SHAPES (FlexAttention style)")
     hints = getattr(module, "get_shapes", None)
     raw_hints = hints() if callable(hints) else getattr(module, "SHAPES", ())
+    if isinstance(raw_hints, dict):  # a FlexAttention-style SHAPES dict beside a Model: the spec's shape, not hints
+        raw_hints = ()
     return Spec(
         path=path.resolve(), module=module, model_cls=module.Model,
         get_inputs=module.get_inputs, get_init_inputs=module.get_init_inputs,
@@ -77,6 +86,18 @@ def load_spec(path: Path) -> Spec:
         shape_hints=tuple(_hint(h, path) for h in raw_hints),
         cross=bool(getattr(module, "CROSS", False)), gqa=bool(getattr(module, "GQA", False)),
         causal=bool(getattr(module, "CAUSAL", False)),
+    )
+
+
+def _flex_spec(path: Path, module: ModuleType) -> Spec:
+    try:
+        model_cls, get_inputs, get_init_inputs, shapes = flex_entry_points(module)
+    except ValueError as err:
+        raise SpecError(f"spec {path}: {err}") from None
+    return Spec(
+        path=path.resolve(), module=module, model_cls=model_cls, get_inputs=get_inputs,
+        get_init_inputs=get_init_inputs, get_inputs_for=None, shape_hints=(),
+        cross=shapes.M != shapes.N, gqa=shapes.Hq != shapes.Hkv, causal=bool(getattr(module, "CAUSAL", False)),
     )
 
 

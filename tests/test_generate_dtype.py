@@ -1,0 +1,33 @@
+"""The output dtype comes from the spec: bf16 inputs, attention computed in fp32, fp32 output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from generate.pipeline import GenerateOptions, generate
+from generate.spec import load_spec
+from tests.generate_fixtures import REPO
+
+pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
+
+SPEC = REPO / "tests" / "data" / "specs_state" / "bf16_in_fp32_out.py"
+
+
+def test_traced_output_dtype_and_kernel_dtype() -> None:
+    spec = load_spec(SPEC)
+    assert (spec.shapes.dtype, spec.output_dtype, spec.kernel_dtype) == ("bf16", "fp32", "fp32")
+    assert spec.features.dtype == "bf16"  # retrieval still sees what the user passes in
+
+
+def test_bf16_in_fp32_out_generates_and_verifies(ingested_kb, tmp_path: Path) -> None:
+    opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1,
+                           compile_cuda=False, max_attempts=2)
+    r = generate(ingested_kb, SPEC, opts)
+    assert r.succeeded, r.error
+    assert len(r.attempts) == 1, [(a.verdict, a.feedback[:200]) for a in r.attempts]
+    report = json.loads(r.files["report"].read_text())
+    assert report["verify"]["verdict"] == "passed"  # the harness checks the output dtype against the Model's
+    assert "_o.to(_torch.float32)" in r.files["candidate"].read_text()

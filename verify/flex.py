@@ -1,0 +1,116 @@
+"""The KernelBench entry points of a FlexAttention-style spec: a dense-PyTorch `Model` built from
+its module-level `score_mod` / `mask_mod`, and `get_inputs()` / `get_init_inputs()` from `SHAPES`.
+
+The reference follows FlexAttention's semantics (docs/specs.md):
+    scores = q @ k^T * scale                     # fp32; scale None = 1/sqrt(D)
+    scores = score_mod(scores, b, h, q_idx, kv_idx)  # elementwise, broadcast int32 index tensors
+    scores[~mask_mod(b, h, q_idx, kv_idx)] = -inf
+    out = softmax(scores) @ v                    # kv heads repeated (GQA: head h reads h // (Hq // Hkv))
+Rows with no visible key give 0. The output has q's dtype, as FlexAttention returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+__all__ = ["FlexShapes", "DTYPES", "parse_shapes", "dense_attention", "flex_entry_points", "is_flex_module"]
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Mod = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class FlexShapes:
+    B: int
+    Hq: int
+    Hkv: int
+    M: int  # seq_q
+    N: int  # seq_kv
+    D: int
+    dtype: str  # one of DTYPES
+    scale: float | None  # None = 1/sqrt(D)
+
+
+def parse_shapes(d: Any) -> FlexShapes:
+    """`SHAPES` of a FlexAttention-style spec; ValueError saying what is missing or wrong."""
+    if not isinstance(d, Mapping):
+        raise ValueError("a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)")
+    dtype = str(d.get("dtype", "fp32"))
+    if dtype not in DTYPES:
+        raise ValueError(f"SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+        Hq, M = int(d.get("Hq", d.get("H"))), int(d.get("M", d.get("S")))
+        scale = d.get("scale")
+        return FlexShapes(int(d["B"]), Hq, int(d.get("Hkv", Hq)), M, int(d.get("N", M)), int(d["D"]), dtype,
+                          None if scale is None else float(scale))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"SHAPES needs B, Hq (or H), M (or S), D and optionally Hkv, N, dtype, scale ({err})") from None
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Mod | None, mask_mod: Mod | None,
+                    scale: float | None) -> torch.Tensor:
+    """FlexAttention computed densely in fp32 (see module docstring); returns q's dtype."""
+    B, Hq, M, D = q.shape
+    rep = Hq // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
+    N = kk.shape[2]
+    s = (q.float() @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)
+    dev = q.device
+    b = torch.arange(B, dtype=torch.int32, device=dev).view(B, 1, 1, 1)
+    h = torch.arange(Hq, dtype=torch.int32, device=dev).view(1, Hq, 1, 1)
+    qi = torch.arange(M, dtype=torch.int32, device=dev).view(1, 1, M, 1)
+    ki = torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, 1, N)
+    if score_mod is not None:
+        s = torch.as_tensor(score_mod(s, b, h, qi, ki)).float().expand(B, Hq, M, N)
+    keep = torch.ones(B, Hq, M, N, dtype=torch.bool, device=dev)
+    if mask_mod is not None:
+        keep = torch.as_tensor(mask_mod(b, h, qi, ki)).bool().expand(B, Hq, M, N)
+    p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1)
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=dev))
+    return (p @ vv).to(q.dtype)
+
+
+def is_flex_module(module: Any) -> bool:
+    """True when the module defines score_mod and/or mask_mod but no Model."""
+    return not hasattr(module, "Model") and any(callable(getattr(module, n, None)) for n in ("score_mod", "mask_mod"))
+
+
+def flex_entry_points(module: Any) -> tuple[type, Callable[[], list[Any]], Callable[[], list[Any]], FlexShapes]:
+    """(Model, get_inputs, get_init_inputs, shapes) for a FlexAttention-style spec module; ValueError on bad SHAPES."""
+    shapes = parse_shapes(getattr(module, "SHAPES", None))
+    score_mod, mask_mod = getattr(module, "score_mod", None), getattr(module, "mask_mod", None)
+    score_mod = score_mod if callable(score_mod) else None
+    mask_mod = mask_mod if callable(mask_mod) else None
+
+    class Model(nn.Module):
+        """Dense FlexAttention reference of the spec's mods (verify.flex)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            _globals_to(module, q.device)
+            return dense_attention(q, k, v, score_mod, mask_mod, shapes.scale)
+
+    def get_inputs() -> list[Any]:
+        s, dt = shapes, DTYPES[shapes.dtype]
+        return [torch.randn(s.B, s.Hq, s.M, s.D).to(dt), torch.randn(s.B, s.Hkv, s.N, s.D).to(dt),
+                torch.randn(s.B, s.Hkv, s.N, s.D).to(dt)]
+
+    def get_init_inputs() -> list[Any]:
+        return []
+
+    return Model, get_inputs, get_init_inputs, shapes
+
+
+def _globals_to(module: Any, device: torch.device) -> None:
+    """Move the module-level tensors the mods read (SLOPES, DOC_IDS, ...) to `device`: the mods look
+    their globals up at call time, so on a GPU they index device tensors with device indices."""
+    for name, t in list(vars(module).items()):
+        if isinstance(t, torch.Tensor) and not name.startswith("__") and t.device != device:
+            setattr(module, name, t.to(device))
