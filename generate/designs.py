@@ -116,7 +116,7 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
                 scores[d] = scores.get(d, 0.0) + w * rel / total
         measured = sorted(scores, key=lambda d: (-scores[d], d))
     ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
-    return list(dict.fromkeys(ranked))
+    return [d for d in dict.fromkeys(ranked) if d.fits(arch, bucket)]  # tiles that cannot fit shared memory: never
 
 
 # ---- reading the KB --------------------------------------------------------------------------

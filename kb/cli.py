@@ -18,16 +18,19 @@ import logging
 import signal
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import typer
 from rich.console import Console
 from rich.table import Table
-from sqlmodel import SQLModel
 from typer.core import TyperGroup
 
 from kb.errors import KBError
 from kb.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from sqlmodel import SQLModel
 
 __all__ = ["app", "main", "settings_of"]
 
@@ -213,7 +216,7 @@ def import_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL fil
 
 
 # the working commands (ingest, query, verify, generate, bench) register themselves on `app`
-from kb import cli_work  # noqa: E402,F401
+from kb import cli_tune, cli_work  # noqa: E402,F401
 
 
 def main() -> None:
@@ -221,5 +224,7 @@ def main() -> None:
     app()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m kb.cli`: run the imported module, whose app holds every command
+    from kb.cli import main as _main
+
+    _main()

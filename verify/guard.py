@@ -5,7 +5,8 @@
   and SDPA families), seen by a `TorchDispatchMode` at the aten level so Tensor methods,
   `@`, `F.*` and `torch.*` are all caught; and, as an emulation catch, any torch op whose
   output is `MATERIALISE_FACTOR` times larger than every input and the expected output
-  (e.g. `(q[..., None, :] * k[..., None, :, :]).sum(-1)`). Skipped in torch-baseline mode.
+  (e.g. `(q[..., None, :] * k[..., None, :, :]).sum(-1)`), data movement excepted
+  (`DATA_MOVEMENT_OPS`). Skipped in torch-baseline mode.
 - hack_suspected "side_stream" (CUDA): a torch op ran on a stream other than the caller's.
 - hack_suspected: a module whose forward is defined in the spec file was called (the
   reference Model, in either mode), or a thread was started.
@@ -36,6 +37,11 @@ FORBIDDEN_OPS = frozenset({
 FORBIDDEN_PREFIXES = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention",
                       "_cudnn_attention", "_fused_sdp")
 MATERIALISE_FACTOR = 4
+# Ops that move or fill memory without computing from it: the Triton interpreter copies every kernel
+# argument back through them (a split-KV kernel's partial outputs are NUM_SPLITS times the output), and
+# none of them can produce a score matrix without a compute op that the size check still sees.
+DATA_MOVEMENT_OPS = frozenset({"set_", "copy_", "fill_", "zero_", "detach", "alias", "_to_copy", "clone",
+                               "empty_like", "new_empty", "new_empty_strided", "lift_fresh"})
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,8 @@ class _OpWatch(TorchDispatchMode):
             name = forbidden_op(func)
             if name:
                 g.violation = Violation(Verdict.forbidden_call, name, f"candidate called {name} inside forward")
-            elif g.max_numel and _has_tensor(args) and isinstance(out, torch.Tensor) and out.numel() > g.max_numel:
+            elif g.max_numel and _has_tensor(args) and isinstance(out, torch.Tensor) and out.numel() > g.max_numel \
+                    and getattr(func, "overloadpacket", func).__name__ not in DATA_MOVEMENT_OPS:
                 g.violation = Violation(
                     Verdict.forbidden_call, str(func),
                     f"{func} produced a tensor of {out.numel()} elements, over {MATERIALISE_FACTOR}x any input or "

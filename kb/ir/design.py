@@ -58,6 +58,12 @@ class Design:
         """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma): the launch parameters in an emitted module."""
         return (self.block_m, self.block_n, self.num_splits, self.num_warps, self.num_stages, self.tma)
 
+    @classmethod
+    def from_tuple(cls, t: tuple) -> Design:
+        """The inverse of `as_tuple` (an emitted module's launch parameters)."""
+        bm, bn, splits, warps, stages, tma = t
+        return cls(bm, bn, warps, stages, splits, bool(tma))
+
     def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
 

@@ -51,9 +51,11 @@ def _derive_id(r: SQLModel) -> str:
             )
         case PerfRecord():
             when = r.measured_at.isoformat() if r.measured_at else ""
+            # a measured design is part of the identity; records without one keep their schema-1 ids
+            design = (_canon(r.design_json), r.arch) if r.design_json not in ("", "{}") else ()
             return ids.hashed_id(
                 "p-", r.kernel_id, r.kind, r.gpu, r.driver, r.torch_version, r.triton_version,
-                _canon(r.shape_json), r.dtype, r.ms, r.tflops, r.command, when, r.citation,
+                _canon(r.shape_json), r.dtype, r.ms, r.tflops, r.command, when, r.citation, *design,
             )
         case GenerationRun():
             return ids.run_id()

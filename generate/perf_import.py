@@ -1,0 +1,175 @@
+"""Measurements from a GPU machine into the KB: `kb perf import RESULTS.json` (and `kb tune`'s write-back).
+
+A results document (`generate.tune_gpu`, schema `kernel-kb/tune/v1`) becomes, in ONE transaction:
+- the kernel each entry timed (its IR record travels with the results, so a KB that never generated
+  it, such as a fresh `make demo` importing the shipped corpus, gets it; an existing kernel is left
+  as it is, lineage included);
+- one `measured` perf record per design that ran correctly (`arch`, `design_json`), one for the
+  candidate as emitted, each with the GPU, driver, versions, shape, dtype, command and date of the run;
+- one performance lesson per entry and shape: which design won, by how much over the design listed
+  first, and how the winner compares with FlexAttention and SDPA.
+Documents that do not say where they were measured (GPU, driver, command, date, arch) or that carry
+malformed records are refused whole, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.design import parse_design
+from kb.ir.text import parse_program
+from kb.store.models import Kernel, Lesson, Origin, PerfRecord
+from kb.store.records import assign_id
+
+__all__ = ["ImportSummary", "import_results", "load_results"]
+
+SCHEMA = "kernel-kb/tune/v1"  # generate.tune_gpu.SCHEMA; repeated so importing needs no torch
+_ENV_NEEDS = ("gpu", "driver", "arch", "command", "date", "torch_version", "triton_version")
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    kernels_added: int
+    perf_records: int
+    lessons: int
+    entries: int
+
+
+def load_results(path: Path) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise KBError(f"cannot read {path}: {err.strerror or err}") from err
+    except ValueError as err:
+        raise KBError(f"{path} is not JSON ({err})") from err
+    _check_doc(doc, str(path))
+    return doc
+
+
+def _check_doc(doc: Any, where: str) -> None:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise KBError(f"{where} is not a kernel-kb tune results file (schema {SCHEMA!r})")
+    env = doc.get("env")
+    missing = [k for k in _ENV_NEEDS if not isinstance(env, dict) or not env.get(k)]
+    if missing:
+        raise KBError(f"{where}: unattributed measurements: env lacks {', '.join(missing)}",
+                      hint="only results written by `python -m generate.tune_gpu` / `kb tune` on a GPU are imported")
+    try:
+        datetime.fromisoformat(env["date"])
+    except ValueError as err:
+        raise KBError(f"{where}: env.date {env['date']!r} is not an ISO date") from err
+
+
+def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # noqa: ANN001 - KnowledgeBase
+    """Write the kernels, measured records and lessons of `doc` in one transaction."""
+    _check_doc(doc, where)
+    env = doc["env"]
+    records: list = []
+    kernels = perf = lessons = 0
+    for n, entry in enumerate(doc.get("entries", []), 1):
+        label = f"{where}: entry {n} ({entry.get('name', '?')})"
+        if entry.get("error") or not entry.get("shapes"):
+            continue
+        kernel = _kernel(entry.get("kernel"), label)
+        if kb.find(kernel.id) is None and all(getattr(r, "id", None) != kernel.id for r in records):
+            if kernel.parent_id and kb.find(kernel.parent_id) is None:
+                kernel.parent_id = None  # its reference is not in this KB; the kernel stands alone
+            records.append(kernel)
+            kernels += 1
+        feats = Features.from_json(kernel.features_json)
+        for shape in entry["shapes"]:
+            if "records" not in shape:
+                continue
+            rows = _perf_rows(kernel.id, env, shape, label)
+            records += rows
+            perf += len(rows)
+            lesson = _lesson(feats, env, shape)
+            if lesson is not None:
+                records.append(lesson)
+                lessons += 1
+    kb.write_records(records)
+    return ImportSummary(kernels, perf, lessons, len(doc.get("entries", [])))
+
+
+def _kernel(payload: Any, label: str) -> Kernel:
+    if not isinstance(payload, dict) or not payload.get("ir_text"):
+        raise KBError(f"{label}: no kernel record (ir_text) to attach the measurements to")
+    try:
+        program = parse_program(payload["ir_text"])
+    except KBError as err:
+        raise KBError(f"{label}: the kernel's IR does not parse: {err}") from err
+    k = Kernel(name=payload.get("name") or program.name, family=payload.get("family") or "generated",
+               origin=payload.get("origin") or Origin.GENERATED.value, ir_text=payload["ir_text"],
+               features_json=payload.get("features_json") or "{}", dtype=payload.get("dtype") or "",
+               head_dim=payload.get("head_dim"), verified=bool(payload.get("verified")),
+               verify_note=payload.get("verify_note") or "", parent_id=payload.get("parent_id"),
+               spec_hash=payload.get("spec_hash") or "", file=payload.get("file") or "")
+    assign_id(k)
+    if payload.get("id") and payload["id"] != k.id:
+        raise KBError(f"{label}: kernel id {payload['id']} is not the content hash of its IR ({k.id})")
+    return k
+
+
+def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfRecord]:
+    dims = {k: v for k, v in shape.get("shape", {}).items() if k in ("B", "Hq", "Hkv", "M", "N", "D", "attended_pairs")}
+    flex = _ms(shape, "flex")
+    sdpa = _ms(shape, "sdpa")
+    base = ", ".join(f"{name} {ms:.4g} ms" for name, ms in (("flex", flex), ("sdpa", sdpa)) if ms)
+    rows = []
+    for r in shape["records"]:
+        if r.get("status") != "ok" or not (r["impl"].startswith("design ") or r["impl"] == "emitted"):
+            continue
+        if r["impl"] == "emitted":
+            design_json = "{}"
+            notes = f"as emitted by kb generate (ModelNew, design {shape.get('emitted_design')})"
+        else:
+            try:
+                design_json = json.dumps(parse_design(r["design"]).to_dict(), sort_keys=True)
+            except (KBError, KeyError) as err:
+                raise KBError(f"{label}: bad design in record {r.get('impl')!r}: {err}") from err
+            notes = "design sweep"
+        ms, tflops = r.get("ms"), r.get("tflops")
+        if not isinstance(ms, (int, float)) or not ms > 0:
+            raise KBError(f"{label}: record {r['impl']!r} has no positive ms ({ms!r})")
+        rows.append(PerfRecord(kernel_id=kernel_id, kind="measured", gpu=env["gpu"], driver=env["driver"],
+                               torch_version=env["torch_version"], triton_version=env["triton_version"],
+                               shape_json=json.dumps(dims, sort_keys=True), dtype=shape.get("dtype", ""), ms=float(ms),
+                               tflops=float(tflops) if tflops else None, command=env["command"],
+                               measured_at=datetime.fromisoformat(env["date"]), arch=env["arch"],
+                               design_json=design_json, notes=f"{notes}; {base}" if base else notes))
+    return rows
+
+
+def _ms(shape: dict, impl: str) -> float | None:
+    rec = next((r for r in shape.get("records", []) if r["impl"] == impl and r.get("status") == "ok"), None)
+    return rec["ms"] if rec else None
+
+
+def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
+    designs = [r for r in shape["records"] if r["impl"].startswith("design ")]
+    ok = [r for r in designs if r.get("status") == "ok"]
+    if not ok:
+        return None
+    best = min(ok, key=lambda r: r["ms"])
+    first = designs[0]
+    dims = shape.get("shape", {})
+    where = (f"On {env['gpu']} ({env['arch']}), for {feats.describe()} at B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} "
+             f"M{dims.get('M')} N{dims.get('N')} D{dims.get('D')}")
+    if first.get("status") == "ok" and first is not best:
+        vs = f"{first['ms'] / best['ms'] - 1:.0%} faster than {first['design']} listed first ({first['ms']:.3f} ms)"
+    elif first is best:
+        vs = "the design listed first was the fastest"
+    else:
+        vs = f"{first['design']} listed first did not run ({first.get('status')})"
+    flex, sdpa = _ms(shape, "flex"), _ms(shape, "sdpa")
+    ratios = "; ".join(f"{flex_or / best['ms']:.2f}x {name}" for name, flex_or in (("FlexAttention", flex), ("SDPA", sdpa))
+                       if flex_or)
+    text = (f"{where}: design {best['design']} was fastest of {len(ok)} correct designs, {best['ms']:.3f} ms "
+            f"({best.get('tflops', 0):.0f} TFLOP/s), {vs}" + (f"; speed vs {ratios}" if ratios else "") + ".")
+    return Lesson(kind="perf_design", text=text, features_json=feats.to_json())

@@ -1,0 +1,124 @@
+"""`kb tune`: search designs for generated kernels on a GPU and write what was measured back to the KB.
+
+For each spec (or generated kernel) the candidate that `kb generate` wrote is taken from its output
+directory, the designs are enumerated in the order the KB's performance memory ranks them for the
+target arch (`generate.designs`; `--no-memory` uses the expert tunables and default grid only), the
+GPU half (`generate.tune_gpu`) times them beside FlexAttention and SDPA, and `generate.perf_import`
+writes the measured records and a lesson in one transaction.
+
+Without a GPU here, `make_plan` writes the same work as a plan file: run
+`python -m generate.tune_gpu PLAN RESULTS` on a GPU machine (it needs torch and triton, not the KB),
+then `kb perf import RESULTS` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+from generate.designs import rank_designs, sweeps_from_kb
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.design import head_bucket
+from kb.store.models import Kernel, Tunable
+
+__all__ = ["make_plan", "plan_entries", "DEFAULT_MAX_DESIGNS"]
+
+DEFAULT_MAX_DESIGNS = 10
+
+
+def _stem(spec_path: Path) -> str:
+    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec_path.stem)
+
+
+def _spec_module(path: Path):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(f"kb_plan_{abs(hash(str(path)))}", path)
+    if spec is None or spec.loader is None:
+        raise KBError(f"cannot load spec {path}")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as err:  # noqa: BLE001 - the user's file
+        raise KBError(f"spec {path} does not import: {type(err).__name__}: {err}") from err
+    return mod
+
+
+def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # noqa: ANN001
+    """(spec path, candidate path, kernel row) for a spec file or a generated kernel id."""
+    if target.startswith("k-"):
+        kernel = kb.get(target)
+        if not isinstance(kernel, Kernel) or not kernel.file:
+            raise KBError(f"{target} is not a generated kernel with a spec file; tune the spec instead")
+        spec_path = Path(kernel.file)
+    else:
+        spec_path = Path(target)
+        if not spec_path.is_file():
+            raise KBError(f"spec file {spec_path} does not exist")
+        kernel = None
+    report_path = from_dir / f"{_stem(spec_path)}.report.json"
+    cand = from_dir / f"{_stem(spec_path)}.py"
+    if not report_path.is_file() or not cand.is_file():
+        raise KBError(f"no generated candidate for {spec_path} in {from_dir}",
+                      hint=f"run `kb generate {spec_path} --out {from_dir}` first, or pass --from DIR")
+    report = json.loads(report_path.read_text())
+    if report.get("status") not in ("verified", "generated, not verified"):
+        raise KBError(f"{report_path} says {report.get('status')!r}: nothing to tune")
+    if kernel is None:
+        kernel = kb.get(report["kernel_id"])
+    return spec_path, cand, kernel  # type: ignore[return-value]
+
+
+def _shapes(spec_path: Path) -> list[dict]:
+    bench = getattr(_spec_module(spec_path), "BENCH", None)
+    if bench is None:
+        return [{}]
+    return list(bench) if isinstance(bench, (list, tuple)) else [dict(bench)]
+
+
+def _kernel_payload(k: Kernel) -> dict:
+    keep = ("id", "name", "family", "origin", "ir_text", "features_json", "dtype", "head_dim", "verified",
+            "verify_note", "parent_id", "spec_hash", "file")
+    return {f: getattr(k, f) for f in keep}
+
+
+def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
+                 memory: bool = True) -> list[dict]:
+    """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept."""
+    sweeps = sweeps_from_kb(kb, arch)
+    tunables = [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
+    entries = []
+    for target in targets:
+        spec_path, cand, kernel = _resolve(kb, target, from_dir)
+        feats = Features.from_json(kernel.features_json)
+        for shape in _shapes(spec_path):
+            d = shape.get("D") or feats.head_dim
+            f = dataclasses.replace(feats, head_dim=d, arch=arch)
+            on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True)[:max_designs]
+            off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False)[:max_designs]
+            timed = list(dict.fromkeys((on if memory else off) + (off if memory else on)))
+            name = spec_path.stem + (f"_d{d}" if len(_shapes(spec_path)) > 1 else "")
+            entries.append({"name": name, "spec": str(spec_path), "candidate": str(cand), "shapes": [shape] if shape else None,
+                            "kernel": _kernel_payload(kernel), "designs": [str(x) for x in timed],
+                            "order_memory": [str(x) for x in on], "order_no_memory": [str(x) for x in off]})
+    return entries
+
+
+def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
+              memory: bool = True) -> dict:
+    from generate.tune_gpu import PLAN_SCHEMA
+
+    return {"schema": PLAN_SCHEMA, "arch": arch, "memory": memory,
+            "entries": plan_entries(kb, targets, from_dir, arch, max_designs=max_designs, memory=memory)}
+
+
+def require_gpu() -> str:
+    """The local GPU's arch, or a KBError saying how to tune without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise KBError("kb tune needs a CUDA GPU to time designs, and this machine has none",
+                      hint="`kb tune SPEC --plan PLAN.json` writes the work here; run `python -m generate.tune_gpu "
+                           "PLAN.json RESULTS.json` on a GPU machine, then `kb perf import RESULTS.json`")
+    return "sm%d%d" % torch.cuda.get_device_capability()

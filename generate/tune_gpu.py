@@ -1,0 +1,417 @@
+"""The GPU half of `kb tune`: time a generated kernel's designs beside FlexAttention and SDPA, in one process.
+
+    python -m generate.tune_gpu PLAN.json RESULTS.json [--deadline-s 540] [--workers 12]
+
+A plan (written by `kb tune --plan`, or built in-process by `kb tune` on a GPU machine) lists entries:
+the spec file, the candidate file `kb generate` wrote (`ModelNew` + the Triton module's `forward`), the
+kernel's IR record, the shapes to time at (default: the spec's `BENCH`) and the designs to try, in order.
+For each entry and shape this times, on the same bf16 inputs:
+- `emitted`: `ModelNew(*init)(*inputs)` exactly as a user calls the candidate (the module picks its design);
+- `emitted+table`: for data-dependent masks, the module's `forward` with its block table built once
+  (as FlexAttention's block mask is), labelled separately;
+- every design of the plan through the same module (`forward(..., _design=d)`), each checked against
+  the reference output first (a design with the wrong answer is recorded as `wrong`, never timed);
+- `flex` (torch.compile'd flex_attention with `create_block_mask` built once) from the spec's
+  `flex_mods`, and `sdpa` where the spec says SDPA computes the same thing.
+The reference is FlexAttention's output where the spec gives `flex_mods`, else SDPA's, else the spec's
+own Model. Compilation runs first in parallel worker processes sharing Triton's and Inductor's caches,
+so the timed process only loads kernels. Results are written after every entry (schema
+`kernel-kb/tune/v1`), so a run cut short keeps what it measured. Needs torch and triton, not the KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import datetime as dt
+import functools
+import importlib.util
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from kb.ir.design import Design, parse_design
+
+__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "environment"]
+
+SCHEMA = "kernel-kb/tune/v1"
+PLAN_SCHEMA = "kernel-kb/tune-plan/v1"
+BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
+_SEED = 1234
+
+
+# ---- loading the files a user has ------------------------------------------------------------
+
+def _load(path: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _shapes(spec: ModuleType, entry: dict) -> list[dict]:
+    given = entry.get("shapes") or getattr(spec, "BENCH", None)
+    if given is None:
+        return [{}]  # the spec's get_inputs() shape
+    return list(given) if isinstance(given, (list, tuple)) else [given]
+
+
+def _inputs(spec: ModuleType, shape: dict, device: str) -> list:
+    torch.manual_seed(_SEED)
+    make = getattr(spec, "bench_inputs", None)
+    if make is not None and shape:
+        n_params = len(inspect.signature(make).parameters)
+        return list(make(device) if n_params == 1 else make(device, shape))
+    out = []
+    for t in spec.get_inputs():  # the spec's own (small) shape, floating tensors in bf16
+        t = t.to(device)
+        out.append(t.to(torch.bfloat16) if t.is_floating_point() else t)
+    return out
+
+
+def _init_args(spec: ModuleType, shape: dict) -> list:
+    if shape and hasattr(spec, "bench_init_inputs"):
+        return list(spec.bench_init_inputs())
+    return list(spec.get_init_inputs())
+
+
+def _candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):  # noqa: ANN202
+    """(candidate module, ModelNew instance carrying the spec Model's parameters and buffers at this shape)."""
+    cand = _load(entry["candidate"], f"kb_tune_cand_{tag}")
+    init = _init_args(spec, shape)
+    model = spec.Model(*init).to(device)
+    new = cand.ModelNew(*init).to(device)
+    for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        target = new.get_submodule(owner) if owner else new
+        if hasattr(target, leaf):  # the spec's tensors at this shape, under the names the candidate uses
+            if leaf in target._parameters:
+                target._parameters[leaf] = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+            else:
+                target._buffers[leaf] = t.detach().clone()
+    return cand, model, new
+
+
+class _Recorder:
+    """Stands in for the module's `forward` once, to learn the arguments ModelNew passes it."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn, self.args, self.kwargs = fn, (), {}
+
+    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+        self.args, self.kwargs = args, kwargs
+        return self.fn(*args, **kwargs)
+
+
+def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any]:
+    rec = _Recorder(cand.forward)
+    cand.forward = rec
+    try:
+        with torch.no_grad():
+            out = new(*inputs)
+    finally:
+        cand.forward = rec.fn
+    return rec.args, rec.kwargs, out
+
+
+# ---- baselines and reference --------------------------------------------------------------------
+
+def _flex(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+    make = getattr(spec, "flex_mods", None)
+    if make is None:
+        return None
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.cache_size_limit = 256
+    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
+    score_mod, mask_mod = make(*inputs, **kwargs)
+    q, k, v = inputs[:3]
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    compiled = _compiled_flex(flex_attention)
+    scale = getattr(spec, "SCALE", None)
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex(flex_attention):  # noqa: ANN001, ANN202
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _sdpa(spec: ModuleType, inputs: list) -> Callable[[], torch.Tensor] | None:
+    kind = getattr(spec, "SDPA", None)
+    if kind not in ("causal", "none"):
+        return None
+    import torch.nn.functional as F
+
+    q, k, v = inputs[:3]
+    scale = getattr(spec, "SCALE", None)
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal", scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attended_pairs(spec: ModuleType, inputs: list, model: torch.nn.Module) -> int:
+    """(q, kv) pairs the mask keeps, summed over the batch (mask_mod evaluated on the GPU, head 0)."""
+    q, k = inputs[0], inputs[1]
+    B, M, N = q.shape[0], q.shape[2], k.shape[2]
+    make = getattr(spec, "flex_mods", None)
+    if make is None:
+        return B * M * N
+    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
+    _, mask_mod = make(*inputs, **kwargs)
+    if mask_mod is None:
+        return B * M * N
+    dev, total = q.device, 0
+    kv = torch.arange(N, device=dev).view(1, -1)
+    h = torch.zeros((), dtype=torch.long, device=dev)
+    for b in range(B):
+        bt = torch.tensor(b, device=dev)
+        for r0 in range(0, M, 1024):
+            rows = torch.arange(r0, min(M, r0 + 1024), device=dev).view(-1, 1)
+            total += int(torch.as_tensor(mask_mod(bt, h, rows, kv)).expand(rows.shape[0], N).sum())
+    return total
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def _time(fn: Callable[[], Any], trials: int) -> tuple[float, float]:
+    if not torch.cuda.is_available():  # the CPU dry run (tests): wall clock of the interpreter, not a measurement
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        return sorted(walls)[1], max(walls) - min(walls)
+    from verify.timing import time_fn
+
+    t = time_fn(fn, warmup=5, trials=trials)
+    return t.median_ms, t.iqr_ms
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _err(out: Any, ref: torch.Tensor) -> float:
+    o = out[0] if isinstance(out, tuple) else out
+    return float((o.float() - ref.float()).abs().max())
+
+
+def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, flops: float, trials: int,
+            check: bool = True) -> dict:
+    rec: dict[str, Any] = {"impl": label}
+    if fn is None:
+        return {**rec, "status": "n/a"}
+    try:
+        out = fn()
+        _sync()
+        if ref is not None:
+            rec["max_abs_err"] = _err(out, ref)
+            if check and not rec["max_abs_err"] <= BF16_TOL:
+                return {**rec, "status": "wrong"}
+        ms, iqr = _time(fn, trials)
+        return {**rec, "status": "ok", "ms": ms, "iqr_ms": iqr, "tflops": flops / ms / 1e9}
+    except Exception as err:  # noqa: BLE001 - a design that cannot run is a result, not a crash
+        return {**rec, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str) -> dict:
+    spec = _load(entry["spec"], f"kb_tune_spec_{idx}")
+    out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
+                           "kernel": entry.get("kernel"), "shapes": []}
+    for j, shape in enumerate(_shapes(spec, entry)):
+        if time.monotonic() > deadline:
+            out["shapes"].append({"shape": shape, "skipped": "deadline"})
+            continue
+        out["shapes"].append(_run_shape(entry, spec, shape, f"{idx}_{j}", trials, deadline, device))
+    return out
+
+
+def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, deadline: float, device: str) -> dict:
+    if device == "cpu":
+        shape = {}  # the CPU dry run works at the spec's own small shape
+    inputs = _inputs(spec, shape, device)
+    cand, model, new = _candidate(entry, spec, shape, device, tag)
+    q, k = inputs[0], inputs[1]
+    dims = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": k.shape[1], "M": q.shape[2], "N": k.shape[2], "D": q.shape[3]}
+    pairs = _attended_pairs(spec, inputs, model)
+    flops = 4.0 * dims["Hq"] * dims["D"] * pairs
+    res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops": flops}, "dtype": str(q.dtype).split(".")[-1]}
+    flex = _flex(spec, inputs, model) if device == "cuda" else None
+    sdpa = _sdpa(spec, inputs)
+    with torch.no_grad():
+        ref = flex() if flex is not None else (sdpa() if sdpa is not None else model(*inputs))
+        res["reference"] = "flex" if flex is not None else ("sdpa" if sdpa is not None else "spec Model")
+        args, kwargs, _ = _module_call(cand, new, inputs)
+        picked = dict(cand._PICKED)
+        res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
+        records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
+                   _record("flex", flex, None, flops, trials), _record("sdpa", sdpa, None, flops, trials)]
+        table = getattr(cand, "block_class_table", None)
+        for text in entry["designs"]:
+            if time.monotonic() > deadline:
+                records.append({"impl": f"design {text}", "design": text, "status": "skipped", "error": "deadline"})
+                continue
+            d = parse_design(text).as_tuple()
+            kw = dict(kwargs)
+            if table is not None:
+                with contextlib.suppress(Exception):  # a design that cannot build its table fails below
+                    kw["block_class"] = table(*args, _design=d, **kwargs)
+            fn = functools.partial(cand.forward, *args, _design=d, **kw)
+            records.append({**_record(f"design {text}", fn, ref, flops, trials), "design": text})
+        if table is not None and res["emitted_design"]:
+            d = parse_design(res["emitted_design"]).as_tuple()
+            kw = {**kwargs, "block_class": table(*args, _design=d, **kwargs)}
+            records.append(_record("emitted+table", functools.partial(cand.forward, *args, _design=d, **kw), ref, flops,
+                                   trials))
+    res["records"] = records
+    return res
+
+
+# ---- parallel warm-up (compile everything once, in worker processes) -----------------------------
+
+def _warm(task: tuple[dict, int, int, str | None]) -> str:
+    entry, idx, j, design = task
+    try:
+        spec = _load(entry["spec"], f"kb_warm_spec_{idx}")
+        shape = _shapes(spec, entry)[j]
+        inputs = _inputs(spec, shape, "cuda")
+        cand, model, new = _candidate(entry, spec, shape, "cuda", f"w{idx}_{j}")
+        with torch.no_grad():
+            if design is None:
+                flex = _flex(spec, inputs, model)
+                if flex is not None:
+                    flex()
+                new(*inputs)
+            else:
+                args, kwargs, _ = _module_call(cand, new, inputs)
+                cand.forward(*args, _design=parse_design(design).as_tuple(), **kwargs)
+        torch.cuda.synchronize()
+        return "ok"
+    except Exception as err:  # noqa: BLE001 - the timed process records the error
+        return f"{type(err).__name__}: {err}"[:200]
+
+
+def _warm_all(entries: list[dict], workers: int) -> None:
+    tasks = []
+    for i, e in enumerate(entries):
+        spec = _load(e["spec"], f"kb_count_spec_{i}")
+        for j in range(len(_shapes(spec, e))):
+            tasks.append((e, i, j, None))
+            tasks += [(e, i, j, d) for d in e["designs"]]
+    if workers <= 1 or not tasks:
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for done, msg in enumerate(pool.map(_warm, tasks), 1):
+            if msg != "ok":
+                print(f"warm {done}/{len(tasks)}: {msg}", flush=True)
+    print(f"warmed {len(tasks)} compiles with {workers} workers", flush=True)
+
+
+# ---- environment and driver -------------------------------------------------------------------
+
+def environment(command: str) -> dict:
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = ""
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": torch.cuda.get_device_name(0), "arch": "sm%d%d" % torch.cuda.get_device_capability(0),
+            "sms": props.multi_processor_count, "driver": driver, "torch_version": torch.__version__,
+            "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+
+
+def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,
+             command: str = "", device: str = "cuda") -> dict:
+    """Time every entry of `plan` on this GPU; `device="cpu"` is a dry run of the same code at the specs' small
+    shapes under the Triton interpreter (no baselines but SDPA, wall-clock "times"; for tests, never imported)."""
+    if plan.get("schema") != PLAN_SCHEMA:
+        raise SystemExit(f"not a kernel-kb tune plan (schema {plan.get('schema')!r}, expected {PLAN_SCHEMA!r})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("kb tune needs a CUDA GPU; run this where one is, then `kb perf import` the results")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("the CPU dry run needs TRITON_INTERPRET=1, set before triton is first imported")
+    deadline = time.monotonic() + deadline_s
+    entries = plan["entries"]
+    if device == "cuda":
+        _warm_all(entries, workers)
+    env = environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}
+    doc = {"schema": SCHEMA, "env": env, "entries": []}
+    for i, e in enumerate(entries):
+        t0 = time.monotonic()
+        try:
+            doc["entries"].append(_run_entry(e, i, trials, deadline, device))
+        except Exception as err:  # noqa: BLE001 - one broken entry does not lose the others
+            doc["entries"].append({"name": e["name"], "spec": e["spec"], "kernel": e.get("kernel"),
+                                   "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
+        _write(out_path, doc)
+        print(_summary_line(doc["entries"][-1], time.monotonic() - t0), flush=True)
+    return doc
+
+
+def _write(path: Path, doc: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def _summary_line(entry: dict, seconds: float) -> str:
+    if entry.get("error"):
+        return f"{entry['name']}: ERROR {entry['error']}"
+    parts = []
+    for s in entry["shapes"]:
+        recs = {r["impl"]: r for r in s.get("records", [])}
+        best = min((r for r in s.get("records", []) if r["impl"].startswith("design") and r["status"] == "ok"),
+                   key=lambda r: r["ms"], default=None)
+        em, fx = recs.get("emitted", {}), recs.get("flex", {})
+        parts.append(f"D{s.get('shape', {}).get('D')}: emitted {em.get('ms', math.nan):.3f} ms ({s.get('emitted_design')}), "
+                     f"best {best['ms'] if best else math.nan:.3f} ({best['design'] if best else '-'}), "
+                     f"flex {fx.get('ms', math.nan):.3f}")
+    return f"{entry['name']} [{seconds:.0f}s]: " + "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting new work after this many seconds")
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compile processes")
+    ap.add_argument("--trials", type=int, default=30, help="timed calls per implementation (median reported)")
+    a = ap.parse_args(argv)
+    plan = json.loads(a.plan.read_text())
+    run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials,
+             command="python -m generate.tune_gpu " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
