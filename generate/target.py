@@ -33,7 +33,11 @@ def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param: 
     # a position indexed by both q_idx and kv_idx (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) runs over N
     # when the spec is self-attention (M == N); otherwise it stays concrete
     implied = [{"N"} if d == {"M", "N"} and self_attention else d for d in implied]
-    shape = tuple(next(iter(d)) if len(d) == 1 and "?" not in d else int(n) for d, n in zip(implied, t.shape))
+    # any other position (a table indexed by q_idx - kv_idx + c, a constant index) gets a dim of its own,
+    # bound from the tensor at run time, so the kernel serves tables of any length (the IR's load rule
+    # reads 0 out of range, as the spec's tensor would raise; the interpreter check covers the spec's shape)
+    shape = tuple(next(iter(d)) if len(d) == 1 and "?" not in d else f"{name}_n{i}"
+                  for i, (d, n) in enumerate(zip(implied, t.shape)))
     return Param(name, shape, _TORCH_TO_IR.get(str(t.dtype), Dtype.F32), Role.AUX)
 
 

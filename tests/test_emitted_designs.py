@@ -110,3 +110,18 @@ def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.Mo
 def test_interpreter_runs_the_verified_schedule() -> None:
     _, mod = _module(tag="_cpu")
     assert mod._choose_design(torch.zeros(1), 64, ("cpu",), _FakeGPU(set())) == mod.PROGRAM_DESIGN
+
+
+def test_block_table_is_reused_only_while_the_mask_inputs_are_unchanged() -> None:
+    p, mod = _module("document", tag="_table")
+    q, k, v = _qkv(torch.float32, M=29, N=29)
+    doc = torch.tensor([[0] * 10 + [1] * 19, [0] * 20 + [1] * 9], dtype=torch.int32)
+    o1, _ = mod.forward(q, k, v, doc_ids=doc)
+    assert len(mod._TABLES) == 1
+    mod.forward(q, k, v, doc_ids=doc.clone())  # same contents, another tensor: the table is reused
+    assert len(mod._TABLES) == 1
+    doc[:, 5:] = 2  # changed in place: same address, same shape, other documents
+    o2, _ = mod.forward(q, k, v, doc_ids=doc)
+    ref, _ = reference_attention(p, q, k, v, aux={"doc_ids": doc})
+    torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(o1, o2)

@@ -35,7 +35,7 @@ from typing import Iterator
 
 from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
@@ -1177,6 +1177,27 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+_TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
+
+
+def _cached_table(key, mask_inputs, build):
+    """The block table for these mask inputs, rebuilt only when one of them changed shape or contents (compared
+    element by element with a copy kept here, so a new tensor at a reused address is never taken for the old)."""
+    hit = _TABLES.get(key)
+    if hit is not None and all(a.shape == c.shape and a.dtype == c.dtype and a.device == c.device and torch.equal(a, c)
+                               for a, c in zip(mask_inputs, hit[0])):
+        return hit[1]
+    table = build()
+    if len(_TABLES) >= 8:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (tuple(a.detach().clone() for a in mask_inputs), table)
+    return table
+
+
+def _hblock_table(bc):
+    return bc, _hblock_lists(bc)
+
+
 def _hblock_lists(block_class):
     """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
     row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
@@ -1395,6 +1416,7 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
                  ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param]) -> list[str]:
     """The body of forward's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
     s = p.schedule
+    scalars = [q for q in p.params if q.role is Role.SCALAR]
     L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design"]
     split_axes = [a for k in p.kernels for a in k.grid if "NUM_SPLITS" in free_vars(a.extent)]
     if split_axes:
@@ -1425,12 +1447,15 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         nb = str(qshape[0]) if plan.per_b else "1"
         nh = str(qshape[1]) if plan.per_h else "1"
         L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
-        L.append("    table = block_class")
-        L.append("    if table is None:")
-        L.append(f"        mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
-        L.append(f"        bc = _hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
-                 f"BLOCK_M, BLOCK_N, {device})")
-        L.append("        table = (bc, _hblock_lists(bc))")
+        used = sorted(free_vars(p.mask_mod.body) & {q.name for q in (*aux, *scalars)} | loaded_tensors(p.mask_mod.body))
+        tensors_used = ", ".join(n for n in used if n in {q.name for q in aux})
+        scalars_used = ", ".join(n for n in used if n in {q.name for q in scalars})
+        L.append(f"    mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
+        L.append("    # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once")
+        L.append(f"    table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, "
+                 f"{scalars_used}{',' if scalars_used else ''}), ({tensors_used}{',' if tensors_used else ''}), "
+                 f"lambda: _hblock_table(_hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+                 f"BLOCK_M, BLOCK_N, {device})))")
         L.append("    if table_only:")
         L.append("        return table")
         L.append("    bc, kvl = table")

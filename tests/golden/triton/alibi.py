@@ -124,6 +124,27 @@ def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
     return out
 
 
+_TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
+
+
+def _cached_table(key, mask_inputs, build):
+    """The block table for these mask inputs, rebuilt only when one of them changed shape or contents (compared
+    element by element with a copy kept here, so a new tensor at a reused address is never taken for the old)."""
+    hit = _TABLES.get(key)
+    if hit is not None and all(a.shape == c.shape and a.dtype == c.dtype and a.device == c.device and torch.equal(a, c)
+                               for a, c in zip(mask_inputs, hit[0])):
+        return hit[1]
+    table = build()
+    if len(_TABLES) >= 8:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (tuple(a.detach().clone() for a in mask_inputs), table)
+    return table
+
+
+def _hblock_table(bc):
+    return bc, _hblock_lists(bc)
+
+
 def _hblock_lists(block_class):
     """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
     row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
