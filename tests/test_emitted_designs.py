@@ -103,7 +103,7 @@ def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.Mo
     with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
         choice = mod._choose_design(torch.zeros(1), 64, ("shape",), gpu)
     assert choice == TABLE["sm90"][64][1].as_tuple()
-    assert "no design measured for sm89 at head dim 64; timed 3 designs" in caplog.text
+    assert "no design measured for sm89 at head dim 64 fits; timed 3 designs" in caplog.text
     assert mod._choose_design(torch.zeros(1), 64, ("shape",), gpu) == choice
 
 

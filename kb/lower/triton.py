@@ -1248,8 +1248,9 @@ def _choose_design(t, D, key, launch):
         if not timed:
             raise RuntimeError(f"{PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
         ms, choice = min(timed)
-        _log.warning("%s: no design measured for %s at head dim %d; timed %d designs for shape %s, "
-                     "running %s (%.3f ms)", PROGRAM, arch, D, len(timed), key[2:], choice, ms)
+        why = f"none of the {len(listed)} designs listed" if listed else "no design measured"
+        _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shape %s, running %s (%.3f ms)",
+                     PROGRAM, why, arch, D, len(timed), key[2:], choice, ms)
     _PICKED[key] = choice
     return choice
 
