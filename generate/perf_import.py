@@ -173,3 +173,20 @@ def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
     text = (f"{where}: design {best['design']} was fastest of {len(ok)} correct designs, {best['ms']:.3f} ms "
             f"({best.get('tflops', 0):.0f} TFLOP/s), {vs}" + (f"; speed vs {ratios}" if ratios else "") + ".")
     return Lesson(kind="perf_design", text=text, features_json=feats.to_json())
+
+
+def corpus_results() -> list[Path]:
+    """The measured results shipped with kernel-kb (`corpus/measured/*.json`), each with its provenance."""
+    from ingest.manifest import corpus_dir
+
+    return sorted((corpus_dir() / "measured").glob("*.json"))
+
+
+def import_corpus(kb) -> ImportSummary:  # noqa: ANN001 - KnowledgeBase
+    """Import every shipped results file (idempotent: the same measurement is the same row)."""
+    totals = [0, 0, 0, 0]
+    for path in corpus_results():
+        s = import_results(kb, load_results(path), str(path))
+        for i, v in enumerate((s.kernels_added, s.perf_records, s.lessons, s.entries)):
+            totals[i] += v
+    return ImportSummary(*totals)

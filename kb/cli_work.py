@@ -38,9 +38,15 @@ def ingest_cmd(
         raise KBError("nothing to ingest: give SOURCE... or --all", hint="`kb ingest --all` ingests corpus/*.toml")
     kb = _open(ctx, create=True)
     summary = ingest(kb, names, progress=not as_json)
+    measured = None
+    if all_:  # and the designs measured on the GPUs we have (corpus/measured/*.json, with their provenance)
+        from generate.perf_import import import_corpus
+
+        measured = import_corpus(kb)
     if as_json:
         out.print_json(json.dumps({"seconds": summary.seconds, "totals": summary.totals(),
-                                   "files": [{"source": s.source, **f.__dict__} for s in summary.sources for f in s.files]}))
+                                   "files": [{"source": s.source, **f.__dict__} for s in summary.sources for f in s.files],
+                                   "measured": measured.__dict__ if measured is not None else None}))
         return
     table = Table(title="ingest coverage", show_lines=False)
     for col in ("source", "file", "programs (verified)", "snippets", "tunables", "new rows", "skipped (reason)"):
@@ -54,6 +60,9 @@ def ingest_cmd(
     t = summary.totals()
     out.print(f"{t['programs']} programs ({t['verified']} verified by the interpreter), {t['snippets']} snippets, "
               f"{t['tunables']} tunables, {t['new_rows']} new rows, {t['skipped']} skipped items in {summary.seconds:.1f}s")
+    if measured is not None:
+        out.print(f"measured designs from corpus/measured: {measured.perf_records} records, {measured.lessons} lessons, "
+                  f"{measured.kernels_added} new kernels")
 
 
 def _short(path: str, width: int = 60) -> str:
