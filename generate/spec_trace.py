@@ -217,12 +217,13 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype:
 
 
 _LAYOUT = {"transpose", "permute", "t", "view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone",
-           "contiguous", "repeat_interleave", "_to_copy", "to", "alias", "detach", "mul", "div", "repeat", "squeeze"}
+           "contiguous", "repeat_interleave", "_to_copy", "to", "type_as", "alias", "detach", "mul", "div", "repeat",
+           "squeeze"}
 
 
 def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _State) -> Operand:
     out_shape = tuple(node.meta["val"].shape)
-    if pk in ("clone", "contiguous", "_to_copy", "to", "alias", "detach"):
+    if pk in ("clone", "contiguous", "_to_copy", "to", "type_as", "alias", "detach"):
         return x
     if pk in ("transpose", "t", "permute"):
         n = len(x.labels)
@@ -385,7 +386,8 @@ _BIN = {
 _UN = {"neg": ExprOp.NEG, "bitwise_not": ExprOp.NOT, "logical_not": ExprOp.NOT, "abs": ExprOp.ABS,
        "exp": ExprOp.EXP, "exp2": ExprOp.EXP2, "log": ExprOp.LOG, "tanh": ExprOp.TANH, "sigmoid": ExprOp.SIGMOID,
        "sqrt": ExprOp.SQRT}
-_IDENTITY = {"clone", "contiguous", "alias", "detach", "lift_fresh_copy", "lift_fresh"}
+_IDENTITY = {"clone", "contiguous", "alias", "detach", "detach_", "lift_fresh_copy", "lift_fresh"}
+_CASTS = {"_to_copy", "to", "type_as"}  # type_as(x, other): x in other's dtype (the node's dtype)
 
 
 def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
@@ -406,7 +408,7 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
     shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
     if pk in _IDENTITY:
         return _sym(args[0], node, st)
-    if pk in ("_to_copy", "to"):
+    if pk in _CASTS:
         return _cast(_sym(args[0], node, st), dt, node, st)
     if pk == "div" and kw.get("rounding_mode") == "floor":
         return S.binary(ExprOp.FLOORDIV, _sym(args[0], node, st), _sym(args[1], node, st), dt)
@@ -779,11 +781,11 @@ def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
     if pk in ("mul", "div") and len(args) > 1 and isinstance(args[1], Operand):
         return _operand_op(pk, node, args[1], args, st)
     if isinstance(first, _Probs):
-        if pk in _IDENTITY | {"_to_copy", "to"}:
+        if pk in _IDENTITY | _CASTS:
             return first
         raise _err(node, st, "op between softmax and the product with v")
     if isinstance(first, _Output):
-        if pk in _IDENTITY | {"_to_copy", "to"}:
+        if pk in _IDENTITY | _CASTS:
             return first
         raise _err(node, st, "op after the attention output (the spec must return softmax(...) @ v as [B, H, M, D])")
     return _sym_op(pk, node, args, kw, st)
