@@ -85,7 +85,8 @@ def _kernel_payload(k: Kernel) -> dict:
 
 def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
                  memory: bool = True) -> list[dict]:
-    """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept."""
+    """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept
+    (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`)."""
     sweeps = sweeps_from_kb(kb, arch)
     tunables = [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
     entries = []
@@ -97,7 +98,7 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
             f = dataclasses.replace(feats, head_dim=d, arch=arch)
             on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True)[:max_designs]
             off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False)[:max_designs]
-            timed = list(dict.fromkeys((on if memory else off) + (off if memory else on)))
+            timed = list(dict.fromkeys((on if memory else off) + (off if memory else on))) if max_designs else []
             name = spec_path.stem + (f"_d{d}" if len(_shapes(spec_path)) > 1 else "")
             entries.append({"name": name, "spec": str(spec_path), "candidate": str(cand), "shapes": [shape] if shape else None,
                             "kernel": _kernel_payload(kernel), "designs": [str(x) for x in timed],

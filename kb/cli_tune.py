@@ -16,7 +16,7 @@ from rich.table import Table
 from kb.cli import _open, app, out, settings_of
 from kb.errors import KBError
 
-__all__ = ["tune_cmd", "perf_import_cmd"]
+__all__ = ["tune_cmd", "perf_import_cmd", "bench_cmd"]
 
 perf_app = typer.Typer(help="Measured performance records: import what a GPU machine measured.", no_args_is_help=True)
 app.add_typer(perf_app, name="perf")
@@ -63,6 +63,42 @@ def tune_cmd(
         return
     out.print(results_table(doc))
     out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}")
+
+
+@app.command("bench")
+def bench_cmd(
+    ctx: typer.Context,
+    suite: list[Path] = typer.Argument(..., help="Spec files or directories of specs (e.g. bench/heldout), timed at their BENCH shapes."),
+    from_dir: Path = typer.Option(Path("out"), "--from", help="The --out directory `kb generate` wrote the candidates to."),
+    out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Where the results JSON goes."),
+    plan: Path = typer.Option(None, "--plan", help="Write the work to this plan file instead of timing (no GPU needed)."),
+) -> None:
+    """Time what `kb generate` emitted (ModelNew as a user calls it; the module with its block table kept) beside
+    compiled FlexAttention (block mask built once) and SDPA, on this GPU; every output checked against a dense
+    fp32 reference first. Without a GPU, --plan writes the work for one (`python -m generate.tune_gpu`)."""
+    from generate.tune import make_plan, require_gpu
+
+    specs = [str(p) for d in suite for p in (sorted(x for x in d.glob("*.py") if not x.name.startswith("_"))
+                                             if d.is_dir() else [d])]
+    if not specs:
+        raise KBError(f"no spec files in {', '.join(map(str, suite))}")
+    kb = _open(ctx)
+    if plan is not None:
+        doc = make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0)
+        plan.write_text(json.dumps(doc, indent=1))
+        out.print(f"plan for {len(doc['entries'])} entries written to {plan}; on a GPU machine run\n"
+                  f"  python -m generate.tune_gpu {plan} RESULTS.json")
+        return
+    arch = require_gpu()
+    from generate.tune_gpu import run_plan
+
+    doc_plan = make_plan(kb, specs, from_dir, arch, max_designs=0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench_{suite[0].stem}.json"
+    with out.status(f"timing {len(doc_plan['entries'])} generated kernels on {arch} …"):
+        doc = run_plan(doc_plan, path, command="kb bench " + " ".join(map(str, suite)))
+    out.print(results_table(doc))
+    out.print(f"results in {path}")
 
 
 @perf_app.command("import")

@@ -1,7 +1,8 @@
-"""The working commands of `kb`: ingest, query, verify, generate, bench (registered on `kb.cli.app`).
+"""The working commands of `kb`: ingest, query, verify, generate (registered on `kb.cli.app`; tune, bench
+and perf import live in kb.cli_tune).
 
 Each is a thin shell over a plain function (`ingest.run.ingest`, `retrieve.hybrid.query`,
-`verify.cli.verify_command`, `generate.pipeline.generate`, `bench.gpu.run.main`).
+`verify.cli.verify_command`, `generate.pipeline.generate`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rich.table import Table
 from kb.cli import _open, app, out, settings_of
 from kb.errors import KBError
 
-__all__ = ["ingest_cmd", "query_cmd", "generate_cmd", "bench_cmd"]
+__all__ = ["ingest_cmd", "query_cmd", "generate_cmd"]
 
 
 @app.command("ingest")
@@ -207,16 +208,3 @@ def generate_cmd(
 
 
 _STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]"}
-
-
-@app.command("bench")
-def bench_cmd(
-    suite: str = typer.Argument("default", help="Benchmark suite name (see docs/bench.md)."),
-    out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Where JSON results and plots go."),
-) -> None:
-    """Time generated kernels against SDPA, FlexAttention and eager PyTorch on a CUDA GPU."""
-    try:
-        from bench.gpu.run import main as bench_main
-    except ImportError as err:
-        raise KBError(f"the GPU benchmark is not available in this checkout ({err})") from None
-    bench_main(suite, out_dir)

@@ -1,6 +1,11 @@
-"""`kb bench`: time generated Triton kernels beside SDPA, FlexAttention and eager PyTorch on one GPU.
+"""Ablation harness: IR programs re-lowered here, timed beside SDPA, FlexAttention and eager PyTorch on one GPU.
 
     PYTHONPATH=. python3 -m bench.gpu.run [SUITE] [--out DIR] [--deadline-s S] [--no-tune]
+
+Not what users get: `kb bench` times the files `kb generate` emitted (generate.tune_gpu). This harness
+re-lowers `bench/kernels/*.kbir` with the product's default designs (generate.designs, no KB) and with
+lowering options switched off, to see what each part of the lowering is worth; its "generated*"
+records are those ablations.
 
 For each case of the suite (bench.gpu.suite), in one process: build the inputs (bf16, seeded),
 count the attended (q, kv) pairs exactly, run every implementation once and compare its output
@@ -109,8 +114,8 @@ def _out_tensor(res: object) -> torch.Tensor:
 def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> list[tuple[str, str, Callable, dict]]:
     """(impl, source, fn, extra) for every implementation of `case`; fn may raise Unsupported."""
     from bench.gpu import baselines as bl
-    from bench.gpu.suite import TUNE_SCHEDULES, VARIANTS, declared_aux, load_program, schedule_for, with_schedule
-    from kb.ir.nodes import Schedule
+    from bench.gpu.suite import VARIANTS, declared_aux, load_program
+    from generate.designs import default_designs
     from kb.ir.text import content_hash
     from kb.lower.runtime import TritonKernel
     from kb.lower.triton import LowerOptions
@@ -125,8 +130,10 @@ def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) 
         kern = TritonKernel.from_program(p, options=opts)
         return lambda: kern.run({**inputs, **extra})["o"]
 
-    # the program's structure is the generated one; the launch schedule is this GPU's per-head-dim choice
-    default = with_schedule(prog, schedule_for(case.D))
+    # An ablation: the program re-lowered here, launched with the product's first default design (this harness
+    # has no KB); what `kb generate` emits, with the designs the KB chose, is timed by `kb bench` (generate.tune_gpu)
+    grid = default_designs(decode=False)
+    default = grid[0].apply(prog)
     sched = dataclasses.asdict(default.schedule)
     meta = {"schedule": sched, "content_hash": content_hash(default)}
     kern = TritonKernel.from_program(default)
@@ -142,13 +149,10 @@ def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) 
         out.append(("generated", source, lambda: kern.run(inputs)["o"], meta))
     is_tune = tune and case.variant == "causal" and case.S in (1024, 8192)
     if is_tune:
-        for bm, bn, w, st in TUNE_SCHEDULES[128 if case.D > 64 else 64]:
-            s = Schedule(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            if s == default.schedule:
-                continue
-            p = with_schedule(default, s)
-            out.append((f"generated[{bm}x{bn} w{w} s{st}]", source, gen(p), {"schedule": dataclasses.asdict(s),
-                                                                            "content_hash": content_hash(p)}))
+        for d in grid[1:7]:
+            p = d.apply(default)
+            out.append((f"generated[{d}]", source, gen(p), {"schedule": dataclasses.asdict(p.schedule),
+                                                           "content_hash": content_hash(p)}))
     if ablate and is_tune and case.S == 8192 or (ablate and case.variant == "plain" and case.S == 8192 and case.D == 128):
         for label, opts in (("generated-noopt", LowerOptions(False, False, False, False)),
                             ("generated-nosplit", LowerOptions(split_kv_loop=False)),

@@ -18,7 +18,7 @@ import torch
 
 from kb.ir.nodes import Dtype, Param, Program, Role, Schedule
 
-__all__ = ["Case", "Variant", "VARIANTS", "SUITES", "suite_cases", "schedule_for", "TUNE_SCHEDULES", "attended_pairs",
+__all__ = ["Case", "Variant", "VARIANTS", "SUITES", "suite_cases", "attended_pairs",
            "attention_flops", "load_program"]
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
@@ -101,20 +101,6 @@ def suite_cases(name: str) -> tuple[Case, ...]:
     return SUITES[name]
 
 
-def schedule_for(D: int) -> Schedule:
-    """The default schedule per head dim (the lead's tunables should set these; see bench/results/NOTES.md)."""
-    if D <= 64:  # measured best at causal S=8K D=64 in run 2 (414 vs 360 TFLOP/s for 128x64 w4 s3)
-        return Schedule(block_m=64, block_n=64, num_warps=4, num_stages=3)
-    return Schedule(block_m=128, block_n=128, num_warps=8, num_stages=3)
-
-
-# schedules swept on the tuning cases (causal S=8K): (BLOCK_M, BLOCK_N, num_warps, num_stages)
-TUNE_SCHEDULES: dict[int, tuple[tuple[int, int, int, int], ...]] = {
-    64: ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3)),
-    128: ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 3)),
-}
-
-
 def load_program(variant: str) -> tuple[Program, str]:
     """(program in bf16, source): `bench/kernels/<variant>.kbir` when present, else the test builders."""
     path = KERNELS_DIR / f"{variant}.kbir"
@@ -126,7 +112,7 @@ def load_program(variant: str) -> tuple[Program, str]:
 
     v = VARIANTS[variant]
     p = forward(variant, score_mod=v.score_mod, mask_mod=v.mask_mod, lo=v.lo, hi=v.hi, dtype=Dtype.BF16,
-                aux=v.aux, scalars=v.scalars, block_classes=v.mask_mod is not None, schedule=schedule_for(128))
+                aux=v.aux, scalars=v.scalars, block_classes=v.mask_mod is not None)
     return p, "builder:tests/ir_programs.forward"
 
 
