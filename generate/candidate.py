@@ -106,7 +106,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
     triton_path = out_dir / f"{stem}_triton.py"
     triton_path.write_text(triton_source)
     aux_kwargs = "".join(f", {a}={_aux_arg(a, spec, names)}" for a in program_aux)
-    scale = repr(float(spec.softmax_scale))
+    scale = "None" if spec.scale is None else repr(float(spec.scale))  # None: 1/sqrt(D) of the inputs at run time
     cast_in = spec.kernel_dtype != spec.shapes.dtype
     qkv = ", ".join(f"{n}.to({_torch_dtype(spec.kernel_dtype)})" if cast_in else n for n in (qn, kn, vn))
     out = _torch_dtype(spec.output_dtype)
