@@ -52,7 +52,8 @@ def rows(doc: dict, plan: dict | None) -> list[dict]:
             p = orders.get(e["name"], {})
             out.append({"name": e["name"], "shape": s.get("shape", {}), "emitted_design": s.get("emitted_design"),
                         "emitted": emitted, "emitted_table": table, "best_design": best[0], "best": best[1],
-                        "flex": flex, "flex_err": flex_err, "sdpa": sdpa, "tflops_emitted": s.get("shape", {}).get("flops", 0) / emitted / 1e9 if emitted else None,
+                        "flex": flex, "flex_err": flex_err, "sdpa": sdpa,
+                        "tflops_emitted": s.get("shape", {}).get("flops", 0) / (table or emitted) / 1e9 if (table or emitted) else None,
                         "wrong": [r["impl"] for r in recs if r.get("status") == "wrong"],
                         "on": candidates_to_best(p.get("order_memory", []), times) if p else None,
                         "off": candidates_to_best(p.get("order_no_memory", []), times) if p else None,
