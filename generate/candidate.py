@@ -139,6 +139,10 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         "            self.register_load_state_dict_post_hook(_kb_check_baked)",
         "",
         f"    def forward(self, {', '.join(names)}):",
+        *([f"        if {qn}.shape[1] != {spec.heads_fixed}:",
+           f"            raise ValueError(f'this kernel was generated for {spec.heads_fixed} query heads (the spec computes "
+           f"its score/mask constants from the head count), not {{{qn}.shape[1]}}: run kb generate for that head count')"]
+          if spec.heads_fixed else []),
         f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})",
         f"        return _o if _o.dtype == {out} else _o.to({out})",
         "",

@@ -108,6 +108,7 @@ class Spec:
     out_dtype: str | None = None  # what the spec returns (one of DTYPES); None = the input dtype
     state: tuple[StateTensor, ...] = ()  # the Model's state_dict entries (none for FlexAttention-style specs)
     state_values: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # key -> value
+    heads_fixed: int | None = None  # Hq the variant expressions were traced for, when they change with the head count
 
     @property
     def softmax_scale(self) -> float:
@@ -247,6 +248,7 @@ def load_spec(path: str | Path) -> Spec:
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
         score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         out_dtype = _dtype_name(traced.out_dtype, "output", path)
         state, state_values = _state_of(model, kinds, traced.state, traced.baked)
         _check_constants(module, model, set(aux) - set(traced.state) - set(names), path)
@@ -276,7 +278,8 @@ def load_spec(path: str | Path) -> Spec:
     log.info("spec %s: %s", path, features.describe())
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
     spec = Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
-                *call, out_dtype=out_dtype, state=state, state_values=state_values)
+                *call, out_dtype=out_dtype, state=state, state_values=state_values,
+                heads_fixed=heads_fixed if has_model else None)
     _self_check(spec)
     return spec
 
@@ -369,6 +372,25 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
                 generalize(traced.mask_mod, again.mask_mod, dims1, dims2))
     log.info("%s: variant constants kept as traced (the spec does not run at other sequence lengths)", path)
     return traced.score_mod, traced.mask_mod
+
+
+def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
+                 traced: Any, kinds: Mapping[str, str], path: Path) -> int | None:
+    """The spec's Hq if its variant expressions change with the head count (constants computed from
+    q.shape[1] in forward, such as ALiBi slopes built there): traced again with twice the heads (same GQA
+    ratio), different expressions mean the kernel is right only at this Hq, and the candidate refuses others.
+    A spec that does not run at twice the heads says nothing (None)."""
+    args = list(inputs)
+    for i in qkv:
+        t = inputs[i]
+        args[i] = torch.randn(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype)
+    try:
+        again = trace_attention(model, args, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+    except Exception:  # noqa: BLE001 - e.g. a per-head buffer sized for the spec's heads: the kernel reads it at run time
+        return None
+    same = all((a is None) == (b is None) and (a is None or print_expr(a) == print_expr(b))
+               for a, b in ((traced.score_mod, again.score_mod), (traced.mask_mod, again.mask_mod)))
+    return None if same else int(inputs[qkv[0]].shape[1])
 
 
 def _init_names(cls: type) -> tuple[str, ...]:

@@ -1,0 +1,42 @@
+"""A kernel whose constants depend on the head count refuses other head counts instead of answering wrongly."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # the test calls the candidate in-process
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from generate.pipeline import GenerateOptions, generate
+from generate.spec import load_spec
+from tests.generate_fixtures import REPO
+
+pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
+
+SPEC = REPO / "tests" / "data" / "specs_state" / "alibi_slopes_in_forward.py"
+QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
+
+
+def _module(path: Path, name: str):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_head_count_dependent_constants_are_refused_at_other_head_counts(ingested_kb, tmp_path: Path) -> None:
+    assert load_spec(SPEC).heads_fixed == 4
+    assert load_spec(REPO / "examples" / "specs" / "alibi.py").heads_fixed is None  # slopes held as state: any H
+    r = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path, **QUICK))
+    assert r.succeeded, r.error
+    cand, spec = _module(r.files["candidate"], "cand_heads"), _module(SPEC, "spec_heads")
+    q, k, v = (torch.randn(1, 4, 40, 32) for _ in range(3))
+    torch.testing.assert_close(cand.ModelNew()(q, k, v), spec.Model()(q, k, v), atol=1e-4, rtol=1e-4)
+    q8, k8, v8 = (torch.randn(1, 8, 40, 32) for _ in range(3))
+    with pytest.raises(ValueError, match="generated for 4 query heads"):
+        cand.ModelNew()(q8, k8, v8)
