@@ -137,6 +137,10 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         "            self.register_buffer(_name, _t, persistent=False)",
         "        if _KB_BAKED:",
         "            self.register_load_state_dict_post_hook(_kb_check_baked)",
+        *[f"        if {name} != {value!r}:\n"
+          f"            raise ValueError(f'this kernel was generated for {name}={value!r}, which it holds as a constant; "
+          f"not {{{name}!r}}: run kb generate with get_init_inputs() giving that value')"
+          for _, name, value in spec.init_fixed],
         "",
         f"    def forward(self, {', '.join(names)}):",
         *([f"        if {qn}.shape[1] != {spec.heads_fixed}:",

@@ -109,6 +109,7 @@ class Spec:
     state: tuple[StateTensor, ...] = ()  # the Model's state_dict entries (none for FlexAttention-style specs)
     state_values: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # key -> value
     heads_fixed: int | None = None  # Hq the variant expressions were traced for, when they change with the head count
+    init_fixed: tuple[tuple[int, str, object], ...] = ()  # (position, name, value) of constructor args baked in the kernel
 
     @property
     def softmax_scale(self) -> float:
@@ -249,6 +250,7 @@ def load_spec(path: str | Path) -> Spec:
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
         score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
         out_dtype = _dtype_name(traced.out_dtype, "output", path)
         state, state_values = _state_of(model, kinds, traced.state, traced.baked)
         _check_constants(module, model, set(aux) - set(traced.state) - set(names), path)
@@ -279,7 +281,7 @@ def load_spec(path: str | Path) -> Spec:
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
     spec = Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
                 *call, out_dtype=out_dtype, state=state, state_values=state_values,
-                heads_fixed=heads_fixed if has_model else None)
+                heads_fixed=heads_fixed if has_model else None, init_fixed=init_fixed if has_model else ())
     _self_check(spec)
     return spec
 
@@ -391,6 +393,33 @@ def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qk
     same = all((a is None) == (b is None) and (a is None or print_expr(a) == print_expr(b))
                for a, b in ((traced.score_mod, again.score_mod), (traced.mask_mod, again.mask_mod)))
     return None if same else int(inputs[qkv[0]].shape[1])
+
+
+def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, kinds: Mapping[str, str],
+                path: Path) -> tuple[tuple[int, str, object], ...]:
+    """Numeric constructor arguments whose value the kernel holds as a constant (a window size, a maximum
+    length used as an offset): the Model built with that argument changed must trace to other expressions.
+    The candidate's ModelNew then refuses other values with a clear error instead of computing the old ones."""
+    args = list(module.get_init_inputs())
+    params = [p for p in list(inspect.signature(module.Model.__init__).parameters.values())[1:]
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    fixed = []
+    for i, (value, param) in enumerate(zip(args, params)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        changed = list(args)
+        changed[i] = value + 1 if isinstance(value, int) else value * 1.5 + 1.0
+        try:
+            torch.manual_seed(0)
+            other = module.Model(*changed).eval()
+            again = trace_attention(other, inputs, names, _tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
+        except Exception:  # noqa: BLE001 - the Model does not build or run with that value: nothing to say
+            continue
+        same = all((a is None) == (b is None) and (a is None or print_expr(a) == print_expr(b))
+                   for a, b in ((traced.score_mod, again.score_mod), (traced.mask_mod, again.mask_mod)))
+        if not same:
+            fixed.append((i, param.name, value))
+    return tuple(fixed)
 
 
 def _init_names(cls: type) -> tuple[str, ...]:

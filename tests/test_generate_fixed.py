@@ -1,4 +1,5 @@
-"""A kernel whose constants depend on the head count refuses other head counts instead of answering wrongly."""
+"""A kernel holding a constant that depends on the head count or a constructor argument refuses other values
+instead of answering wrongly."""
 
 from __future__ import annotations
 
@@ -40,3 +41,14 @@ def test_head_count_dependent_constants_are_refused_at_other_head_counts(ingeste
     q8, k8, v8 = (torch.randn(1, 8, 40, 32) for _ in range(3))
     with pytest.raises(ValueError, match="generated for 4 query heads"):
         cand.ModelNew()(q8, k8, v8)
+
+
+def test_constructor_arguments_held_as_constants_are_refused_when_changed(ingested_kb, tmp_path: Path) -> None:
+    window = REPO / "examples" / "specs" / "sliding_window.py"
+    assert load_spec(window).init_fixed == ((0, "window", 32),)
+    r = generate(ingested_kb, window, GenerateOptions(out_dir=tmp_path, **QUICK))
+    assert r.succeeded, r.error
+    cand = _module(r.files["candidate"], "cand_window")
+    cand.ModelNew(32)
+    with pytest.raises(ValueError, match="generated for window=32"):
+        cand.ModelNew(48)
