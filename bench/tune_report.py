@@ -89,11 +89,14 @@ def table(rs: list[dict], env: dict) -> str:
               f"x flex {geomean([r['flex'] / e for r, e in zip(ok, em) if r['flex'] and e]):.2f}; "
               f"x sdpa {geomean([r['sdpa'] / e for r, e in zip(ok, em) if r['sdpa'] and e]):.2f} "
               f"(over {sum(1 for r in ok if r['sdpa'])} specs where SDPA applies)"]
-    on = [r["on"] for r in ok if r["on"]]
-    off = [r["off"] for r in ok if r["off"]]
-    if on and off:
-        lines.append(f"candidates timed to reach within 2% of the best: memory on {sum(on)} (mean {sum(on) / len(on):.1f}), "
-                     f"memory off {sum(off)} (mean {sum(off) / len(off):.1f}) over {len(on)} specs")
+    swept = [r for r in ok if r["best"] is not None and (r["on"] or r["off"])]
+    for key, label in (("on", "memory on"), ("off", "memory off")):
+        reached = [r[key] for r in swept if r[key]]
+        if swept:
+            lines.append(f"{label}: within 2% of the best in {len(reached)}/{len(swept)} specs"
+                         + (f", after {sum(reached) / len(reached):.1f} timed candidates on average" if reached else "")
+                         + (f"; never within its timed candidates for {', '.join(r['name'] for r in swept if not r[key])}"
+                            if len(reached) < len(swept) else ""))
     return "\n".join(lines)
 
 
