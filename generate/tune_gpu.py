@@ -354,7 +354,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
         return f"{type(err).__name__}: {err}"[:200]
 
 
-def _warm_all(entries: list[dict], workers: int) -> None:
+def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     tasks = []
     for i, e in enumerate(entries):
         spec = _load(e["spec"], f"kb_count_spec_{i}")
@@ -364,11 +364,19 @@ def _warm_all(entries: list[dict], workers: int) -> None:
     if workers <= 1 or not tasks:
         return
     ctx = multiprocessing.get_context("spawn")
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        for done, msg in enumerate(pool.map(_warm, tasks), 1):
-            if msg != "ok":
-                print(f"warm {done}/{len(tasks)}: {msg}", flush=True)
-    print(f"warmed {len(tasks)} compiles with {workers} workers", flush=True)
+    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    futures = [pool.submit(_warm, t) for t in tasks]
+    done = 0
+    try:
+        for fut in cf.as_completed(futures, timeout=budget_s):
+            done += 1
+            if fut.result() != "ok":
+                print(f"warm {done}/{len(tasks)}: {fut.result()}", flush=True)
+    except cf.TimeoutError:  # what is not compiled yet compiles in the timed process, outside the timed calls
+        print(f"warm-up stopped after {budget_s:.0f} s with {done}/{len(tasks)} compiles done", flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    print(f"warmed {done} of {len(tasks)} compiles with {workers} workers", flush=True)
 
 
 # ---- environment and driver -------------------------------------------------------------------
@@ -389,7 +397,7 @@ def environment(command: str) -> dict:
 
 
 def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,
-             command: str = "", device: str = "cuda") -> dict:
+             command: str = "", device: str = "cuda", warm_s: float = 240.0) -> dict:
     """Time every entry of `plan` on this GPU; `device="cpu"` is a dry run of the same code at the specs' small
     shapes under the Triton interpreter (no baselines but SDPA, wall-clock "times"; for tests, never imported)."""
     if plan.get("schema") != PLAN_SCHEMA:
@@ -398,10 +406,11 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
         raise SystemExit("kb tune needs a CUDA GPU; run this where one is, then `kb perf import` the results")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("the CPU dry run needs TRITON_INTERPRET=1, set before triton is first imported")
-    deadline = time.monotonic() + deadline_s
     entries = plan["entries"]
     if device == "cuda":
-        _warm_all(entries, workers)
+        _warm_all(entries, workers, warm_s)
+    deadline = time.monotonic() + deadline_s  # for the timing; the warm-up has its own budget (run 7 lost its
+    # whole deadline to compiling)
     env = environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}
     doc = {"schema": SCHEMA, "env": env, "entries": []}
     for i, e in enumerate(entries):
@@ -442,12 +451,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("plan", type=Path)
     ap.add_argument("results", type=Path)
-    ap.add_argument("--deadline-s", type=float, default=540.0, help="stop starting new work after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=300.0,
+                    help="after the warm-up, stop starting new timing work after this many seconds")
+    ap.add_argument("--warm-s", type=float, default=240.0, help="at most this long compiling in parallel first")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compile processes")
     ap.add_argument("--trials", type=int, default=30, help="timed calls per implementation (median reported)")
     a = ap.parse_args(argv)
     plan = json.loads(a.plan.read_text())
-    run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials,
+    run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials, warm_s=a.warm_s,
              command="python -m generate.tune_gpu " + " ".join(argv if argv is not None else sys.argv[1:]))
     return 0
 
