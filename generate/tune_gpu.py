@@ -41,9 +41,9 @@ from typing import Any, Callable
 
 import torch
 
-from kb.ir.design import Design, parse_design
+from kb.ir.design import Design, arch_of_capability, parse_design
 
-__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "environment"]
+__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "environment", "bench_shapes"]
 
 SCHEMA = "kernel-kb/tune/v1"
 PLAN_SCHEMA = "kernel-kb/tune-plan/v1"
@@ -63,11 +63,13 @@ def _load(path: str, name: str) -> ModuleType:
     return mod
 
 
-def _shapes(spec: ModuleType, entry: dict) -> list[dict]:
-    given = entry.get("shapes") or getattr(spec, "BENCH", None)
+def bench_shapes(spec: ModuleType, given: Any = None) -> list[dict]:
+    """The shapes to time a spec at: `given` (a plan entry's), else its `BENCH` (one dict or a list), else
+    `[{}]`, meaning the spec's own `get_inputs()` shape."""
+    given = given or getattr(spec, "BENCH", None)
     if given is None:
-        return [{}]  # the spec's get_inputs() shape
-    return list(given) if isinstance(given, (list, tuple)) else [given]
+        return [{}]
+    return [dict(x) for x in given] if isinstance(given, (list, tuple)) else [dict(given)]
 
 
 def _inputs(spec: ModuleType, shape: dict, device: str) -> list:
@@ -130,9 +132,19 @@ def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[
 
 # ---- baselines and reference --------------------------------------------------------------------
 
-def _flex(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+def _mods(spec: ModuleType, inputs: list, model: torch.nn.Module) -> tuple[Callable | None, Callable | None] | None:
+    """(score_mod, mask_mod) from the spec's `flex_mods` for these inputs (and the Model, where it asks for
+    it), or None when the spec gives no `flex_mods`."""
     make = getattr(spec, "flex_mods", None)
     if make is None:
+        return None
+    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
+    return make(*inputs, **kwargs)
+
+
+def _flex(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+    mods = _mods(spec, inputs, model)
+    if mods is None:
         return None
     import torch._dynamo
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -140,8 +152,7 @@ def _flex(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[]
     # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
     torch._dynamo.config.recompile_limit = 256
     torch._dynamo.config.cache_size_limit = 256
-    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
-    score_mod, mask_mod = make(*inputs, **kwargs)
+    score_mod, mask_mod = mods
     q, k, v = inputs[:3]
     block_mask = None
     if mask_mod is not None:
@@ -160,11 +171,10 @@ def _compiled_flex(flex_attention):  # noqa: ANN001, ANN202
 def _dense_reference(spec: ModuleType, inputs: list, model: torch.nn.Module) -> torch.Tensor | None:
     """Attention in fp32 from the spec's `flex_mods`, evaluated densely in row chunks (no compiler involved):
     the reference every implementation, FlexAttention included, is checked against."""
-    make = getattr(spec, "flex_mods", None)
-    if make is None:
+    mods = _mods(spec, inputs, model)
+    if mods is None:
         return None
-    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
-    score_mod, mask_mod = make(*inputs, **kwargs)
+    score_mod, mask_mod = mods
     q, k, v = inputs[:3]
     B, Hq, M, D = q.shape
     N, r = k.shape[2], q.shape[1] // k.shape[1]
@@ -206,11 +216,7 @@ def _attended_pairs(spec: ModuleType, inputs: list, model: torch.nn.Module) -> i
     """(q, kv) pairs the mask keeps, summed over the batch (mask_mod evaluated on the GPU, head 0)."""
     q, k = inputs[0], inputs[1]
     B, M, N = q.shape[0], q.shape[2], k.shape[2]
-    make = getattr(spec, "flex_mods", None)
-    if make is None:
-        return B * M * N
-    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
-    _, mask_mod = make(*inputs, **kwargs)
+    mask_mod = (_mods(spec, inputs, model) or (None, None))[1]
     if mask_mod is None:
         return B * M * N
     dev, total = q.device, 0
@@ -275,7 +281,7 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
     spec = _load(entry["spec"], f"kb_tune_spec_{idx}")
     out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
                            "kernel": entry.get("kernel"), "shapes": []}
-    for j, shape in enumerate(_shapes(spec, entry)):
+    for j, shape in enumerate(bench_shapes(spec, entry.get("shapes"))):
         if time.monotonic() > deadline:
             out["shapes"].append({"shape": shape, "skipped": "deadline"})
             continue
@@ -336,7 +342,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
     entry, idx, j, design = task
     try:
         spec = _load(entry["spec"], f"kb_warm_spec_{idx}")
-        shape = _shapes(spec, entry)[j]
+        shape = bench_shapes(spec, entry.get("shapes"))[j]
         inputs = _inputs(spec, shape, "cuda")
         cand, model, new = _candidate(entry, spec, shape, "cuda", f"w{idx}_{j}")
         with torch.no_grad():
@@ -358,7 +364,7 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     tasks = []
     for i, e in enumerate(entries):
         spec = _load(e["spec"], f"kb_count_spec_{i}")
-        for j in range(len(_shapes(spec, e))):
+        for j in range(len(bench_shapes(spec, e.get("shapes")))):
             tasks.append((e, i, j, None))
             tasks += [(e, i, j, d) for d in e["designs"]]
     if workers <= 1 or not tasks:
@@ -390,7 +396,7 @@ def environment(command: str) -> dict:
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = ""
     props = torch.cuda.get_device_properties(0)
-    return {"gpu": torch.cuda.get_device_name(0), "arch": "sm%d%d" % torch.cuda.get_device_capability(0),
+    return {"gpu": torch.cuda.get_device_name(0), "arch": arch_of_capability(torch.cuda.get_device_capability(0)),
             "sms": props.multi_processor_count, "driver": driver, "torch_version": torch.__version__,
             "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
