@@ -24,7 +24,7 @@ from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket
 
 __all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
-           "sweeps_from_kb", "design_table", "TABLE_DEPTH"]
+           "sweeps_from_kb", "tunable_rows", "design_table", "TABLE_DEPTH"]
 
 TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to survive a design that does not fit
 _SCORE_COST = {"none": 0, "alibi": 1, "relative_bias": 1, "bias_table": 1, "softcap": 2, "custom": 2}
@@ -142,7 +142,8 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
     return out
 
 
-def _tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
+def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
+    """Every expert tunable of the KB as (arch, head dim or 0, launch parameters)."""
     from kb.store import Tunable
 
     return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
@@ -152,6 +153,6 @@ def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[i
                  memory: bool = True, depth: int = TABLE_DEPTH) -> dict[str, dict[int, tuple[Design, ...]]]:
     """{arch: {bucket: the top `depth` designs}} for an emitted module."""
     sweeps = sweeps_from_kb(kb) if memory else []
-    tunables = _tunable_rows(kb)
+    tunables = tunable_rows(kb)
     return {arch: {b: tuple(rank_designs(target, arch, b, sweeps, tunables, memory=memory)[:depth]) for b in buckets}
             for arch in archs}

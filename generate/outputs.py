@@ -21,11 +21,16 @@ from pathlib import Path
 
 from kb.errors import KBError
 
-__all__ = ["SUFFIXES", "publish", "staging_dir"]
+__all__ = ["SUFFIXES", "output_stem", "publish", "staging_dir"]
 
 # every file a run may write for spec stem S: S.py (ModelNew), S_triton.py, S.aux.pt, S.kbir, S.cu, S.report.json
 SUFFIXES = (".py", "_triton.py", ".aux.pt", ".kbir", ".cu", ".report.json")
 _PREFIX = ".kb-staging-"
+
+
+def output_stem(spec_path: Path) -> str:
+    """The program name and file stem of a spec's outputs: gen_<spec file stem>."""
+    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec_path.stem)
 
 
 def _pid_alive(pid: int) -> bool:

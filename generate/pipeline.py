@@ -22,13 +22,13 @@ from typing import Literal
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.candidate import write_candidate
 from generate.designs import design_table
-from generate.outputs import publish, staging_dir
+from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.errors import KBError
-from kb.ir.design import DesignTable, head_bucket
+from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash, parse_program, print_program
@@ -95,7 +95,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
         run.status, run.error, run.finished_at = "failed", f"spec: {err}", _now()
         run_id = kb.write_run(run)
         # the spec's earlier files go; a report says why nothing replaced them
-        files = publish(out_dir, _stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
+        files = publish(out_dir, output_stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
                                                          "kernel_id": None, "error": run.error, "attempts": []})
         return GenerateResult(spec_path, run_id, False, None, (), files, str(err), time.perf_counter() - t0)
     run.spec_hash = spec.source_hash
@@ -205,12 +205,7 @@ def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
 
 
 def _name(spec: Spec) -> str:
-    return _stem(spec.path)
-
-
-def _stem(spec_path: Path) -> str:
-    """The program name and file stem of a spec's outputs: gen_<spec file stem>."""
-    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec_path.stem)
+    return output_stem(spec.path)
 
 
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
@@ -342,7 +337,7 @@ def resolve_target(target: str, default: str) -> str:
     import torch
 
     if torch.cuda.is_available():
-        return "sm%d%d" % torch.cuda.get_device_capability()
+        return arch_of_capability(torch.cuda.get_device_capability())
     return default
 
 

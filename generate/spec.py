@@ -39,7 +39,7 @@ from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, print_expr
 from verify.flex import dense_attention, parse_shapes
 
-__all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "spec_inputs", "dense_reference",
+__all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "import_spec_file", "spec_inputs", "dense_reference",
            "variants_attention", "DTYPES"]
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,8 @@ class Spec:
 # ---------------------------------------------------------------- loading
 
 
-def _import(path: Path) -> Any:
+def import_spec_file(path: Path) -> Any:
+    """The spec file imported as a module (not kept in sys.modules); KBError when it cannot be."""
     if not path.is_file():
         raise KBError(f"spec file {path} does not exist")
     name = "kb_spec_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
@@ -229,7 +230,7 @@ def load_spec(path: str | Path) -> Spec:
     """Load and trace a spec file (see module docstring); raises KBError on anything unsupported."""
     path = Path(path)
     text = path.read_text() if path.is_file() else ""
-    module = _import(path)
+    module = import_spec_file(path)
     source_hash = hashlib.sha256(text.encode()).hexdigest()
     has_model = all(hasattr(module, n) for n in ("Model", "get_inputs", "get_init_inputs"))
     mods = {n: getattr(module, n) for n in ("score_mod", "mask_mod") if callable(getattr(module, n, None))}

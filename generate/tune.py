@@ -14,35 +14,20 @@ then `kb perf import RESULTS` here.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
-from generate.designs import rank_designs, sweeps_from_kb
+from generate.designs import rank_designs, sweeps_from_kb, tunable_rows
+from generate.outputs import output_stem
+from generate.spec import import_spec_file
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.design import head_bucket
-from kb.store.models import Kernel, Tunable
+from kb.ir.design import arch_of_capability, head_bucket
+from kb.store.models import Kernel
 
 __all__ = ["make_plan", "plan_entries", "DEFAULT_MAX_DESIGNS"]
 
 DEFAULT_MAX_DESIGNS = 10
-
-
-def _stem(spec_path: Path) -> str:
-    return "gen_" + "".join(c if c.isalnum() else "_" for c in spec_path.stem)
-
-
-def _spec_module(path: Path):  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(f"kb_plan_{abs(hash(str(path)))}", path)
-    if spec is None or spec.loader is None:
-        raise KBError(f"cannot load spec {path}")
-    mod = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(mod)
-    except Exception as err:  # noqa: BLE001 - the user's file
-        raise KBError(f"spec {path} does not import: {type(err).__name__}: {err}") from err
-    return mod
 
 
 def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # noqa: ANN001
@@ -57,8 +42,8 @@ def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # n
         if not spec_path.is_file():
             raise KBError(f"spec file {spec_path} does not exist")
         kernel = None
-    report_path = from_dir / f"{_stem(spec_path)}.report.json"
-    cand = from_dir / f"{_stem(spec_path)}.py"
+    report_path = from_dir / f"{output_stem(spec_path)}.report.json"
+    cand = from_dir / f"{output_stem(spec_path)}.py"
     if not report_path.is_file() or not cand.is_file():
         raise KBError(f"no generated candidate for {spec_path} in {from_dir}",
                       hint=f"run `kb generate {spec_path} --out {from_dir}` first, or pass --from DIR")
@@ -68,13 +53,6 @@ def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # n
     if kernel is None:
         kernel = kb.get(report["kernel_id"])
     return spec_path, cand, kernel  # type: ignore[return-value]
-
-
-def _shapes(spec_path: Path) -> list[dict]:
-    bench = getattr(_spec_module(spec_path), "BENCH", None)
-    if bench is None:
-        return [{}]
-    return list(bench) if isinstance(bench, (list, tuple)) else [dict(bench)]
 
 
 def _kernel_payload(k: Kernel) -> dict:
@@ -87,19 +65,22 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
                  memory: bool = True) -> list[dict]:
     """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept
     (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`)."""
+    from generate.tune_gpu import bench_shapes
+
     sweeps = sweeps_from_kb(kb, arch)
-    tunables = [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
+    tunables = tunable_rows(kb)
     entries = []
     for target in targets:
         spec_path, cand, kernel = _resolve(kb, target, from_dir)
         feats = Features.from_json(kernel.features_json)
-        for shape in _shapes(spec_path):
+        shapes = bench_shapes(import_spec_file(spec_path))
+        for shape in shapes:
             d = shape.get("D") or feats.head_dim
             f = dataclasses.replace(feats, head_dim=d, arch=arch)
             on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True)[:max_designs]
             off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False)[:max_designs]
             timed = list(dict.fromkeys((on if memory else off) + (off if memory else on))) if max_designs else []
-            name = spec_path.stem + (f"_d{d}" if len(_shapes(spec_path)) > 1 else "")
+            name = spec_path.stem + (f"_d{d}" if len(shapes) > 1 else "")
             entries.append({"name": name, "spec": str(spec_path), "candidate": str(cand), "shapes": [shape] if shape else None,
                             "kernel": _kernel_payload(kernel), "designs": [str(x) for x in timed],
                             "order_memory": [str(x) for x in on], "order_no_memory": [str(x) for x in off]})
@@ -122,4 +103,4 @@ def require_gpu() -> str:
         raise KBError("kb tune needs a CUDA GPU to time designs, and this machine has none",
                       hint="`kb tune SPEC --plan PLAN.json` writes the work here; run `python -m generate.tune_gpu "
                            "PLAN.json RESULTS.json` on a GPU machine, then `kb perf import RESULTS.json`")
-    return "sm%d%d" % torch.cuda.get_device_capability()
+    return arch_of_capability(torch.cuda.get_device_capability())

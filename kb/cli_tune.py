@@ -25,7 +25,8 @@ app.add_typer(perf_app, name="perf")
 @app.command("tune")
 def tune_cmd(
     ctx: typer.Context,
-    targets: list[str] = typer.Argument(..., help="Spec files (tuned at their BENCH shapes) or generated kernel ids (k-…)."),
+    targets: list[str] = typer.Argument(..., help="Spec files or directories of specs (tuned at their BENCH shapes), "
+                                                  "or generated kernel ids (k-…)."),
     from_dir: Path = typer.Option(Path("out"), "--from", help="The --out directory `kb generate` wrote the candidates to."),
     plan: Path = typer.Option(None, "--plan", help="Write the work to this plan file instead of timing (no GPU needed)."),
     target: str = typer.Option("auto", "--target", metavar="ARCH", help="Arch whose memory orders the designs (plans only; "
@@ -41,13 +42,12 @@ def tune_cmd(
 
     if max_designs < 1:
         raise KBError("--max-designs must be at least 1")
+    targets = _spec_targets(targets)
     kb = _open(ctx)
     if plan is not None:
         arch = target if target != "auto" else settings_of(ctx).target_arch
-        doc = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory)
-        plan.write_text(json.dumps(doc, indent=1))
-        out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {plan}; on a GPU machine run\n"
-                  f"  python -m generate.tune_gpu {plan} RESULTS.json\nthen here: kb perf import RESULTS.json")
+        _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory), plan,
+                    then="kb perf import RESULTS.json")
         return
     arch = require_gpu()
     from generate.perf_import import import_results
@@ -78,16 +78,10 @@ def bench_cmd(
     fp32 reference first. Without a GPU, --plan writes the work for one (`python -m generate.tune_gpu`)."""
     from generate.tune import make_plan, require_gpu
 
-    specs = [str(p) for d in suite for p in (sorted(x for x in d.glob("*.py") if not x.name.startswith("_"))
-                                             if d.is_dir() else [d])]
-    if not specs:
-        raise KBError(f"no spec files in {', '.join(map(str, suite))}")
+    specs = _spec_targets([str(p) for p in suite])
     kb = _open(ctx)
     if plan is not None:
-        doc = make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0)
-        plan.write_text(json.dumps(doc, indent=1))
-        out.print(f"plan for {len(doc['entries'])} entries written to {plan}; on a GPU machine run\n"
-                  f"  python -m generate.tune_gpu {plan} RESULTS.json")
+        _write_plan(make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0), plan)
         return
     arch = require_gpu()
     from generate.tune_gpu import run_plan
@@ -115,6 +109,21 @@ def perf_import_cmd(
         s = import_results(kb, load_results(f), str(f))
         out.print(f"{f}: {s.entries} entries, {s.kernels_added} new kernels, {s.perf_records} measured records, "
                   f"{s.lessons} lessons")
+
+
+def _spec_targets(targets: list[str]) -> list[str]:
+    """Directories become the spec files in them (files starting with `_` are helpers, not specs)."""
+    out_ = [str(p) for t in targets
+            for p in (sorted(x for x in Path(t).glob("*.py") if not x.name.startswith("_")) if Path(t).is_dir() else [t])]
+    if not out_:
+        raise KBError(f"no spec files in {', '.join(targets)}")
+    return out_
+
+
+def _write_plan(doc: dict, path: Path, then: str = "") -> None:
+    path.write_text(json.dumps(doc, indent=1))
+    out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {path}; on a GPU machine run\n"
+              f"  python -m generate.tune_gpu {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""))
 
 
 def results_table(doc: dict) -> Table:

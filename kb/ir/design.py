@@ -108,7 +108,9 @@ def head_bucket(head_dim: int) -> int:
     return max(16, 1 << max(0, head_dim - 1).bit_length())
 
 
-def arch_of_capability(major: int, minor: int) -> str:
+def arch_of_capability(capability: tuple[int, int]) -> str:
+    """`torch.cuda.get_device_capability()` as an arch name: (9, 0) -> "sm90"."""
+    major, minor = capability
     return f"sm{major}{minor}"
 
 
