@@ -377,6 +377,12 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
     return traced.score_mod, traced.mask_mod
 
 
+def _same_variants(a: Any, b: Any) -> bool:
+    """Two traces of a spec read the same score_mod and mask_mod."""
+    return all((x is None) == (y is None) and (x is None or print_expr(x) == print_expr(y))
+               for x, y in ((a.score_mod, b.score_mod), (a.mask_mod, b.mask_mod)))
+
+
 def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
                  traced: Any, kinds: Mapping[str, str], path: Path) -> int | None:
     """The spec's Hq if its variant expressions change with the head count (constants computed from
@@ -391,9 +397,7 @@ def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qk
         again = trace_attention(model, args, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
     except Exception:  # noqa: BLE001 - e.g. a per-head buffer sized for the spec's heads: the kernel reads it at run time
         return None
-    same = all((a is None) == (b is None) and (a is None or print_expr(a) == print_expr(b))
-               for a, b in ((traced.score_mod, again.score_mod), (traced.mask_mod, again.mask_mod)))
-    return None if same else int(inputs[qkv[0]].shape[1])
+    return None if _same_variants(traced, again) else int(inputs[qkv[0]].shape[1])
 
 
 def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, kinds: Mapping[str, str],
@@ -416,9 +420,7 @@ def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, k
             again = trace_attention(other, inputs, names, _tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
         except Exception:  # noqa: BLE001 - the Model does not build or run with that value: nothing to say
             continue
-        same = all((a is None) == (b is None) and (a is None or print_expr(a) == print_expr(b))
-                   for a, b in ((traced.score_mod, again.score_mod), (traced.mask_mod, again.mask_mod)))
-        if not same:
+        if not _same_variants(traced, again):
             fixed.append((i, param.name, value))
     return tuple(fixed)
 
