@@ -14,12 +14,9 @@ import json
 import math
 from pathlib import Path
 
+from generate.perf_import import impl_ms
+
 WITHIN = 1.02  # "reached the best": within 2% of the fastest correct design
-
-
-def _ok(records: list[dict], impl: str) -> float | None:
-    r = next((r for r in records if r["impl"] == impl and r.get("status") == "ok"), None)
-    return r["ms"] if r else None
 
 
 def candidates_to_best(order: list[str], times: dict[str, float]) -> int | None:
@@ -46,8 +43,8 @@ def rows(doc: dict, plan: dict | None) -> list[dict]:
             recs = s.get("records", [])
             times = {r["design"]: r["ms"] for r in recs if r["impl"].startswith("design ") and r.get("status") == "ok"}
             best = min(times.items(), key=lambda kv: kv[1]) if times else (None, None)
-            emitted, table = _ok(recs, "emitted"), _ok(recs, "emitted+table")
-            flex, sdpa = _ok(recs, "flex"), _ok(recs, "sdpa")
+            emitted, table = impl_ms(s, "emitted"), impl_ms(s, "emitted+table")
+            flex, sdpa = impl_ms(s, "flex"), impl_ms(s, "sdpa")
             flex_err = next((r.get("max_abs_err") for r in recs if r["impl"] == "flex"), None)
             p = orders.get(e["name"], {})
             out.append({"name": e["name"], "shape": s.get("shape", {}), "emitted_design": s.get("emitted_design"),

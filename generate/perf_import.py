@@ -27,7 +27,7 @@ from kb.ir.text import parse_program
 from kb.store.models import Kernel, Lesson, Origin, PerfRecord
 from kb.store.records import assign_id
 
-__all__ = ["ImportSummary", "import_results", "load_results"]
+__all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results"]
 
 SCHEMA = "kernel-kb/tune/v1"  # generate.tune_gpu.SCHEMA; repeated so importing needs no torch
 _ENV_NEEDS = ("gpu", "driver", "arch", "command", "date", "torch_version", "triton_version")
@@ -118,8 +118,8 @@ def _kernel(payload: Any, label: str) -> Kernel:
 
 def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfRecord]:
     dims = {k: v for k, v in shape.get("shape", {}).items() if k in ("B", "Hq", "Hkv", "M", "N", "D", "attended_pairs")}
-    flex = _ms(shape, "flex")
-    sdpa = _ms(shape, "sdpa")
+    flex = impl_ms(shape, "flex")
+    sdpa = impl_ms(shape, "sdpa")
     base = ", ".join(f"{name} {ms:.4g} ms" for name, ms in (("flex", flex), ("sdpa", sdpa)) if ms)
     rows = []
     for r in shape["records"]:
@@ -146,7 +146,8 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfR
     return rows
 
 
-def _ms(shape: dict, impl: str) -> float | None:
+def impl_ms(shape: dict, impl: str) -> float | None:
+    """The median ms of `impl` in one shape of a results document, when it ran correctly."""
     rec = next((r for r in shape.get("records", []) if r["impl"] == impl and r.get("status") == "ok"), None)
     return rec["ms"] if rec else None
 
@@ -167,7 +168,7 @@ def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
         vs = "the design listed first was the fastest"
     else:
         vs = f"{first['design']} listed first did not run ({first.get('status')})"
-    flex, sdpa = _ms(shape, "flex"), _ms(shape, "sdpa")
+    flex, sdpa = impl_ms(shape, "flex"), impl_ms(shape, "sdpa")
     ratios = "; ".join(f"{flex_or / best['ms']:.2f}x {name}" for name, flex_or in (("FlexAttention", flex), ("SDPA", sdpa))
                        if flex_or)
     text = (f"{where}: design {best['design']} was fastest of {len(ok)} correct designs, {best['ms']:.3f} ms "
