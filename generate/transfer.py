@@ -58,7 +58,9 @@ _IO_ROLES = (Role.IN, Role.OUT)
 def transfer(reference: Program, target: Target, strategy: Strategy, *, name: str | None = None) -> Program:
     """The reference with the target's variant slots, params and KV-loop strategy."""
     params = _params_for(reference, target)
-    schedule = reference.schedule
+    # the head dim is the spec's, padded at launch to a power of two: a reference padded for
+    # D=128 would make a D=64 kernel do twice the work
+    schedule = replace(reference.schedule, head_pad=0)
     if target.block_m or target.block_n:
         schedule = replace(schedule, block_m=target.block_m or schedule.block_m, block_n=target.block_n or schedule.block_n)
     kernels = tuple(_rewrite_kernel(k, target, strategy) for k in reference.kernels)
