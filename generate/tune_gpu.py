@@ -336,6 +336,22 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     return res
 
 
+def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict[str, Callable[[], Any]]:
+    """What one plan entry times at one of its shapes, as zero-argument calls: `emitted` (ModelNew as a user
+    calls it), `flex`, `sdpa` where they apply, and `design TEXT` for each of the entry's designs. For
+    profilers (bench.gpu.profile); no reference, no checks."""
+    spec = _load(entry["spec"], "kb_profile_spec")
+    shape = bench_shapes(spec, entry.get("shapes"))[shape_index] if device != "cpu" else {}  # CPU: the small shape
+    inputs = _inputs(spec, shape, device)
+    cand, model, new = _candidate(entry, spec, shape, device, "profile")
+    args, kwargs, _ = _module_call(cand, new, inputs)
+    impls: dict[str, Callable[[], Any] | None] = {
+        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs)}
+    for text in entry["designs"]:
+        impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=parse_design(text).as_tuple(), **kwargs)
+    return {name: fn for name, fn in impls.items() if fn is not None}
+
+
 # ---- parallel warm-up (compile everything once, in worker processes) -----------------------------
 
 def _warm(task: tuple[dict, int, int, str | None]) -> str:
