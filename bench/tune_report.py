@@ -50,7 +50,7 @@ def rows(doc: dict, plan: dict | None) -> list[dict]:
             out.append({"name": e["name"], "shape": s.get("shape", {}), "emitted_design": s.get("emitted_design"),
                         "emitted": emitted, "emitted_table": table, "best_design": best[0], "best": best[1],
                         "flex": flex, "flex_err": flex_err, "sdpa": sdpa,
-                        "tflops_emitted": s.get("shape", {}).get("flops", 0) / (table or emitted) / 1e9 if (table or emitted) else None,
+                        "tflops_emitted": s.get("shape", {}).get("flops", 0) / emitted / 1e9 if emitted else None,
                         "wrong": [r["impl"] for r in recs if r.get("status") == "wrong"],
                         "on": candidates_to_best(p.get("order_memory", []), times) if p else None,
                         "off": candidates_to_best(p.get("order_no_memory", []), times) if p else None,
@@ -62,9 +62,18 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def _bandwidth(shape: dict, ms: float | None, env: dict) -> str:
+    """K and V bytes over the time, for decode shapes (a few queries per row: reading K and V is the work)."""
+    if not ms or not shape.get("kv_bytes") or shape.get("M", 0) > 16:
+        return "-"
+    gbps = shape["kv_bytes"] / ms / 1e6
+    copy = env.get("copy_gbps")
+    return f"{gbps:.0f}" + (f" ({gbps / copy:.0%})" if copy else "")
+
+
 def table(rs: list[dict], env: dict) -> str:
     head = ("spec", "shape", "emitted ms (design)", "best ms (design)", "best/emitted", "TFLOP/s", "x flex", "x sdpa",
-            "mem on", "mem off")
+            "mem on", "mem off", "K+V GB/s (of copy)")
     lines = [f"GPU {env.get('gpu')} ({env.get('arch')}), driver {env.get('driver')}, torch {env.get('torch_version')}, "
              f"triton {env.get('triton_version')}, {env.get('date')}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -73,15 +82,15 @@ def table(rs: list[dict], env: dict) -> str:
             lines.append(f"| {r['name']} | error: {r['error'][:80]} |")
             continue
         d = r["shape"]
-        em = r["emitted_table"] or r["emitted"]  # the module with its table kept, where the mask has one
+        em = r["emitted"]  # ModelNew as a user calls it (its block table cached by the module itself)
         lines.append("| " + " | ".join([
             r["name"], f"B{d.get('B')} H{d.get('Hq')}/{d.get('Hkv')} {d.get('M')}x{d.get('N')} D{d.get('D')}",
             f"{_f(em)} ({r['emitted_design']})", f"{_f(r['best'])} ({r['best_design']})",
             _f(r["best"] / em if r["best"] and em else None, ".2f"), _f(r["tflops_emitted"], ".0f"),
             _f(r["flex"] / em if r["flex"] and em else None, ".2f"), _f(r["sdpa"] / em if r["sdpa"] and em else None, ".2f"),
-            _f(r["on"], "d") if r["on"] else "-", _f(r["off"], "d") if r["off"] else "-"]) + " |")
+            _f(r["on"], "d") if r["on"] else "-", _f(r["off"], "d") if r["off"] else "-", _bandwidth(d, em, env)]) + " |")
     ok = [r for r in rs if not r["error"]]
-    em = [(r["emitted_table"] or r["emitted"]) for r in ok]
+    em = [r["emitted"] for r in ok]
     lines += ["", f"geomean best/emitted {geomean([r['best'] / e for r, e in zip(ok, em) if r['best'] and e]):.3f}; "
               f"x flex {geomean([r['flex'] / e for r, e in zip(ok, em) if r['flex'] and e]):.2f}; "
               f"x sdpa {geomean([r['sdpa'] / e for r, e in zip(ok, em) if r['sdpa'] and e]):.2f} "

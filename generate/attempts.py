@@ -7,7 +7,7 @@ from enum import Enum
 
 import torch
 
-from generate.spec import DTYPES, Spec, spec_inputs
+from generate.spec import Spec, spec_inputs
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
 from kb.features import Features
@@ -64,8 +64,7 @@ class AttemptOutcome:
 def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
     """Run `program` in the interpreter on the spec's inputs; None if it matches the spec's reference."""
     q, k, v = spec_inputs(spec, seed)
-    kdt = DTYPES[spec.kernel_dtype]  # the candidate casts its inputs to the kernel's dtype
-    inputs: dict = {"q": q.to(kdt), "k": k.to(kdt), "v": v.to(kdt), "sm_scale": spec.softmax_scale}
+    inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
     for p in program.params:
         if p.role is Role.AUX:
             if p.name not in spec.aux:

@@ -13,8 +13,8 @@ mask) are checked when a state_dict is loaded: a different value is refused, nev
 Other constant aux tensors (plain tensor attributes, module-level tensors of FlexAttention
 specs) are non-persistent buffers; aux tensors that are forward inputs are passed through.
 
-Dtypes: the kernel computes in `spec.kernel_dtype` (inputs are cast to it when it differs)
-and `ModelNew` returns `spec.output_dtype`, casting the kernel's output whenever they differ.
+Dtypes: the kernel takes the inputs in the dtype the user passes and writes `spec.output_dtype`
+(a spec that upcasts bf16 inputs and returns fp32 gets an fp32-accurate kernel on bf16 tiles).
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
     triton_path.write_text(triton_source)
     aux_kwargs = "".join(f", {a}={_aux_arg(a, spec, names)}" for a in program_aux)
     scale = "None" if spec.scale is None else repr(float(spec.scale))  # None: 1/sqrt(D) of the inputs at run time
-    cast_in = spec.kernel_dtype != spec.shapes.dtype
-    qkv = ", ".join(f"{n}.to({_torch_dtype(spec.kernel_dtype)})" if cast_in else n for n in (qn, kn, vn))
+    qkv = ", ".join((qn, kn, vn))
     out = _torch_dtype(spec.output_dtype)
     params = tuple(e.key for e in spec.state if e.parameter)
     baked = tuple(e.key for e in spec.state if e.baked)

@@ -119,12 +119,6 @@ class Spec:
     def output_dtype(self) -> str:
         return self.out_dtype or self.shapes.dtype
 
-    @property
-    def kernel_dtype(self) -> str:
-        """The dtype the kernel computes in: the input dtype, or fp32 when the spec returns another
-        dtype than it takes (a Model that upcasts bf16 inputs and returns fp32 computes in fp32)."""
-        return self.shapes.dtype if self.output_dtype == self.shapes.dtype else "fp32"
-
     def variant_strings(self) -> tuple[str | None, str | None]:
         """(score_mod, mask_mod) bodies as IR expression text; None where the spec has none."""
         return (print_expr(self.score_mod) if self.score_mod is not None else None,

@@ -48,5 +48,6 @@ def target_for(spec: Spec) -> Target:
             used |= loaded_tensors(e)
     exprs = [e for e in (spec.score_mod, spec.mask_mod) if e is not None]
     aux = tuple(_aux_param(n, spec.aux[n], exprs, spec.shapes.M == spec.shapes.N) for n in sorted(used) if n in spec.aux)
-    return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.kernel_dtype], aux=aux,
+    return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.shapes.dtype],
+                  out_dtype=SPEC_DTYPES[spec.output_dtype], aux=aux,
                   dims=(spec.shapes.M, spec.shapes.N))

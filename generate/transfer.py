@@ -43,7 +43,8 @@ class Target:
 
     score_mod: Expr | None
     mask_mod: Expr | None
-    dtype: Dtype
+    dtype: Dtype  # of the inputs q, k, v
+    out_dtype: Dtype | None = None  # of the output o, when the spec returns another dtype than it takes
     aux: tuple[Param, ...] = ()  # AUX params the variant functions load from
     scalars: tuple[str, ...] = ()  # scalar params the variant functions use
     dims: tuple[int, int] | None = None  # the spec's (M, N): mask constants are classified at these lengths
@@ -82,7 +83,8 @@ def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:
         if p.role is Role.SCALAR and p.name != "sm_scale":
             continue
         if p.role in _IO_ROLES and p.dtype in (Dtype.F32, Dtype.BF16, Dtype.F16) and p.name != "lse":
-            p = replace(p, dtype=target.dtype)
+            wide_out = p.role is Role.OUT and target.out_dtype is not None
+            p = replace(p, dtype=target.out_dtype if wide_out else target.dtype)
         kept.append(p)
     names = {p.name for p in kept}
     extra = [Param(s, (), Dtype.F32, Role.SCALAR) for s in target.scalars if s not in names]

@@ -299,6 +299,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     pairs = _attended_pairs(spec, inputs, model)
     flops = 4.0 * dims["Hq"] * dims["D"] * pairs
     res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops": flops}, "dtype": str(q.dtype).split(".")[-1]}
+    res["shape"]["kv_bytes"] = sum(t.numel() * t.element_size() for t in inputs[1:3])  # decode reads K and V once
     try:
         flex = _flex(spec, inputs, model) if device == "cuda" else None
     except Exception as err:  # noqa: BLE001 - FlexAttention failing to compile a variant is a result
@@ -415,7 +416,17 @@ def environment(command: str) -> dict:
     return {"gpu": torch.cuda.get_device_name(0), "arch": arch_of_capability(torch.cuda.get_device_capability(0)),
             "sms": props.multi_processor_count, "driver": driver, "torch_version": torch.__version__,
             "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "copy_gbps": _copy_bandwidth()}
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), the ceiling decode kernels are held to."""
+    from verify.timing import time_fn
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20).median_ms
+    return round(2 * (1 << 30) / ms / 1e6, 1)
 
 
 def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,

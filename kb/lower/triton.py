@@ -767,8 +767,20 @@ class _KernelGen:
         self.emit(f"_alpha = tl.exp2({m} * {_LOG2E} - _m_log2)")
         self.emit(f"_p = tl.exp2({s} * {_LOG2E if c is None else '_qk_scale'} - _m_log2[:, None])")
         self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
-        self.emit(f"{acc} = tl.dot(_p.to({v}.dtype), {v}, {acc} * _alpha[:, None]{prec})")
+        if self._split_p(self.tile(st.values)):
+            self.emit(f"# fp32 output from 16-bit V: P enters as a hi/lo pair of {v}.dtype tiles, so P keeps ~16 bits")
+            self.emit(f"_p_hi = _p.to({v}.dtype)")
+            self.emit(f"{acc} = tl.dot(_p_hi, {v}, {acc} * _alpha[:, None])")
+            self.emit(f"{acc} = tl.dot((_p - _p_hi.to(tl.float32)).to({v}.dtype), {v}, {acc})")
+        else:
+            self.emit(f"{acc} = tl.dot(_p.to({v}.dtype), {v}, {acc} * _alpha[:, None]{prec})")
         self.emit(f"{m} = _m_new")
+
+    def _split_p(self, v: _Tile) -> bool:
+        """Whether P·V must keep fp32 accuracy of P: the program writes an fp32 output (a spec that upcasts
+        16-bit inputs and returns fp32) from 16-bit V tiles, where one 16-bit P would round it to 8 bits."""
+        wide = any(q.role is Role.OUT and q.dtype is Dtype.F32 and q.name != "lse" for q in self.p.params)
+        return wide and v.dtype in (Dtype.BF16, Dtype.F16)
 
     def s_finalize(self, st: Finalize) -> None:
         m, l, acc = (self.local(n) for n in (st.m, st.l, st.acc))
