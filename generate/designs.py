@@ -6,7 +6,7 @@ Three sources, in this order of trust:
    similarity-weighted mean, over sweeps on the same arch and head-dim bucket, of its speed
    relative to the best design of that sweep (0 where the sweep did not time it). Similarity
    counts the features that change which design wins (decode or prefill, the mask's block
-   structure, the score_mod's cost, GQA, cross attention, dtype): `PERF_FEATURE_WEIGHTS`.
+   structure and how many keys a band lets a query see, the score_mod's cost, GQA, cross attention, dtype): `PERF_FEATURE_WEIGHTS`.
 2. **expert tunables** lifted from the launch templates (FA2 per head dim for sm80/sm86, CUTLASS
    Hopper FMHA for sm90), mapped onto Triton launch parameters.
 3. a small **default grid**, so a design search always has candidates.
@@ -30,8 +30,9 @@ TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to su
 _SCORE_COST = {"none": 0, "alibi": 1, "relative_bias": 1, "bias_table": 1, "softcap": 2, "custom": 2}
 _MASK_CLASS = {"none": "none", "causal": "bounds", "sliding_window": "bounds", "prefix_lm": "table",
                "document": "table", "block_sparse": "table", "custom": "table"}
-PERF_FEATURE_WEIGHTS = {"decode": 0.35, "mask": 0.2, "mask_class": 0.05, "score_cost": 0.15, "gqa": 0.1,
+PERF_FEATURE_WEIGHTS = {"decode": 0.3, "mask": 0.15, "mask_class": 0.05, "span": 0.1, "score_cost": 0.15, "gqa": 0.1,
                         "cross": 0.1, "dtype": 0.05}
+NARROW_SPAN = 128  # a band this narrow visits a couple of KV blocks per query tile: narrow tiles win (run 8a)
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,17 @@ def _decode(f: Features) -> bool:
     return f.decode or f.split_kv
 
 
+def _span_class(f: Features) -> str:
+    return "unbounded" if not f.kv_span else "narrow" if f.kv_span <= NARROW_SPAN else "wide"
+
+
 def perf_similarity(a: Features, b: Features) -> float:
     """In [0, 1]: how alike two kernels are in what decides their best design."""
     w = PERF_FEATURE_WEIGHTS
     same = {"decode": _decode(a) == _decode(b), "mask": a.mask == b.mask,
             "mask_class": _MASK_CLASS.get(a.mask, "table") == _MASK_CLASS.get(b.mask, "table"),
             "score_cost": _SCORE_COST.get(a.score_mod, 2) == _SCORE_COST.get(b.score_mod, 2),
+            "span": _span_class(a) == _span_class(b),
             "gqa": (a.gqa_ratio > 1) == (b.gqa_ratio > 1), "cross": a.cross == b.cross, "dtype": a.dtype == b.dtype}
     return sum(w[k] for k, ok in same.items() if ok)
 

@@ -36,6 +36,7 @@ class Features:
     dropout: bool = False
     return_lse: bool = False
     cross: bool = False  # seq_q and seq_kv independent (cross attention)
+    kv_span: int = 0  # keys a query can see when a constant band bounds them (window left + right + 1); 0 = unbounded
     arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
 
     def to_json(self) -> str:

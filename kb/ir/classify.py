@@ -510,5 +510,13 @@ def features_from_variants(
         dropout=dropout,
         return_lse=return_lse,
         cross=cross,
+        kv_span=_kv_span(mc),
         arch=arch,
     )
+
+
+def _kv_span(mc: MaskClass) -> int:
+    """Keys per query under a constant two-sided band (a sliding window, a local band); 0 when unbounded."""
+    if mc.band_lo is None or mc.band_hi is None or mc.bottom_right:
+        return 0
+    return mc.band_hi - mc.band_lo + 1

@@ -15,7 +15,8 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
   paged_kv: k or v is loaded at an index that loads a tensor using a loop variable (page table).
 - scalar params in variant bodies (`softcap * tanh(score / softcap)`, `q_idx - kv_idx < window`)
   are runtime values: the bodies are classified with two probe values substituted, and the
-  result is kept when both probes agree (else the unsubstituted body decides, usually "custom").
+  result is kept when both probes agree (else the unsubstituted body decides, usually "custom");
+  a band bounded by such a scalar has kv_span 0 (unknown until run time).
 - cross: seq_q != seq_kv in `shapes` (and not decode); dropout: never (the IR has no dropout).
 """
 
@@ -132,8 +133,9 @@ def derive_features(p: Program, *, arch: str = "any", shapes: Mapping[str, int] 
     scalars = {prm.name for prm in p.params if prm.role is Role.SCALAR}
     score = p.score_mod.body if p.score_mod else None
     mask = p.mask_mod.body if p.mask_mod else None
-    probed = {_classified(p, _with_scalars(score, scalars, v), _with_scalars(mask, scalars, v), arch, shapes)
-              for v in _PROBES}
+    # a band set by a runtime scalar has no constant span
+    probed = {replace(_classified(p, _with_scalars(score, scalars, v), _with_scalars(mask, scalars, v), arch, shapes),
+                      kv_span=0) for v in _PROBES}
     if len(probed) == 1:
         return probed.pop()
     return _classified(p, score, mask, arch, shapes)
