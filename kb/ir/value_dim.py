@@ -10,6 +10,8 @@ finalized or combined output) are HEAD_PAD_V wide instead of HEAD_PAD. The pass 
   its split-KV partials; the LSE ends in M);
 - accumulators: `init` of an `online_softmax` accumulator, HEAD_PAD -> HEAD_PAD_V.
 A program that already has `Dv` is returned unchanged; `validate` checks the result.
+`without_value_dim` is the inverse (one head dim D again), so a transfer from a reference with
+value heads to a spec without them gives the program such a spec has always had.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kb.ir.nodes import (
     For, IfBlock, Init, Load, OnlineSoftmax, Param, Program, Role, Stmt, VALUE_DIM, walk_stmts,
 )
 
-__all__ = ["with_value_dim", "has_value_dim"]
+__all__ = ["with_value_dim", "without_value_dim", "has_value_dim"]
 
 
 def has_value_dim(p: Program) -> bool:
@@ -37,7 +39,16 @@ def with_value_dim(p: Program) -> Program:
     values = {st.tensor for st in stmts if isinstance(st, Load) and st.out in value_tiles}
     accs = frozenset(st.acc for st in stmts if isinstance(st, OnlineSoftmax))
     params = tuple(_value_param(prm, values) for prm in p.params)
-    kernels = tuple(replace(k, body=_wide_accs(k.body, accs)) for k in p.kernels)
+    kernels = tuple(replace(k, body=_pads(k.body, "HEAD_PAD", "HEAD_PAD_V", accs)) for k in p.kernels)
+    return replace(p, params=params, kernels=kernels)
+
+
+def without_value_dim(p: Program) -> Program:
+    """`p` with one head dim: every `Dv` becomes `D` and every HEAD_PAD_V tile HEAD_PAD."""
+    if not has_value_dim(p):
+        return p
+    params = tuple(replace(prm, shape=tuple("D" if d == VALUE_DIM else d for d in prm.shape)) for prm in p.params)
+    kernels = tuple(replace(k, body=_pads(k.body, "HEAD_PAD_V", "HEAD_PAD", None)) for k in p.kernels)
     return replace(p, params=params, kernels=kernels)
 
 
@@ -48,14 +59,15 @@ def _value_param(prm: Param, values: set[str]) -> Param:
     return prm
 
 
-def _wide_accs(body: tuple[Stmt, ...], accs: frozenset[str]) -> tuple[Stmt, ...]:
+def _pads(body: tuple[Stmt, ...], old: str, new: str, inits: frozenset[str] | None) -> tuple[Stmt, ...]:
+    """`body` with `old` -> `new` in the shapes of the `init`s named in `inits` (None: every init)."""
     out: list[Stmt] = []
     for st in body:
-        if isinstance(st, Init) and st.out in accs:
-            st = replace(st, shape=tuple("HEAD_PAD_V" if d == "HEAD_PAD" else d for d in st.shape))
+        if isinstance(st, Init) and (inits is None or st.out in inits):
+            st = replace(st, shape=tuple(new if d == old else d for d in st.shape))
         elif isinstance(st, For):
-            st = replace(st, body=_wide_accs(st.body, accs))
+            st = replace(st, body=_pads(st.body, old, new, inits))
         elif isinstance(st, IfBlock):
-            st = replace(st, then=_wide_accs(st.then, accs), orelse=_wide_accs(st.orelse, accs))
+            st = replace(st, then=_pads(st.then, old, new, inits), orelse=_pads(st.orelse, old, new, inits))
         out.append(st)
     return tuple(out)
