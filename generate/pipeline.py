@@ -347,7 +347,8 @@ def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> DesignT
     target = resolve_target(options.target, kb.settings.target_arch)
     archs = list(dict.fromkeys([target, "sm90", "sm80"]))
     buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
-    return design_table(kb, spec.features, archs, buckets, memory=options.memory)
+    value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
+    return design_table(kb, spec.features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
 
 
 def _budget_left(options: GenerateOptions) -> float:
