@@ -141,6 +141,16 @@ def test_triton_source_pads_values_separately() -> None:
     assert "HEAD_PAD_V" not in lower_program(causal(Dtype.BF16))  # one head dim: the source of today
 
 
+def test_triton_compiles_for_hopper_at_mla_head_dims() -> None:
+    """The real Triton compiler (no GPU needed) takes the Dv program at D=192, Dv=128 with TMA and wgmma."""
+    from kb.ir.design import Design
+    from kb.lower.triton_aot import compile_for_arch
+
+    p = Design(128, 64, 8, 3).apply(with_value_dim(causal(Dtype.BF16)))
+    (k,) = compile_for_arch(p, arch=90, head_dim=192, head_dim_v=128, tma=True)
+    assert k.wgmma > 0 and k.tma_loads > 0 and k.shared_bytes <= 227 * 1024
+
+
 def test_cuda_source_compiles_with_a_value_head_pad(tmp_path: Path) -> None:
     from kb.lower.cuda import lower_program
     from kb.lower.cuda_build import BuildMode, build, find_nvcc
