@@ -108,8 +108,10 @@ def default_designs(decode: bool) -> list[Design]:
 
 
 def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Sweep],
-                 tunables: Iterable[tuple[str, int, dict]], *, memory: bool = True) -> list[Design]:
-    """Every candidate design for `target` on `arch` at head-dim `bucket`, most promising first."""
+                 tunables: Iterable[tuple[str, int, dict]], *, memory: bool = True,
+                 value_bucket: int | None = None) -> list[Design]:
+    """Every candidate design for `target` on `arch` at head-dim `bucket`, most promising first
+    (`value_bucket`: the value head dim's bucket when v is wider or narrower than q/k)."""
     decode = _decode(target)
     measured: list[Design] = []
     if memory:
@@ -122,7 +124,8 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
                 scores[d] = scores.get(d, 0.0) + w * rel / total
         measured = sorted(scores, key=lambda d: (-scores[d], d))
     ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
-    return [d for d in dict.fromkeys(ranked) if d.fits(arch, bucket)]  # tiles that cannot fit shared memory: never
+    # tiles that cannot fit shared memory: never
+    return [d for d in dict.fromkeys(ranked) if d.fits(arch, bucket, head_dim_v=value_bucket)]
 
 
 # ---- reading the KB --------------------------------------------------------------------------
@@ -156,9 +159,11 @@ def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
 
 
 def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,  # noqa: ANN001
-                 memory: bool = True, depth: int = TABLE_DEPTH) -> dict[str, dict[int, tuple[Design, ...]]]:
-    """{arch: {bucket: the top `depth` designs}} for an emitted module."""
+                 memory: bool = True, depth: int = TABLE_DEPTH,
+                 value_bucket: int | None = None) -> dict[str, dict[int, tuple[Design, ...]]]:
+    """{arch: {bucket: the top `depth` designs}} for an emitted module (`value_bucket`: see rank_designs)."""
     sweeps = sweeps_from_kb(kb) if memory else []
     tunables = tunable_rows(kb)
-    return {arch: {b: tuple(rank_designs(target, arch, b, sweeps, tunables, memory=memory)[:depth]) for b in buckets}
+    return {arch: {b: tuple(rank_designs(target, arch, b, sweeps, tunables, memory=memory,
+                                         value_bucket=value_bucket)[:depth]) for b in buckets}
             for arch in archs}

@@ -117,7 +117,7 @@ def _kernel(payload: Any, label: str) -> Kernel:
 
 
 def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfRecord]:
-    dims = {k: v for k, v in shape.get("shape", {}).items() if k in ("B", "Hq", "Hkv", "M", "N", "D", "attended_pairs")}
+    dims = {k: v for k, v in shape.get("shape", {}).items() if k in ("B", "Hq", "Hkv", "M", "N", "D", "Dv", "attended_pairs")}
     flex = impl_ms(shape, "flex")
     sdpa = impl_ms(shape, "sdpa")
     base = ", ".join(f"{name} {ms:.4g} ms" for name, ms in (("flex", flex), ("sdpa", sdpa)) if ms)

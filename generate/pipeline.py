@@ -263,7 +263,8 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
     if built is not None:
         report["verify"] = {"verdict": built.verdict, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)
-        report["cuda"] = (compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D)
+        report["cuda"] = (compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
+                                       spec.shapes.Dv if spec.shapes.value_dim else None)
                           if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})
     return report
 
@@ -314,14 +315,17 @@ def _cuda_source(program: Program) -> str | None:
         return None
 
 
-def compile_cuda(source: str, out_dir: Path, head_dim: int) -> dict:
-    """Compile the CUDA source with nvcc (object only: no GPU here); a typed summary for the report."""
+def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None) -> dict:
+    """Compile the CUDA source with nvcc (object only: no GPU here) for the spec's head dims (`head_dim_v`: a
+    value head dim of its own); a typed summary for the report."""
     from kb.lower.cuda_build import BuildMode, build
 
-    pad = max(16, 1 << max(0, head_dim - 1).bit_length())
+    defines = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
+    if head_dim_v is not None:
+        defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)
     try:
         res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1",
-                    defines=(f"KB_HEAD_PAD_ONLY={pad}",), timeout_s=300)
+                    defines=defines, timeout_s=300)
     except KBError as err:  # no nvcc on this machine
         return {"compiled": False, "status": "not_run", "log": str(err)}
     return {"compiled": res.ok, "status": res.status.value, "seconds": round(res.seconds, 1),
@@ -347,7 +351,8 @@ def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> DesignT
     target = resolve_target(options.target, kb.settings.target_arch)
     archs = list(dict.fromkeys([target, "sm90", "sm80"]))
     buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
-    return design_table(kb, spec.features, archs, buckets, memory=options.memory)
+    value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
+    return design_table(kb, spec.features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
 
 
 def _budget_left(options: GenerateOptions) -> float:

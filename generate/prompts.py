@@ -117,6 +117,9 @@ def spec_summary(spec: "Spec", *, max_source_chars: int = MAX_SOURCE_CHARS) -> s
     lines.append("\n".join("  " + v for v in variants.splitlines()) if variants else "  none (plain attention)")
     lines.append(f"shapes: B={sh.B} Hq={sh.Hq} Hkv={sh.Hkv} M={sh.M} N={sh.N} D={sh.D}; "
                  f"dtype {sh.dtype} (IR: {_ir_dtype(sh.dtype)})")
+    if sh.value_dim:
+        lines.append(f"value head dim: Dv={sh.Dv} (v [B, Hkv, N, Dv], o [B, Hq, M, Dv] and split-KV o partials end in Dv; "
+                     "the accumulator is [BLOCK_M, HEAD_PAD_V])")
     lines.append("softmax scale: " + ("1/sqrt(D), passed as scalar sm_scale" if spec.scale is None
                                       else f"{spec.scale!r}, passed as scalar sm_scale"))
     if spec.aux:

@@ -2,9 +2,10 @@
 
 Two spec styles (docs/specs.md), also combined in one file:
 - KernelBench: `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()`; `forward(q, k, v, *extra)`
-  with q, k, v `[B, H, S, D]`. Traced with torch.fx (generate.spec_trace).
+  with q, k `[B, H, S, D]` and v `[B, H, S, Dv]` (Dv = D, or MLA-style value heads). Traced with torch.fx (generate.spec_trace).
 - FlexAttention: module-level `score_mod(score, b, h, q_idx, kv_idx)` and/or
-  `mask_mod(b, h, q_idx, kv_idx)` plus `SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)`.
+  `mask_mod(b, h, q_idx, kv_idx)` plus `SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)` (`Dv=` when
+  the value head dim differs from D).
   When a file has both, the mods define the variant expressions and `Model` the reference
   and the shapes.
 
@@ -65,8 +66,18 @@ class Shapes:
     Hkv: int
     M: int  # seq_q
     N: int  # seq_kv
-    D: int
+    D: int  # q and k's head dim
     dtype: str  # one of DTYPES
+    Dv: int = 0  # v's (and the output's) head dim; 0 = D
+
+    def __post_init__(self) -> None:
+        if not self.Dv:
+            object.__setattr__(self, "Dv", self.D)
+
+    @property
+    def value_dim(self) -> bool:
+        """Does v have a head dim of its own (D_v != D_qk)?"""
+        return self.Dv != self.D
 
     @property
     def gqa_ratio(self) -> int:
@@ -196,16 +207,35 @@ def _forward_names(model: torch.nn.Module, n: int) -> list[str]:
     return names + [f"arg{i}" for i in range(len(names), n)]
 
 
-def _shapes_of(q: torch.Tensor, k: torch.Tensor, path: Path) -> Shapes:
-    if q.dim() != 4 or k.dim() != 4:
-        raise KBError(f"{path}: q and k must be [B, H, S, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+def _trace_model(model: torch.nn.Module, inputs: list[Any], names: list[str], kinds: Mapping[str, str], path: Path) -> Any:
+    """The traced attention of the spec's Model; a failure that k and v's shapes explain says so instead."""
+    try:
+        return trace_attention(model, inputs, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+    except KBError:
+        qkv = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()][:3]
+        if len(qkv) == 3:
+            _check_values(qkv[1], qkv[2], path)
+        raise
+
+
+def _check_values(k: torch.Tensor, v: torch.Tensor, path: Path) -> None:
+    """v must have k's batch, heads and length; only its head dim may differ (D_v != D_qk)."""
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise KBError(f"{path}: v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length "
+                      "(only the head dim may differ)")
+
+
+def _shapes_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: Path) -> Shapes:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise KBError(f"{path}: q, k and v must be [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
     if q.dtype not in _DTYPE_NAMES:
         raise KBError(f"{path}: unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     if Hq % Hkv:
         raise KBError(f"{path}: {Hq} query heads are not a multiple of {Hkv} kv heads")
-    return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype])
+    _check_values(k, v, path)
+    return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype], v.shape[3])
 
 
 def _shapes_from_dict(d: Any, path: Path) -> Shapes:
@@ -213,7 +243,7 @@ def _shapes_from_dict(d: Any, path: Path) -> Shapes:
         f = parse_shapes(d)
     except ValueError as err:
         raise KBError(f"{path}: {err}") from None
-    return Shapes(f.B, f.Hq, f.Hkv, f.M, f.N, f.D, f.dtype)
+    return Shapes(f.B, f.Hq, f.Hkv, f.M, f.N, f.D, f.dtype, f.Dv)
 
 
 def _scale_or_none(scale: float, D: int) -> float | None:
@@ -238,9 +268,9 @@ def load_spec(path: str | Path) -> Spec:
         model, inputs = _instantiate(module, path)
         names = _forward_names(model, len(inputs))
         kinds = _state_kinds(model)
-        traced = trace_attention(model, inputs, names, _tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+        traced = _trace_model(model, inputs, names, kinds, path)
         qi, ki, vi = names.index(traced.q), names.index(traced.k), names.index(traced.v)
-        shapes = _shapes_of(inputs[qi], inputs[ki], path)
+        shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
         score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
@@ -294,7 +324,7 @@ def _self_check(spec: Spec) -> None:
         got = variants_attention(spec, q, k, v).float()
     if ref.shape != got.shape:
         raise KBError(f"{spec.path}: the spec returns shape {tuple(ref.shape)}, attention over its q, k, v gives "
-                      f"{tuple(got.shape)} ([B, Hq, M, D])")
+                      f"{tuple(got.shape)} ([B, Hq, M, Dv])")
     defined = ~torch.isnan(ref)  # rows the spec leaves undefined (fully masked, softmax of -inf)
     err = float((ref - got).abs()[defined].max()) if bool(defined.any()) else 0.0
     tol = _SELF_CHECK_TOL[spec.shapes.dtype] * max(1.0, float(ref[defined].abs().max()) if bool(defined.any()) else 1.0)
@@ -472,7 +502,7 @@ def spec_inputs(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
     dt = s.torch_dtype
     q = torch.randn(s.B, s.Hq, s.M, s.D, generator=g).to(dt)
     k = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
-    v = torch.randn(s.B, s.Hkv, s.N, s.D, generator=g).to(dt)
+    v = torch.randn(s.B, s.Hkv, s.N, s.Dv, generator=g).to(dt)
     return q, k, v
 
 

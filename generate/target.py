@@ -1,4 +1,4 @@
-"""The transfer target of a spec: variant slots, aux params, dtype."""
+"""The transfer target of a spec: variant slots, aux params, dtype, whether v has a head dim of its own."""
 
 from __future__ import annotations
 
@@ -50,4 +50,4 @@ def target_for(spec: Spec) -> Target:
     aux = tuple(_aux_param(n, spec.aux[n], exprs, spec.shapes.M == spec.shapes.N) for n in sorted(used) if n in spec.aux)
     return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.shapes.dtype],
                   out_dtype=SPEC_DTYPES[spec.output_dtype], aux=aux,
-                  dims=(spec.shapes.M, spec.shapes.N))
+                  dims=(spec.shapes.M, spec.shapes.N), value_dim=spec.shapes.value_dim)

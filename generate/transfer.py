@@ -1,7 +1,8 @@
 """Rule-based transfer: adapt a reference Program to a target spec.
 
 The reference decides the code shape (kernels, loads, schedule, softmax structure); the
-target fills the variant slots. How the KV loop is bounded is the risky part of a
+target fills the variant slots (and, for MLA-style value heads, gives v and o their own head
+dim `Dv`: kb.ir.value_dim). How the KV loop is bounded is the risky part of a
 transfer, so it is an explicit `Strategy`, tried in order and remembered as a lesson:
 
 - REUSE: keep the reference's loop bounds and block tests (right when the masks agree).
@@ -24,6 +25,7 @@ from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
     Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
+from kb.ir.value_dim import with_value_dim, without_value_dim
 
 __all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
 
@@ -50,6 +52,7 @@ class Target:
     dims: tuple[int, int] | None = None  # the spec's (M, N): mask constants are classified at these lengths
     block_m: int | None = None  # schedule override (e.g. a tunable for the target head dim)
     block_n: int | None = None
+    value_dim: bool = False  # v and o have a head dim Dv of their own (D_v != D_qk)
     extras: dict = field(default_factory=dict, compare=False)
 
 
@@ -65,7 +68,7 @@ def transfer(reference: Program, target: Target, strategy: Strategy, *, name: st
     if target.block_m or target.block_n:
         schedule = replace(schedule, block_m=target.block_m or schedule.block_m, block_n=target.block_n or schedule.block_n)
     kernels = tuple(_rewrite_kernel(k, target, strategy) for k in reference.kernels)
-    return Program(
+    program = Program(
         name=name or f"{reference.name}__{strategy.value}",
         params=params,
         schedule=schedule,
@@ -73,6 +76,7 @@ def transfer(reference: Program, target: Target, strategy: Strategy, *, name: st
         score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, target.score_mod) if target.score_mod is not None else None,
         mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, target.mask_mod) if target.mask_mod is not None else None,
     )
+    return with_value_dim(program) if target.value_dim else without_value_dim(program)
 
 
 def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:

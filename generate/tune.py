@@ -77,8 +77,10 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
         for shape in shapes:
             d = shape.get("D") or feats.head_dim
             f = dataclasses.replace(feats, head_dim=d, arch=arch)
-            on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True)[:max_designs]
-            off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False)[:max_designs]
+            dv = shape.get("Dv")
+            vb = head_bucket(dv) if dv else None
+            on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True, value_bucket=vb)[:max_designs]
+            off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False, value_bucket=vb)[:max_designs]
             timed = list(dict.fromkeys((on if memory else off) + (off if memory else on))) if max_designs else []
             name = spec_path.stem + (f"_d{d}" if len(shapes) > 1 else "")
             entries.append({"name": name, "spec": str(spec_path), "candidate": str(cand), "shapes": [shape] if shape else None,

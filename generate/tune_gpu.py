@@ -65,7 +65,8 @@ def _load(path: str, name: str) -> ModuleType:
 
 def bench_shapes(spec: ModuleType, given: Any = None) -> list[dict]:
     """The shapes to time a spec at: `given` (a plan entry's), else its `BENCH` (one dict or a list), else
-    `[{}]`, meaning the spec's own `get_inputs()` shape."""
+    `[{}]`, meaning the spec's own `get_inputs()` shape. A shape may carry `Dv`, v's head dim when it differs
+    from D (default D); the spec's `bench_inputs` reads it."""
     given = given or getattr(spec, "BENCH", None)
     if given is None:
         return [{}]
@@ -294,10 +295,12 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
         shape = {}  # the CPU dry run works at the spec's own small shape
     inputs = _inputs(spec, shape, device)
     cand, model, new = _candidate(entry, spec, shape, device, tag)
-    q, k = inputs[0], inputs[1]
+    q, k, v = inputs[:3]
     dims = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": k.shape[1], "M": q.shape[2], "N": k.shape[2], "D": q.shape[3]}
+    if v.shape[3] != q.shape[3]:
+        dims["Dv"] = v.shape[3]  # value heads of their own width (recorded only then)
     pairs = _attended_pairs(spec, inputs, model)
-    flops = 4.0 * dims["Hq"] * dims["D"] * pairs
+    flops = 2.0 * dims["Hq"] * (dims["D"] + dims.get("Dv", dims["D"])) * pairs  # q @ k^T and p @ v per attended pair
     res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops": flops}, "dtype": str(q.dtype).split(".")[-1]}
     res["shape"]["kv_bytes"] = sum(t.numel() * t.element_size() for t in inputs[1:3])  # decode reads K and V once
     try:

@@ -5,7 +5,7 @@ The reference follows FlexAttention's semantics (docs/specs.md):
     scores = q @ k^T * scale                     # fp32; scale None = 1/sqrt(D)
     scores = score_mod(scores, b, h, q_idx, kv_idx)  # elementwise, broadcast int32 index tensors
     scores[~mask_mod(b, h, q_idx, kv_idx)] = -inf
-    out = softmax(scores) @ v                    # kv heads repeated (GQA: head h reads h // (Hq // Hkv))
+    out = softmax(scores) @ v                    # kv heads repeated (GQA: head h reads h // (Hq // Hkv)); [B, Hq, M, Dv]
 Rows with no visible key give 0. The output has q's dtype, as FlexAttention returns.
 """
 
@@ -34,22 +34,28 @@ class FlexShapes:
     D: int
     dtype: str  # one of DTYPES
     scale: float | None  # None = 1/sqrt(D)
+    Dv: int = 0  # v's (and the output's) head dim; 0 = D
+
+    def __post_init__(self) -> None:
+        if not self.Dv:
+            object.__setattr__(self, "Dv", self.D)
 
 
 def parse_shapes(d: Any) -> FlexShapes:
     """`SHAPES` of a FlexAttention-style spec; ValueError saying what is missing or wrong."""
     if not isinstance(d, Mapping):
-        raise ValueError("a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=)")
+        raise ValueError("a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=) (Dv= optional)")
     dtype = str(d.get("dtype", "fp32"))
     if dtype not in DTYPES:
         raise ValueError(f"SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     try:
         Hq, M = int(d.get("Hq", d.get("H"))), int(d.get("M", d.get("S")))
         scale = d.get("scale")
-        return FlexShapes(int(d["B"]), Hq, int(d.get("Hkv", Hq)), M, int(d.get("N", M)), int(d["D"]), dtype,
-                          None if scale is None else float(scale))
+        D = int(d["D"])
+        return FlexShapes(int(d["B"]), Hq, int(d.get("Hkv", Hq)), M, int(d.get("N", M)), D, dtype,
+                          None if scale is None else float(scale), int(d.get("Dv", D)))
     except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"SHAPES needs B, Hq (or H), M (or S), D and optionally Hkv, N, dtype, scale ({err})") from None
+        raise ValueError(f"SHAPES needs B, Hq (or H), M (or S), D and optionally Hkv, N, Dv, dtype, scale ({err})") from None
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod: Mod | None, mask_mod: Mod | None,
@@ -100,7 +106,7 @@ def flex_entry_points(module: Any) -> tuple[type, Callable[[], list[Any]], Calla
     def get_inputs() -> list[Any]:
         s, dt = shapes, DTYPES[shapes.dtype]
         return [torch.randn(s.B, s.Hq, s.M, s.D).to(dt), torch.randn(s.B, s.Hkv, s.N, s.D).to(dt),
-                torch.randn(s.B, s.Hkv, s.N, s.D).to(dt)]
+                torch.randn(s.B, s.Hkv, s.N, s.Dv).to(dt)]
 
     def get_init_inputs() -> list[Any]:
         return []

@@ -77,7 +77,7 @@ def _base_inputs(spec: Spec, layout: Layout, case: ShapeCase | None) -> list[Any
     q, k, v = layout.qkv
     own[q] = torch.empty(case.B, case.Hq, case.Sq, case.D, dtype=dtype)
     own[k] = torch.empty(case.B, case.Hkv, case.Skv, case.D, dtype=dtype)
-    own[v] = torch.empty(case.B, case.Hkv, case.Skv, case.D, dtype=dtype)
+    own[v] = torch.empty(case.B, case.Hkv, case.Skv, case.Dv, dtype=dtype)
     return own
 
 

@@ -102,10 +102,10 @@ def _flex_spec(path: Path, module: ModuleType) -> Spec:
 
 
 def _hint(hint: Any, path: Path) -> tuple[int, ...]:
-    keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D")
-    values = tuple(hint[k] for k in keys) if isinstance(hint, dict) else tuple(hint)
-    if len(values) != 6 or not all(isinstance(v, int) for v in values):
-        raise SpecError(f"spec {path}: shape hint {hint!r} must be (B, Hq, Hkv, Sq, Skv, D) or a dict with those keys")
+    keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D", "Dv")
+    values = tuple(hint[k] for k in keys if k in hint) if isinstance(hint, dict) else tuple(hint)
+    if len(values) not in (6, 7) or not all(isinstance(v, int) for v in values):
+        raise SpecError(f"spec {path}: shape hint {hint!r} must be (B, Hq, Hkv, Sq, Skv, D[, Dv]) or a dict with those keys")
     return values
 
 

@@ -30,7 +30,7 @@ class Verdict(str, Enum):
 
 @dataclass(frozen=True)
 class ShapeCase:
-    """One attention shape: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D]; `origin` says why it was chosen."""
+    """One attention shape: q [B, Hq, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv]; `origin` says why it was chosen."""
 
     B: int
     Hq: int
@@ -40,9 +40,15 @@ class ShapeCase:
     D: int
     dtype: str
     origin: str = "spec"
+    Dv: int = 0  # v's head dim; 0 = D
+
+    def __post_init__(self) -> None:
+        if not self.Dv:
+            object.__setattr__(self, "Dv", self.D)
 
     def label(self) -> str:
-        return f"B{self.B} H{self.Hq}/{self.Hkv} Sq{self.Sq} Skv{self.Skv} D{self.D} {self.dtype}"
+        dv = f" Dv{self.Dv}" if self.Dv != self.D else ""
+        return f"B{self.B} H{self.Hq}/{self.Hkv} Sq{self.Sq} Skv{self.Skv} D{self.D}{dv} {self.dtype}"
 
 
 @dataclass(frozen=True)

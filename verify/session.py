@@ -237,11 +237,11 @@ class Session:
     def _limit_ms(self, inputs: list[Any]) -> float | None:
         if self.layout.qkv is None:
             return None
-        q, k = inputs[self.layout.qkv[0]], inputs[self.layout.qkv[1]]
+        q, k, v = (inputs[i] for i in self.layout.qkv)
         B, Hq, Sq, D = q.shape
         frac = 0.5 if self.spec.causal else 1.0
-        flops = attention_flops(B, Hq, Sq, k.shape[2], D, frac)
-        nbytes = attention_bytes(B, Hq, k.shape[1], Sq, k.shape[2], D, q.element_size())
+        flops = attention_flops(B, Hq, Sq, k.shape[2], D, frac, Dv=v.shape[3])
+        nbytes = attention_bytes(B, Hq, k.shape[1], Sq, k.shape[2], D, q.element_size(), Dv=v.shape[3])
         return roofline_ms(flops, nbytes, self.opts.peak_tflops, self.opts.peak_gbps)
 
     def result(self, verdict: Verdict, message: str, finding: Finding | None, timing: TimingReport | None,

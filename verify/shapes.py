@@ -1,7 +1,8 @@
 """Which shapes to test: the spec's own, its hints, then ragged, batch, cross and GQA variants.
 
 The attention tensors are found in the spec's `get_inputs()`: the first three 4-D
-floating tensors are q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D]. Sequence lengths are
+floating tensors are q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] (Dv = D
+unless the spec's value heads differ; every varied case keeps the spec's D and Dv). Sequence lengths are
 varied only when every other input is shape-free (scalars, flags) or the spec provides
 `get_inputs_for`; otherwise only the spec's own shape plus batch variation are used,
 and a note says so. Seq_q differs from seq_kv only for `CROSS = True` specs or specs
@@ -11,7 +12,7 @@ own Hq != Hkv. A planned shape that the spec's Model rejects is dropped with a n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,9 +48,9 @@ def find_layout(inputs: list[Any]) -> Layout:
 def own_case(inputs: list[Any], layout: Layout) -> ShapeCase | None:
     if layout.qkv is None:
         return None
-    q, k = inputs[layout.qkv[0]], inputs[layout.qkv[1]]
+    q, k, v = (inputs[i] for i in layout.qkv)
     B, Hq, Sq, D = q.shape
-    return ShapeCase(B, Hq, k.shape[1], Sq, k.shape[2], D, dtype_name(q.dtype), "spec")
+    return ShapeCase(B, Hq, k.shape[1], Sq, k.shape[2], D, dtype_name(q.dtype), "spec", v.shape[3])
 
 
 def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[ShapeCase], list[str]]:
@@ -60,16 +61,16 @@ def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[Shap
     if own is None:
         notes.append("no [B, H, S, D] q/k/v tensors found in get_inputs(): only the spec's own inputs are used")
         return [], notes
-    cases = [own] + [ShapeCase(*h, own.dtype, "hint") for h in spec.shape_hints]  # type: ignore[misc]
+    cases = [own] + [ShapeCase(*h[:6], own.dtype, "hint", *h[6:]) for h in spec.shape_hints]  # type: ignore[misc]
     can_vary = spec.get_inputs_for is not None or not layout.has_shaped_extras
     if can_vary:
         cases += _seq_variants(spec, own)
         if spec.gqa or own.Hq != own.Hkv:
-            cases += [ShapeCase(own.B, own.Hq, h, 37, 37, own.D, own.dtype, "gqa") for h in (1, own.Hq) if own.Hq % h == 0]
+            cases += [replace(own, Hkv=h, Sq=37, Skv=37, origin="gqa") for h in (1, own.Hq) if own.Hq % h == 0]
     else:
         notes.append("spec has extra tensor inputs and no get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype): "
                      "only the spec's own shapes plus batch variation are used")
-        cases += [ShapeCase(b, own.Hq, own.Hkv, own.Sq, own.Skv, own.D, own.dtype, "batch") for b in (1, 2 * own.B) if b != own.B]
+        cases += [replace(own, B=b, origin="batch") for b in (1, 2 * own.B) if b != own.B]
     unique = list(dict.fromkeys(cases))
     dropped = len(unique) - max_cases
     if dropped > 0:
@@ -80,9 +81,8 @@ def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[Shap
 def _seq_variants(spec: Spec, own: ShapeCase) -> list[ShapeCase]:
     b = min(own.B, 2)
     cross = spec.cross or own.Sq != own.Skv
-    out = [ShapeCase(b, own.Hq, own.Hkv, 37, 37, own.D, own.dtype, "ragged"),
-           ShapeCase(own.B + 1, own.Hq, own.Hkv, own.Sq, own.Skv, own.D, own.dtype, "batch")]
-    out += [ShapeCase(b, own.Hq, own.Hkv, s, s, own.D, own.dtype, "ragged") for s in RAGGED[1:]]
+    out = [replace(own, B=b, Sq=37, Skv=37, origin="ragged"), replace(own, B=own.B + 1, origin="batch")]
+    out += [replace(own, B=b, Sq=s, Skv=s, origin="ragged") for s in RAGGED[1:]]
     if cross:
-        out += [ShapeCase(b, own.Hq, own.Hkv, sq, skv, own.D, own.dtype, "cross") for sq, skv in CROSS_PAIRS]
+        out += [replace(own, B=b, Sq=sq, Skv=skv, origin="cross") for sq, skv in CROSS_PAIRS]
     return out

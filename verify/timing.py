@@ -48,14 +48,17 @@ def time_fn(fn: Callable[[], Any], warmup: int = 10, trials: int = 50, flush_byt
     return Timing(statistics.median(times), q[2] - q[0], min(times), max(times), len(times))
 
 
-def attention_flops(B: int, H: int, Sq: int, Skv: int, D: int, unmasked_fraction: float = 1.0) -> float:
-    """Forward FLOPs: two matmuls of 2*Sq*Skv*D each per (batch, head), times the unmasked share."""
-    return 4.0 * B * H * Sq * Skv * D * unmasked_fraction
+def attention_flops(B: int, H: int, Sq: int, Skv: int, D: int, unmasked_fraction: float = 1.0,
+                    Dv: int | None = None) -> float:
+    """Forward FLOPs: 2*Sq*Skv*D for q @ k^T plus 2*Sq*Skv*Dv for p @ v per (batch, head), times the
+    unmasked share (Dv defaults to D)."""
+    return 2.0 * B * H * Sq * Skv * (D + (D if Dv is None else Dv)) * unmasked_fraction
 
 
-def attention_bytes(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, elem_bytes: int) -> float:
-    """Compulsory traffic: read q, k, v once and write o once."""
-    return float(elem_bytes * (2 * B * Hq * Sq * D + 2 * B * Hkv * Skv * D))
+def attention_bytes(B: int, Hq: int, Hkv: int, Sq: int, Skv: int, D: int, elem_bytes: int, Dv: int | None = None) -> float:
+    """Compulsory traffic: read q, k, v once and write o once (v and o Dv wide; Dv defaults to D)."""
+    Dv = D if Dv is None else Dv
+    return float(elem_bytes * (B * Hq * Sq * (D + Dv) + B * Hkv * Skv * (D + Dv)))
 
 
 def roofline_ms(flops: float, nbytes: float, peak_tflops: float, peak_gbps: float) -> float:

@@ -84,14 +84,15 @@ class Design:
                                 num_stages=self.num_stages, num_splits=max(1, self.num_splits))
         return dataclasses.replace(p, schedule=s)
 
-    def shared_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def shared_bytes(self, head_dim: int, elem_bytes: int = 2, head_dim_v: int | None = None) -> int:
         """A lower bound on the shared memory of a forward attention tile loop: the Q tile plus
-        `num_stages` buffered K and V tiles (Triton may need more; a launch that fails tries the next design)."""
-        pad = max(16, 1 << max(0, head_dim - 1).bit_length())
-        return elem_bytes * pad * (self.block_m + 2 * self.num_stages * self.block_n)
+        `num_stages` buffered K and V tiles, V's as wide as the value head dim (`head_dim_v`, default
+        `head_dim`). Triton may need more; a launch that fails tries the next design."""
+        pad, pad_v = head_bucket(head_dim), head_bucket(head_dim if head_dim_v is None else head_dim_v)
+        return elem_bytes * (pad * (self.block_m + self.num_stages * self.block_n) + pad_v * self.num_stages * self.block_n)
 
-    def fits(self, arch: str, head_dim: int, elem_bytes: int = 2) -> bool:
-        return self.shared_bytes(head_dim, elem_bytes) <= SHARED_MEMORY_BYTES.get(arch, 99 * 1024)
+    def fits(self, arch: str, head_dim: int, elem_bytes: int = 2, head_dim_v: int | None = None) -> bool:
+        return self.shared_bytes(head_dim, elem_bytes, head_dim_v) <= SHARED_MEMORY_BYTES.get(arch, 99 * 1024)
 
 
 def parse_design(text: str) -> Design:

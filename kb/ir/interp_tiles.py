@@ -3,8 +3,8 @@
 An index item per tensor dim:
 - an `Expr` (a scalar index): the dim is dropped from the tile;
 - `Span(start, size)`: `size` elements from `start`;
-- `Full()`: the whole dim, padded to HEAD_PAD when the dim is named `D`, else to the next
-  power of two >= its extent.
+- `Full()`: the whole dim, padded to HEAD_PAD when the dim is named `D`, to HEAD_PAD_V when it
+  is named `Dv`, else to the next power of two >= its extent.
 
 Invariants: a load reads `other` at every out-of-range position (either bound, any dim); a
 store writes exactly the in-range positions and nothing else, cast to the tensor's dtype.
@@ -20,7 +20,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.expr import Expr
-from kb.ir.nodes import Dim, Dtype, Full, Index, Span
+from kb.ir.nodes import Dim, Dtype, Full, Index, Span, VALUE_DIM
 
 __all__ = ["TORCH_DTYPES", "next_pow2", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter"]
 
@@ -32,6 +32,9 @@ TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     Dtype.I64: torch.int64,
     Dtype.BOOL: torch.bool,
 }
+
+
+_HEAD_PADS = {"D": "HEAD_PAD", VALUE_DIM: "HEAD_PAD_V"}  # head dims and the constants their `:` tiles are padded to
 
 
 def next_pow2(n: int) -> int:
@@ -77,9 +80,10 @@ def tile_index(
             pos = scalar(item.start) + torch.arange(size)
             tile_shape.append(size)
         elif isinstance(item, Full):
-            size = resolve_dim("HEAD_PAD", env) if name == "D" else next_pow2(extent)
+            pad = _HEAD_PADS.get(str(name))
+            size = resolve_dim(pad, env) if pad else next_pow2(extent)
             if size < extent:
-                raise KBError(f"HEAD_PAD={size} is smaller than D={extent}; set schedule head_pad >= D or 0")
+                raise KBError(f"{pad}={size} is smaller than {name}={extent}; set schedule head_pad >= D or 0")
             pos = torch.arange(size)
             tile_shape.append(size)
         else:

@@ -4,7 +4,7 @@ This is the executable definition of the semantics in `kb.ir.nodes` (see its doc
 slow (one Python step per statement per grid point) and exact:
 - symbolic dims are bound from the input tensors (every occurrence must agree), schedule
   constants BLOCK_M, BLOCK_N, NUM_SPLITS, HEAD_PAD (0 -> next power of two >= D) are bound from
-  the Schedule, and `shapes=` may bind dims no input carries;
+  the Schedule, HEAD_PAD_V is the next power of two >= Dv (HEAD_PAD without a `Dv`), and `shapes=` may bind dims no input carries;
 - OUT and SCRATCH params are allocated in their dtype and poisoned (NaN; int min; True), so an
   element no kernel stores is visible in the result;
 - kernels run in order, each over the product of its grid axes (first axis outermost);
@@ -37,6 +37,7 @@ from kb.ir.interp_variants import TileCoords, classify_block, eval_variant, mask
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Reduce, Role, ScoreMod, Stmt, StmtOp, Store, SCHEDULE_CONSTANTS,
+    VALUE_DIM,
 )
 from kb.ir.text import print_stmt_header
 
@@ -136,6 +137,7 @@ def bind_dims(p: Program, inputs: Inputs, shapes: Mapping[str, int] | None = Non
             else:
                 bind(d, int(n), f"{prm.name}.shape")
     dims["HEAD_PAD"] = s.head_pad or next_pow2(dims.get("D", 0))
+    dims["HEAD_PAD_V"] = next_pow2(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
     missing = sorted({d for prm in p.params for d in prm.shape if isinstance(d, str) and d not in dims})
     if missing:
         raise KBError(f"dims {', '.join(missing)} are not given by any input; pass them as shapes={{...}}")

@@ -9,7 +9,10 @@ Semantics (the reference interpreter in `kb.ir.interpret` is the executable form
   `score_mod` / `mask_mod` variant functions and one or more kernels run in order.
 - A Kernel runs its body once per point of its grid; grid axes bind scalar names.
 - Scalars (grid vars, `let`, loop vars) are ints; symbolic dims (B, Hq, Hkv, M, N, D, ...)
-  and schedule constants (BLOCK_M, BLOCK_N, NUM_SPLITS, HEAD_PAD) are ints known at launch.
+  and schedule constants (BLOCK_M, BLOCK_N, NUM_SPLITS, HEAD_PAD, HEAD_PAD_V) are ints known at launch.
+- Value head dim: v, o (and split-KV o partials) may end in their own dim `Dv` (MLA-style value
+  heads, D_v != D_qk); their `:` tiles and the accumulator are HEAD_PAD_V wide. A program without
+  `Dv` has one head dim D, and HEAD_PAD_V = HEAD_PAD there.
 - Tiles are named values (2-D or 1-D) produced by load/init/dot/elementwise/reduce/
   online_softmax/finalize/combine and consumed by later statements.
 - `load` reads out-of-range elements as 0; `store` writes only in-range elements.
@@ -38,7 +41,8 @@ __all__ = [
     "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Index",
     "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
-    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "walk_stmts",
+    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
+    "launch_constants",
 ]
 
 
@@ -84,7 +88,8 @@ class Schedule:
     warp_specialize: bool = False  # hint carried from Hopper/Blackwell references
 
 
-SCHEDULE_CONSTANTS = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD")
+SCHEDULE_CONSTANTS = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD", "HEAD_PAD_V")
+VALUE_DIM = "Dv"  # the value head dim of v and o when it differs from q/k's D; padded to HEAD_PAD_V
 SCORE_MOD_PARAMS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_MOD_PARAMS = ("b", "h", "q_idx", "kv_idx")
 
@@ -109,12 +114,12 @@ class Span:
     """`start:+size` along one tensor dim: `size` elements from `start`, masked by the dim's extent."""
 
     start: Expr
-    size: Dim  # a schedule constant name (BLOCK_M, BLOCK_N, HEAD_PAD) or an int
+    size: Dim  # a schedule constant name (BLOCK_M, BLOCK_N, HEAD_PAD, HEAD_PAD_V) or an int
 
 
 @dataclass(frozen=True)
 class Full:
-    """`:` — the whole dim (padded to HEAD_PAD for the head dim, to a power of two otherwise)."""
+    """`:` — the whole dim (padded to HEAD_PAD for D, HEAD_PAD_V for Dv, to a power of two otherwise)."""
 
 
 Index = Union[Expr, Span, Full]
@@ -347,3 +352,8 @@ class Program:
                 if isinstance(d, str):
                     seen.setdefault(d, None)
         return tuple(seen)
+
+
+def launch_constants(p: Program) -> tuple[str, ...]:
+    """The schedule constants a lowering passes to `p`'s kernels: HEAD_PAD_V only when `p` has a `Dv`."""
+    return tuple(c for c in SCHEDULE_CONSTANTS if c != "HEAD_PAD_V" or VALUE_DIM in p.dims())

@@ -9,8 +9,8 @@ kind, run while walking each kernel body with the names in scope). Invariants th
   and never shadows a param, dim or schedule constant.
 - Names defined inside a `for` body are local to it; names defined in both branches of an
   `if` are visible after it.
-- Tile shapes are tracked symbolically (span sizes, HEAD_PAD for a full head dim `D`, the
-  dim name otherwise); two different names never match, a name and an int match when the
+- Tile shapes are tracked symbolically (span sizes, HEAD_PAD for a full head dim `D`,
+  HEAD_PAD_V for a full value head dim `Dv`, the dim name otherwise); two different names never match, a name and an int match when the
   schedule fixes the name to that int or leaves it unknown.
 - A problem is located as `kernel K, statement N (TEXT)`, N counting the kernel's statement
   lines from 1 in printed order.
@@ -28,7 +28,7 @@ from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel,
     Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule, ScoreMod, Span, Stmt,
-    Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS,
+    Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
 )
 from kb.ir.text import print_stmt_header
 
@@ -178,6 +178,8 @@ def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
         elif isinstance(ix, Full):
             if dim == "D":
                 out.append(s.head_pad or "HEAD_PAD")
+            elif dim == VALUE_DIM:
+                out.append("HEAD_PAD_V")
             else:
                 out.append(_next_pow2(dim) if isinstance(dim, int) else dim)
     return tuple(out)
@@ -479,6 +481,10 @@ def _param_rules(p: Program) -> Iterator[Problem]:
                 yield Problem(where, f"dim {d!r} must be a name or a positive int")
     if "q" in seen and _params(p)["q"].role is not Role.IN:
         yield Problem("param 'q'", "q must be an in param")
+    for name in ("q", "k"):
+        prm = _params(p).get(name)
+        if isinstance(prm, Param) and prm.shape and prm.shape[-1] == VALUE_DIM:
+            yield Problem(f"param '{name}'", f"{name} ends in the query/key head dim D; only values and outputs take {VALUE_DIM}")
 
 
 def _schedule_rules(p: Program) -> Iterator[Problem]:

@@ -28,7 +28,9 @@ Code shape (plain SIMT, every tile in dynamic shared memory):
   unaligned tile start reads as partial), the Triton lowering's table semantics.
 - HEAD_PAD is a template parameter: the schedule's head_pad when set, else the launcher
   dispatches on max(16, next_pow2(D)) over `HEAD_PADS` (FlashAttention's head-dim dispatch);
-  building with `-DKB_HEAD_PAD_ONLY=<hp>` compiles that one instantiation (fast checks).
+  building with `-DKB_HEAD_PAD_ONLY=<hp>` compiles that one instantiation (fast checks). A program
+  with a value head dim `Dv` (kb.ir.value_dim) has a second template parameter HEAD_PAD_V,
+  dispatched the same way on max(16, next_pow2(Dv)) (`-DKB_HEAD_PAD_V_ONLY=<hpv>` likewise).
 - Fully masked rows never produce NaN: the max used in the exponent is 0 while the row max is
   -inf; `finalize` divides by 1 where l == 0 and gives lse = -inf there.
 
@@ -50,7 +52,7 @@ from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store, walk_stmts,
+    Stmt, Store, VALUE_DIM, walk_stmts,
 )
 from kb.lower.cuda_expr import (
     EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
@@ -136,6 +138,17 @@ class LaunchAbi:
     scalars: tuple[str, ...]
     table: TableSpec | None
     head_pad: int  # the schedule's; 0 = dispatched on D at launch
+    value_dim: bool = False  # a value head dim Dv: HEAD_PAD_V is a second template parameter, dispatched on Dv
+
+    @property
+    def template(self) -> str:
+        """The template parameter list of every kernel, layout and runner."""
+        return "template <int HEAD_PAD, int HEAD_PAD_V>" if self.value_dim else "template <int HEAD_PAD>"
+
+    @property
+    def targs(self) -> str:
+        """The template arguments that pass those parameters on."""
+        return "<HEAD_PAD, HEAD_PAD_V>" if self.value_dim else "<HEAD_PAD>"
 
 
 def launch_abi(p: Program) -> LaunchAbi:
@@ -154,6 +167,7 @@ def launch_abi(p: Program) -> LaunchAbi:
         scalars=tuple(q.name for q in p.params if q.role is Role.SCALAR),
         table=table,
         head_pad=p.schedule.head_pad,
+        value_dim=VALUE_DIM in p.dims(),
     )
 
 
@@ -295,6 +309,8 @@ class _KernelGen:
             return str(self._const_size(span))
         if d == "D" or d == "HEAD_PAD":
             return "HEAD_PAD"
+        if d == VALUE_DIM or d == "HEAD_PAD_V":
+            return "HEAD_PAD_V"
         if isinstance(d, int):
             return str(_next_pow2(d))
         if d in SCHEDULE_CONSTANTS:
@@ -309,8 +325,8 @@ class _KernelGen:
             return d
         if d in table:
             return table[str(d)]
-        if d == "HEAD_PAD":
-            return "HEAD_PAD"
+        if d in ("HEAD_PAD", "HEAD_PAD_V"):
+            return str(d)
         raise KBError(f"kernel {self.k.name}: tile size {d!r} must be a schedule constant or an int")
 
     def new_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype, internal: bool = False) -> _Tile:
@@ -735,7 +751,7 @@ class _KernelGen:
 
     def smem_struct(self) -> list[str]:
         name = f"kb_{self.k.name}_smem"
-        out = ["template <int HEAD_PAD>", f"struct {name} {{"]
+        out = [self.abi.template, f"struct {name} {{"]
         prev = None
         for buf in self.buffers.values():
             size = buf.bytes_expr[0] if len(buf.bytes_expr) == 1 else \
@@ -750,7 +766,7 @@ class _KernelGen:
         return out
 
     def pointer_decls(self) -> list[str]:
-        layout = f"kb_{self.k.name}_smem<HEAD_PAD>"
+        layout = f"kb_{self.k.name}_smem{self.abi.targs}"
         return [f"  {b.ctype}* {b.code} = reinterpret_cast<{b.ctype}*>(kb_smem + {layout}::{b.code});"
                 for b in self.buffers.values()]
 
@@ -883,7 +899,7 @@ def lower_program(p: Program) -> str:
         out += [*_table_helpers(p, abi, threads), ""]
     for k, g, lines in bodies:
         out += g.smem_struct()
-        out += ["", "template <int HEAD_PAD>",
+        out += ["", abi.template,
                 f"__global__ void __launch_bounds__({threads}) {kernel_symbol(k)}(const KbArgs kb_a) {{",
                 "  extern __shared__ __align__(16) unsigned char kb_smem[];",
                 "  [[maybe_unused]] const int kb_warp = threadIdx.x / 32, kb_lane = threadIdx.x % 32;",
@@ -900,7 +916,7 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
     names.update({q.name: Sym(_local(q.name), _KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
-    L = ["template <int HEAD_PAD>", "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
+    L = [abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
          *_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]
     if abi.table:
         L += ["  {  // block classes first: the kernels read them",
@@ -910,15 +926,17 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
               "  }"]
     for k in kernels:
         grid = " * ".join(f"({lower_cexpr(a.extent, hctx)})" for a in k.grid)
-        sym = f"{kernel_symbol(k)}<HEAD_PAD>"
+        sym = f"{kernel_symbol(k)}{abi.targs}"
         L += [f"  {{  // kernel {k.name}",
               f"    const long long kb_grid = {grid};",
-              f"    constexpr int kb_smem = kb_{k.name}_smem<HEAD_PAD>::bytes;",
+              f"    constexpr int kb_smem = kb_{k.name}_smem{abi.targs}::bytes;",
               f"    if ((kb_err = cudaFuncSetAttribute({sym}, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess) return (int)kb_err;",
               f"    if (kb_grid > 0) {sym}<<<(unsigned)kb_grid, KB_THREADS, kb_smem, kb_stream>>>(kb_a);",
               "    if ((kb_err = cudaGetLastError()) != cudaSuccess) return (int)kb_err;",
               "  }"]
     L += ["  return 0;", "}", ""]
+    if abi.value_dim:
+        L += _value_dispatch()
     L += [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
           "const double* scalars, void* stream) {",
           "  KbArgs kb_a;"]
@@ -941,19 +959,23 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
         L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{_local(t.m_dim)}, BLOCK_M);")
         L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{_local(t.n_dim)}, BLOCK_N);")
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
+    run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
+    if abi.value_dim:
+        L.append("  long long kb_hpv = 16;")
+        L.append(f"  while (kb_hpv < kb_a.{_local(VALUE_DIM)}) kb_hpv *= 2;")
     if abi.head_pad:
-        L.append(f"  return kb_run<{abi.head_pad}>(kb_a, kb_stream);")
+        L.append(f"  return {run(abi.head_pad)};")
     else:
         if "D" not in abi.dims:
             raise KBError(f"program {p.name}: head_pad=0 needs a dim named D to dispatch on; set schedule head_pad")
         L.append("  long long kb_hp = 16;")
         L.append("  while (kb_hp < kb_a.D) kb_hp *= 2;")
         L.append("#ifdef KB_HEAD_PAD_ONLY  // a faster build with one instantiation (-DKB_HEAD_PAD_ONLY=64)")
-        L.append(f"  return kb_hp == KB_HEAD_PAD_ONLY ? kb_run<KB_HEAD_PAD_ONLY>(kb_a, kb_stream) : {_err_name()};")
+        L.append(f"  return kb_hp == KB_HEAD_PAD_ONLY ? {run('KB_HEAD_PAD_ONLY')} : {_err_name()};")
         L.append("#else")
         L.append("  switch (kb_hp) {")
         for hp in HEAD_PADS:
-            L.append(f"    case {hp}: return kb_run<{hp}>(kb_a, kb_stream);")
+            L.append(f"    case {hp}: return {run(hp)};")
         L.append(f"    default: return {_err_name()};")
         L.append("  }")
         L.append("#endif")
@@ -963,3 +985,13 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
           "  return cudaGetErrorString(static_cast<cudaError_t>(code));",
           "}"]
     return L
+
+
+def _value_dispatch() -> list[str]:
+    """`kb_run_v<HEAD_PAD>`: the runner for the padded value head dim (programs with a `Dv`)."""
+    L = ["template <int HEAD_PAD>", "static int kb_run_v(const KbArgs& kb_a, cudaStream_t kb_stream, long long kb_hpv) {",
+         "#ifdef KB_HEAD_PAD_V_ONLY  // a faster build with one instantiation (-DKB_HEAD_PAD_V_ONLY=128)",
+         f"  return kb_hpv == KB_HEAD_PAD_V_ONLY ? kb_run<HEAD_PAD, KB_HEAD_PAD_V_ONLY>(kb_a, kb_stream) : {_err_name()};",
+         "#else", "  switch (kb_hpv) {"]
+    L += [f"    case {hp}: return kb_run<HEAD_PAD, {hp}>(kb_a, kb_stream);" for hp in HEAD_PADS]
+    return L + [f"    default: return {_err_name()};", "  }", "#endif", "}", ""]

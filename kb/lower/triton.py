@@ -22,7 +22,9 @@ Invariants of the generated module:
   From it the host also builds per-row lists of partial and of full blocks, which a KV loop
   over such a mask iterates instead of every block (LowerOptions.indexed_kv_loop).
 - The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
-  the extra columns are zero-padded and masked, so results do not change).
+  the extra columns are zero-padded and masked, so results do not change); a program with a
+  value head dim `Dv` (kb.ir.value_dim) also gets HEAD_PAD_V = max(16, next_pow2(Dv)) and
+  EVEN_DV, which only such programs receive.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensor
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store, walk_stmts,
+    Stmt, Store, VALUE_DIM, launch_constants, walk_stmts,
 )
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
@@ -68,7 +70,8 @@ class LowerOptions:
       blocks. Full blocks form one interval of kv_start, computed in closed form per program.
     - fold_scale: `s = s * c` (c a positive scalar param, checked on the host) followed only by
       masks and online_softmax is folded into the softmax's exp2 argument (one FMA per score).
-    - even_headdim: loads/stores over the head dim drop the `< D` mask when D == HEAD_PAD (constexpr).
+    - even_headdim: loads/stores over the head dim drop the `< D` mask when D == HEAD_PAD (constexpr), and
+      those over the value head dim the `< Dv` mask when Dv == HEAD_PAD_V (EVEN_DV).
     - heavy_first: grids whose last axis moves the KV loop bound (causal-like) run that axis in
       reverse, so the longest programs start first and the tail of the launch is short.
     - tma (Hopper fast path): 2-D tile loads (fill 0) and stores of float tensors
@@ -307,6 +310,8 @@ class _Signature:
     table: bool
     pads: list[str] = field(default_factory=list)  # PAD_<dim> constexprs for Full over runtime dims
     even_d: bool = False  # EVEN_D constexpr: D == HEAD_PAD, head-dim masks are dropped
+    even_dv: bool = False  # EVEN_DV constexpr: Dv == HEAD_PAD_V, value-head-dim masks are dropped
+    consts: tuple[str, ...] = SCHEDULE_CONSTANTS  # the schedule constants the kernels receive (launch_constants)
     pos_scalars: list[str] = field(default_factory=list)  # POS_<scalar> constexprs: scalar > 0 (fold_scale)
     tma: bool = False  # USE_TMA constexpr (LowerOptions.tma)
     ws: bool = False  # WARP_SPEC constexpr (LowerOptions.warp_specialize, with tma)
@@ -322,8 +327,8 @@ class _Signature:
         return out
 
     def constexprs(self) -> list[str]:
-        return list(SCHEDULE_CONSTANTS) + self.pads + (["EVEN_D"] if self.even_d else []) \
-            + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else [])
+        return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
+            + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else [])
 
 
 @dataclass(frozen=True)
@@ -454,10 +459,12 @@ class _KernelGen:
     def _full_size(self, d: object) -> str:
         if d == "D":
             return "HEAD_PAD"
+        if d == VALUE_DIM:
+            return "HEAD_PAD_V"
         if isinstance(d, int):
             return str(_next_pow2(d))
-        if d == "HEAD_PAD":
-            return "HEAD_PAD"
+        if d in ("HEAD_PAD", "HEAD_PAD_V"):
+            return str(d)
         pad = f"PAD_{d}"
         if pad not in self.sig.pads:
             self.sig.pads.append(pad)
@@ -470,7 +477,7 @@ class _KernelGen:
             if key in scope:
                 return scope[key]
         base = "offs_" + (start_code if re.fullmatch(r"[A-Za-z_]\w*", start_code) and start is not None
-                          else "d" if size == "HEAD_PAD" else "r")
+                          else "d" if size == "HEAD_PAD" else "dv" if size == "HEAD_PAD_V" else "r")
         name, i = base, 1
         while name in self.used:
             i += 1
@@ -503,7 +510,8 @@ class _KernelGen:
         if len(index) != len(prm.shape):
             raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
         spans: list[tuple[str, str, str, bool]] = []  # (offs, size, extent, needs lower guard)
-        even: list[str] = []  # head-dim bounds, dropped when EVEN_D
+        even: list[str] = []  # head-dim bounds, dropped when EVEN_D (EVEN_DV over the value head dim)
+        even_flag = "EVEN_D"
         terms: list[str] = []
         rank = sum(not isinstance(i, Expr) for i in index)
         pos = 0
@@ -529,6 +537,9 @@ class _KernelGen:
             extent = self._dim(d)
             if self.sig.even_d and d == "D" and size == "HEAD_PAD":
                 even.append(f"({bc} < {extent})")
+            elif self.sig.even_dv and d == VALUE_DIM and size == "HEAD_PAD_V":
+                even.append(f"({bc} < {extent})")
+                even_flag = "EVEN_DV"
             elif not (isinstance(d, int) and str(d) == size) and not in_full_block:
                 spans.append((bc, size, extent, guard))
             pos += 1
@@ -536,7 +547,7 @@ class _KernelGen:
         if even:
             always = " & ".join(mask_parts)
             both = " & ".join(mask_parts + even)
-            mask = f"({always or 'None'} if EVEN_D else {both})"
+            mask = f"({always or 'None'} if {even_flag} else {both})"
             return f"{tensor}_ptr + " + " + ".join(terms), mask, tuple(
                 str(item.size) if isinstance(item, Span) else self._full_size(d)
                 for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
@@ -644,8 +655,9 @@ class _KernelGen:
         desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
         other = _NEG_INF if st.other == float("-inf") else repr(float(st.other))
-        if mask and mask.startswith("(None if EVEN_D"):
-            other = f"(None if EVEN_D else {other})"  # tl.load refuses `other` without a mask
+        flag = re.match(r"\(None if (EVEN_DV?) ", mask or "")
+        if flag:
+            other = f"(None if {flag.group(1)} else {other})"  # tl.load refuses `other` without a mask
         plain = f"tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")")
         self.emit(f"{out} = {desc[0]}.load([{desc[1]}]) if USE_TMA else {plain}" if desc else f"{out} = {plain}")
 
@@ -1327,6 +1339,7 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
     sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
                      table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
+                     even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
                      tma=opts.tma, ws=opts.tma and opts.warp_specialize)
     bodies = [(k, _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
     out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
@@ -1445,8 +1458,12 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         L.append('        raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")')
     for pad in sig.pads:
         L.append(f"    {pad} = triton.next_power_of_2({pad[4:]})")
+    if VALUE_DIM in sig.dims:
+        L.append(f"    HEAD_PAD_V = max(16, triton.next_power_of_2({VALUE_DIM}))")
     if sig.even_d:
         L.append("    EVEN_D = HEAD_PAD == D")
+    if sig.even_dv:
+        L.append(f"    EVEN_DV = HEAD_PAD_V == {VALUE_DIM}")
     for name in sig.pos_scalars:
         L.append(f"    POS_{name} = {name} > 0")
     device = ins[0].name + ".device"
@@ -1480,7 +1497,8 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
     if sig.tma:
         tma_ts = ", ".join(sig.tma_tensors) + ("," if len(sig.tma_tensors) == 1 else "")
         L.append("    # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow")
-        L.append(f"    USE_TMA = tma and _use_tma(({tma_ts}), (BLOCK_M, BLOCK_N, HEAD_PAD))")
+        sides = "BLOCK_M, BLOCK_N, HEAD_PAD" + (", HEAD_PAD_V" if VALUE_DIM in sig.dims else "")
+        L.append(f"    USE_TMA = tma and _use_tma(({tma_ts}), ({sides}))")
     if sig.ws:
         L.append(f"    WARP_SPEC = USE_TMA and {bool(s.warp_specialize)}")
     args = [q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims) \

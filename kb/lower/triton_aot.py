@@ -44,11 +44,13 @@ class AotKernel:
 
 
 def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bool = True,
-                     options: LowerOptions | None = None, timeout_s: float = 300.0) -> list[AotKernel]:
-    """Compile every kernel of `p` for sm_`arch` as the host would launch it at `head_dim` (USE_TMA=`tma`)."""
+                     options: LowerOptions | None = None, timeout_s: float = 300.0,
+                     head_dim_v: int | None = None) -> list[AotKernel]:
+    """Compile every kernel of `p` for sm_`arch` as the host would launch it at `head_dim` (and value head dim
+    `head_dim_v`, default `head_dim`, for a program with a `Dv`) with USE_TMA=`tma`."""
     from kb.ir.text import print_program
 
-    request = {"ir": print_program(p), "arch": arch, "head_dim": head_dim, "tma": tma,
+    request = {"ir": print_program(p), "arch": arch, "head_dim": head_dim, "head_dim_v": head_dim_v or head_dim, "tma": tma,
                "options": dataclasses.asdict(options or LowerOptions())}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
@@ -66,7 +68,8 @@ def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bo
     return [AotKernel(**k) for k in answer["kernels"]]
 
 
-def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: LowerOptions) -> list[AotKernel]:
+def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: LowerOptions,
+                  head_dim_v: int) -> list[AotKernel]:
     """The compile itself; runs only in a process whose Triton was imported without TRITON_INTERPRET."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -80,8 +83,10 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     scalars = {q.name for q in p.params if q.role is Role.SCALAR}
     s = p.schedule
     head_pad = s.head_pad or max(16, triton.next_power_of_2(head_dim))
+    head_pad_v = max(16, triton.next_power_of_2(head_dim_v))
     consts = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits, "HEAD_PAD": head_pad,
-              "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize}
+              "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
+              "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v}
     out = []
     for k in p.kernels:
         fn = getattr(module, kernel_fn_name(k))
@@ -114,7 +119,7 @@ def _main() -> int:
     req = json.loads(sys.stdin.read())
     try:
         kernels = _compile_here(parse_program(req["ir"]), req["arch"], req["head_dim"], req["tma"],
-                                LowerOptions(**req["options"]))
+                                LowerOptions(**req["options"]), req["head_dim_v"])
     except KBError as err:
         print(json.dumps({"error": str(err)}))
         return 1
