@@ -708,15 +708,44 @@ class _KernelGen:
             line, depth, defined = self.hoist
             if any(free_vars(e) & defined for e, _ in lead):
                 return None
-            if make not in self.descs:
-                name = self._fresh(f"_desc_{tensor}")
-                self.lines.insert(line, "    " * depth + f"{name} = {make}")
-                self.hoist = (line + 1, depth, defined)
-                self.descs[make] = name
-            return self.descs[make], ", ".join(starts)
+            return self.before_loop(make, f"_desc_{tensor}"), ", ".join(starts)
         name = self._fresh(f"_desc_{tensor}")
         self.emit(f"{name} = {make}")
         return name, ", ".join(starts)
+
+    def before_loop(self, code: str, base: str) -> str:
+        """The name of `code` computed once before the outermost loop (one line per distinct code)."""
+        assert self.hoist is not None
+        line, depth, defined = self.hoist
+        if code not in self.descs:
+            name = self._fresh(base)
+            self.lines.insert(line, "    " * depth + f"{name} = {code}")
+            self.hoist = (line + 1, depth, defined)
+            self.descs[code] = name
+        return self.descs[code]
+
+    def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
+        """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
+        `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+            return e, names
+        q_offs = names["q_idx"].code.split("[")[0]
+        if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
+            return e, names  # the query offsets are made inside the loop: nothing to hoist them next to
+        names = dict(names)
+        ctx = self.ctx(names)
+
+        def visit(x: Expr) -> Expr:
+            if not x.args or not free_vars(x).isdisjoint({"kv_idx", "score"}):
+                return Expr(x.op, tuple(visit(a) for a in x.args), x.value) if x.args else x
+            if not any(n.op is ExprOp.LOAD for n in walk(x)):
+                return x
+            code = _strip(lower_expr(x, ctx))
+            name = self.before_loop(code, "_inv")
+            names[name] = Sym(name, expr_kind(x, ctx), is_nonneg(x, ctx))
+            return var(name)
+
+        return visit(e), names
 
     def _fresh(self, base: str) -> str:
         name, i = base, 1
@@ -864,8 +893,8 @@ class _KernelGen:
         if self.p.score_mod is None:
             raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
         code = self.local(st.tile)
-        names = self.variant_names(st, code)
-        self.emit(f"{code} = {_strip(lower_expr(self.p.score_mod.body, self.ctx(names)))}")
+        body, names = self.invariant_terms(self.p.score_mod.body, st, self.variant_names(st, code))
+        self.emit(f"{code} = {_strip(lower_expr(body, self.ctx(names)))}")
 
     def s_mask(self, st: Mask) -> None:
         code = self.local(st.tile)
@@ -878,7 +907,8 @@ class _KernelGen:
         if st.use_mask_mod:
             if self.p.mask_mod is None:
                 raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
-            keep += f" & {_wrap(lower_expr(self.p.mask_mod.body, self.ctx(names)))}"
+            body, names = self.invariant_terms(self.p.mask_mod.body, st, names)
+            keep += f" & {_wrap(lower_expr(body, self.ctx(names)))}"
         self.emit(f"{code} = tl.where({keep}, {code}, {_NEG_INF})")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
@@ -1296,23 +1326,13 @@ def _hload(t, idx):
     return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
-    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
-    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
-    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
-    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    for b in range(nb):
-        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
-        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
-        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
-        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
-        out[b] = cls.to(torch.int8)
-    return out
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
 
 
 _TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
@@ -1459,8 +1479,50 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     for k, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
         out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    if sig.table:
+        out += ["", *_class_kernel(p, sig, plan)]
     out += ["", *_design_lines(p, designs), *_host(p, sig, plan)]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+    """`_block_class_kernel`: one program per (b, h, m block, n block) of the table writes that tile's class of
+    mask_mod (0 empty, 1 partial, 2 full; a tile past N is never full), evaluated in registers on the GPU."""
+    assert p.mask_mod is not None
+    aux = [q for q in p.params if q.role is Role.AUX]
+    q_shape, m_dim, n_dim = p.param("q").shape, str(p.param("q").shape[2]), str(p.param("k").shape[2])
+    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in sig.scalars})
+    for n, dim, used in (("b", q_shape[0], plan.per_b), ("h", q_shape[1], plan.per_h)):
+        names[n] = Sym(n, Kind.INT, True, str(dim) if used and isinstance(dim, str) else None)
+    names["q_idx"] = Sym("offs_q[:, None]", Kind.INT, True)
+    names["kv_idx"] = Sym("offs_kv[None, :]", Kind.INT, True)
+    refs = {q.name: AuxRef(f"{q.name}_ptr", tuple(f"stride_{q.name}_{i}" for i in range(len(q.shape))),
+                           tuple(str(d) for d in q.shape), _KIND[q.dtype]) for q in aux}
+    mask = _strip(lower_expr(p.mask_mod.body, ExprContext(ExprTarget.DEVICE, names, refs)))
+    args = [f"{q.name}_ptr" for q in aux] + [f"stride_{q.name}_{i}" for q in aux for i in range(len(q.shape))] \
+        + list(sig.dims) + [q.name for q in sig.scalars] \
+        + ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nh", "bc_nm", "bc_nn",
+           "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
+    body = [
+        "# one program per tile of the table [nb, nh, nm, nn], flattened; the mask is evaluated in registers",
+        "pid = tl.program_id(0)",
+        "j = pid % bc_nn",
+        "pid = pid // bc_nn",
+        "m = pid % bc_nm",
+        "pid = pid // bc_nm",
+        "h = pid % bc_nh",
+        "b = pid // bc_nh",
+        "offs_q = m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "offs_kv = j * BLOCK_N + tl.arange(0, BLOCK_N)",
+        f"in_range = (offs_q[:, None] < {m_dim}) & (offs_kv[None, :] < {n_dim})",
+        f"attend = in_range & {_wrap(mask)}",
+        "n_in = tl.sum(tl.sum(in_range.to(tl.int32), 1), 0)",
+        "n_att = tl.sum(tl.sum(attend.to(tl.int32), 1), 0)",
+        f"cls = tl.where(n_att == 0, {EMPTY}, tl.where((n_att == n_in) & ((j + 1) * BLOCK_N <= {n_dim}), {FULL}, {PARTIAL}))",
+        "tl.store(bc_ptr + b * stride_bc_0 + h * stride_bc_1 + m * stride_bc_2 + j * stride_bc_3, cls.to(tl.int8))",
+    ]
+    return ["@triton.jit", "def _block_class_kernel(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
 
 
 def check_attention_params(p: Program, lowering: str) -> None:
@@ -1579,21 +1641,20 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
     table_args: list[str] = []
     if sig.table:
         assert p.mask_mod is not None
-        mnames = {**names, **{n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")}}
-        mctx = ExprContext(ExprTarget.HOST, mnames, {q.name: AuxRef(q.name, (), tuple(str(d) for d in q.shape), _KIND[q.dtype])
-                                                     for q in aux})
         qshape = p.param("q").shape
         nb = str(qshape[0]) if plan.per_b else "1"
         nh = str(qshape[1]) if plan.per_h else "1"
-        L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
+        L.append("    # block classes of mask_mod (not decidable in closed form): one GPU program per tile")
         used = sorted(free_vars(p.mask_mod.body) & {q.name for q in (*aux, *scalars)} | loaded_tensors(p.mask_mod.body))
         tensors_used = ", ".join(n for n in used if n in {q.name for q in aux})
         scalars_used = ", ".join(n for n in used if n in {q.name for q in scalars})
-        L.append(f"    mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
+        cargs = ", ".join([q.name for q in aux] + [f"*{q.name}.stride()" for q in aux] + list(sig.dims)
+                          + [q.name for q in scalars] + ["bc", "*bc.stride()", "*bc.shape[1:]"])
+        L.append(f"    classes = lambda bc: _block_class_kernel[(bc.numel(),)]({cargs}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
         L.append("    # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once")
         L.append(f"    table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, "
                  f"{scalars_used}{',' if scalars_used else ''}), ({tensors_used}{',' if tensors_used else ''}), "
-                 f"lambda: _hblock_table(_hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+                 f"lambda: _hblock_table(_hblock_classes(classes, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})))")
         L.append("    if table_only:")
         L.append("        return table")
