@@ -15,12 +15,16 @@ Invariants of the generated module:
 - Fully masked rows never produce NaN: the max used in the exponent is 0 while the row
   max is -inf, `finalize` divides by 1 where l == 0 and gives lse = -inf there.
 - `if block(...) is CLASS` is decided in closed form on (q_start, kv_start) when the
-  mask_mod is a conjunction of bounds on one linear form in q_idx/kv_idx with unit
-  coefficients (causal, sliding window, offsets); otherwise the host evaluates mask_mod
-  densely in torch and passes a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8.
+  mask_mod is an `|` of conjunctions of bounds, each on one linear form in q_idx/kv_idx with
+  unit coefficients (causal, sliding window, offsets; prefix-LM with a constant, 0-d or
+  per-batch prefix, whose bounds load `prefix[b]` once per program); otherwise the module's
+  `_block_class_kernel` fills a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8 on
+  the GPU (one program per tile), kept while the mask's inputs are unchanged.
   Table codes: 0 empty, 1 partial, 2 full; an unaligned tile start reads as partial.
   From it the host also builds per-row lists of partial and of full blocks, which a KV loop
   over such a mask iterates instead of every block (LowerOptions.indexed_kv_loop).
+- Loads in mask_mod / score_mod that do not move along the KV loop (`doc[b, q_idx]`, `prefix[b]`,
+  `slopes[h]`) are loaded once before the outermost loop.
 - The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
   the extra columns are zero-padded and masked, so results do not change).
 """
