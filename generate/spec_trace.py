@@ -498,6 +498,10 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
     if pk in ("ones_like", "zeros_like", "full_like"):
         value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
         return S.full(shape or (), value, dt)
+    if pk == "searchsorted":
+        raise _err(node, st, "torch.searchsorted in the mask (document ids from offsets / cu_seqlens): compute the ids once "
+                   "outside the Model, e.g. torch.searchsorted(offsets, torch.arange(S), right=True) - 1, and pass them as "
+                   "an [S] or [B, S] tensor (the kernel then builds its block table once per id tensor)")
     raise _err(node, st, "unsupported op in the score/mask computation")
 
 

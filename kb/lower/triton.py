@@ -15,12 +15,16 @@ Invariants of the generated module:
 - Fully masked rows never produce NaN: the max used in the exponent is 0 while the row
   max is -inf, `finalize` divides by 1 where l == 0 and gives lse = -inf there.
 - `if block(...) is CLASS` is decided in closed form on (q_start, kv_start) when the
-  mask_mod is a conjunction of bounds on one linear form in q_idx/kv_idx with unit
-  coefficients (causal, sliding window, offsets); otherwise the host evaluates mask_mod
-  densely in torch and passes a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8.
+  mask_mod is an `|` of conjunctions of bounds, each on one linear form in q_idx/kv_idx with
+  unit coefficients (causal, sliding window, offsets; prefix-LM with a constant, 0-d or
+  per-batch prefix, whose bounds load `prefix[b]` once per program); otherwise the module's
+  `_block_class_kernel` fills a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8 on
+  the GPU (one program per tile), kept while the mask's inputs are unchanged.
   Table codes: 0 empty, 1 partial, 2 full; an unaligned tile start reads as partial.
   From it the host also builds per-row lists of partial and of full blocks, which a KV loop
   over such a mask iterates instead of every block (LowerOptions.indexed_kv_loop).
+- Loads in mask_mod / score_mod that do not move along the KV loop (`doc[b, q_idx]`, `prefix[b]`,
+  `slopes[h]`) are loaded once before the outermost loop.
 - The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
   the extra columns are zero-padded and masked, so results do not change); a program with a
   value head dim `Dv` (kb.ir.value_dim) also gets HEAD_PAD_V = max(16, next_pow2(Dv)) and
@@ -117,25 +121,56 @@ def _next_pow2(n: int) -> int:
 
 class BlockMaskKind(Enum):
     NO_MASK = "no_mask"  # classes follow from the tile bounds alone
-    ANALYTIC = "analytic"  # L_i <= alpha*q_idx + beta*kv_idx <= U_j, decided on the tile corners
+    ANALYTIC = "analytic"  # an `|` of conjunctions L_i <= alpha*q_idx + beta*kv_idx <= U_j, decided on the tile corners
     TABLE = "table"  # host-computed table, read by the kernel
+
+
+@dataclass(frozen=True)
+class LinearBounds:
+    """`L_i <= alpha*q_idx + beta*kv_idx <= U_j` for every bound: one conjunct of mask_mod's `|` (one direction).
+
+    Bounds are integer Exprs over b, h, dims, int scalars and loads from int aux tensors at indices free
+    of q_idx/kv_idx (a per-batch prefix length `prefix[b]`), so a program reads them once."""
+
+    alpha: int
+    beta: int
+    lower: tuple[Expr, ...] = ()
+    upper: tuple[Expr, ...] = ()
 
 
 @dataclass(frozen=True)
 class BlockMaskPlan:
     kind: BlockMaskKind
-    alpha: int = 0
-    beta: int = 0
-    lower: tuple[Expr, ...] = ()  # integer bounds; may use b, h, dims, scalars
-    upper: tuple[Expr, ...] = ()
+    disjuncts: tuple[LinearBounds, ...] = ()  # ANALYTIC: the mask is their `|`; a block is full when one of them
+    # covers it, empty when every one misses it (exact for one disjunct; prefix-LM = two)
     per_b: bool = False  # TABLE: does the class depend on b / h?
     per_h: bool = False
 
+    @property
+    def alpha(self) -> int:
+        return self._single().alpha
+
+    @property
+    def beta(self) -> int:
+        return self._single().beta
+
+    @property
+    def lower(self) -> tuple[Expr, ...]:
+        return self._single().lower
+
+    @property
+    def upper(self) -> tuple[Expr, ...]:
+        return self._single().upper
+
+    def _single(self) -> LinearBounds:
+        assert len(self.disjuncts) == 1, "alpha/beta/lower/upper describe a plan of one conjunction"
+        return self.disjuncts[0]
+
 
 def _linear(e: Expr) -> tuple[int, int, Expr] | None:
-    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx."""
+    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
     if not ({"q_idx", "kv_idx"} & free_vars(e)):
-        return (0, 0, e) if not any(n.op is ExprOp.LOAD for n in walk(e)) else None
+        return (0, 0, e)
     if e.op is ExprOp.VAR:
         return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
     if e.op in (ExprOp.ADD, ExprOp.SUB):
@@ -166,6 +201,14 @@ def _conjuncts(e: Expr) -> Iterator[Expr]:
         yield e
 
 
+def _disjuncts(e: Expr) -> Iterator[Expr]:
+    if e.op is ExprOp.OR:
+        for a in e.args:
+            yield from _disjuncts(a)
+    else:
+        yield e
+
+
 def _int_expr(e: Expr) -> bool:
     return all(n.op not in (ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT)
                and not (n.op is ExprOp.CONST and isinstance(n.value, float)) for n in walk(e))
@@ -175,21 +218,29 @@ def plan_block_mask(p: Program) -> BlockMaskPlan:
     """Decide how block classes are computed for `p`'s mask_mod (see module docstring)."""
     if p.mask_mod is None:
         return BlockMaskPlan(BlockMaskKind.NO_MASK)
-    body = p.mask_mod.body
-    float_scalars = {q.name for q in p.params if q.role is Role.SCALAR and _KIND[q.dtype] is Kind.FLOAT}
+    not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and _KIND[q.dtype] is not Kind.INT}
+    disjuncts = [_linear_bounds(d, not_int) for d in _disjuncts(p.mask_mod.body)]
+    if any(d is None for d in disjuncts):
+        return _table_plan(p)
+    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
+
+
+def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
+    """`e` as bounds on one linear form of q_idx/kv_idx with unit coefficients, or None."""
     direction: tuple[int, int] | None = None
     lower: list[Expr] = []
     upper: list[Expr] = []
-    for atom in _conjuncts(body):
+    for atom in _conjuncts(e):
         lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
-        if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) or free_vars(lin[2]) & float_scalars:
-            return _table_plan(p)
+        if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
+                or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
+            return None
         a, b, c = lin
         op = atom.op
         if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
             a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
         if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
-            return _table_plan(p)
+            return None
         direction = (a, b)
         r = Expr(ExprOp.NEG, (c,))  # a*q + b*kv  op  r
         if op in (ExprOp.GE, ExprOp.EQ):
@@ -201,7 +252,7 @@ def plan_block_mask(p: Program) -> BlockMaskPlan:
         if op is ExprOp.LT:
             upper.append(r - 1)
     assert direction is not None
-    return BlockMaskPlan(BlockMaskKind.ANALYTIC, direction[0], direction[1], tuple(lower), tuple(upper))
+    return LinearBounds(direction[0], direction[1], tuple(lower), tuple(upper))
 
 
 def _table_plan(p: Program) -> BlockMaskPlan:
@@ -273,22 +324,104 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
     empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
     full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
     if plan.kind is BlockMaskKind.ANALYTIC:
-        lo_terms, hi_terms = [], []
-        for coef, lo, hi in ((plan.alpha, q0, q1), (plan.beta, k0, k1)):
-            if coef == 1:
-                lo_terms.append(lo), hi_terms.append(hi)
-            elif coef == -1:
-                lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
-        g_min, g_max = lo_terms[0], hi_terms[0]
-        for a, b in zip(lo_terms[1:], hi_terms[1:]):
-            g_min, g_max = g_min + a, g_max + b
-        at = {"b": st.b, "h": st.h}
-        lower = [substitute(x, at) for x in plan.lower]
-        upper = [substitute(x, at) for x in plan.upper]
-        empty += [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
-        empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
-        full += [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
+        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
+        if len(tests) == 1:
+            empty += tests[0][0]
+            full += tests[0][1]
+        else:
+            empty.append(_all([_any(e) for e, _ in tests]))
+            full.append(_any([_all(f) for _, f in tests]))
     return _simplify(_any(empty)), _simplify(_all(full))
+
+
+def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
+    """(min, max) of alpha*q_idx + beta*kv_idx over q_idx in [q0, q1], kv_idx in [k0, k1]."""
+    lo_terms, hi_terms = [], []
+    for coef, (lo, hi) in ((d.alpha, q), (d.beta, k)):
+        if coef == 1:
+            lo_terms.append(lo), hi_terms.append(hi)
+        elif coef == -1:
+            lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
+    g_min, g_max = lo_terms[0], hi_terms[0]
+    for a, b in zip(lo_terms[1:], hi_terms[1:]):
+        g_min, g_max = g_min + a, g_max + b
+    return g_min, g_max
+
+
+def _disjunct_tests(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr],
+                    at: dict[str, Expr]) -> tuple[list[Expr], list[Expr]]:
+    """(terms of `misses every pair of the tile`: any holds, terms of `holds on every pair`: all hold) for one
+    conjunct of bounds; exact, since the form takes every integer value between its min and max on a tile."""
+    g_min, g_max = _form_range(d, q, k)
+    lower = [substitute(x, at) for x in d.lower]
+    upper = [substitute(x, at) for x in d.upper]
+    empty = [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
+    empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
+    full = [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
+    return empty, full
+
+
+def _part_range(coef: int, lo: Expr, hi: Expr) -> tuple[Expr, Expr]:
+    """(min, max) of coef * x for x in [lo, hi], coef in {-1, 0, 1}."""
+    if coef == 0:
+        return const(0), const(0)
+    return (lo, hi) if coef == 1 else (Expr(ExprOp.NEG, (hi,)), Expr(ExprOp.NEG, (lo,)))
+
+
+def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
+    """[first, last]: the kv_start values whose whole BLOCK_N tile (rows q) satisfies `d`, within [lo, n - BLOCK_N]."""
+    a_min, a_max = _part_range(d.alpha, *q)
+    first, last = lo, n - var("BLOCK_N")
+    for x in (substitute(x, at) for x in d.lower):  # g_min >= L
+        if d.beta == -1:
+            last = call("minimum", last, a_min - var("BLOCK_N") + 1 - x)
+        elif d.beta == 1:
+            first = call("maximum", first, x - a_min)
+    for x in (substitute(x, at) for x in d.upper):  # g_max <= U
+        if d.beta == -1:
+            first = call("maximum", first, a_max - x)
+        elif d.beta == 1:
+            last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
+    if d.beta == 0:  # the rows alone decide: every block or none
+        rows = _all([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
+                    + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
+        first = call("where", rows, first, n)
+    return first, last
+
+
+def _union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
+    """One interval of full blocks inside the union of two: both when they overlap or touch, else the longer."""
+    (f1, l1), (f2, l2) = a, b
+    if f1 == f2:
+        return f1, call("maximum", l1, l2)
+    meet = Expr(ExprOp.AND, (Expr(ExprOp.LE, (f2, l1 + 1)), Expr(ExprOp.LE, (f1, l2 + 1))))
+    longer = Expr(ExprOp.GE, (l1 - f1, l2 - f2))
+    return (call("where", meet, call("minimum", f1, f2), call("where", longer, f1, f2)),
+            call("where", meet, call("maximum", l1, l2), call("where", longer, l1, l2)))
+
+
+def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) -> Expr:
+    """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
+    a_min, a_max = _part_range(d.alpha, *q)
+    if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L
+        return _min_all([a_max - substitute(x, at) + 1 for x in d.lower])
+    if d.beta == 1 and d.upper:  # g_min = a_min + kv_start <= U
+        return _min_all([substitute(x, at) - a_min + 1 for x in d.upper])
+    return n
+
+
+def _min_all(es: list[Expr]) -> Expr:
+    out = es[0]
+    for e in es[1:]:
+        out = call("minimum", out, e)
+    return out
+
+
+def _max_all(es: list[Expr]) -> Expr:
+    out = es[0]
+    for e in es[1:]:
+        out = call("maximum", out, e)
+    return out
 
 
 # ------------------------------------------------------------------ kernels
@@ -590,15 +723,44 @@ class _KernelGen:
             line, depth, defined = self.hoist
             if any(free_vars(e) & defined for e, _ in lead):
                 return None
-            if make not in self.descs:
-                name = self._fresh(f"_desc_{tensor}")
-                self.lines.insert(line, "    " * depth + f"{name} = {make}")
-                self.hoist = (line + 1, depth, defined)
-                self.descs[make] = name
-            return self.descs[make], ", ".join(starts)
+            return self.before_loop(make, f"_desc_{tensor}"), ", ".join(starts)
         name = self._fresh(f"_desc_{tensor}")
         self.emit(f"{name} = {make}")
         return name, ", ".join(starts)
+
+    def before_loop(self, code: str, base: str) -> str:
+        """The name of `code` computed once before the outermost loop (one line per distinct code)."""
+        assert self.hoist is not None
+        line, depth, defined = self.hoist
+        if code not in self.descs:
+            name = self._fresh(base)
+            self.lines.insert(line, "    " * depth + f"{name} = {code}")
+            self.hoist = (line + 1, depth, defined)
+            self.descs[code] = name
+        return self.descs[code]
+
+    def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
+        """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
+        `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+            return e, names
+        q_offs = names["q_idx"].code.split("[")[0]
+        if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
+            return e, names  # the query offsets are made inside the loop: nothing to hoist them next to
+        names = dict(names)
+        ctx = self.ctx(names)
+
+        def visit(x: Expr) -> Expr:
+            if not x.args or not free_vars(x).isdisjoint({"kv_idx", "score"}):
+                return Expr(x.op, tuple(visit(a) for a in x.args), x.value) if x.args else x
+            if not any(n.op is ExprOp.LOAD for n in walk(x)):
+                return x
+            code = _strip(lower_expr(x, ctx))
+            name = self.before_loop(code, "_inv")
+            names[name] = Sym(name, expr_kind(x, ctx), is_nonneg(x, ctx))
+            return var(name)
+
+        return visit(e), names
 
     def _fresh(self, base: str) -> str:
         name, i = base, 1
@@ -747,8 +909,8 @@ class _KernelGen:
         if self.p.score_mod is None:
             raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
         code = self.local(st.tile)
-        names = self.variant_names(st, code)
-        self.emit(f"{code} = {_strip(lower_expr(self.p.score_mod.body, self.ctx(names)))}")
+        body, names = self.invariant_terms(self.p.score_mod.body, st, self.variant_names(st, code))
+        self.emit(f"{code} = {_strip(lower_expr(body, self.ctx(names)))}")
 
     def s_mask(self, st: Mask) -> None:
         code = self.local(st.tile)
@@ -761,7 +923,8 @@ class _KernelGen:
         if st.use_mask_mod:
             if self.p.mask_mod is None:
                 raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
-            keep += f" & {_wrap(lower_expr(self.p.mask_mod.body, self.ctx(names)))}"
+            body, names = self.invariant_terms(self.p.mask_mod.body, st, names)
+            keep += f" & {_wrap(lower_expr(body, self.ctx(names)))}"
         self.emit(f"{code} = tl.where({keep}, {code}, {_NEG_INF})")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
@@ -823,9 +986,9 @@ class _KernelGen:
         """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
         plan = self.plan
         if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
-                or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
+                or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts):
             return None
-        return self.loop_tile(st)
+        return self.loop_tile(st, ("forward", "reverse"))
 
     def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
@@ -848,9 +1011,9 @@ class _KernelGen:
             return all(self.multiple_of(a, unit) for a in e.args)
         return e.op is ExprOp.NEG and self.multiple_of(e.args[0], unit)
 
-    def loop_tile(self, st: For) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) when every mask / block test in a forward BLOCK_N loop concerns the loop's own tile."""
-        if self.region is not None or st.order != "forward" or str(st.step) != "BLOCK_N":
+    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",)) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own tile."""
+        if self.region is not None or st.order not in orders or str(st.step) != "BLOCK_N":
             return None
         stmts = list(walk_stmts(st.body))
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
@@ -901,32 +1064,41 @@ class _KernelGen:
         v = self.local(st.var)
         q0 = at[2]
         q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
-        # full <=> n_start in [first, last]: every bound on g = q_idx - kv_idx holds at the tile corners
-        last: Expr = var(self.n_dim) - var("BLOCK_N")
-        first: Expr = st.lo
         sub = {"b": at[0], "h": at[1]}
-        for lower in self.plan.lower:  # g_min = q0 - (n + BLOCK_N - 1) >= L
-            last = call("minimum", last, q0 - var("BLOCK_N") + 1 - substitute(lower, sub))
-        for upper in self.plan.upper:  # g_max = q1 - n <= U
-            first = call("maximum", first, q1 - substitute(upper, sub))
+        spans = [_full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
+            or [(st.lo, var(self.n_dim) - var("BLOCK_N"))]
+        first, last = spans[0]
+        for f, l in spans[1:]:
+            first, last = _union_span((first, last), (f, l))
+        hi_expr = st.hi
+        if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
+            hi_expr = call("minimum", hi_expr, _max_all([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
         self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.ex(st.lo)}")
-        self.emit(f"{hi} = {self.ex(st.hi)}")
+        self.emit(f"{hi} = {self.ex(_simplify(hi_expr))}")
         self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
         self.emit(f"_full_first_{v} = {self.ex(_simplify(first))}")
         self.emit(f"_full_last_{v} = {self.ex(_simplify(last))}")
         self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
                   f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
-        bounds = [(lo, f"{lo} + _i_a_{v} * BLOCK_N", False),
-                  (f"{lo} + _i_a_{v} * BLOCK_N", f"{lo} + _i_b_{v} * BLOCK_N", True),
-                  (f"{lo} + _i_b_{v} * BLOCK_N", hi, False)]
+        parts = [("0", f"_i_a_{v}", False), (f"_i_a_{v}", f"_i_b_{v}", True), (f"_i_b_{v}", f"_n_iter_{v}", False)]
+        if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
+            parts.reverse()
         started = self.start_hoist(st)
-        for a, b, full in bounds:
+        for i_lo, i_hi, full in parts:
             self._invalidate(v)
             self.names[st.var] = Sym(v, Kind.INT, is_nonneg(st.lo, self.ctx()))
-            self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {'full' if full else 'partial'} blocks")
+            what = "full" if full else "partial"
+            if st.order == "reverse":
+                it = f"_it_{v}"
+                self.emit(f"for {it} in range(0, {i_hi} - {i_lo}):  # {what} blocks, descending")
+                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * BLOCK_N")
+            else:
+                a = lo if i_lo == "0" else f"{lo} + {i_lo} * BLOCK_N"
+                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * BLOCK_N"
+                self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {what} blocks")
             self.region = _Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL)
             self.depth += 1
             self.block(st.body)
@@ -1182,23 +1354,13 @@ def _hload(t, idx):
     return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
-    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
-    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
-    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
-    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    for b in range(nb):
-        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
-        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
-        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
-        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
-        out[b] = cls.to(torch.int8)
-    return out
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
 
 
 _TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
@@ -1346,8 +1508,50 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     for k, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
         out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    if sig.table:
+        out += ["", *_class_kernel(p, sig, plan)]
     out += ["", *_design_lines(p, designs), *_host(p, sig, plan)]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+    """`_block_class_kernel`: one program per (b, h, m block, n block) of the table writes that tile's class of
+    mask_mod (0 empty, 1 partial, 2 full; a tile past N is never full), evaluated in registers on the GPU."""
+    assert p.mask_mod is not None
+    aux = [q for q in p.params if q.role is Role.AUX]
+    q_shape, m_dim, n_dim = p.param("q").shape, str(p.param("q").shape[2]), str(p.param("k").shape[2])
+    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in sig.scalars})
+    for n, dim, used in (("b", q_shape[0], plan.per_b), ("h", q_shape[1], plan.per_h)):
+        names[n] = Sym(n, Kind.INT, True, str(dim) if used and isinstance(dim, str) else None)
+    names["q_idx"] = Sym("offs_q[:, None]", Kind.INT, True)
+    names["kv_idx"] = Sym("offs_kv[None, :]", Kind.INT, True)
+    refs = {q.name: AuxRef(f"{q.name}_ptr", tuple(f"stride_{q.name}_{i}" for i in range(len(q.shape))),
+                           tuple(str(d) for d in q.shape), _KIND[q.dtype]) for q in aux}
+    mask = _strip(lower_expr(p.mask_mod.body, ExprContext(ExprTarget.DEVICE, names, refs)))
+    args = [f"{q.name}_ptr" for q in aux] + [f"stride_{q.name}_{i}" for q in aux for i in range(len(q.shape))] \
+        + list(sig.dims) + [q.name for q in sig.scalars] \
+        + ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nh", "bc_nm", "bc_nn",
+           "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
+    body = [
+        "# one program per tile of the table [nb, nh, nm, nn], flattened; the mask is evaluated in registers",
+        "pid = tl.program_id(0)",
+        "j = pid % bc_nn",
+        "pid = pid // bc_nn",
+        "m = pid % bc_nm",
+        "pid = pid // bc_nm",
+        "h = pid % bc_nh",
+        "b = pid // bc_nh",
+        "offs_q = m * BLOCK_M + tl.arange(0, BLOCK_M)",
+        "offs_kv = j * BLOCK_N + tl.arange(0, BLOCK_N)",
+        f"in_range = (offs_q[:, None] < {m_dim}) & (offs_kv[None, :] < {n_dim})",
+        f"attend = in_range & {_wrap(mask)}",
+        "n_in = tl.sum(tl.sum(in_range.to(tl.int32), 1), 0)",
+        "n_att = tl.sum(tl.sum(attend.to(tl.int32), 1), 0)",
+        f"cls = tl.where(n_att == 0, {EMPTY}, tl.where((n_att == n_in) & ((j + 1) * BLOCK_N <= {n_dim}), {FULL}, {PARTIAL}))",
+        "tl.store(bc_ptr + b * stride_bc_0 + h * stride_bc_1 + m * stride_bc_2 + j * stride_bc_3, cls.to(tl.int8))",
+    ]
+    return ["@triton.jit", "def _block_class_kernel(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
 
 
 def check_attention_params(p: Program, lowering: str) -> None:
@@ -1470,21 +1674,20 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
     table_args: list[str] = []
     if sig.table:
         assert p.mask_mod is not None
-        mnames = {**names, **{n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")}}
-        mctx = ExprContext(ExprTarget.HOST, mnames, {q.name: AuxRef(q.name, (), tuple(str(d) for d in q.shape), _KIND[q.dtype])
-                                                     for q in aux})
         qshape = p.param("q").shape
         nb = str(qshape[0]) if plan.per_b else "1"
         nh = str(qshape[1]) if plan.per_h else "1"
-        L.append("    # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)")
+        L.append("    # block classes of mask_mod (not decidable in closed form): one GPU program per tile")
         used = sorted(free_vars(p.mask_mod.body) & {q.name for q in (*aux, *scalars)} | loaded_tensors(p.mask_mod.body))
         tensors_used = ", ".join(n for n in used if n in {q.name for q in aux})
         scalars_used = ", ".join(n for n in used if n in {q.name for q in scalars})
-        L.append(f"    mask_mod = lambda b, h, q_idx, kv_idx: {_strip(lower_expr(p.mask_mod.body, mctx))}")
+        cargs = ", ".join([q.name for q in aux] + [f"*{q.name}.stride()" for q in aux] + list(sig.dims)
+                          + [q.name for q in scalars] + ["bc", "*bc.stride()", "*bc.shape[1:]"])
+        L.append(f"    classes = lambda bc: _block_class_kernel[(bc.numel(),)]({cargs}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
         L.append("    # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once")
         L.append(f"    table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, "
                  f"{scalars_used}{',' if scalars_used else ''}), ({tensors_used}{',' if tensors_used else ''}), "
-                 f"lambda: _hblock_table(_hblock_classes(mask_mod, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
+                 f"lambda: _hblock_table(_hblock_classes(classes, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})))")
         L.append("    if table_only:")
         L.append("        return table")

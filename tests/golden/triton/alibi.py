@@ -105,23 +105,13 @@ def _hload(t, idx):
     return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
-    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
-    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
-    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
-    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    for b in range(nb):
-        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
-        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
-        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
-        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
-        out[b] = cls.to(torch.int8)
-    return out
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
 
 
 _TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
@@ -317,13 +307,14 @@ def _fwd_kernel(
     _i_b_n_start = tl.minimum(tl.maximum(tl.where(_full_last_n_start >= _kv_lo_n_start, (_full_last_n_start - _kv_lo_n_start) // BLOCK_N + 1, 0), _i_a_n_start), _n_iter_n_start)
     _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
+    _inv = tl.load(slopes_ptr + h * stride_slopes_0)
     for n_start in range(_kv_lo_n_start, _kv_lo_n_start + _i_a_n_start * BLOCK_N, BLOCK_N):  # partial blocks
         offs_n_start = n_start + tl.arange(0, BLOCK_N)
         kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start[None, :] - offs_m_start[:, None]))
+        s = s + (_inv * (offs_n_start[None, :] - offs_m_start[:, None]))
         s = tl.where((offs_n_start[None, :] < N) & (offs_m_start[:, None] >= offs_n_start[None, :]), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -339,7 +330,7 @@ def _fwd_kernel(
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start2[None, :] - offs_m_start[:, None]))
+        s = s + (_inv * (offs_n_start2[None, :] - offs_m_start[:, None]))
         # full block: every in-range pair attends and no kv index is past N; no mask for s
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -355,7 +346,7 @@ def _fwd_kernel(
         vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
         s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
         s = s * sm_scale
-        s = s + (tl.load(slopes_ptr + h * stride_slopes_0) * (offs_n_start3[None, :] - offs_m_start[:, None]))
+        s = s + (_inv * (offs_n_start3[None, :] - offs_m_start[:, None]))
         s = tl.where((offs_n_start3[None, :] < N) & (offs_m_start[:, None] >= offs_n_start3[None, :]), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN

@@ -105,23 +105,13 @@ def _hload(t, idx):
     return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
-    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
-    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
-    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
-    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    for b in range(nb):
-        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
-        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
-        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
-        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
-        out[b] = cls.to(torch.int8)
-    return out
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
 
 
 _TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table

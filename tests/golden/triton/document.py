@@ -105,23 +105,13 @@ def _hload(t, idx):
     return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
-def _hblock_classes(mask_mod, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
-    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes)."""
-    nm, nn = _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N)
-    q_idx = torch.arange(nm * BLOCK_M, device=device).view(1, 1, -1, 1)
-    kv_idx = torch.arange(nn * BLOCK_N, device=device).view(1, 1, 1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1, device=device) * BLOCK_N > N).view(1, nn)
-    out = torch.empty(nb, nh, nm, nn, dtype=torch.int8, device=device)
-    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
-    for b in range(nb):
-        attend = torch.as_tensor(mask_mod(torch.tensor(b, device=device).view(1, 1, 1, 1), h, q_idx, kv_idx), device=device)
-        attend = attend.bool().expand(1, nh, nm * BLOCK_M, nn * BLOCK_N) & in_range
-        n_att = attend.view(nh, nm, BLOCK_M, nn, BLOCK_N).sum((2, 4))
-        cls = torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
-        out[b] = cls.to(torch.int8)
-    return out
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
 
 
 _TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
@@ -331,6 +321,7 @@ def _fwd_kernel(
     _j_hi_n_start = tl.maximum(tl.minimum(tl.cdiv(tl.minimum(N, (m_start + BLOCK_M)), BLOCK_N), bc_nn), _j_lo_n_start)
     _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
+    _inv = tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(offs_m_start[:, None] < N), other=0)
     _kvl_partial_n_start = _kvl_row_n_start + 0 * stride_kvl_3
     for _i_partial_n_start in range(tl.load(_kvl_partial_n_start + _j_lo_n_start * stride_kvl_4), tl.load(_kvl_partial_n_start + _j_hi_n_start * stride_kvl_4)):
         n_start = tl.load(_kvl_partial_n_start + (bc_nn + 1 + _i_partial_n_start) * stride_kvl_4) * BLOCK_N  # partial blocks
@@ -341,7 +332,7 @@ def _fwd_kernel(
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
         # `not block is full` is True in every block of this part of the split loop
-        s = tl.where((offs_n_start[None, :] < N) & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_m_start[:, None] * stride_doc_ids_1, mask=(offs_m_start[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
+        s = tl.where((offs_n_start[None, :] < N) & ((_inv == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_n_start[None, :] * stride_doc_ids_1, mask=(offs_n_start[None, :] < N), other=0)) & (offs_m_start[:, None] >= offs_n_start[None, :])), s, float("-inf"))
         _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
         _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
         # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
@@ -379,6 +370,47 @@ def _fwd_kernel(
     else:
         tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
+
+
+@triton.jit
+def _block_class_kernel(
+    doc_ids_ptr,
+    stride_doc_ids_0,
+    stride_doc_ids_1,
+    B,
+    Hq,
+    M,
+    D,
+    Hkv,
+    N,
+    sm_scale,
+    bc_ptr,
+    stride_bc_0,
+    stride_bc_1,
+    stride_bc_2,
+    stride_bc_3,
+    bc_nh,
+    bc_nm,
+    bc_nn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # one program per tile of the table [nb, nh, nm, nn], flattened; the mask is evaluated in registers
+    pid = tl.program_id(0)
+    j = pid % bc_nn
+    pid = pid // bc_nn
+    m = pid % bc_nm
+    pid = pid // bc_nm
+    h = pid % bc_nh
+    b = pid // bc_nh
+    offs_q = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_kv = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = (offs_q[:, None] < M) & (offs_kv[None, :] < N)
+    attend = in_range & ((tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_q[:, None] * stride_doc_ids_1, mask=(offs_q[:, None] < N), other=0) == tl.load(doc_ids_ptr + b * stride_doc_ids_0 + offs_kv[None, :] * stride_doc_ids_1, mask=(offs_kv[None, :] < N), other=0)) & (offs_q[:, None] >= offs_kv[None, :]))
+    n_in = tl.sum(tl.sum(in_range.to(tl.int32), 1), 0)
+    n_att = tl.sum(tl.sum(attend.to(tl.int32), 1), 0)
+    cls = tl.where(n_att == 0, 0, tl.where((n_att == n_in) & ((j + 1) * BLOCK_N <= N), 2, 1))
+    tl.store(bc_ptr + b * stride_bc_0 + h * stride_bc_1 + m * stride_bc_2 + j * stride_bc_3, cls.to(tl.int8))
 
 
 PROGRAM = 'document_causal'
@@ -421,10 +453,10 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        # block classes of mask_mod, evaluated densely on the host (not decidable in closed form)
-        mask_mod = lambda b, h, q_idx, kv_idx: (_hload(doc_ids, (b, q_idx,)) == _hload(doc_ids, (b, kv_idx,))) & (q_idx >= kv_idx)
+        # block classes of mask_mod (not decidable in closed form): one GPU program per tile
+        classes = lambda bc: _block_class_kernel[(bc.numel(),)](doc_ids, *doc_ids.stride(), B, Hq, M, D, Hkv, N, sm_scale, bc, *bc.stride(), *bc.shape[1:], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once
-        table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, B, Hq, M, D, Hkv, N, ), (doc_ids,), lambda: _hblock_table(_hblock_classes(mask_mod, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)))
+        table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, B, Hq, M, D, Hkv, N, ), (doc_ids,), lambda: _hblock_table(_hblock_classes(classes, B, 1, M, N, BLOCK_M, BLOCK_N, q.device)))
         if table_only:
             return table
         bc, kvl = table
