@@ -57,6 +57,11 @@ def _torch_dtype(name: str) -> str:
 def _aux_arg(name: str, spec: Spec, forward_names: list[str]) -> str:
     """The expression ModelNew passes for the kernel's aux tensor `name` (0-dim tensors as shape [1])."""
     entry = next((e for e in spec.state if e.aux == name), None)
+    if name in spec.derived_aux:
+        src, right = spec.derived_aux[name]
+        qn, kn, _ = spec.qkv_names
+        return (f"_torch.searchsorted({src}, _torch.arange(max({qn}.shape[2], {kn}.shape[2]), device={src}.device, "
+                f"dtype={src}.dtype), right={right}, out_int32={spec.aux[name].dtype == torch.int32})")
     if name in forward_names:
         return f"{name}.reshape(1) if {name}.dim() == 0 else {name}" if spec.aux[name].shape == (1,) else name
     if entry is not None:

@@ -120,7 +120,10 @@ class Spec:
     state: tuple[StateTensor, ...] = ()  # the Model's state_dict entries (none for FlexAttention-style specs)
     state_values: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # key -> value
     heads_fixed: int | None = None  # Hq the variant expressions were traced for, when they change with the head count
-    init_fixed: tuple[tuple[int, str, object], ...] = ()  # (position, name, value) of constructor args baked in the kernel
+    init_fixed: tuple[tuple[int, str, object], ...] = ()
+    # aux tensors the candidate computes from a forward input before the launch (torch.searchsorted ids):
+    # aux name -> (forward input name, right)
+    derived_aux: Mapping[str, tuple[str, bool]] = field(default_factory=dict)  # (position, name, value) of constructor args baked in the kernel
 
     @property
     def softmax_scale(self) -> float:
@@ -278,7 +281,7 @@ def load_spec(path: str | Path) -> Spec:
         init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
         out_dtype = _dtype_name(traced.out_dtype, "output", path)
         state, state_values = _state_of(model, kinds, traced.state, traced.baked)
-        _check_constants(module, model, set(aux) - set(traced.state) - set(names), path)
+        _check_constants(module, model, set(aux) - set(traced.state) - set(names) - set(traced.derived), path)
         kind = SpecKind.KERNELBENCH
         call = (tuple(names), (traced.q, traced.k, traced.v), _init_names(module.Model))
     if mods:
@@ -306,7 +309,8 @@ def load_spec(path: str | Path) -> Spec:
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
     spec = Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
                 *call, out_dtype=out_dtype, state=state, state_values=state_values,
-                heads_fixed=heads_fixed if has_model else None, init_fixed=init_fixed if has_model else ())
+                heads_fixed=heads_fixed if has_model else None, init_fixed=init_fixed if has_model else (),
+                derived_aux=dict(traced.derived) if has_model else {})
     _self_check(spec)
     return spec
 

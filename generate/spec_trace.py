@@ -84,6 +84,8 @@ class TracedAttention:
     state: Mapping[str, str] = field(default_factory=dict)
     # state_dict keys of buffers replaced by the index expression their values equal (a tril mask)
     baked: frozenset[str] = frozenset()
+    # aux tensors computed from a forward input before the launch: name -> (input name, searchsorted right?)
+    derived: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class _State:
     state_kinds: Mapping[str, str] = field(default_factory=dict)  # state_dict key -> "parameter" | "buffer"
     state: dict[str, str] = field(default_factory=dict)  # aux name -> state_dict key
     baked: set[str] = field(default_factory=set)
+    derived: dict[str, tuple[str, bool]] = field(default_factory=dict)
     q: Operand | None = None
     k: Operand | None = None
     v: Operand | None = None
@@ -499,10 +502,26 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
         return S.full(shape or (), value, dt)
     if pk == "searchsorted":
-        raise _err(node, st, "torch.searchsorted in the mask (document ids from offsets / cu_seqlens): compute the ids once "
-                   "outside the Model, e.g. torch.searchsorted(offsets, torch.arange(S), right=True) - 1, and pass them as "
-                   "an [S] or [B, S] tensor (the kernel then builds its block table once per id tensor)")
+        return _searchsorted(node, args, kw, st)
     raise _err(node, st, "unsupported op in the score/mask computation")
+
+
+def _searchsorted(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`torch.searchsorted(offsets, arange(S), right=...)`: per-position ids from a 1-D forward input (document
+    ids from cu_seqlens). The kernel reads them as a derived aux tensor that the candidate computes from the
+    offsets before each launch (one small op; the block table is then built once per id tensor)."""
+    seq, pos = _sym(args[0], node, st), _sym(args[1], node, st)
+    src = seq.expr.value if seq.expr.op is ExprOp.LOAD else None
+    if len(seq.shape) != 1 or src not in st.aux or seq.expr.args != (S.dvar(0),) or src in st.state \
+            or pos.shape == () or len(pos.shape) != 1 or pos.expr != S.dvar(0) or kw.get("sorter") is not None:
+        raise _err(node, st, "torch.searchsorted other than of a 1-D forward input (offsets) at the positions "
+                   "torch.arange(S)")
+    right = bool(kw.get("right", False)) or kw.get("side") == "right"
+    name = f"{src}_{'right' if right else 'left'}_ids"
+    st.aux[name] = torch.searchsorted(st.aux[src], torch.arange(pos.shape[0], dtype=st.aux[src].dtype), right=right,
+                                      out_int32=bool(kw.get("out_int32", False)))
+    st.derived[name] = (src, right)
+    return S.load_leaf(name, st.aux[name])
 
 
 # ---------------------------------------------------------------- softmax: name dims, split mask
@@ -874,7 +893,8 @@ def trace_attention(
     aux = {k: v for k, v in st.aux.items() if k in used}
     return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
                            st.k.rep, aux, out_dtype=_output_dtype(gm),
-                           state={k: v for k, v in st.state.items() if k in used}, baked=frozenset(st.baked))
+                           state={k: v for k, v in st.state.items() if k in used}, baked=frozenset(st.baked),
+                           derived={k: v for k, v in st.derived.items() if k in used})
 
 
 def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:

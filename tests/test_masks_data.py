@@ -5,7 +5,8 @@ tensor; prefix-LM with a Python constant, a 0-d tensor or a per-batch [B] prefix
 The block table of a data-dependent mask is filled on the GPU by the module's class kernel, once per mask
 (reused across calls with equal inputs, rebuilt when they change); loads that do not move along the KV loop
 are hoisted out of it; closed-form masks (a constant or per-batch prefix) get no table at all; document ids
-from offsets (torch.searchsorted) are refused with a message naming the construct.
+from offsets (`torch.searchsorted(offsets, arange(S), right=True)` in the Model) are computed by the candidate
+from the offsets before the launch; other uses of searchsorted are refused with a message naming the construct.
 """
 
 from __future__ import annotations
@@ -64,13 +65,18 @@ DOC = torch.searchsorted(OFFSETS, torch.arange(100), right=True) - 1  # ids deri
 def mask_mod(b, h, q_idx, kv_idx):
     return (DOC[q_idx] == DOC[kv_idx]) & (q_idx >= kv_idx)
 ''',
+    "doc_offsets": _HEAD + _MODEL.format(
+        extra=", offsets", keep="(doc[:, None] == doc[None, :]) & (j <= i)",
+        inputs=" + [torch.tensor([0, 37, 81, 100], dtype=torch.int32)]",
+    ).replace("        i = torch.arange", "        doc = torch.searchsorted(offsets, torch.arange(q.shape[2], dtype=torch.int32), "
+              "right=True) - 1\n        i = torch.arange", 1),
     "prefix_const": _HEAD + _MODEL.format(extra="", keep="(j < 40) | (j <= i)", inputs=""),
     "prefix_0d": _HEAD + _MODEL.format(extra=", prefix", keep="(j < prefix) | (j <= i)",
                                        inputs=" + [torch.tensor(37, dtype=torch.int32)]"),
     "prefix_b": _HEAD + _MODEL.format(extra=", prefix", keep="((j[None] < prefix[:, None, None]) | (j <= i)[None])[:, None]",
                                       inputs=" + [torch.tensor([20, 70], dtype=torch.int32)]"),
 }
-NEEDS_TABLE = {"doc_1d": True, "doc_2d": True, "doc_flex": True, "prefix_const": False, "prefix_0d": False, "prefix_b": False}
+NEEDS_TABLE = {"doc_1d": True, "doc_offsets": True, "doc_2d": True, "doc_flex": True, "prefix_const": False, "prefix_0d": False, "prefix_b": False}
 
 
 @pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -162,12 +168,20 @@ def test_prefix_masks_are_closed_form(mask: str, aux: dict, tmp_path: Path) -> N
     torch.testing.assert_close(out["lse"], lse_ref, atol=1e-4, rtol=1e-4)
 
 
-def test_offsets_layout_is_refused_by_name(tmp_path: Path) -> None:
+def test_offsets_become_ids_the_candidate_derives(tmp_path: Path) -> None:
     spec = tmp_path / "offsets.py"
-    spec.write_text(_HEAD + _MODEL.format(
-        extra=", offsets", keep="doc[:, None] == doc[None, :]", inputs=" + [torch.tensor([0, 37, 100], dtype=torch.int32)]",
-    ).replace("        i = torch.arange", "        doc = torch.searchsorted(offsets, torch.arange(q.shape[2], dtype=torch.int32), "
-              "right=True) - 1\n        i = torch.arange", 1))
+    spec.write_text(SPECS["doc_offsets"])
+    s = load_spec(spec)
+    assert s.derived_aux == {"offsets_right_ids": ("offsets", True)}
+    want = torch.searchsorted(torch.tensor([0, 37, 81, 100], dtype=torch.int32), torch.arange(100, dtype=torch.int32),
+                              right=True)
+    assert torch.equal(s.aux["offsets_right_ids"], want)
+
+
+def test_other_searchsorted_is_refused_by_name(tmp_path: Path) -> None:
+    spec = tmp_path / "offsets.py"
+    spec.write_text(SPECS["doc_offsets"].replace("torch.arange(q.shape[2], dtype=torch.int32)",
+                                                 "2 * torch.arange(q.shape[2], dtype=torch.int32)"))
     with pytest.raises(KBError, match="torch.searchsorted") as err:
         load_spec(spec)
     assert "\n" not in str(err.value)
