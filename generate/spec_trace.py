@@ -219,7 +219,7 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype:
 # ---------------------------------------------------------------- operand (q/k/v) ops
 
 
-_LAYOUT = {"transpose", "permute", "t", "view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone",
+_LAYOUT = {"transpose", "permute", "t", "mT", "view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone",
            "contiguous", "repeat_interleave", "_to_copy", "to", "type_as", "alias", "detach", "mul", "div", "repeat",
            "squeeze"}
 
@@ -228,12 +228,12 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
     out_shape = tuple(node.meta["val"].shape)
     if pk in ("clone", "contiguous", "_to_copy", "to", "type_as", "alias", "detach"):
         return x
-    if pk in ("transpose", "t", "permute"):
+    if pk in ("transpose", "t", "mT", "permute"):
         n = len(x.labels)
         if pk == "t":
             perm = [1, 0]
-        elif pk == "transpose":
-            a, b = args[1] % n, args[2] % n
+        elif pk in ("transpose", "mT"):
+            a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (n - 2, n - 1)
             perm = list(range(n))
             perm[a], perm[b] = perm[b], perm[a]
         else:
@@ -464,13 +464,13 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         return S.squeeze(_sym(args[0], node, st), [dims] if isinstance(dims, int) else dims)
     if pk == "expand":
         return S.expand(_sym(args[0], node, st), args[1])
-    if pk in ("permute", "transpose", "t"):
+    if pk in ("permute", "transpose", "t", "mT"):
         x = _sym(args[0], node, st)
         n = len(x.shape)
         if pk == "permute":
             perm = list(args[1])
         else:
-            a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (0, 1)
+            a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (n - 2, n - 1) if pk == "mT" else (0, 1)
             perm = list(range(n))
             perm[a], perm[b] = perm[b], perm[a]
         return S.permute(x, perm)

@@ -117,6 +117,20 @@ def test_explicit_scale_kept(tmp_path):
     assert spec.scale == 0.5 and spec.score_mod is None and spec.mask_mod is None
 
 
+def test_matrix_transpose_attribute_spelling(tmp_path):
+    p = tmp_path / "mt.py"
+    p.write_text(
+        "import torch, torch.nn as nn\n"
+        "class Model(nn.Module):\n"
+        "    def forward(self, q, k, v):\n"
+        "        bias = torch.full((q.shape[2], q.shape[2]), float('-inf')).triu(1)\n"
+        "        return torch.softmax(q @ k.mT * q.shape[-1] ** -0.5 + bias, -1) @ v\n"
+        "def get_inputs():\n    return [torch.randn(1, 2, 8, 16) for _ in range(3)]\n"
+        "def get_init_inputs():\n    return []\n")
+    spec = load_spec(p)
+    assert spec.features.mask == "causal" and spec.scale is None
+
+
 def test_flex_fully_masked_rows_give_zero(tmp_path):
     p = tmp_path / "empty_rows.py"
     p.write_text("SHAPES = dict(B=1, Hq=1, M=8, N=8, D=4)\n"
