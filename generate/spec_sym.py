@@ -371,6 +371,8 @@ def simplify(e: Expr) -> Expr:
         c, x, y = args[0].args
         if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
             return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
+    if op in (ExprOp.EQ, ExprOp.NE) and _same_int_offset(*args):  # (x - 1) == (y - 1) -> x == y (ids from offsets)
+        return simplify(Expr(op, (args[0].args[0], args[1].args[0])))
     if op is ExprOp.ADD:
         a, b = args
         if _is_const(b, 0):
@@ -408,6 +410,12 @@ def simplify(e: Expr) -> Expr:
     if op is ExprOp.NEG and args[0].op is ExprOp.NEG:
         return args[0].args[0]
     return e
+
+
+def _same_int_offset(a: Expr, b: Expr) -> bool:
+    """`a` and `b` add (or subtract) the same integer constant."""
+    return (a.op is b.op and a.op in (ExprOp.ADD, ExprOp.SUB) and a.args[1] == b.args[1]
+            and a.args[1].op is ExprOp.CONST and type(a.args[1].value) is int)
 
 
 def uses_only(e: Expr, names: set[str]) -> bool:

@@ -173,6 +173,7 @@ def test_offsets_become_ids_the_candidate_derives(tmp_path: Path) -> None:
     spec.write_text(SPECS["doc_offsets"])
     s = load_spec(spec)
     assert s.derived_aux == {"offsets_right_ids": ("offsets", True)}
+    assert s.features.mask == "document"  # (ids - 1) == (ids - 1) reads as a document mask
     want = torch.searchsorted(torch.tensor([0, 37, 81, 100], dtype=torch.int32), torch.arange(100, dtype=torch.int32),
                               right=True)
     assert torch.equal(s.aux["offsets_right_ids"], want)
