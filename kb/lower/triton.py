@@ -27,6 +27,7 @@ Invariants of the generated module:
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from kb.ir.nodes import (
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     Stmt, Store, walk_stmts,
 )
+from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
 __all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
@@ -84,6 +86,10 @@ class LowerOptions:
     - warp_specialize (off by default): with USE_TMA and the schedule's `warp_specialize` hint,
       innermost forward loops become `tl.range(..., warp_specialize=True)` (WARP_SPEC constexpr).
       Triton 3.6 on H200 gave no gain (w8) and failed to compile at num_warps=4 (NVGPUWarpSpecialization).
+    - pack_gqa: kernels that pass `kb.lower.pack_gqa.pack_plans` also get a packed form (`_<name>_packed_kernel`):
+      the query heads of one KV head become tile rows, so K/V are read once per KV head and split instead of
+      Hq // Hkv times. The host runs it when the design asks (Design.pack_gqa) and Hq > Hkv; a split-KV
+      program's own schedule (PROGRAM_DESIGN, what the interpreter verifies) packs.
     - indexed_kv_loop: the same split under a host-table plan (data-dependent masks such as
       document ids or a per-batch prefix), where full blocks are not one interval: the host turns
       the block-class table into per-row lists of partial and of full KV blocks (FlexAttention's
@@ -99,6 +105,7 @@ class LowerOptions:
     tma: bool = True
     warp_specialize: bool = False
     indexed_kv_loop: bool = True
+    pack_gqa: bool = True
 
 
 def kernel_fn_name(k: Kernel) -> str:
@@ -393,8 +400,10 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
 
 
 class _KernelGen:
-    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions) -> None:
+    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions,
+                 pack: PackPlan | None = None) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.region: _Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
@@ -411,6 +420,9 @@ class _KernelGen:
         self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
         for d in sig.dims:
             self.names[d] = Sym(d, Kind.INT, True)
+        if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
+            self.m_dim = PACK_ROWS
+            self.names[PACK_ROWS] = Sym("_pk_rows", Kind.INT, True)
         for c in SCHEDULE_CONSTANTS:
             self.names[c] = Sym(c, Kind.INT, True)
         for s in sig.scalars:
@@ -507,8 +519,20 @@ class _KernelGen:
         terms: list[str] = []
         rank = sum(not isinstance(i, Expr) for i in index)
         pos = 0
+        packed = self.packed_dims(tensor, index)
         for dim_i, (d, item) in enumerate(zip(prm.shape, index)):
             stride = f"stride_{tensor}_{dim_i}"
+            if packed is not None and dim_i == packed[0]:
+                continue  # the head term is added per row with the query-block span below
+            if packed is not None and dim_i == packed[1]:
+                assert isinstance(item, Span)
+                offs = self.offsets(item.start, str(item.size))
+                head, qpos = self.pack_rows(offs)
+                bc = offs + _bcast(pos, rank)
+                terms += [f"{head}{_bcast(pos, rank)} * stride_{tensor}_{packed[0]}", f"{qpos}{_bcast(pos, rank)} * {stride}"]
+                spans.append((bc, str(item.size), "_pk_rows", False))
+                pos += 1
+                continue
             if isinstance(item, Expr):
                 terms.append(f"{_wrap(self.ex(item))} * {stride}")
                 continue
@@ -544,13 +568,36 @@ class _KernelGen:
                       for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
         return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
 
+    def packed_dims(self, tensor: str, index: tuple) -> tuple[int, int] | None:
+        """(head dim, query-block span dim) of an access this packed kernel gathers / scatters per row."""
+        if self.pack is None:
+            return None
+        shape = self.p.param(tensor).shape
+        spans = [i for i, (d, it) in enumerate(zip(shape, index)) if row_span(it, d, self.pack)]
+        heads = [i for i, (d, it) in enumerate(zip(shape, index)) if it == var(self.pack.head) and d == self.pack.hq]
+        return (heads[0], spans[0]) if spans and heads else None
+
+    def pack_rows(self, offs: str) -> tuple[str, str]:
+        """Per-row query head and query position of the packed rows `offs` (row r: head h + r // M, position r % M)."""
+        assert self.pack is not None
+        key = (offs, "__pack__")
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key], f"{offs}_pos"
+        head, m = self.names[self.pack.head].code, self.names[self.pack.m].code
+        self.emit(f"{offs}_head = {head} + {offs} // {m}  # packed rows: (query head in group, query position)")
+        self.emit(f"{offs}_pos = {offs} % {m}")
+        self.offs[-1][key] = f"{offs}_head"
+        return f"{offs}_head", f"{offs}_pos"
+
     def tma_desc(self, tensor: str, index: tuple) -> tuple[str, str] | None:
         """(descriptor name, offsets code) of a 2-D tile `tensor[e.., Span|Full, Span|Full]`, or None.
 
         The descriptor covers the [rows, cols] slice at the leading indices with the dims' true
         extents, so TMA's out-of-range zero fill / store clipping equal the masked form's bounds.
+        Packed rows (GQA packing) are a gather, not a tile: no descriptor.
         """
-        if not self.sig.tma:
+        if not self.sig.tma or self.packed_dims(tensor, index) is not None:
             return None
         prm = self.p.param(tensor)
         n = len(prm.shape)
@@ -720,6 +767,11 @@ class _KernelGen:
         names["b"] = self.index_sym(st.b)
         names["h"] = self.index_sym(st.h)
         names["q_idx"] = Sym(f"{om}[:, None]", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
+            head, qpos = self.pack_rows(om)
+            names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
+            if st.h == var(self.pack.head):
+                names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
         names["kv_idx"] = Sym(f"{on}[None, :]", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
@@ -799,13 +851,14 @@ class _KernelGen:
         """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
         plan = self.plan
         if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
-                or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)):
+                or (plan.kind is BlockMaskKind.ANALYTIC and (plan.alpha, plan.beta) != (1, -1)) \
+                or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
             return None
         return self.loop_tile(st)
 
     def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
-        if not self.opts.indexed_kv_loop or not self.sig.table:
+        if not self.opts.indexed_kv_loop or not self.sig.table or self.pack is not None:
             return None
         at = self.loop_tile(st)
         if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
@@ -987,6 +1040,12 @@ class _KernelGen:
         return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
 
     # -- whole kernel
+    def axis_value(self, axis: str, index: str) -> str:
+        """A grid axis' value from its flat index; packed, the head axis is the group's first query head."""
+        if self.pack is not None and axis == self.pack.head:
+            return f"{_wrap(index)} * ({self.pack.hq} // {self.pack.hkv})"
+        return index
+
     def moves_kv_bound(self, axis: str) -> bool:
         """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
         deps: dict[str, set[str]] = {}
@@ -1002,21 +1061,26 @@ class _KernelGen:
 
     def generate(self) -> list[str]:
         axes = self.k.grid
+        pk = self.pack
         self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
+        if pk is not None:
+            self.emit(f"# GQA packed: {pk.head} runs over the {pk.hkv} KV heads, {pk.rows} over cdiv(({pk.hq} // {pk.hkv}) * {pk.m}, "
+                      f"BLOCK_M) blocks of (query head in group, query position) rows")
+            self.emit(f"_pk_rows = ({pk.hq} // {pk.hkv}) * {pk.m}")
         heavy = self.opts.heavy_first and len(axes) > 1 and self.moves_kv_bound(axes[-1].name)
         if len(axes) == 1:
-            self.emit(f"{self.local(axes[0].name)} = tl.program_id(0)")
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'tl.program_id(0)')}")
         else:
             self.emit("pid = tl.program_id(0)")
             for a in reversed(axes[1:]):
-                ext = _wrap(self.ex(a.extent))
+                ext = _wrap(self.ex(pk.extent(a.name, a.extent) if pk else a.extent))
                 if heavy and a is axes[-1]:
                     self.emit(f"# `{a.name}` moves the KV loop bound: largest {a.name} first, so the launch ends on short programs")
                     self.emit(f"{self.local(a.name)} = {ext} - 1 - pid % {ext}")
                 else:
-                    self.emit(f"{self.local(a.name)} = pid % {ext}")
+                    self.emit(f"{self.local(a.name)} = {self.axis_value(a.name, f'pid % {ext}')}")
                 self.emit(f"pid = pid // {ext}")
-            self.emit(f"{self.local(axes[0].name)} = pid")
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'pid')}")
         for a in axes:
             below = _wrap(self.ex(a.extent)) if a.extent.op is ExprOp.VAR else None
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
@@ -1255,6 +1319,11 @@ def _choose_design(t, D, key, launch):
     return choice
 
 
+def _design7(design):
+    """A design tuple with its GQA-packing flag (tuples written before packing existed have 6 entries: no packing)."""
+    return (*design, False)[:7]
+
+
 def _auto_splits(programs, kv_blocks, device):
     """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
     count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
@@ -1316,13 +1385,20 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
                      table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
                      tma=opts.tma, ws=opts.tma and opts.warp_specialize)
-    bodies = [(k, _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    packs = pack_plans(p) if opts.pack_gqa else "the lowering was asked not to pack (LowerOptions.pack_gqa)"
+    bodies = [(kernel_fn_name(k), _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    if isinstance(packs, dict):
+        bodies += [(packed_fn_name(k), _KernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
     out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
-    for k, lines in bodies:
+    for fn, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
-        out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
-    out += ["", *_design_lines(p, designs), *_host(p, sig, plan)]
+        out += ["", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    out += ["", *_design_lines(p, designs, packs), *_host(p, sig, plan, packs)]
     return "\n".join(out).rstrip() + "\n"
+
+
+def packed_fn_name(k: Kernel) -> str:
+    return f"_{k.name}_packed_kernel"
 
 
 def check_attention_params(p: Program, lowering: str) -> None:
@@ -1336,15 +1412,24 @@ def check_attention_params(p: Program, lowering: str) -> None:
             raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
 
 
-def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
-    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule."""
-    table = {arch: {bucket: [d.as_tuple() for d in ds] for bucket, ds in sorted(by.items())}
-             for arch, by in sorted((designs or {}).items())}
-    own = Design.of_schedule(p.schedule, tma=True).as_tuple()
+def _design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> list[str]:
+    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule.
+
+    A program that cannot pack lists its designs unpacked (deduplicated), so the table says what runs; a split-KV
+    program that can pack verifies its packed form (its own schedule packs)."""
+    packable = isinstance(packs, dict)
+
+    def tuples(ds: tuple[Design, ...]) -> list[tuple]:
+        return list(dict.fromkeys(d.as_tuple() if packable else dataclasses.replace(d, pack_gqa=False).as_tuple() for d in ds))
+
+    table = {arch: {bucket: tuples(ds) for bucket, ds in sorted(by.items())} for arch, by in sorted((designs or {}).items())}
+    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and split).as_tuple()
     return [f"PROGRAM = {p.name!r}",
             "# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew",
-            "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma);",
+            "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);",
             "# NUM_SPLITS 0 = chosen at launch from the grid and the SM count",
+            f"# GQA packing: {'available' if packable else 'not available, ' + packs}",
             f"DESIGNS = {table!r}",
             "# the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses",
             f"PROGRAM_DESIGN = {own!r}", "", ""]
@@ -1358,7 +1443,7 @@ def _out_dtype(q: Param, first_in: Param) -> str:
     return _TORCH_DTYPE[q.dtype]
 
 
-def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str) -> list[str]:
     ins = [q for q in p.params if q.role is Role.IN]
     aux = [q for q in p.params if q.role is Role.AUX]
     outs = [q for q in p.params if q.role is Role.OUT]
@@ -1395,7 +1480,7 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
     L.append("")
     L.append("    def launch(design, table_only=False):")
-    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch)]
+    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch, packs)]
     L.append("")
     first = ins[0].name
     dims_key = ", ".join(sig.dims)
@@ -1413,16 +1498,31 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     return L
 
 
+def _grid_code(k: Kernel, hctx: ExprContext, pack: PackPlan | None, split: bool = True) -> str:
+    """The host's launch-grid size of kernel `k` (packed: over KV heads and packed row blocks); without the
+    split axes when `split` is False."""
+    axes = [a for a in k.grid if split or "NUM_SPLITS" not in free_vars(a.extent)]
+    return " * ".join(_wrap(lower_expr(pack.extent(a.name, a.extent) if pack else a.extent, hctx)) for a in axes) or "1"
+
+
 def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprContext, names: dict,
-                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param]) -> list[str]:
+                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param], packs: dict | str) -> list[str]:
     """The body of forward's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
     s = p.schedule
     scalars = [q for q in p.params if q.role is Role.SCALAR]
-    L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design"]
+    L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)"]
+    if isinstance(packs, dict):
+        pk = next(iter(packs.values()))
+        hctx = ExprContext(hctx.target, {**hctx.names, PACK_ROWS: Sym("_PK_ROWS", Kind.INT, True)}, hctx.aux)
+        L.append(f"    # GQA packing: the {pk.hq} // {pk.hkv} query heads of a KV head share a tile (K/V read once per KV head)")
+        L.append(f"    PACK = PACK and {pk.hq} > {pk.hkv} and {pk.hq} % {pk.hkv} == 0")
+        L.append(f"    _PK_ROWS = ({pk.hq} // {pk.hkv}) * {pk.m}")
     split_axes = [a for k in p.kernels for a in k.grid if "NUM_SPLITS" in free_vars(a.extent)]
     if split_axes:
         k0 = next(k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid))
-        base = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k0.grid if "NUM_SPLITS" not in free_vars(a.extent)) or "1"
+        base = _grid_code(k0, hctx, None, split=False)
+        if isinstance(packs, dict):
+            base = f"({_grid_code(k0, hctx, packs[k0.name], split=False)} if PACK else {base})"
         L.append(f"    NUM_SPLITS = NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {ins[0].name}.device)")
     else:
         L.append("    NUM_SPLITS = max(1, NUM_SPLITS)")
@@ -1475,10 +1575,16 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         + [q.name for q in sig.scalars] + table_args
     const_kw = ", ".join(f"{c}={c}" for c in sig.constexprs())
     for k in p.kernels:
-        grid = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k.grid)
-        L.append(f"    {kernel_fn_name(k)}[({grid},)](")
-        L.append(f"        {', '.join(args)},")
-        L.append(f"        {const_kw}, num_warps=num_warps, num_stages=num_stages,")
-        L.append("    )")
+        launches = [(kernel_fn_name(k), _grid_code(k, hctx, None))]
+        if isinstance(packs, dict):
+            launches.insert(0, (packed_fn_name(k), _grid_code(k, hctx, packs[k.name])))
+        for i, (fn, grid) in enumerate(launches):
+            indent = "        " if len(launches) > 1 else "    "
+            if len(launches) > 1:
+                L.append("    if PACK:" if i == 0 else "    else:")
+            L.append(f"{indent}{fn}[({grid},)](")
+            L.append(f"{indent}    {', '.join(args)},")
+            L.append(f"{indent}    {const_kw}, num_warps=num_warps, num_stages=num_stages,")
+            L.append(f"{indent})")
     L.append(f"    return {', '.join(q.name for q in outs)}")
     return L
