@@ -47,16 +47,15 @@ def _run(p, design: tuple, qkv: list[torch.Tensor], tag: str, **kw) -> tuple[tor
 @pytest.mark.parametrize("Hq,Hkv,M", [(8, 1, 1), (8, 1, 3), (4, 2, 1), (4, 2, 3)], ids=["mqa-m1", "mqa-m3", "gqa-m1", "gqa-m3"])
 @pytest.mark.parametrize("dtype", [Dtype.F32, Dtype.BF16], ids=["f32", "bf16"])
 def test_packed_decode_matches_reference(Hq: int, Hkv: int, M: int, dtype: Dtype) -> None:
-    # ragged N = 517: no split and no block is a multiple of the 16-wide KV blocks; 8 x 3 = 24 packed rows > BLOCK_M
+    # ragged N = 517: no split and no block is a multiple of the 32-wide KV blocks; 8 x 3 = 24 packed rows > BLOCK_M
     p = decode_split_kv(dtype=dtype)
     qkv = _qkv(2, Hq, Hkv, M, 517, 32, TORCH[dtype])
     ref, lse_ref = reference_attention(p, *qkv)
-    for splits in (3, 5):
-        for pack in (True, False):
-            o, lse = _run(p, (16, 16, splits, 4, 1, False, pack), qkv, f"{dtype.value}")
-            tol = TOL[dtype]
-            torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)
-            torch.testing.assert_close(lse, lse_ref, atol=tol, rtol=tol)
+    for splits, pack in ((3, True), (5, True), (3, False)):  # 17 KV blocks of 32: 6 and 4 blocks per split
+        o, lse = _run(p, (16, 32, splits, 4, 1, False, pack), qkv, f"{dtype.value}")
+        tol = TOL[dtype]
+        torch.testing.assert_close(o.float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, lse_ref, atol=tol, rtol=tol)
 
 
 def test_packed_rows_see_their_own_head_and_position() -> None:
@@ -79,7 +78,9 @@ def test_packing_refused_where_it_would_be_wrong() -> None:
     why = pack_plans(FIXTURES["causal"]())
     assert isinstance(why, str) and "bounds of loop" in why
     src = lower_program(FIXTURES["causal"]())
-    assert "_packed_kernel" not in src and "# GQA packing: not available, kernel fwd: the bounds of loop" in src
+    assert "_packed_kernel" not in src
+    table = {"sm90": {128: (Design(64, 64, 4, 3, pack_gqa=True),)}}
+    assert "# GQA packing: not used, kernel fwd: the bounds of loop" in lower_program(FIXTURES["causal"](), designs=table)
     # a program that cannot pack lists its designs unpacked, so the table says what runs
     table = {"sm90": {128: (Design(64, 64, 4, 3, pack_gqa=True), Design(64, 64, 4, 3))}}
     mod = load_module(lower_program(FIXTURES["causal"](), designs=table), "decode_refused")[0]
@@ -96,3 +97,26 @@ def test_design_text_round_trips_packing() -> None:
     d = Design(16, 64, 4, 3, AUTO_SPLITS, pack_gqa=True)
     assert str(d) == "16x64 w4 s3 split-auto pack" and parse_design(str(d)) == d
     assert Design.from_tuple(d.as_tuple()) == d and Design.from_dict(d.to_dict()) == d
+
+
+# ------------------------------------------------------------------ split count and combine
+
+
+def test_split_rule_fills_two_waves_of_whole_block_splits() -> None:
+    mod = load_module(lower_program(FIXTURES["decode_split_kv"]()), "decode_rule")[0]
+    rule = mod._split_rule  # (programs at one split, KV blocks, SMs) -> splits
+    assert rule(512, 256, 132) == 1  # GQA B=64, Hkv=8 packed: 512 programs already fill ~4 waves of an H200
+    assert rule(128, 256, 132) == 3  # MQA B=128 packed: 128 programs -> 384, ~3 full waves
+    assert rule(128, 8, 132) == 2  # short KV: no split below 4 blocks
+    assert rule(8, 256, 132) == 32  # B=1, Hkv=8: 33 would fill 2 waves exactly, but leaves a split empty -> 32
+    for programs, blocks in ((1, 10_000), (3, 1000), (64, 512), (200, 17), (1, 3)):
+        n = rule(programs, blocks, 132)
+        per = -(-blocks // n)
+        assert 1 <= n <= 128 and (n == 1 or per >= 4) and per * (n - 1) < blocks  # no empty split
+    assert mod._auto_splits(128, 256, torch.device("cpu")) == 1
+
+
+def test_combine_reads_one_split_at_a_time() -> None:
+    src = lower_program(FIXTURES["decode_split_kv"]())
+    combine = src[src.index("def _combine_kernel("):src.index("def _split_packed_kernel(")]
+    assert "for _sp in range(0, NUM_SPLITS):" in combine and "po = tl.load" not in combine

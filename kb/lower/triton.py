@@ -38,7 +38,7 @@ from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     Stmt, Store, walk_stmts,
 )
@@ -417,6 +417,7 @@ class _KernelGen:
         # where descriptors of loads inside the outermost loop are built: (line, depth, IR names set in the loop)
         self.hoist: tuple[int, int, set[str]] | None = None
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
+        self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
         self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
         for d in sig.dims:
             self.names[d] = Sym(d, Kind.INT, True)
@@ -686,7 +687,25 @@ class _KernelGen:
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)
 
+    def split_dim(self, st: Load) -> int | None:
+        """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
+        the tile's first axis: the combine then streams them one split at a time instead of holding them all."""
+        shape = self.p.param(st.tensor).shape
+        tile_dims = [i for i, it in enumerate(st.index) if not isinstance(it, Expr)]
+        if not tile_dims or shape[tile_dims[0]] != "NUM_SPLITS" or not isinstance(st.index[tile_dims[0]], Full):
+            return None
+        readers = [x for x in walk_stmts(self.k.body) if st.out in _reads(x)]
+        ok = len(readers) == 1 and isinstance(readers[0], Combine) and readers[0].o_parts == st.out
+        return tile_dims[0] if ok else None
+
     def s_load(self, st: Load) -> None:
+        dim = self.split_dim(st) if st.other == 0.0 else None
+        if dim is not None:
+            _, _, shape = self.address(st.tensor, st.index)
+            self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
+            self.deferred[st.out] = (st, dim)
+            self.emit(f"# {self.local(st.out)}: loaded one split at a time by the combine below (each partial read once)")
+            return
         ptr, mask, shape = self.address(st.tensor, st.index)
         desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
@@ -845,7 +864,23 @@ class _KernelGen:
         self.emit("_w_sum = tl.sum(_w, 0)")
         self.emit("_w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)")
         self.emit(f"{lse} = tl.where(_w_sum == 0.0, {_NEG_INF}, _lse_max + tl.log(_w_safe))")
-        self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+        if st.o_parts not in self.deferred:
+            self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+            return
+        load, dim = self.deferred.pop(st.o_parts)
+        one = w_bc.replace(":, ", "", 1)
+        self.emit(f"{o} = tl.zeros([{', '.join(po_t.shape[1:])}], tl.float32)")
+        self.emit("for _sp in range(0, NUM_SPLITS):  # one split's partial at a time, weighted by its share of the sum")
+        self.depth += 1
+        self.offs.append({})
+        self.names["_sp"] = Sym("_sp", Kind.INT, True)
+        ptr, mask, _ = self.address(load.tensor, tuple(var("_sp") if i == dim else it for i, it in enumerate(load.index)))
+        self.emit(f"_w_sp = tl.sum(tl.where(tl.arange(0, {pl_t.shape[0]}){_bcast(0, len(pl_t.shape))} == _sp, _w, 0.0), 0)")
+        other = "(None if EVEN_D else 0.0)" if mask and mask.startswith("(None if EVEN_D") else "0.0"
+        self.emit(f"{o} += _w_sp{one} * tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
+        self.offs.pop()
+        self.depth -= 1
+        self.emit(f"{o} = {o} / _w_safe[:, None]")
 
     def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
@@ -1324,17 +1359,28 @@ def _design7(design):
     return (*design, False)[:7]
 
 
+_MIN_SPLIT_BLOCKS = 4  # no split shorter than this many KV blocks (each split costs a q load, a partial write and read)
+
+
 def _auto_splits(programs, kv_blocks, device):
-    """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
-    count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
+    """Split-KV count for a grid of `programs` (at one split; packed: B * Hkv * row blocks) over `kv_blocks` KV
+    blocks, from the SM count (flash-decoding); 1 off CUDA. See _split_rule."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= 0.8 * sms:
+    return _split_rule(programs, kv_blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _split_rule(programs, kv_blocks, sms):
+    """Enough programs for about two waves of `sms` SMs, no split shorter than _MIN_SPLIT_BLOCKS KV blocks, at most
+    128; among [that count, twice it] the one that fills its last wave best (the smallest on ties); then the count
+    whose splits are all non-empty (every split is a whole number of KV blocks, the last one possibly shorter)."""
+    cap = max(1, min(128, kv_blocks // _MIN_SPLIT_BLOCKS))
+    want = min(cap, _hcdiv(2 * sms, programs))
+    if want <= 1:
         return 1
-    counts = range(1, max(1, min(128, kv_blocks)) + 1)
-    busy = [programs * n / (_hcdiv(programs * n, sms) * sms) for n in counts]
-    return next(n for n, e in zip(counts, busy) if e >= 0.85 * max(busy))
+    busy = {n: programs * n / (_hcdiv(programs * n, sms) * sms) for n in range(want, min(cap, 2 * want) + 1)}
+    best = max(busy, key=lambda n: (busy[n], -n))
+    return _hcdiv(kv_blocks, _hcdiv(kv_blocks, best))
 
 
 def _tma_alloc(size, alignment, stream):
@@ -1385,7 +1431,7 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
                      table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
                      tma=opts.tma, ws=opts.tma and opts.warp_specialize)
-    packs = pack_plans(p) if opts.pack_gqa else "the lowering was asked not to pack (LowerOptions.pack_gqa)"
+    packs = _packing(p, opts, designs)
     bodies = [(kernel_fn_name(k), _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
     if isinstance(packs, dict):
         bodies += [(packed_fn_name(k), _KernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
@@ -1399,6 +1445,17 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
 
 def packed_fn_name(k: Kernel) -> str:
     return f"_{k.name}_packed_kernel"
+
+
+def _packing(p: Program, opts: LowerOptions, designs: DesignTable | None) -> dict[str, PackPlan] | str:
+    """The kernels' pack plans when the module should carry packed forms (a split-KV program, or a design that
+    packs), else why not: a prefill module whose designs never pack stays as it was."""
+    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    if not opts.pack_gqa:
+        return "the lowering was asked not to pack (LowerOptions.pack_gqa)"
+    if not split and not any(d.pack_gqa for by in (designs or {}).values() for ds in by.values() for d in ds):
+        return "not a split-KV program and no design packs"
+    return pack_plans(p)
 
 
 def check_attention_params(p: Program, lowering: str) -> None:
@@ -1429,7 +1486,7 @@ def _design_lines(p: Program, designs: DesignTable | None, packs: dict | str) ->
             "# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew",
             "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);",
             "# NUM_SPLITS 0 = chosen at launch from the grid and the SM count",
-            f"# GQA packing: {'available' if packable else 'not available, ' + packs}",
+            f"# GQA packing: {'available (designs with pack_gqa run the packed kernels)' if packable else 'not used, ' + packs}",
             f"DESIGNS = {table!r}",
             "# the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses",
             f"PROGRAM_DESIGN = {own!r}", "", ""]
