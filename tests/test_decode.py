@@ -120,3 +120,24 @@ def test_combine_reads_one_split_at_a_time() -> None:
     src = lower_program(FIXTURES["decode_split_kv"]())
     combine = src[src.index("def _combine_kernel("):src.index("def _split_packed_kernel(")]
     assert "for _sp in range(0, NUM_SPLITS):" in combine and "po = tl.load" not in combine
+
+
+# ------------------------------------------------------------------ design ranking
+
+
+def test_decode_ranks_packed_designs_first_until_packing_is_measured() -> None:
+    from generate.designs import Sweep, rank_designs
+    from kb.features import Features
+
+    gqa = Features(mask="none", decode=True, split_kv=True, gqa_ratio=4, head_dim=128, dtype="bf16")
+    fa2 = [("sm90", 128, {"block_m": 64, "block_n": 128, "num_warps": 4, "split_kv": True})]
+    unpacked = Sweep("k-1", gqa, "sm90", 128, ((Design(16, 64, 2, 2, AUTO_SPLITS), 1.0),))
+    ranked = rank_designs(gqa, "sm90", 128, [unpacked], fa2)
+    assert ranked[0] == Design(16, 64, 4, 3, AUTO_SPLITS, pack_gqa=True) and ranked[0].block_n in (64, 128)
+    assert Design(16, 64, 2, 2, AUTO_SPLITS, pack_gqa=True) in ranked[:8]  # the measured tile, packed, is a candidate
+    # once a sweep timed packed designs beside unpacked ones, the measurements decide
+    tuned = Sweep("k-2", gqa, "sm90", 128, ((Design(16, 128, 8, 3, AUTO_SPLITS, pack_gqa=True), 0.5),
+                                            (Design(16, 64, 4, 3, AUTO_SPLITS, pack_gqa=True), 0.7),
+                                            (Design(16, 64, 2, 2, AUTO_SPLITS), 1.2)))
+    assert rank_designs(gqa, "sm90", 128, [tuned], fa2)[0] == Design(16, 128, 8, 3, AUTO_SPLITS, pack_gqa=True)
+    assert all(d.fits("sm90", 128) for d in ranked)
