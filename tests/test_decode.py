@@ -141,3 +141,28 @@ def test_decode_ranks_packed_designs_first_until_packing_is_measured() -> None:
                                             (Design(16, 64, 2, 2, AUTO_SPLITS), 1.2)))
     assert rank_designs(gqa, "sm90", 128, [tuned], fa2)[0] == Design(16, 128, 8, 3, AUTO_SPLITS, pack_gqa=True)
     assert all(d.fits("sm90", 128) for d in ranked)
+
+
+# ------------------------------------------------------------------ the verifier accepts honest split-KV
+
+
+def _candidate(tmp_path: Path, design: tuple, name: str) -> Path:
+    """A KernelBench candidate running the split-KV decode program at `design` (the harness's CPU run)."""
+    src = lower_program(decode_split_kv(dtype=Dtype.BF16)) + (
+        "\n\nclass ModelNew(torch.nn.Module):\n"
+        "    def forward(self, q, k_cache, v_cache):\n"
+        f"        return forward(q, k_cache, v_cache, _design={design!r})[0]\n")
+    path = tmp_path / f"{name}.py"
+    path.write_text(src)
+    return path
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["gqa-packed", "split-kv"])
+def test_verifier_accepts_honest_split_kv(pack: bool, tmp_path: Path) -> None:
+    # 5 splits: the partials (B x Hq x 5 x M x D fp32) are copied back by the interpreter through set_/copy_
+    from verify import Verdict, VerifyOptions, verify
+
+    spec = ROOT / "tests" / "verify_fixtures" / "decode_gqa_spec.py"
+    opts = VerifyOptions(distributions=("normal",), max_cases=2, timeout_s=300)
+    r = verify(spec, _candidate(tmp_path, (16, 16, 5, 4, 1, False, pack), f"honest_{pack}"), opts)
+    assert r.verdict is Verdict.passed, r.message
