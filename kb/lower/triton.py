@@ -1167,12 +1167,14 @@ def _interpreter_compat():
     """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
     (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs)."""
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
+    And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
     if getattr(interpreter, "_kb_compat", False):
         return
+    _interpreter_speed(interpreter)
     patch_tensor = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -1192,6 +1194,46 @@ def _interpreter_compat():
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
     interpreter._kb_compat = True
+
+
+def _interpreter_speed(interpreter):
+    """Two interpreter costs that change no result, skipped (a decode kernel's CPU check ran 2-4x slower with them):
+    - every integer +, -, * builds an int64 overflow check through the semantic layer whose only effect is a
+      device_assert, which the interpreter drops unless debugging (options.debug); it now runs only then;
+    - every call of a @triton.jit helper (tl.cdiv, tl.max, tl.sum, ...) re-patched triton.language with
+      inspect.getmembers; within one grid run, modules already patched for it are not patched again."""
+    semantic = interpreter.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+
+    def overflow_check(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    patch_lang, grid_call, patched = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    class _Kept:
+        def restore(self):
+            pass
+
+    def lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return _Kept()  # already patched in this grid run (device-function scopes are never restored anyway)
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = lang_once
+    interpreter.GridExecutor.__call__ = run_grid
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
