@@ -10,6 +10,9 @@ Three sources, in this order of trust:
 2. **expert tunables** lifted from the launch templates (FA2 per head dim for sm80/sm86, CUTLASS
    Hopper FMHA for sm90), mapped onto Triton launch parameters.
 3. a small **default grid**, so a design search always has candidates.
+Decode with GQA/MQA puts GQA-packed designs first (Design.pack_gqa: the query heads of a KV head share one
+tile, so K/V are read once per KV head instead of Hq // Hkv times, as FA2's decode path, FA3's PackGQA and
+FlashInfer's decode do) until the KB holds a measured packed design; then measurements decide.
 `rank_designs` is a pure function of those inputs; `design_table` reads them from a KB.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket
@@ -96,11 +99,19 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
     return list(dict.fromkeys(same + other))
 
 
+# Packed decode is a bandwidth problem: each program streams its KV head's K/V once. 64-128 keys per tile and
+# 3-4 stages keep 64-130 KB of K/V loads in flight per SM (~25 KB are needed to cover HBM latency at the
+# H200's 4.8 TB/s over 132 SMs), and stay within 227 KB of shared memory at D = 128.
+PACKED_DECODE_GRID = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 2, 3), (128, 4, 2))
+
+
 def default_designs(decode: bool) -> list[Design]:
-    """The grid a design search always includes (Triton's usual attention tiles on NVIDIA GPUs)."""
+    """The grid a design search always includes (Triton's usual attention tiles on NVIDIA GPUs); for decode,
+    GQA-packed split-KV designs first (no-ops where a program or shape cannot pack)."""
     if decode:
-        return [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),
-                                                                   (256, 8, 2), (64, 2, 2))] \
+        return [Design(16, n, w, s, AUTO_SPLITS, pack_gqa=True) for n, w, s in PACKED_DECODE_GRID] \
+            + [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),
+                                                                 (256, 8, 2), (64, 2, 2))] \
             + [Design(16, 128, 4, 2, 16), Design(16, 64, 4, 2, 32)]
     grid = ((128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 3),
             (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 4, 3), (64, 32, 4, 3))
@@ -124,6 +135,10 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
                 scores[d] = scores.get(d, 0.0) + w * rel / total
         measured = sorted(scores, key=lambda d: (-scores[d], d))
     ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
+    if decode and target.gqa_ratio != 1 and not any(d.pack_gqa for d in measured):
+        # packing not measured yet: the expert practice (packed, bandwidth-sized tiles) before unpacked measurements
+        packed = [d for d in default_designs(decode) if d.pack_gqa]
+        ranked = packed + [replace(d, pack_gqa=True) for d in measured + expert_designs(tunables, arch, bucket, decode)] + ranked
     # tiles that cannot fit shared memory: never
     return [d for d in dict.fromkeys(ranked) if d.fits(arch, bucket, head_dim_v=value_bucket)]
 

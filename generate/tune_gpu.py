@@ -324,7 +324,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
             if time.monotonic() > deadline:
                 records.append({"impl": f"design {text}", "design": text, "status": "skipped", "error": "deadline"})
                 continue
-            d = parse_design(text).as_tuple()
+            d = _design_arg(text)
             kw = dict(kwargs)
             if table is not None:
                 with contextlib.suppress(Exception):  # a design that cannot build its table fails below
@@ -332,7 +332,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
             fn = functools.partial(cand.forward, *args, _design=d, **kw)
             records.append({**_record(f"design {text}", fn, ref, flops, trials), "design": text})
         if table is not None and res["emitted_design"]:
-            d = parse_design(res["emitted_design"]).as_tuple()
+            d = _design_arg(res["emitted_design"])
             kw = {**kwargs, "block_class": table(*args, _design=d, **kwargs)}
             records.append(_record("emitted+table", functools.partial(cand.forward, *args, _design=d, **kw), ref, flops,
                                    trials))
@@ -352,8 +352,15 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     impls: dict[str, Callable[[], Any] | None] = {
         "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs)}
     for text in entry["designs"]:
-        impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=parse_design(text).as_tuple(), **kwargs)
+        impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=_design_arg(text), **kwargs)
     return {name: fn for name, fn in impls.items() if fn is not None}
+
+
+def _design_arg(text: str) -> tuple:
+    """The `_design=` tuple of a design's text; 6 entries unless it packs, so candidates emitted before GQA
+    packing (whose launch unpacks 6) time as before."""
+    d = parse_design(text)
+    return d.as_tuple() if d.pack_gqa else d.as_tuple()[:6]
 
 
 # ---- parallel warm-up (compile everything once, in worker processes) -----------------------------
@@ -373,7 +380,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
                 new(*inputs)
             else:
                 args, kwargs, _ = _module_call(cand, new, inputs)
-                cand.forward(*args, _design=parse_design(design).as_tuple(), **kwargs)
+                cand.forward(*args, _design=_design_arg(design), **kwargs)
         torch.cuda.synchronize()
         return "ok"
     except Exception as err:  # noqa: BLE001 - the timed process records the error

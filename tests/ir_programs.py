@@ -137,14 +137,15 @@ def gqa(dtype: Dtype = Dtype.F32) -> Program:
     return forward("gqa_causal", mask_mod="q_idx >= kv_idx", hi="minimum(N, m_start + BLOCK_M)", dtype=dtype)
 
 
-def decode_split_kv(num_splits: int = 3, dtype: Dtype = Dtype.F32) -> Program:
-    """Split-KV decode: kernel 1 writes per-split partials, kernel 2 combines them by LSE."""
+def decode_split_kv(num_splits: int = 3, dtype: Dtype = Dtype.F32, *, score_mod: str | None = None,
+                    mask_mod: str | None = None, aux: tuple[Param, ...] = ()) -> Program:
+    """Split-KV decode: kernel 1 writes per-split partials, kernel 2 combines them by LSE (masks per element)."""
     # the split axis is named `split`, not `s`: `s` is the score tile, and tiles and scalars share one namespace
-    base = forward("decode_split_kv", dtype=dtype,
+    base = forward("decode_split_kv", dtype=dtype, score_mod=score_mod, mask_mod=mask_mod, aux=aux,
                    schedule=Schedule(block_m=16, block_n=16, num_warps=4, num_stages=1, num_splits=num_splits))
     chunk = "cdiv(cdiv(N, NUM_SPLITS), BLOCK_N) * BLOCK_N"
     split_loop = For("n_start", E(f"split * {chunk}"), E(f"minimum(N, (split + 1) * {chunk})"), "BLOCK_N", "forward",
-                     _kv_loop_body(score_mod=False, mask_mod=False, block_classes=False))
+                     _kv_loop_body(score_mod=score_mod is not None, mask_mod=mask_mod is not None, block_classes=False))
     fwd = base.kernels[0]
     part_body = tuple(
         split_loop if isinstance(st, For) else st for st in fwd.body if not isinstance(st, Store)
@@ -165,7 +166,7 @@ def decode_split_kv(num_splits: int = 3, dtype: Dtype = Dtype.F32) -> Program:
         Param("o_part", ("B", "Hq", "NUM_SPLITS", "M", "D"), Dtype.F32, Role.SCRATCH),
         Param("lse_part", ("B", "Hq", "NUM_SPLITS", "M"), Dtype.F32, Role.SCRATCH),
     )
-    return Program(base.name, base.params + scratch, base.schedule, (part, combine))
+    return Program(base.name, base.params + scratch, base.schedule, (part, combine), base.score_mod, base.mask_mod)
 
 
 FIXTURES = {

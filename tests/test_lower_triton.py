@@ -224,7 +224,7 @@ def test_generated_code_shape_follows_fa2() -> None:
     assert "tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None])" in src  # p in v's dtype, fp32 acc
     assert "tl.exp2(s * 1.4426950408889634 - _m_log2[:, None])" in src  # log2(e) folded into one FMA
     assert "num_warps=num_warps, num_stages=num_stages" in src and "BLOCK_M: tl.constexpr" in src
-    assert "PROGRAM_DESIGN = (16, 16, 1, 4, 1, True)" in src  # the program's schedule, for the interpreter
+    assert "PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)" in src  # the program's schedule, for the interpreter
     assert 'input_precision="ieee"' not in src  # only fp32 programs ask for exact fp32 dots
     fast = lower_program(FIXTURES["causal"](dtype=Dtype.BF16))
     assert "_kv_hi_n_start = tl.minimum(N, (m_start + BLOCK_M))" in fast  # split loops keep the IR's bounds

@@ -21,6 +21,7 @@ EXPECTED: dict[str, tuple[Verdict, bool]] = {
     "calls_sdpa_hidden": (Verdict.forbidden_call, False),
     "matmul_softmax": (Verdict.forbidden_call, False),
     "emulated_matmul": (Verdict.forbidden_call, False),
+    "scores_in_scratch": (Verdict.forbidden_call, False),
     "cache_by_data_ptr": (Verdict.hack_suspected, True),
     "cache_by_shape": (Verdict.hack_suspected, True),
     "copies_input": (Verdict.hack_suspected, False),

@@ -40,6 +40,11 @@ MATERIALISE_FACTOR = 4
 # Ops that move or fill memory without computing from it: the Triton interpreter copies every kernel
 # argument back through them (a split-KV kernel's partial outputs are NUM_SPLITS times the output), and
 # none of them can produce a score matrix without a compute op that the size check still sees.
+# So scratch is told apart from a materialised score matrix by how it is filled, not by its size: honest
+# scratch (split-KV partials, O(output x NUM_SPLITS); block tables) is allocated (factories take no tensor,
+# so they are never size-checked) and written by the kernel; a torch compute op producing more than
+# MATERIALISE_FACTOR x the largest input or output is caught whatever buffer it writes, `out=` scratch
+# included (tests/cheats/scores_in_scratch.py). Peak memory bounds the rest (verify.memory).
 DATA_MOVEMENT_OPS = frozenset({"set_", "copy_", "fill_", "zero_", "detach", "alias", "_to_copy", "clone",
                                "empty_like", "new_empty", "new_empty_strided", "lift_fresh"})
 

@@ -1,13 +1,14 @@
 """Designs: everything about a kernel that is not its meaning, chosen per target GPU.
 
 A `Design` is the part of a schedule that the emitted module may pick at launch (tile sizes,
-warps, pipeline stages, split-KV count, whether Hopper's TMA path is used), so one lowered
+warps, pipeline stages, split-KV count, whether Hopper's TMA path is used, whether the query
+heads sharing a KV head are packed into one tile's rows: GQA packing), so one lowered
 module serves many designs. The code shape (which loops exist, block skipping, masks) comes
 from the IR and the lowering, never from the design. A `DesignTable` maps a target arch and a
 head-dim bucket to designs ordered best first.
 
-Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`) and ` notma` when they differ from
-the defaults; `parse_design(str(d)) == d`.
+Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`), ` notma` and ` pack` when they differ
+from the defaults; `parse_design(str(d)) == d`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ AUTO_SPLITS = 0  # num_splits chosen at launch from the grid size and the SM cou
 # shared memory a block may opt in to, per arch (CUDA programming guide, compute capabilities table)
 SHARED_MEMORY_BYTES = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024, "sm90": 227 * 1024,
                        "sm100": 227 * 1024, "sm120": 99 * 1024}
-_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)")
+_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)((?: pack)?)")
 
 
 def _pow2(n: int) -> bool:
@@ -42,6 +43,9 @@ class Design:
     num_stages: int
     num_splits: int = 1  # AUTO_SPLITS: chosen at launch
     tma: bool = True  # use tensor descriptors (TMA) where the GPU and layouts allow
+    # GQA packing (kb.lower.pack_gqa): tile rows are (query head in group, query position) pairs, so one
+    # program reads its KV head's K/V once for all Hq // Hkv query heads; ignored where the program cannot pack
+    pack_gqa: bool = False
 
     def __post_init__(self) -> None:
         bad = [f for f in ("block_m", "block_n", "num_warps") if not _pow2(getattr(self, f))]
@@ -52,17 +56,18 @@ class Design:
 
     def __str__(self) -> str:
         split = "" if self.num_splits == 1 else (" split-auto" if self.num_splits == AUTO_SPLITS else f" split{self.num_splits}")
-        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{split}{'' if self.tma else ' notma'}"
+        return (f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{split}{'' if self.tma else ' notma'}"
+                f"{' pack' if self.pack_gqa else ''}")
 
-    def as_tuple(self) -> tuple[int, int, int, int, int, bool]:
-        """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma): the launch parameters in an emitted module."""
-        return (self.block_m, self.block_n, self.num_splits, self.num_warps, self.num_stages, self.tma)
+    def as_tuple(self) -> tuple[int, int, int, int, int, bool, bool]:
+        """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa): the launch parameters in an emitted module."""
+        return (self.block_m, self.block_n, self.num_splits, self.num_warps, self.num_stages, self.tma, self.pack_gqa)
 
     @classmethod
     def from_tuple(cls, t: tuple) -> Design:
-        """The inverse of `as_tuple` (an emitted module's launch parameters)."""
-        bm, bn, splits, warps, stages, tma = t
-        return cls(bm, bn, warps, stages, splits, bool(tma))
+        """The inverse of `as_tuple` (an emitted module's launch parameters); a 6-tuple (before GQA packing) packs nothing."""
+        bm, bn, splits, warps, stages, tma, *pack = t
+        return cls(bm, bn, warps, stages, splits, bool(tma), bool(pack and pack[0]))
 
     def to_dict(self) -> dict[str, int | bool]:
         return dataclasses.asdict(self)
@@ -75,8 +80,8 @@ class Design:
             raise KBError(f"not a design: {dict(d)} ({err})") from None
 
     @classmethod
-    def of_schedule(cls, s: Schedule, tma: bool = True) -> Design:
-        return cls(s.block_m, s.block_n, s.num_warps, s.num_stages, s.num_splits, tma)
+    def of_schedule(cls, s: Schedule, tma: bool = True, pack_gqa: bool = False) -> Design:
+        return cls(s.block_m, s.block_n, s.num_warps, s.num_stages, s.num_splits, tma, pack_gqa)
 
     def apply(self, p: Program) -> Program:
         """`p` with this design's schedule (the IR's meaning is unchanged)."""
@@ -98,10 +103,10 @@ class Design:
 def parse_design(text: str) -> Design:
     m = _TEXT.fullmatch(text.strip())
     if m is None:
-        raise KBError(f"not a design: {text!r}; write e.g. '128x64 w4 s3', '64x128 w4 s2 split-auto notma'")
+        raise KBError(f"not a design: {text!r}; write e.g. '128x64 w4 s3', '16x64 w4 s3 split-auto notma pack'")
     split = m.group(5).strip()
     splits = 1 if not split else (AUTO_SPLITS if split == "split-auto" else int(split[5:]))
-    return Design(int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), splits, not m.group(6))
+    return Design(int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), splits, not m.group(6), bool(m.group(7)))
 
 
 def head_bucket(head_dim: int) -> int:

@@ -33,6 +33,7 @@ Invariants of the generated module:
 
 from __future__ import annotations
 
+import dataclasses
 import keyword
 import re
 from dataclasses import dataclass, field
@@ -43,10 +44,11 @@ from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     Stmt, Store, VALUE_DIM, launch_constants, walk_stmts,
 )
+from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
 __all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
@@ -91,6 +93,10 @@ class LowerOptions:
     - warp_specialize (off by default): with USE_TMA and the schedule's `warp_specialize` hint,
       innermost forward loops become `tl.range(..., warp_specialize=True)` (WARP_SPEC constexpr).
       Triton 3.6 on H200 gave no gain (w8) and failed to compile at num_warps=4 (NVGPUWarpSpecialization).
+    - pack_gqa: kernels that pass `kb.lower.pack_gqa.pack_plans` also get a packed form (`_<name>_packed_kernel`):
+      the query heads of one KV head become tile rows, so K/V are read once per KV head and split instead of
+      Hq // Hkv times. The host runs it when the design asks (Design.pack_gqa) and Hq > Hkv; a split-KV
+      program's own schedule (PROGRAM_DESIGN, what the interpreter verifies) packs.
     - indexed_kv_loop: the same split under a host-table plan (data-dependent masks such as
       document ids or a per-batch prefix), where full blocks are not one interval: the host turns
       the block-class table into per-row lists of partial and of full KV blocks (FlexAttention's
@@ -106,6 +112,7 @@ class LowerOptions:
     tma: bool = True
     warp_specialize: bool = False
     indexed_kv_loop: bool = True
+    pack_gqa: bool = True
 
 
 def kernel_fn_name(k: Kernel) -> str:
@@ -531,8 +538,10 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
 
 
 class _KernelGen:
-    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions) -> None:
+    def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions,
+                 pack: PackPlan | None = None) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.region: _Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
@@ -546,9 +555,13 @@ class _KernelGen:
         # where descriptors of loads inside the outermost loop are built: (line, depth, IR names set in the loop)
         self.hoist: tuple[int, int, set[str]] | None = None
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
+        self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
         self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
         for d in sig.dims:
             self.names[d] = Sym(d, Kind.INT, True)
+        if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
+            self.m_dim = PACK_ROWS
+            self.names[PACK_ROWS] = Sym("_pk_rows", Kind.INT, True)
         for c in SCHEDULE_CONSTANTS:
             self.names[c] = Sym(c, Kind.INT, True)
         for s in sig.scalars:
@@ -648,8 +661,20 @@ class _KernelGen:
         terms: list[str] = []
         rank = sum(not isinstance(i, Expr) for i in index)
         pos = 0
+        packed = self.packed_dims(tensor, index)
         for dim_i, (d, item) in enumerate(zip(prm.shape, index)):
             stride = f"stride_{tensor}_{dim_i}"
+            if packed is not None and dim_i == packed[0]:
+                continue  # the head term is added per row with the query-block span below
+            if packed is not None and dim_i == packed[1]:
+                assert isinstance(item, Span)
+                offs = self.offsets(item.start, str(item.size))
+                head, qpos = self.pack_rows(offs)
+                bc = offs + _bcast(pos, rank)
+                terms += [f"{head}{_bcast(pos, rank)} * stride_{tensor}_{packed[0]}", f"{qpos}{_bcast(pos, rank)} * {stride}"]
+                spans.append((bc, str(item.size), "_pk_rows", False))
+                pos += 1
+                continue
             if isinstance(item, Expr):
                 terms.append(f"{_wrap(self.ex(item))} * {stride}")
                 continue
@@ -688,13 +713,36 @@ class _KernelGen:
                       for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
         return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
 
+    def packed_dims(self, tensor: str, index: tuple) -> tuple[int, int] | None:
+        """(head dim, query-block span dim) of an access this packed kernel gathers / scatters per row."""
+        if self.pack is None:
+            return None
+        shape = self.p.param(tensor).shape
+        spans = [i for i, (d, it) in enumerate(zip(shape, index)) if row_span(it, d, self.pack)]
+        heads = [i for i, (d, it) in enumerate(zip(shape, index)) if it == var(self.pack.head) and d == self.pack.hq]
+        return (heads[0], spans[0]) if spans and heads else None
+
+    def pack_rows(self, offs: str) -> tuple[str, str]:
+        """Per-row query head and query position of the packed rows `offs` (row r: head h + r // M, position r % M)."""
+        assert self.pack is not None
+        key = (offs, "__pack__")
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key], f"{offs}_pos"
+        head, m = self.names[self.pack.head].code, self.names[self.pack.m].code
+        self.emit(f"{offs}_head = {head} + {offs} // {m}  # packed rows: (query head in group, query position)")
+        self.emit(f"{offs}_pos = {offs} % {m}")
+        self.offs[-1][key] = f"{offs}_head"
+        return f"{offs}_head", f"{offs}_pos"
+
     def tma_desc(self, tensor: str, index: tuple) -> tuple[str, str] | None:
         """(descriptor name, offsets code) of a 2-D tile `tensor[e.., Span|Full, Span|Full]`, or None.
 
         The descriptor covers the [rows, cols] slice at the leading indices with the dims' true
         extents, so TMA's out-of-range zero fill / store clipping equal the masked form's bounds.
+        Packed rows (GQA packing) are a gather, not a tile: no descriptor.
         """
-        if not self.sig.tma:
+        if not self.sig.tma or self.packed_dims(tensor, index) is not None:
             return None
         prm = self.p.param(tensor)
         n = len(prm.shape)
@@ -812,7 +860,25 @@ class _KernelGen:
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)
 
+    def split_dim(self, st: Load) -> int | None:
+        """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
+        the tile's first axis: the combine then streams them one split at a time instead of holding them all."""
+        shape = self.p.param(st.tensor).shape
+        tile_dims = [i for i, it in enumerate(st.index) if not isinstance(it, Expr)]
+        if not tile_dims or shape[tile_dims[0]] != "NUM_SPLITS" or not isinstance(st.index[tile_dims[0]], Full):
+            return None
+        readers = [x for x in walk_stmts(self.k.body) if st.out in _reads(x)]
+        ok = len(readers) == 1 and isinstance(readers[0], Combine) and readers[0].o_parts == st.out
+        return tile_dims[0] if ok else None
+
     def s_load(self, st: Load) -> None:
+        dim = self.split_dim(st) if st.other == 0.0 else None
+        if dim is not None:
+            _, _, shape = self.address(st.tensor, st.index)
+            self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
+            self.deferred[st.out] = (st, dim)
+            self.emit(f"# {self.local(st.out)}: loaded one split at a time by the combine below (each partial read once)")
+            return
         ptr, mask, shape = self.address(st.tensor, st.index)
         desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
@@ -894,6 +960,11 @@ class _KernelGen:
         names["b"] = self.index_sym(st.b)
         names["h"] = self.index_sym(st.h)
         names["q_idx"] = Sym(f"{om}[:, None]", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
+            head, qpos = self.pack_rows(om)
+            names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
+            if st.h == var(self.pack.head):
+                names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
         names["kv_idx"] = Sym(f"{on}[None, :]", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
@@ -980,19 +1051,36 @@ class _KernelGen:
         self.emit("_w_sum = tl.sum(_w, 0)")
         self.emit("_w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)")
         self.emit(f"{lse} = tl.where(_w_sum == 0.0, {_NEG_INF}, _lse_max + tl.log(_w_safe))")
-        self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+        if st.o_parts not in self.deferred:
+            self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+            return
+        load, dim = self.deferred.pop(st.o_parts)
+        one = w_bc.replace(":, ", "", 1)
+        self.emit(f"{o} = tl.zeros([{', '.join(po_t.shape[1:])}], tl.float32)")
+        self.emit("for _sp in range(0, NUM_SPLITS):  # one split's partial at a time, weighted by its share of the sum")
+        self.depth += 1
+        self.offs.append({})
+        self.names["_sp"] = Sym("_sp", Kind.INT, True)
+        ptr, mask, _ = self.address(load.tensor, tuple(var("_sp") if i == dim else it for i, it in enumerate(load.index)))
+        self.emit(f"_w_sp = tl.sum(tl.where(tl.arange(0, {pl_t.shape[0]}){_bcast(0, len(pl_t.shape))} == _sp, _w, 0.0), 0)")
+        other = "(None if EVEN_D else 0.0)" if mask and mask.startswith("(None if EVEN_D") else "0.0"
+        self.emit(f"{o} += _w_sp{one} * tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
+        self.offs.pop()
+        self.depth -= 1
+        self.emit(f"{o} = {o} / _w_safe[:, None]")
 
     def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
         plan = self.plan
         if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
-                or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts):
+                or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts) \
+                or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
             return None
         return self.loop_tile(st, ("forward", "reverse"))
 
     def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
-        if not self.opts.indexed_kv_loop or not self.sig.table:
+        if not self.opts.indexed_kv_loop or not self.sig.table or self.pack is not None:
             return None
         at = self.loop_tile(st)
         if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
@@ -1183,6 +1271,12 @@ class _KernelGen:
         return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
 
     # -- whole kernel
+    def axis_value(self, axis: str, index: str) -> str:
+        """A grid axis' value from its flat index; packed, the head axis is the group's first query head."""
+        if self.pack is not None and axis == self.pack.head:
+            return f"{_wrap(index)} * ({self.pack.hq} // {self.pack.hkv})"
+        return index
+
     def moves_kv_bound(self, axis: str) -> bool:
         """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
         deps: dict[str, set[str]] = {}
@@ -1198,21 +1292,26 @@ class _KernelGen:
 
     def generate(self) -> list[str]:
         axes = self.k.grid
+        pk = self.pack
         self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
+        if pk is not None:
+            self.emit(f"# GQA packed: {pk.head} runs over the {pk.hkv} KV heads, {pk.rows} over cdiv(({pk.hq} // {pk.hkv}) * {pk.m}, "
+                      f"BLOCK_M) blocks of (query head in group, query position) rows")
+            self.emit(f"_pk_rows = ({pk.hq} // {pk.hkv}) * {pk.m}")
         heavy = self.opts.heavy_first and len(axes) > 1 and self.moves_kv_bound(axes[-1].name)
         if len(axes) == 1:
-            self.emit(f"{self.local(axes[0].name)} = tl.program_id(0)")
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'tl.program_id(0)')}")
         else:
             self.emit("pid = tl.program_id(0)")
             for a in reversed(axes[1:]):
-                ext = _wrap(self.ex(a.extent))
+                ext = _wrap(self.ex(pk.extent(a.name, a.extent) if pk else a.extent))
                 if heavy and a is axes[-1]:
                     self.emit(f"# `{a.name}` moves the KV loop bound: largest {a.name} first, so the launch ends on short programs")
                     self.emit(f"{self.local(a.name)} = {ext} - 1 - pid % {ext}")
                 else:
-                    self.emit(f"{self.local(a.name)} = pid % {ext}")
+                    self.emit(f"{self.local(a.name)} = {self.axis_value(a.name, f'pid % {ext}')}")
                 self.emit(f"pid = pid // {ext}")
-            self.emit(f"{self.local(axes[0].name)} = pid")
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'pid')}")
         for a in axes:
             below = _wrap(self.ex(a.extent)) if a.extent.op is ExprOp.VAR else None
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
@@ -1264,12 +1363,14 @@ def _interpreter_compat():
     """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
     (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs)."""
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
+    And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
     if getattr(interpreter, "_kb_compat", False):
         return
+    _interpreter_speed(interpreter)
     patch_tensor = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -1289,6 +1390,46 @@ def _interpreter_compat():
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
     interpreter._kb_compat = True
+
+
+def _interpreter_speed(interpreter):
+    """Two interpreter costs that change no result, skipped (a decode kernel's CPU check ran 2-4x slower with them):
+    - every integer +, -, * builds an int64 overflow check through the semantic layer whose only effect is a
+      device_assert, which the interpreter drops unless debugging (options.debug); it now runs only then;
+    - every call of a @triton.jit helper (tl.cdiv, tl.max, tl.sum, ...) re-patched triton.language with
+      inspect.getmembers; within one grid run, modules already patched for it are not patched again."""
+    semantic = interpreter.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+
+    def overflow_check(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    patch_lang, grid_call, patched = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    class _Kept:
+        def restore(self):
+            pass
+
+    def lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return _Kept()  # already patched in this grid run (device-function scopes are never restored anyway)
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = lang_once
+    interpreter.GridExecutor.__call__ = run_grid
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -1441,17 +1582,33 @@ def _choose_design(t, D, key, launch):
     return choice
 
 
+def _design7(design):
+    """A design tuple with its GQA-packing flag (tuples written before packing existed have 6 entries: no packing)."""
+    return (*design, False)[:7]
+
+
+_MIN_SPLIT_BLOCKS = 4  # no split shorter than this many KV blocks (each split costs a q load, a partial write and read)
+
+
 def _auto_splits(programs, kv_blocks, device):
-    """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
-    count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
+    """Split-KV count for a grid of `programs` (at one split; packed: B * Hkv * row blocks) over `kv_blocks` KV
+    blocks, from the SM count (flash-decoding); 1 off CUDA. See _split_rule."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= 0.8 * sms:
+    return _split_rule(programs, kv_blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _split_rule(programs, kv_blocks, sms):
+    """Enough programs for about two waves of `sms` SMs, no split shorter than _MIN_SPLIT_BLOCKS KV blocks, at most
+    128; among [that count, twice it] the one that fills its last wave best (the smallest on ties); then the count
+    whose splits are all non-empty (every split is a whole number of KV blocks, the last one possibly shorter)."""
+    cap = max(1, min(128, kv_blocks // _MIN_SPLIT_BLOCKS))
+    want = min(cap, _hcdiv(2 * sms, programs))
+    if want <= 1:
         return 1
-    counts = range(1, max(1, min(128, kv_blocks)) + 1)
-    busy = [programs * n / (_hcdiv(programs * n, sms) * sms) for n in counts]
-    return next(n for n, e in zip(counts, busy) if e >= 0.85 * max(busy))
+    busy = {n: programs * n / (_hcdiv(programs * n, sms) * sms) for n in range(want, min(cap, 2 * want) + 1)}
+    best = max(busy, key=lambda n: (busy[n], -n))
+    return _hcdiv(kv_blocks, _hcdiv(kv_blocks, best))
 
 
 def _tma_alloc(size, alignment, stream):
@@ -1503,14 +1660,17 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
                      table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
                      even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
                      tma=opts.tma, ws=opts.tma and opts.warp_specialize)
-    bodies = [(k, _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    packs = _packing(p, opts, designs)
+    bodies = [(kernel_fn_name(k), _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    if isinstance(packs, dict):
+        bodies += [(packed_fn_name(k), _KernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
     out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
-    for k, lines in bodies:
+    for fn, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
-        out += ["", "@triton.jit", f"def {kernel_fn_name(k)}(", *(f"    {a}," for a in args), "):", *lines, ""]
+        out += ["", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
     if sig.table:
         out += ["", *_class_kernel(p, sig, plan)]
-    out += ["", *_design_lines(p, designs), *_host(p, sig, plan)]
+    out += ["", *_design_lines(p, designs, packs), *_host(p, sig, plan, packs)]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -1554,6 +1714,21 @@ def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]
     return ["@triton.jit", "def _block_class_kernel(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
 
 
+def packed_fn_name(k: Kernel) -> str:
+    return f"_{k.name}_packed_kernel"
+
+
+def _packing(p: Program, opts: LowerOptions, designs: DesignTable | None) -> dict[str, PackPlan] | str:
+    """The kernels' pack plans when the module should carry packed forms (a split-KV program, or a design that
+    packs), else why not: a prefill module whose designs never pack stays as it was."""
+    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    if not opts.pack_gqa:
+        return "the lowering was asked not to pack (LowerOptions.pack_gqa)"
+    if not split and not any(d.pack_gqa for by in (designs or {}).values() for ds in by.values() for d in ds):
+        return "not a split-KV program and no design packs"
+    return pack_plans(p)
+
+
 def check_attention_params(p: Program, lowering: str) -> None:
     """Both lowerings need q and k as [B, H, S, D] params; KBError naming the lowering otherwise."""
     for name in ("q", "k"):
@@ -1565,15 +1740,24 @@ def check_attention_params(p: Program, lowering: str) -> None:
             raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")
 
 
-def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
-    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule."""
-    table = {arch: {bucket: [d.as_tuple() for d in ds] for bucket, ds in sorted(by.items())}
-             for arch, by in sorted((designs or {}).items())}
-    own = Design.of_schedule(p.schedule, tma=True).as_tuple()
+def _design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> list[str]:
+    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule.
+
+    A program that cannot pack lists its designs unpacked (deduplicated), so the table says what runs; a split-KV
+    program that can pack verifies its packed form (its own schedule packs)."""
+    packable = isinstance(packs, dict)
+
+    def tuples(ds: tuple[Design, ...]) -> list[tuple]:
+        return list(dict.fromkeys(d.as_tuple() if packable else dataclasses.replace(d, pack_gqa=False).as_tuple() for d in ds))
+
+    table = {arch: {bucket: tuples(ds) for bucket, ds in sorted(by.items())} for arch, by in sorted((designs or {}).items())}
+    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and split).as_tuple()
     return [f"PROGRAM = {p.name!r}",
             "# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew",
-            "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma);",
+            "# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);",
             "# NUM_SPLITS 0 = chosen at launch from the grid and the SM count",
+            f"# GQA packing: {'available (designs with pack_gqa run the packed kernels)' if packable else 'not used, ' + packs}",
             f"DESIGNS = {table!r}",
             "# the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses",
             f"PROGRAM_DESIGN = {own!r}", "", ""]
@@ -1587,7 +1771,7 @@ def _out_dtype(q: Param, first_in: Param) -> str:
     return _TORCH_DTYPE[q.dtype]
 
 
-def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str) -> list[str]:
     ins = [q for q in p.params if q.role is Role.IN]
     aux = [q for q in p.params if q.role is Role.AUX]
     outs = [q for q in p.params if q.role is Role.OUT]
@@ -1624,7 +1808,7 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
     L.append("")
     L.append("    def launch(design, table_only=False):")
-    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch)]
+    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch, packs)]
     L.append("")
     first = ins[0].name
     dims_key = ", ".join(sig.dims)
@@ -1642,16 +1826,31 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
     return L
 
 
+def _grid_code(k: Kernel, hctx: ExprContext, pack: PackPlan | None, split: bool = True) -> str:
+    """The host's launch-grid size of kernel `k` (packed: over KV heads and packed row blocks); without the
+    split axes when `split` is False."""
+    axes = [a for a in k.grid if split or "NUM_SPLITS" not in free_vars(a.extent)]
+    return " * ".join(_wrap(lower_expr(pack.extent(a.name, a.extent) if pack else a.extent, hctx)) for a in axes) or "1"
+
+
 def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprContext, names: dict,
-                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param]) -> list[str]:
+                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param], packs: dict | str) -> list[str]:
     """The body of forward's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
     s = p.schedule
     scalars = [q for q in p.params if q.role is Role.SCALAR]
-    L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design"]
+    L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)"]
+    if isinstance(packs, dict):
+        pk = next(iter(packs.values()))
+        hctx = ExprContext(hctx.target, {**hctx.names, PACK_ROWS: Sym("_PK_ROWS", Kind.INT, True)}, hctx.aux)
+        L.append(f"    # GQA packing: the {pk.hq} // {pk.hkv} query heads of a KV head share a tile (K/V read once per KV head)")
+        L.append(f"    PACK = PACK and {pk.hq} > {pk.hkv} and {pk.hq} % {pk.hkv} == 0")
+        L.append(f"    _PK_ROWS = ({pk.hq} // {pk.hkv}) * {pk.m}")
     split_axes = [a for k in p.kernels for a in k.grid if "NUM_SPLITS" in free_vars(a.extent)]
     if split_axes:
         k0 = next(k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid))
-        base = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k0.grid if "NUM_SPLITS" not in free_vars(a.extent)) or "1"
+        base = _grid_code(k0, hctx, None, split=False)
+        if isinstance(packs, dict):
+            base = f"({_grid_code(k0, hctx, packs[k0.name], split=False)} if PACK else {base})"
         L.append(f"    NUM_SPLITS = NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {ins[0].name}.device)")
     else:
         L.append("    NUM_SPLITS = max(1, NUM_SPLITS)")
@@ -1708,10 +1907,16 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         + [q.name for q in sig.scalars] + table_args
     const_kw = ", ".join(f"{c}={c}" for c in sig.constexprs())
     for k in p.kernels:
-        grid = " * ".join(_wrap(lower_expr(a.extent, hctx)) for a in k.grid)
-        L.append(f"    {kernel_fn_name(k)}[({grid},)](")
-        L.append(f"        {', '.join(args)},")
-        L.append(f"        {const_kw}, num_warps=num_warps, num_stages=num_stages,")
-        L.append("    )")
+        launches = [(kernel_fn_name(k), _grid_code(k, hctx, None))]
+        if isinstance(packs, dict):
+            launches.insert(0, (packed_fn_name(k), _grid_code(k, hctx, packs[k.name])))
+        for i, (fn, grid) in enumerate(launches):
+            indent = "        " if len(launches) > 1 else "    "
+            if len(launches) > 1:
+                L.append("    if PACK:" if i == 0 else "    else:")
+            L.append(f"{indent}{fn}[({grid},)](")
+            L.append(f"{indent}    {', '.join(args)},")
+            L.append(f"{indent}    {const_kw}, num_warps=num_warps, num_stages=num_stages,")
+            L.append(f"{indent})")
     L.append(f"    return {', '.join(q.name for q in outs)}")
     return L

@@ -15,12 +15,14 @@ def _interpreter_compat():
     """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
     (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs)."""
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
+    And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
     if getattr(interpreter, "_kb_compat", False):
         return
+    _interpreter_speed(interpreter)
     patch_tensor = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -40,6 +42,46 @@ def _interpreter_compat():
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
     interpreter._kb_compat = True
+
+
+def _interpreter_speed(interpreter):
+    """Two interpreter costs that change no result, skipped (a decode kernel's CPU check ran 2-4x slower with them):
+    - every integer +, -, * builds an int64 overflow check through the semantic layer whose only effect is a
+      device_assert, which the interpreter drops unless debugging (options.debug); it now runs only then;
+    - every call of a @triton.jit helper (tl.cdiv, tl.max, tl.sum, ...) re-patched triton.language with
+      inspect.getmembers; within one grid run, modules already patched for it are not patched again."""
+    semantic = interpreter.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+
+    def overflow_check(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    patch_lang, grid_call, patched = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    class _Kept:
+        def restore(self):
+            pass
+
+    def lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return _Kept()  # already patched in this grid run (device-function scopes are never restored anyway)
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = lang_once
+    interpreter.GridExecutor.__call__ = run_grid
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -192,17 +234,33 @@ def _choose_design(t, D, key, launch):
     return choice
 
 
+def _design7(design):
+    """A design tuple with its GQA-packing flag (tuples written before packing existed have 6 entries: no packing)."""
+    return (*design, False)[:7]
+
+
+_MIN_SPLIT_BLOCKS = 4  # no split shorter than this many KV blocks (each split costs a q load, a partial write and read)
+
+
 def _auto_splits(programs, kv_blocks, device):
-    """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
-    count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
+    """Split-KV count for a grid of `programs` (at one split; packed: B * Hkv * row blocks) over `kv_blocks` KV
+    blocks, from the SM count (flash-decoding); 1 off CUDA. See _split_rule."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= 0.8 * sms:
+    return _split_rule(programs, kv_blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _split_rule(programs, kv_blocks, sms):
+    """Enough programs for about two waves of `sms` SMs, no split shorter than _MIN_SPLIT_BLOCKS KV blocks, at most
+    128; among [that count, twice it] the one that fills its last wave best (the smallest on ties); then the count
+    whose splits are all non-empty (every split is a whole number of KV blocks, the last one possibly shorter)."""
+    cap = max(1, min(128, kv_blocks // _MIN_SPLIT_BLOCKS))
+    want = min(cap, _hcdiv(2 * sms, programs))
+    if want <= 1:
         return 1
-    counts = range(1, max(1, min(128, kv_blocks)) + 1)
-    busy = [programs * n / (_hcdiv(programs * n, sms) * sms) for n in counts]
-    return next(n for n, e in zip(counts, busy) if e >= 0.85 * max(busy))
+    busy = {n: programs * n / (_hcdiv(programs * n, sms) * sms) for n in range(want, min(cap, 2 * want) + 1)}
+    best = max(busy, key=lambda n: (busy[n], -n))
+    return _hcdiv(kv_blocks, _hcdiv(kv_blocks, best))
 
 
 def _tma_alloc(size, alignment, stream):
@@ -446,7 +504,7 @@ def _combine_kernel(
     offs_r = tl.arange(0, PAD_NUM_SPLITS)
     offs_m_start = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    po = tl.load(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + offs_r[:, None, None] * stride_o_part_2 + offs_m_start[None, :, None] * stride_o_part_3 + offs_d[None, None, :] * stride_o_part_4, mask=((offs_r[:, None, None] < NUM_SPLITS) & (offs_m_start[None, :, None] < M) if EVEN_D else (offs_r[:, None, None] < NUM_SPLITS) & (offs_m_start[None, :, None] < M) & (offs_d[None, None, :] < D)), other=0.0)
+    # po: loaded one split at a time by the combine below (each partial read once)
     pl = tl.load(lse_part_ptr + b * stride_lse_part_0 + h * stride_lse_part_1 + offs_r[:, None] * stride_lse_part_2 + offs_m_start[None, :] * stride_lse_part_3, mask=(offs_r[:, None] < NUM_SPLITS) & (offs_m_start[None, :] < M), other=float("-inf"))
     _lse_max = tl.max(pl, 0)
     _lse_max = tl.where(_lse_max == float("-inf"), 0.0, _lse_max)
@@ -454,7 +512,11 @@ def _combine_kernel(
     _w_sum = tl.sum(_w, 0)
     _w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)
     lt = tl.where(_w_sum == 0.0, float("-inf"), _lse_max + tl.log(_w_safe))
-    ot = tl.sum(_w[:, :, None] * po, 0) / _w_safe[:, None]
+    ot = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for _sp in range(0, NUM_SPLITS):  # one split's partial at a time, weighted by its share of the sum
+        _w_sp = tl.sum(tl.where(tl.arange(0, PAD_NUM_SPLITS)[:, None] == _sp, _w, 0.0), 0)
+        ot += _w_sp[:, None] * tl.load(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + _sp * stride_o_part_2 + offs_m_start[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+    ot = ot / _w_safe[:, None]
     _desc_o = tl.make_tensor_descriptor(o_ptr + b * stride_o_0 + h * stride_o_1, shape=[M, D], strides=[stride_o_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
     if USE_TMA:
         _desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))
@@ -463,13 +525,242 @@ def _combine_kernel(
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
+@triton.jit
+def _split_packed_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    stride_q_0,
+    stride_q_1,
+    stride_q_2,
+    stride_q_3,
+    stride_k_0,
+    stride_k_1,
+    stride_k_2,
+    stride_k_3,
+    stride_v_0,
+    stride_v_1,
+    stride_v_2,
+    stride_v_3,
+    stride_o_0,
+    stride_o_1,
+    stride_o_2,
+    stride_o_3,
+    stride_lse_0,
+    stride_lse_1,
+    stride_lse_2,
+    stride_o_part_0,
+    stride_o_part_1,
+    stride_o_part_2,
+    stride_o_part_3,
+    stride_o_part_4,
+    stride_lse_part_0,
+    stride_lse_part_1,
+    stride_lse_part_2,
+    stride_lse_part_3,
+    B,
+    Hq,
+    M,
+    D,
+    Hkv,
+    N,
+    sm_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PAD_NUM_SPLITS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    POS_sm_scale: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M), split: NUM_SPLITS), flattened; the last axis varies fastest
+    # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
+    _pk_rows = (Hq // Hkv) * M
+    pid = tl.program_id(0)
+    # `split` moves the KV loop bound: largest split first, so the launch ends on short programs
+    split = NUM_SPLITS - 1 - pid % NUM_SPLITS
+    pid = pid // NUM_SPLITS
+    m = pid % (tl.cdiv(_pk_rows, BLOCK_M))
+    pid = pid // (tl.cdiv(_pk_rows, BLOCK_M))
+    h = (pid % Hkv) * (Hq // Hkv)
+    pid = pid // Hkv
+    b = pid
+    hk = h // (Hq // Hkv)
+    m_start = m * BLOCK_M
+    offs_m_start = m_start + tl.arange(0, BLOCK_M)
+    offs_m_start_head = h + offs_m_start // M  # packed rows: (query head in group, query position)
+    offs_m_start_pos = offs_m_start % M
+    offs_d = tl.arange(0, HEAD_PAD)
+    qt = tl.load(q_ptr + b * stride_q_0 + offs_m_start_head[:, None] * stride_q_1 + offs_m_start_pos[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
+    # KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks
+    _kv_lo_n_start = (split * tl.cdiv(tl.cdiv(N, NUM_SPLITS), BLOCK_N)) * BLOCK_N
+    _kv_hi_n_start = tl.minimum(N, (((split + 1) * tl.cdiv(tl.cdiv(N, NUM_SPLITS), BLOCK_N)) * BLOCK_N))
+    _n_iter_n_start = tl.cdiv(tl.maximum(_kv_hi_n_start - _kv_lo_n_start, 0), BLOCK_N)
+    _full_first_n_start = (split * tl.cdiv(tl.cdiv(N, NUM_SPLITS), BLOCK_N)) * BLOCK_N
+    _full_last_n_start = N - BLOCK_N
+    _i_a_n_start = tl.minimum(tl.cdiv(tl.maximum(_full_first_n_start - _kv_lo_n_start, 0), BLOCK_N), _n_iter_n_start)
+    _i_b_n_start = tl.minimum(tl.maximum(tl.where(_full_last_n_start >= _kv_lo_n_start, (_full_last_n_start - _kv_lo_n_start) // BLOCK_N + 1, 0), _i_a_n_start), _n_iter_n_start)
+    _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
+    _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
+    for n_start in range(_kv_lo_n_start, _kv_lo_n_start + _i_a_n_start * BLOCK_N, BLOCK_N):  # partial blocks
+        offs_n_start = n_start + tl.arange(0, BLOCK_N)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+        s = s if POS_sm_scale else s * sm_scale
+        s = tl.where((offs_n_start[None, :] < N), s, float("-inf"))
+        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
+        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
+        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
+        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
+        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
+        l_i = l_i * _alpha + tl.sum(_p, 1)
+        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
+        m_i = _m_new
+    for n_start in range(_kv_lo_n_start + _i_a_n_start * BLOCK_N, _kv_lo_n_start + _i_b_n_start * BLOCK_N, BLOCK_N):  # full blocks
+        offs_n_start2 = n_start + tl.arange(0, BLOCK_N)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start2[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+        s = s if POS_sm_scale else s * sm_scale
+        # full block: every in-range pair attends and no kv index is past N; no mask for s
+        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
+        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
+        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
+        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
+        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
+        l_i = l_i * _alpha + tl.sum(_p, 1)
+        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
+        m_i = _m_new
+    for n_start in range(_kv_lo_n_start + _i_b_n_start * BLOCK_N, _kv_hi_n_start, BLOCK_N):  # partial blocks
+        offs_n_start3 = n_start + tl.arange(0, BLOCK_N)
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start3[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+        s = s if POS_sm_scale else s * sm_scale
+        s = tl.where((offs_n_start3[None, :] < N), s, float("-inf"))
+        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
+        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
+        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
+        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
+        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
+        l_i = l_i * _alpha + tl.sum(_p, 1)
+        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
+        m_i = _m_new
+    _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    ot = acc / _l_safe[:, None]
+    lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
+    tl.store(o_part_ptr + b * stride_o_part_0 + split * stride_o_part_2 + offs_m_start_head[:, None] * stride_o_part_1 + offs_m_start_pos[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, ot.to(o_part_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+    tl.store(lse_part_ptr + b * stride_lse_part_0 + split * stride_lse_part_2 + offs_m_start_head * stride_lse_part_1 + offs_m_start_pos * stride_lse_part_3, lt.to(lse_part_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
+
+
+@triton.jit
+def _combine_packed_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    stride_q_0,
+    stride_q_1,
+    stride_q_2,
+    stride_q_3,
+    stride_k_0,
+    stride_k_1,
+    stride_k_2,
+    stride_k_3,
+    stride_v_0,
+    stride_v_1,
+    stride_v_2,
+    stride_v_3,
+    stride_o_0,
+    stride_o_1,
+    stride_o_2,
+    stride_o_3,
+    stride_lse_0,
+    stride_lse_1,
+    stride_lse_2,
+    stride_o_part_0,
+    stride_o_part_1,
+    stride_o_part_2,
+    stride_o_part_3,
+    stride_o_part_4,
+    stride_lse_part_0,
+    stride_lse_part_1,
+    stride_lse_part_2,
+    stride_lse_part_3,
+    B,
+    Hq,
+    M,
+    D,
+    Hkv,
+    N,
+    sm_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    PAD_NUM_SPLITS: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    POS_sm_scale: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
+    # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
+    _pk_rows = (Hq // Hkv) * M
+    pid = tl.program_id(0)
+    m = pid % (tl.cdiv(_pk_rows, BLOCK_M))
+    pid = pid // (tl.cdiv(_pk_rows, BLOCK_M))
+    h = (pid % Hkv) * (Hq // Hkv)
+    pid = pid // Hkv
+    b = pid
+    m_start = m * BLOCK_M
+    offs_r = tl.arange(0, PAD_NUM_SPLITS)
+    offs_m_start = m_start + tl.arange(0, BLOCK_M)
+    offs_m_start_head = h + offs_m_start // M  # packed rows: (query head in group, query position)
+    offs_m_start_pos = offs_m_start % M
+    offs_d = tl.arange(0, HEAD_PAD)
+    # po: loaded one split at a time by the combine below (each partial read once)
+    pl = tl.load(lse_part_ptr + b * stride_lse_part_0 + offs_r[:, None] * stride_lse_part_2 + offs_m_start_head[None, :] * stride_lse_part_1 + offs_m_start_pos[None, :] * stride_lse_part_3, mask=(offs_r[:, None] < NUM_SPLITS) & (offs_m_start[None, :] < _pk_rows), other=float("-inf"))
+    _lse_max = tl.max(pl, 0)
+    _lse_max = tl.where(_lse_max == float("-inf"), 0.0, _lse_max)
+    _w = tl.exp(pl - _lse_max[None, :])  # splits without keys have lse = -inf: weight 0
+    _w_sum = tl.sum(_w, 0)
+    _w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)
+    lt = tl.where(_w_sum == 0.0, float("-inf"), _lse_max + tl.log(_w_safe))
+    ot = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for _sp in range(0, NUM_SPLITS):  # one split's partial at a time, weighted by its share of the sum
+        _w_sp = tl.sum(tl.where(tl.arange(0, PAD_NUM_SPLITS)[:, None] == _sp, _w, 0.0), 0)
+        ot += _w_sp[:, None] * tl.load(o_part_ptr + b * stride_o_part_0 + _sp * stride_o_part_2 + offs_m_start_head[:, None] * stride_o_part_1 + offs_m_start_pos[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)), other=0.0)
+    ot = ot / _w_safe[:, None]
+    tl.store(o_ptr + b * stride_o_0 + offs_m_start_head[:, None] * stride_o_1 + offs_m_start_pos[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+    tl.store(lse_ptr + b * stride_lse_0 + offs_m_start_head * stride_lse_1 + offs_m_start_pos * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
+
+
 PROGRAM = 'decode_split_kv'
 # Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew
-# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma);
+# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);
 # NUM_SPLITS 0 = chosen at launch from the grid and the SM count
+# GQA packing: available (designs with pack_gqa run the packed kernels)
 DESIGNS = {}
 # the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses
-PROGRAM_DESIGN = (16, 16, 3, 4, 1, True)
+PROGRAM_DESIGN = (16, 16, 3, 4, 1, True, True)
 
 
 def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
@@ -491,8 +782,11 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")
 
     def launch(design, table_only=False):
-        BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design
-        NUM_SPLITS = NUM_SPLITS or _auto_splits(B * Hq * (_hcdiv(M, BLOCK_M)), _hcdiv(N, BLOCK_N), q.device)
+        BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)
+        # GQA packing: the Hq // Hkv query heads of a KV head share a tile (K/V read once per KV head)
+        PACK = PACK and Hq > Hkv and Hq % Hkv == 0
+        _PK_ROWS = (Hq // Hkv) * M
+        NUM_SPLITS = NUM_SPLITS or _auto_splits((B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) if PACK else B * Hq * (_hcdiv(M, BLOCK_M))), _hcdiv(N, BLOCK_N), q.device)
         HEAD_PAD = max(16, triton.next_power_of_2(D))
         if HEAD_PAD < D:
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
@@ -505,14 +799,26 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         lse_part = torch.empty((B, Hq, NUM_SPLITS, M,), dtype=torch.float32, device=q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
         USE_TMA = tma and _use_tma((q, k, v, o_part, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
-        _split_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,)](
-            q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-        )
-        _combine_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
-            q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-        )
+        if PACK:
+            _split_packed_kernel[(B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) * NUM_SPLITS,)](
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            )
+        else:
+            _split_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,)](
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            )
+        if PACK:
+            _combine_packed_kernel[(B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),)](
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            )
+        else:
+            _combine_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            )
         return o, lse
 
     design = tuple(_design) if _design is not None else _choose_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)

@@ -15,12 +15,14 @@ def _interpreter_compat():
     """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
     (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs)."""
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
+    And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
     if getattr(interpreter, "_kb_compat", False):
         return
+    _interpreter_speed(interpreter)
     patch_tensor = interpreter._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -40,6 +42,46 @@ def _interpreter_compat():
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
     interpreter._kb_compat = True
+
+
+def _interpreter_speed(interpreter):
+    """Two interpreter costs that change no result, skipped (a decode kernel's CPU check ran 2-4x slower with them):
+    - every integer +, -, * builds an int64 overflow check through the semantic layer whose only effect is a
+      device_assert, which the interpreter drops unless debugging (options.debug); it now runs only then;
+    - every call of a @triton.jit helper (tl.cdiv, tl.max, tl.sum, ...) re-patched triton.language with
+      inspect.getmembers; within one grid run, modules already patched for it are not patched again."""
+    semantic = interpreter.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+
+    def overflow_check(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    patch_lang, grid_call, patched = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    class _Kept:
+        def restore(self):
+            pass
+
+    def lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return _Kept()  # already patched in this grid run (device-function scopes are never restored anyway)
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = lang_once
+    interpreter.GridExecutor.__call__ = run_grid
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -192,17 +234,33 @@ def _choose_design(t, D, key, launch):
     return choice
 
 
+def _design7(design):
+    """A design tuple with its GQA-packing flag (tuples written before packing existed have 6 entries: no packing)."""
+    return (*design, False)[:7]
+
+
+_MIN_SPLIT_BLOCKS = 4  # no split shorter than this many KV blocks (each split costs a q load, a partial write and read)
+
+
 def _auto_splits(programs, kv_blocks, device):
-    """Split-KV count for a grid of `programs` (at one split) over `kv_blocks` KV blocks: the smallest
-    count whose waves keep the SMs at least 85% as busy as the best count up to 128 (flash-decoding)."""
+    """Split-KV count for a grid of `programs` (at one split; packed: B * Hkv * row blocks) over `kv_blocks` KV
+    blocks, from the SM count (flash-decoding); 1 off CUDA. See _split_rule."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if programs >= 0.8 * sms:
+    return _split_rule(programs, kv_blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _split_rule(programs, kv_blocks, sms):
+    """Enough programs for about two waves of `sms` SMs, no split shorter than _MIN_SPLIT_BLOCKS KV blocks, at most
+    128; among [that count, twice it] the one that fills its last wave best (the smallest on ties); then the count
+    whose splits are all non-empty (every split is a whole number of KV blocks, the last one possibly shorter)."""
+    cap = max(1, min(128, kv_blocks // _MIN_SPLIT_BLOCKS))
+    want = min(cap, _hcdiv(2 * sms, programs))
+    if want <= 1:
         return 1
-    counts = range(1, max(1, min(128, kv_blocks)) + 1)
-    busy = [programs * n / (_hcdiv(programs * n, sms) * sms) for n in counts]
-    return next(n for n, e in zip(counts, busy) if e >= 0.85 * max(busy))
+    busy = {n: programs * n / (_hcdiv(programs * n, sms) * sms) for n in range(want, min(cap, 2 * want) + 1)}
+    best = max(busy, key=lambda n: (busy[n], -n))
+    return _hcdiv(kv_blocks, _hcdiv(kv_blocks, best))
 
 
 def _tma_alloc(size, alignment, stream):
@@ -370,11 +428,12 @@ def _fwd_kernel(
 
 PROGRAM = 'gqa_causal'
 # Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew
-# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma);
+# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);
 # NUM_SPLITS 0 = chosen at launch from the grid and the SM count
+# GQA packing: not used, not a split-KV program and no design packs
 DESIGNS = {}
 # the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses
-PROGRAM_DESIGN = (16, 16, 1, 4, 1, True)
+PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)
 
 
 def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
@@ -396,7 +455,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")
 
     def launch(design, table_only=False):
-        BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma = design
+        BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)
         NUM_SPLITS = max(1, NUM_SPLITS)
         HEAD_PAD = max(16, triton.next_power_of_2(D))
         if HEAD_PAD < D:
