@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from generate.tune_gpu import impl_ms
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import parse_design
@@ -144,12 +145,6 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfR
                                measured_at=datetime.fromisoformat(env["date"]), arch=env["arch"],
                                design_json=design_json, notes=f"{notes}; {base}" if base else notes))
     return rows
-
-
-def impl_ms(shape: dict, impl: str) -> float | None:
-    """The median ms of `impl` in one shape of a results document, when it ran correctly."""
-    rec = next((r for r in shape.get("records", []) if r["impl"] == impl and r.get("status") == "ok"), None)
-    return rec["ms"] if rec else None
 
 
 def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:

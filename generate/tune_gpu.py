@@ -243,7 +243,7 @@ def _time(fn: Callable[[], Any], trials: int) -> tuple[float, float]:
         return sorted(walls)[1], max(walls) - min(walls)
     from verify.timing import time_fn
 
-    t = time_fn(fn, warmup=5, trials=trials)
+    t = time_fn(fn, warmup=5, trials=trials, drain=False)  # GPU time per call, launch overhead hidden (do_bench)
     return t.median_ms, t.iqr_ms
 
 
@@ -276,6 +276,12 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def impl_ms(shape: dict, impl: str) -> float | None:
+    """The median ms of `impl` in one shape of a results document, when it ran correctly."""
+    rec = next((r for r in shape.get("records", []) if r["impl"] == impl and r.get("status") == "ok"), None)
+    return rec["ms"] if rec else None
 
 
 def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str) -> dict:
@@ -435,7 +441,7 @@ def _copy_bandwidth() -> float:
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20).median_ms
+    ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20, drain=False).median_ms
     return round(2 * (1 << 30) / ms / 1e6, 1)
 
 

@@ -148,6 +148,25 @@ def test_invariant_mask_terms_load_once_before_the_kv_loop() -> None:
 # ------------------------------------------------------------------ closed form: no table
 
 
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_bounds_read_from_an_int64_prefix_compile_for_hopper(order: str) -> None:
+    """The real Triton compiler (no GPU needed): KV loop bounds that load an int64 per-batch prefix stay 32-bit
+    positions, as TMA descriptor loads need (run 9 found a kernel the interpreter ran but sm_90 refused)."""
+    from dataclasses import replace
+
+    from kb.ir.design import Design
+    from kb.ir.nodes import For
+    from kb.lower.triton_aot import compile_for_arch
+
+    p = forward("prefix64", mask_mod="(kv_idx < prefix[b]) | (kv_idx <= q_idx)", dtype=Dtype.BF16,
+                aux=(Param("prefix", ("B",), Dtype.I64, Role.AUX),), block_classes=True)
+    k = p.kernels[0]
+    body = tuple(replace(st, order=order) if isinstance(st, For) else st for st in k.body)
+    p = Design(128, 64, 4, 3).apply(replace(p, kernels=(replace(k, body=body),)))
+    (compiled,) = compile_for_arch(p, arch=90, head_dim=64, tma=True)
+    assert compiled.tma_loads > 0
+
+
 @pytest.mark.parametrize("mask, aux", [
     ("(kv_idx < 24) | (kv_idx <= q_idx)", {}),
     ("(kv_idx < prefix[b]) | (kv_idx <= q_idx)", {"prefix": torch.tensor([3, 40], dtype=torch.int32)}),

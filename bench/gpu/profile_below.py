@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from generate.perf_import import impl_ms
+from generate.tune_gpu import impl_ms
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
             "MemoryWorkloadAnalysis")

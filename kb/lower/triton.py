@@ -580,6 +580,12 @@ class _KernelGen:
     def ex(self, e: Expr) -> str:
         return _strip(lower_expr(e, self.ctx()))
 
+    def position(self, e: Expr) -> str:
+        """A KV position (a loop bound): 32-bit, as tile offsets and descriptor loads need, also where it reads
+        an int64 aux tensor (a per-batch prefix length)."""
+        code = self.ex(e)
+        return f"({code}).to(tl.int32)" if any(n.op is ExprOp.LOAD for n in walk(e)) else code
+
     def local(self, ir_name: str) -> str:
         code = ir_name if ir_name not in _RESERVED and not keyword.iskeyword(ir_name) and not ir_name.startswith("_") \
             and not ir_name.endswith("_ptr") and not ir_name.startswith(("stride_", "offs_", "bc_")) else f"v_{ir_name}"
@@ -1163,11 +1169,11 @@ class _KernelGen:
             hi_expr = call("minimum", hi_expr, _max_all([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
         self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
-        self.emit(f"{lo} = {self.ex(st.lo)}")
-        self.emit(f"{hi} = {self.ex(_simplify(hi_expr))}")
+        self.emit(f"{lo} = {self.position(st.lo)}")
+        self.emit(f"{hi} = {self.position(_simplify(hi_expr))}")
         self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
-        self.emit(f"_full_first_{v} = {self.ex(_simplify(first))}")
-        self.emit(f"_full_last_{v} = {self.ex(_simplify(last))}")
+        self.emit(f"_full_first_{v} = {self.position(_simplify(first))}")
+        self.emit(f"_full_last_{v} = {self.position(_simplify(last))}")
         self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
                   f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
@@ -1566,8 +1572,10 @@ def _choose_design(t, D, key, launch):
     listed = DESIGNS.get(arch, {}).get(bucket, ())
     choice = next((d for d in listed if _launches(d, launch) is not None), None)
     if choice is None:
-        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())] + [PROGRAM_DESIGN]
-        pool = list(dict.fromkeys(pool))
+        # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
+        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())]
+        pool = pool or [d for table in DESIGNS.values() for ds in table.values() for d in ds]
+        pool = list(dict.fromkeys(pool + [PROGRAM_DESIGN]))
         from triton.testing import do_bench
 
         timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d)

@@ -218,8 +218,10 @@ def _choose_design(t, D, key, launch):
     listed = DESIGNS.get(arch, {}).get(bucket, ())
     choice = next((d for d in listed if _launches(d, launch) is not None), None)
     if choice is None:
-        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())] + [PROGRAM_DESIGN]
-        pool = list(dict.fromkeys(pool))
+        # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
+        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())]
+        pool = pool or [d for table in DESIGNS.values() for ds in table.values() for d in ds]
+        pool = list(dict.fromkeys(pool + [PROGRAM_DESIGN]))
         from triton.testing import do_bench
 
         timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d)
