@@ -152,7 +152,9 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
            f"its score/mask constants from the head count), not {{{qn}.shape[1]}}: run kb generate for that head count')"]
           if spec.heads_fixed else []),
         f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})",
-        f"        return _o if _o.dtype == {out} else _o.to({out})",
+        # the output follows the inputs' dtype (as the spec's torch ops would), unless the spec returns another
+        *([f"        return _o if _o.dtype == {out} else _o.to({out})"] if spec.output_dtype != spec.shapes.dtype
+          else ["        return _o"]),
         "",
     ]
     cand = out_dir / f"{stem}.py"

@@ -35,7 +35,10 @@ def test_rule_engine_generates_a_verified_kernel(ingested_kb, tmp_path: Path, na
         assert r.files[key].is_file(), key
     report = json.loads(r.files["report"].read_text())
     assert report["verify"]["verdict"] == "passed" and report["kernel_id"] == r.kernel_id
-    assert "class ModelNew" in r.files["candidate"].read_text()
+    cand = r.files["candidate"].read_text()
+    assert "class ModelNew" in cand
+    # the output keeps the inputs' dtype (no cast kernel after the attention: bf16 in, bf16 out)
+    assert cand.rstrip().endswith("return _o")
     # write-back: the kernel, its lineage, the run and its attempts
     kernel = ingested_kb.get(r.kernel_id)
     assert isinstance(kernel, Kernel) and kernel.origin == "generated" and kernel.verified

@@ -1088,7 +1088,9 @@ class _KernelGen:
         """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
         if not self.opts.indexed_kv_loop or not self.sig.table or self.pack is not None:
             return None
-        at = self.loop_tile(st)
+        # the lists visit partial, then full blocks, ascending, whatever the IR's order (the order only moves
+        # rounding): a reverse loop over a table would otherwise branch on every block up to its bound
+        at = self.loop_tile(st, ("forward", "reverse"))
         if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
             return None
         return at
