@@ -151,6 +151,25 @@ def test_reverse_loop_over_a_table_runs_the_block_lists(tmp_path: Path) -> None:
     _run(TritonKernel.from_program(p, tmp_path), torch.tensor([0] * 20 + [1] * 13 + [2] * 9, dtype=torch.int32))
 
 
+def test_same_unmodified_ids_skip_the_content_compare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One id tensor passed to every layer: compared (a device sync on a GPU) once, then known by identity and
+    torch's version counter; an in-place change is seen and rebuilds the table."""
+    kernel = TritonKernel.from_program(_doc_program(), tmp_path)
+    builds: list[int] = []
+    build = kernel.module._hblock_classes
+    monkeypatch.setattr(kernel.module, "_hblock_classes", lambda *a: builds.append(1) or build(*a))
+    compares: list[int] = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compares.append(1) or equal(a, b))
+    doc = torch.tensor([0] * 20 + [1] * 13, dtype=torch.int32)
+    for seed in range(3):
+        _run(kernel, doc, seed=seed)
+    assert (len(builds), len(compares)) == (1, 0)
+    doc[:25] = 0  # in place: a new mask in the same tensor
+    _run(kernel, doc)
+    assert len(builds) == 2
+
+
 def test_invariant_mask_terms_load_once_before_the_kv_loop() -> None:
     src = lower_program(_doc_program())
     kernel = src[src.index("def _fwd_kernel("):src.index("def _block_class_kernel(")]
