@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
+from ingest.triton_dims import infer_dims
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import compare, simplify
 
@@ -145,8 +146,9 @@ _PURE_CALLS = {"cdiv": "cdiv", "minimum": "minimum", "maximum": "maximum", "min"
 
 
 class _Walker:
-    def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr]):
-        self.mod, self.consts, self.overrides = mod, consts, overrides
+    def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr],
+                 dims: dict[str, str]):
+        self.mod, self.consts, self.overrides, self.dims = mod, consts, overrides, dims
         self.out = KernelWalk()
         self.env: dict[str, Sym] = {}
         self.used_names: set[str] = set()
@@ -162,6 +164,9 @@ class _Walker:
     def _param(self, name: str) -> Sym:
         if name in self.overrides:
             return self.overrides[name]
+        if name in self.dims:
+            self.out.params[name] = f"dim:{self.dims[name]}"
+            return var(self.dims[name])
         for pat, dim in DIM_PATTERNS:
             if pat.search(name):
                 self.out.params[name] = f"dim:{dim}"
@@ -241,7 +246,8 @@ class _Walker:
         if isinstance(n, ast.Call):
             return self._call(n)
         if isinstance(n, ast.Attribute):
-            return Opaque(ast.unparse(n))
+            base = self.ev(n.value) if n.attr == "T" else None
+            return base if isinstance(base, Tile) else Opaque(ast.unparse(n))
         return self._unknown(n, f"unsupported syntax {type(n).__name__}")
 
     def _binop(self, n: ast.BinOp) -> Sym:
@@ -297,7 +303,7 @@ class _Walker:
             hi = self.ev(n.args[1])
             lane = "_r" if hi == var("BLOCK_M") else "_c" if hi == var("BLOCK_N") else "_d"
             return var(lane)
-        if name == "multiple_of":
+        if name in ("multiple_of", "trans") and n.args:  # a transposed tile is the same operand to the idioms
             return self.ev(n.args[0])
         if name == "float" and n.args:
             try:
@@ -559,7 +565,7 @@ def _stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
 
 def walk_kernel(mod: TritonModule, fn: ast.FunctionDef, body: list[ast.stmt], consts: dict[str, object],
                 overrides: dict[str, Expr]) -> KernelWalk:
-    w = _Walker(mod, fn, consts, overrides)
+    w = _Walker(mod, fn, consts, overrides, infer_dims(fn, body, consts))
     w.run(body)
     for i, a in enumerate(fn.args.args):
         w.out.params.setdefault(a.arg, "other")
