@@ -31,17 +31,12 @@ __all__ = ["Tile", "Ptr", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel"
 LOG2E = 1.4426950408889634
 LANES = ("_r", "_c", "_d")
 
-# Source size names -> IR dims / schedule constants (matched against kernel parameter names).
+# Head/batch/split names -> IR dims (matched against kernel parameter names); sequence lengths, head dim
+# and block sizes are found from how they are used (ingest.triton_dims), not from names.
 DIM_PATTERNS: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"(?i)^(max_)?seqlens?_q$|^n_ctx_q$"), "M"),
-    (re.compile(r"(?i)^(max_)?seqlens?_k$|^n_ctx_k$"), "N"),
     (re.compile(r"(?i)^(nheads|nheads_q|hq|h_q|h)$"), "Hq"),
     (re.compile(r"(?i)^(hk|h_kv|nheads_k)$"), "Hkv"),
-    (re.compile(r"(?i)^(headdim|actual_block_dmodel)$"), "D"),
     (re.compile(r"^(Z|batch)$"), "B"),
-    (re.compile(r"^BLOCK_M$"), "BLOCK_M"),
-    (re.compile(r"^BLOCK_N$"), "BLOCK_N"),
-    (re.compile(r"^(BLOCK_DMODEL|BLOCK_HEADDIM)$"), "HEAD_PAD"),
     (re.compile(r"^(split_k|NUM_SPLITS)$"), "NUM_SPLITS"),
     (re.compile(r"^GROUP_SIZE$"), "Hq // Hkv"),
     (re.compile(r"^(G_q|G)$"), "1"),  # head groups of the 5-D decode layout: the IR has none (G = 1)
