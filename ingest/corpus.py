@@ -2,7 +2,8 @@
 
 Manifest paths are globs with one level of `{a,b}` alternation (expanded here; `glob` has none).
 Local sources (`kb ingest PATH`) pick lifters by file type: C++/CUDA sources -> cuda; Python
-files that import `cutlass.cute` -> cute, `triton` -> triton.
+files that import `cutlass.cute` -> cute, `triton` -> triton; every other file read is reported
+with the reason no lifter took it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingest.fetch import local_files
 from ingest.manifest import Manifest
 from ingest.model import FetchedSource, LiftReport, Provenance, SourceKind
 
@@ -50,35 +52,42 @@ def select_files(manifest: Manifest, source: FetchedSource) -> tuple[list[LiftTa
 
 
 def local_targets(source: FetchedSource) -> list[LiftTarget]:
-    root = source.root
-    files = [root / source.filename] if (root / source.filename).is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-    out = []
-    for p in files:
-        if p.suffix in _CPP_SUFFIXES:
-            out.append(LiftTarget(p, "cuda", "local_cuda"))
-        elif p.suffix == ".py":
-            head = p.read_text(encoding="utf-8", errors="replace")
-            if re.search(r"^\s*(from|import)\s+cutlass(\.cute)?\b", head, re.M):
-                out.append(LiftTarget(p, "cute", "local_cute"))
-            elif re.search(r"^\s*(from|import)\s+triton\b", head, re.M):
-                out.append(LiftTarget(p, "triton", "local_triton"))
-    return out
+    """One target per file read; a file no lifter takes gets lifter "none" and the reason as its family."""
+    return [_local_target(p) for p in local_files(source.root / source.filename)]
+
+
+def _local_target(p: Path) -> LiftTarget:
+    if p.suffix in _CPP_SUFFIXES:
+        return LiftTarget(p, "cuda", "local_cuda")
+    if p.suffix != ".py":
+        return LiftTarget(p, "none", "not a Python or CUDA/C++ source")
+    head = p.read_text(encoding="utf-8", errors="replace")
+    if re.search(r"^\s*(from|import)\s+cutlass(\.cute)?\b", head, re.M):
+        return LiftTarget(p, "cute", "local_cute")
+    if re.search(r"^\s*(from|import)\s+triton\b", head, re.M):
+        return LiftTarget(p, "triton", "local_triton")
+    return LiftTarget(p, "none", "no Triton kernel (the file does not import triton)")
 
 
 def lift_target(target: LiftTarget, source: FetchedSource) -> LiftReport:
     """Run one lifter; a lifter module that is missing or fails is reported, not raised."""
+    if target.lifter == "none":
+        return LiftReport(_relative(target.path, source), skipped=(("file", target.family),))
     try:
         module = importlib.import_module(f"ingest.lift_{target.lifter}")
     except ImportError as err:
         return LiftReport(target.path.name, skipped=((str(target.path), f"lifter {target.lifter!r} unavailable: {err}"),))
     if target.lifter == "triton":  # the Triton lifter takes a provenance template instead of the source
-        try:
-            rel = target.path.resolve().relative_to(source.root.resolve()).as_posix()
-        except ValueError:
-            rel = target.path.name
-        base = Provenance(source.distribution, source.version, rel, 1, 1, "triton", str(getattr(module, "LIFTER_VERSION", "1")))
+        base = Provenance(source.distribution, source.version, _relative(target.path, source), 1, 1, "triton", str(getattr(module, "LIFTER_VERSION", "1")))
         return module.lift_file(target.path, base, family=target.family)
     return module.lift_file(target.path, source, family=target.family)
+
+
+def _relative(path: Path, source: FetchedSource) -> str:
+    try:
+        return path.resolve().relative_to(source.root.resolve()).as_posix()
+    except ValueError:
+        return path.name
 
 
 def lift_source(source: FetchedSource, manifest: Manifest | None = None) -> list[LiftReport]:

@@ -29,7 +29,7 @@ from ingest.archive import unpack
 from ingest.manifest import Manifest
 from ingest.model import FetchedSource, SourceKind
 
-__all__ = ["fetch", "fetch_pypi", "fetch_local", "sha256_file", "pip_download"]
+__all__ = ["fetch", "fetch_pypi", "fetch_local", "local_files", "LOCAL_SUFFIXES", "sha256_file", "pip_download"]
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -120,14 +120,28 @@ def fetch_pypi(distribution: str, version: str, kind: SourceKind = SourceKind.SD
     return FetchedSource(distribution, version, kind, archive.name, sha, root)
 
 
+LOCAL_SUFFIXES = frozenset({".py", ".h", ".cuh", ".cu", ".hpp", ".cpp", ".cc", ".cxx"})
+
+
+def local_files(path: Path) -> list[Path]:
+    """The files `kb ingest PATH` reads: PATH itself, or the kernel sources under it (hidden folders left out)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
 def fetch_local(path: Path) -> FetchedSource:
-    """A user's own kernels: a directory or one file, hashed by content (no copy is made)."""
+    """A user's own kernels: a directory or one file, hashed by the content of the files read (no copy is made).
+
+    `filename` is the resolved path, so each path and content is its own source row.
+    """
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise KBError(f"{path} does not exist", hint="give a directory or a kernel source file")
     if path.is_file():
-        return FetchedSource("local", "0", SourceKind.LOCAL, path.name, sha256_file(path), path.parent)
+        return FetchedSource("local", "0", SourceKind.LOCAL, str(path), sha256_file(path), path.parent)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)):
+    for f in local_files(path):
         h.update(f.relative_to(path).as_posix().encode() + b"\0" + sha256_file(f).encode() + b"\n")
-    return FetchedSource("local", "0", SourceKind.LOCAL, path.name, h.hexdigest(), path)
+    return FetchedSource("local", "0", SourceKind.LOCAL, str(path), h.hexdigest(), path)

@@ -17,7 +17,7 @@ from rich.progress import Progress
 from ingest.fetch import fetch, fetch_local, fetch_pypi
 from ingest.manifest import Manifest, find_manifest, list_manifests
 from ingest.model import FetchedSource, LiftReport, SourceKind
-from ingest.corpus import lift_source
+from ingest.corpus import lift_source, local_targets
 from ingest.store_writer import FileCoverage, source_id, source_row, write_report
 from kb.errors import KBError
 from kb.store.kb import KnowledgeBase
@@ -74,7 +74,18 @@ def _fetch(name: str, kind: str, manifest: Manifest | None) -> FetchedSource:
     if kind == "pypi":
         dist, ver = name[5:].split("==", 1)
         return fetch_pypi(dist, ver, SourceKind.SDIST)
-    return fetch_local(Path(name))
+    src = fetch_local(Path(name))
+    _require_kernels(name, src)
+    return src
+
+
+def _require_kernels(name: str, src: FetchedSource) -> None:
+    """A local PATH with no file any lifter takes is a user error, raised before anything is written."""
+    targets = local_targets(src)
+    if not any(t.lifter != "none" for t in targets):
+        what = f"read {len(targets)} file(s), none imports triton or cutlass.cute or is CUDA/C++" if targets \
+            else "no .py or CUDA/C++ file in it"
+        raise KBError(f"{name}: no kernels found ({what})")
 
 
 def _with_fa2_reference(reports: list[LiftReport], src: FetchedSource) -> list[LiftReport]:
@@ -105,8 +116,9 @@ def ingest(kb: KnowledgeBase, names: list[str], *, progress: bool = True) -> Ing
             reports = lift_source(src, manifest)
             if src.distribution == "flash-attn":
                 reports = _with_fa2_reference(reports, src)
-            kb.write_source(source_row(src))
             sid = source_id(src)
+            if kb.find(sid) is None:  # the same release or unchanged local content: keep the first row
+                kb.write_source(source_row(src))
             task = bar.add_task(f"storing {name}", total=len(reports))
             files = []
             for rep in reports:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ingest.model import FetchedSource, LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.model import FetchedSource, SourceKind, LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from kb.features import Features
 from kb.ir.text import print_program
+from kb.store.ids import hashed_id
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel, Snippet, Source, Tunable
 from kb.store.records import assign_id
@@ -32,6 +33,9 @@ class FileCoverage:
 
 
 def source_id(src: FetchedSource) -> str:
+    """A release is one row per version; a local path is one row per path and content read."""
+    if src.kind is SourceKind.LOCAL:
+        return hashed_id("src-local-", src.filename, src.sha256)
     return f"src-{src.distribution}=={src.version}:{src.kind.value}"
 
 

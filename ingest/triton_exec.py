@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
+from ingest.triton_dims import infer_dims
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import compare, simplify
 
@@ -30,17 +31,12 @@ __all__ = ["Tile", "Ptr", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel"
 LOG2E = 1.4426950408889634
 LANES = ("_r", "_c", "_d")
 
-# Source size names -> IR dims / schedule constants (matched against kernel parameter names).
+# Head/batch/split names -> IR dims (matched against kernel parameter names); sequence lengths, head dim
+# and block sizes are found from how they are used (ingest.triton_dims), not from names.
 DIM_PATTERNS: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"(?i)^(max_)?seqlens?_q$|^n_ctx_q$"), "M"),
-    (re.compile(r"(?i)^(max_)?seqlens?_k$|^n_ctx_k$"), "N"),
     (re.compile(r"(?i)^(nheads|nheads_q|hq|h_q|h)$"), "Hq"),
     (re.compile(r"(?i)^(hk|h_kv|nheads_k)$"), "Hkv"),
-    (re.compile(r"(?i)^(headdim|actual_block_dmodel)$"), "D"),
     (re.compile(r"^(Z|batch)$"), "B"),
-    (re.compile(r"^BLOCK_M$"), "BLOCK_M"),
-    (re.compile(r"^BLOCK_N$"), "BLOCK_N"),
-    (re.compile(r"^(BLOCK_DMODEL|BLOCK_HEADDIM)$"), "HEAD_PAD"),
     (re.compile(r"^(split_k|NUM_SPLITS)$"), "NUM_SPLITS"),
     (re.compile(r"^GROUP_SIZE$"), "Hq // Hkv"),
     (re.compile(r"^(G_q|G)$"), "1"),  # head groups of the 5-D decode layout: the IR has none (G = 1)
@@ -145,8 +141,9 @@ _PURE_CALLS = {"cdiv": "cdiv", "minimum": "minimum", "maximum": "maximum", "min"
 
 
 class _Walker:
-    def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr]):
-        self.mod, self.consts, self.overrides = mod, consts, overrides
+    def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr],
+                 dims: dict[str, str]):
+        self.mod, self.consts, self.overrides, self.dims = mod, consts, overrides, dims
         self.out = KernelWalk()
         self.env: dict[str, Sym] = {}
         self.used_names: set[str] = set()
@@ -162,6 +159,9 @@ class _Walker:
     def _param(self, name: str) -> Sym:
         if name in self.overrides:
             return self.overrides[name]
+        if name in self.dims:
+            self.out.params[name] = f"dim:{self.dims[name]}"
+            return var(self.dims[name])
         for pat, dim in DIM_PATTERNS:
             if pat.search(name):
                 self.out.params[name] = f"dim:{dim}"
@@ -241,7 +241,8 @@ class _Walker:
         if isinstance(n, ast.Call):
             return self._call(n)
         if isinstance(n, ast.Attribute):
-            return Opaque(ast.unparse(n))
+            base = self.ev(n.value) if n.attr == "T" else None
+            return base if isinstance(base, Tile) else Opaque(ast.unparse(n))
         return self._unknown(n, f"unsupported syntax {type(n).__name__}")
 
     def _binop(self, n: ast.BinOp) -> Sym:
@@ -297,7 +298,7 @@ class _Walker:
             hi = self.ev(n.args[1])
             lane = "_r" if hi == var("BLOCK_M") else "_c" if hi == var("BLOCK_N") else "_d"
             return var(lane)
-        if name == "multiple_of":
+        if name in ("multiple_of", "trans") and n.args:  # a transposed tile is the same operand to the idioms
             return self.ev(n.args[0])
         if name == "float" and n.args:
             try:
@@ -559,7 +560,7 @@ def _stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
 
 def walk_kernel(mod: TritonModule, fn: ast.FunctionDef, body: list[ast.stmt], consts: dict[str, object],
                 overrides: dict[str, Expr]) -> KernelWalk:
-    w = _Walker(mod, fn, consts, overrides)
+    w = _Walker(mod, fn, consts, overrides, infer_dims(fn, body, consts))
     w.run(body)
     for i, a in enumerate(fn.args.args):
         w.out.params.setdefault(a.arg, "other")

@@ -127,7 +127,7 @@ def test_fetch_local_file_and_dir(tmp_path):
     kernel.parent.mkdir()
     kernel.write_text("template <typename T>\n__device__ void apply_softcap(T &t, float softcap) { t = tanhf(t * softcap); }\n")
     one = fetch_local(kernel)
-    assert one.kind is SourceKind.LOCAL and one.filename == "my_mask.cuh" and one.sha256 == sha256_file(kernel)
+    assert one.kind is SourceKind.LOCAL and one.filename == str(kernel.resolve()) and one.sha256 == sha256_file(kernel)
     folder = fetch_local(kernel.parent)
     reports = lift_source(folder)
     assert [s.kind for r in reports for s in r.snippets] == ["softcap"]
