@@ -155,6 +155,7 @@ def test_same_unmodified_ids_skip_the_content_compare(tmp_path: Path, monkeypatc
     """One id tensor passed to every layer: compared (a device sync on a GPU) once, then known by identity and
     torch's version counter; an in-place change is seen and rebuilds the table."""
     kernel = TritonKernel.from_program(_doc_program(), tmp_path)
+    monkeypatch.setattr(kernel.module, "_TABLES", {})  # the module is shared with the other tests of this program
     builds: list[int] = []
     build = kernel.module._hblock_classes
     monkeypatch.setattr(kernel.module, "_hblock_classes", lambda *a: builds.append(1) or build(*a))
