@@ -131,6 +131,17 @@ def test_triton_lowering_matches_torch(name: str, dtype: Dtype, tmp_path: Path) 
     torch.testing.assert_close(out["o"].float(), o_ref, atol=tol, rtol=tol)
 
 
+def test_split_kv_combine_with_a_padded_query_dim_and_an_exact_value_dim(tmp_path: Path) -> None:
+    """D_qk = 48 (padded to 64: EVEN_D false) with D_v = 32 (EVEN_DV true), MLA's 192/128 in small: split-KV decode
+    with the two head-dim masks disagreeing, through the streaming combine."""
+    p = with_value_dim(FIXTURES["decode_split_kv"](dtype=Dtype.F32))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, m, d, generator=g) for m, d in ((1, 48), (37, 48), (37, 32)))
+    out = TritonKernel.from_program(p, tmp_path).run({"q": q, "k": k, "v": v})
+    o_ref, _ = reference_attention(p, q, k, v)
+    torch.testing.assert_close(out["o"], o_ref, atol=1e-4, rtol=1e-4)
+
+
 def test_triton_source_pads_values_separately() -> None:
     from kb.lower.triton import lower_program
 

@@ -34,6 +34,7 @@ Invariants of the generated module:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import keyword
 import re
 from dataclasses import dataclass, field
@@ -153,26 +154,6 @@ class BlockMaskPlan:
     per_b: bool = False  # TABLE: does the class depend on b / h?
     per_h: bool = False
 
-    @property
-    def alpha(self) -> int:
-        return self._single().alpha
-
-    @property
-    def beta(self) -> int:
-        return self._single().beta
-
-    @property
-    def lower(self) -> tuple[Expr, ...]:
-        return self._single().lower
-
-    @property
-    def upper(self) -> tuple[Expr, ...]:
-        return self._single().upper
-
-    def _single(self) -> LinearBounds:
-        assert len(self.disjuncts) == 1, "alpha/beta/lower/upper describe a plan of one conjunction"
-        return self.disjuncts[0]
-
 
 def _linear(e: Expr) -> tuple[int, int, Expr] | None:
     """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
@@ -200,18 +181,11 @@ def _linear(e: Expr) -> tuple[int, int, Expr] | None:
 _FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
 
 
-def _conjuncts(e: Expr) -> Iterator[Expr]:
-    if e.op is ExprOp.AND:
+def _operands(e: Expr, op: ExprOp) -> Iterator[Expr]:
+    """The terms of a nest of `op` (AND: conjuncts, OR: disjuncts)."""
+    if e.op is op:
         for a in e.args:
-            yield from _conjuncts(a)
-    else:
-        yield e
-
-
-def _disjuncts(e: Expr) -> Iterator[Expr]:
-    if e.op is ExprOp.OR:
-        for a in e.args:
-            yield from _disjuncts(a)
+            yield from _operands(a, op)
     else:
         yield e
 
@@ -226,7 +200,7 @@ def plan_block_mask(p: Program) -> BlockMaskPlan:
     if p.mask_mod is None:
         return BlockMaskPlan(BlockMaskKind.NO_MASK)
     not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and _KIND[q.dtype] is not Kind.INT}
-    disjuncts = [_linear_bounds(d, not_int) for d in _disjuncts(p.mask_mod.body)]
+    disjuncts = [_linear_bounds(d, not_int) for d in _operands(p.mask_mod.body, ExprOp.OR)]
     if any(d is None for d in disjuncts):
         return _table_plan(p)
     return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
@@ -237,7 +211,7 @@ def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
     direction: tuple[int, int] | None = None
     lower: list[Expr] = []
     upper: list[Expr] = []
-    for atom in _conjuncts(e):
+    for atom in _operands(e, ExprOp.AND):
         lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
         if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
                 or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
@@ -310,17 +284,11 @@ def _simplify(e: Expr) -> Expr:
 
 
 def _any(es: list[Expr]) -> Expr:
-    out = es[0]
-    for e in es[1:]:
-        out = Expr(ExprOp.OR, (out, e))
-    return out
+    return functools.reduce(lambda a, b: Expr(ExprOp.OR, (a, b)), es)
 
 
 def _all(es: list[Expr]) -> Expr:
-    out = es[0]
-    for e in es[1:]:
-        out = Expr(ExprOp.AND, (out, e))
-    return out
+    return functools.reduce(lambda a, b: Expr(ExprOp.AND, (a, b)), es)
 
 
 def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
@@ -418,17 +386,11 @@ def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) 
 
 
 def _min_all(es: list[Expr]) -> Expr:
-    out = es[0]
-    for e in es[1:]:
-        out = call("minimum", out, e)
-    return out
+    return functools.reduce(lambda a, b: call("minimum", a, b), es)
 
 
 def _max_all(es: list[Expr]) -> Expr:
-    out = es[0]
-    for e in es[1:]:
-        out = call("maximum", out, e)
-    return out
+    return functools.reduce(lambda a, b: call("maximum", a, b), es)
 
 
 # ------------------------------------------------------------------ kernels
@@ -888,10 +850,7 @@ class _KernelGen:
         ptr, mask, shape = self.address(st.tensor, st.index)
         desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
-        other = _NEG_INF if st.other == float("-inf") else repr(float(st.other))
-        flag = re.match(r"\(None if (EVEN_DV?) ", mask or "")
-        if flag:
-            other = f"(None if {flag.group(1)} else {other})"  # tl.load refuses `other` without a mask
+        other = _load_other(mask, _NEG_INF if st.other == float("-inf") else repr(float(st.other)))
         plain = f"tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")")
         self.emit(f"{out} = {desc[0]}.load([{desc[1]}]) if USE_TMA else {plain}" if desc else f"{out} = {plain}")
 
@@ -1069,7 +1028,7 @@ class _KernelGen:
         self.names["_sp"] = Sym("_sp", Kind.INT, True)
         ptr, mask, _ = self.address(load.tensor, tuple(var("_sp") if i == dim else it for i, it in enumerate(load.index)))
         self.emit(f"_w_sp = tl.sum(tl.where(tl.arange(0, {pl_t.shape[0]}){_bcast(0, len(pl_t.shape))} == _sp, _w, 0.0), 0)")
-        other = "(None if EVEN_D else 0.0)" if mask and mask.startswith("(None if EVEN_D") else "0.0"
+        other = _load_other(mask, "0.0")
         self.emit(f"{o} += _w_sp{one} * tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
         self.offs.pop()
         self.depth -= 1
@@ -1344,6 +1303,13 @@ def _wrap(code: str) -> str:
     """Parenthesise unless `code` is atomic or already one parenthesised group."""
     atomic = re.fullmatch(r"[\w.]+", code) or (code.startswith("(") and _strip(code) != code)
     return code if atomic else f"({code})"
+
+
+def _load_other(mask: str | None, other: str) -> str:
+    """`other` for a tl.load under `mask`; a mask that is None when EVEN_D / EVEN_DV holds gets None there too
+    (tl.load refuses `other` without a mask)."""
+    flag = re.match(r"\(None if (EVEN_DV?) ", mask or "")
+    return f"(None if {flag.group(1)} else {other})" if flag else other
 
 
 def _bcast(pos: int, rank: int) -> str:
@@ -1736,6 +1702,11 @@ def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]
     return ["@triton.jit", "def _block_class_kernel(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
 
 
+def _split_kernels(p: Program) -> list[Kernel]:
+    """The kernels with a split-KV grid axis (an extent over NUM_SPLITS)."""
+    return [k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid)]
+
+
 def packed_fn_name(k: Kernel) -> str:
     return f"_{k.name}_packed_kernel"
 
@@ -1743,7 +1714,7 @@ def packed_fn_name(k: Kernel) -> str:
 def _packing(p: Program, opts: LowerOptions, designs: DesignTable | None) -> dict[str, PackPlan] | str:
     """The kernels' pack plans when the module should carry packed forms (a split-KV program, or a design that
     packs), else why not: a prefill module whose designs never pack stays as it was."""
-    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    split = bool(_split_kernels(p))
     if not opts.pack_gqa:
         return "the lowering was asked not to pack (LowerOptions.pack_gqa)"
     if not split and not any(d.pack_gqa for by in (designs or {}).values() for ds in by.values() for d in ds):
@@ -1773,7 +1744,7 @@ def _design_lines(p: Program, designs: DesignTable | None, packs: dict | str) ->
         return list(dict.fromkeys(d.as_tuple() if packable else dataclasses.replace(d, pack_gqa=False).as_tuple() for d in ds))
 
     table = {arch: {bucket: tuples(ds) for bucket, ds in sorted(by.items())} for arch, by in sorted((designs or {}).items())}
-    split = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
+    split = bool(_split_kernels(p))
     own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and split).as_tuple()
     return [f"PROGRAM = {p.name!r}",
             "# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew",
@@ -1867,9 +1838,9 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         L.append(f"    # GQA packing: the {pk.hq} // {pk.hkv} query heads of a KV head share a tile (K/V read once per KV head)")
         L.append(f"    PACK = PACK and {pk.hq} > {pk.hkv} and {pk.hq} % {pk.hkv} == 0")
         L.append(f"    _PK_ROWS = ({pk.hq} // {pk.hkv}) * {pk.m}")
-    split_axes = [a for k in p.kernels for a in k.grid if "NUM_SPLITS" in free_vars(a.extent)]
-    if split_axes:
-        k0 = next(k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid))
+    split_kernels = _split_kernels(p)
+    if split_kernels:
+        k0 = split_kernels[0]
         base = _grid_code(k0, hctx, None, split=False)
         if isinstance(packs, dict):
             base = f"({_grid_code(k0, hctx, packs[k0.name], split=False)} if PACK else {base})"
