@@ -137,7 +137,7 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
     ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
     if decode and target.gqa_ratio != 1 and not any(d.pack_gqa for d in measured):
         # packing not measured yet: the expert practice (packed, bandwidth-sized tiles) before unpacked measurements
-        packed = [d for d in default_designs(decode) if d.pack_gqa]
+        packed = [d for d in ranked if d.pack_gqa]  # the default grid's packed designs (nothing measured packs)
         ranked = packed + [replace(d, pack_gqa=True) for d in measured + expert_designs(tunables, arch, bucket, decode)] + ranked
     # tiles that cannot fit shared memory: never
     return [d for d in dict.fromkeys(ranked) if d.fits(arch, bucket, head_dim_v=value_bucket)]
