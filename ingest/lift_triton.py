@@ -43,6 +43,7 @@ from kb.ir.nodes import (
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_regions import serving_regions
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
 from ingest.triton_source import (
     ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
@@ -680,6 +681,8 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
     called = {n.func.id for f in mod.jit.values() for n in ast.walk(f.node)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     for fn in mod.jit.values():
+        for r in serving_regions(fn.node):
+            _snippet(ctx, r.kind, r.title, r.ir_text, r.start, r.end, features=dict(r.features))
         if fn.name in called:
             continue  # helpers are inlined into the kernels that call them
         reach = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]

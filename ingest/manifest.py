@@ -16,6 +16,8 @@ Format:
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +25,7 @@ from pathlib import Path
 from kb.errors import KBError
 from ingest.model import SourceKind
 
-__all__ = ["FileRule", "Manifest", "LIFTERS", "load_manifest", "corpus_dir", "list_manifests", "find_manifest"]
+__all__ = ["FileRule", "Manifest", "LIFTERS", "expand_braces", "load_manifest", "corpus_dir", "list_manifests", "find_manifest"]
 
 LIFTERS = ("cuda", "cute", "triton")
 
@@ -49,6 +51,22 @@ class Manifest:
     @property
     def requirement(self) -> str:
         return f"{self.distribution}=={self.version}"
+
+    def patterns(self) -> tuple[str, ...]:
+        """Every file glob of the manifest, braces expanded."""
+        return tuple(p for rule in self.files for p in expand_braces(rule.path))
+
+    def lists(self, member: str) -> bool:
+        """Whether an archive member path matches one of the manifest's globs."""
+        return any(fnmatch.fnmatchcase(member, p) for p in self.patterns())
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`a/{x,y}.h` -> [`a/x.h`, `a/y.h`], nested and repeated groups included."""
+    m = re.search(r"\{([^{}]*)\}", pattern)
+    if m is None:
+        return [pattern]
+    return [p for alt in m.group(1).split(",") for p in expand_braces(pattern[: m.start()] + alt + pattern[m.end():])]
 
 
 def corpus_dir() -> Path:

@@ -83,7 +83,7 @@ def _require_kernels(name: str, src: FetchedSource) -> None:
     """A local PATH with no file any lifter takes is a user error, raised before anything is written."""
     targets = local_targets(src)
     if not any(t.lifter != "none" for t in targets):
-        what = f"read {len(targets)} file(s), none imports triton or cutlass.cute or is CUDA/C++" if targets \
+        what = f"read {len(targets)} file(s), none holds a Triton or CuTe kernel or is CUDA/C++" if targets \
             else "no .py or CUDA/C++ file in it"
         raise KBError(f"{name}: no kernels found ({what})")
 

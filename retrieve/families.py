@@ -6,8 +6,8 @@ A kernel row's `family` is its lifter's name for where it came from (`fa2_triton
 coarser terms. `label_family` maps one onto the other through one explicit table.
 
 Invariant: every ingest family in `corpus/*.toml` appears in `FAMILY_TABLE`; the decode
-split only matters for the Triton families, whose one source file holds both forward and
-split-KV decode programs.
+split only matters for the Triton families (FlashAttention's and the serving kernels of vLLM and
+SGLang), whose source files hold both forward and split-KV decode programs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ LABEL_FAMILIES = ("triton_fwd", "triton_decode", "fa2_cuda", "cute_fa4", "cutlas
 FAMILY_TABLE: dict[str, tuple[str, str]] = {
     "fa2_triton": ("triton_fwd", "triton_decode"),
     "fa2_triton_amd": ("triton_fwd", "triton_decode"),
+    "vllm_triton": ("triton_fwd", "triton_decode"),
+    "sglang_triton": ("triton_fwd", "triton_decode"),
     "fa2_cuda": ("fa2_cuda", "fa2_cuda"),
     "fa4_cute": ("cute_fa4", "cute_fa4"),
     "cutlass_cute_sm80": ("cutlass_fmha", "cutlass_fmha"),

@@ -29,7 +29,7 @@ def cache_env(monkeypatch):
 
 def test_manifests_pin_real_releases():
     names = {m.name: m for m in list_manifests()}
-    assert {"flash-attn-2", "flash-attn-4", "nvidia-cutlass"} <= set(names)
+    assert {"flash-attn-2", "flash-attn-4", "nvidia-cutlass", "vllm", "sglang"} <= set(names)
     for m in names.values():
         assert len(m.sha256) == 64 and m.files
     assert names["flash-attn-2"].kind is SourceKind.SDIST
@@ -44,14 +44,17 @@ def test_expand_braces():
 
 
 @pytest.mark.network
-@pytest.mark.parametrize("name", ["flash-attn-2", "flash-attn-4", "nvidia-cutlass"])
+@pytest.mark.parametrize("name", ["flash-attn-2", "flash-attn-4", "nvidia-cutlass", "vllm", "sglang"])
 def test_fetch_verifies_and_every_manifest_path_exists(cache_env, name):
     m = find_manifest(name)
     src = fetch(m)
     assert src.sha256 == m.sha256 == sha256_file(CACHE / "downloads" / f"{m.distribution}-{m.version}" / m.filename)
-    assert (src.root / STAMP).read_text().strip() == m.sha256
+    assert (src.root / STAMP).read_text().split()[0] == m.sha256
     targets, missing = select_files(m, src)
     assert missing == [] and targets
+    if m.kind is SourceKind.WHEEL:  # a wheel's native libraries are never unpacked: only the listed files
+        unpacked = {p.relative_to(src.root).as_posix() for p in src.root.rglob("*") if p.is_file()} - {STAMP}
+        assert unpacked == {t.path.relative_to(src.root).as_posix() for t in targets}
     # Fetching again is served from the cache (no pip run, no re-unpack).
     t0 = time.perf_counter()
     again = fetch(m)

@@ -55,7 +55,7 @@ def test_every_file_read_is_in_the_coverage(kb, tmp_path: Path) -> None:
     root = _tree(tmp_path / "mine")
     files = _files(ingest(kb, [str(root)], progress=False))
     assert set(files) == {"my_softcap.cuh", "helpers.py"}  # .txt is not read
-    assert files["helpers.py"] == (("file", "no Triton kernel (the file does not import triton)"),)
+    assert files["helpers.py"] == (("file", "no Triton kernel (no @triton.jit function and no import of triton)"),)
 
 
 def test_nothing_found_is_an_error_before_any_write(kb, tmp_path: Path) -> None:
