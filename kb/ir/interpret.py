@@ -15,7 +15,9 @@ slow (one Python step per statement per grid point) and exact:
 
 Statistics (`RunStats`) count what the block loops really did, so tests can check that block
 skipping skips: a loop whose step is `BLOCK_N` is a KV-block loop; `kv_blocks_dense` is what it
-would visit over all of [0, N) (cdiv(N, BLOCK_N) per loop entry).
+would visit over all of [0, N) (cdiv(N, BLOCK_N) per loop entry; a program without a dim N
+counts the loop's own visits). Loads and stores honour `until` and gathered axes (`kb.ir.interp_tiles`);
+a program without a dim M or N has no built-in bound there (`kb.ir.nodes`).
 """
 
 from __future__ import annotations

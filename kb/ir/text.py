@@ -271,7 +271,7 @@ def _enum(cls: type, text: str, line: int, col: int, what: str):  # -> cls membe
         raise _fail(line, col, f"unknown {what} {text!r}; known: {known}") from None
 
 
-_GATHER_RE = re.compile(rf"^\[(?P<index>.+?)\s+for\s+(?P<var>\S+)\s+in\s+range\((?P<size>[^()]*)\)(?:\s+if\s+(?P<valid>.+))?\]$")
+_GATHER_RE = re.compile(r"^\[(?P<index>.+?)\s+for\s+(?P<var>\S+)\s+in\s+range\((?P<size>[^()]*)\)(?:\s+if\s+(?P<valid>.+))?\]$")
 _UNTIL_RE = re.compile(r"^(?P<size>\S+)\s+until\s+(?P<until>.+)$")
 
 
