@@ -162,6 +162,8 @@ def test_paged_decode_matches_reference() -> None:
     o, lse = _decode_reference(q, k_tm, v_tm, kv_lens)
     _close(res.outputs["o"], o)
     _close(res.outputs["lse"], lse)
+    stats = res.stats.kernel("decode")  # no dim N: the dense count is the loop's own (one page per block)
+    assert stats.kv_blocks_visited == stats.kv_blocks_dense == HQ * sum(pages_per_seq)
 
 
 def test_pool_decode_matches_reference() -> None:
@@ -215,8 +217,8 @@ def test_features(name: str, varlen: bool, paged: bool) -> None:
     assert (f.varlen, f.paged_kv) == (varlen, paged)
 
 
-@pytest.mark.parametrize("name, construct", [("varlen_prefill", "`until` on a span of q"),
-                                             ("pool_decode", "a gathered axis of k")])
+@pytest.mark.parametrize("name, construct", [("varlen_prefill", "`until` (on q, k, v, o, lse)"),
+                                             ("pool_decode", "a gathered axis (on k, v)")])
 @pytest.mark.parametrize("lowering", ["triton", "cuda"])
 def test_lowerings_refuse_until_and_gather(name: str, construct: str, lowering: str) -> None:
     if lowering == "triton":
@@ -226,3 +228,9 @@ def test_lowerings_refuse_until_and_gather(name: str, construct: str, lowering: 
     with pytest.raises(KBError, match="not supported yet") as err:
         lower_program(_program(name))
     assert construct in str(err.value)
+
+
+def test_lowerings_refuse_token_major_paged_decode() -> None:
+    from kb.lower.triton import lower_program
+    with pytest.raises(KBError, match=r"q must be \[B, H, S, D\]"):
+        lower_program(_program("paged_decode"))

@@ -388,16 +388,16 @@ class Program:
 
 
 def serving_constructs(p: Program) -> tuple[str, ...]:
-    """The varlen/paged index forms `p` uses (`until` on a span of T, a gathered axis of T), in order."""
-    found: dict[str, None] = {}
+    """The varlen/paged index forms `p` uses, each with its tensors: "`until` (on q, k)", "a gathered axis (on k, v)"."""
+    found: dict[str, dict[str, None]] = {}
     for k in p.kernels:
         for st in walk_stmts(k.body):
             for ix in st.index if isinstance(st, (Load, Store)) else ():
                 if isinstance(ix, Span) and ix.until is not None:
-                    found.setdefault(f"`until` on a span of {st.tensor}", None)
+                    found.setdefault("`until`", {})[st.tensor] = None
                 elif isinstance(ix, Gather):
-                    found.setdefault(f"a gathered axis of {st.tensor}", None)
-    return tuple(found)
+                    found.setdefault("a gathered axis", {})[st.tensor] = None
+    return tuple(f"{kind} (on {', '.join(tensors)})" for kind, tensors in found.items())
 
 
 def launch_constants(p: Program) -> tuple[str, ...]:
