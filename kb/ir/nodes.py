@@ -146,8 +146,8 @@ class Gather:
     Lane j (bound to `var`, 0 <= j < size) reads tensor index `index` (an integer Expr over `var`
     and scalars, typically a table load `req_to_token[b, n_start + j]`). A lane is in range iff
     `valid` (a boolean Expr over `var` and scalars; None = always) holds and 0 <= index < the
-    dim's extent; other lanes read `other` and are not stored. Table loads of invalid lanes are
-    clamped, never out of bounds; a valid lane must index its tables in range."""
+    dim's extent; other lanes read `other` and are not stored. Table loads in `index` are clamped
+    for invalid lanes, never out of bounds; a valid lane (and `valid` itself) must load in range."""
 
     var: str
     size: Dim  # a schedule constant name or an int, as for Span
