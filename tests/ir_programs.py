@@ -185,4 +185,112 @@ def all_fixtures(dtype: Dtype = Dtype.F32) -> dict[str, Program]:
     return {name: build(dtype=dtype) for name, build in FIXTURES.items()}
 
 
-__all__ = ["FIXTURES", "all_fixtures", "forward", "Expr"]
+# ---------------------------------------------------------------- serving layouts (varlen, paged KV)
+# Token-major q/k/v/o [T, H, D] with per-sequence offsets, and KV caches behind a page table.
+# Not in FIXTURES: the lowerings refuse `until` and gathered axes (tests/test_ir_varlen_paged.py).
+
+VARLEN_PREFILL = """\
+program varlen_prefill
+param q: [T, Hq, D] f32 in
+param k: [T, Hkv, D] f32 in
+param v: [T, Hkv, D] f32 in
+param o: [T, Hq, D] f32 out
+param lse: [T, Hq] f32 out
+param b_start_loc: [B] i32 aux
+param b_seq_len: [B] i32 aux
+param sm_scale: [] f32 scalar
+param max_seq_len: [] i32 scalar
+schedule block_m=16 block_n=8 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+mask_mod(b, h, q_idx, kv_idx) = (q_idx >= kv_idx) & (kv_idx < b_seq_len[b])
+kernel fwd grid(b: B, h: Hq, m: cdiv(max_seq_len, BLOCK_M)):
+  let hk = h // (Hq // Hkv)
+  let q0 = b_start_loc[b]
+  let q_len = b_seq_len[b]
+  let m_start = m * BLOCK_M
+  load qt = q[q0 + m_start:+BLOCK_M until q0 + q_len, h, :]
+  init m_i = full(BLOCK_M; -inf) f32
+  init l_i = full(BLOCK_M; 0.0) f32
+  init acc = full(BLOCK_M, HEAD_PAD; 0.0) f32
+  for n_start in range(0, minimum(q_len, m_start + BLOCK_M), BLOCK_N) forward:
+    load kt = k[q0 + n_start:+BLOCK_N until q0 + q_len, hk, :]
+    load vt = v[q0 + n_start:+BLOCK_N until q0 + q_len, hk, :]
+    dot s = qt @ trans(kt)
+    elementwise s = s * sm_scale
+    mask s at (b, h, m_start, n_start) mask_mod
+    online_softmax (m_i, l_i, acc) += s @ vt
+  finalize ot, lt = (m_i, l_i, acc)
+  store o[q0 + m_start:+BLOCK_M until q0 + q_len, h, :] = ot
+  store lse[q0 + m_start:+BLOCK_M until q0 + q_len, h] = lt
+"""
+
+# vLLM-style paged decode: k/v caches [NUM_PAGES, PAGE, Hkv, D], block_table [B, MAX_PAGES];
+# BLOCK_N == PAGE, so a KV tile is one page (a scalar page lookup, then a span inside it).
+PAGED_DECODE = """\
+program paged_decode
+param q: [B, Hq, D] f32 in
+param k: [NUM_PAGES, PAGE, Hkv, D] f32 in
+param v: [NUM_PAGES, PAGE, Hkv, D] f32 in
+param o: [B, Hq, D] f32 out
+param lse: [B, Hq] f32 out
+param block_table: [B, MAX_PAGES] i32 aux
+param seq_lens: [B] i32 aux
+param sm_scale: [] f32 scalar
+schedule block_m=16 block_n=8 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+mask_mod(b, h, q_idx, kv_idx) = kv_idx < seq_lens[b]
+kernel decode grid(b: B, h: Hq):
+  let hk = h // (Hq // Hkv)
+  let kv_len = seq_lens[b]
+  load qt = q[b, h:+1, :]
+  init m_i = full(1; -inf) f32
+  init l_i = full(1; 0.0) f32
+  init acc = full(1, HEAD_PAD; 0.0) f32
+  for n_start in range(0, kv_len, BLOCK_N) forward:
+    let page = block_table[b, n_start // BLOCK_N]
+    load kt = k[page, 0:+BLOCK_N, hk, :]
+    load vt = v[page, 0:+BLOCK_N, hk, :]
+    dot s = qt @ trans(kt)
+    elementwise s = s * sm_scale
+    mask s at (b, h, kv_len - 1, n_start) mask_mod
+    online_softmax (m_i, l_i, acc) += s @ vt
+  finalize ot, lt = (m_i, l_i, acc)
+  store o[b, h:+1, :] = ot
+  store lse[b, h:+1] = lt
+"""
+
+# SGLang-style token-pool decode: k/v buffers [POOL, Hkv, D], req_to_token [B, MAX_CTX] gives
+# each token's pool row; one gathered lookup per KV lane.
+POOL_DECODE = """\
+program pool_decode
+param q: [B, Hq, D] f32 in
+param k: [POOL, Hkv, D] f32 in
+param v: [POOL, Hkv, D] f32 in
+param o: [B, Hq, D] f32 out
+param lse: [B, Hq] f32 out
+param req_to_token: [B, MAX_CTX] i32 aux
+param seq_lens: [B] i32 aux
+param sm_scale: [] f32 scalar
+schedule block_m=16 block_n=8 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+mask_mod(b, h, q_idx, kv_idx) = kv_idx < seq_lens[b]
+kernel decode grid(b: B, h: Hq):
+  let hk = h // (Hq // Hkv)
+  let kv_len = seq_lens[b]
+  load qt = q[b, h:+1, :]
+  init m_i = full(1; -inf) f32
+  init l_i = full(1; 0.0) f32
+  init acc = full(1, HEAD_PAD; 0.0) f32
+  for n_start in range(0, kv_len, BLOCK_N) forward:
+    load kt = k[[req_to_token[b, n_start + j] for j in range(BLOCK_N) if n_start + j < kv_len], hk, :]
+    load vt = v[[req_to_token[b, n_start + j] for j in range(BLOCK_N) if n_start + j < kv_len], hk, :]
+    dot s = qt @ trans(kt)
+    elementwise s = s * sm_scale
+    mask s at (b, h, kv_len - 1, n_start) mask_mod
+    online_softmax (m_i, l_i, acc) += s @ vt
+  finalize ot, lt = (m_i, l_i, acc)
+  store o[b, h:+1, :] = ot
+  store lse[b, h:+1] = lt
+"""
+
+SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE, "pool_decode": POOL_DECODE}
+
+
+__all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "Expr"]

@@ -8,7 +8,7 @@ from kb.ir.expr import Expr, ExprOp, parse_expr, print_expr
 from kb.ir.features import derive_features
 from kb.ir.nodes import (
     MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, BlockClass, Combine, Dot, Dtype,
-    Elementwise, Finalize, For, Full, GridAxis, IfBlock, Index, Init, Kernel, Let, Load, Mask,
+    Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock, Index, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Reduce, Role, Schedule, ScoreMod, Span, Stmt, StmtOp, Store,
     VariantFn,
 )
@@ -17,7 +17,7 @@ from kb.ir.validate import Problem, problems, validate
 
 __all__ = [
     "Expr", "ExprOp", "parse_expr", "print_expr",
-    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Index",
+    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
     "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS",

@@ -1,7 +1,9 @@
-"""Evaluate IR expressions on torch tensors (broadcasting), and variant functions densely.
+"""Evaluate IR expressions on torch tensors (broadcasting), variant functions densely, and serving layouts.
 
 Used by the reference interpreter, by dense torch references of programs and specs, and by
-mask/score classification. Semantics match the lowerings: `//` and `%` are floor
+mask/score classification. `varlen_attention` is the torch reference for token-major (varlen)
+and paged layouts (`paged_to_token_major`, `pool_to_token_major` unpage a cache first): dense
+attention run per sequence, what a lifted serving kernel is verified against. Semantics match the lowerings: `//` and `%` are floor
 division/modulo, `&`/`|`/`~` are logical on booleans, loads index aux tensors with
 (broadcast) integer index tensors.
 """
@@ -16,7 +18,7 @@ import torch
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp
 
-__all__ = ["eval_expr", "dense_scores_mask", "Value"]
+__all__ = ["eval_expr", "dense_scores_mask", "Value", "varlen_attention", "paged_to_token_major", "pool_to_token_major"]
 
 Value = torch.Tensor | int | float | bool
 
@@ -147,3 +149,77 @@ def dense_scores_mask(
     if mask_mod is not None:
         mask = _t(eval_expr(mask_mod, full_env, tensors)).bool()
     return scores, mask
+
+
+# ---------------------------------------------------------------- serving layouts (torch reference)
+
+
+def _seq_mask(q_len: int, kv_len: int, causal: bool, window: int | None) -> torch.Tensor:
+    """[q_len, kv_len] allowed pairs; query i sits at key position kv_len - q_len + i (bottom-right)."""
+    pos = (kv_len - q_len + torch.arange(q_len)).view(q_len, 1)
+    j = torch.arange(kv_len).view(1, kv_len)
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        allowed &= j <= pos
+    if window is not None:
+        allowed &= pos - j < window
+    return allowed
+
+
+def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [Lq, Hq, D], k/v: [Lk, Hkv, D]; returns o [Lq, Hq, Dv], lse [Lq, Hq] (float64)."""
+    group = q.shape[1] // k.shape[1]
+    kh = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Lk, D]
+    vh = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ kh.transpose(1, 2) * sm_scale  # [Hq, Lq, Lk]
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # -inf for fully masked rows
+    p = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(s), torch.exp(s - lse[..., None]))
+    return (p @ vh).transpose(0, 1), lse.transpose(0, 1)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_starts: list[int],
+    q_lens: list[int],
+    kv_starts: list[int],
+    kv_lens: list[int],
+    *,
+    sm_scale: float,
+    causal: bool = False,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention per sequence on token-major tensors; returns (o, lse) in float32.
+
+    q: [Tq, Hq, D], k/v: [Tk, Hkv, D|Dv]; sequence i has queries q[q_starts[i] :+ q_lens[i]] and keys
+    k[kv_starts[i] :+ kv_lens[i]]. GQA: query head h reads kv head h // (Hq // Hkv). Causal is
+    bottom-right aligned (query i sees keys <= kv_len - q_len + i); `window` keeps keys with
+    position - key < window. Fully masked rows give o = 0, lse = -inf; rows of no sequence are 0 / -inf."""
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)
+    for qs, ql, ks, kl in zip(q_starts, q_lens, kv_starts, kv_lens):
+        allowed = _seq_mask(ql, kl, causal, window)
+        o_i, lse_i = _one_sequence(q[qs:qs + ql], k[ks:ks + kl], v[ks:ks + kl], allowed, sm_scale)
+        o[qs:qs + ql], lse[qs:qs + ql] = o_i.float(), lse_i.float()
+    return o, lse
+
+
+def _token_major(rows: list[torch.Tensor], kv_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    starts = [sum(kv_lens[:i]) for i in range(len(kv_lens))]
+    return torch.cat(rows, dim=0), starts
+
+
+def paged_to_token_major(cache: torch.Tensor, block_table: torch.Tensor, kv_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A vLLM cache [NUM_PAGES, PAGE, H, D] read through block_table [B, MAX_PAGES] -> ([sum kv_lens, H, D], starts)."""
+    page = cache.shape[1]
+    rows = [cache[block_table[b, torch.arange(n) // page].long(), torch.arange(n) % page] for b, n in enumerate(kv_lens)]
+    return _token_major(rows, kv_lens)
+
+
+def pool_to_token_major(pool: torch.Tensor, req_to_token: torch.Tensor, kv_lens: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """An SGLang token pool [POOL, H, D] read through req_to_token [B, MAX_CTX] -> ([sum kv_lens, H, D], starts)."""
+    rows = [pool[req_to_token[b, :n].long()] for b, n in enumerate(kv_lens)]
+    return _token_major(rows, kv_lens)

@@ -11,8 +11,10 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
 - split_kv: a grid axis whose extent uses NUM_SPLITS, or a `combine` statement.
 - decode: split_kv with num_splits > 1, or decode-shaped `shapes` (seq_q <= 16, seq_kv >= 8 seq_q).
 - return_lse: an out param named `lse` is stored.
-- varlen: q is loaded at an index that itself loads a tensor (sequence offsets);
-  paged_kv: k or v is loaded at an index that loads a tensor using a loop variable (page table).
+- varlen: q is loaded at an index that itself loads a tensor (sequence offsets: a span start or
+  `until`, directly or through `let`s, e.g. `q[q0 + m_start:+BLOCK_M until q0 + q_len, h, :]` with
+  `let q0 = b_start_loc[b]`); paged_kv: k or v is loaded at an index that loads a tensor using a
+  loop variable (a page table: a scalar index or span start, or a gathered axis's index).
 - scalar params in variant bodies (`softcap * tanh(score / softcap)`, `q_idx - kv_idx < window`)
   are runtime values: the bodies are classified with two probe values substituted, and the
   result is kept when both probes agree (else the unsubstituted body decides, usually "custom");
@@ -27,7 +29,7 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, Load, Program, Role, Span, Stmt, Store, walk_stmts
+from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, walk_stmts
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 
@@ -56,14 +58,18 @@ def _index_exprs(st: Load) -> Iterator[Expr]:
     for ix in st.index:
         if isinstance(ix, Span):
             yield ix.start
+            if ix.until is not None:
+                yield ix.until
+        elif isinstance(ix, Gather):
+            yield ix.index
         elif not isinstance(ix, Full):
             yield ix
 
 
-def _indirect(st: Load, loop_vars: set[str] | None) -> bool:
-    """The load's index reads another tensor (optionally: indexed by a loop variable)."""
+def _indirect(st: Load, lets: dict[str, Expr], loop_vars: set[str] | None) -> bool:
+    """The load's index reads another tensor (optionally: indexed by a loop variable), `let`s expanded."""
     for e in _index_exprs(st):
-        for n in walk(e):
+        for n in walk(substitute(e, lets)):
             if n.op is ExprOp.LOAD and (loop_vars is None or free_vars(n) & loop_vars):
                 return True
     return False
@@ -74,10 +80,13 @@ def _addressing(p: Program) -> tuple[bool, bool]:
     varlen = paged = False
     for k in p.kernels:
         loops = _loop_vars(k.body)
+        lets: dict[str, Expr] = {}  # each let's value with earlier lets expanded (a rebinding replaces it)
         for st in walk_stmts(k.body):
-            if isinstance(st, Load):
-                varlen |= st.tensor == "q" and _indirect(st, None)
-                paged |= st.tensor in ("k", "v") and _indirect(st, loops)
+            if isinstance(st, Let):
+                lets[st.name] = substitute(st.value, lets)
+            elif isinstance(st, Load):
+                varlen |= st.tensor == "q" and _indirect(st, lets, None)
+                paged |= st.tensor in ("k", "v") and _indirect(st, lets, loops)
     return varlen, paged
 
 

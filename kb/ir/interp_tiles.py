@@ -2,7 +2,9 @@
 
 An index item per tensor dim:
 - an `Expr` (a scalar index): the dim is dropped from the tile;
-- `Span(start, size)`: `size` elements from `start`;
+- `Span(start, size, until)`: `size` elements from `start`, in range only below `until` when given;
+- `Gather(var, size, index, valid)`: `size` lanes at the tensor indices `lanes(item)` gives (with
+  each lane's `valid`), computed by the caller, which owns expression evaluation;
 - `Full()`: the whole dim, padded to HEAD_PAD when the dim is named `D`, to HEAD_PAD_V when it
   is named `Dv`, else to the next power of two >= its extent.
 
@@ -20,7 +22,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.expr import Expr
-from kb.ir.nodes import Dim, Dtype, Full, Index, Span, VALUE_DIM
+from kb.ir.nodes import Dim, Dtype, Full, Gather, Index, Span, VALUE_DIM
 
 __all__ = ["TORCH_DTYPES", "next_pow2", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter"]
 
@@ -67,18 +69,33 @@ def tile_index(
     index: Sequence[Index],
     env: Mapping[str, object],
     scalar: Callable[[Expr], int],
+    lanes: Callable[[Gather], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> TileIndex:
-    """Element positions addressed by `index` on a tensor of `shape` (dims named `dim_names`)."""
+    """Element positions addressed by `index` on a tensor of `shape` (dims named `dim_names`).
+
+    `lanes(g)` gives a Gather's tensor indices and lane validity, both of shape [size]."""
     if len(index) != len(shape):
         raise KBError(f"tensor has {len(shape)} dims, indexed with {len(index)}")
     rank = len(shape)
     positions: list[torch.Tensor] = []
+    lane_ok: list[torch.Tensor] = []  # extra per-axis validity (until, gather `valid`), shaped for broadcasting
     tile_shape: list[int] = []
     for axis, (item, extent, name) in enumerate(zip(index, shape, dim_names)):
+        view = [1] * rank
         if isinstance(item, Span):
             size = resolve_dim(item.size, env)
             pos = scalar(item.start) + torch.arange(size)
+            if item.until is not None:
+                view[axis] = size
+                lane_ok.append((pos < scalar(item.until)).view(view))
             tile_shape.append(size)
+        elif isinstance(item, Gather):
+            if lanes is None:
+                raise KBError("a gathered index needs a lane evaluator")
+            pos, ok = lanes(item)
+            view[axis] = pos.numel()
+            lane_ok.append(ok.view(view))
+            tile_shape.append(pos.numel())
         elif isinstance(item, Full):
             pad = _HEAD_PADS.get(str(name))
             size = resolve_dim(pad, env) if pad else next_pow2(extent)
@@ -88,12 +105,13 @@ def tile_index(
             tile_shape.append(size)
         else:
             pos = torch.tensor([scalar(item)])
-        view = [1] * rank
         view[axis] = pos.numel()
         positions.append(pos.view(view))
     valid = torch.ones((), dtype=torch.bool)
     for pos, extent in zip(positions, shape):
         valid = valid & (pos >= 0) & (pos < extent)
+    for ok in lane_ok:
+        valid = valid & ok
     full_shape = torch.broadcast_shapes(*(p.shape for p in positions)) if positions else ()
     return TileIndex(tuple(positions), valid.expand(full_shape), tuple(tile_shape))
 

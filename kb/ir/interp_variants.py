@@ -21,7 +21,10 @@ from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
 from kb.ir.nodes import BlockClass, VariantFn
 
-__all__ = ["TileCoords", "eval_variant", "mask_tile", "classify_block"]
+__all__ = ["UNBOUNDED", "TileCoords", "ClampedAux", "eval_variant", "mask_tile", "classify_block"]
+
+
+UNBOUNDED = 1 << 62  # the extent of a missing M or N dim (token-major and paged programs)
 
 
 class TileCoords:
@@ -34,11 +37,13 @@ class TileCoords:
         self.shape = (rows, cols)
 
 
-class _ClampedAux:
+class ClampedAux:
     """An aux tensor whose loads clamp indices, failing only when an in-range lane is out of range."""
 
-    def __init__(self, name: str, t: torch.Tensor, in_range: torch.Tensor) -> None:
+    def __init__(self, name: str, t: torch.Tensor, in_range: torch.Tensor,
+                 reader: str = "variant function", lane: str = "an in-range (q_idx, kv_idx) pair") -> None:
         self.name, self.t, self.in_range = name, t, in_range
+        self.reader, self.lane = reader, lane
 
     def dim(self) -> int:
         return self.t.dim()
@@ -54,8 +59,8 @@ class _ClampedAux:
         except RuntimeError:  # index not laid out over the tile: no lane to blame, be strict
             bad = oob
         if bool(bad.any()):
-            raise KBError(f"variant function reads {self.name} out of range (shape {list(self.t.shape)}) "
-                          "for an in-range (q_idx, kv_idx) pair; fix the index or the aux tensor's shape")
+            raise KBError(f"{self.reader} reads {self.name} out of range (shape {list(self.t.shape)}) "
+                          f"for {self.lane}; fix the index or the aux tensor's shape")
         return self.t[tuple(clamped)]
 
 
@@ -72,7 +77,7 @@ def eval_variant(
     local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
     if score is not None:
         local["score"] = score
-    tensors = {name: _ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
+    tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
     out = eval_expr(fn.body, local, tensors)  # type: ignore[arg-type]
     out = out if isinstance(out, torch.Tensor) else torch.tensor(out)
     if score is not None:
@@ -87,10 +92,10 @@ def mask_tile(
     aux: Mapping[str, torch.Tensor],
     b: int,
     h: int,
-    N: int,
+    N: int | None,
 ) -> torch.Tensor:
-    """Allowed pairs of the tile: kv_idx < N, and `mask_mod` when given."""
-    allowed = (coords.kv_idx < N).expand(coords.shape)
+    """Allowed pairs of the tile: kv_idx < N (when the program has a dim N), and `mask_mod` when given."""
+    allowed = (coords.kv_idx < (N if N is not None else UNBOUNDED)).expand(coords.shape)
     if mask_mod is not None:
         allowed = allowed & eval_variant(mask_mod, coords, env, aux, b, h)
     return allowed

@@ -15,7 +15,9 @@ slow (one Python step per statement per grid point) and exact:
 
 Statistics (`RunStats`) count what the block loops really did, so tests can check that block
 skipping skips: a loop whose step is `BLOCK_N` is a KV-block loop; `kv_blocks_dense` is what it
-would visit over all of [0, N) (cdiv(N, BLOCK_N) per loop entry).
+would visit over all of [0, N) (cdiv(N, BLOCK_N) per loop entry; a program without a dim N
+counts the loop's own visits). Loads and stores honour `until` and gathered axes (`kb.ir.interp_tiles`);
+a program without a dim M or N has no built-in bound there (`kb.ir.nodes`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from kb.ir.evaluate import Value, eval_expr
 from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
 from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, tile_index
-from kb.ir.interp_variants import TileCoords, classify_block, eval_variant, mask_tile
+from kb.ir.interp_variants import UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_variant, mask_tile
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let, Load, Mask,
+    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Reduce, Role, ScoreMod, Stmt, StmtOp, Store, SCHEDULE_CONSTANTS,
     VALUE_DIM,
 )
@@ -264,17 +266,16 @@ class _Machine:
         return eval_expr(e, self.env, self.aux)
 
     def _int(self, e: Expr, what: str) -> int:
-        v = eval_expr(e, self.env)
+        v = eval_expr(e, self.env, self.aux)
         if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point():
             v = int(v.item())
         if not isinstance(v, int) or isinstance(v, bool):
             raise KBError(f"{what} = {e} must be an integer scalar, got {v!r}")
         return v
 
-    def _dim(self, name: str) -> int:
-        if name not in self.dims:
-            raise KBError(f"program {self.p.name} has no dim {name}; masks and block classes need q: [.., M, D], k: [.., N, D]")
-        return self.dims[name]
+    def _bound(self, name: str) -> int:
+        """The extent of dim M or N; unbounded when the program has none (token-major, paged)."""
+        return self.dims.get(name, UNBOUNDED)
 
     def _tile(self, name: str) -> torch.Tensor:
         t = self.env.get(name)
@@ -293,14 +294,26 @@ class _Machine:
 
     def _ixs(self, name: str, index: tuple) -> tuple[torch.Tensor, object]:
         prm, t = self._param_tensor(name)
-        ix = tile_index(t.shape, prm.shape, index, self.env, lambda e: self._int(e, "index"))
+        ix = tile_index(t.shape, prm.shape, index, self.env, lambda e: self._int(e, "index"), self._lanes)
         return t, ix
+
+    def _lanes(self, g: Gather) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gathered axis: each lane's tensor index and validity; invalid lanes' table loads are clamped."""
+        size = resolve_dim(g.size, self.env)
+        env = {**self.env, g.var: torch.arange(size)}
+        ok = torch.ones(size, dtype=torch.bool) if g.valid is None else \
+            torch.as_tensor(eval_expr(g.valid, env, self.aux)).bool().expand(size)
+        tables = {n: ClampedAux(n, t, ok, "gathered index", "a valid lane") for n, t in self.aux.items()}
+        pos = torch.as_tensor(eval_expr(g.index, env, tables))  # type: ignore[arg-type]
+        if pos.is_floating_point() or pos.dtype == torch.bool:
+            raise KBError(f"gathered index {g.index} must be an integer, got {pos.dtype}")
+        return pos.long().expand(size).clone(), ok.clone()
 
     def _coords(self, st: ScoreMod | Mask, tile: torch.Tensor) -> tuple[TileCoords, int, int]:
         if tile.dim() != 2:
             raise KBError(f"{st.tile} must be a 2-D score tile, has shape {list(tile.shape)}")
         coords = TileCoords(self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
-                            tile.shape[0], tile.shape[1], self._dim("M"), self._dim("N"))
+                            tile.shape[0], tile.shape[1], self._bound("M"), self._bound("N"))
         return coords, self._int(st.b, "b"), self._int(st.h, "h")
 
     # -- statements
@@ -356,7 +369,7 @@ class _Machine:
         tile = self._tile(st.tile)
         coords, b, h = self._coords(st, tile)
         allowed = mask_tile(self.p.mask_mod if st.use_mask_mod else None, coords, self.variant_env,
-                            self.aux, b, h, self._dim("N"))
+                            self.aux, b, h, self.dims.get("N"))
         self.env[st.tile] = tile.masked_fill(~allowed, float("-inf"))
         self.c.masks_applied += 1
 
@@ -382,7 +395,8 @@ class _Machine:
         if st.step == "BLOCK_N":
             self.c.kv_loops += 1
             self.c.kv_blocks_visited += len(values)
-            self.c.kv_blocks_dense += math.ceil(self._dim("N") / self.dims["BLOCK_N"])
+            dense = math.ceil(self.dims["N"] / self.dims["BLOCK_N"]) if "N" in self.dims else len(values)
+            self.c.kv_blocks_dense += dense
         for i in (reversed(values) if st.order == "reverse" else values):
             self.env[st.var] = i
             self._block(st.body)
@@ -391,6 +405,6 @@ class _Machine:
         cls = classify_block(self.p.mask_mod, self.variant_env, self.aux,
                              self._int(st.b, "b"), self._int(st.h, "h"),
                              self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
-                             self.dims["BLOCK_M"], self.dims["BLOCK_N"], self._dim("M"), self._dim("N"))
+                             self.dims["BLOCK_M"], self.dims["BLOCK_N"], self._bound("M"), self._bound("N"))
         self.c.classes[cls] += 1
         self._block(st.then if (cls is st.cls) != st.negate else st.orelse)

@@ -15,9 +15,21 @@ Semantics (the reference interpreter in `kb.ir.interpret` is the executable form
   `Dv` has one head dim D, and HEAD_PAD_V = HEAD_PAD there.
 - Tiles are named values (2-D or 1-D) produced by load/init/dot/elementwise/reduce/
   online_softmax/finalize/combine and consumed by later statements.
-- `load` reads out-of-range elements as 0; `store` writes only in-range elements.
-- `mask` sets disallowed scores to -inf: always `kv_idx < N` (ragged last block),
-  plus `mask_mod` when `use_mask_mod`. q rows beyond M are never stored.
+- `load` reads out-of-range elements as `other` (0 by default); `store` writes only in-range
+  elements. An element is in range when every index item puts it inside its dim's extent,
+  a `Span` with `until` also below `until`, and a `Gather` lane also has `valid` true.
+- Token-major (serving) layouts: q, k, v, o as [T, H, D] with all sequences concatenated;
+  per-sequence offsets and lengths come from aux loads in `let`s, and a `Span`'s `until`
+  (e.g. `q0 + m_start:+BLOCK_M until q0 + q_len`) stops a tile at its sequence's end (varlen).
+  A paged KV cache is addressed by a scalar index that loads the page table
+  (`k[block_table[b, n // PAGE], n % PAGE:+BLOCK_N, hk, :]`, the tile inside one page) or by a
+  `Gather` axis, one table lookup per lane (`[req_to_token[b, n + j] for j in range(BLOCK_N) if ...]`).
+- `mask` sets disallowed scores to -inf: `kv_idx < N` (ragged last block) when the program has
+  a dim N, plus `mask_mod` when `use_mask_mod`. A program without a dim N (token-major or
+  paged: no [.., N, D] k) has no built-in bound; its per-sequence bound is in its mask_mod
+  (`kv_idx < kv_lens[b]`) or its loop bounds and loads. q rows beyond M (when M is a dim) are
+  never stored; without M the store's `until` decides. Mask and block coordinates
+  (`at (b, h, q_start, kv_start)`) are whatever the program passes, sequence-local for varlen.
 - `online_softmax` keeps the FlashAttention running state (row max m, row sum l,
   accumulator acc) in natural-log space; `finalize` gives o = acc / l and
   lse = m + log(l). A fully masked row (l == 0) gives o = 0 and lse = -inf (no NaN).
@@ -26,7 +38,8 @@ Semantics (the reference interpreter in `kb.ir.interpret` is the executable form
 - Block classes (`if block(...) is full`) are computed from mask_mod over the
   in-range part of the (BLOCK_M x BLOCK_N) tile at (q_start, kv_start):
   full = every in-range pair attends and the tile is not ragged in kv;
-  empty = no pair attends; partial = otherwise.
+  empty = no pair attends; partial = otherwise. Without a dim M (N) the rows (columns) are
+  unbounded above, so only mask_mod can make a tile partial or empty.
 """
 
 from __future__ import annotations
@@ -38,11 +51,11 @@ from typing import ClassVar, Iterator, Union
 from kb.ir.expr import Expr
 
 __all__ = [
-    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Index",
+    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
     "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
-    "launch_constants",
+    "launch_constants", "serving_constructs",
 ]
 
 
@@ -111,10 +124,14 @@ class VariantFn:
 
 @dataclass(frozen=True)
 class Span:
-    """`start:+size` along one tensor dim: `size` elements from `start`, masked by the dim's extent."""
+    """`start:+size [until END]` along one tensor dim: `size` elements from `start`.
+
+    Element i (tensor index start + i) is in range iff 0 <= start + i < the dim's extent and,
+    with `until`, start + i < until (an integer scalar: the end of a varlen sequence)."""
 
     start: Expr
     size: Dim  # a schedule constant name (BLOCK_M, BLOCK_N, HEAD_PAD, HEAD_PAD_V) or an int
+    until: Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +139,23 @@ class Full:
     """`:` — the whole dim (padded to HEAD_PAD for D, HEAD_PAD_V for Dv, to a power of two otherwise)."""
 
 
-Index = Union[Expr, Span, Full]
+@dataclass(frozen=True)
+class Gather:
+    """`[index for var in range(size) if valid]` — a gathered tile axis of `size` lanes.
+
+    Lane j (bound to `var`, 0 <= j < size) reads tensor index `index` (an integer Expr over `var`
+    and scalars, typically a table load `req_to_token[b, n_start + j]`). A lane is in range iff
+    `valid` (a boolean Expr over `var` and scalars; None = always) holds and 0 <= index < the
+    dim's extent; other lanes read `other` and are not stored. Table loads in `index` are clamped
+    for invalid lanes, never out of bounds; a valid lane (and `valid` itself) must load in range."""
+
+    var: str
+    size: Dim  # a schedule constant name or an int, as for Span
+    index: Expr
+    valid: Expr | None = None
+
+
+Index = Union[Expr, Span, Full, Gather]
 
 
 class StmtOp(Enum):
@@ -352,6 +385,19 @@ class Program:
                 if isinstance(d, str):
                     seen.setdefault(d, None)
         return tuple(seen)
+
+
+def serving_constructs(p: Program) -> tuple[str, ...]:
+    """The varlen/paged index forms `p` uses, each with its tensors: "`until` (on q, k)", "a gathered axis (on k, v)"."""
+    found: dict[str, dict[str, None]] = {}
+    for k in p.kernels:
+        for st in walk_stmts(k.body):
+            for ix in st.index if isinstance(st, (Load, Store)) else ():
+                if isinstance(ix, Span) and ix.until is not None:
+                    found.setdefault("`until`", {})[st.tensor] = None
+                elif isinstance(ix, Gather):
+                    found.setdefault("a gathered axis", {})[st.tensor] = None
+    return tuple(f"{kind} (on {', '.join(tensors)})" for kind, tensors in found.items())
 
 
 def launch_constants(p: Program) -> tuple[str, ...]:

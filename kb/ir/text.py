@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from kb.errors import KBError
 from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
-    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock,
+    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
     Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule,
     ScoreMod, Span, Stmt, Store, VariantFn,
 )
@@ -49,7 +49,11 @@ def _index(ix: Index) -> str:
     if isinstance(ix, Full):
         return ":"
     if isinstance(ix, Span):
-        return f"{print_expr(ix.start)}:+{_dim(ix.size)}"
+        until = "" if ix.until is None else f" until {print_expr(ix.until)}"
+        return f"{print_expr(ix.start)}:+{_dim(ix.size)}{until}"
+    if isinstance(ix, Gather):
+        valid = "" if ix.valid is None else f" if {print_expr(ix.valid)}"
+        return f"[{print_expr(ix.index)} for {ix.var} in range({_dim(ix.size)}){valid}]"
     return print_expr(ix)
 
 
@@ -267,9 +271,35 @@ def _enum(cls: type, text: str, line: int, col: int, what: str):  # -> cls membe
         raise _fail(line, col, f"unknown {what} {text!r}; known: {known}") from None
 
 
+_GATHER_RE = re.compile(r"^\[(?P<index>.+?)\s+for\s+(?P<var>\S+)\s+in\s+range\((?P<size>[^()]*)\)(?:\s+if\s+(?P<valid>.+))?\]$")
+_UNTIL_RE = re.compile(r"^(?P<size>\S+)\s+until\s+(?P<until>.+)$")
+
+
+def _parse_gather(text: str, line: int, col: int) -> Gather:
+    m = _GATHER_RE.match(text)
+    if m is None:
+        raise _fail(line, col, "bad gathered index; use [EXPR for VAR in range(SIZE)] or [EXPR for VAR in range(SIZE) if COND]")
+    valid = None if m["valid"] is None else _expr(m["valid"], line, col + m.start("valid"))
+    return Gather(_name(m["var"], line, col + m.start("var"), "lane variable"),
+                  _parse_dim(m["size"], line, col + m.start("size")),
+                  _expr(m["index"], line, col + m.start("index")), valid)
+
+
+def _parse_span(start: str, rest: str, line: int, col: int, rest_col: int) -> Span:
+    """`start:+rest` where rest is `SIZE` or `SIZE until END`."""
+    m = _UNTIL_RE.match(rest.strip())
+    if m is None:
+        return Span(_expr(start, line, col), _parse_dim(rest, line, rest_col))
+    lead = len(rest) - len(rest.lstrip())
+    return Span(_expr(start, line, col), _parse_dim(m["size"], line, rest_col + lead),
+                _expr(m["until"], line, rest_col + lead + m.start("until")))
+
+
 def _parse_index(text: str, line: int, col: int) -> Index:
     if text == ":":
         return Full()
+    if text.startswith("[") and text.endswith("]"):
+        return _parse_gather(text, line, col)
     depth = 0
     for i, ch in enumerate(text):
         if ch in "([":
@@ -278,8 +308,8 @@ def _parse_index(text: str, line: int, col: int) -> Index:
             depth -= 1
         elif ch == ":" and depth == 0:
             if text[i + 1:i + 2] != "+":
-                raise _fail(line, col + i, "bad index; use EXPR, EXPR:+SIZE or ':'")
-            return Span(_expr(text[:i], line, col), _parse_dim(text[i + 2:], line, col + i + 2))
+                raise _fail(line, col + i, "bad index; use EXPR, EXPR:+SIZE [until END], [EXPR for VAR in range(SIZE) if COND] or ':'")
+            return _parse_span(text[:i], text[i + 2:], line, col, col + i + 2)
     return _expr(text, line, col)
 
 

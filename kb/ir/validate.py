@@ -9,7 +9,10 @@ kind, run while walking each kernel body with the names in scope). Invariants th
   and never shadows a param, dim or schedule constant.
 - Names defined inside a `for` body are local to it; names defined in both branches of an
   `if` are visible after it.
-- Tile shapes are tracked symbolically (span sizes, HEAD_PAD for a full head dim `D`,
+- Index forms: a span's `until` is an integer scalar expression; a gathered axis
+  `[index for var in range(size) if valid]` binds `var` for `index` and `valid` only (it shadows
+  nothing in scope), `index` is an integer and `valid` a boolean expression over scalars and `var`.
+- Tile shapes are tracked symbolically (span and gather sizes, HEAD_PAD for a full head dim `D`,
   HEAD_PAD_V for a full value head dim `Dv`, the dim name otherwise); two different names never match, a name and an int match when the
   schedule fixes the name to that int or leaves it unknown.
 - A problem is located as `kernel K, statement N (TEXT)`, N counting the kernel's statement
@@ -26,7 +29,7 @@ from typing import Callable, Iterator
 from kb.errors import KBError
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel,
+    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
     Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule, ScoreMod, Span, Stmt,
     Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
 )
@@ -173,7 +176,7 @@ def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
     """Symbolic shape of the tile addressed by `index` into `prm` (scalar indices drop a dim)."""
     out: list[SymDim] = []
     for dim, ix in zip(prm.shape, index):
-        if isinstance(ix, Span):
+        if isinstance(ix, (Span, Gather)):
             out.append(ix.size)
         elif isinstance(ix, Full):
             if dim == "D":
@@ -199,8 +202,59 @@ def _access_problems(st: Load | Store, env: _Env) -> Iterator[str]:
         if isinstance(ix, Span):
             yield from _size_problems(ix.size)
             yield from _scalar_exprs(env, ix.start)
+            if ix.until is not None:
+                yield from _integer_expr(env, ix.until, "until")
+        elif isinstance(ix, Gather):
+            yield from _gather_problems(ix, env)
         elif not isinstance(ix, Full):
             yield from _scalar_exprs(env, ix)
+
+
+_FLOAT_CALLS = {ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT}
+_BOOL_OPS = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT}
+_INT_DTYPES = (Dtype.I32, Dtype.I64)
+
+
+def _float_part(e: Expr, p: Program) -> str | None:
+    """The first sub-expression of `e` that is float-valued (a float constant, `/`, exp.., a float param or load)."""
+    params = _params(p)
+    for n in walk(e):
+        prm = params.get(str(n.value)) if n.op in (ExprOp.VAR, ExprOp.LOAD) else None
+        if (n.op is ExprOp.CONST and isinstance(n.value, float) or n.op in _FLOAT_CALLS
+                or prm is not None and prm.dtype not in _INT_DTYPES and prm.dtype is not Dtype.BOOL):
+            return str(n)
+    return None
+
+
+def _integer_expr(env: _Env, e: Expr, what: str) -> Iterator[str]:
+    bad = list(_scalar_exprs(env, e))
+    yield from bad
+    if bad or not isinstance(e, Expr):
+        return
+    if e.op in _BOOL_OPS or e.op is ExprOp.CONST and isinstance(e.value, bool):
+        yield f"{what} {e} must be an integer expression, not a condition"
+    elif (part := _float_part(e, env.program)) is not None:
+        yield f"{what} {e} must be an integer expression; {part} is a float"
+
+
+def _gather_problems(g: Gather, env: _Env) -> Iterator[str]:
+    yield from _size_problems(g.size)
+    if _bad_name(g.var):
+        yield f"lane variable {g.var!r} is not a valid name (an identifier, not a keyword or inf)"
+        return
+    if g.var in _reserved(env.program):
+        yield f"'{g.var}' shadows a param, dim or schedule constant; pick another lane variable"
+        return
+    if g.var in env.scalars or g.var in env.tiles:
+        yield f"'{g.var}' shadows a name in scope; pick another lane variable"
+        return
+    lane = env.child()
+    lane.scalars.add(g.var)
+    yield from _integer_expr(lane, g.index, "gathered index")
+    if g.valid is not None:
+        yield from _scalar_exprs(lane, g.valid)
+        if not isinstance(g.valid, Expr) or not (g.valid.op in _BOOL_OPS or g.valid.op is ExprOp.CONST and isinstance(g.valid.value, bool)):
+            yield f"gather condition {g.valid} must be a boolean expression (a comparison, &, | or ~)"
 
 
 _NOT_NAMES = frozenset(keyword.kwlist) | {"inf", "True", "False", "None"}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kb.ir.expr import Expr, ExprOp, call, free_vars, var
-from kb.ir.nodes import For, Full, IfBlock, Kernel, Let, Load, Mask, Program, ScoreMod, Span, Store, walk_stmts
+from kb.ir.nodes import For, Full, IfBlock, Kernel, Let, Load, Mask, Program, ScoreMod, Span, Store, serving_constructs, walk_stmts
 
 __all__ = ["PackPlan", "pack_plans", "row_span", "PACK_ROWS"]
 
@@ -57,6 +57,8 @@ class PackPlan:
 
 def pack_plans(p: Program) -> dict[str, PackPlan] | str:
     """{kernel name: plan} when every kernel of `p` packs, else the reason it does not (one line)."""
+    if constructs := serving_constructs(p):
+        return f"the program uses {' and '.join(constructs)} (varlen/paged forms do not pack)"
     try:
         q, k = p.param("q"), p.param("k")
     except KeyError:

@@ -47,7 +47,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensor
 from kb.ir.nodes import (
     BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store, VALUE_DIM, launch_constants, walk_stmts,
+    Stmt, Store, VALUE_DIM, launch_constants, serving_constructs, walk_stmts,
 )
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
@@ -1723,7 +1723,10 @@ def _packing(p: Program, opts: LowerOptions, designs: DesignTable | None) -> dic
 
 
 def check_attention_params(p: Program, lowering: str) -> None:
-    """Both lowerings need q and k as [B, H, S, D] params; KBError naming the lowering otherwise."""
+    """Both lowerings need q and k as [B, H, S, D] params and no varlen/paged index forms; KBError naming the lowering otherwise."""
+    if constructs := serving_constructs(p):
+        raise KBError(f"program {p.name}: the {lowering} lowering does not support {' or '.join(constructs)}; "
+                      "lowering of varlen/paged programs is not supported yet (run them with kb.ir.interpret)")
     for name in ("q", "k"):
         try:
             prm = p.param(name)
