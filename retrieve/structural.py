@@ -37,6 +37,8 @@ TERMS: dict[str, str] = {
     "split_same": "both split-KV (decode) or both not",
     "decode_same": "both decode-shaped or both not",
     "gqa_target": "target is GQA/MQA and the candidate maps heads (ratio > 1 seen) ",
+    "paged_same": "both read K/V through a page table or token pool, or both not",
+    "varlen_same": "both take packed variable-length sequences, or both not",
     "head_dim_same": "same head dim",
     "head_dim_close": "head dims within a factor of 2",
     "dtype_same": "same dtype",
@@ -57,7 +59,7 @@ DEFAULT_WEIGHTS: dict[str, float] = {
     "embedding": 1.0, "perf": 0.5,
     "mask_same": 2.0, "mask_none_vs_some": -1.0, "causal_same": 1.0, "window_same": 1.0,
     "score_same": 1.5, "score_missing": -0.5, "split_same": 2.0, "decode_same": 1.0,
-    "gqa_target": 0.5, "head_dim_same": 0.5, "head_dim_close": 0.25, "dtype_same": 0.25,
+    "gqa_target": 0.5, "paged_same": 1.5, "varlen_same": 1.0, "head_dim_same": 0.5, "head_dim_close": 0.25, "dtype_same": 0.25,
     "arch_ok": 0.5, "lse_same": 0.1, "verified": 1.0, "executable": 1.0, "bias": 0.0,
 }
 
@@ -89,6 +91,8 @@ class CandidateColumns(NamedTuple):
     sliding_window: np.ndarray
     split_kv: np.ndarray
     decode: np.ndarray
+    paged_kv: np.ndarray
+    varlen: np.ndarray
     return_lse: np.ndarray
     verified: np.ndarray
     executable: np.ndarray
@@ -108,6 +112,7 @@ def candidate_columns(cands: Sequence[tuple[Features, bool, bool]]) -> Candidate
         dtype=coded([f.dtype for f in fs]), arch=coded([f.arch for f in fs]),
         causal=col((f.causal for f in fs), bool), sliding_window=col((f.sliding_window for f in fs), bool),
         split_kv=col((f.split_kv for f in fs), bool), decode=col((f.decode for f in fs), bool),
+        paged_kv=col((f.paged_kv for f in fs), bool), varlen=col((f.varlen for f in fs), bool),
         return_lse=col((f.return_lse for f in fs), bool), verified=col((v for _, v, _ in cands), bool),
         executable=col((e for _, _, e in cands), bool), gqa_ratio=col((f.gqa_ratio for f in fs), np.int64),
         head_dim=col((f.head_dim for f in fs), np.int64),
@@ -129,6 +134,8 @@ def term_columns(target: Features, c: CandidateColumns) -> dict[str, np.ndarray]
         "split_same": c.split_kv == target.split_kv,
         "decode_same": c.decode == target.decode,
         "gqa_target": (target.gqa_ratio > 1) & (c.gqa_ratio > 1),
+        "paged_same": c.paged_kv == target.paged_kv,
+        "varlen_same": c.varlen == target.varlen,
         "head_dim_same": hd == t_hd,
         "head_dim_close": hd_ratio <= 2,
         "dtype_same": c.dtype.eq(target.dtype),
