@@ -34,7 +34,9 @@ def _oracle_terms(t: Features, c: Features, verified: bool, executable: bool) ->
         "causal_same": float(t.causal == c.causal), "window_same": float(t.sliding_window == c.sliding_window),
         "score_same": float(t.score_mod == c.score_mod), "score_missing": float(t.score_mod != "none" and c.score_mod == "none"),
         "split_same": float(t.split_kv == c.split_kv), "decode_same": float(t.decode == c.decode),
-        "gqa_target": float(t.gqa_ratio > 1 and c.gqa_ratio > 1), "head_dim_same": float(t.head_dim == c.head_dim),
+        "gqa_target": float(t.gqa_ratio > 1 and c.gqa_ratio > 1),
+        "paged_same": float(t.paged_kv == c.paged_kv), "varlen_same": float(t.varlen == c.varlen),
+        "head_dim_same": float(t.head_dim == c.head_dim),
         "head_dim_close": float(hd_ratio <= 2), "dtype_same": float(t.dtype == c.dtype),
         "arch_ok": float(c.arch in ("any", t.arch) or t.arch == "any"), "lse_same": float(t.return_lse == c.return_lse),
         "verified": float(verified), "executable": float(executable), "bias": 1.0,
@@ -47,7 +49,7 @@ def _random_features(rng: random.Random) -> Features:
                     score_mod=rng.choice(SCORE_KINDS), gqa_ratio=rng.choice((1, 2, 8)),
                     head_dim=rng.choice((0, 1, 32, 64, 96, 128, 200, 256, 512)), dtype=rng.choice(("bf16", "fp16", "fp32", "")),
                     split_kv=rng.random() < 0.3, decode=rng.random() < 0.3, return_lse=rng.random() < 0.5,
-                    arch=rng.choice(("any", "sm80", "sm90", "sm100")))
+                    paged_kv=rng.random() < 0.2, varlen=rng.random() < 0.2, arch=rng.choice(("any", "sm80", "sm90", "sm100")))
 
 
 def test_term_columns_equal_single_pair_terms() -> None:
