@@ -36,13 +36,14 @@ import torch
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.evaluate import dense_scores_mask
-from kb.ir.expr import Expr, ExprOp, const, free_vars, parse_expr as E, substitute, var
+from kb.ir.expr import Expr, ExprOp, const, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_layout import DENSE, Layout, split_start
 from ingest.triton_regions import serving_regions
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
 from ingest.triton_source import (
@@ -50,7 +51,7 @@ from ingest.triton_source import (
 )
 from ingest.triton_sym import compare, normalize, scale_poly, simplify, to_expr
 
-__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "LIFTER_VERSION"]
+__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "LIFTER_VERSION"]
 
 log = logging.getLogger(__name__)
 LIFTER_VERSION = "triton-ast-1"
@@ -201,6 +202,13 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> tuple[dict[str, Expr],
         elif role == "g" and len(names) == 1:
             overrides[names[0]], found["g"] = const(0), names[0]
         elif "_r" in free_vars(idx):
+            start, idx = split_start(idx)
+            if start is not None:  # packed tokens: start(b) + row; the pid indexing the start table is b
+                table_pids = sorted(n for n in free_vars(start) if re.fullmatch(r"pid\d", n))
+                if len(table_pids) != 1:
+                    raise _Skip(f"sequence start {start} is not read at one program_id")
+                overrides[table_pids[0]], found["b"] = var("b"), table_pids[0]
+                names = sorted(free_vars(idx) - {"_r", "_c", "_d", "BLOCK_M"})
             pids = [n for n in names if re.fullmatch(r"pid\d", n)]
             if len(pids) != 1:
                 raise _Skip(f"query-row index {idx} does not come from one program_id")
@@ -209,6 +217,47 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> tuple[dict[str, Expr],
     if missing:
         raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {[s for s, _ in parts]})")
     return overrides, found
+
+
+def _conjuncts(e: Expr) -> list[Expr]:
+    return _conjuncts(e.args[0]) + _conjuncts(e.args[1]) if e.op is ExprOp.AND else [e]
+
+
+def _row_start(walk: KernelWalk, base: str) -> Expr | None:
+    loads = _loads(walk, base)
+    parts = stride_indices(simplify(loads[0].payload[1])) if loads else None
+    rows = [idx for _, idx in parts or () if {"_r", "_c"} & free_vars(idx)]
+    return split_start(rows[0])[0] if len(rows) == 1 else None
+
+
+def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
+    """Dense, or packed tokens with the sequence start read off the q pointer and the length off the KV masks."""
+    start = _row_start(walk, q_base)
+    if start is None:
+        return DENSE
+    if _row_start(walk, k_base) != start:
+        raise _Skip(f"packed k rows do not start where q rows do ({start}): only self-attention over packed sequences")
+    for lp in walk.loops:
+        for e in lp.events:
+            if e.kind != "mask":
+                continue
+            for c in _conjuncts(lane_to_idx(e.payload, lp.var)):
+                if c.op is ExprOp.LT:
+                    c = compare(c.op, c.args[0], c.args[1])
+                    if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
+                        return Layout(start, c.args[1])
+    raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
+
+
+def _group_size(walk: KernelWalk, head_pid: str) -> dict[str, Expr]:
+    """A runtime scalar the head program id is divided by (`h // kv_group_num`) is the GQA group size."""
+    out: dict[str, Expr] = {}
+    for item in walk.lets:
+        value = item[2] if item[0] == "let" else None
+        if value is not None and value.op is ExprOp.FLOORDIV and value.args[0] == var(head_pid) \
+                and value.args[1].op is ExprOp.VAR and walk.params.get(str(value.args[1].value)) == "scalar":
+            out[str(value.args[1].value)] = E("Hq // Hkv")
+    return out
 
 
 def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
@@ -255,7 +304,7 @@ def _log2_units(walk: KernelWalk) -> bool:
 
 
 def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], score_terms: list[Expr],
-             notes: list[str], spans: list) -> tuple:
+             notes: list[str], spans: list, layout: Layout = DENSE) -> tuple:
     kinds = {e.kind for e in lp.events}
     needed = {"score_dot", "pv_dot", "rowmax", "rowsum", "rescale"}
     missing = needed - kinds
@@ -283,6 +332,12 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                     mask_terms.append(cond)
                 uses_mod = True
                 spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
+            elif "kv_idx" in fv and layout.packed:  # no dim N: the sequence's own length is the kv bound
+                _check_names(cond, {"kv_idx", "b", "h"} | _DIMS, "mask")
+                if cond not in mask_terms:
+                    mask_terms.append(cond)
+                uses_mod = True
+                spans.append(("mask_bounds", str(cond), e.line, e.line, e.file))
             elif "kv_idx" in fv:
                 if cond != compare(ExprOp.LT, var("kv_idx"), var("N")):
                     notes.append(f"line {e.line}: kv range mask {cond} is covered by the IR's kv_idx < N mask and "
@@ -301,8 +356,8 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             spans.append(("alibi", str(term), e.line, e.line, e.file))
     n = var(lp.var)
     body: list = [
-        Load("kt", "k", (var("b"), var("hk"), Span(n, "BLOCK_N"), Full())),
-        Load("vt", "v", (var("b"), var("hk"), Span(n, "BLOCK_N"), Full())),
+        Load("kt", "k", layout.rows("hk", n, "BLOCK_N")),
+        Load("vt", "v", layout.rows("hk", n, "BLOCK_N")),
         Dot("qk", "qt", "kt", trans_b=True),
         Elementwise("qk", E("qk * sm_scale")),
     ]
@@ -325,7 +380,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
     return For(lp.var, lp.lo, lp.hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
-def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> _Lifted:
+def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE) -> _Lifted:
     notes: list[str] = []
     spans: list = []
     log2 = _log2_units(walk)
@@ -336,9 +391,13 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> 
     mask_terms: list[Expr] = []
     score_terms: list[Expr] = []
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
+    if layout.packed:
+        if split_axis is not None:
+            raise _Skip("split-KV over packed sequences: not lifted yet")
+        lets += [Let("q0", layout.start), Let("q_len", layout.length)]
     prologue = [
         Let("hk", simplify(hk)),
-        Load("qt", "q", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M"), Full())),
+        Load("qt", "q", layout.rows("h", var("m_start"), "BLOCK_M")),
         Init("m_i", ("BLOCK_M",), float("-inf"), Dtype.F32),
         Init("l_i", ("BLOCK_M",), 0.0, Dtype.F32),
         Init("acc", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32),
@@ -355,7 +414,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> 
         if not placed:
             body.extend(prologue)
             placed = True
-        loop, _ = _loop_ir(lp, walk, log2, mask_terms, score_terms, notes, spans)
+        loop, _ = _loop_ir(lp, walk, log2, mask_terms, score_terms, notes, spans, layout)
         body.append(loop)
     # epilogue: stores at kernel scope
     stores = [e for e in walk.events if e.kind == "store"]
@@ -375,27 +434,21 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> 
     if walk.early_exits:
         notes.append(f"early exit at lines {walk.early_exits}: fully masked query blocks (the IR runs the empty loop)")
     body.append(Finalize("ot", "lt", "m_i", "l_i", "acc"))
-    params = [
-        Param("q", ("B", "Hq", "M", "D"), Dtype.F16, Role.IN),
-        Param("k", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
-        Param("v", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
-        Param("o", ("B", "Hq", "M", "D"), Dtype.F16, Role.OUT),
-        Param("lse", ("B", "Hq", "M"), Dtype.F32, Role.OUT),
-        Param("sm_scale", (), Dtype.F32, Role.SCALAR),
-    ]
+    params = layout.params() + [Param("sm_scale", (), Dtype.F32, Role.SCALAR)]
+    tables = loaded_tensors(layout.start) | loaded_tensors(layout.length) if layout.packed else frozenset()
     for e in _events(walk, "aux_load"):
         base, idx = e.payload
         dims = tuple({"b": "B", "h": "Hq"}.get(str(i), "?") for _, i in idx)
         if "?" in dims:
             raise _Skip(f"line {e.line}: auxiliary load {base}{[str(i) for _, i in idx]} not indexed by (b, h)")
-        if not any(p.name == base.lower() for p in params):
-            params.append(Param(base.lower(), dims, Dtype.F32, Role.AUX))
-    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", E("cdiv(M, BLOCK_M)")))
+        if not any(p.name == base.lower() for p in params):  # sequence offsets and lengths are integers
+            params.append(Param(base.lower(), dims, Dtype.I32 if base.lower() in tables else Dtype.F32, Role.AUX))
+    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", layout.query_blocks()))
     if split_axis is None:
         if not normalized:
             raise _Skip("accumulator stored without normalization and no split-KV combine kernel")
-        body += [Store("o", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M"), Full()), "ot"),
-                 Store("lse", (var("b"), var("h"), Span(var("m_start"), "BLOCK_M")), "lt")]
+        body += [Store("o", layout.rows("h", var("m_start"), "BLOCK_M"), "ot"),
+                 Store("lse", layout.rows("h", var("m_start"), "BLOCK_M", head_dim=False), "lt")]
         kernels = (Kernel("fwd", grid, tuple(_prune(body))),)
     else:
         notes.append("split partials: the source stores unnormalized acc with (m, l); the IR stores o_s = acc / l and "
@@ -441,7 +494,10 @@ def _stmt_exprs(st) -> list[Expr]:
         if isinstance(x, Expr):
             out.append(x)
     for ix in getattr(st, "index", ()) or ():
-        out.append(ix.start if isinstance(ix, Span) else ix) if not isinstance(ix, Full) else None
+        if isinstance(ix, Span):
+            out += [ix.start] + ([ix.until] if ix.until is not None else [])
+        elif not isinstance(ix, Full):
+            out.append(ix)
     for sub in list(getattr(st, "body", ()) or ()) + list(getattr(st, "then", ()) or ()):
         out += _stmt_exprs(sub)
     return out
@@ -515,6 +571,65 @@ def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tupl
                 return False, f"mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: o {err_o:.2e} lse {err_l:.2e}"
     cases = "; ".join(f"Hq={c[0]} Hkv={c[1] if gqa else c[0]} M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
     return True, f"interpreter == dense torch (max abs err {worst:.1e}; {cases}) on {sum(len(s) for _, s in runs)} ragged cases (blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)"
+
+
+_PACKED_LENS = ((1, 37, 20), (16, 3, 29))  # tokens per sequence: a single token, ragged, block-multiple
+
+
+def _table_fills(p: Program, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """Values for the sequence tables that make `q0` the packed start and `q_len` the length of every b.
+
+    A table is either per-sequence starts (`b_start_loc`, B+1 cumulative `cu_seqlens`) or lengths;
+    the assignment that reproduces both lets is the one the kernel means."""
+    from kb.ir.evaluate import eval_expr
+
+    lets = {st.name: st.value for st in p.kernels[0].body if isinstance(st, Let)}
+    names = sorted(loaded_tensors(lets["q0"]) | loaded_tensors(lets["q_len"]))
+    starts = torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32)
+    options = {"starts": starts, "lens": torch.tensor(lens + (0,), dtype=torch.int32)}
+    for pick in itertools.product(options, repeat=len(names)):
+        tables = {n: options[k] for n, k in zip(names, pick)}
+        got = [(int(eval_expr(lets["q0"], {"b": b}, tables)), int(eval_expr(lets["q_len"], {"b": b}, tables)))
+               for b in range(len(lens))]
+        if got == [(int(starts[b]), n) for b, n in enumerate(lens)]:
+            return tables
+    return None
+
+
+def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
+    """Interpreter on packed ragged sequences vs dense fp32 torch per sequence (the same variant functions)."""
+    from kb.ir.interpret import run_program
+
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv, D = (4, 2, 24) if gqa else (2, 2, 24)
+    dt, scale, worst = _TORCH_DTYPES[p.param("q").dtype], 1.0 / math.sqrt(24), 0.0
+    for lens, sched in zip(_PACKED_LENS, (p.schedule, replace(p.schedule, block_m=16, block_n=16))):
+        tables = _table_fills(p, lens)
+        if tables is None:
+            return False, "no filling of the sequence tables reproduces packed starts and lengths"
+        T, B, L = sum(lens), len(lens), max(lens)
+        q, k, v = (torch.randn(T, h, D, generator=g).to(dt) for h in (Hq, Hkv, Hkv))
+        try:
+            out = run_program(replace(p, schedule=sched), {"q": q, "k": k, "v": v, "sm_scale": scale,
+                                                           "max_seq_len": L, **tables})
+        except KBError as err:
+            return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, lengths {lens}: {err}"
+        start = list(itertools.accumulate((0,) + lens))
+        dense = [torch.zeros(B, h, L, D, dtype=dt) for h in (Hq, Hkv, Hkv)]
+        for b, n in enumerate(lens):
+            for x, d in zip((q, k, v), dense):
+                d[b, :, :n] = x[start[b]:start[b] + n].transpose(0, 1)
+        ro, rl = _dense(p, *dense, scale, tables)
+        for b, n in enumerate(lens):
+            got_o = out["o"][start[b]:start[b] + n].transpose(0, 1).float()
+            got_l = out["lse"][start[b]:start[b] + n].transpose(0, 1)
+            err_o = (got_o - ro[b, :, :n]).abs().max().item()
+            err_l = (got_l - rl[b, :, :n]).abs().max().item()
+            worst = max(worst, err_o, err_l)
+            if err_o > 4e-3 or err_l > 1e-3:
+                return False, f"mismatch at block {sched.block_m}x{sched.block_n}, sequence {b} of lengths {lens}: o {err_o:.2e} lse {err_l:.2e}"
+    return True, (f"interpreter == dense torch per sequence (max abs err {worst:.1e}) on packed lengths "
+                  f"{' and '.join(map(str, _PACKED_LENS))}, Hq={Hq} Hkv={Hkv} D={D}")
 
 
 def _dense(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]:
@@ -594,6 +709,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
                 raise _Skip("no tl.dot of a q tile with a k tile")
             q_base, k_base = dots[0].payload
             overrides, found = _roles(first, q_base, k_base)
+            overrides.update(_group_size(first, found["h"]))
             pids = {f"pid{i}" for i in range(3)} - set(found.values())
             split_axis = None
             loop_names = set()
@@ -610,12 +726,13 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             if walk.unknown:
                 raise _Skip("constructs not understood: " + "; ".join(f"line {ln}: {w}" for ln, w in walk.unknown[:6]))
             hk = _kv_head(walk, k_base)
+            layout = _layout(walk, q_base, k_base)
             combine_fn = None
             if split_axis is not None:
                 combine_fn = _combine_kernel(ctx, fn, walk, flags)
                 if combine_fn is None:
                     raise _Skip("split-KV kernel without a recognizable combine kernel")
-            lifted = _assemble(ctx, walk, hk, split_axis)
+            lifted = _assemble(ctx, walk, hk, split_axis, layout)
         except _Skip as why:
             ctx.skipped.append((f"{fn.name}[{label}]", str(why)))
             continue
@@ -637,7 +754,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             _spans_to_snippets(ctx, lifted, flags)
             continue
         gqa = "Hkv" in free_vars(_resolved_let(prog.kernels[0].body, "hk"))
-        ok, note = verify_program(prog, split=split_axis is not None, gqa=gqa)
+        ok, note = verify_packed(prog, gqa=gqa) if layout.packed else verify_program(prog, split=split_axis is not None, gqa=gqa)
         _spans_to_snippets(ctx, lifted, flags)
         if not ok:
             ctx.skipped.append((f"{fn.name}[{label}]", f"interpreter check failed: {note}"))

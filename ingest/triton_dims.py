@@ -114,7 +114,9 @@ class _Uses:
         if isinstance(target, ast.Name) and target.id not in self.params:
             lanes = self.lanes_of(value)
             self.lanes[target.id] = lanes
-            self.alias[target.id] = set() if lanes else self.params_of(value)
+            # a value loaded through a pointer parameter (a varlen length) is not that parameter
+            loaded = any(isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "load" for n in ast.walk(value))
+            self.alias[target.id] = set() if lanes or loaded else self.params_of(value)
 
     def compare(self, n: ast.Compare) -> None:
         """`offs < n` bounds one kind of offsets by one parameter; `==` and mixed sides are no evidence."""

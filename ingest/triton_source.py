@@ -201,6 +201,8 @@ _POLICY: tuple[tuple[re.Pattern, object], ...] = (
     (re.compile(r"PRE_LOAD_V"), False),
     (re.compile(r"PADDED_HEAD|BOUNDS_CHECKS|MASK_SPLITK|^IS_GQA$"), True),
     (re.compile(r"USE_EXP2"), True),
+    (re.compile(r"SINKS"), False),  # attention sinks (vLLM): an extra logit per head, not in the IR
+    (re.compile(r"^SLIDING_WINDOW"), 0),  # vLLM's window sizes; 0 = no window
 )
 
 

@@ -1,0 +1,68 @@
+"""Where a kernel's q/k/v/o rows live: dense [B, H, S, D] tensors or packed tokens [T, H, D] (varlen).
+
+A serving kernel (vLLM and SGLang prefill) addresses row `r` of sequence `b` at token
+`start(b) + r`, with `start` loaded from a table (`b_start_loc[b]`, `cu_seqlens[b]`) and the rows
+bounded by a loaded length. That is read off the q pointer: the row-stride term of its offset
+is `start + m * BLOCK_M + lane` where `start` holds a load. The IR form is a span with an `until`:
+`q[q0 + m_start:+BLOCK_M until q0 + q_len, h, :]` (docs/ir.md, serving layouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kb.ir.expr import Expr, ExprOp, call, var, walk
+from kb.ir.nodes import Dtype, Full, Index, Param, Role, Span
+from ingest.triton_sym import normalize, to_expr
+
+__all__ = ["Layout", "DENSE", "split_start"]
+
+
+def split_start(idx: Expr) -> tuple[Expr | None, Expr]:
+    """`load(t, b) + m * BLOCK_M + _r` -> (`load(t, b)`, `m * BLOCK_M + _r`); (None, idx) without a load."""
+    poly = normalize(idx)
+    loaded = {m: c for m, c in poly.items() if any(x.op is ExprOp.LOAD for a in m for x in walk(a))}
+    if not loaded:
+        return None, idx
+    return to_expr(loaded), to_expr({m: c for m, c in poly.items() if m not in loaded})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Dense when `start` is None; else packed tokens, sequence rows [q0, q0 + q_len) (lets in the program)."""
+
+    start: Expr | None = None  # the value of `q0`
+    length: Expr | None = None  # the value of `q_len`
+
+    @property
+    def packed(self) -> bool:
+        return self.start is not None
+
+    def rows(self, head: str, first: Expr, size: str, *, head_dim: bool = True) -> tuple[Index, ...]:
+        """The index of a [size, D] tile (or a [size] row statistic) of rows first.. of head `head`."""
+        tail: tuple[Index, ...] = (Full(),) if head_dim else ()
+        if not self.packed:
+            return (var("b"), var(head), Span(first, size)) + tail
+        at = Expr(ExprOp.ADD, (var("q0"), first))
+        end = Expr(ExprOp.ADD, (var("q0"), var("q_len")))
+        return (Span(at, size, until=end), var(head)) + tail
+
+    def params(self) -> list[Param]:
+        if not self.packed:
+            return [Param("q", ("B", "Hq", "M", "D"), Dtype.F16, Role.IN),
+                    Param("k", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
+                    Param("v", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),
+                    Param("o", ("B", "Hq", "M", "D"), Dtype.F16, Role.OUT),
+                    Param("lse", ("B", "Hq", "M"), Dtype.F32, Role.OUT)]
+        return [Param("q", ("T", "Hq", "D"), Dtype.F16, Role.IN),
+                Param("k", ("T", "Hkv", "D"), Dtype.F16, Role.IN),
+                Param("v", ("T", "Hkv", "D"), Dtype.F16, Role.IN),
+                Param("o", ("T", "Hq", "D"), Dtype.F16, Role.OUT),
+                Param("lse", ("T", "Hq"), Dtype.F32, Role.OUT),
+                Param("max_seq_len", (), Dtype.I32, Role.SCALAR)]
+
+    def query_blocks(self) -> Expr:
+        return call("cdiv", var("max_seq_len" if self.packed else "M"), var("BLOCK_M"))
+
+
+DENSE = Layout()
