@@ -1,0 +1,108 @@
+"""Serving kernels (packed varlen sequences) lift into complete programs verified per sequence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ingest.lift_triton import lift_file
+from ingest.model import Provenance
+from kb.ir.nodes import Load, Span, walk_stmts
+from kb.ir.text import parse_program, print_program
+
+# A packed prefill written the way serving stacks write it: q/k/v/o are [tokens, heads, dim], the
+# sequence's first token and its length come from two tables, the KV head is the q head divided by
+# a group size passed at launch, the mask is added to the scores, k is loaded as a [DIM, BN] tile.
+PACKED_PREFILL = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def packed_prefill(Q, K, V, scale, Starts, Lens, Out, stride_qt, stride_qh, stride_kt, stride_kh,
+                   stride_vt, stride_vh, stride_ot, stride_oh, group: tl.constexpr, BM: tl.constexpr,
+                   DIM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, dim_real: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    blk = tl.program_id(2)
+    kv_head = head // group
+    first = tl.load(Starts + seq)
+    count = tl.load(Lens + seq)
+    r = blk * BM + tl.arange(0, BM)
+    c = tl.arange(0, BN)
+    d = tl.arange(0, DIM)
+    q = tl.load(Q + (first + r[:, None]) * stride_qt + head * stride_qh + d[None, :],
+                mask=(r[:, None] < count) & (d[None, :] < dim_real), other=0.0)
+    m = tl.zeros([BM], dtype=tl.float32) - float("inf")
+    l = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, DIM], dtype=tl.float32)
+    hi = tl.minimum((blk + 1) * BM, count) if CAUSAL else count
+    for n in range(0, hi, BN):
+        cols = n + c
+        k = tl.load(K + (first + cols[None, :]) * stride_kt + kv_head * stride_kh + d[:, None],
+                    mask=(cols[None, :] < count) & (d[:, None] < dim_real), other=0.0)
+        s = tl.zeros([BM, BN], dtype=tl.float32)
+        s += tl.dot(q, k)
+        s *= scale
+        if CAUSAL:
+            s += tl.where((cols[None, :] < count) & (r[:, None] >= cols[None, :]), 0, float("-inf"))
+        else:
+            s += tl.where(cols[None, :] < count, 0, float("-inf"))
+        mn = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - mn[:, None])
+        alpha = tl.exp(m - mn)
+        v = tl.load(V + (first + cols[:, None]) * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=(cols[:, None] < count) & (d[None, :] < dim_real), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l = l * alpha + tl.sum(p, 1)
+        m = mn
+    tl.store(Out + (first + r[:, None]) * stride_ot + head * stride_oh + d[None, :], acc / l[:, None],
+             mask=(r[:, None] < count) & (d[None, :] < dim_real))
+'''
+
+
+def _lift(tmp_path: Path, source: str):
+    path = tmp_path / "serving_prefill.py"
+    path.write_text(source)
+    return lift_file(path, Provenance("local", "0", path.name, 1, 1, "triton", "1"), family="local_triton")
+
+
+def test_packed_prefill_lifts_per_flag_into_verified_varlen_programs(tmp_path: Path) -> None:
+    report = _lift(tmp_path, PACKED_PREFILL)
+    assert not report.skipped, report.skipped
+    by_causal = {p.features.causal: p for p in report.programs}
+    assert set(by_causal) == {False, True} and all(p.verified for p in report.programs)
+    for p in report.programs:
+        assert p.features.varlen and not p.features.paged_kv
+        assert "per sequence" in p.verify_note
+        assert [x.name for x in p.program.params][:4] == ["q", "k", "v", "o"]
+        assert p.program.param("q").shape == ("T", "Hq", "D")
+        q_load = next(st for st in walk_stmts(p.program.kernels[0].body) if isinstance(st, Load) and st.tensor == "q")
+        assert isinstance(q_load.index[0], Span) and q_load.index[0].until is not None
+        assert parse_program(print_program(p.program)) == p.program
+    assert "q_idx >= kv_idx" in str(by_causal[True].program.mask_mod.body)
+    assert "q_idx" not in str(by_causal[False].program.mask_mod.body)
+    assert "Hq // Hkv" in print_program(by_causal[True].program)  # the launch-time group size
+
+
+def test_a_wrong_sequence_start_fails_verification(tmp_path: Path) -> None:
+    # v rows read from the *next* token: the program still lifts, the per-sequence check refuses it
+    broken = PACKED_PREFILL.replace("V + (first + cols[:, None])", "V + (first + 1 + cols[:, None])")
+    report = _lift(tmp_path, broken)
+    assert not any(p.verified for p in report.programs)
+    assert report.skipped and all("k rows" in why or "mismatch" in why or "start" in why for _, why in report.skipped)
+
+
+@pytest.mark.network
+def test_sglang_prefill_lifts_from_the_pinned_wheel() -> None:
+    from ingest.fetch import fetch
+    from ingest.manifest import find_manifest
+    from tests.conftest import TEST_CACHE
+
+    import os
+    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
+    src = fetch(find_manifest("sglang"))
+    path = src.root / "sglang/kernels/ops/attention/prefill_attention.py"
+    report = lift_file(path, Provenance("sglang", "0.5.23", "prefill_attention.py", 1, 1, "triton", "1"), family="sglang_triton")
+    assert sorted(p.name for p in report.programs if p.verified) == ["sglang_triton_fwd_kernel", "sglang_triton_fwd_kernel_is_causal"]
