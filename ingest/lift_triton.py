@@ -43,6 +43,7 @@ from kb.ir.nodes import (
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_dims import infer_dims
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
 from ingest.triton_source import (
     ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
@@ -136,17 +137,29 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
     return fixed, enumerated
 
 
+def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
+    """Config / launch keywords that set the block sizes: the parameters used as BLOCK_M / BLOCK_N
+    (`ingest.triton_dims`), and the names BLOCK_M / BLOCK_N themselves for configs of other kernels."""
+    keys = {"BLOCK_M": "block_m", "BLOCK_N": "block_n"}
+    fn = ctx.mod.jit.get(kernel)
+    if fn is not None:
+        dims = infer_dims(fn.node, fn.node.body, {})
+        keys |= {p: d.lower() for p, d in dims.items() if d in ("BLOCK_M", "BLOCK_N")}
+    return keys
+
+
 def _tunables(ctx: _Ctx, kernel: str) -> list[LiftedTunable]:
     out: list[LiftedTunable] = []
+    keys = _block_keys(ctx, kernel)
     for c in ctx.mod.configs:
-        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in c.params.items()}
+        params = {keys.get(k, k): v for k, v in c.params.items()}
         arch = "cdna" if "cdna" in c.function else "rdna" if "rdna" in c.function else "any"
         out.append(LiftedTunable(ctx.family, arch, 0, "any", params, f"{c.function}()", _prov(ctx, c.line, c.line)))
     for site in ctx.mod.launches:
         if site.kernel != kernel:
             continue
-        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in site.constants.items()
-                  if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu")}
+        params = {keys.get(k, k): v for k, v in site.constants.items()
+                  if k in keys or k in ("num_warps", "num_stages", "waves_per_eu")}
         for k in ("num_warps", "num_stages"):
             if k not in params and k in site.keyword_exprs:
                 params[k] = site.keyword_exprs[k]
@@ -297,6 +310,11 @@ def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
     lets = {str(it[1]) for it in walk.lets if it[0] == "let"}
     heads = [idx for _, idx in stride_indices(simplify(loads[0].payload[1]), lets)
              if "h" in free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
+    if len(heads) == 1:
+        return heads[0]
+    # a let that mixes head and rows (`row0 = (b * H + h) * N` of a flattened view): decompose with lets substituted
+    heads = [idx for _, idx in stride_indices(_resolve(loads[0].payload[1], walk))
+             if "h" in free_vars(idx) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) != 1:
         raise _Skip(f"no single head index in the k pointer ({len(heads)} found)")
     return heads[0]
@@ -452,6 +470,11 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None) -> 
     for e in _events(walk, "where_tile"):
         notes.append(f"line {e.line}: tile-level tl.where outside the masks (NaN/fully-masked-row guard): "
                      f"the IR's finalize gives o = 0, lse = -inf for fully masked rows")
+    flat = sorted({e.line for e in _events(walk, "flat_desc")})
+    if flat:
+        notes.append(f"lines {flat}: 2-D tensor descriptors over flattened [batch * heads * seq, D] rows: the source reads "
+                     f"(and stores) rows past a sequence's end in the next (b, h) slice, so it matches the IR (which "
+                     f"bounds each sequence) only when M and N are multiples of BLOCK_M and BLOCK_N")
     if walk.early_exits:
         notes.append(f"early exit at lines {walk.early_exits}: fully masked query blocks (the IR runs the empty loop)")
     body.append(Finalize("ot", "lt", "m_i", "l_i", "acc"))

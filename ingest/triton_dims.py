@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["infer_dims", "is_range_call", "RANGE_CALLS"]
+__all__ = ["infer_dims", "is_range_call", "RANGE_CALLS", "BLOCK_MAKERS"]
 
 _LANE_DIM = {"q": "M", "kv": "N", "d": "D"}
 

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
-from ingest.triton_dims import infer_dims, is_range_call
+from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import compare, simplify
 
@@ -453,7 +453,7 @@ class _Walker:
         if offsets is None or len(offsets) != len(desc.block.offsets):
             return self._unknown(n, f"descriptor .{name}() with offsets the walker cannot follow")
         ptr = desc.block.element(offsets)
-        if len(offsets) == 2 and _pid_vars(offsets[0]):
+        if len(offsets) == 2 and free_vars(offsets[0]) & ({"pid1", "pid2", "b", "h"} | self._index_names()):
             self._event("flat_desc", n)
         if name == "load":
             return self._load_ptr(n, ptr)
@@ -619,7 +619,7 @@ class _Walker:
 
 
 def _scalar_params(fn: ast.FunctionDef) -> set[str]:
-    """Params used in integer arithmetic (`x * n`, `x // n`, `x % n`) are scalars, not pointers."""
+    """Params used in integer arithmetic (`x * n`, `x // n`, `x % n`) or as block-pointer shapes/strides are scalars."""
     params = {a.arg for a in fn.args.args}
     out: set[str] = set()
     for n in ast.walk(fn):
@@ -627,6 +627,10 @@ def _scalar_params(fn: ast.FunctionDef) -> set[str]:
             for side in (n.left, n.right):
                 if isinstance(side, ast.Name) and side.id in params:
                     out.add(side.id)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] in BLOCK_MAKERS:
+            for k in n.keywords:  # shapes, strides and offsets of block pointers / descriptors are integers
+                if k.arg in ("shape", "strides", "offsets") and isinstance(k.value, (ast.Tuple, ast.List)):
+                    out |= {e.id for e in k.value.elts if isinstance(e, ast.Name) and e.id in params}
     return out
 
 
