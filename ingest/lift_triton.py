@@ -36,13 +36,14 @@ import torch
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.evaluate import dense_scores_mask
-from kb.ir.expr import Expr, ExprOp, const, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
+from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_dims import infer_dims
 from ingest.triton_layout import DENSE, Layout, split_start
 from ingest.triton_regions import serving_regions
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
@@ -117,7 +118,8 @@ def _snippet(ctx: _Ctx, kind: str, title: str, ir_text: str, start: int, end: in
 
 def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
     """Fixed constexpr values by policy, and the enumerated feature flags present in the kernel."""
-    fixed: dict[str, object] = {}
+    params = {a.arg for a in fn.node.args.args}
+    fixed: dict[str, object] = {k: v for k, v in mod.module_values.items() if k not in params}  # globals read by value
     enumerated: list[str] = []
     names = list(fn.constexprs) + list(mod.module_consts)
     for n in names:
@@ -137,17 +139,29 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
     return fixed, enumerated
 
 
+def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
+    """Config / launch keywords that set the block sizes: the parameters used as BLOCK_M / BLOCK_N
+    (`ingest.triton_dims`), and the names BLOCK_M / BLOCK_N themselves for configs of other kernels."""
+    keys = {"BLOCK_M": "block_m", "BLOCK_N": "block_n"}
+    fn = ctx.mod.jit.get(kernel)
+    if fn is not None:
+        dims = infer_dims(fn.node, fn.node.body, {})
+        keys |= {p: d.lower() for p, d in dims.items() if d in ("BLOCK_M", "BLOCK_N")}
+    return keys
+
+
 def _tunables(ctx: _Ctx, kernel: str) -> list[LiftedTunable]:
     out: list[LiftedTunable] = []
+    keys = _block_keys(ctx, kernel)
     for c in ctx.mod.configs:
-        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in c.params.items()}
+        params = {keys.get(k, k): v for k, v in c.params.items()}
         arch = "cdna" if "cdna" in c.function else "rdna" if "rdna" in c.function else "any"
         out.append(LiftedTunable(ctx.family, arch, 0, "any", params, f"{c.function}()", _prov(ctx, c.line, c.line)))
     for site in ctx.mod.launches:
         if site.kernel != kernel:
             continue
-        params = {k.lower() if k in ("BLOCK_M", "BLOCK_N") else k: v for k, v in site.constants.items()
-                  if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "waves_per_eu")}
+        params = {keys.get(k, k): v for k, v in site.constants.items()
+                  if k in keys or k in ("num_warps", "num_stages", "waves_per_eu")}
         for k in ("num_warps", "num_stages"):
             if k not in params and k in site.keyword_exprs:
                 params[k] = site.keyword_exprs[k]
@@ -178,65 +192,150 @@ def _loads(walk: KernelWalk, base: str) -> list[Event]:
     return [e for e in evs if e.kind == "load" and e.payload[0] == base]
 
 
-def _roles(walk: KernelWalk, q_base: str, k_base: str) -> tuple[dict[str, Expr], dict[str, str]]:
-    """Overrides binding source names to IR grid vars, from the strides of the q and k pointers."""
-    q_loads = _loads(walk, q_base)
-    if not q_loads:
-        raise _Skip(f"no tile load of {q_base}")
-    parts = stride_indices(simplify(q_loads[0].payload[1]))
-    if parts is None:
-        raise _Skip(f"q pointer offset {q_loads[0].payload[1]} is not a sum of index * stride terms")
-    overrides: dict[str, Expr] = {}
-    found: dict[str, str] = {}
-    for stride, idx in parts:
-        if not stride:
+@dataclass
+class _Roles:
+    """What the first walk says about the grid: source names and values to bind on the second walk."""
+
+    overrides: dict[str, Expr] = field(default_factory=dict)  # program ids / params -> IR names
+    values: dict[Expr, Expr] = field(default_factory=dict)  # e.g. `pid1 // n_heads` -> b
+    found: dict[str, str] = field(default_factory=dict)  # role -> program id
+
+
+def _resolve(e: Expr, walk: KernelWalk) -> Expr:
+    """`e` with the walk's lets substituted (innermost first), simplified."""
+    env: dict[str, Expr] = {}
+    for item in walk.lets:
+        if item[0] == "let":
+            env[item[1]] = substitute(item[2], env)
+    return simplify(substitute(e, env))
+
+
+def _terms(walk: KernelWalk, base: str) -> list[tuple[str, Expr]]:
+    loads = _loads(walk, base)
+    if not loads:
+        raise _Skip(f"no tile load of {base}")
+    return stride_indices(_resolve(loads[0].payload[1], walk))
+
+
+def _pid(e: Expr) -> str | None:
+    return str(e.value) if e.op is ExprOp.VAR and re.fullmatch(r"pid\d", str(e.value)) else None
+
+
+def _param_var(e: Expr, walk: KernelWalk) -> str | None:
+    """The name of a kernel parameter whose role is not known yet, if `e` is just that."""
+    return str(e.value) if e.op is ExprOp.VAR and walk.params.get(str(e.value)) == "scalar" else None
+
+
+def _split_roles(roles: _Roles, walk: KernelWalk, idx: Expr, stride: str) -> str | None:
+    """A fused batch*head program id: `pid // H` is the batch index, `pid % H` the head; H is Hq."""
+    if idx.op not in (ExprOp.FLOORDIV, ExprOp.MOD) or _pid(idx.args[0]) is None:
+        return None
+    count = _param_var(idx.args[1], walk)
+    if count is not None:
+        roles.overrides[count] = var("Hq")
+    role = "b" if idx.op is ExprOp.FLOORDIV else "h"
+    roles.values[idx] = var(role)
+    roles.found[role] = _pid(idx.args[0])  # type: ignore[assignment]
+    return role
+
+
+def _unfused_roles(roles: _Roles, pids: list[tuple[str, str]], k_terms: list[tuple[str, Expr]]) -> None:
+    """Whole program ids indexing q: the one the KV head is derived from (`pid // group`) is the head.
+
+    Without GQA nothing in the kernel tells batch from head; the choice does not change the program
+    (both are plain grid axes), so the stride's name is used as a hint (`*b`/`*z` batch, `*h` head),
+    then the lower axis is taken as the head.
+    """
+    k_idx = [idx for _, idx in k_terms]
+    derived = [pid for pid, _ in pids if any(pid in free_vars(i) and i != var(pid) for i in k_idx)]
+    need = [r for r in ("h", "b") if r not in roles.found]
+    if derived and "h" in need and len(derived) == 1:
+        roles.found["h"] = derived[0]
+    for pid, stride in sorted(pids, key=lambda t: t[0]):
+        if pid in roles.found.values():
             continue
-        role = stride[-1]
-        names = sorted(free_vars(idx) - {"_r", "_c", "_d", "BLOCK_M"})
-        if not stride:
+        hint = "b" if stride[-1:] in ("b", "z") else "h" if stride[-1:] == "h" else None
+        free = [r for r in ("h", "b") if r not in roles.found]
+        if free:
+            roles.found[hint if hint in free else free[0]] = pid
+    for role in ("b", "h"):
+        if any(pid == roles.found.get(role) for pid, _ in pids):
+            roles.overrides[roles.found[role]] = var(role)
+
+
+def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
+    """Grid roles from how the q pointer is indexed: rows (lane `_r`) give the query-block program id,
+    the remaining program-id terms give batch and head (split of a fused axis, or whole axes)."""
+    roles = _Roles()
+    whole: list[tuple[str, str]] = []
+    for stride, idx in _terms(walk, q_base):
+        start, idx = split_start(idx) if "_r" in free_vars(idx) else (None, idx)
+        if start is not None:  # packed tokens: start(b) + row; the program id indexing the start table is b
+            table_pids = sorted(free_vars(start) & {"pid0", "pid1", "pid2"})
+            if len(table_pids) != 1:
+                raise _Skip(f"sequence start {start} is not read at one program_id")
+            roles.overrides[table_pids[0]], roles.found["b"] = var("b"), table_pids[0]
+        pids = sorted(free_vars(idx) & {"pid0", "pid1", "pid2"})
+        if not pids or "_d" in free_vars(idx) or "_c" in free_vars(idx):
             continue
-        if role in "bz" and len(names) == 1 and idx == var(names[0]):
-            overrides[names[0]], found["b"] = var("b"), names[0]
-        elif role == "h" and len(names) == 1 and idx == var(names[0]):
-            overrides[names[0]], found["h"] = var("h"), names[0]
-        elif role == "g" and len(names) == 1:
-            overrides[names[0]], found["g"] = const(0), names[0]
-        elif "_r" in free_vars(idx):
-            start, idx = split_start(idx)
-            if start is not None:  # packed tokens: start(b) + row; the pid indexing the start table is b
-                table_pids = sorted(n for n in free_vars(start) if re.fullmatch(r"pid\d", n))
-                if len(table_pids) != 1:
-                    raise _Skip(f"sequence start {start} is not read at one program_id")
-                overrides[table_pids[0]], found["b"] = var("b"), table_pids[0]
-                names = sorted(free_vars(idx) - {"_r", "_c", "_d", "BLOCK_M"})
-            pids = [n for n in names if re.fullmatch(r"pid\d", n)]
+        if "_r" in free_vars(idx):
             if len(pids) != 1:
                 raise _Skip(f"query-row index {idx} does not come from one program_id")
-            overrides[pids[0]], found["m"] = var("m"), pids[0]
-    missing = {"b", "h", "m"} - set(found)
+            roles.overrides[pids[0]], roles.found["m"] = var("m"), pids[0]
+        elif _pid(idx) is not None:
+            whole.append((pids[0], stride))
+        elif _split_roles(roles, walk, idx, stride) is None:
+            raise _Skip(f"q pointer index {idx} (stride {stride or 1}) is not a program id or a split of one")
+    _unfused_roles(roles, whole, _terms(walk, k_base))
+    missing = {"b", "h", "m"} - set(roles.found)
     if missing:
-        raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {[s for s, _ in parts]})")
-    return overrides, found
+        raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {_terms(walk, q_base)})")
+    roles.values = {simplify(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
+    return roles
+
+
+def _kv_roles(walk: KernelWalk, k_base: str, roles: _Roles) -> None:
+    """The KV head count from the KV head index: `h // (X // Y)` makes X Hq and Y Hkv; `h // G` makes G Hq // Hkv."""
+    heads = [var("h")] + [k for k, v in roles.values.items() if v == var("h")]
+    for _, idx in _terms(walk, k_base):
+        for sub in walk_expr(simplify(substitute(idx, roles.overrides))):
+            if sub.op is not ExprOp.FLOORDIV or sub.args[0] not in heads:
+                continue
+            ratio = sub.args[1]
+            if ratio.op is ExprOp.FLOORDIV and _param_var(ratio.args[1], walk):
+                roles.overrides[str(ratio.args[1].value)] = var("Hkv")
+                if _param_var(ratio.args[0], walk):
+                    roles.overrides[str(ratio.args[0].value)] = var("Hq")
+            elif _param_var(ratio, walk):
+                roles.overrides[str(ratio.value)] = E("Hq // Hkv")
 
 
 def _conjuncts(e: Expr) -> list[Expr]:
     return _conjuncts(e.args[0]) + _conjuncts(e.args[1]) if e.op is ExprOp.AND else [e]
 
 
-def _row_start(walk: KernelWalk, base: str) -> Expr | None:
-    loads = _loads(walk, base)
-    parts = stride_indices(simplify(loads[0].payload[1])) if loads else None
-    rows = [idx for _, idx in parts or () if {"_r", "_c"} & free_vars(idx)]
-    return split_start(rows[0])[0] if len(rows) == 1 else None
+def _row_term(offset: Expr) -> tuple[Expr | None, Expr | None]:
+    """(sequence start, row index) of a pointer offset's row term; (None, None) without one row term."""
+    rows = [idx for _, idx in stride_indices(simplify(offset)) or () if {"_r", "_c"} & free_vars(idx)]
+    return split_start(rows[0]) if len(rows) == 1 else (None, None)
 
 
 def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
-    """Dense, or packed tokens with the sequence start read off the q pointer and the length off the KV masks."""
-    start = _row_start(walk, q_base)
+    """Dense, or packed tokens with the sequence start read off the q pointer and the length off the KV masks.
+
+    Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
+    q_loads = _loads(walk, q_base)
+    start = _row_term(q_loads[0].payload[1])[0] if q_loads else None
     if start is None:
         return DENSE
-    if _row_start(walk, k_base) != start:
-        raise _Skip(f"packed k rows do not start where q rows do ({start}): only self-attention over packed sequences")
+    v_bases = {e.payload for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
+    for lp in walk.loops:
+        for e in lp.events:
+            if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
+                at, row = _row_term(e.payload[1])
+                if at != start or row is None or lane_to_idx(row, lp.var) != var("kv_idx"):
+                    raise _Skip(f"line {e.line}: packed {e.payload[0]} rows are not {start} + kv_idx "
+                                f"(only self-attention over packed sequences lifts)")
     for lp in walk.loops:
         for e in lp.events:
             if e.kind != "mask":
@@ -249,25 +348,21 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
     raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
 
 
-def _group_size(walk: KernelWalk, head_pid: str) -> dict[str, Expr]:
-    """A runtime scalar the head program id is divided by (`h // kv_group_num`) is the GQA group size."""
-    out: dict[str, Expr] = {}
-    for item in walk.lets:
-        value = item[2] if item[0] == "let" else None
-        if value is not None and value.op is ExprOp.FLOORDIV and value.args[0] == var(head_pid) \
-                and value.args[1].op is ExprOp.VAR and walk.params.get(str(value.args[1].value)) == "scalar":
-            out[str(value.args[1].value)] = E("Hq // Hkv")
-    return out
-
-
 def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
-    k_loads = _loads(walk, k_base)
-    parts = stride_indices(simplify(k_loads[0].payload[1])) if k_loads else None
-    if not parts:
+    """The index of the k pointer that mentions the q head `h` (through the walk's lets)."""
+    loads = _loads(walk, k_base)
+    if not loads:
         raise _Skip("k pointer offset not understood")
-    heads = [idx for s, idx in parts if s.endswith("h")]
+    lets = {str(it[1]) for it in walk.lets if it[0] == "let"}
+    heads = [idx for _, idx in stride_indices(simplify(loads[0].payload[1]), lets)
+             if "h" in free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
+    if len(heads) == 1:
+        return heads[0]
+    # a let that mixes head and rows (`row0 = (b * H + h) * N` of a flattened view): decompose with lets substituted
+    heads = [idx for _, idx in stride_indices(_resolve(loads[0].payload[1], walk))
+             if "h" in free_vars(idx) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) != 1:
-        raise _Skip("no head stride in the k pointer")
+        raise _Skip(f"no single head index in the k pointer ({len(heads)} found)")
     return heads[0]
 
 
@@ -431,6 +526,11 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     for e in _events(walk, "where_tile"):
         notes.append(f"line {e.line}: tile-level tl.where outside the masks (NaN/fully-masked-row guard): "
                      f"the IR's finalize gives o = 0, lse = -inf for fully masked rows")
+    flat = sorted({e.line for e in _events(walk, "flat_desc")})
+    if flat:
+        notes.append(f"lines {flat}: 2-D tensor descriptors over flattened [batch * heads * seq, D] rows: the source reads "
+                     f"(and stores) rows past a sequence's end in the next (b, h) slice, so it matches the IR (which "
+                     f"bounds each sequence) only when M and N are multiples of BLOCK_M and BLOCK_N")
     if walk.early_exits:
         notes.append(f"early exit at lines {walk.early_exits}: fully masked query blocks (the IR runs the empty loop)")
     body.append(Finalize("ot", "lt", "m_i", "l_i", "acc"))
@@ -650,9 +750,10 @@ def _dense(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]
 # ---------------------------------------------------------------- driver
 
 
-def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, Expr]) -> KernelWalk:
+def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, Expr],
+          values: dict[Expr, Expr] | None = None) -> KernelWalk:
     body = specialize(copy.deepcopy(fn.node.body), dict(consts), ctx.mod)
-    return walk_kernel(ctx.mod, fn.node, body, dict(consts), overrides)
+    return walk_kernel(ctx.mod, fn.node, body, dict(consts), overrides, values)
 
 
 def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, object]) -> JitFn | None:
@@ -708,8 +809,12 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             if not dots:
                 raise _Skip("no tl.dot of a q tile with a k tile")
             q_base, k_base = dots[0].payload
-            overrides, found = _roles(first, q_base, k_base)
-            overrides.update(_group_size(first, found["h"]))
+            roles = _roles(first, q_base, k_base)
+            _kv_roles(first, k_base, roles)
+            scale = {e.payload for e in _events(first, "scale_param")}
+            if len(scale) == 1 and not _events(first, "scale"):
+                roles.overrides[scale.pop()] = var("sm_scale")  # the scalar that multiplies the scores
+            overrides, found = roles.overrides, roles.found
             pids = {f"pid{i}" for i in range(3)} - set(found.values())
             split_axis = None
             loop_names = set()
@@ -722,7 +827,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             for pid in sorted(pids):
                 if pid in loop_names:
                     overrides[pid], split_axis = var("s"), pid
-            walk = _walk(ctx, fn, consts, overrides)
+            walk = _walk(ctx, fn, consts, overrides, roles.values)
             if walk.unknown:
                 raise _Skip("constructs not understood: " + "; ".join(f"line {ln}: {w}" for ln, w in walk.unknown[:6]))
             hk = _kv_head(walk, k_base)

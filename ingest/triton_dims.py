@@ -4,6 +4,7 @@ Names do not matter (`N_CTX`, `seqlen_k` and `n` are the same thing when used th
 - BLOCK_N: the step of a `for ... in range(lo, hi, X)` loop (the KV loop);
 - BLOCK_M: the extent X of a `tl.arange(0, X)` offset by a multiple of X (`start_m * X + tl.arange(0, X)`);
 - HEAD_PAD: the extent of any other `tl.arange(0, X)` over a parameter (the head-dim offsets);
+  the `block_shape` entries of `tl.make_block_ptr` / `tl.make_tensor_descriptor` count as extents too;
 - M, N, D: a parameter that alone bounds query-row, KV or head-dim offsets (`offs_m < n`, in masks
   and `if`s);
   a parameter compared against both row and KV offsets (one `N_CTX` for both) is N; one that only
@@ -19,9 +20,18 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["infer_dims"]
+__all__ = ["infer_dims", "is_range_call", "RANGE_CALLS", "BLOCK_MAKERS"]
 
 _LANE_DIM = {"q": "M", "kv": "N", "d": "D"}
+
+
+RANGE_CALLS = ("range", "tl.range", "tl.static_range", "triton.language.range", "triton.language.static_range")
+BLOCK_MAKERS = ("make_block_ptr", "make_tensor_descriptor", "_experimental_make_tensor_descriptor")
+
+
+def is_range_call(n: ast.AST) -> bool:
+    """`range(...)`, `tl.range(...)` or `tl.static_range(...)`: the loops the walker can follow."""
+    return isinstance(n, ast.Call) and ast.unparse(n.func) in RANGE_CALLS
 
 
 def _arange_extent(n: ast.AST, names: dict[str, str]) -> str | None:
@@ -31,9 +41,21 @@ def _arange_extent(n: ast.AST, names: dict[str, str]) -> str | None:
     return None
 
 
+def _extents(n: ast.AST, names: dict[str, str]) -> list[str]:
+    """Tile extents a node introduces: a `tl.arange(0, X)`, or the `block_shape` of a block pointer/descriptor."""
+    x = _arange_extent(n, names)
+    if x is not None:
+        return [x]
+    if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] in BLOCK_MAKERS:
+        shape = next((k.value for k in n.keywords if k.arg == "block_shape"), None)
+        if isinstance(shape, (ast.Tuple, ast.List)):
+            return [names.get(e.id, e.id) for e in shape.elts if isinstance(e, ast.Name)]
+    return []
+
+
 def _range_step(st: ast.For, names: dict[str, str]) -> str | None:
     it = st.iter
-    if isinstance(it, ast.Call) and ast.unparse(it.func) == "range" and len(it.args) == 3 \
+    if is_range_call(it) and len(it.args) == 3 \
             and isinstance(it.args[2], ast.Name):
         return names.get(it.args[2].id, it.args[2].id)
     return None
@@ -70,7 +92,7 @@ def _block_sizes(stmts: list[ast.stmt], params: set[str]) -> dict[str, str]:
         value = getattr(st, "value", None)
         if not isinstance(st, (ast.Assign, ast.AnnAssign)) or value is None:
             continue
-        extents = {x for n in ast.walk(value) if (x := _arange_extent(n, names)) in params and x not in dims}
+        extents = {x for n in ast.walk(value) for x in _extents(n, names) if x in params and x not in dims}
         scaled = {names.get(side.id, side.id) for n in ast.walk(value) if isinstance(n, ast.BinOp)
                   and isinstance(n.op, ast.Mult) for side in (n.left, n.right) if isinstance(side, ast.Name)}
         for x in extents & scaled:
@@ -79,8 +101,9 @@ def _block_sizes(stmts: list[ast.stmt], params: set[str]) -> dict[str, str]:
         return {}
     for st in stmts:
         for n in ast.walk(st):
-            if (x := _arange_extent(n, names)) in params and x not in dims:
-                dims[x] = "HEAD_PAD"  # type: ignore[index]
+            for x in _extents(n, names):
+                if x in params and x not in dims:
+                    dims[x] = "HEAD_PAD"
     return dims
 
 

@@ -21,27 +21,28 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
-from ingest.triton_dims import infer_dims
+from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import compare, simplify
 
-__all__ = ["Tile", "Ptr", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
+__all__ = ["Tile", "Ptr", "BlockPtr", "TensorDesc", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
            "DIM_PATTERNS"]
 
 LOG2E = 1.4426950408889634
 LANES = ("_r", "_c", "_d")
 
-# Head/batch/split names -> IR dims (matched against kernel parameter names); sequence lengths, head dim
-# and block sizes are found from how they are used (ingest.triton_dims), not from names.
+# Names kept as hints where use cannot decide: the IR's split-KV axis and the head groups of a 5-D
+# decode layout (the IR has none: G = 1). Batch and head counts, the KV head count and the group size
+# are found by use (`lift_triton._roles`): the divisor splitting a fused batch*head program id, the
+# ratio in the KV head index `h // (Hq // Hkv)`; sequence lengths, head dim and block sizes by
+# `ingest.triton_dims`.
 DIM_PATTERNS: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"(?i)^(nheads|nheads_q|hq|h_q|h)$"), "Hq"),
-    (re.compile(r"(?i)^(hk|h_kv|nheads_k)$"), "Hkv"),
-    (re.compile(r"^(Z|batch)$"), "B"),
     (re.compile(r"^(split_k|NUM_SPLITS)$"), "NUM_SPLITS"),
-    (re.compile(r"^GROUP_SIZE$"), "Hq // Hkv"),
-    (re.compile(r"^(G_q|G)$"), "1"),  # head groups of the 5-D decode layout: the IR has none (G = 1)
+    (re.compile(r"^(G_q|G)$"), "1"),
     (re.compile(r"PER_SPLIT"), "cdiv(cdiv(N, NUM_SPLITS), BLOCK_N) * BLOCK_N"),
 )
+# The softmax scale by name is a hint; by use it is the scalar parameter that multiplies the scores
+# (reported as a `scale_param` event, bound by the lifter on its second walk).
 _SCALE = re.compile(r"(?i)^(sm_scale|softmax_scale)$")
 
 
@@ -57,11 +58,33 @@ class Ptr:
 
 
 @dataclass(frozen=True)
+class BlockPtr:
+    """`tl.make_block_ptr`: a base pointer, per-dim strides and offsets, and the lane each block dim spans."""
+    base: Ptr
+    strides: tuple[Expr, ...]
+    offsets: tuple[Expr, ...]
+    lanes: tuple[str, ...]
+
+    def element(self, offsets: tuple[Expr, ...] | None = None) -> Ptr:
+        """The pointer of one tile element: base + sum((offset_i + lane_i) * stride_i)."""
+        off = self.base.offset
+        for o, lane, st in zip(offsets or self.offsets, self.lanes, self.strides):
+            off = Expr(ExprOp.ADD, (off, Expr(ExprOp.MUL, (Expr(ExprOp.ADD, (o, var(lane))), st))))
+        return Ptr(self.base.base, off)
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """`tl.make_tensor_descriptor`: like a block pointer whose offsets come with each `load`/`store`."""
+    block: BlockPtr
+
+
+@dataclass(frozen=True)
 class Opaque:
     text: str
 
 
-Sym = Expr | Tile | Ptr | Opaque
+Sym = Expr | Tile | Ptr | BlockPtr | TensorDesc | Opaque
 
 
 @dataclass(frozen=True)
@@ -142,8 +165,9 @@ _PURE_CALLS = {"cdiv": "cdiv", "minimum": "minimum", "maximum": "maximum", "min"
 
 class _Walker:
     def __init__(self, mod: TritonModule, fn: ast.FunctionDef, consts: dict[str, object], overrides: dict[str, Expr],
-                 dims: dict[str, str]):
+                 dims: dict[str, str], value_roles: dict[Expr, Expr] | None = None):
         self.mod, self.consts, self.overrides, self.dims = mod, consts, overrides, dims
+        self.value_roles = value_roles or {}
         self.out = KernelWalk()
         self.env: dict[str, Sym] = {}
         self.used_names: set[str] = set()
@@ -169,8 +193,6 @@ class _Walker:
         if _SCALE.search(name):
             self.out.params[name] = "scale"
             return var("sm_scale")
-        if name.startswith("stride"):
-            return var(name)
         if name in getattr(self, "scalars", ()):
             self.out.params[name] = "scalar"
             return var(name)
@@ -250,6 +272,8 @@ class _Walker:
         op = _BIN.get(type(n.op))
         if op is None:
             return self._unknown(n, f"operator {type(n.op).__name__}")
+        if isinstance(a, Ptr) and isinstance(b, Ptr) and op is ExprOp.ADD:
+            a, b = self._offset_param(a, b), self._offset_param(b, a)
         if isinstance(a, Ptr) and isinstance(b, Expr) and op is ExprOp.ADD:
             return Ptr(a.base, Expr(ExprOp.ADD, (a.offset, b)))
         if isinstance(b, Ptr) and isinstance(a, Expr) and op is ExprOp.ADD:
@@ -259,6 +283,10 @@ class _Walker:
             other = b if isinstance(a, Tile) else a
             if op is ExprOp.MUL and isinstance(other, Expr) and "sm_scale" in free_vars(other):
                 self._event("scale", n, other)
+            elif op is ExprOp.MUL and isinstance(other, Expr) and "score" in deps:
+                scalars = sorted(v for v in free_vars(other) if self.out.params.get(v) == "scalar")
+                if len(scalars) == 1:
+                    self._event("scale_param", n, scalars[0])
             if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
                     and abs(float(other.value) - LOG2E) < 1e-6:  # type: ignore[arg-type]
                 deps = deps | {"log2e"}
@@ -279,8 +307,19 @@ class _Walker:
         if isinstance(a, Expr) and isinstance(b, Expr):
             if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL):
                 a, b = _as_int(a), _as_int(b)
+            if op in (ExprOp.FLOORDIV, ExprOp.MOD) and b == const(1):  # a group count of 1 (G = 1)
+                return a if op is ExprOp.FLOORDIV else const(0)
             return Expr(op, (a, b))
         return Opaque(ast.unparse(n))
+
+    def _offset_param(self, p: Ptr, other: Ptr) -> Sym:
+        """In `ptr + x`, a bare parameter `x` added to a pointer that already carries an offset is an integer
+        offset (`metadata_ptr + stride_m2`), not a second pointer."""
+        bare = p.offset == const(0) and self.out.params.get(p.base) == "ptr"
+        if bare and other.offset != const(0):
+            self.out.params[p.base] = "scalar"
+            return var(p.base)
+        return p
 
     def _fname(self, n: ast.Call) -> str:
         f = ast.unparse(n.func)
@@ -321,10 +360,21 @@ class _Walker:
             if all(isinstance(a, Expr) for a in args) and len(args) == (1 if name == "abs" else 2):
                 return call(_PURE_CALLS.get(name, name), *args)  # type: ignore[arg-type]
             return self._unknown(n, f"{full}() on untranslatable arguments")
+        if isinstance(n.func, ast.Attribute) and name in ("load", "store") \
+                and isinstance(desc := self.ev(n.func.value), TensorDesc):
+            return self._desc_access(n, desc, name)
+        if name in ("make_block_ptr", "make_tensor_descriptor", "_experimental_make_tensor_descriptor"):
+            return self._block_ptr(n, name != "make_block_ptr")
+        if name == "advance" and len(n.args) == 2:
+            bp, deltas = self.ev(n.args[0]), self._exprs(n.args[1])
+            if not isinstance(bp, BlockPtr) or deltas is None or len(deltas) != len(bp.offsets):
+                return self._unknown(n, "tl.advance of something that is not a block pointer")
+            return BlockPtr(bp.base, bp.strides, tuple(Expr(ExprOp.ADD, (o, d)) for o, d in zip(bp.offsets, deltas)),
+                            bp.lanes)
         if name == "load":
             return self._load(n)
         if name == "store":
-            ptr, val = self.ev(n.args[0]), self.ev(n.args[1])
+            ptr, val = self._pointer(self.ev(n.args[0])), self.ev(n.args[1])
             base = ptr.base if isinstance(ptr, Ptr) else None
             self._event("store", n, (base, _deps(val), ptr.offset if isinstance(ptr, Ptr) else None))
             if isinstance(ptr, Ptr) and isinstance(val, Tile):
@@ -372,8 +422,52 @@ class _Walker:
             return self._unknown(n, "tl.rand (dropout RNG)")
         return self._unknown(n, f"call {full}()")
 
+    def _exprs(self, n: ast.AST) -> tuple[Expr, ...] | None:
+        """A tuple/list of index expressions, or None if any element is not one."""
+        if not isinstance(n, (ast.Tuple, ast.List)):
+            return None
+        vals = [self.ev(e) for e in n.elts]
+        return tuple(vals) if all(isinstance(v, Expr) for v in vals) else None  # type: ignore[arg-type]
+
+    def _lane(self, extent: Sym) -> str:
+        return "_r" if extent == var("BLOCK_M") else "_c" if extent == var("BLOCK_N") else "_d"
+
+    def _block_ptr(self, n: ast.Call, descriptor: bool) -> Sym:
+        """`make_block_ptr(base, shape, strides, offsets, block_shape, order)` / `make_tensor_descriptor(base, shape, strides, block_shape)`."""
+        names = ("base", "shape", "strides", "block_shape") if descriptor else \
+            ("base", "shape", "strides", "offsets", "block_shape", "order")
+        args = dict(zip(names, n.args)) | {k.arg: k.value for k in n.keywords if k.arg}
+        base = self.ev(args["base"]) if "base" in args else None
+        strides = self._exprs(args.get("strides"))  # type: ignore[arg-type]
+        offsets = (const(0),) * len(strides or ()) if descriptor else self._exprs(args.get("offsets"))  # type: ignore[arg-type]
+        shape = args.get("block_shape")
+        lanes = tuple(self._lane(self.ev(e)) for e in shape.elts) if isinstance(shape, (ast.Tuple, ast.List)) else ()
+        if not isinstance(base, Ptr) or strides is None or offsets is None or len(lanes) != len(strides) \
+                or len(set(lanes)) != len(lanes) or len(offsets) != len(strides):
+            return self._unknown(n, f"{ast.unparse(n.func)}() with arguments the walker cannot follow")
+        bp = BlockPtr(base, strides, offsets, lanes)
+        return TensorDesc(bp) if descriptor else bp
+
+    def _desc_access(self, n: ast.Call, desc: TensorDesc, name: str) -> Sym:
+        offsets = self._exprs(n.args[0]) if n.args else None
+        if offsets is None or len(offsets) != len(desc.block.offsets):
+            return self._unknown(n, f"descriptor .{name}() with offsets the walker cannot follow")
+        ptr = desc.block.element(offsets)
+        if len(offsets) == 2 and free_vars(offsets[0]) & ({"pid1", "pid2", "b", "h"} | self._index_names()):
+            self._event("flat_desc", n)
+        if name == "load":
+            return self._load_ptr(n, ptr)
+        val = self.ev(n.args[1]) if len(n.args) > 1 else Opaque("missing value")
+        self._event("store", n, (ptr.base, _deps(val), ptr.offset))
+        return Opaque("store")
+
+    def _pointer(self, p: Sym) -> Sym:
+        return p.element() if isinstance(p, BlockPtr) else p
+
     def _load(self, n: ast.Call) -> Sym:
-        ptr = self.ev(n.args[0])
+        return self._load_ptr(n, self._pointer(self.ev(n.args[0])))
+
+    def _load_ptr(self, n: ast.Call, ptr: Sym) -> Sym:
         if not isinstance(ptr, Ptr):
             return self._unknown(n, "tl.load of a non-pointer")
         off = simplify(ptr.offset)
@@ -384,7 +478,7 @@ class _Walker:
             self._event("load", n, (ptr.base, off))
             return Tile(frozenset({f"load:{ptr.base}"}))
         # scalar load from an auxiliary tensor: index per stride, in parameter order
-        idx = _stride_indices(off)
+        idx = _stride_indices(off, self._index_names())
         if idx is None:
             return self._unknown(n, f"scalar load from {ptr.base} with non-strided offset {off}")
         self._event("aux_load", n, (ptr.base, tuple(idx)))
@@ -432,14 +526,24 @@ class _Walker:
             self.env[name] = self.overrides[name]
             return
         val = self.ev(value)
+        if isinstance(val, Expr) and self.loop is None and (role := self.value_roles.get(simplify(val))) is not None:
+            self.env[name] = role  # a grid role found by use (e.g. `bh // n_heads` is the batch index)
+            return
         if isinstance(val, Expr) and self.loop is None and self.collect is None and not _has_lanes(val) \
-                and val.op not in (ExprOp.VAR, ExprOp.CONST) and not any(v.startswith("stride") for v in free_vars(val)) \
+                and val.op not in (ExprOp.VAR, ExprOp.CONST) and not self._raw_scalar(val) \
                 and "sm_scale" not in free_vars(val) and not any(x.op is ExprOp.LOAD for x in walk(val)) \
                 and not any(x.op is ExprOp.CONST and isinstance(x.value, float) for x in walk(val)):
             let = self._fresh(name)
             self.out.lets.append(("let", let, simplify(val), st.lineno))
             val = var(let)
         self.env[name] = val
+
+    def _index_names(self) -> set[str]:
+        return {str(item[1]) for item in self.out.lets if item[0] == "let"}
+
+    def _raw_scalar(self, e: Expr) -> bool:
+        """Mentions a scalar parameter whose role is not known yet (a stride, a count before binding)."""
+        return any(self.out.params.get(v) == "scalar" for v in free_vars(e))
 
     def _fresh(self, name: str) -> str:
         base = name if name not in _RESERVED else f"{name}_"
@@ -451,7 +555,7 @@ class _Walker:
 
     def _for(self, st: ast.For) -> None:
         it = st.iter
-        if not (isinstance(it, ast.Call) and ast.unparse(it.func) == "range" and isinstance(st.target, ast.Name)):
+        if not (is_range_call(it) and isinstance(st.target, ast.Name)):
             self._unknown(st, "for loop that is not over range()")
             return
         args = [self.ev(a) for a in it.args]
@@ -515,14 +619,19 @@ class _Walker:
 
 
 def _scalar_params(fn: ast.FunctionDef) -> set[str]:
-    """Params used in integer arithmetic (`x * n`, `x // n`, `x % n`) are scalars, not pointers."""
+    """Params used in integer arithmetic (`x * n`, `x // n`, `x % n`) or as block-pointer shapes/strides are scalars."""
     params = {a.arg for a in fn.args.args}
     out: set[str] = set()
     for n in ast.walk(fn):
-        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.FloorDiv, ast.Mod)):
-            for side in (n.left, n.right):
+        if isinstance(n, (ast.BinOp, ast.AugAssign)) and isinstance(n.op, (ast.Mult, ast.FloorDiv, ast.Mod)):
+            sides = (n.left, n.right) if isinstance(n, ast.BinOp) else (n.value,)  # `s *= scale` too
+            for side in sides:
                 if isinstance(side, ast.Name) and side.id in params:
                     out.add(side.id)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] in BLOCK_MAKERS:
+            for k in n.keywords:  # shapes, strides and offsets of block pointers / descriptors are integers
+                if k.arg in ("shape", "strides", "offsets") and isinstance(k.value, (ast.Tuple, ast.List)):
+                    out |= {e.id for e in k.value.elts if isinstance(e, ast.Name) and e.id in params}
     return out
 
 
@@ -539,36 +648,47 @@ def _load_base(deps: frozenset[str]) -> str:
     return sorted(d[5:] for d in deps if d.startswith("load:"))[0]
 
 
-def _stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
-    """Split `i * stride_x + j * stride_y + c` into [(stride_x, i), (stride_y, j), ("", c)]; None if not of that form.
+_INDEX_VARS = {"pid0", "pid1", "pid2", "b", "h", "m", "s", "hk", "BLOCK_M", "BLOCK_N", *LANES}
 
-    Monomials sharing a stride are summed (`(m * BLOCK_M + _r) * stride_qm`); terms without a
-    stride are the contiguous last dim, keyed "".
+
+def _pid_vars(e: Expr) -> set[str]:
+    return free_vars(e) & {"pid0", "pid1", "pid2"}
+
+
+def _stride_indices(off: Expr, index_names: set[str] = frozenset()) -> list[tuple[str, Expr]]:  # type: ignore[assignment]
+    """Split a pointer offset into [(stride, index)] by use: `i * s_x + j * s_y + c` -> [("s_x", i), ("s_y", j), ("", c)].
+
+    Index atoms mention a program id, a lane, a loop variable, a grid role, a block size or one of
+    `index_names` (the walk's lets); every other factor of a monomial is its stride (a parameter
+    or a product such as `H * N * D` in a flattened view). Monomials sharing a stride are summed
+    (`(m * BLOCK_M + _r) * s_q2`); the stride "" is the contiguous last dim.
     """
     from ingest.triton_sym import normalize, to_expr
 
+    def is_index(a: Expr) -> bool:
+        return any(v in _INDEX_VARS or v in index_names or v.startswith("n_start") for v in free_vars(a))
+
     groups: dict[str, dict] = {}
     for mono, c in normalize(off).items():
-        strides = [a for a in mono if a.op is ExprOp.VAR and str(a.value).startswith("stride")]
-        if len(strides) > 1:
-            return None
-        key = str(strides[0].value) if strides else ""
-        rest = tuple(a for a in mono if not strides or a is not strides[0])
-        groups.setdefault(key, {})[rest] = c
+        key = "*".join(sorted(str(a) for a in mono if not is_index(a)))
+        rest = tuple(a for a in mono if is_index(a))
+        groups.setdefault(key, {})
+        groups[key][rest] = groups[key].get(rest, 0) + c
     return [(k, to_expr(p)) for k, p in groups.items()]
 
 
 def walk_kernel(mod: TritonModule, fn: ast.FunctionDef, body: list[ast.stmt], consts: dict[str, object],
-                overrides: dict[str, Expr]) -> KernelWalk:
-    w = _Walker(mod, fn, consts, overrides, infer_dims(fn, body, consts))
+                overrides: dict[str, Expr], value_roles: dict[Expr, Expr] | None = None) -> KernelWalk:
+    """Walk `body`; `overrides` bind source names (params, program ids) and `value_roles` bind values to IR names."""
+    w = _Walker(mod, fn, consts, overrides, infer_dims(fn, body, consts), value_roles)
     w.run(body)
     for i, a in enumerate(fn.args.args):
         w.out.params.setdefault(a.arg, "other")
     return w.out
 
 
-def stride_indices(off: Expr) -> list[tuple[str, Expr]] | None:
-    return _stride_indices(off)
+def stride_indices(off: Expr, index_names: set[str] = frozenset()) -> list[tuple[str, Expr]]:  # type: ignore[assignment]
+    return _stride_indices(off, index_names)
 
 
 def uses(e: Expr) -> set[str]:

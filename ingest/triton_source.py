@@ -74,6 +74,7 @@ class TritonModule:
     launches: list[LaunchSite] = field(default_factory=list)
     module_consts: dict[str, object] = field(default_factory=dict)
     imported_jit: dict[str, JitFn] = field(default_factory=dict)
+    module_values: dict[str, object] = field(default_factory=dict)  # numeric module constants (LOG2E = 1.44...)
 
 
 def node_file(node: ast.AST, default: str) -> str:
@@ -123,6 +124,7 @@ def parse_module(path: Path, file: str) -> TritonModule:
     for n in tree.body:
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "constexpr" in ast.unparse(n.annotation):
             mod.module_consts[n.target.id] = None  # resolved by flag policy
+        _module_value(mod, n)
         if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module:
             sibling = path.parent / (n.module.replace(".", "/") + ".py")
             if sibling.exists():
@@ -136,6 +138,22 @@ def parse_module(path: Path, file: str) -> TritonModule:
                     if alias.name in sj:
                         mod.imported_jit[alias.asname or alias.name] = sj[alias.name]
     return mod
+
+
+def _module_value(mod: TritonModule, n: ast.stmt) -> None:
+    """`X = 1.44`, `X: tl.constexpr = 1.44` or `X = tl.constexpr(1.44)` at module level: a number kernels may read."""
+    target = n.targets[0] if isinstance(n, ast.Assign) and len(n.targets) == 1 else getattr(n, "target", None)
+    value = getattr(n, "value", None)
+    if not isinstance(target, ast.Name) or value is None:
+        return
+    if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("constexpr") and value.args:
+        value = value.args[0]
+    try:
+        v = _literal(value)
+    except Unknown:
+        return
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        mod.module_values[target.id] = v
 
 
 def _enclosing_functions(tree: ast.Module) -> dict[int, str]:
