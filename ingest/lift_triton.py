@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import itertools
 import logging
 import math
@@ -864,19 +865,28 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
         if not ok:
             ctx.skipped.append((f"{fn.name}[{label}]", f"interpreter check failed: {note}"))
             continue
-        feats = _features(prog, flags, split_axis is not None)
+        feats = _features(prog, flags, split_axis is not None, layout)
         prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
         out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
                                  tuple(flags.items()), tuple(notes)))
     return out
 
 
-def _features(p: Program, flags: dict[str, bool], split: bool) -> Features:
-    try:
-        from kb.ir.features import derive_features
-        f = derive_features(p)
-    except ImportError:
-        f = Features()
+def _without_length(p: Program, layout: Layout) -> Program:
+    """`p` with the packed sequence's own key bound (`kv_idx < length[b]`) out of mask_mod: that is
+    the ragged-KV bound a dense program has built in, not a variant mask (for classification only)."""
+    if not layout.packed or p.mask_mod is None:
+        return p
+    bound = compare(ExprOp.LT, var("kv_idx"), layout.length)
+    rest = [c for c in _conjuncts(p.mask_mod.body) if c != bound]
+    body = functools.reduce(lambda a, c: Expr(ExprOp.AND, (a, c)), rest) if rest else None
+    return replace(p, mask_mod=replace(p.mask_mod, body=body) if body is not None else None)
+
+
+def _features(p: Program, flags: dict[str, bool], split: bool, layout: Layout = DENSE) -> Features:
+    from kb.ir.features import derive_features
+
+    f = replace(derive_features(_without_length(p, layout)), varlen=derive_features(p).varlen)
     changes: dict[str, object] = {"split_kv": split or f.split_kv, "return_lse": True}
     if any(v and "ALIBI" in k for k, v in flags.items()):
         changes["alibi"] = True

@@ -6,8 +6,9 @@ A kernel row's `family` is its lifter's name for where it came from (`fa2_triton
 coarser terms. `label_family` maps one onto the other through one explicit table.
 
 Invariant: every ingest family in `corpus/*.toml` appears in `FAMILY_TABLE`; the decode
-split only matters for the Triton families (FlashAttention's and the serving kernels of vLLM and
-SGLang), whose source files hold both forward and split-KV decode programs.
+split only matters for FlashAttention's Triton families, whose one source file holds both forward
+and split-KV decode programs. The serving kernels of vLLM and SGLang (packed sequences, paged KV)
+are their own label family: no labelled spec is written against them yet.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from kb.features import Features
 
 __all__ = ["LABEL_FAMILIES", "FAMILY_TABLE", "label_family"]
 
-LABEL_FAMILIES = ("triton_fwd", "triton_decode", "fa2_cuda", "cute_fa4", "cutlass_fmha", "generated")
+LABEL_FAMILIES = ("triton_fwd", "triton_decode", "fa2_cuda", "cute_fa4", "cutlass_fmha", "serving_triton", "generated")
 
 # kernel family -> (label when forward, label when split-KV/decode)
 FAMILY_TABLE: dict[str, tuple[str, str]] = {
     "fa2_triton": ("triton_fwd", "triton_decode"),
     "fa2_triton_amd": ("triton_fwd", "triton_decode"),
-    "vllm_triton": ("triton_fwd", "triton_decode"),
-    "sglang_triton": ("triton_fwd", "triton_decode"),
+    # serving kernels (packed varlen, paged KV): a reference for serving specs, never a hit for a dense one
+    "vllm_triton": ("serving_triton", "serving_triton"),
+    "sglang_triton": ("serving_triton", "serving_triton"),
     "fa2_cuda": ("fa2_cuda", "fa2_cuda"),
     "fa4_cute": ("cute_fa4", "cute_fa4"),
     "cutlass_cute_sm80": ("cutlass_fmha", "cutlass_fmha"),

@@ -81,6 +81,8 @@ def test_packed_prefill_lifts_per_flag_into_verified_varlen_programs(tmp_path: P
         q_load = next(st for st in walk_stmts(p.program.kernels[0].body) if isinstance(st, Load) and st.tensor == "q")
         assert isinstance(q_load.index[0], Span) and q_load.index[0].until is not None
         assert parse_program(print_program(p.program)) == p.program
+    # the sequence's own key bound is not a variant mask: the programs classify as plain and causal
+    assert (by_causal[False].features.mask, by_causal[True].features.mask) == ("none", "causal")
     assert "q_idx >= kv_idx" in str(by_causal[True].program.mask_mod.body)
     assert "q_idx" not in str(by_causal[False].program.mask_mod.body)
     assert "Hq // Hkv" in print_program(by_causal[True].program)  # the launch-time group size
