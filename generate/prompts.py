@@ -55,7 +55,8 @@ stmt        := "let" NAME "=" EXPR
              | "combine" NAME "," NAME "=" "(" NAME "," NAME ")"
              | "for" NAME "in" "range(" EXPR "," EXPR "," DIM ")" ("forward"|"reverse") ":" NL block
              | "if" "block(" EXPR "," EXPR "," EXPR "," EXPR ")" "is" ["not"] ("full"|"partial"|"empty") ":" NL block ["else:" NL block]
-index       := EXPR | EXPR ":+" DIM | ":"
+index       := EXPR | EXPR ":+" DIM ["until" EXPR] | ":"
+             | "[" EXPR "for" NAME "in" "range(" DIM ")" ["if" EXPR] "]"   # a gathered axis
 DTYPE       := f32 | bf16 | f16 | i32 | i64 | bool
 ROLE        := in | out | aux | scalar | scratch
 EXPR        := a Python expression (see kb/ir/expr.py): + - * / // % < <= > >= == != & | ~,
