@@ -25,6 +25,7 @@ from generate.designs import design_table
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
+from generate.spec_serving import GENERATION_REFUSED
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.errors import KBError
@@ -79,6 +80,17 @@ class GenerateResult:
         return len(self.attempts) if self.succeeded else None
 
 
+def _refused(kb: KnowledgeBase, run: GenerationRun, out_dir: Path, error: str, message: str, t0: float) -> GenerateResult:
+    """A run that stops before any attempt (a spec error, a spec generation does not support yet): recorded
+    as failed, no lesson (nothing about kernels was learnt); the spec's earlier files go and a report says why."""
+    spec_path = Path(run.spec_path)
+    run.status, run.error, run.finished_at = "failed", error, _now()
+    run_id = kb.write_run(run)
+    files = publish(out_dir, output_stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
+                                                         "kernel_id": None, "error": run.error, "attempts": []})
+    return GenerateResult(spec_path, run_id, False, None, (), files, message, time.perf_counter() - t0)
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -92,12 +104,11 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     try:
         spec = load_spec(spec_path)
     except KBError as err:
-        run.status, run.error, run.finished_at = "failed", f"spec: {err}", _now()
-        run_id = kb.write_run(run)
-        # the spec's earlier files go; a report says why nothing replaced them
-        files = publish(out_dir, output_stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
-                                                         "kernel_id": None, "error": run.error, "attempts": []})
-        return GenerateResult(spec_path, run_id, False, None, (), files, str(err), time.perf_counter() - t0)
+        return _refused(kb, run, out_dir, f"spec: {err}", str(err), t0)
+    if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
+        run.spec_hash = spec.source_hash
+        why = GENERATION_REFUSED.format(kind=spec.layout.describe)
+        return _refused(kb, run, out_dir, why, why, t0)
     run.spec_hash = spec.source_hash
     run.error = Owner.current().note  # while running: its process, so `kb doctor` can tell a run whose process died
     run_id = kb.write_run(run)

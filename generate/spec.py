@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from generate.spec_serving import ServingLayout, dense_shapes, feature_mask, layout_of, serving_reference
 from generate.spec_trace import NameOf, aux_name, trace_attention, trace_mod
 from kb.errors import KBError
 from kb.features import Features
@@ -124,6 +125,8 @@ class Spec:
     # aux tensors the candidate computes from a forward input before the launch (torch.searchsorted ids):
     # aux name -> (forward input name, right)
     derived_aux: Mapping[str, tuple[str, bool]] = field(default_factory=dict)  # (position, name, value) of constructor args baked in the kernel
+    # a paged-KV or packed varlen spec (generate.spec_serving): shapes, aux and reference are its dense view
+    layout: ServingLayout | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -241,6 +244,17 @@ def _shapes_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: Path) ->
     return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype], v.shape[3])
 
 
+def _serving_shapes(layout: ServingLayout, inputs: Mapping[str, torch.Tensor], path: Path) -> Shapes:
+    """The dense view's shapes (generate.spec_serving.dense_shapes), checked like a dense spec's."""
+    B, Hq, Hkv, M, N, D, Dv = dense_shapes(layout, inputs)
+    q = inputs[layout.q]
+    if q.dtype not in _DTYPE_NAMES:
+        raise KBError(f"{path}: unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+    if Hq % Hkv:
+        raise KBError(f"{path}: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    return Shapes(B, Hq, Hkv, M, N, D, _DTYPE_NAMES[q.dtype], Dv)
+
+
 def _shapes_from_dict(d: Any, path: Path) -> Shapes:
     try:
         f = parse_shapes(d)
@@ -267,18 +281,25 @@ def load_spec(path: str | Path) -> Spec:
     state: tuple[StateTensor, ...] = ()
     state_values: dict[str, torch.Tensor] = {}
     out_dtype: str | None = None
+    layout: ServingLayout | None = None
     if has_model:
         model, inputs = _instantiate(module, path)
         names = _forward_names(model, len(inputs))
         kinds = _state_kinds(model)
         traced = _trace_model(model, inputs, names, kinds, path)
         qi, ki, vi = names.index(traced.q), names.index(traced.k), names.index(traced.v)
-        shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
-        reference = _model_reference(model, inputs, qi, ki, vi)
-        score, mask, aux, scale = traced.score_mod, traced.mask_mod, dict(traced.aux), traced.scale
-        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
-        heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
-        init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
+        layout = layout_of(traced, dict(zip(names, inputs)), path)
+        aux, scale = dict(traced.aux), traced.scale
+        if layout is None:
+            shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
+            reference = _model_reference(model, inputs, qi, ki, vi)
+            score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+            heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+            init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
+        else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
+            shapes = _serving_shapes(layout, dict(zip(names, inputs)), path)
+            reference = serving_reference(model, inputs, names, layout, path)
+            score, mask, heads_fixed, init_fixed = traced.score_mod, traced.mask_mod, None, ()
         out_dtype = _dtype_name(traced.out_dtype, "output", path)
         state, state_values = _state_of(model, kinds, traced.state, traced.baked)
         _check_constants(module, model, set(aux) - set(traced.state) - set(names) - set(traced.derived), path)
@@ -303,14 +324,16 @@ def load_spec(path: str | Path) -> Spec:
         scale = _flex_scale(shapes_dict if isinstance(shapes_dict, Mapping) else {}, shapes)
         kind = SpecKind.BOTH if has_model else SpecKind.FLEX
     features = features_from_variants(
-        score, mask, head_dim=shapes.D, dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M, seq_kv=shapes.N,
+        score, mask if layout is None else feature_mask(mask, layout, traced.derived), head_dim=shapes.D,
+        dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M, seq_kv=shapes.N,
+        paged_kv=layout is not None and layout.kind != "varlen", varlen=layout is not None and layout.kind == "varlen",
     )
     log.info("spec %s: %s", path, features.describe())
     call = call if has_model else (("q", "k", "v"), ("q", "k", "v"), ())
     spec = Spec(path, kind, score, mask, aux, shapes, _scale_or_none(scale, shapes.D), features, source_hash, reference,
                 *call, out_dtype=out_dtype, state=state, state_values=state_values,
                 heads_fixed=heads_fixed if has_model else None, init_fixed=init_fixed if has_model else (),
-                derived_aux=dict(traced.derived) if has_model else {})
+                derived_aux=dict(traced.derived) if has_model else {}, layout=layout)
     _self_check(spec)
     return spec
 

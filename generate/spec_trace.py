@@ -86,6 +86,10 @@ class TracedAttention:
     baked: frozenset[str] = frozenset()
     # aux tensors computed from a forward input before the launch: name -> (input name, searchsorted right?)
     derived: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
+    # serving layouts (docs/specs.md): KV inputs gathered as `cache[table]` -> the table's input name, and
+    # inputs read as packed tokens [T, H, D] (`x.transpose(0, 1).unsqueeze(0)`)
+    gathers: Mapping[str, str] = field(default_factory=dict)
+    packed: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -98,6 +102,8 @@ class _State:
     state: dict[str, str] = field(default_factory=dict)  # aux name -> state_dict key
     baked: set[str] = field(default_factory=set)
     derived: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    gathers: dict[str, str] = field(default_factory=dict)  # cache input -> table input (cache[table])
+    packed: set[str] = field(default_factory=set)  # inputs read as packed tokens [T, H, D]
     q: Operand | None = None
     k: Operand | None = None
     v: Operand | None = None
@@ -221,7 +227,11 @@ def _dtype_of(node: torch.fx.Node) -> torch.dtype:
 
 _LAYOUT = {"transpose", "permute", "t", "mT", "view", "reshape", "_unsafe_view", "unsqueeze", "expand", "clone",
            "contiguous", "repeat_interleave", "_to_copy", "to", "type_as", "alias", "detach", "mul", "div", "repeat",
-           "squeeze"}
+           "squeeze", "flatten"}
+_GATHERS = {"index_select", "gather", "take", "embedding", "take_along_dim"}
+# ops a serving spec may apply to the attention output to return its own layout ([B, Hq, D], [T, Hq, D])
+_OUTPUT_LAYOUT = {"squeeze", "unsqueeze", "transpose", "permute", "t", "view", "reshape", "_unsafe_view", "flatten",
+                  "select"}
 
 
 def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _State) -> Operand:
@@ -253,8 +263,13 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
         if len(out_shape) != len(x.labels):
             raise _err(node, st, f"expand adds dims to {x.name}")
         return replace(x, labels=labels, shape=out_shape)
-    if pk in ("view", "reshape", "_unsafe_view"):
+    if pk in ("view", "reshape", "_unsafe_view", "flatten"):
         return _operand_view(node, x, out_shape, st)
+    if pk == "index":
+        return _gather(node, x, args[1], out_shape, st)
+    if pk in _GATHERS:
+        raise _err(node, st, f"gathering {x.name} with {pk}: read a paged cache as {x.name}[block_table] "
+                             "(one index by the [B, MAX_PAGES] table, then flatten(1, 2))")
     if pk == "repeat_interleave":
         reps, dim = args[1], (args[2] if len(args) > 2 else node.kwargs.get("dim"))
         if not isinstance(reps, int) or dim is None or x.labels[dim % len(x.labels)] != "h":
@@ -282,6 +297,33 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
     raise _err(node, st, f"unsupported op on attention input {x.name}")
 
 
+def _gather(node: torch.fx.Node, x: Operand, indices: Sequence[Any], out_shape: tuple[int, ...], st: _State) -> Operand:
+    """`cache[table]`: a paged cache [NUM_PAGES, PAGE, Hkv, D] or a token pool [POOL, Hkv, D] read through an
+    integer table [B, MAX_PAGES] / [B, MAX_CTX] (a forward input) gives [B, MAX_PAGES, PAGE, Hkv, D] /
+    [B, MAX_CTX, Hkv, D]; flattening (page, slot) gives the key axis."""
+    table = indices[0] if len(indices) == 1 else None
+    if x.labels[0] not in ("page", "tok") or not isinstance(table, Sym) or table.expr.op is not ExprOp.LOAD \
+            or len(table.shape) != 2:
+        raise _err(node, st, f"indexing {x.name} other than as a KV cache read through an integer table of a forward "
+                             f"input ({x.name}[block_table] with block_table [B, MAX_PAGES])")
+    st.gathers[x.name] = str(table.expr.value)
+    head = ("b", "p") if x.labels[0] == "page" else ("b", "s")
+    return replace(x, labels=head + x.labels[1:], shape=out_shape)
+
+
+def _resolved(x: Operand, st: _State) -> Operand:
+    """A 3-D input's first dim ('x') read off where its size-1 dim went: [B, H, D] with `unsqueeze(2)` is one
+    query per sequence (x = b); [T, H, D] with `transpose(0, 1).unsqueeze(0)` is packed tokens (x = s)."""
+    if "x" not in x.labels or x.labels.count("1") != 1:
+        return x
+    if x.labels[0] == "1":
+        mapping = {"1": "b", "x": "s"}
+        st.packed.add(x.name)
+    else:
+        mapping = {"x": "b", "1": "s"}
+    return replace(x, labels=tuple(mapping.get(lab, lab) for lab in x.labels))
+
+
 def _scalar_expr(x: Any) -> Expr | None:
     """A one-element non-boolean Sym (a run-time scalar such as a learnable temperature) as an expression."""
     if not isinstance(x, Sym) or x.is_bool or math.prod(x.shape) != 1:
@@ -294,6 +336,10 @@ def _operand_view(node: torch.fx.Node, x: Operand, out_shape: tuple[int, ...], s
         return x
     labels = list(x.labels)
     shape = list(x.shape)
+    # merge (page, slot) of a gathered cache into the key axis
+    for i in range(len(labels) - 1):
+        if labels[i] == "p" and labels[i + 1] == "s" and tuple(shape[:i] + [shape[i] * shape[i + 1]] + shape[i + 2:]) == out_shape:
+            return replace(x, labels=tuple(labels[:i] + ["s"] + labels[i + 2:]), shape=out_shape)
     # merge (h, g): repeat_interleave-style head expansion
     for i in range(len(labels) - 1):
         if labels[i] == "h" and labels[i + 1] == "g":
@@ -311,6 +357,10 @@ def _operand_view(node: torch.fx.Node, x: Operand, out_shape: tuple[int, ...], s
 
 
 def _expect(x: Operand, labels: tuple[str, ...], node: torch.fx.Node, st: _State, what: str) -> None:
+    if "x" in x.labels:
+        raise _err(node, st, f"{what}: {x.name} is a 3-D input used as {x.labels}; reach [B, H, S, D] with "
+                             f"{x.name}.unsqueeze(2) for one query per sequence ([B, H, D]) or "
+                             f"{x.name}.transpose(0, 1).unsqueeze(0) for packed tokens ([T, H, D])")
     if x.labels != labels:
         raise _err(node, st, f"{what}: {x.name} has layout {x.labels}, expected {labels} "
                              "(inputs must be [B, H, S, D])")
@@ -334,6 +384,7 @@ def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, st: _State) -> Sy
 def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
     if not isinstance(probs, _Probs) or not isinstance(v, Operand):
         raise _err(node, st, "the second matmul must be softmax(scores) @ v")
+    v = _resolved(v, st)
     _expect(v, ("b", "h", "s", "d"), node, st, "P @ V")
     if st.k is not None and v.rep != st.k.rep:
         raise _err(node, st, f"k and v heads are repeated differently ({st.k.rep} vs {v.rep})")
@@ -345,6 +396,7 @@ def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
 
 def _matmul(node: torch.fx.Node, a: Any, b: Any, st: _State) -> Any:
     if isinstance(a, Operand) and isinstance(b, Operand):
+        a, b = _resolved(a, st), _resolved(b, st)
         _expect(a, ("b", "h", "s", "d"), node, st, "Q @ K^T")
         _expect(b, ("b", "h", "d", "s"), node, st, "Q @ K^T")
         return _start_scores(node, a, b, st)
@@ -457,6 +509,8 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         return x
     if pk in ("view", "reshape", "_unsafe_view"):
         return S.view(_sym(args[0], node, st), args[1])
+    if pk == "flatten" and shape is not None:
+        return S.view(_sym(args[0], node, st), shape)
     if pk == "unsqueeze":
         return S.unsqueeze(_sym(args[0], node, st), args[1])
     if pk == "squeeze":
@@ -621,7 +675,7 @@ def _operand_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
             return
         if n.op == "placeholder":
             found.add(n)
-        elif n.op == "call_function" and _packet(n) in _LAYOUT:
+        elif n.op == "call_function" and _packet(n) in _LAYOUT | _GATHERS | {"index"}:  # index: cache[table]
             back(n.args[0])
             if _packet(n) in ("mul", "div") and len(n.args) > 1:
                 back(n.args[1])
@@ -701,15 +755,40 @@ def _check_structure(gm: torch.fx.GraphModule, input_names: list[str], st: _Stat
                "softmax(q @ k^T) @ v over [B, H, S, D] tensors")
 
 
-def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str) -> torch.fx.GraphModule:
+def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str, source: str | None = None,
+             input_names: Sequence[str] = ()) -> torch.fx.GraphModule:
     try:
         return make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*inputs)
     except KBError:
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures are the user's spec
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise KBError(f"cannot trace {what}: {msg}",
+        at = _user_line(err, source)
+        offsets = _offsets_input(inputs, input_names)
+        if offsets is not None and "data-dependent" in str(err):
+            raise KBError(f"a Python loop over sequences reading {offsets} values (int(), .item(), slicing by them) {at}: "
+                          f"write one attention over the packed tokens [T, H, D] with a block-diagonal mask from {offsets}",
+                          hint="see docs/specs.md, serving specs") from None
+        raise KBError(f"cannot trace {what}: {msg}" + (f" ({at})" if source else ""),
                       hint="data-dependent Python control flow and .item() are not supported") from None
+
+
+def _user_line(err: BaseException, source: str | None) -> str:
+    """`at FILE:LINE: code` of the deepest frame of the spec file in err's traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == source]
+    if not frames:
+        return "at an unknown line"
+    f = frames[-1]
+    return f"at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+
+
+def _offsets_input(inputs: Sequence[Any], names: Sequence[str]) -> str | None:
+    """The name of a 1-D integer input (sequence offsets, cu_seqlens) beside 3-D float inputs (packed tokens)."""
+    floats = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    ints = [n for x, n in zip(inputs, names) if isinstance(x, torch.Tensor) and x.dim() == 1 and not x.is_floating_point()]
+    return ints[0] if ints and floats and all(x.dim() == 3 for x in floats) else None
 
 
 def aux_name(key: str) -> str:
@@ -808,8 +887,8 @@ def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
             return first
         raise _err(node, st, "op between softmax and the product with v")
     if isinstance(first, _Output):
-        if pk in _IDENTITY | _CASTS:
-            return first
+        if pk in _IDENTITY | _CASTS or (pk in _OUTPUT_LAYOUT and (st.gathers or st.packed)):
+            return first  # a serving spec's own output layout: its reference maps it back (generate.spec_serving)
         raise _err(node, st, "op after the attention output (the spec must return softmax(...) @ v as [B, H, M, D])")
     return _sym_op(pk, node, args, kw, st)
 
@@ -833,6 +912,7 @@ def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
     q, k, v = a["query"], a["key"], a["value"]
     if not all(isinstance(x, Operand) for x in (q, k, v)):
         raise _err(node, st, "scaled_dot_product_attention on non-input tensors")
+    q, k, v = (_resolved(x, st) for x in (q, k, v))
     if a.get("dropout_p", 0.0):
         raise _err(node, st, f"scaled_dot_product_attention with dropout_p={a['dropout_p']}")
     if a.get("enable_gqa") and k.shape[1] != q.shape[1]:
@@ -871,17 +951,18 @@ def trace_attention(
     "parameter" or "buffer": those stay run-time inputs of the kernel (never folded into
     constants), except buffers whose values equal an index expression (recorded in `baked`)."""
     inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-    gm = _make_fx(fn, inputs, "the spec's forward")
+    gm = _make_fx(fn, inputs, "the spec's forward", source, input_names)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     st = _State(names={}, name_of=name_of, source=source, state_kinds=state_kinds or {})
     _check_structure(gm, list(input_names), st)
     operands = _operand_inputs(gm)
+    caches = _gathered_inputs(gm)
     env: dict[torch.fx.Node, Any] = {}
     for node, name, x in zip(placeholders, input_names, inputs):
         if not isinstance(x, torch.Tensor):
             env[node] = x
         elif node in operands:
-            env[node] = Operand(name, ("b", "h", "s", "d") if x.dim() == 4 else tuple("?" * x.dim()), tuple(x.shape))
+            env[node] = Operand(name, _input_labels(x.dim(), node in caches), tuple(x.shape))
         else:
             env[node] = _runtime_leaf(name, x, st)  # an extra forward input: its value at call time
     out = _run(gm, env, st)
@@ -894,7 +975,31 @@ def trace_attention(
     return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
                            st.k.rep, aux, out_dtype=_output_dtype(gm),
                            state={k: v for k, v in st.state.items() if k in used}, baked=frozenset(st.baked),
-                           derived={k: v for k, v in st.derived.items() if k in used})
+                           derived={k: v for k, v in st.derived.items() if k in used}, gathers=dict(st.gathers),
+                           packed=frozenset(st.packed))
+
+
+def _gathered_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Placeholders indexed as `cache[table]` by an integer placeholder (a paged KV cache or a token pool)."""
+    found = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or _packet(n) != "index" or not isinstance(n.args[0], torch.fx.Node):
+            continue
+        ix = n.args[1]
+        if n.args[0].op == "placeholder" and len(ix) == 1 and isinstance(ix[0], torch.fx.Node) \
+                and ix[0].op == "placeholder" and not _dtype_of(ix[0]).is_floating_point:
+            found.add(n.args[0])
+    return found
+
+
+def _input_labels(dim: int, gathered: bool) -> tuple[str, ...]:
+    """Dim labels of an attention input: [B, H, S, D]; a gathered cache [NUM_PAGES, PAGE, H, D] or pool
+    [POOL, H, D]; 'x' is the first dim of another 3-D input, batch or packed tokens (see `_resolved`)."""
+    if gathered and dim in (3, 4):
+        return ("page", "s", "h", "d") if dim == 4 else ("tok", "h", "d")
+    if dim == 4:
+        return ("b", "h", "s", "d")
+    return ("x", "h", "d") if dim == 3 else tuple("?" * dim)
 
 
 def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:

@@ -194,6 +194,8 @@ def generate_cmd(
         failed += not r.succeeded
         if r.succeeded:
             made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
+        elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
+            made.append(f"{p.name}: {r.error}")
         detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
         table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status), str(len(r.attempts)),
                       r.kernel_id or "-", f"{r.seconds:.1f}", detail)

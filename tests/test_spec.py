@@ -46,7 +46,7 @@ def test_set_sizes():
 def test_labelled_spec_features_and_reference(path):
     spec = _load(path)
     label = _label(path)
-    assert label["family"] in {"triton_fwd", "fa2_cuda", "triton_decode", "cute_fa4", "cutlass_fmha"}
+    assert label["family"] in {"triton_fwd", "fa2_cuda", "triton_decode", "cute_fa4", "cutlass_fmha", "serving_triton"}
     got = {k: getattr(spec.features, k) for k in label["features"]}
     assert got == label["features"]
     assert _agrees(spec) <= TOL[spec.shapes.dtype]
