@@ -30,7 +30,7 @@ from retrieve.hybrid import Filters, Mode, QueryResult, describe_target, query
 from retrieve.structural import load_weights
 
 __all__ = ["LabelledSpec", "ModeScores", "load_labelled", "first_hit_rank", "evaluate", "reachable_families",
-           "program_labels"]
+           "decode_families", "program_labels"]
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +107,23 @@ def snippet_recall(result: QueryResult, wanted: tuple[str, ...]) -> float:
     return sum(k in have for k in wanted) / len(wanted)
 
 
-def program_labels(specs: list[LabelledSpec], reachable: dict[str, int]) -> dict[str, str]:
+def program_labels(specs: list[LabelledSpec], reachable: dict[str, int],
+                   decode_reachable: set[str] | None = None) -> dict[str, str]:
     """Spec name -> the label family of the *program* a transfer starts from.
 
-    The LABEL family when the KB holds an executable program of it. Otherwise (FA4 CuTe DSL
+    The LABEL family when the KB holds an executable program of it (for a decode spec: a decode /
+    split-KV program of it, when `decode_reachable` lists those families). Otherwise (FA4 CuTe DSL
     and CUTLASS lift into snippets only, so `cute_fa4` and `cutlass_fmha` have no program to
-    retrieve) the docs/specs.md rule without its FA4/CUTLASS branches: decode ->
-    triton_decode, else triton_fwd; the FA4/CUTLASS regions still come in as snippets.
+    retrieve; the serving sources give packed varlen prefill but no paged decode program yet)
+    the docs/specs.md rule without its FA4/CUTLASS branches: decode -> triton_decode, else
+    triton_fwd; the FA4/CUTLASS regions still come in as snippets.
     """
     out = {}
     for sp in specs:
-        fallback = "triton_decode" if (sp.target.decode or sp.target.split_kv) else "triton_fwd"
-        out[sp.name] = sp.family if reachable.get(sp.family) else fallback
+        decode = sp.target.decode or sp.target.split_kv
+        fallback = "triton_decode" if decode else "triton_fwd"
+        ok = reachable.get(sp.family) and (decode_reachable is None or not decode or sp.family in decode_reachable)
+        out[sp.name] = sp.family if ok else fallback
     return out
 
 
@@ -147,6 +152,12 @@ def evaluate(kb: KnowledgeBase, specs: list[LabelledSpec], modes: tuple[Mode, ..
             outcomes=tuple(outcomes),
         ))
     return scores
+
+
+def decode_families(kb: KnowledgeBase) -> set[str]:
+    """Label families with an executable decode / split-KV program in the KB (memory off)."""
+    res = query(kb, "attention", None, k=RANK_ALL, filters=EVAL_FILTERS, mode="embedding")
+    return {label_family(r.family, r.features) for r in res.kernels if r.features.decode or r.features.split_kv}
 
 
 def reachable_families(kb: KnowledgeBase) -> dict[str, int]:
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = load_labelled(args.specs)
     with open_kb(load_settings(home=args.home), create=False) as kb:
         reach = reachable_families(kb)
-        labels = program_labels(specs, reach)
+        labels = program_labels(specs, reach, decode_families(kb))
         strict = evaluate(kb, specs)
         scores = evaluate(kb, specs, labels=labels)
         counts = kb.counts().rows

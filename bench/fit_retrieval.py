@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.eval_retrieval import EVAL_FILTERS, RANK_ALL, ROOT, load_labelled, program_labels, reachable_families
+from bench.eval_retrieval import (EVAL_FILTERS, RANK_ALL, ROOT, decode_families, load_labelled, program_labels,
+                                  reachable_families)
 from kb.settings import load_settings
 from kb.store import open_kb
 from kb.store.kb import KnowledgeBase
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         specs = load_labelled(args.specs)
         with open_kb(load_settings(home=args.home), create=False) as kb:
-            labels = program_labels(specs, reachable_families(kb))
+            labels = program_labels(specs, reachable_families(kb), decode_families(kb))
             d = pair_data(kb, specs, labels)
         if args.cache:
             np.savez(args.cache, x=d.x, y=d.y, group=d.group, specs=np.array(d.specs))
