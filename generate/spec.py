@@ -8,6 +8,9 @@ Two spec styles (docs/specs.md), also combined in one file:
   the value head dim differs from D).
   When a file has both, the mods define the variant expressions and `Model` the reference
   and the shapes.
+- Serving (KernelBench style): paged-KV decode `forward(q, k_cache, v_cache, block_table, seq_lens)` and
+  packed varlen `forward(q, k, v, cu_seqlens)`; `Spec.layout` names the layout, and shapes, aux and
+  reference are the dense view (generate.spec_serving).
 
 Invariants of a `Spec`: `reference(q, k, v)` is the spec's own computation (the user's Model,
 or a dense torch evaluation of the user's mods, fully masked rows -> 0), never our IR;

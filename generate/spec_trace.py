@@ -9,7 +9,11 @@ and interprets the graph abstractly:
   name `score`; buffers, parameters and extra inputs become loads of named aux tensors;
 - at softmax the [B, H, M, N] logits are named (b, h, q_idx, kv_idx) and split into a
   score part and a mask (-inf fills, where/masked_fill, additive -inf masks);
-- after softmax only eval-mode dropout, dtype casts and the product with V are allowed.
+- after softmax only eval-mode dropout, dtype casts and the product with V are allowed;
+- serving layouts (generate.spec_serving): a KV input gathered as `cache[table]` by an integer input
+  is a paged cache / token pool (its (page, slot) dims flatten into the key axis); a 3-D input is q
+  [B, H, D] with `unsqueeze(2)` or packed tokens [T, H, D] with `transpose(0, 1).unsqueeze(0)`;
+  such a spec may reshape the attention output into its own layout.
 
 `trace_mod(fn, params, ...)` traces a FlexAttention-style score_mod/mask_mod the same way.
 Unsupported constructs raise `KBError` naming the aten op and the spec source line.
