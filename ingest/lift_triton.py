@@ -391,6 +391,20 @@ def _check_names(e: Expr, allowed: set[str], what: str) -> None:
         raise _Skip(f"{what} {e} uses names the IR cannot bind: {sorted(bad)}")
 
 
+def _launched_in_log2(ctx: _Ctx, fn: JitFn, walk: KernelWalk, overrides: dict[str, Expr]) -> bool:
+    """Every launch passes the softmax scale already multiplied by log2(e) (vLLM: `sm_scale *= RCP_LN2`)."""
+    names = [a.arg for a in fn.node.args.args]
+    scale_params = {p for p, role in walk.params.items() if role == "scale"} | \
+        {p for p, value in overrides.items() if value == var("sm_scale")}  # named so, or found by use
+    scale = [names.index(p) for p in scale_params if p in names]
+    sites = [site for site in ctx.mod.launches if site.kernel == fn.name]
+    if len(scale) != 1 or not sites:
+        return False
+    at = scale[0]
+    return all(at < len(site.args) and site.args[at] is not None
+               and abs(site.factors.get(site.args[at], 1.0) - LOG2E) < 1e-6 for site in sites)
+
+
 def _log2_units(walk: KernelWalk) -> bool:
     for e in _events(walk, "scale"):
         for mono, c in normalize(e.payload).items():
@@ -476,10 +490,14 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
     return For(lp.var, lp.lo, lp.hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
-def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE) -> _Lifted:
+def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE,
+              launched_log2: bool = False) -> _Lifted:
     notes: list[str] = []
     spans: list = []
-    log2 = _log2_units(walk)
+    log2 = _log2_units(walk) or launched_log2
+    if launched_log2:
+        notes.append("the launcher multiplies the softmax scale by log2(e) before the launch: the kernel's scale "
+                     "parameter is in log2 units; the IR's sm_scale is the natural one")
     if not _events(walk, "scale"):
         raise _Skip("no multiplication of the scores by the softmax scale parameter")
     if not walk.loops:
@@ -524,6 +542,9 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
             raise _Skip(f"line {e.line}: LSE stored in log2 units")
     spans.append(("epilogue", "finalize ot, lt = (m_i, l_i, acc)", min(e.line for e in stores),
                   max(e.line for e in stores), o_stores[0].file))
+    for e in _events(walk, "finite_fill"):
+        notes.append(f"line {e.line}: masked scores are set to {e.payload:g}, not -inf: the same result unless a row "
+                     f"allows no key (the source then averages v; the IR gives o = 0, lse = -inf)")
     for e in _events(walk, "where_tile"):
         notes.append(f"line {e.line}: tile-level tl.where outside the masks (NaN/fully-masked-row guard): "
                      f"the IR's finalize gives o = 0, lse = -inf for fully masked rows")
@@ -838,7 +859,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
                 combine_fn = _combine_kernel(ctx, fn, walk, flags)
                 if combine_fn is None:
                     raise _Skip("split-KV kernel without a recognizable combine kernel")
-            lifted = _assemble(ctx, walk, hk, split_axis, layout)
+            lifted = _assemble(ctx, walk, hk, split_axis, layout, _launched_in_log2(ctx, fn, walk, overrides))
         except _Skip as why:
             ctx.skipped.append((f"{fn.name}[{label}]", str(why)))
             continue
