@@ -137,7 +137,26 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
                 fixed[n.target.id] = flag_policy(n.target.id)
             except Unknown:
                 pass
-    return fixed, enumerated
+    by_use = [n for n in fn.constexprs if n not in fixed and n not in enumerated and _switches(fn, mod, n)]
+    return fixed, enumerated + by_use[:MAX_FLAGS_BY_USE]
+
+
+MAX_FLAGS_BY_USE = 3  # at most 2**3 lifts of one kernel for flags known only by use
+
+
+def _switches(fn: JitFn, mod: TritonModule, name: str) -> bool:
+    """`name` is a feature flag by use: the whole test of an `if` (`if X:`, `if not X:`, `if X and Y:`) in the
+    kernel or a jit helper it calls. The names the policy knows are hints; this finds `causal`, `MASKED`, ..."""
+    def is_flag(test: ast.expr) -> bool:
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return is_flag(test.operand)
+        if isinstance(test, ast.BoolOp):
+            return any(is_flag(v) for v in test.values)
+        return isinstance(test, ast.Name) and test.id == name
+
+    called = {c.func.id for c in ast.walk(fn.node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    bodies = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
+    return any(isinstance(n, (ast.If, ast.IfExp)) and is_flag(n.test) for body in bodies for n in ast.walk(body))
 
 
 def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
@@ -818,9 +837,8 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
     tunables = _tunables(ctx, fn.name)
     schedule, sched_note = _default_schedule(ctx, fn.name, tunables)
     _flag_snippets(ctx, fn)
-    for t in tunables:
-        pass
     out: list[LiftedProgram] = []
+    skipped_before = len(ctx.skipped)
     for values in itertools.product((False, True), repeat=len(enumerated)):
         flags = dict(zip(enumerated, values))
         label = ",".join(f"{k}={v}" for k, v in flags.items()) or "default"
@@ -890,7 +908,17 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
         prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
         out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
                                  tuple(flags.items()), tuple(notes)))
+    ctx.skipped[skipped_before:] = _merge_skips(fn.name, ctx.skipped[skipped_before:])
     return out
+
+
+def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One line per reason: flag combinations that failed alike are listed together."""
+    by_reason: dict[str, list[str]] = {}
+    for what, why in skips:
+        by_reason.setdefault(why, []).append(what[len(kernel) + 1:-1] if what.startswith(kernel + "[") else what)
+    return [(f"{kernel}[{' | '.join(labels)}]" if len(labels) < 3 else f"{kernel}[{len(labels)} flag combinations]", why)
+            for why, labels in by_reason.items()]
 
 
 def _without_length(p: Program, layout: Layout) -> Program:
