@@ -39,9 +39,9 @@ from kb.features import Features
 from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
 from kb.ir.nodes import (
-    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, Init, Kernel, Let, Load, Mask,
+    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
-    SCORE_MOD_PARAMS,
+    SCORE_MOD_PARAMS, walk_stmts,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from ingest.triton_dims import infer_dims
@@ -53,7 +53,8 @@ from ingest.triton_source import (
 )
 from ingest.triton_sym import compare, normalize, scale_poly, simplify, to_expr
 
-__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "LIFTER_VERSION"]
+__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "verify_decode",
+           "LIFTER_VERSION"]
 
 log = logging.getLogger(__name__)
 LIFTER_VERSION = "triton-ast-1"
@@ -288,7 +289,8 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
         elif _split_roles(roles, walk, idx, stride) is None:
             raise _Skip(f"q pointer index {idx} (stride {stride or 1}) is not a program id or a split of one")
     _unfused_roles(roles, whole, _terms(walk, k_base))
-    missing = {"b", "h", "m"} - set(roles.found)
+    decode = not any("_r" in free_vars(idx) for _, idx in _terms(walk, q_base))  # one q row per (b, h)
+    missing = ({"b", "h"} | (set() if decode else {"m"})) - set(roles.found)
     if missing:
         raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {_terms(walk, q_base)})")
     roles.values = {simplify(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
@@ -326,6 +328,8 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
 
     Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
     q_loads = _loads(walk, q_base)
+    if q_loads and "_r" not in free_vars(q_loads[0].payload[1]):
+        return _decode_layout(walk, k_base)
     start = _row_term(q_loads[0].payload[1])[0] if q_loads else None
     if start is None:
         return DENSE
@@ -347,6 +351,67 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
                         return Layout(start, c.args[1])
     raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
+
+
+def _kv_row(e: Event, lp: Loop, walk: KernelWalk) -> Expr:
+    """The pool row of KV lane `j` in a gathered k/v load: the row term (the one with the lane `_c`), or
+    `page * P + token` for a page term beside a `X % P` token term (a page cache read as flattened rows)."""
+    rows = [idx for _, idx in stride_indices(_resolve(e.payload[1], walk)) if "_c" in free_vars(idx)]
+    tok = [r for r in rows if r.op is ExprOp.MOD]
+    if len(rows) == 2 and len(tok) == 1:
+        page = next(r for r in rows if r is not tok[0])
+        rows = [Expr(ExprOp.ADD, (Expr(ExprOp.MUL, (page, tok[0].args[1])), tok[0]))]
+    if len(rows) != 1 or not any(x.op is ExprOp.LOAD for x in walk_expr(rows[0])):
+        raise _Skip(f"line {e.line}: {e.payload[0]} rows {[str(r) for r in rows]} are not one table lookup per KV lane")
+    return simplify(substitute(rows[0], {"_c": var("j")}))
+
+
+def _split_free(bound: Expr) -> Expr:
+    """The sequence length in a split's KV end `minimum(split_start + chunk, length)`: the operand free of `s`."""
+    if bound.op is ExprOp.MINIMUM:
+        free = [a for a in bound.args if "s" not in free_vars(a)]
+        if len(free) == 1:
+            return _split_free(free[0])
+    return bound
+
+
+def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
+    """One q row per (b, h); k and v lanes gathered at the same table row, bounded by the sequence length."""
+    v_bases = {e.payload for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
+    rows: dict[str, Expr] = {}
+    length = None
+    for lp in walk.loops:
+        for e in lp.events:
+            if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
+                rows[e.payload[0]] = _kv_row(e, lp, walk)
+            if e.kind == "mask" and length is None:
+                for c in _conjuncts(lane_to_idx(e.payload, lp.var)):
+                    c = compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
+                    if c.op is ExprOp.LT and c.args[0] == var("kv_idx"):
+                        length = _split_free(c.args[1])
+    if len(set(rows.values())) != 1:
+        raise _Skip(f"decode k and v rows differ: {', '.join(f'{b}: {r}' for b, r in rows.items())}")
+    if length is None or not any(x.op is ExprOp.LOAD for x in walk_expr(length)):
+        raise _Skip(f"decode over gathered rows, but no per-sequence length bounds the keys (got {length})")
+    row = next(iter(rows.values()))
+    return Layout(length=length, kv_row=row, tables=_table_params(row, length))
+
+
+def _table_params(*exprs: Expr) -> tuple[Param, ...]:
+    """Integer tables loaded by the row and length expressions: an axis always indexed by `b` is B."""
+    uses: dict[str, list[tuple[Expr, ...]]] = {}
+    for e in exprs:
+        for x in walk_expr(e):
+            if x.op is ExprOp.LOAD:
+                uses.setdefault(str(x.value), []).append(x.args)
+    out = []
+    for name, idxs in sorted(uses.items()):
+        rank = len(idxs[0])
+        if any(len(i) != rank for i in idxs):
+            raise _Skip(f"table {name} is indexed with {sorted({len(i) for i in idxs})} indices")
+        dims = tuple("B" if all(i[a] == var("b") for i in idxs) else f"{name.upper()}_{a}" for a in range(rank))
+        out.append(Param(name, dims, Dtype.I32, Role.AUX))
+    return tuple(out)
 
 
 def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
@@ -428,7 +493,9 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                     mask_terms.append(cond)
                 uses_mod = True
                 spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
-            elif "kv_idx" in fv and layout.packed:  # no dim N: the sequence's own length is the kv bound
+            elif "kv_idx" in fv and (layout.packed or layout.decode):  # no dim N: the sequence's length bounds kv
+                if layout.decode:  # a split's end: the length here, the split's range in the loop bounds
+                    cond = compare(ExprOp.LT, var("kv_idx"), layout.length)
                 _check_names(cond, {"kv_idx", "b", "h"} | _DIMS, "mask")
                 if cond not in mask_terms:
                     mask_terms.append(cond)
@@ -451,16 +518,17 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                 score_terms.append(term)
             spans.append(("alibi", str(term), e.line, e.line, e.file))
     n = var(lp.var)
+    q_at = E("kv_len - 1") if layout.decode else var("m_start")  # a decode row is the sequence's last token
     body: list = [
-        Load("kt", "k", layout.rows("hk", n, "BLOCK_N")),
-        Load("vt", "v", layout.rows("hk", n, "BLOCK_N")),
+        Load("kt", "k", layout.kv("hk", n)),
+        Load("vt", "v", layout.kv("hk", n)),
         Dot("qk", "qt", "kt", trans_b=True),
         Elementwise("qk", E("qk * sm_scale")),
     ]
     if score_terms:
-        body.append(ScoreMod("qk", var("b"), var("h"), var("m_start"), n))
+        body.append(ScoreMod("qk", var("b"), var("h"), q_at, n))
     if masked:
-        body.append(Mask("qk", var("b"), var("h"), var("m_start"), n, use_mask_mod=uses_mod))
+        body.append(Mask("qk", var("b"), var("h"), q_at, n, use_mask_mod=uses_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
     first = min(e.line for e in lp.events if e.kind in ("rowmax",))
     last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
@@ -473,7 +541,8 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             spans.append(("score_mod" if e.kind == "score_dot" else "softmax_rescale",
                           "dot qk = qt @ trans(kt)" if e.kind == "score_dot" else "online_softmax (m_i, l_i, acc) += qk @ vt",
                           e.line, e.line, e.file))
-    return For(lp.var, lp.lo, lp.hi, "BLOCK_N", "forward", tuple(body)), uses_mod
+    lo, hi = (var("lo"), var("hi")) if layout.decode and "s" in free_vars(lp.hi) else (lp.lo, lp.hi)
+    return For(lp.var, lo, hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
 def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE) -> _Lifted:
@@ -487,16 +556,25 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     mask_terms: list[Expr] = []
     score_terms: list[Expr] = []
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
+    if layout.decode:
+        lets += [Let("kv_len", layout.length)]
+        if split_axis is not None:  # the IR's split ranges: chunks of whole KV blocks (docs/lift_triton.md)
+            lets += [Let("chunk", E("cdiv(cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N")), Let("lo", E("s * chunk")),
+                     Let("hi", E("minimum(lo + chunk, kv_len)"))]
+            notes.append("decode split ranges: the IR splits kv_len into NUM_SPLITS chunks of whole KV blocks; the "
+                         "source's own split lengths (and per-sequence split counts) give other partials, the same "
+                         "combined result")
     if layout.packed:
         if split_axis is not None:
             raise _Skip("split-KV over packed sequences: not lifted yet")
         lets += [Let("q0", layout.start), Let("q_len", layout.length)]
+    rows: int | str = 1 if layout.decode else "BLOCK_M"
     prologue = [
         Let("hk", simplify(hk)),
         Load("qt", "q", layout.rows("h", var("m_start"), "BLOCK_M")),
-        Init("m_i", ("BLOCK_M",), float("-inf"), Dtype.F32),
-        Init("l_i", ("BLOCK_M",), 0.0, Dtype.F32),
-        Init("acc", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32),
+        Init("m_i", (rows,), float("-inf"), Dtype.F32),
+        Init("l_i", (rows,), 0.0, Dtype.F32),
+        Init("acc", (rows, "HEAD_PAD"), 0.0, Dtype.F32),
     ]
     body: list = list(lets)
     placed = False
@@ -539,13 +617,18 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     tables = loaded_tensors(layout.start) | loaded_tensors(layout.length) if layout.packed else frozenset()
     for e in _events(walk, "aux_load"):
         base, idx = e.payload
+        if any(t.name == base.lower() for t in layout.tables):
+            continue
         dims = tuple({"b": "B", "h": "Hq"}.get(str(i), "?") for _, i in idx)
         if "?" in dims:
             raise _Skip(f"line {e.line}: auxiliary load {base}{[str(i) for _, i in idx]} not indexed by (b, h)")
         if not any(p.name == base.lower() for p in params):  # sequence offsets and lengths are integers
             params.append(Param(base.lower(), dims, Dtype.I32 if base.lower() in tables else Dtype.F32, Role.AUX))
-    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", layout.query_blocks()))
-    if split_axis is None:
+    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")))
+    grid += () if layout.decode else (GridAxis("m", layout.query_blocks()),)
+    if split_axis is not None and layout.decode:
+        kernels = _decode_split_kernels(grid, body, params)
+    elif split_axis is None:
         if not normalized:
             raise _Skip("accumulator stored without normalization and no split-KV combine kernel")
         body += [Store("o", layout.rows("h", var("m_start"), "BLOCK_M"), "ot"),
@@ -579,6 +662,23 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     return _Lifted(kernels, tuple(params), 1, score, mask, notes, spans)
 
 
+def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[Param]) -> tuple[Kernel, Kernel]:
+    """A decode split kernel storing each split's normalized row and LSE, and the kernel combining them."""
+    o_row, l_row = (var("b"), var("s"), Span(var("h"), 1)), (var("b"), Full(), Span(var("h"), 1))
+    part = Kernel("split", grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body + [
+        Store("o_part", o_row + (Full(),), "ot"), Store("lse_part", o_row, "lt")])))
+    comb = Kernel("combine", grid, (
+        Load("po", "o_part", l_row + (Full(),)),
+        Load("pl", "lse_part", l_row, other=float("-inf")),
+        Combine("ot", "lt", "po", "pl"),
+        Store("o", (var("b"), Span(var("h"), 1), Full()), "ot"),
+        Store("lse", (var("b"), Span(var("h"), 1)), "lt"),
+    ))
+    params += [Param("o_part", ("B", "NUM_SPLITS", "Hq", "D"), Dtype.F32, Role.SCRATCH),
+               Param("lse_part", ("B", "NUM_SPLITS", "Hq"), Dtype.F32, Role.SCRATCH)]
+    return part, comb
+
+
 def _resolved_let(body: tuple, name: str) -> Expr:
     """The value of `let name`, with earlier lets substituted (for questions like 'does hk use Hkv?')."""
     env: dict[str, Expr] = {}
@@ -597,6 +697,8 @@ def _stmt_exprs(st) -> list[Expr]:
     for ix in getattr(st, "index", ()) or ():
         if isinstance(ix, Span):
             out += [ix.start] + ([ix.until] if ix.until is not None else [])
+        elif isinstance(ix, Gather):
+            out += [ix.index] + ([ix.valid] if ix.valid is not None else [])
         elif not isinstance(ix, Full):
             out.append(ix)
     for sub in list(getattr(st, "body", ()) or ()) + list(getattr(st, "then", ()) or ()):
@@ -733,6 +835,101 @@ def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
                   f"{' and '.join(map(str, _PACKED_LENS))}, Hq={Hq} Hkv={Hkv} D={D}")
 
 
+_PAGE = 4  # tokens per page when a decode program reads a page cache (ragged last pages at the lengths above)
+
+
+def _decode_exprs(p: Program) -> tuple[Expr, Expr]:
+    """(kv_len, the gathered k row) of a decode program, lets substituted."""
+    split = p.kernels[0]
+    load = next(st for st in walk_stmts(split.body) if isinstance(st, Load) and st.tensor == "k")
+    return _resolved_let(split.body, "kv_len"), load.index[0].index
+
+
+def _length_fills(kv_len: Expr, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """Tables that make `kv_len` the length of every sequence: per-sequence lengths or B+1 cumulative starts."""
+    from kb.ir.evaluate import eval_expr
+
+    names = sorted(loaded_tensors(kv_len))
+    options = {"starts": torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32),
+               "lens": torch.tensor(lens, dtype=torch.int32)}
+    for pick in itertools.product(options, repeat=len(names)):
+        tables = {n: options[k] for n, k in zip(names, pick)}
+        if [int(eval_expr(kv_len, {"b": b}, tables)) for b in range(len(lens))] == list(lens):
+            return tables
+    return None
+
+
+def _pool_fills(p: Program, lens: tuple[int, ...], tables: dict[str, torch.Tensor], g: torch.Generator
+                ) -> tuple[dict[str, object], list[list[int]], int]:
+    """The index table, page size and pool size of a serving cache holding sequence b's token t at a random
+    slot: a token pool (`table[b, t]`, or `table[start(b) + t]` over a B+1 starts table) or, with an
+    integer scalar (the page size), a page table `table[b, t // PAGE]` over pages of PAGE slots."""
+    kv_len, row = _decode_exprs(p)
+    paged = [prm.name for prm in p.params if prm.role is Role.SCALAR and prm.dtype is Dtype.I32
+             and prm.name in free_vars(row)]
+    unit = _PAGE if paged else 1
+    units = [math.ceil(n / unit) for n in lens]
+    perm = torch.randperm(sum(units) + 2, generator=g).tolist()  # two spare units the table never points at
+    first = list(itertools.accumulate((0,) + tuple(units)))
+    unit_of = [perm[first[b]:first[b] + u] for b, u in enumerate(units)]
+    slots = [[unit_of[b][t // unit] * unit + t % unit for t in range(n)] for b, n in enumerate(lens)]
+    fills: dict[str, object] = {name: _PAGE for name in paged}
+    starts = next((t for t in tables.values() if len(t) == len(lens) + 1 and int(t[-1]) == sum(lens)), None)
+    for name in sorted(loaded_tensors(row) - set(tables)):
+        prm = p.param(name)
+        if len(prm.shape) == 2:
+            t = torch.zeros(len(lens), max(units) + 1, dtype=torch.int32)
+            for b, us in enumerate(unit_of):
+                t[b, :len(us)] = torch.tensor(us, dtype=torch.int32)
+        elif starts is not None and not paged:
+            t = torch.zeros(sum(lens) + 1, dtype=torch.int32)
+            for b, ss in enumerate(slots):
+                t[int(starts[b]):int(starts[b]) + len(ss)] = torch.tensor(ss, dtype=torch.int32)
+        else:
+            raise KBError(f"table {name}{list(prm.shape)}: no token-pool or page-table layout fits")
+        fills[name] = t
+    return fills, slots, (sum(units) + 2) * unit
+
+
+def verify_decode(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
+    """Interpreter on a token pool / page cache with its tables (ragged lengths, a single token among them)
+    vs dense fp32 torch per sequence under the program's variant functions."""
+    from kb.ir.interpret import run_program
+
+    g = torch.Generator().manual_seed(seed)
+    Hq, Hkv, D = (4, 2, 24) if gqa else (2, 2, 24)
+    dt, scale, worst = _TORCH_DTYPES[p.param("q").dtype], 1.0 / math.sqrt(24), 0.0
+    for lens, sched in zip(_PACKED_LENS, (p.schedule, replace(p.schedule, block_m=16, block_n=16))):
+        tables = _length_fills(_decode_exprs(p)[0], lens)
+        if tables is None:
+            return False, "no filling of the length tables reproduces the sequence lengths"
+        try:
+            fills, slots, pool = _pool_fills(p, lens, tables, g)
+        except KBError as err:
+            return False, str(err)
+        B, L = len(lens), max(lens)
+        q = torch.randn(B, Hq, 1, D, generator=g).to(dt)
+        k, v = (torch.randn(pool, Hkv, D, generator=g).to(dt) for _ in range(2))
+        dense = [torch.zeros(B, Hkv, L, D, dtype=dt) for _ in range(2)]
+        for b, ss in enumerate(slots):
+            for d, x in zip(dense, (k, v)):
+                d[b, :, :len(ss)] = x[ss].transpose(0, 1)
+        try:
+            out = run_program(replace(p, schedule=sched), {"q": q[:, :, 0], "k": k, "v": v, "sm_scale": scale,
+                                                           **tables, **fills})
+        except KBError as err:
+            return False, f"interpreter error at block {sched.block_n}, lengths {lens}: {err}"
+        ro, rl = _dense(p, q, *dense, scale, tables)
+        err_o = (out["o"].float() - ro[:, :, 0]).abs().max().item()
+        err_l = (out["lse"] - rl[:, :, 0]).abs().max().item()
+        worst = max(worst, err_o, err_l)
+        if err_o > 4e-3 or err_l > 1e-3:
+            return False, f"mismatch at BLOCK_N={sched.block_n}, lengths {lens}: o {err_o:.2e} lse {err_l:.2e}"
+    layout = "page table" if any(prm.dtype is Dtype.I32 and prm.role is Role.SCALAR for prm in p.params) else "token pool"
+    return True, (f"interpreter == dense torch per sequence (max abs err {worst:.1e}) over a {layout} at lengths "
+                  f"{' and '.join(map(str, _PACKED_LENS))}, {p.schedule.num_splits} splits, Hq={Hq} Hkv={Hkv} D={D}")
+
+
 def _dense(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]:
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -758,19 +955,34 @@ def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, 
 
 
 def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, object]) -> JitFn | None:
-    """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits."""
+    """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits
+    (AMD: `tl.max`/`tl.sum` over a split axis), or a loop over the splits merging one (lse, o) at a time
+    (vLLM, SGLang: `tl.maximum` of scalars); matched by parameter names, else the one such kernel in the file."""
     stored = {e.payload[0] for e in split_walk.events if e.kind == "store"}
+    named, merging = [], []
     for name, fn in ctx.mod.jit.items():
-        if fn is split_fn or not stored <= {a.arg for a in fn.node.args.args}:
+        if fn is split_fn or any(_is_matmul(n) for n in ast.walk(fn.node)):
             continue
         fixed, _ = _flag_values(fn, ctx.mod)
         w = _walk(ctx, fn, {**fixed, **flags}, {})
         kinds = {e.kind for e in w.events}
-        if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds):
-            _snippet(ctx, "split_kv_combine", f"{name}: LSE merge of split partials", "combine ot, lt = (po, pl)",
-                     fn.node.lineno, fn.node.end_lineno or fn.node.lineno, features={"split_kv": True})
-            return fn
-    return None
+        if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds) and stored <= {a.arg for a in fn.node.args.args}:
+            named.append(fn)
+        elif _merges_splits(fn):
+            merging.append(fn)
+    pick = named[0] if named else merging[0] if len(merging) == 1 else None
+    if pick is not None:
+        _snippet(ctx, "split_kv_combine", f"{pick.name}: LSE merge of split partials", "combine ot, lt = (po, pl)",
+                 pick.node.lineno, pick.node.end_lineno or pick.node.lineno, features={"split_kv": True})
+    return pick
+
+
+def _merges_splits(fn: JitFn) -> bool:
+    """A loop whose body loads partials, keeps a running max (`tl.maximum`) and rescales with exp, then a store."""
+    calls = lambda node: {ast.unparse(n.func).split(".")[-1] for n in ast.walk(node) if isinstance(n, ast.Call)}
+    loops = [n for n in ast.walk(fn.node) if isinstance(n, ast.For)]
+    return any({"load", "maximum"} <= calls(lp) and {"exp", "exp2"} & calls(lp) for lp in loops) \
+        and "store" in calls(fn.node)
 
 
 def _flag_snippets(ctx: _Ctx, fn: JitFn) -> None:
@@ -860,7 +1072,12 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             _spans_to_snippets(ctx, lifted, flags)
             continue
         gqa = "Hkv" in free_vars(_resolved_let(prog.kernels[0].body, "hk"))
-        ok, note = verify_packed(prog, gqa=gqa) if layout.packed else verify_program(prog, split=split_axis is not None, gqa=gqa)
+        if layout.decode:
+            ok, note = verify_decode(prog, gqa=gqa)
+        elif layout.packed:
+            ok, note = verify_packed(prog, gqa=gqa)
+        else:
+            ok, note = verify_program(prog, split=split_axis is not None, gqa=gqa)
         _spans_to_snippets(ctx, lifted, flags)
         if not ok:
             ctx.skipped.append((f"{fn.name}[{label}]", f"interpreter check failed: {note}"))
@@ -875,7 +1092,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
 def _without_length(p: Program, layout: Layout) -> Program:
     """`p` with the packed sequence's own key bound (`kv_idx < length[b]`) out of mask_mod: that is
     the ragged-KV bound a dense program has built in, not a variant mask (for classification only)."""
-    if not layout.packed or p.mask_mod is None:
+    if layout.length is None or p.mask_mod is None:
         return p
     bound = compare(ExprOp.LT, var("kv_idx"), layout.length)
     rest = [c for c in _conjuncts(p.mask_mod.body) if c != bound]
@@ -904,6 +1121,19 @@ def _spans_to_snippets(ctx: _Ctx, lifted: _Lifted, flags: dict[str, bool]) -> No
                  file, feats if kind == "mask_causal" else {})
 
 
+def _is_matmul(n: ast.AST) -> bool:
+    """`tl.dot(a, b)`, or a reduced product `tl.sum(a[None, :] * b, 1)` (the dot of a 1-row tile)."""
+    if not isinstance(n, ast.Call):
+        return False
+    name = ast.unparse(n.func)
+    if name.endswith("dot"):
+        return True
+    arg = n.args[0] if name.endswith("sum") and n.args else None
+    while isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "to":
+        arg = arg.func.value  # `(q[None, :] * k).to(tl.float32)`
+    return isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult)
+
+
 def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> LiftReport:
     ctx = _Ctx(mod, provenance_base, family)
     if not mod.jit:
@@ -918,7 +1148,7 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
         if fn.name in called:
             continue  # helpers are inlined into the kernels that call them
         reach = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
-        if not any(ast.unparse(n.func).endswith("dot") for r in reach for n in ast.walk(r) if isinstance(n, ast.Call)):
+        if not any(_is_matmul(n) for r in reach for n in ast.walk(r)):
             continue  # no matmul anywhere: a reduce kernel, reached from its split kernel
         if "bwd" in fn.name:
             ctx.skipped.append((fn.name, "backward kernel: the IR models the forward pass only"))
