@@ -138,7 +138,22 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
                 fixed[n.target.id] = flag_policy(n.target.id)
             except Unknown:
                 pass
+    fixed |= _specialised_paths(fn, set(fixed) | set(enumerated))
     return fixed, enumerated
+
+
+def _specialised_paths(fn: JitFn, known: set[str]) -> dict[str, object]:
+    """A constexpr (not a size) that an `if X == literal:` tests selects the path written for that value
+    (SGLang's `if PAGE_SIZE == 1:` token-pool addressing); it is fixed to the literal."""
+    dims = infer_dims(fn.node, fn.node.body, {})
+    out: dict[str, object] = {}
+    for n in ast.walk(fn.node):
+        t = n.test if isinstance(n, ast.If) else None
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq) \
+                and isinstance(t.left, ast.Name) and isinstance(t.comparators[0], ast.Constant) \
+                and t.left.id in fn.constexprs and t.left.id not in known | set(dims):
+            out.setdefault(t.left.id, t.comparators[0].value)
+    return out
 
 
 def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
@@ -248,8 +263,8 @@ def _unfused_roles(roles: _Roles, pids: list[tuple[str, str]], k_terms: list[tup
     (both are plain grid axes), so the stride's name is used as a hint (`*b`/`*z` batch, `*h` head),
     then the lower axis is taken as the head.
     """
-    k_idx = [idx for _, idx in k_terms]
-    derived = [pid for pid, _ in pids if any(pid in free_vars(i) and i != var(pid) for i in k_idx)]
+    k_idx = [idx for _, idx in k_terms]  # a program id inside a table load looks up the sequence: not the head
+    derived = [pid for pid, _ in pids if any(pid in _outside_loads(i) and i != var(pid) for i in k_idx)]
     need = [r for r in ("h", "b") if r not in roles.found]
     if derived and "h" in need and len(derived) == 1:
         roles.found["h"] = derived[0]
@@ -263,6 +278,15 @@ def _unfused_roles(roles: _Roles, pids: list[tuple[str, str]], k_terms: list[tup
     for role in ("b", "h"):
         if any(pid == roles.found.get(role) for pid, _ in pids):
             roles.overrides[roles.found[role]] = var(role)
+
+
+def _outside_loads(e: Expr) -> set[str]:
+    """The variables of `e` that are not inside a table load's index."""
+    if e.op is ExprOp.LOAD:
+        return set()
+    if e.op is ExprOp.VAR:
+        return {str(e.value)}
+    return set().union(*(_outside_loads(a) for a in e.args)) if e.args else set()
 
 
 def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
@@ -659,7 +683,14 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         score = var("score")
         for t in score_terms:
             score = Expr(ExprOp.ADD, (score, t))
+    read = set().union(*(loaded_tensors(e) for k in kernels for e in _stmt_exprs_all(k.body)),
+                       *(loaded_tensors(e) for e in (score, mask) if e is not None))
+    params = [prm for prm in params if prm.role is not Role.AUX or prm.name in read]  # e.g. a split-count table
     return _Lifted(kernels, tuple(params), 1, score, mask, notes, spans)
+
+
+def _stmt_exprs_all(body: tuple) -> list[Expr]:
+    return [e for st in body for e in _stmt_exprs(st)]
 
 
 def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[Param]) -> tuple[Kernel, Kernel]:

@@ -221,6 +221,9 @@ _POLICY: tuple[tuple[re.Pattern, object], ...] = (
     (re.compile(r"USE_EXP2"), True),
     (re.compile(r"SINKS"), False),  # attention sinks (vLLM): an extra logit per head, not in the IR
     (re.compile(r"^SLIDING_WINDOW"), 0),  # vLLM's window sizes; 0 = no window
+    (re.compile(r"^(logit_cap|xai_temperature_len)$"), 0),  # serving decode: tanh logit cap, length temperature off
+    (re.compile(r"^SCORE_MOD$"), None),  # SGLang's jit score_mod hook: none
+    (re.compile(r"^ROTATE_BATCH$"), False),  # SGLang's HIP batch rotation over XCDs (a launch order only)
 )
 
 
