@@ -418,7 +418,8 @@ def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
     if length is None or not any(x.op is ExprOp.LOAD for x in walk_expr(length)):
         raise _Skip(f"decode over gathered rows, but no per-sequence length bounds the keys (got {length})")
     row = next(iter(rows.values()))
-    return Layout(length=length, kv_row=row, tables=_table_params(row, length))
+    sizes = tuple(Param(n, (), Dtype.I32, Role.SCALAR) for n in sorted(free_vars(row)) if walk.params.get(n) == "scalar")
+    return Layout(length=length, kv_row=row, tables=_table_params(row, length) + sizes)  # sizes: the page size
 
 
 def _table_params(*exprs: Expr) -> tuple[Param, ...]:
@@ -582,6 +583,9 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
     if layout.decode:
         lets += [Let("kv_len", layout.length)]
+        if any(t.role is Role.SCALAR for t in layout.tables):
+            notes.append("page cache read as flattened token rows [pages * PAGE_SIZE, Hkv, D]: the source's page "
+                         "stride is taken to be PAGE_SIZE token strides (a contiguous cache)")
         if split_axis is not None:  # the IR's split ranges: chunks of whole KV blocks (docs/lift_triton.md)
             lets += [Let("chunk", E("cdiv(cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N")), Let("lo", E("s * chunk")),
                      Let("hi", E("minimum(lo + chunk, kv_len)"))]

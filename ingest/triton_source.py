@@ -300,6 +300,8 @@ def const_eval(node: ast.AST, consts: dict[str, object]) -> object:
         return (a and b) if isinstance(node.op, ast.BitAnd) else (a or b)
     if isinstance(node, ast.IfExp):
         return const_eval(node.body if const_eval(node.test, consts) else node.orelse, consts)
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(".dtype.is_fp8") and not node.args:
+        return False  # fp8 caches are off by the flag policy (vLLM's `if k.dtype.is_fp8():` dequantization)
     if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("constexpr") and node.args:
         return const_eval(node.args[0], consts)
     raise Unknown(ast.unparse(node))

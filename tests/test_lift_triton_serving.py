@@ -210,3 +210,33 @@ def test_a_decode_reading_the_wrong_pool_row_is_refused(tmp_path: Path) -> None:
     # v one pool row off k: refused when lifting (k and v of a lane must be the same token)
     report = _lift(tmp_path, POOL_SPLIT_DECODE.replace("VPool + slot[:, None]", "VPool + (slot[:, None] + 1)"))
     assert not report.programs and "rows differ" in report.skipped[0][1]
+
+
+def _pinned(dist: str, rel: str, family: str):
+    import os
+
+    from ingest.fetch import fetch
+    from ingest.manifest import find_manifest
+    from tests.conftest import TEST_CACHE
+
+    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
+    path = fetch(find_manifest(dist)).root / rel
+    return lift_file(path, Provenance(dist, "0", path.name, 1, 1, "triton", "1"), family=family)
+
+
+@pytest.mark.network
+def test_sglang_split_decode_lifts_from_the_pinned_wheel() -> None:
+    report = _pinned("sglang", "sglang/kernels/ops/attention/decode_attention.py", "sglang_triton")
+    (p,) = [p for p in report.programs if p.verified]
+    assert p.name == "sglang_triton_fwd_kernel_stage1" and "token pool" in p.verify_note
+    assert p.features.paged_kv and p.features.split_kv and p.features.decode
+    assert _gathered(p.program, "k") and "kv_indices[" in print_program(p.program)
+
+
+@pytest.mark.network
+def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
+    report = _pinned("vllm", "vllm/v1/attention/ops/triton_decode_attention.py", "vllm_triton")
+    (p,) = [p for p in report.programs if p.verified]
+    assert p.name == "vllm_triton_fwd_kernel_stage1" and "page table" in p.verify_note
+    assert p.features.paged_kv and p.features.split_kv and p.features.decode
+    assert "PAGE_SIZE * req_to_tokens[b, (j + n_start) // PAGE_SIZE]" in print_program(p.program)
