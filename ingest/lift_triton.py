@@ -139,7 +139,26 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
             except Unknown:
                 pass
     fixed |= _specialised_paths(fn, set(fixed) | set(enumerated))
-    return fixed, enumerated
+    by_use = [n for n in fn.constexprs if n not in fixed and n not in enumerated and _switches(fn, mod, n)]
+    return fixed, enumerated + by_use[:MAX_FLAGS_BY_USE]
+
+
+MAX_FLAGS_BY_USE = 3  # at most 2**3 lifts of one kernel for flags known only by use
+
+
+def _switches(fn: JitFn, mod: TritonModule, name: str) -> bool:
+    """`name` is a feature flag by use: the whole test of an `if` (`if X:`, `if not X:`, `if X and Y:`) in the
+    kernel or a jit helper it calls. The names the policy knows are hints; this finds `causal`, `MASKED`, ..."""
+    def is_flag(test: ast.expr) -> bool:
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            return is_flag(test.operand)
+        if isinstance(test, ast.BoolOp):
+            return any(is_flag(v) for v in test.values)
+        return isinstance(test, ast.Name) and test.id == name
+
+    called = {c.func.id for c in ast.walk(fn.node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    bodies = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
+    return any(isinstance(n, (ast.If, ast.IfExp)) and is_flag(n.test) for body in bodies for n in ast.walk(body))
 
 
 def _specialised_paths(fn: JitFn, known: set[str]) -> dict[str, object]:
@@ -353,6 +372,9 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
     Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
     q_loads = _loads(walk, q_base)
     if q_loads and "_r" not in free_vars(q_loads[0].payload[1]):
+        strided = [str(i) for st, i in stride_indices(_resolve(q_loads[0].payload[1], walk)) if st and "_d" in free_vars(i)]
+        if strided:  # e.g. the query heads of a grouped decode tile: not one q row per (b, h)
+            raise _Skip(f"line {q_loads[0].line}: decode q tile has lanes beyond the head dim ({', '.join(strided)})")
         return _decode_layout(walk, k_base)
     start = _row_term(q_loads[0].payload[1])[0] if q_loads else None
     if start is None:
@@ -481,6 +503,20 @@ def _check_names(e: Expr, allowed: set[str], what: str) -> None:
         raise _Skip(f"{what} {e} uses names the IR cannot bind: {sorted(bad)}")
 
 
+def _launched_in_log2(ctx: _Ctx, fn: JitFn, walk: KernelWalk, overrides: dict[str, Expr]) -> bool:
+    """Every launch passes the softmax scale already multiplied by log2(e) (vLLM: `sm_scale *= RCP_LN2`)."""
+    names = [a.arg for a in fn.node.args.args]
+    scale_params = {p for p, role in walk.params.items() if role == "scale"} | \
+        {p for p, value in overrides.items() if value == var("sm_scale")}  # named so, or found by use
+    scale = [names.index(p) for p in scale_params if p in names]
+    sites = [site for site in ctx.mod.launches if site.kernel == fn.name]
+    if len(scale) != 1 or not sites:
+        return False
+    at = scale[0]
+    return all(at < len(site.args) and site.args[at] is not None
+               and abs(site.factors.get(site.args[at], 1.0) - LOG2E) < 1e-6 for site in sites)
+
+
 def _log2_units(walk: KernelWalk) -> bool:
     for e in _events(walk, "scale"):
         for mono, c in normalize(e.payload).items():
@@ -570,10 +606,14 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
     return For(lp.var, lo, hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
-def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE) -> _Lifted:
+def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE,
+              launched_log2: bool = False) -> _Lifted:
     notes: list[str] = []
     spans: list = []
-    log2 = _log2_units(walk)
+    log2 = _log2_units(walk) or launched_log2
+    if launched_log2:
+        notes.append("the launcher multiplies the softmax scale by log2(e) before the launch: the kernel's scale "
+                     "parameter is in log2 units; the IR's sm_scale is the natural one")
     if not _events(walk, "scale"):
         raise _Skip("no multiplication of the scores by the softmax scale parameter")
     if not walk.loops:
@@ -630,6 +670,9 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
             raise _Skip(f"line {e.line}: LSE stored in log2 units")
     spans.append(("epilogue", "finalize ot, lt = (m_i, l_i, acc)", min(e.line for e in stores),
                   max(e.line for e in stores), o_stores[0].file))
+    for e in _events(walk, "finite_fill"):
+        notes.append(f"line {e.line}: masked scores are set to {e.payload:g}, not -inf: the same result unless a row "
+                     f"allows no key (the source then averages v; the IR gives o = 0, lse = -inf)")
     for e in _events(walk, "where_tile"):
         notes.append(f"line {e.line}: tile-level tl.where outside the masks (NaN/fully-masked-row guard): "
                      f"the IR's finalize gives o = 0, lse = -inf for fully masked rows")
@@ -1044,9 +1087,8 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
     tunables = _tunables(ctx, fn.name)
     schedule, sched_note = _default_schedule(ctx, fn.name, tunables)
     _flag_snippets(ctx, fn)
-    for t in tunables:
-        pass
     out: list[LiftedProgram] = []
+    skipped_before = len(ctx.skipped)
     for values in itertools.product((False, True), repeat=len(enumerated)):
         flags = dict(zip(enumerated, values))
         label = ",".join(f"{k}={v}" for k, v in flags.items()) or "default"
@@ -1085,7 +1127,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
                 combine_fn = _combine_kernel(ctx, fn, walk, flags)
                 if combine_fn is None:
                     raise _Skip("split-KV kernel without a recognizable combine kernel")
-            lifted = _assemble(ctx, walk, hk, split_axis, layout)
+            lifted = _assemble(ctx, walk, hk, split_axis, layout, _launched_in_log2(ctx, fn, walk, overrides))
         except _Skip as why:
             ctx.skipped.append((f"{fn.name}[{label}]", str(why)))
             continue
@@ -1121,7 +1163,17 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
         prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
         out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
                                  tuple(flags.items()), tuple(notes)))
+    ctx.skipped[skipped_before:] = _merge_skips(fn.name, ctx.skipped[skipped_before:])
     return out
+
+
+def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One line per reason: flag combinations that failed alike are listed together."""
+    by_reason: dict[str, list[str]] = {}
+    for what, why in skips:
+        by_reason.setdefault(why, []).append(what[len(kernel) + 1:-1] if what.startswith(kernel + "[") else what)
+    return [(f"{kernel}[{' | '.join(labels)}]" if len(labels) < 3 else f"{kernel}[{len(labels)} flag combinations]", why)
+            for why, labels in by_reason.items()]
 
 
 def _without_length(p: Program, layout: Layout) -> Program:

@@ -25,10 +25,11 @@ from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import compare, simplify
 
-__all__ = ["Tile", "Ptr", "BlockPtr", "TensorDesc", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
+__all__ = ["MASK_FILL", "Tile", "Ptr", "BlockPtr", "TensorDesc", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
            "DIM_PATTERNS"]
 
 LOG2E = 1.4426950408889634
+MASK_FILL = -1e4  # a where-fill at or below this masks the score (exp of it underflows to 0 in fp32)
 LANES = ("_r", "_c", "_d")
 
 # Names kept as hints where use cannot decide: the IR's split-KV axis and the head groups of a 5-D
@@ -89,7 +90,7 @@ Sym = Expr | Tile | Ptr | BlockPtr | TensorDesc | Opaque
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # score_dot, pv_dot, scale, mask, score_term, rowmax, colmax, rowsum, colsum, exp, exp2, log, log2, store, load, rescale, where_tile
+    kind: str  # score_dot, pv_dot, scale, finite_fill, mask, score_term, rowmax, colmax, rowsum, colsum, exp, exp2, log, log2, store, load, rescale, where_tile
     line: int
     file: str
     payload: object = None
@@ -424,8 +425,11 @@ class _Walker:
             return self._unknown(n, "tl.dot on operands that are not q/k or p/v tiles")
         if name == "where":
             c, x, y = (self.ev(a) for a in n.args[:3])
-            ninf = _num_of(y) == -math.inf
+            fill = _num_of(y)
+            ninf = fill is not None and fill <= MASK_FILL
             if isinstance(c, Expr) and ninf and (isinstance(x, Tile) or _num_of(x) == 0.0):
+                if fill != -math.inf:  # e.g. vLLM's -1e8: the same as -inf unless a row allows no key at all
+                    self._event("finite_fill", n, fill)
                 self._event("mask", n, c)
                 return x if isinstance(x, Tile) else Tile(frozenset({"mask"}))
             if any(isinstance(v, Tile) for v in (c, x, y)):

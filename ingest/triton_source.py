@@ -61,6 +61,8 @@ class LaunchSite:
     line: int
     constants: dict  # keyword -> literal value (or launcher-local literal)
     keyword_exprs: dict  # keyword -> source text
+    args: tuple[str | None, ...] = ()  # positional arguments that are plain names (None otherwise)
+    factors: dict = field(default_factory=dict)  # launcher-local name -> constant it was multiplied by (`x *= RCP_LN2`)
 
 
 @dataclass
@@ -120,24 +122,49 @@ def parse_module(path: Path, file: str) -> TritonModule:
     mod = TritonModule(path, file, tree, text.splitlines())
     mod.jit = _collect_jit(tree, "")
     _collect_configs(mod)
-    _collect_launches(mod)
     for n in tree.body:
         if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "constexpr" in ast.unparse(n.annotation):
             mod.module_consts[n.target.id] = None  # resolved by flag policy
         _module_value(mod, n)
-        if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module:
-            sibling = path.parent / (n.module.replace(".", "/") + ".py")
-            if sibling.exists():
-                try:
-                    stree = ast.parse(sibling.read_text(encoding="utf-8", errors="replace"))
-                except SyntaxError:
-                    continue
-                rel = str(Path(file).parent / sibling.name) if file else sibling.name
-                sj = _collect_jit(stree, rel)
-                for alias in n.names:
-                    if alias.name in sj:
-                        mod.imported_jit[alias.asname or alias.name] = sj[alias.name]
+        if isinstance(n, ast.ImportFrom) and n.module and (source := _imported_file(path, n)) is not None:
+            _import_from(mod, n, source, file)
+    _collect_launches(mod)  # after module constants: launchers scale arguments by them
     return mod
+
+
+def _imported_file(path: Path, n: ast.ImportFrom) -> Path | None:
+    """The file a `from X import ...` reads, if it is in the same tree: relative to the importing file's
+    folder (`from .x`), or, for an absolute `from pkg.sub.mod`, below the first ancestor folder holding it."""
+    rel = Path(*n.module.split(".")).with_suffix(".py")  # type: ignore[union-attr]
+    if n.level:
+        base = path.parent
+        for _ in range(n.level - 1):
+            base = base.parent
+        return base / rel if (base / rel).is_file() else None
+    return next((d / rel for d in path.parents if (d / rel).is_file()), None)
+
+
+def _import_from(mod: TritonModule, n: ast.ImportFrom, source: Path, file: str) -> None:
+    """Jit helpers and numeric constants imported from another file of the same release."""
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8", errors="replace"))
+    except SyntaxError:
+        return
+    root = mod.path.parents[len(Path(file).parts) - 1] if file else source.parent
+    try:
+        rel = source.relative_to(root).as_posix()  # provenance of an imported helper, as the source root names it
+    except ValueError:
+        rel = source.name
+    jit = _collect_jit(tree, rel)
+    values = TritonModule(source, rel, tree, [])
+    for st in tree.body:
+        _module_value(values, st)
+    for alias in n.names:
+        name = alias.asname or alias.name
+        if alias.name in jit:
+            mod.imported_jit[name] = jit[alias.name]
+        elif alias.name in values.module_values:
+            mod.module_values[name] = values.module_values[alias.name]
 
 
 def _module_value(mod: TritonModule, n: ast.stmt) -> None:
@@ -203,7 +230,32 @@ def _collect_launches(mod: TritonModule) -> None:
                     except Unknown:
                         if isinstance(kw.value, ast.Name) and kw.value.id in local:
                             consts[kw.arg] = local[kw.value.id]
-                mod.launches.append(LaunchSite(n.func.value.id, n.lineno, consts, exprs))
+                args = tuple(a.id if isinstance(a, ast.Name) else None for a in n.args)
+                mod.launches.append(LaunchSite(n.func.value.id, n.lineno, consts, exprs, args, _factors(fn, mod)))
+
+
+def _factors(fn: ast.FunctionDef, mod: TritonModule) -> dict[str, float]:
+    """Launcher-local names multiplied in place by a constant: `x *= C` or `x = x * C` (C a literal or module constant)."""
+    out: dict[str, float] = {}
+    for n in ast.walk(fn):
+        if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Mult) and isinstance(n.target, ast.Name):
+            name, factor = n.target.id, n.value
+        elif isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name) \
+                and isinstance(n.value, ast.BinOp) and isinstance(n.value.op, ast.Mult) \
+                and ast.unparse(n.targets[0]) in (ast.unparse(n.value.left), ast.unparse(n.value.right)):
+            name = n.targets[0].id
+            factor = n.value.right if ast.unparse(n.value.left) == name else n.value.left
+        else:
+            continue
+        value = mod.module_values.get(factor.id) if isinstance(factor, ast.Name) else None
+        if value is None:
+            try:
+                value = _literal(factor)
+            except Unknown:
+                continue
+        if isinstance(value, (int, float)):
+            out[name] = out.get(name, 1.0) * float(value)
+    return out
 
 
 # ---------------------------------------------------------------- flag policy

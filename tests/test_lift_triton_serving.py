@@ -212,6 +212,49 @@ def test_a_decode_reading_the_wrong_pool_row_is_refused(tmp_path: Path) -> None:
     assert not report.programs and "rows differ" in report.skipped[0][1]
 
 
+# The vLLM way: the launcher folds log2(e) into the scale it passes (a module constant), the kernel
+# runs exp2 on `qk * scale` and masks with a large finite number instead of -inf.
+LAUNCHER_SCALED = PACKED_PREFILL.replace("import triton.language as tl\n", "import triton.language as tl\n\nRCP_LN2 = 1.4426950216\n") \
+    .replace('s += tl.where((cols[None, :] < count) & (r[:, None] >= cols[None, :]), 0, float("-inf"))',
+             's = tl.where((cols[None, :] < count) & (r[:, None] >= cols[None, :]), s, -1.0e8)') \
+    .replace('s += tl.where(cols[None, :] < count, 0, float("-inf"))', 's = tl.where(cols[None, :] < count, s, -1.0e8)') \
+    .replace("tl.exp(", "tl.exp2(") + '''
+
+def prefill(q, k, v, o, starts, lens, max_len, scale, group, causal):
+    scale *= RCP_LN2
+    grid = (starts.numel(), q.shape[1], triton.cdiv(max_len, 64))
+    packed_prefill[grid](q, k, v, scale, starts, lens, o, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                         v.stride(0), v.stride(1), o.stride(0), o.stride(1), group=group, BM=64,
+                         DIM=triton.next_power_of_2(q.shape[2]), BN=64, CAUSAL=causal, dim_real=q.shape[2])
+'''
+
+
+def test_a_launcher_that_folds_log2e_into_the_scale_lifts_with_notes(tmp_path: Path) -> None:
+    report = _lift(tmp_path, LAUNCHER_SCALED)
+    assert len(report.programs) == 2 and all(p.verified for p in report.programs), report.skipped
+    notes = " ".join(report.programs[0].notes)
+    assert "multiplies the softmax scale by log2(e)" in notes and "-1e+08, not -inf" in notes
+    # the same kernel launched with the natural scale runs exp2 on natural-log scores: refused
+    unscaled = _lift(tmp_path, LAUNCHER_SCALED.replace("    scale *= RCP_LN2\n", ""))
+    assert not unscaled.programs and all("exp2 on natural-log scores" in why for _, why in unscaled.skipped)
+
+
+@pytest.mark.network
+def test_vllm_prefill_lifts_from_the_pinned_wheel() -> None:
+    import os
+
+    from ingest.fetch import fetch
+    from ingest.manifest import find_manifest
+    from tests.conftest import TEST_CACHE
+
+    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
+    src = fetch(find_manifest("vllm"))
+    path = src.root / "vllm/v1/attention/ops/triton_prefill_attention.py"
+    report = lift_file(path, Provenance("vllm", "0.33.0", "vllm/v1/attention/ops/triton_prefill_attention.py", 1, 1,
+                                        "triton", "1"), family="vllm_triton")
+    assert sorted(p.name for p in report.programs if p.verified) == ["vllm_triton_fwd_kernel", "vllm_triton_fwd_kernel_is_causal"]
+
+
 def _pinned(dist: str, rel: str, family: str):
     import os
 

@@ -394,3 +394,12 @@ def test_autotune_heuristics_and_gqa(tmp_path: Path) -> None:
         s = p.program.schedule
         assert (s.block_m, s.block_n, s.num_warps, s.num_stages) == (64, 32, 4, 2)  # the first config
         assert sorted(t.params["block_m"] for t in p.tunables) == [64, 128]
+
+
+def test_a_feature_flag_is_found_by_use_whatever_its_name(tmp_path: Path) -> None:
+    # `if masked:` switches the causal mask; no name rule knows `masked`, its use as an `if` test does
+    text = re.sub(r"\bIS_CAUSAL\b", "masked", TUTORIAL)
+    rep = _lift(tmp_path, text)
+    assert sorted(p.name for p in rep.programs) == ["local_triton_attn_fwd", "local_triton_attn_fwd_masked"], rep.skipped
+    flagged = next(p for p in rep.programs if p.name.endswith("_masked"))
+    assert flagged.verified and flagged.features.causal and str(flagged.program.mask_mod.body) == "q_idx >= kv_idx"
