@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ingest.lift_triton import LiftedProgram, _dense, verify_program
+from ingest.lift_triton import LiftedProgram
+from ingest.lift_verify import dense_reference, verify_program
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from kb.errors import KBError
 from kb.features import Features
@@ -266,7 +267,7 @@ def _check_fully_masked_rows(p: Program) -> tuple[bool, str]:
     v = torch.randn(1, H, N, D, generator=g).to(torch.float16)
     scale = 1.0 / math.sqrt(D)
     out = run_program(prog, {"q": q, "k": k, "v": v, "sm_scale": scale})
-    ro, rl = _dense(p, q, k, v, scale, {})
+    ro, rl = dense_reference(p, q, k, v, scale, {})
     fin = torch.isfinite(rl)
     if not torch.equal(fin, torch.isfinite(out["lse"])):
         return False, f"fully-masked rows differ at M={M} N={N}"

@@ -27,24 +27,22 @@ import copy
 import functools
 import itertools
 import logging
-import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
 
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
 from kb.ir.nodes import (
-    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, Init, Kernel, Let, Load, Mask,
+    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from ingest.triton_dims import infer_dims
+from ingest.lift_verify import resolved_let, verify_decode, verify_packed, verify_program
 from ingest.triton_layout import DENSE, Layout, split_start
 from ingest.triton_regions import serving_regions
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
@@ -53,7 +51,8 @@ from ingest.triton_source import (
 )
 from ingest.triton_sym import compare, normalize, scale_poly, simplify, to_expr
 
-__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "LIFTER_VERSION"]
+__all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "verify_decode",
+           "LIFTER_VERSION"]
 
 log = logging.getLogger(__name__)
 LIFTER_VERSION = "triton-ast-1"
@@ -137,6 +136,7 @@ def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[
                 fixed[n.target.id] = flag_policy(n.target.id)
             except Unknown:
                 pass
+    fixed |= _specialised_paths(fn, set(fixed) | set(enumerated))
     by_use = [n for n in fn.constexprs if n not in fixed and n not in enumerated and _switches(fn, mod, n)]
     return fixed, enumerated + by_use[:MAX_FLAGS_BY_USE]
 
@@ -157,6 +157,20 @@ def _switches(fn: JitFn, mod: TritonModule, name: str) -> bool:
     called = {c.func.id for c in ast.walk(fn.node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
     bodies = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
     return any(isinstance(n, (ast.If, ast.IfExp)) and is_flag(n.test) for body in bodies for n in ast.walk(body))
+
+
+def _specialised_paths(fn: JitFn, known: set[str]) -> dict[str, object]:
+    """A constexpr (not a size) that an `if X == literal:` tests selects the path written for that value
+    (SGLang's `if PAGE_SIZE == 1:` token-pool addressing); it is fixed to the literal."""
+    dims = infer_dims(fn.node, fn.node.body, {})
+    out: dict[str, object] = {}
+    for n in ast.walk(fn.node):
+        t = n.test if isinstance(n, ast.If) else None
+        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq) \
+                and isinstance(t.left, ast.Name) and isinstance(t.comparators[0], ast.Constant) \
+                and t.left.id in fn.constexprs and t.left.id not in known | set(dims):
+            out.setdefault(t.left.id, t.comparators[0].value)
+    return out
 
 
 def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
@@ -266,8 +280,8 @@ def _unfused_roles(roles: _Roles, pids: list[tuple[str, str]], k_terms: list[tup
     (both are plain grid axes), so the stride's name is used as a hint (`*b`/`*z` batch, `*h` head),
     then the lower axis is taken as the head.
     """
-    k_idx = [idx for _, idx in k_terms]
-    derived = [pid for pid, _ in pids if any(pid in free_vars(i) and i != var(pid) for i in k_idx)]
+    k_idx = [idx for _, idx in k_terms]  # a program id inside a table load looks up the sequence: not the head
+    derived = [pid for pid, _ in pids if any(pid in _outside_loads(i) and i != var(pid) for i in k_idx)]
     need = [r for r in ("h", "b") if r not in roles.found]
     if derived and "h" in need and len(derived) == 1:
         roles.found["h"] = derived[0]
@@ -281,6 +295,15 @@ def _unfused_roles(roles: _Roles, pids: list[tuple[str, str]], k_terms: list[tup
     for role in ("b", "h"):
         if any(pid == roles.found.get(role) for pid, _ in pids):
             roles.overrides[roles.found[role]] = var(role)
+
+
+def _outside_loads(e: Expr) -> set[str]:
+    """The variables of `e` that are not inside a table load's index."""
+    if e.op is ExprOp.LOAD:
+        return set()
+    if e.op is ExprOp.VAR:
+        return {str(e.value)}
+    return set().union(*(_outside_loads(a) for a in e.args)) if e.args else set()
 
 
 def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
@@ -307,7 +330,8 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
         elif _split_roles(roles, walk, idx, stride) is None:
             raise _Skip(f"q pointer index {idx} (stride {stride or 1}) is not a program id or a split of one")
     _unfused_roles(roles, whole, _terms(walk, k_base))
-    missing = {"b", "h", "m"} - set(roles.found)
+    decode = not any("_r" in free_vars(idx) for _, idx in _terms(walk, q_base))  # one q row per (b, h)
+    missing = ({"b", "h"} | (set() if decode else {"m"})) - set(roles.found)
     if missing:
         raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {_terms(walk, q_base)})")
     roles.values = {simplify(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
@@ -345,6 +369,11 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
 
     Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
     q_loads = _loads(walk, q_base)
+    if q_loads and "_r" not in free_vars(q_loads[0].payload[1]):
+        strided = [str(i) for st, i in stride_indices(_resolve(q_loads[0].payload[1], walk)) if st and "_d" in free_vars(i)]
+        if strided:  # e.g. the query heads of a grouped decode tile: not one q row per (b, h)
+            raise _Skip(f"line {q_loads[0].line}: decode q tile has lanes beyond the head dim ({', '.join(strided)})")
+        return _decode_layout(walk, k_base)
     start = _row_term(q_loads[0].payload[1])[0] if q_loads else None
     if start is None:
         return DENSE
@@ -366,6 +395,68 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
                         return Layout(start, c.args[1])
     raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
+
+
+def _kv_row(e: Event, lp: Loop, walk: KernelWalk) -> Expr:
+    """The pool row of KV lane `j` in a gathered k/v load: the row term (the one with the lane `_c`), or
+    `page * P + token` for a page term beside a `X % P` token term (a page cache read as flattened rows)."""
+    rows = [idx for _, idx in stride_indices(_resolve(e.payload[1], walk)) if "_c" in free_vars(idx)]
+    tok = [r for r in rows if r.op is ExprOp.MOD]
+    if len(rows) == 2 and len(tok) == 1:
+        page = next(r for r in rows if r is not tok[0])
+        rows = [Expr(ExprOp.ADD, (Expr(ExprOp.MUL, (page, tok[0].args[1])), tok[0]))]
+    if len(rows) != 1 or not any(x.op is ExprOp.LOAD for x in walk_expr(rows[0])):
+        raise _Skip(f"line {e.line}: {e.payload[0]} rows {[str(r) for r in rows]} are not one table lookup per KV lane")
+    return simplify(substitute(rows[0], {"_c": var("j")}))
+
+
+def _split_free(bound: Expr) -> Expr:
+    """The sequence length in a split's KV end `minimum(split_start + chunk, length)`: the operand free of `s`."""
+    if bound.op is ExprOp.MINIMUM:
+        free = [a for a in bound.args if "s" not in free_vars(a)]
+        if len(free) == 1:
+            return _split_free(free[0])
+    return bound
+
+
+def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
+    """One q row per (b, h); k and v lanes gathered at the same table row, bounded by the sequence length."""
+    v_bases = {e.payload for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
+    rows: dict[str, Expr] = {}
+    length = None
+    for lp in walk.loops:
+        for e in lp.events:
+            if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
+                rows[e.payload[0]] = _kv_row(e, lp, walk)
+            if e.kind == "mask" and length is None:
+                for c in _conjuncts(lane_to_idx(e.payload, lp.var)):
+                    c = compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
+                    if c.op is ExprOp.LT and c.args[0] == var("kv_idx"):
+                        length = _split_free(c.args[1])
+    if len(set(rows.values())) != 1:
+        raise _Skip(f"decode k and v rows differ: {', '.join(f'{b}: {r}' for b, r in rows.items())}")
+    if length is None or not any(x.op is ExprOp.LOAD for x in walk_expr(length)):
+        raise _Skip(f"decode over gathered rows, but no per-sequence length bounds the keys (got {length})")
+    row = next(iter(rows.values()))
+    sizes = tuple(Param(n, (), Dtype.I32, Role.SCALAR) for n in sorted(free_vars(row)) if walk.params.get(n) == "scalar")
+    return Layout(length=length, kv_row=row, tables=_table_params(row, length) + sizes)  # sizes: the page size
+
+
+def _table_params(*exprs: Expr) -> tuple[Param, ...]:
+    """Integer tables loaded by the row and length expressions: an axis always indexed by `b` is B."""
+    uses: dict[str, list[tuple[Expr, ...]]] = {}
+    for e in exprs:
+        for x in walk_expr(e):
+            if x.op is ExprOp.LOAD:
+                uses.setdefault(str(x.value), []).append(x.args)
+    out = []
+    for name, idxs in sorted(uses.items()):
+        rank = len(idxs[0])
+        if any(len(i) != rank for i in idxs):
+            raise _Skip(f"table {name} is indexed with {sorted({len(i) for i in idxs})} indices")
+        dims = tuple("B" if all(i[a] == var("b") for i in idxs) else f"{name.upper()}_{a}" for a in range(rank))
+        out.append(Param(name, dims, Dtype.I32, Role.AUX))
+    return tuple(out)
 
 
 def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
@@ -461,7 +552,9 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                     mask_terms.append(cond)
                 uses_mod = True
                 spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
-            elif "kv_idx" in fv and layout.packed:  # no dim N: the sequence's own length is the kv bound
+            elif "kv_idx" in fv and (layout.packed or layout.decode):  # no dim N: the sequence's length bounds kv
+                if layout.decode:  # a split's end: the length here, the split's range in the loop bounds
+                    cond = compare(ExprOp.LT, var("kv_idx"), layout.length)
                 _check_names(cond, {"kv_idx", "b", "h"} | _DIMS, "mask")
                 if cond not in mask_terms:
                     mask_terms.append(cond)
@@ -484,16 +577,17 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                 score_terms.append(term)
             spans.append(("alibi", str(term), e.line, e.line, e.file))
     n = var(lp.var)
+    q_at = E("kv_len - 1") if layout.decode else var("m_start")  # a decode row is the sequence's last token
     body: list = [
-        Load("kt", "k", layout.rows("hk", n, "BLOCK_N")),
-        Load("vt", "v", layout.rows("hk", n, "BLOCK_N")),
+        Load("kt", "k", layout.kv("hk", n)),
+        Load("vt", "v", layout.kv("hk", n)),
         Dot("qk", "qt", "kt", trans_b=True),
         Elementwise("qk", E("qk * sm_scale")),
     ]
     if score_terms:
-        body.append(ScoreMod("qk", var("b"), var("h"), var("m_start"), n))
+        body.append(ScoreMod("qk", var("b"), var("h"), q_at, n))
     if masked:
-        body.append(Mask("qk", var("b"), var("h"), var("m_start"), n, use_mask_mod=uses_mod))
+        body.append(Mask("qk", var("b"), var("h"), q_at, n, use_mask_mod=uses_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
     first = min(e.line for e in lp.events if e.kind in ("rowmax",))
     last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
@@ -506,7 +600,8 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             spans.append(("score_mod" if e.kind == "score_dot" else "softmax_rescale",
                           "dot qk = qt @ trans(kt)" if e.kind == "score_dot" else "online_softmax (m_i, l_i, acc) += qk @ vt",
                           e.line, e.line, e.file))
-    return For(lp.var, lp.lo, lp.hi, "BLOCK_N", "forward", tuple(body)), uses_mod
+    lo, hi = (var("lo"), var("hi")) if layout.decode and "s" in free_vars(lp.hi) else (lp.lo, lp.hi)
+    return For(lp.var, lo, hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
 def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE,
@@ -524,16 +619,28 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     mask_terms: list[Expr] = []
     score_terms: list[Expr] = []
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
+    if layout.decode:
+        lets += [Let("kv_len", layout.length)]
+        if any(t.role is Role.SCALAR for t in layout.tables):
+            notes.append("page cache read as flattened token rows [pages * PAGE_SIZE, Hkv, D]: the source's page "
+                         "stride is taken to be PAGE_SIZE token strides (a contiguous cache)")
+        if split_axis is not None:  # the IR's split ranges: chunks of whole KV blocks (docs/lift_triton.md)
+            lets += [Let("chunk", E("cdiv(cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N")), Let("lo", E("s * chunk")),
+                     Let("hi", E("minimum(lo + chunk, kv_len)"))]
+            notes.append("decode split ranges: the IR splits kv_len into NUM_SPLITS chunks of whole KV blocks; the "
+                         "source's own split lengths (and per-sequence split counts) give other partials, the same "
+                         "combined result")
     if layout.packed:
         if split_axis is not None:
             raise _Skip("split-KV over packed sequences: not lifted yet")
         lets += [Let("q0", layout.start), Let("q_len", layout.length)]
+    rows: int | str = 1 if layout.decode else "BLOCK_M"
     prologue = [
         Let("hk", simplify(hk)),
         Load("qt", "q", layout.rows("h", var("m_start"), "BLOCK_M")),
-        Init("m_i", ("BLOCK_M",), float("-inf"), Dtype.F32),
-        Init("l_i", ("BLOCK_M",), 0.0, Dtype.F32),
-        Init("acc", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32),
+        Init("m_i", (rows,), float("-inf"), Dtype.F32),
+        Init("l_i", (rows,), 0.0, Dtype.F32),
+        Init("acc", (rows, "HEAD_PAD"), 0.0, Dtype.F32),
     ]
     body: list = list(lets)
     placed = False
@@ -579,13 +686,18 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     tables = loaded_tensors(layout.start) | loaded_tensors(layout.length) if layout.packed else frozenset()
     for e in _events(walk, "aux_load"):
         base, idx = e.payload
+        if any(t.name == base.lower() for t in layout.tables):
+            continue
         dims = tuple({"b": "B", "h": "Hq"}.get(str(i), "?") for _, i in idx)
         if "?" in dims:
             raise _Skip(f"line {e.line}: auxiliary load {base}{[str(i) for _, i in idx]} not indexed by (b, h)")
         if not any(p.name == base.lower() for p in params):  # sequence offsets and lengths are integers
             params.append(Param(base.lower(), dims, Dtype.I32 if base.lower() in tables else Dtype.F32, Role.AUX))
-    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", layout.query_blocks()))
-    if split_axis is None:
+    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")))
+    grid += () if layout.decode else (GridAxis("m", layout.query_blocks()),)
+    if split_axis is not None and layout.decode:
+        kernels = _decode_split_kernels(grid, body, params)
+    elif split_axis is None:
         if not normalized:
             raise _Skip("accumulator stored without normalization and no split-KV combine kernel")
         body += [Store("o", layout.rows("h", var("m_start"), "BLOCK_M"), "ot"),
@@ -616,16 +728,31 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         score = var("score")
         for t in score_terms:
             score = Expr(ExprOp.ADD, (score, t))
+    read = set().union(*(loaded_tensors(e) for k in kernels for e in _stmt_exprs_all(k.body)),
+                       *(loaded_tensors(e) for e in (score, mask) if e is not None))
+    params = [prm for prm in params if prm.role is not Role.AUX or prm.name in read]  # e.g. a split-count table
     return _Lifted(kernels, tuple(params), 1, score, mask, notes, spans)
 
 
-def _resolved_let(body: tuple, name: str) -> Expr:
-    """The value of `let name`, with earlier lets substituted (for questions like 'does hk use Hkv?')."""
-    env: dict[str, Expr] = {}
-    for st in body:
-        if isinstance(st, Let):
-            env[st.name] = substitute(st.value, env)
-    return env.get(name, var(name))
+def _stmt_exprs_all(body: tuple) -> list[Expr]:
+    return [e for st in body for e in _stmt_exprs(st)]
+
+
+def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[Param]) -> tuple[Kernel, Kernel]:
+    """A decode split kernel storing each split's normalized row and LSE, and the kernel combining them."""
+    o_row, l_row = (var("b"), var("s"), Span(var("h"), 1)), (var("b"), Full(), Span(var("h"), 1))
+    part = Kernel("split", grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body + [
+        Store("o_part", o_row + (Full(),), "ot"), Store("lse_part", o_row, "lt")])))
+    comb = Kernel("combine", grid, (
+        Load("po", "o_part", l_row + (Full(),)),
+        Load("pl", "lse_part", l_row, other=float("-inf")),
+        Combine("ot", "lt", "po", "pl"),
+        Store("o", (var("b"), Span(var("h"), 1), Full()), "ot"),
+        Store("lse", (var("b"), Span(var("h"), 1)), "lt"),
+    ))
+    params += [Param("o_part", ("B", "NUM_SPLITS", "Hq", "D"), Dtype.F32, Role.SCRATCH),
+               Param("lse_part", ("B", "NUM_SPLITS", "Hq"), Dtype.F32, Role.SCRATCH)]
+    return part, comb
 
 
 def _stmt_exprs(st) -> list[Expr]:
@@ -637,6 +764,8 @@ def _stmt_exprs(st) -> list[Expr]:
     for ix in getattr(st, "index", ()) or ():
         if isinstance(ix, Span):
             out += [ix.start] + ([ix.until] if ix.until is not None else [])
+        elif isinstance(ix, Gather):
+            out += [ix.index] + ([ix.valid] if ix.valid is not None else [])
         elif not isinstance(ix, Full):
             out.append(ix)
     for sub in list(getattr(st, "body", ()) or ()) + list(getattr(st, "then", ()) or ()):
@@ -660,134 +789,6 @@ def _prune(body: list) -> list:
         body = [st for st in body if st not in dead]
 
 
-# ---------------------------------------------------------------- verification
-
-
-def _shapes(split: bool) -> list[tuple[int, int, int, int, int]]:
-    # (Hq, Hkv, M, N, D): ragged lengths, seq_q != seq_kv, non-power-of-two head dim
-    if split:
-        return [(2, 2, 3, 77, 16), (4, 2, 1, 50, 24)]
-    return [(2, 2, 37, 37, 16), (4, 2, 29, 45, 24)]
-
-
-_TORCH_DTYPES = {Dtype.F16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.F32: torch.float32}
-
-
-def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tuple[bool, str]:
-    """Interpreter vs dense fp32 torch on ragged shapes, at the lifted schedule and at 16x16 blocks."""
-    try:
-        from kb.ir.interpret import run_program
-    except ImportError:
-        return False, "kb.ir.interpret is not available"
-    g = torch.Generator().manual_seed(seed)
-    worst = 0.0
-    small = replace(p.schedule, block_m=16, block_n=16)
-    runs = [(p.schedule, _shapes(split)[:1]), (small, _shapes(split)[1:])]
-    for sched, shapes in runs:
-        prog = replace(p, schedule=sched)
-        for Hq, Hkv, M, N, D in shapes:
-            if not gqa:
-                Hkv = Hq
-            B = 1
-            dt = _TORCH_DTYPES[p.param("q").dtype]
-            q = torch.randn(B, Hq, M, D, generator=g).to(dt)
-            k = torch.randn(B, Hkv, N, D, generator=g).to(dt)
-            v = torch.randn(B, Hkv, N, D, generator=g).to(dt)
-            scale = 1.0 / math.sqrt(D)
-            aux = {prm.name: torch.rand(*(B if d == "B" else Hq for d in prm.shape), generator=g) * 0.5
-                   for prm in p.params if prm.role is Role.AUX}
-            inputs = {"q": q, "k": k, "v": v, "sm_scale": scale, **aux}
-            try:
-                out = run_program(prog, inputs)
-            except KBError as err:
-                return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, M={M} N={N}: {err}"
-            ro, rl = _dense(p, q, k, v, scale, aux)
-            fin = torch.isfinite(rl)
-            if not torch.equal(fin, torch.isfinite(out["lse"])):
-                return False, f"fully-masked rows differ at M={M} N={N}"
-            err_o = (out["o"].float() - ro).abs().max().item()
-            err_l = (out["lse"][fin] - rl[fin]).abs().max().item() if fin.any() else 0.0
-            worst = max(worst, err_o, err_l)
-            if err_o > 4e-3 or err_l > 1e-3:  # o is stored in the program's 16-bit dtype
-                return False, f"mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: o {err_o:.2e} lse {err_l:.2e}"
-    cases = "; ".join(f"Hq={c[0]} Hkv={c[1] if gqa else c[0]} M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
-    return True, f"interpreter == dense torch (max abs err {worst:.1e}; {cases}) on {sum(len(s) for _, s in runs)} ragged cases (blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)"
-
-
-_PACKED_LENS = ((1, 37, 20), (16, 3, 29))  # tokens per sequence: a single token, ragged, block-multiple
-
-
-def _table_fills(p: Program, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
-    """Values for the sequence tables that make `q0` the packed start and `q_len` the length of every b.
-
-    A table is either per-sequence starts (`b_start_loc`, B+1 cumulative `cu_seqlens`) or lengths;
-    the assignment that reproduces both lets is the one the kernel means."""
-    from kb.ir.evaluate import eval_expr
-
-    lets = {st.name: st.value for st in p.kernels[0].body if isinstance(st, Let)}
-    names = sorted(loaded_tensors(lets["q0"]) | loaded_tensors(lets["q_len"]))
-    starts = torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32)
-    options = {"starts": starts, "lens": torch.tensor(lens + (0,), dtype=torch.int32)}
-    for pick in itertools.product(options, repeat=len(names)):
-        tables = {n: options[k] for n, k in zip(names, pick)}
-        got = [(int(eval_expr(lets["q0"], {"b": b}, tables)), int(eval_expr(lets["q_len"], {"b": b}, tables)))
-               for b in range(len(lens))]
-        if got == [(int(starts[b]), n) for b, n in enumerate(lens)]:
-            return tables
-    return None
-
-
-def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
-    """Interpreter on packed ragged sequences vs dense fp32 torch per sequence (the same variant functions)."""
-    from kb.ir.interpret import run_program
-
-    g = torch.Generator().manual_seed(seed)
-    Hq, Hkv, D = (4, 2, 24) if gqa else (2, 2, 24)
-    dt, scale, worst = _TORCH_DTYPES[p.param("q").dtype], 1.0 / math.sqrt(24), 0.0
-    for lens, sched in zip(_PACKED_LENS, (p.schedule, replace(p.schedule, block_m=16, block_n=16))):
-        tables = _table_fills(p, lens)
-        if tables is None:
-            return False, "no filling of the sequence tables reproduces packed starts and lengths"
-        T, B, L = sum(lens), len(lens), max(lens)
-        q, k, v = (torch.randn(T, h, D, generator=g).to(dt) for h in (Hq, Hkv, Hkv))
-        try:
-            out = run_program(replace(p, schedule=sched), {"q": q, "k": k, "v": v, "sm_scale": scale,
-                                                           "max_seq_len": L, **tables})
-        except KBError as err:
-            return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, lengths {lens}: {err}"
-        start = list(itertools.accumulate((0,) + lens))
-        dense = [torch.zeros(B, h, L, D, dtype=dt) for h in (Hq, Hkv, Hkv)]
-        for b, n in enumerate(lens):
-            for x, d in zip((q, k, v), dense):
-                d[b, :, :n] = x[start[b]:start[b] + n].transpose(0, 1)
-        ro, rl = _dense(p, *dense, scale, tables)
-        for b, n in enumerate(lens):
-            got_o = out["o"][start[b]:start[b] + n].transpose(0, 1).float()
-            got_l = out["lse"][start[b]:start[b] + n].transpose(0, 1)
-            err_o = (got_o - ro[b, :, :n]).abs().max().item()
-            err_l = (got_l - rl[b, :, :n]).abs().max().item()
-            worst = max(worst, err_o, err_l)
-            if err_o > 4e-3 or err_l > 1e-3:
-                return False, f"mismatch at block {sched.block_m}x{sched.block_n}, sequence {b} of lengths {lens}: o {err_o:.2e} lse {err_l:.2e}"
-    return True, (f"interpreter == dense torch per sequence (max abs err {worst:.1e}) on packed lengths "
-                  f"{' and '.join(map(str, _PACKED_LENS))}, Hq={Hq} Hkv={Hkv} D={D}")
-
-
-def _dense(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]:
-    B, Hq, M, D = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    kf = k.float().repeat_interleave(Hq // Hkv, 1)
-    vf = v.float().repeat_interleave(Hq // Hkv, 1)
-    s = q.float() @ kf.transpose(-1, -2) * scale
-    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "M": M, "N": N, "D": D, "sm_scale": scale}
-    s, mask = dense_scores_mask(s, p.score_mod.body if p.score_mod else None,
-                                p.mask_mod.body if p.mask_mod else None, env, aux)
-    s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    pr = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return pr @ vf, lse
-
-
 # ---------------------------------------------------------------- driver
 
 
@@ -798,19 +799,35 @@ def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, 
 
 
 def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, object]) -> JitFn | None:
-    """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits."""
+    """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits
+    (AMD: `tl.max`/`tl.sum` over a split axis), or a loop over the splits merging one (lse, o) at a time
+    (vLLM, SGLang: `tl.maximum` of scalars); matched by parameter names, else the one such kernel in the file."""
     stored = {e.payload[0] for e in split_walk.events if e.kind == "store"}
+    named, merging = [], []
     for name, fn in ctx.mod.jit.items():
-        if fn is split_fn or not stored <= {a.arg for a in fn.node.args.args}:
+        if fn is split_fn or any(_is_matmul(n) for n in ast.walk(fn.node)):
             continue
         fixed, _ = _flag_values(fn, ctx.mod)
         w = _walk(ctx, fn, {**fixed, **flags}, {})
         kinds = {e.kind for e in w.events}
-        if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds):
-            _snippet(ctx, "split_kv_combine", f"{name}: LSE merge of split partials", "combine ot, lt = (po, pl)",
-                     fn.node.lineno, fn.node.end_lineno or fn.node.lineno, features={"split_kv": True})
-            return fn
-    return None
+        if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds) and stored <= {a.arg for a in fn.node.args.args}:
+            named.append(fn)
+        elif _merges_splits(fn):
+            merging.append(fn)
+    pick = named[0] if named else merging[0] if len(merging) == 1 else None
+    if pick is not None:
+        _snippet(ctx, "split_kv_combine", f"{pick.name}: LSE merge of split partials", "combine ot, lt = (po, pl)",
+                 pick.node.lineno, pick.node.end_lineno or pick.node.lineno, features={"split_kv": True})
+    return pick
+
+
+def _merges_splits(fn: JitFn) -> bool:
+    """A loop whose body loads partials, keeps a running max (`tl.maximum`) and rescales with exp, then a store."""
+    def calls(node):
+        return {ast.unparse(n.func).split(".")[-1] for n in ast.walk(node) if isinstance(n, ast.Call)}
+    loops = [n for n in ast.walk(fn.node) if isinstance(n, ast.For)]
+    return any({"load", "maximum"} <= calls(lp) and {"exp", "exp2"} & calls(lp) for lp in loops) \
+        and "store" in calls(fn.node)
 
 
 def _flag_snippets(ctx: _Ctx, fn: JitFn) -> None:
@@ -898,8 +915,13 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             ctx.skipped.append((f"{fn.name}[{label}]", f"lifted program fails validation: {err}"))
             _spans_to_snippets(ctx, lifted, flags)
             continue
-        gqa = "Hkv" in free_vars(_resolved_let(prog.kernels[0].body, "hk"))
-        ok, note = verify_packed(prog, gqa=gqa) if layout.packed else verify_program(prog, split=split_axis is not None, gqa=gqa)
+        gqa = "Hkv" in free_vars(resolved_let(prog.kernels[0].body, "hk"))
+        if layout.decode:
+            ok, note = verify_decode(prog, gqa=gqa)
+        elif layout.packed:
+            ok, note = verify_packed(prog, gqa=gqa)
+        else:
+            ok, note = verify_program(prog, split=split_axis is not None, gqa=gqa)
         _spans_to_snippets(ctx, lifted, flags)
         if not ok:
             ctx.skipped.append((f"{fn.name}[{label}]", f"interpreter check failed: {note}"))
@@ -924,7 +946,7 @@ def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, s
 def _without_length(p: Program, layout: Layout) -> Program:
     """`p` with the packed sequence's own key bound (`kv_idx < length[b]`) out of mask_mod: that is
     the ragged-KV bound a dense program has built in, not a variant mask (for classification only)."""
-    if not layout.packed or p.mask_mod is None:
+    if layout.length is None or p.mask_mod is None:
         return p
     bound = compare(ExprOp.LT, var("kv_idx"), layout.length)
     rest = [c for c in _conjuncts(p.mask_mod.body) if c != bound]
@@ -953,6 +975,19 @@ def _spans_to_snippets(ctx: _Ctx, lifted: _Lifted, flags: dict[str, bool]) -> No
                  file, feats if kind == "mask_causal" else {})
 
 
+def _is_matmul(n: ast.AST) -> bool:
+    """`tl.dot(a, b)`, or a reduced product `tl.sum(a[None, :] * b, 1)` (the dot of a 1-row tile)."""
+    if not isinstance(n, ast.Call):
+        return False
+    name = ast.unparse(n.func)
+    if name.endswith("dot"):
+        return True
+    arg = n.args[0] if name.endswith("sum") and n.args else None
+    while isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "to":
+        arg = arg.func.value  # `(q[None, :] * k).to(tl.float32)`
+    return isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Mult)
+
+
 def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> LiftReport:
     ctx = _Ctx(mod, provenance_base, family)
     if not mod.jit:
@@ -967,7 +1002,7 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
         if fn.name in called:
             continue  # helpers are inlined into the kernels that call them
         reach = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
-        if not any(ast.unparse(n.func).endswith("dot") for r in reach for n in ast.walk(r) if isinstance(n, ast.Call)):
+        if not any(_is_matmul(n) for r in reach for n in ast.walk(r)):
             continue  # no matmul anywhere: a reduce kernel, reached from its split kernel
         if "bwd" in fn.name:
             ctx.skipped.append((fn.name, "backward kernel: the IR models the forward pass only"))

@@ -177,6 +177,7 @@ class _Walker:
         self.cond: Expr | None = None
         self.collect: list | None = None
         self.stored: dict[tuple[str, str], Tile] = {}
+        self.load_lanes: dict[str, frozenset[str]] = {}  # loaded tile -> its lanes (q of a decode row has no `_c`)
         for a in fn.args.args:
             self.env[a.arg] = self._param(a.arg)
 
@@ -297,6 +298,9 @@ class _Walker:
             if op is ExprOp.DIV and isinstance(b, Expr) and _num_of(b) is not None and abs(_num_of(b) - LOG2E) < 1e-6:
                 deps = deps | {"ln2"}
             if op is ExprOp.MUL and isinstance(a, Tile) and isinstance(b, Tile):
+                product = self._product(a, b)
+                if product is not None:  # reduced by tl.sum into a score or PV dot
+                    return product
                 for x, y in ((a, b), (b, a)):
                     if "init_acc" in x.deps and "rowmax" in y.deps:
                         self._event("rescale", n)
@@ -312,6 +316,31 @@ class _Walker:
                 return a if op is ExprOp.FLOORDIV else const(0)
             return Expr(op, (a, b))
         return Opaque(ast.unparse(n))
+
+    def _product(self, a: Tile, b: Tile) -> Tile | None:
+        """`q[None, :] * k` (a q row times a k tile) or `p[:, None] * v`: a dot once `tl.sum` reduces it."""
+        la, lb = ({d[5:] for d in x.deps if d.startswith("load:")} for x in (a, b))
+        if len(la) == 1 and len(lb) == 1 and not {"score"} & (a.deps | b.deps):
+            (qa,), (qb,) = la, lb
+            if "_c" in self.load_lanes.get(qa, ()) and "_c" not in self.load_lanes.get(qb, ()):
+                qa, qb = qb, qa
+            return Tile(frozenset({f"qk_prod:{qa}:{qb}"}))
+        for p, v, lv in ((a, b, lb), (b, a, la)):
+            if "score" in p.deps and "vec" in p.deps and len(lv) == 1 and "score" not in v.deps:
+                return Tile(frozenset({f"pv_prod:{next(iter(lv))}"}))
+        return None
+
+    def _reduced_product(self, n: ast.Call, deps: frozenset[str], axis: object) -> Tile | None:
+        """`tl.sum(q[None, :] * k, 1)` is the score dot of a 1-row tile, `tl.sum(p[:, None] * v, 0)` its PV dot."""
+        for d in deps:
+            if d.startswith("qk_prod:") and axis == 1:
+                _, q, k = d.split(":")
+                self._event("score_dot", n, (q, k))
+                return Tile(frozenset({"score", "vec"}))
+            if d.startswith("pv_prod:") and axis == 0:
+                self._event("pv_dot", n, d.split(":")[1])
+                return Tile(frozenset({"pv"}))
+        return None
 
     def _offset_param(self, p: Ptr, other: Ptr) -> Sym:
         """In `ptr + x`, a bare parameter `x` added to a pointer that already carries an offset is an integer
@@ -354,7 +383,10 @@ class _Walker:
             shape = n.args[0] if n.args else kw.get("shape")
             elts = shape.elts if isinstance(shape, (ast.List, ast.Tuple)) else []
             last = self.ev(elts[-1]) if elts else None
-            tag = "init_row" if len(elts) == 1 else "init_s" if last == var("BLOCK_N") else "init_acc"
+            if len(elts) == 1:  # a row statistic, or the accumulator of a 1-row (decode) tile over the head dim
+                tag = "init_acc" if last == var("HEAD_PAD") else "init_row"
+            else:
+                tag = "init_s" if last == var("BLOCK_N") else "init_acc"
             return Tile(frozenset({"init", tag}))
         if name == "cdiv" or (name in _PURE_CALLS and not any(isinstance(self.ev(a), Tile) for a in n.args)):
             args = [self.ev(a) for a in n.args]
@@ -412,9 +444,12 @@ class _Walker:
             if name in ("max", "sum"):
                 axis_node = n.args[1] if len(n.args) > 1 else kw.get("axis")
                 axis = const_eval(axis_node, {}) if axis_node is not None else None
-                kind = ("row" if axis == 1 else "col") + name
+                if name == "sum" and (dot := self._reduced_product(n, deps, axis)) is not None:
+                    return dot
+                row = axis == 1 or "vec" in deps  # a 1-row score vector is reduced along its only axis
+                kind = ("row" if row else "col") + name
                 self._event(kind, n, deps)
-                return Tile(deps | {kind.replace("col", "row")} | ({"colreduce"} if axis == 0 else set()))
+                return Tile(deps | {kind.replace("col", "row")} | ({"colreduce"} if not row else set()))
             self._event(name, n, deps)
             return Tile(deps | {name})
         if name in ("maximum", "minimum"):
@@ -478,8 +513,13 @@ class _Walker:
         if (ptr.base, str(ptr.offset)) in self.stored:  # store-then-load round trip (compiler workaround)
             self._event("reload", n, ptr.base)
             return self.stored[(ptr.base, str(ptr.offset))]
+        if free_vars(off) & set(LANES) == {"_c"}:  # a vector over the KV lanes: an index (table) or a term
+            idx = sorted(_stride_indices(off, self._index_names()), key=lambda t: t[0] == "")  # contiguous dim last
+            self._event("index_load", n, (ptr.base, tuple(idx)))
+            return Expr(ExprOp.LOAD, tuple(e for _, e in idx), ptr.base.lower())
         if _has_lanes(off):
             self._event("load", n, (ptr.base, off))
+            self.load_lanes[ptr.base] = frozenset(free_vars(off) & set(LANES))
             return Tile(frozenset({f"load:{ptr.base}"}))
         # scalar load from an auxiliary tensor: index per stride, in parameter order
         idx = _stride_indices(off, self._index_names())

@@ -1,10 +1,16 @@
-"""Where a kernel's q/k/v/o rows live: dense [B, H, S, D] tensors or packed tokens [T, H, D] (varlen).
+"""Where a kernel's q/k/v/o rows live: dense [B, H, S, D] tensors, packed tokens [T, H, D] (varlen), or a
+decode row per (b, h) over KV rows gathered from a token pool or a flattened page cache.
 
 A serving kernel (vLLM and SGLang prefill) addresses row `r` of sequence `b` at token
 `start(b) + r`, with `start` loaded from a table (`b_start_loc[b]`, `cu_seqlens[b]`) and the rows
 bounded by a loaded length. That is read off the q pointer: the row-stride term of its offset
 is `start + m * BLOCK_M + lane` where `start` holds a load. The IR form is a span with an `until`:
 `q[q0 + m_start:+BLOCK_M until q0 + q_len, h, :]` (docs/ir.md, serving layouts).
+
+A decode kernel (vLLM and SGLang split-KV decode) loads one q row `q[b, h, :]` and reads KV lane `j`
+of the block at `n_start` from the pool row a table gives (`kv_indices[kv_indptr[b] + n_start + j]`,
+`req_to_tokens[b, (n_start + j) // PAGE] * PAGE + (n_start + j) % PAGE`): the IR form is a gathered
+axis, `k[[row for j in range(BLOCK_N) if n_start + j < kv_len], hk, :]`, with `kv_len` the length.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kb.ir.expr import Expr, ExprOp, call, var, walk
-from kb.ir.nodes import Dtype, Full, Index, Param, Role, Span
+from kb.ir.nodes import Dtype, Full, Gather, Index, Param, Role, Span
 from ingest.triton_sym import normalize, to_expr
 
 __all__ = ["Layout", "DENSE", "split_start"]
@@ -32,15 +38,31 @@ class Layout:
     """Dense when `start` is None; else packed tokens, sequence rows [q0, q0 + q_len) (lets in the program)."""
 
     start: Expr | None = None  # the value of `q0`
-    length: Expr | None = None  # the value of `q_len`
+    length: Expr | None = None  # the value of `q_len` (packed) or `kv_len` (decode)
+    kv_row: Expr | None = None  # decode: the pool row of KV lane `j` (over `n_start`, `j`, tables)
+    tables: tuple[Param, ...] = ()  # decode: the integer tables the row and the length load
 
     @property
     def packed(self) -> bool:
         return self.start is not None
 
+    @property
+    def decode(self) -> bool:
+        return self.kv_row is not None
+
+    def kv(self, head: str, n_start: Expr) -> tuple[Index, ...]:
+        """The index of a [BLOCK_N, D] k or v tile of the KV block at `n_start`."""
+        if not self.decode:
+            return self.rows(head, n_start, "BLOCK_N")
+        lane = Expr(ExprOp.ADD, (n_start, var("j")))
+        valid = Expr(ExprOp.LT, (lane, var("kv_len")))
+        return (Gather("j", "BLOCK_N", self.kv_row, valid), var(head), Full())  # type: ignore[arg-type]
+
     def rows(self, head: str, first: Expr, size: str, *, head_dim: bool = True) -> tuple[Index, ...]:
         """The index of a [size, D] tile (or a [size] row statistic) of rows first.. of head `head`."""
         tail: tuple[Index, ...] = (Full(),) if head_dim else ()
+        if self.decode:  # one query row per (b, h)
+            return (var("b"), Span(var(head), 1)) + tail
         if not self.packed:
             return (var("b"), var(head), Span(first, size)) + tail
         at = Expr(ExprOp.ADD, (var("q0"), first))
@@ -48,6 +70,12 @@ class Layout:
         return (Span(at, size, until=end), var(head)) + tail
 
     def params(self) -> list[Param]:
+        if self.decode:
+            return [Param("q", ("B", "Hq", "D"), Dtype.F16, Role.IN),
+                    Param("k", ("POOL", "Hkv", "D"), Dtype.F16, Role.IN),
+                    Param("v", ("POOL", "Hkv", "D"), Dtype.F16, Role.IN),
+                    Param("o", ("B", "Hq", "D"), Dtype.F16, Role.OUT),
+                    Param("lse", ("B", "Hq"), Dtype.F32, Role.OUT), *self.tables]
         if not self.packed:
             return [Param("q", ("B", "Hq", "M", "D"), Dtype.F16, Role.IN),
                     Param("k", ("B", "Hkv", "N", "D"), Dtype.F16, Role.IN),

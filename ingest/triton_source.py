@@ -273,6 +273,9 @@ _POLICY: tuple[tuple[re.Pattern, object], ...] = (
     (re.compile(r"USE_EXP2"), True),
     (re.compile(r"SINKS"), False),  # attention sinks (vLLM): an extra logit per head, not in the IR
     (re.compile(r"^SLIDING_WINDOW"), 0),  # vLLM's window sizes; 0 = no window
+    (re.compile(r"^(logit_cap|xai_temperature_len)$"), 0),  # serving decode: tanh logit cap, length temperature off
+    (re.compile(r"^SCORE_MOD$"), None),  # SGLang's jit score_mod hook: none
+    (re.compile(r"^ROTATE_BATCH$"), False),  # SGLang's HIP batch rotation over XCDs (a launch order only)
 )
 
 
@@ -349,6 +352,8 @@ def const_eval(node: ast.AST, consts: dict[str, object]) -> object:
         return (a and b) if isinstance(node.op, ast.BitAnd) else (a or b)
     if isinstance(node, ast.IfExp):
         return const_eval(node.body if const_eval(node.test, consts) else node.orelse, consts)
+    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(".dtype.is_fp8") and not node.args:
+        return False  # fp8 caches are off by the flag policy (vLLM's `if k.dtype.is_fp8():` dequantization)
     if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("constexpr") and node.args:
         return const_eval(node.args[0], consts)
     raise Unknown(ast.unparse(node))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from ingest.fetch import fetch
-from ingest.lift_triton import LiftedProgram, _resolved_let, lift_file
+from ingest.lift_triton import LiftedProgram, lift_file
+from ingest.lift_verify import resolved_let
 from ingest.manifest import find_manifest
 from ingest.model import LiftReport, Provenance
 from kb.ir.nodes import For, Mask
@@ -92,7 +93,7 @@ def test_amd_prefill_flag_combinations_verified(lifted):
     assert not any(isinstance(s, Mask) for s in loops[0].body)
     assert any(isinstance(s, Mask) and s.use_mask_mod for s in loops[1].body)
     # GQA head mapping from `off_h_k = off_h_q // GROUP_SIZE`
-    assert "h // (Hq // Hkv)" in str(_resolved_let(causal.program.kernels[0].body, "hk"))
+    assert "h // (Hq // Hkv)" in str(resolved_let(causal.program.kernels[0].body, "hk"))
     assert "Hkv=2" in causal.verify_note  # verified with grouped heads
     # schedule = the default (non-arch) autotune config; every config kept as a tunable
     s = causal.program.schedule

@@ -1,4 +1,5 @@
-"""Serving kernels (packed varlen sequences) lift into complete programs verified per sequence."""
+"""Serving kernels (packed varlen prefill, split-KV decode over a token pool or pages) lift into
+complete programs verified per sequence."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from ingest.lift_triton import lift_file
 from ingest.model import Provenance
-from kb.ir.nodes import Load, Span, walk_stmts
+from kb.ir.nodes import Gather, Load, Span, walk_stmts
 from kb.ir.text import parse_program, print_program
 
 # A packed prefill written the way serving stacks write it: q/k/v/o are [tokens, heads, dim], the
@@ -110,6 +111,107 @@ def test_sglang_prefill_lifts_from_the_pinned_wheel() -> None:
     assert sorted(p.name for p in report.programs if p.verified) == ["sglang_triton_fwd_kernel", "sglang_triton_fwd_kernel_is_causal"]
 
 
+# A split-KV decode over a token pool, written the way serving stacks write it: one query row per
+# (sequence, head, split) as a [DIM] vector, the scores a reduced product, each KV lane's pool row
+# read from the sequence's row of a token table, the length from a second table; the partial output
+# and its log-sum-exp go to two scratch buffers that a merge kernel folds over the splits.
+POOL_SPLIT_DECODE = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pool_decode_partial(Q, KPool, VPool, scale, TokTable, Lens, Part, PartLse, stride_qb, stride_qh,
+                        stride_kslot, stride_kh, stride_vslot, stride_vh, stride_tab, stride_pb, stride_ph,
+                        stride_ps, group: tl.constexpr, SPLITS: tl.constexpr, BN: tl.constexpr,
+                        DIM: tl.constexpr, dim_real: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    part = tl.program_id(2)
+    kv_head = head // group
+    d = tl.arange(0, DIM)
+    length = tl.load(Lens + seq)
+    q = tl.load(Q + seq * stride_qb + head * stride_qh + d, mask=d < dim_real, other=0.0)
+    chunk = tl.cdiv(length, SPLITS)
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, length)
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros([DIM], dtype=tl.float32)
+    for n in range(lo, hi, BN):
+        cols = n + tl.arange(0, BN)
+        slot = tl.load(TokTable + seq * stride_tab + cols, mask=cols < hi, other=0)
+        k = tl.load(KPool + slot[:, None] * stride_kslot + kv_head * stride_kh + d[None, :],
+                    mask=(cols[:, None] < hi) & (d[None, :] < dim_real), other=0.0)
+        s = tl.sum(q[None, :] * k, 1) * scale
+        s = tl.where(cols < hi, s, float("-inf"))
+        v = tl.load(VPool + slot[:, None] * stride_vslot + kv_head * stride_vh + d[None, :],
+                    mask=(cols[:, None] < hi) & (d[None, :] < dim_real), other=0.0)
+        mn = tl.maximum(tl.max(s, 0), m)
+        alpha = tl.exp(m - mn)
+        p = tl.exp(s - mn)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l = l * alpha + tl.sum(p, 0)
+        m = mn
+    base = seq * stride_pb + head * stride_ph + part * stride_ps
+    tl.store(Part + base + d, acc / l, mask=d < dim_real)
+    tl.store(PartLse + seq * SPLITS * stride_ph // stride_ps + head * SPLITS + part, m + tl.log(l))
+
+
+@triton.jit
+def pool_decode_merge(Part, PartLse, Lens, Out, stride_pb, stride_ph, stride_ps, stride_ob, stride_oh,
+                      SPLITS: tl.constexpr, DIM: tl.constexpr, dim_real: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, DIM)
+    length = tl.load(Lens + seq)
+    chunk = tl.cdiv(length, SPLITS)
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros([DIM], dtype=tl.float32)
+    for part in range(0, SPLITS):
+        if tl.minimum(part * chunk + chunk, length) > part * chunk:
+            o = tl.load(Part + seq * stride_pb + head * stride_ph + part * stride_ps + d, mask=d < dim_real)
+            lse = tl.load(PartLse + (seq * stride_pb + head * stride_ph) // stride_ps + part)
+            mn = tl.maximum(lse, m)
+            acc = acc * tl.exp(m - mn) + tl.exp(lse - mn) * o
+            l = l * tl.exp(m - mn) + tl.exp(lse - mn)
+            m = mn
+    tl.store(Out + seq * stride_ob + head * stride_oh + d, acc / l, mask=d < dim_real)
+'''
+
+
+def _gathered(p, tensor: str) -> bool:
+    loads = [st for k in p.kernels for st in walk_stmts(k.body) if isinstance(st, Load) and st.tensor == tensor]
+    return bool(loads) and all(isinstance(st.index[0], Gather) for st in loads)
+
+
+def test_pool_split_decode_lifts_into_a_verified_split_and_merge_program(tmp_path: Path) -> None:
+    report = _lift(tmp_path, POOL_SPLIT_DECODE)
+    assert not report.skipped, report.skipped
+    (lifted,) = report.programs
+    assert lifted.verified and "per sequence" in lifted.verify_note, lifted.verify_note
+    prog = lifted.program
+    assert [k.name for k in prog.kernels] == ["split", "combine"]
+    assert _gathered(prog, "k") and _gathered(prog, "v")
+    assert prog.param("q").shape == ("B", "Hq", "D")
+    f = lifted.features
+    assert f.paged_kv and f.split_kv and f.decode and f.mask == "none" and f.gqa_ratio != 0
+    assert "Hq // Hkv" in print_program(prog)
+    assert parse_program(print_program(prog)) == prog
+
+
+def test_a_decode_reading_the_wrong_pool_row_is_refused(tmp_path: Path) -> None:
+    # the next token's pool row for both k and v: the program lifts, the per-sequence check refuses it
+    broken = POOL_SPLIT_DECODE.replace("TokTable + seq * stride_tab + cols,", "TokTable + seq * stride_tab + cols + 1,")
+    report = _lift(tmp_path, broken)
+    assert not report.programs
+    assert [why for _, why in report.skipped if "mismatch" in why] == [why for _, why in report.skipped] != []
+    # v one pool row off k: refused when lifting (k and v of a lane must be the same token)
+    report = _lift(tmp_path, POOL_SPLIT_DECODE.replace("VPool + slot[:, None]", "VPool + (slot[:, None] + 1)"))
+    assert not report.programs and "rows differ" in report.skipped[0][1]
+
+
 # The vLLM way: the launcher folds log2(e) into the scale it passes (a module constant), the kernel
 # runs exp2 on `qk * scale` and masks with a large finite number instead of -inf.
 LAUNCHER_SCALED = PACKED_PREFILL.replace("import triton.language as tl\n", "import triton.language as tl\n\nRCP_LN2 = 1.4426950216\n") \
@@ -151,3 +253,33 @@ def test_vllm_prefill_lifts_from_the_pinned_wheel() -> None:
     report = lift_file(path, Provenance("vllm", "0.33.0", "vllm/v1/attention/ops/triton_prefill_attention.py", 1, 1,
                                         "triton", "1"), family="vllm_triton")
     assert sorted(p.name for p in report.programs if p.verified) == ["vllm_triton_fwd_kernel", "vllm_triton_fwd_kernel_is_causal"]
+
+
+def _pinned(dist: str, rel: str, family: str):
+    import os
+
+    from ingest.fetch import fetch
+    from ingest.manifest import find_manifest
+    from tests.conftest import TEST_CACHE
+
+    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
+    path = fetch(find_manifest(dist)).root / rel
+    return lift_file(path, Provenance(dist, "0", path.name, 1, 1, "triton", "1"), family=family)
+
+
+@pytest.mark.network
+def test_sglang_split_decode_lifts_from_the_pinned_wheel() -> None:
+    report = _pinned("sglang", "sglang/kernels/ops/attention/decode_attention.py", "sglang_triton")
+    (p,) = [p for p in report.programs if p.verified]
+    assert p.name == "sglang_triton_fwd_kernel_stage1" and "token pool" in p.verify_note
+    assert p.features.paged_kv and p.features.split_kv and p.features.decode
+    assert _gathered(p.program, "k") and "kv_indices[" in print_program(p.program)
+
+
+@pytest.mark.network
+def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
+    report = _pinned("vllm", "vllm/v1/attention/ops/triton_decode_attention.py", "vllm_triton")
+    (p,) = [p for p in report.programs if p.verified]
+    assert p.name == "vllm_triton_fwd_kernel_stage1" and "page table" in p.verify_note
+    assert p.features.paged_kv and p.features.split_kv and p.features.decode
+    assert "PAGE_SIZE * req_to_tokens[b, (j + n_start) // PAGE_SIZE]" in print_program(p.program)

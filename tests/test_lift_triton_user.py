@@ -6,7 +6,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from ingest.lift_triton import _resolved_let, lift_file
+from ingest.lift_triton import lift_file
+from ingest.lift_verify import resolved_let
 from ingest.model import LiftReport, Provenance
 
 # A forward pass in the style of Triton's tutorial: one N_CTX for both lengths, a constexpr
@@ -389,7 +390,7 @@ def test_autotune_heuristics_and_gqa(tmp_path: Path) -> None:
     rep = _lift(tmp_path, AUTOTUNED_GQA, "autotuned.py")
     _check_causal_pair(rep, "_is_causal")
     for p in rep.programs:
-        assert "h // (Hq // Hkv)" in str(_resolved_let(p.program.kernels[0].body, "hk"))
+        assert "h // (Hq // Hkv)" in str(resolved_let(p.program.kernels[0].body, "hk"))
         assert "Hkv=2" in p.verify_note  # verified with grouped heads
         s = p.program.schedule
         assert (s.block_m, s.block_n, s.num_warps, s.num_stages) == (64, 32, 4, 2)  # the first config
