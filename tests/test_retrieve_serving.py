@@ -36,17 +36,13 @@ def test_varlen_spec_ranks_the_serving_varlen_prefill_programs_first(ingested_kb
     assert plain[0].features.varlen and label_family(plain[0].family, plain[0].features) == "serving_triton"
 
 
-def test_paged_decode_spec_ranks_a_decode_program_first(ingested_kb) -> None:  # noqa: ANN001
+def test_paged_decode_spec_ranks_the_serving_paged_decode_programs_first(ingested_kb) -> None:  # noqa: ANN001
     ranked = _ranked(ingested_kb, "decode_paged_gqa.py")
-    top = ranked[0]
-    if any(r.features.paged_kv for r in ranked):
-        # a paged decode program is in the KB (vLLM / SGLang split decode lifted): it must rank first
-        assert (label_family(top.family, top.features), top.features.paged_kv, top.features.decode) == \
-            ("serving_triton", True, True), [(r.name, round(r.score, 2)) for r in ranked[:4]]
-    else:
-        # no paged decode program lifted yet (the serving lifter's paged split decode is work in flight):
-        # the nearest reference is a split-KV decode program, never a forward one
-        assert top.features.split_kv and top.features.decode, [(r.name, round(r.score, 2)) for r in ranked[:4]]
+    paged = [r for r in ranked if r.features.paged_kv and r.features.decode]
+    assert {r.family for r in paged} >= {"sglang_triton", "vllm_triton"}  # both split decodes lifted
+    top = ranked[:len(paged)]
+    assert top == paged, [(r.name, round(r.score, 2)) for r in ranked[:len(paged) + 2]]
+    assert all(label_family(r.family, r.features) == "serving_triton" and r.terms["paged_same"] > 0 for r in top)
 
 
 def test_kb_query_explains_a_serving_spec(ingested_kb_settings) -> None:  # noqa: ANN001
