@@ -34,7 +34,8 @@ from pathlib import Path
 
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, parse_expr as E, substitute, var, walk as walk_expr
+from kb.ir.expr import (Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
+                        walk as walk_expr)
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
@@ -329,13 +330,43 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
             whole.append((pids[0], stride))
         elif _split_roles(roles, walk, idx, stride) is None:
             raise _Skip(f"q pointer index {idx} (stride {stride or 1}) is not a program id or a split of one")
+    grouped = _grouped_pid(roles, _terms(walk, k_base))
+    if grouped is not None:  # the q rows are the query heads of a KV head group: the row axis is the group `g`
+        del roles.found["m"]
+        roles.found["h"], roles.overrides[grouped] = grouped, var("g")
     _unfused_roles(roles, whole, _terms(walk, k_base))
-    decode = not any("_r" in free_vars(idx) for _, idx in _terms(walk, q_base))  # one q row per (b, h)
+    decode = grouped is not None or not any("_r" in free_vars(idx) for _, idx in _terms(walk, q_base))
     missing = ({"b", "h"} | (set() if decode else {"m"})) - set(roles.found)
     if missing:
         raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {_terms(walk, q_base)})")
     roles.values = {simplify(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
     return roles
+
+
+def _grouped_pid(roles: _Roles, k_terms: list[tuple[str, Expr]]) -> str | None:
+    """The q row program id when the KV head is derived from it (`kv_head = pid // cdiv(G, BLOCK_H)`): the q
+    tile's rows are then query heads sharing a KV head (a grouped decode), not query tokens."""
+    pid = roles.found.get("m")
+    heads = [idx for _, idx in k_terms if not free_vars(idx) & {"_c", "_d", "_r"}]
+    return pid if pid is not None and any(pid in _outside_loads(i) and i != var(pid) for i in heads) else None
+
+
+def _grouped_sizes(walk: KernelWalk, k_base: str, names: set[str]) -> dict[str, Expr]:
+    """Grouped decode sizes (on a walk with program id `g` and the size parameters under their own names):
+    X in the KV head `g // cdiv(X, BLOCK_M)` is the group size Hq // Hkv; another parameter bounding the
+    head rows (`row < Y` in the score mask) is Hq."""
+    out: dict[str, Expr] = {}
+    for _, idx in _terms(walk, k_base):
+        for sub in walk_expr(idx):
+            if sub.op is ExprOp.FLOORDIV and sub.args[0] == var("g") and sub.args[1].op is ExprOp.CDIV \
+                    and sub.args[1].args[0].op is ExprOp.VAR:
+                out[str(sub.args[1].args[0].value)] = E("Hq // Hkv")
+    for e in _events(walk, "mask"):
+        for c in _conjuncts(e.payload):
+            if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and c.args[1].op is ExprOp.VAR \
+                    and str(c.args[1].value) in names - set(out):
+                out[str(c.args[1].value)] = var("Hq")
+    return out
 
 
 def _kv_roles(walk: KernelWalk, k_base: str, roles: _Roles) -> None:
@@ -369,6 +400,8 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
 
     Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
     q_loads = _loads(walk, q_base)
+    if q_loads and "g" in free_vars(_resolve(q_loads[0].payload[1], walk)):
+        return _grouped_layout(walk, q_loads[0], k_base)
     if q_loads and "_r" not in free_vars(q_loads[0].payload[1]):
         strided = [str(i) for st, i in stride_indices(_resolve(q_loads[0].payload[1], walk)) if st and "_d" in free_vars(i)]
         if strided:  # e.g. the query heads of a grouped decode tile: not one q row per (b, h)
@@ -395,6 +428,25 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
                         return Layout(start, c.args[1])
     raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
+
+
+def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
+    """A decode tile over the query heads of group `g`: the head rows `h0 + lane` bounded in the score mask
+    (`h0 + lane < Y`) give the first head `h0` and the end (`until`), and the q pointer must step by them
+    along its `lane` stride; KV rows as for a decode row."""
+    offset = _resolve(q_load.payload[1], walk)
+    strides = [st for st, idx in stride_indices(offset) if idx == var("_r")]
+    conds = [c for e in _events(walk, "mask") for c in _conjuncts(_resolve(e.payload, walk))
+             if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and "_c" not in free_vars(c)]
+    rows = list(dict.fromkeys(c.args[0] for c in conds))
+    if len(strides) != 1 or len(rows) != 1:
+        raise _Skip(f"line {q_load.line}: no single bound head-row term in a grouped q tile (rows {[str(r) for r in rows]})")
+    head0 = simplify(substitute(rows[0], {"_r": const(0)}))
+    rest = simplify(Expr(ExprOp.SUB, (offset, Expr(ExprOp.MUL, (rows[0], E(strides[0] or "1"))))))
+    if {"_r", "g"} & free_vars(rest) or simplify(substitute(head0, {"g": const(0)})) != const(0):
+        raise _Skip(f"line {q_load.line}: the q pointer does not step by the group's head rows {rows[0]}")
+    until = functools.reduce(lambda a, b: call("minimum", a, b), dict.fromkeys(c.args[1] for c in conds))
+    return replace(_decode_layout(walk, k_base), head0=head0, heads_until=until)
 
 
 def _kv_row(e: Event, lp: Loop, walk: KernelWalk) -> Expr:
@@ -466,12 +518,12 @@ def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
         raise _Skip("k pointer offset not understood")
     lets = {str(it[1]) for it in walk.lets if it[0] == "let"}
     heads = [idx for _, idx in stride_indices(simplify(loads[0].payload[1]), lets)
-             if "h" in free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
+             if {"h", "g"} & free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) == 1:
         return heads[0]
     # a let that mixes head and rows (`row0 = (b * H + h) * N` of a flattened view): decompose with lets substituted
     heads = [idx for _, idx in stride_indices(_resolve(loads[0].payload[1], walk))
-             if "h" in free_vars(idx) and not free_vars(idx) & {"_c", "_d", "_r"}]
+             if {"h", "g"} & free_vars(idx) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) != 1:
         raise _Skip(f"no single head index in the k pointer ({len(heads)} found)")
     return heads[0]
@@ -539,6 +591,13 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             raise _Skip(f"line {e.line}: exp on log2-scaled scores")
     masked, uses_mod = False, False
     for e in lp.events:
+        if e.kind == "mask" and layout.grouped and (cond := _kv_conjuncts(e)) is not None:
+            e = replace(e, payload=cond)
+        elif e.kind == "mask" and layout.grouped:  # only the bounds of the group's head rows
+            continue
+        if e.kind == "score_term" and layout.grouped:
+            raise _Skip(f"line {e.line}: an additive score term (ALiBi, bias) in a grouped decode tile: the IR has one "
+                        f"head `h` per tile, its variant functions cannot read the head of each row")
         if e.kind == "mask":
             cond = lane_to_idx(e.payload, lp.var)
             if cond.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE):
@@ -578,6 +637,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             spans.append(("alibi", str(term), e.line, e.line, e.file))
     n = var(lp.var)
     q_at = E("kv_len - 1") if layout.decode else var("m_start")  # a decode row is the sequence's last token
+    head = var("h0" if layout.grouped else "h")
     body: list = [
         Load("kt", "k", layout.kv("hk", n)),
         Load("vt", "v", layout.kv("hk", n)),
@@ -585,9 +645,9 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
         Elementwise("qk", E("qk * sm_scale")),
     ]
     if score_terms:
-        body.append(ScoreMod("qk", var("b"), var("h"), q_at, n))
+        body.append(ScoreMod("qk", var("b"), head, q_at, n))
     if masked:
-        body.append(Mask("qk", var("b"), var("h"), q_at, n, use_mask_mod=uses_mod))
+        body.append(Mask("qk", var("b"), head, q_at, n, use_mask_mod=uses_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
     first = min(e.line for e in lp.events if e.kind in ("rowmax",))
     last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
@@ -602,6 +662,20 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                           e.line, e.line, e.file))
     lo, hi = (var("lo"), var("hi")) if layout.decode and "s" in free_vars(lp.hi) else (lp.lo, lp.hi)
     return For(lp.var, lo, hi, "BLOCK_N", "forward", tuple(body)), uses_mod
+
+
+def _kv_conjuncts(e: Event) -> Expr | None:
+    """A grouped decode's score mask without the bounds of its head rows (the q span's `until`); None when only
+    those remain. A condition mixing head rows and keys (a per-head window, a sink) is refused."""
+    keep = []
+    for c in _conjuncts(e.payload):
+        lanes = free_vars(c) & {"_r", "_c"}
+        if lanes == {"_r", "_c"}:
+            raise _Skip(f"line {e.line}: mask {c} reads each row's head in a grouped decode tile: the IR has one "
+                        f"head `h` per tile")
+        if lanes != {"_r"}:
+            keep.append(c)
+    return functools.reduce(lambda a, c: Expr(ExprOp.AND, (a, c)), keep) if keep else None
 
 
 def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE,
@@ -619,6 +693,8 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     mask_terms: list[Expr] = []
     score_terms: list[Expr] = []
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
+    if layout.grouped:
+        lets += [Let("h0", layout.head0)]
     if layout.decode:
         lets += [Let("kv_len", layout.length)]
         if any(t.role is Role.SCALAR for t in layout.tables):
@@ -634,7 +710,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         if split_axis is not None:
             raise _Skip("split-KV over packed sequences: not lifted yet")
         lets += [Let("q0", layout.start), Let("q_len", layout.length)]
-    rows: int | str = 1 if layout.decode else "BLOCK_M"
+    rows: int | str = 1 if layout.decode and not layout.grouped else "BLOCK_M"
     prologue = [
         Let("hk", simplify(hk)),
         Load("qt", "q", layout.rows("h", var("m_start"), "BLOCK_M")),
@@ -696,7 +772,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")))
     grid += () if layout.decode else (GridAxis("m", layout.query_blocks()),)
     if split_axis is not None and layout.decode:
-        kernels = _decode_split_kernels(grid, body, params)
+        kernels = _decode_split_kernels(grid, body, params, layout)
     elif split_axis is None:
         if not normalized:
             raise _Skip("accumulator stored without normalization and no split-KV combine kernel")
@@ -738,10 +814,17 @@ def _stmt_exprs_all(body: tuple) -> list[Expr]:
     return [e for st in body for e in _stmt_exprs(st)]
 
 
-def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[Param]) -> tuple[Kernel, Kernel]:
-    """A decode split kernel storing each split's normalized row and LSE, and the kernel combining them."""
+def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[Param], layout: Layout
+                          ) -> tuple[Kernel, Kernel]:
+    """A decode split kernel storing each split's normalized rows and LSE (one head, or the heads of group `g`),
+    and the kernel combining them per (b, h)."""
     o_row, l_row = (var("b"), var("s"), Span(var("h"), 1)), (var("b"), Full(), Span(var("h"), 1))
-    part = Kernel("split", grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body + [
+    split_grid = grid
+    if layout.grouped:  # group g holds heads h0 = g * C ..: the grid covers Hq in steps of C
+        o_row = (var("b"), var("s"), layout.rows("h", var("h0"), "BLOCK_M", head_dim=False)[1])
+        step = simplify(substitute(layout.head0, {"g": const(1)}))
+        split_grid = (grid[0], GridAxis("g", call("cdiv", var("Hq"), step)))
+    part = Kernel("split", split_grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body + [
         Store("o_part", o_row + (Full(),), "ot"), Store("lse_part", o_row, "lt")])))
     comb = Kernel("combine", grid, (
         Load("po", "o_part", l_row + (Full(),)),
@@ -868,6 +951,10 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             q_base, k_base = dots[0].payload
             roles = _roles(first, q_base, k_base)
             _kv_roles(first, k_base, roles)
+            if var("g") in roles.overrides.values():  # grouped decode: the sizes the walk took for M
+                sized = {p for p, role in first.params.items() if role == "dim:M"}
+                named = _walk(ctx, fn, consts, {**roles.overrides, **{p: var(p) for p in sized}}, roles.values)
+                roles.overrides.update(_grouped_sizes(named, k_base, sized))
             scale = {e.payload for e in _events(first, "scale_param")}
             if len(scale) == 1 and not _events(first, "scale"):
                 roles.overrides[scale.pop()] = var("sm_scale")  # the scalar that multiplies the scores

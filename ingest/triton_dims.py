@@ -81,10 +81,22 @@ def _statements(body: list[ast.stmt]) -> list[ast.stmt]:
     return out
 
 
+def _derived(stmts: list[ast.stmt]) -> dict[str, set[str]]:
+    """Locals -> the names their assigned values read (`VALID_BLOCK_H = BLOCK_H if ... else G`): a row offset
+    `pid * VALID_BLOCK_H + tl.arange(0, BLOCK_H)` steps by a size derived from the lane's extent."""
+    out: dict[str, set[str]] = {}
+    for st in stmts:
+        target = st.targets[0] if isinstance(st, ast.Assign) and len(st.targets) == 1 else getattr(st, "target", None)
+        if isinstance(st, (ast.Assign, ast.AnnAssign)) and isinstance(target, ast.Name) and st.value is not None:
+            out.setdefault(target.id, set()).update(n.id for n in ast.walk(st.value) if isinstance(n, ast.Name))
+    return out
+
+
 def _block_sizes(stmts: list[ast.stmt], params: set[str]) -> dict[str, str]:
     """BLOCK_N, BLOCK_M and HEAD_PAD; none at all without a KV loop (a kernel that is not a forward pass)."""
     dims: dict[str, str] = {}
     names = _renames(stmts)
+    derived = _derived(stmts)
     for st in stmts:
         if isinstance(st, ast.For) and (step := _range_step(st, names)) in params:
             dims[step] = "BLOCK_N"  # type: ignore[index]
@@ -95,7 +107,7 @@ def _block_sizes(stmts: list[ast.stmt], params: set[str]) -> dict[str, str]:
         extents = {x for n in ast.walk(value) for x in _extents(n, names) if x in params and x not in dims}
         scaled = {names.get(side.id, side.id) for n in ast.walk(value) if isinstance(n, ast.BinOp)
                   and isinstance(n.op, ast.Mult) for side in (n.left, n.right) if isinstance(side, ast.Name)}
-        for x in extents & scaled:
+        for x in extents & (scaled | {p for s in scaled for p in derived.get(s, ())}):
             dims[x] = "BLOCK_M"
     if "BLOCK_N" not in dims.values():
         return {}

@@ -1,5 +1,5 @@
 """Where a kernel's q/k/v/o rows live: dense [B, H, S, D] tensors, packed tokens [T, H, D] (varlen), or a
-decode row per (b, h) over KV rows gathered from a token pool or a flattened page cache.
+decode row per (b, h) (or a tile of the query heads that share a KV head) over KV rows gathered from a token pool or a flattened page cache.
 
 A serving kernel (vLLM and SGLang prefill) addresses row `r` of sequence `b` at token
 `start(b) + r`, with `start` loaded from a table (`b_start_loc[b]`, `cu_seqlens[b]`) and the rows
@@ -41,6 +41,8 @@ class Layout:
     length: Expr | None = None  # the value of `q_len` (packed) or `kv_len` (decode)
     kv_row: Expr | None = None  # decode: the pool row of KV lane `j` (over `n_start`, `j`, tables)
     tables: tuple[Param, ...] = ()  # decode: the integer tables the row and the length load
+    head0: Expr | None = None  # grouped decode: the first query head of group `g` (the value of `h0`)
+    heads_until: Expr | None = None  # grouped decode: the end of the group's heads (`h0:+BLOCK_M until ...`)
 
     @property
     def packed(self) -> bool:
@@ -49,6 +51,11 @@ class Layout:
     @property
     def decode(self) -> bool:
         return self.kv_row is not None
+
+    @property
+    def grouped(self) -> bool:
+        """A decode tile whose rows are the query heads sharing one KV head (grid axis `g`, not `h`)."""
+        return self.head0 is not None
 
     def kv(self, head: str, n_start: Expr) -> tuple[Index, ...]:
         """The index of a [BLOCK_N, D] k or v tile of the KV block at `n_start`."""
@@ -61,6 +68,8 @@ class Layout:
     def rows(self, head: str, first: Expr, size: str, *, head_dim: bool = True) -> tuple[Index, ...]:
         """The index of a [size, D] tile (or a [size] row statistic) of rows first.. of head `head`."""
         tail: tuple[Index, ...] = (Full(),) if head_dim else ()
+        if self.grouped:  # the group's query heads
+            return (var("b"), Span(var("h0"), "BLOCK_M", until=self.heads_until)) + tail
         if self.decode:  # one query row per (b, h)
             return (var("b"), Span(var(head), 1)) + tail
         if not self.packed:

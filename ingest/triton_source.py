@@ -276,6 +276,9 @@ _POLICY: tuple[tuple[re.Pattern, object], ...] = (
     (re.compile(r"^(logit_cap|xai_temperature_len)$"), 0),  # serving decode: tanh logit cap, length temperature off
     (re.compile(r"^SCORE_MOD$"), None),  # SGLang's jit score_mod hook: none
     (re.compile(r"^ROTATE_BATCH$"), False),  # SGLang's HIP batch rotation over XCDs (a launch order only)
+    (re.compile(r"^(HAS_MLA|IS_MLA)$"), False),  # grouped decode: v is not k's transpose (no MLA latent cache)
+    (re.compile(r"^BLOCK_DPE$"), 0),  # grouped decode: no MLA rope part (a second score dot)
+    (re.compile(r"^(USE_PDL|IS_GFX1250|USE_FORCED)$"), False),  # SGLang: launch dependency, gfx1250 casts, forced splits
 )
 
 

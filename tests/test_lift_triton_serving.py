@@ -270,8 +270,9 @@ def _pinned(dist: str, rel: str, family: str):
 @pytest.mark.network
 def test_sglang_split_decode_lifts_from_the_pinned_wheel() -> None:
     report = _pinned("sglang", "sglang/kernels/ops/attention/decode_attention.py", "sglang_triton")
-    (p,) = [p for p in report.programs if p.verified]
+    p, grouped = sorted((p for p in report.programs if p.verified), key=lambda p: "grouped" in p.name)
     assert p.name == "sglang_triton_fwd_kernel_stage1" and "token pool" in p.verify_note
+    assert grouped.name == "sglang_triton_fwd_grouped_kernel_stage1" and _spans_heads(grouped.program)
     assert p.features.paged_kv and p.features.split_kv and p.features.decode
     assert _gathered(p.program, "k") and "kv_indices[" in print_program(p.program)
 
@@ -279,7 +280,89 @@ def test_sglang_split_decode_lifts_from_the_pinned_wheel() -> None:
 @pytest.mark.network
 def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
     report = _pinned("vllm", "vllm/v1/attention/ops/triton_decode_attention.py", "vllm_triton")
-    (p,) = [p for p in report.programs if p.verified]
+    p, grouped = sorted((p for p in report.programs if p.verified), key=lambda p: "grouped" in p.name)
+    assert grouped.name == "vllm_triton_fwd_grouped_kernel_stage1" and _spans_heads(grouped.program)
+    assert "page table" in grouped.verify_note and grouped.features.paged_kv and grouped.features.split_kv
     assert p.name == "vllm_triton_fwd_kernel_stage1" and "page table" in p.verify_note
     assert p.features.paged_kv and p.features.split_kv and p.features.decode
     assert "PAGE_SIZE * req_to_tokens[b, (j + n_start) // PAGE_SIZE]" in print_program(p.program)
+
+
+# The production GQA decode: the query heads that share one KV head are the rows of one tl.dot tile.
+# Program ids are (sequence, head group, split); a group holds `per` = min(ROWS, group) heads, masked
+# at the group's end and at the head count; pages of PAGE tokens through a per-sequence page table.
+GROUPED_DECODE = '''\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_partial(Q, KCache, VCache, scale, Pages, Lens, Part, PartLse, s_qb, s_qh, s_page, s_tok, s_kh,
+                    s_pb, s_ph, s_ps, s_tab, group: tl.constexpr, n_heads: tl.constexpr, SPLITS: tl.constexpr,
+                    PAGE: tl.constexpr, ROWS: tl.constexpr, BN: tl.constexpr, DIM: tl.constexpr,
+                    dim_real: tl.constexpr):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    part = tl.program_id(2)
+    kv_head = tile // tl.cdiv(group, ROWS)
+    per: tl.constexpr = ROWS if group > ROWS else group
+    heads = tile * per + tl.arange(0, ROWS)
+    live = (heads < (tile + 1) * per) & (heads < n_heads)
+    d = tl.arange(0, DIM)
+    length = tl.load(Lens + seq)
+    q = tl.load(Q + seq * s_qb + heads[:, None] * s_qh + d[None, :],
+                mask=live[:, None] & (d[None, :] < dim_real), other=0.0)
+    chunk = tl.cdiv(length, SPLITS)
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, length)
+    m = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
+    l = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, DIM], dtype=tl.float32)
+    for n in range(lo, hi, BN):
+        cols = n + tl.arange(0, BN)
+        page = tl.load(Pages + seq * s_tab + cols // PAGE, mask=cols < hi, other=0)
+        row = page * s_page + (cols % PAGE) * s_tok
+        k = tl.load(KCache + row[None, :] + kv_head * s_kh + d[:, None],
+                    mask=(cols[None, :] < hi) & (d[:, None] < dim_real), other=0.0)
+        s = tl.dot(q, k) * scale
+        s = tl.where(live[:, None] & (cols[None, :] < hi), s, float("-inf"))
+        v = tl.load(VCache + row[:, None] + kv_head * s_kh + d[None, :],
+                    mask=(cols[:, None] < hi) & (d[None, :] < dim_real), other=0.0)
+        mn = tl.maximum(tl.max(s, 1), m)
+        alpha = tl.exp(m - mn)
+        p = tl.exp(s - mn[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l = l * alpha + tl.sum(p, 1)
+        m = mn
+    at = seq * s_pb + heads * s_ph + part * s_ps
+    tl.store(Part + at[:, None] + d[None, :], acc / l[:, None], mask=live[:, None] & (d[None, :] < dim_real))
+    tl.store(PartLse + at // dim_real, m + tl.log(l), mask=live)
+''' + POOL_SPLIT_DECODE[POOL_SPLIT_DECODE.index("@triton.jit\ndef pool_decode_merge"):]
+
+
+def _spans_heads(p) -> bool:
+    """The q tile of the split kernel is a span over q's head dim, ended at the group's last head."""
+    (q_load,) = [st for st in walk_stmts(p.kernels[0].body) if isinstance(st, Load) and st.tensor == "q"]
+    return isinstance(q_load.index[1], Span) and q_load.index[1].size == "BLOCK_M" and q_load.index[1].until is not None
+
+
+def test_grouped_decode_lifts_with_a_q_tile_over_the_heads_of_a_group(tmp_path: Path) -> None:
+    report = _lift(tmp_path, GROUPED_DECODE)
+    assert not report.skipped, report.skipped
+    (lifted,) = report.programs
+    assert lifted.verified and "(6, 2)" in lifted.verify_note, lifted.verify_note  # a ragged group of 3 heads
+    prog = lifted.program
+    assert _spans_heads(prog) and _gathered(prog, "k")
+    text = print_program(prog)
+    assert "grid(b: B, g: cdiv(Hq, " in text and "grid(b: B, h: Hq)" in text  # head groups, then per-head combine
+    assert "g // cdiv(Hq // Hkv, BLOCK_M)" in text  # the KV head of the group
+    f = lifted.features
+    assert f.paged_kv and f.split_kv and f.decode and f.mask == "none"
+    assert parse_program(text) == prog
+
+
+def test_a_grouped_decode_with_a_per_row_mask_is_refused(tmp_path: Path) -> None:
+    # a condition mixing each row's head with the keys cannot be one mask_mod call per tile
+    report = _lift(tmp_path, GROUPED_DECODE.replace("live[:, None] & (cols[None, :] < hi)",
+                                                    "live[:, None] & (cols[None, :] < hi) & (cols[None, :] >= heads[:, None])"))
+    assert not report.programs and "reads each row's head" in report.skipped[0][1], report.skipped
