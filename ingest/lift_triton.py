@@ -939,7 +939,12 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
     _flag_snippets(ctx, fn)
     out: list[LiftedProgram] = []
     skipped_before = len(ctx.skipped)
-    for values in itertools.product((False, True), repeat=len(enumerated)):
+    combos = list(itertools.product((False, True), repeat=len(enumerated)))
+    for tried, values in enumerate(combos):
+        if _failing_alike(out, ctx.skipped[skipped_before:], tried):
+            ctx.skipped.append((f"{fn.name}[{len(combos) - tried} more flag combinations]",
+                                f"not tried: the first {tried} failed alike ({ctx.skipped[-1][1]})"))
+            break
         flags = dict(zip(enumerated, values))
         label = ",".join(f"{k}={v}" for k, v in flags.items()) or "default"
         consts = {**fixed, **flags}
@@ -1019,6 +1024,14 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
                                  tuple(flags.items()), tuple(notes)))
     ctx.skipped[skipped_before:] = _merge_skips(fn.name, ctx.skipped[skipped_before:])
     return out
+
+
+ALIKE_FAILURES = 4  # flag combinations that fail for one reason before the rest are not tried
+
+
+def _failing_alike(lifted: list, skips: list[tuple[str, str]], tried: int) -> bool:
+    """Nothing lifted and every combination tried so far failed for the same reason (the flags do not reach it)."""
+    return tried >= ALIKE_FAILURES and not lifted and len(skips) == tried and len({why for _, why in skips}) == 1
 
 
 def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
