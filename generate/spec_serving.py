@@ -22,7 +22,6 @@ the positions the spec reads (the cache slots of valid keys, the packed rows); i
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
@@ -30,7 +29,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, var
+from kb.ir.expr import Expr, ExprOp, conjunction, conjuncts, var
 
 __all__ = ["ServingLayout", "layout_of", "dense_shapes", "serving_reference", "feature_mask", "GENERATION_REFUSED"]
 
@@ -54,10 +53,6 @@ class ServingLayout:
     @property
     def describe(self) -> str:
         return {"paged": "paged-KV", "pool": "paged-KV (token pool)", "varlen": "packed varlen"}[self.kind]
-
-
-def _conjuncts(e: Expr) -> list[Expr]:
-    return _conjuncts(e.args[0]) + _conjuncts(e.args[1]) if e.op is ExprOp.AND else [e]
 
 
 def _length_input(term: Expr) -> str | None:
@@ -99,7 +94,7 @@ def _paged_layout(traced: Any, pages: bool, path: Path) -> ServingLayout:
     if set(gathers) != {traced.k, traced.v} or len(set(gathers.values())) != 1:
         raise KBError(f"{path}: k and v must both be read through one table (got {gathers or 'none'}): "
                       f"{traced.k}[block_table] and {traced.v}[block_table]")
-    lengths = {_length_input(t) for t in _conjuncts(traced.mask_mod)} - {None} if traced.mask_mod is not None else set()
+    lengths = {_length_input(t) for t in conjuncts(traced.mask_mod)} - {None} if traced.mask_mod is not None else set()
     return ServingLayout("paged" if pages else "pool", traced.q, traced.k, traced.v,
                          gathers[traced.k], min(lengths) if lengths else None)
 
@@ -109,7 +104,7 @@ def _varlen_layout(traced: Any, path: Path) -> ServingLayout:
         raise KBError(f"{path}: q, k and v must all be packed tokens [T, H, D] read as x.transpose(0, 1).unsqueeze(0) "
                       f"(packed: {', '.join(sorted(traced.packed))})")
     ids = set(traced.derived)
-    doc = [t for t in _conjuncts(traced.mask_mod)] if traced.mask_mod is not None else []
+    doc = [t for t in conjuncts(traced.mask_mod)] if traced.mask_mod is not None else []
     if not any(_same_document(t, ids) for t in doc):
         raise KBError(f"{path}: packed [T, H, D] tokens without a block-diagonal mask from cu_seqlens; mask with "
                       "ids = torch.searchsorted(cu_seqlens, torch.arange(T), right=True), ids[:, None] == ids[None, :]")
@@ -121,8 +116,8 @@ def feature_mask(mask: Expr | None, layout: ServingLayout, derived: Mapping[str,
     """`mask` without the sequence's own bound (for classification only; the spec keeps it)."""
     if mask is None:
         return None
-    rest = [t for t in _conjuncts(mask) if not _is_bound(t, layout, set(derived))]
-    return functools.reduce(lambda a, t: Expr(ExprOp.AND, (a, t)), rest) if rest else None
+    rest = [t for t in conjuncts(mask) if not _is_bound(t, layout, set(derived))]
+    return conjunction(rest)
 
 
 def dense_shapes(layout: ServingLayout, inputs: Mapping[str, torch.Tensor]) -> tuple[int, int, int, int, int, int, int]:

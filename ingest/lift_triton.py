@@ -34,7 +34,7 @@ from pathlib import Path
 
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.expr import (Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
+from kb.ir.expr import (Expr, ExprOp, call, conjunction, conjuncts, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
                         walk as walk_expr)
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
@@ -362,7 +362,7 @@ def _grouped_sizes(walk: KernelWalk, k_base: str, names: set[str]) -> dict[str, 
                     and sub.args[1].args[0].op is ExprOp.VAR:
                 out[str(sub.args[1].args[0].value)] = E("Hq // Hkv")
     for e in _events(walk, "mask"):
-        for c in _conjuncts(e.payload):
+        for c in conjuncts(e.payload):
             if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and c.args[1].op is ExprOp.VAR \
                     and str(c.args[1].value) in names - set(out):
                 out[str(c.args[1].value)] = var("Hq")
@@ -383,10 +383,6 @@ def _kv_roles(walk: KernelWalk, k_base: str, roles: _Roles) -> None:
                     roles.overrides[str(ratio.args[0].value)] = var("Hq")
             elif _param_var(ratio, walk):
                 roles.overrides[str(ratio.value)] = E("Hq // Hkv")
-
-
-def _conjuncts(e: Expr) -> list[Expr]:
-    return _conjuncts(e.args[0]) + _conjuncts(e.args[1]) if e.op is ExprOp.AND else [e]
 
 
 def _row_term(offset: Expr) -> tuple[Expr | None, Expr | None]:
@@ -422,7 +418,7 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
         for e in lp.events:
             if e.kind != "mask":
                 continue
-            for c in _conjuncts(lane_to_idx(e.payload, lp.var)):
+            for c in conjuncts(lane_to_idx(e.payload, lp.var)):
                 if c.op is ExprOp.LT:
                     c = compare(c.op, c.args[0], c.args[1])
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
@@ -436,7 +432,7 @@ def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
     along its `lane` stride; KV rows as for a decode row."""
     offset = _resolve(q_load.payload[1], walk)
     strides = [st for st, idx in stride_indices(offset) if idx == var("_r")]
-    conds = [c for e in _events(walk, "mask") for c in _conjuncts(_resolve(e.payload, walk))
+    conds = [c for e in _events(walk, "mask") for c in conjuncts(_resolve(e.payload, walk))
              if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and "_c" not in free_vars(c)]
     rows = list(dict.fromkeys(c.args[0] for c in conds))
     if len(strides) != 1 or len(rows) != 1:
@@ -481,7 +477,7 @@ def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
             if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
                 rows[e.payload[0]] = _kv_row(e, lp, walk)
             if e.kind == "mask" and length is None:
-                for c in _conjuncts(lane_to_idx(e.payload, lp.var)):
+                for c in conjuncts(lane_to_idx(e.payload, lp.var)):
                     c = compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
                     if c.op is ExprOp.LT and c.args[0] == var("kv_idx"):
                         length = _split_free(c.args[1])
@@ -591,7 +587,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             raise _Skip(f"line {e.line}: exp on log2-scaled scores")
     masked, uses_mod = False, False
     for e in lp.events:
-        if e.kind == "mask" and layout.grouped and (cond := _kv_conjuncts(e)) is not None:
+        if e.kind == "mask" and layout.grouped and (cond := _kvconjuncts(e)) is not None:
             e = replace(e, payload=cond)
         elif e.kind == "mask" and layout.grouped:  # only the bounds of the group's head rows
             continue
@@ -664,18 +660,18 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
     return For(lp.var, lo, hi, "BLOCK_N", "forward", tuple(body)), uses_mod
 
 
-def _kv_conjuncts(e: Event) -> Expr | None:
+def _kvconjuncts(e: Event) -> Expr | None:
     """A grouped decode's score mask without the bounds of its head rows (the q span's `until`); None when only
     those remain. A condition mixing head rows and keys (a per-head window, a sink) is refused."""
     keep = []
-    for c in _conjuncts(e.payload):
+    for c in conjuncts(e.payload):
         lanes = free_vars(c) & {"_r", "_c"}
         if lanes == {"_r", "_c"}:
             raise _Skip(f"line {e.line}: mask {c} reads each row's head in a grouped decode tile: the IR has one "
                         f"head `h` per tile")
         if lanes != {"_r"}:
             keep.append(c)
-    return functools.reduce(lambda a, c: Expr(ExprOp.AND, (a, c)), keep) if keep else None
+    return conjunction(keep)
 
 
 def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, layout: Layout = DENSE,
@@ -796,9 +792,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         kernels = (part, comb)
         params += [Param("o_part", ("B", "Hq", "NUM_SPLITS", "M", "D"), Dtype.F32, Role.SCRATCH),
                    Param("lse_part", ("B", "Hq", "NUM_SPLITS", "M"), Dtype.F32, Role.SCRATCH)]
-    mask = None
-    for t in mask_terms:
-        mask = t if mask is None else Expr(ExprOp.AND, (mask, t))
+    mask = conjunction(mask_terms)
     score = None
     if score_terms:
         score = var("score")
@@ -1049,8 +1043,8 @@ def _without_length(p: Program, layout: Layout) -> Program:
     if layout.length is None or p.mask_mod is None:
         return p
     bound = compare(ExprOp.LT, var("kv_idx"), layout.length)
-    rest = [c for c in _conjuncts(p.mask_mod.body) if c != bound]
-    body = functools.reduce(lambda a, c: Expr(ExprOp.AND, (a, c)), rest) if rest else None
+    rest = [c for c in conjuncts(p.mask_mod.body) if c != bound]
+    body = conjunction(rest)
     return replace(p, mask_mod=replace(p.mask_mod, body=body) if body is not None else None)
 
 

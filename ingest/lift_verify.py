@@ -90,24 +90,30 @@ def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tupl
 _PACKED_LENS = ((1, 37, 20), (16, 3, 29))  # tokens per sequence: a single token, ragged, block-multiple
 
 
-def _table_fills(p: Program, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
-    """Values for the sequence tables that make `q0` the packed start and `q_len` the length of every b.
+def _sequence_tables(want: list[tuple[Expr, list[int]]], lens: tuple[int, ...],
+                     lens_table: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """Values for the sequence tables the expressions read, such that each gives its wanted value for every b.
 
-    A table is either per-sequence starts (`b_start_loc`, B+1 cumulative `cu_seqlens`) or lengths;
-    the assignment that reproduces both lets is the one the kernel means."""
+    A table is either per-sequence starts (B+1 cumulative, as `cu_seqlens`; its first B entries are
+    `b_start_loc`) or the lengths `lens_table`; the assignment that reproduces every expression is
+    the one the kernel means."""
     from kb.ir.evaluate import eval_expr
 
-    lets = {st.name: st.value for st in p.kernels[0].body if isinstance(st, Let)}
-    names = sorted(loaded_tensors(lets["q0"]) | loaded_tensors(lets["q_len"]))
-    starts = torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32)
-    options = {"starts": starts, "lens": torch.tensor(lens + (0,), dtype=torch.int32)}
+    names = sorted(frozenset().union(*(loaded_tensors(e) for e, _ in want)))
+    options = {"starts": torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32),
+               "lens": torch.tensor(lens_table, dtype=torch.int32)}
     for pick in itertools.product(options, repeat=len(names)):
         tables = {n: options[k] for n, k in zip(names, pick)}
-        got = [(int(eval_expr(lets["q0"], {"b": b}, tables)), int(eval_expr(lets["q_len"], {"b": b}, tables)))
-               for b in range(len(lens))]
-        if got == [(int(starts[b]), n) for b, n in enumerate(lens)]:
+        if all([int(eval_expr(e, {"b": b}, tables)) for b in range(len(lens))] == values for e, values in want):
             return tables
     return None
+
+
+def _table_fills(p: Program, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
+    """Tables that make `q0` the packed start and `q_len` the length of every sequence."""
+    lets = {st.name: st.value for st in p.kernels[0].body if isinstance(st, Let)}
+    starts = list(itertools.accumulate((0,) + lens[:-1]))
+    return _sequence_tables([(lets["q0"], starts), (lets["q_len"], list(lens))], lens, lens + (0,))
 
 
 def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
@@ -158,16 +164,7 @@ def _decode_exprs(p: Program) -> tuple[Expr, Expr]:
 
 def _length_fills(kv_len: Expr, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
     """Tables that make `kv_len` the length of every sequence: per-sequence lengths or B+1 cumulative starts."""
-    from kb.ir.evaluate import eval_expr
-
-    names = sorted(loaded_tensors(kv_len))
-    options = {"starts": torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32),
-               "lens": torch.tensor(lens, dtype=torch.int32)}
-    for pick in itertools.product(options, repeat=len(names)):
-        tables = {n: options[k] for n, k in zip(names, pick)}
-        if [int(eval_expr(kv_len, {"b": b}, tables)) for b in range(len(lens))] == list(lens):
-            return tables
-    return None
+    return _sequence_tables([(kv_len, list(lens))], lens, lens)
 
 
 def _pool_fills(p: Program, lens: tuple[int, ...], tables: dict[str, torch.Tensor], g: torch.Generator

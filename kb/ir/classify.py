@@ -30,7 +30,7 @@ import torch
 
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, var, walk
+from kb.ir.expr import Expr, ExprOp, call, conjuncts, const, free_vars, loaded_tensors, var, walk
 
 __all__ = [
     "MaskClass",
@@ -39,7 +39,6 @@ __all__ = [
     "classify_score",
     "mask_kv_bounds",
     "features_from_variants",
-    "conjuncts",
     "Band",
     "fit_band",
     "DEFAULT_GRID",
@@ -90,13 +89,6 @@ class ScoreClass:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def conjuncts(e: Expr) -> list[Expr]:
-    """Top-level `&` terms of `e` (a single term if `e` is not a conjunction)."""
-    if e.op is ExprOp.AND:
-        return conjuncts(e.args[0]) + conjuncts(e.args[1])
-    return [e]
 
 
 def _disjuncts(e: Expr) -> list[Expr]:
