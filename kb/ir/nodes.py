@@ -40,6 +40,17 @@ Semantics (the reference interpreter in `kb.ir.interpret` is the executable form
   full = every in-range pair attends and the tile is not ragged in kv;
   empty = no pair attends; partial = otherwise. Without a dim M (N) the rows (columns) are
   unbounded above, so only mask_mod can make a tile partial or empty.
+
+Backward programs (same model; `is_backward`): inputs q, k, v, o, dout (dO), lse (saved by the
+forward, natural log); outputs dq, dk, dv (and the gradient of a learnable aux table).
+- `probs p = exp(s - lse)` recomputes P from the saved lse (0 where masked or the row is empty);
+- `softmax_grad ds = p * (dp - delta)` with dp = dO @ V^T and delta = rowsum(dO * O);
+- `score_mod_grad ds wrt s at (...)` multiplies by the derivative of score_mod w.r.t. its score
+  (derived symbolically from the variant expression, `kb.ir.derive`);
+- `aux_grad` scatters the gradient of an aux tensor that score_mod reads (a learnable bias table);
+- `dot` takes `trans(a)` (dV += P^T dO, dK += dS^T Q); `store ... += x` accumulates (dq across
+  KV blocks, GQA reductions), and accumulated tensors start zero-filled.
+Tiles keep the forward's [rows = q, cols = kv] orientation in both loop orders.
 """
 
 from __future__ import annotations
@@ -53,7 +64,8 @@ from kb.ir.expr import Expr
 __all__ = [
     "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
     "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
-    "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Stmt",
+    "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
+    "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "is_backward",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
     "launch_constants", "serving_constructs",
 ]
@@ -173,6 +185,11 @@ class StmtOp(Enum):
     COMBINE = "combine"
     FOR = "for"
     IF_BLOCK = "if"
+    # backward (see "Backward programs" in the module docstring)
+    PROBS = "probs"
+    SOFTMAX_GRAD = "softmax_grad"
+    SCORE_MOD_GRAD = "score_mod_grad"
+    AUX_GRAD = "aux_grad"
 
 
 class BlockClass(Enum):
@@ -203,12 +220,16 @@ class Load:
 
 @dataclass(frozen=True)
 class Store:
-    """`store tensor[index...] = value` — in-range elements only, cast to the tensor dtype."""
+    """`store tensor[index...] = value` — in-range elements only, cast to the tensor dtype.
+
+    `store tensor[index...] += value` (accumulate) adds instead (atomically where programs run
+    in parallel); a tensor any accumulating store targets starts zero-filled, not poisoned."""
 
     op: ClassVar[StmtOp] = StmtOp.STORE
     tensor: str
     index: tuple[Index, ...]
     value: str
+    accumulate: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,13 +245,14 @@ class Init:
 
 @dataclass(frozen=True)
 class Dot:
-    """`dot out = a @ b` or `a @ trans(b)` — fp32 accumulation."""
+    """`dot out = a @ b`, `a @ trans(b)`, `trans(a) @ b` — fp32 accumulation."""
 
     op: ClassVar[StmtOp] = StmtOp.DOT
     out: str
     a: str
     b: str
     trans_b: bool
+    trans_a: bool = False
 
 
 @dataclass(frozen=True)
@@ -341,7 +363,62 @@ class IfBlock:
     orelse: tuple["Stmt", ...] = ()
 
 
-Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock]
+@dataclass(frozen=True)
+class Probs:
+    """`probs p = exp(s - lse)` — recomputed probabilities: p[i, j] = exp(s[i, j] - lse[i]),
+    0 where s[i, j] or lse[i] is -inf (masked scores, fully masked rows)."""
+
+    op: ClassVar[StmtOp] = StmtOp.PROBS
+    out: str
+    scores: str
+    lse: str
+
+
+@dataclass(frozen=True)
+class SoftmaxGrad:
+    """`softmax_grad ds = p * (dp - delta)` — ds[i, j] = p[i, j] * (dp[i, j] - delta[i])."""
+
+    op: ClassVar[StmtOp] = StmtOp.SOFTMAX_GRAD
+    out: str
+    p: str
+    dp: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class ScoreModGrad:
+    """`score_mod_grad ds wrt s at (b, h, q_start, kv_start)` — ds *= d score_mod / d score,
+    evaluated at score = s[i, j] (the score_mod input), q_idx = q_start + i, kv_idx = kv_start + j."""
+
+    op: ClassVar[StmtOp] = StmtOp.SCORE_MOD_GRAD
+    tile: str
+    scores: str
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+
+
+@dataclass(frozen=True)
+class AuxGrad:
+    """`aux_grad grad of aux += ds wrt s at (b, h, q_start, kv_start)` — the gradient of an aux
+    tensor read by score_mod: for each load `aux[idx...]` in score_mod and each in-range (i, j),
+    grad[idx] += ds[i, j] * d score_mod / d aux[idx] at (s[i, j], coords). `grad` has aux's shape
+    and starts zero-filled (it is accumulated into, like a `+=` store)."""
+
+    op: ClassVar[StmtOp] = StmtOp.AUX_GRAD
+    grad: str
+    aux: str
+    tile: str
+    scores: str
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+
+
+Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock,
+             Probs, SoftmaxGrad, ScoreModGrad, AuxGrad]
 
 
 def walk_stmts(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
@@ -398,6 +475,23 @@ def serving_constructs(p: Program) -> tuple[str, ...]:
                 elif isinstance(ix, Gather):
                     found.setdefault("a gathered axis", {})[st.tensor] = None
     return tuple(f"{kind} (on {', '.join(tensors)})" for kind, tensors in found.items())
+
+
+def accumulated_tensors(p: Program) -> tuple[str, ...]:
+    """Tensors some `+=` store or `aux_grad` accumulates into: they start zero-filled."""
+    found: dict[str, None] = {}
+    for k in p.kernels:
+        for st in walk_stmts(k.body):
+            if isinstance(st, Store) and st.accumulate:
+                found[st.tensor] = None
+            elif isinstance(st, AuxGrad):
+                found[st.grad] = None
+    return tuple(found)
+
+
+def is_backward(p: Program) -> bool:
+    """A backward program recomputes probabilities from a saved lse (it has a `probs` statement)."""
+    return any(isinstance(st, Probs) for k in p.kernels for st in walk_stmts(k.body))
 
 
 def launch_constants(p: Program) -> tuple[str, ...]:
