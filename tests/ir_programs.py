@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from kb.ir.expr import Expr, parse_expr as E
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init,
-    Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store,
-    VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init,
+    Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad,
+    SoftmaxGrad, Span, Store, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 
 
@@ -169,6 +169,123 @@ def decode_split_kv(num_splits: int = 3, dtype: Dtype = Dtype.F32, *, score_mod:
     return Program(base.name, base.params + scratch, base.schedule, (part, combine), base.score_mod, base.mask_mod)
 
 
+def _backward_params(dtype: Dtype, aux: tuple[Param, ...], scalars: tuple[str, ...]) -> tuple[Param, ...]:
+    ins = tuple(Param(n, s, dtype, Role.IN) for n, s in (("q", ("B", "Hq", "M", "D")), ("k", ("B", "Hkv", "N", "D")),
+                                                         ("v", ("B", "Hkv", "N", "D")), ("o", ("B", "Hq", "M", "D")),
+                                                         ("dout", ("B", "Hq", "M", "D"))))
+    return (
+        *ins,
+        Param("lse", ("B", "Hq", "M"), Dtype.F32, Role.IN),
+        Param("dq", ("B", "Hq", "M", "D"), dtype, Role.OUT),
+        Param("dk", ("B", "Hkv", "N", "D"), dtype, Role.OUT),
+        Param("dv", ("B", "Hkv", "N", "D"), dtype, Role.OUT),
+        Param("delta", ("B", "Hq", "M"), Dtype.F32, Role.SCRATCH),
+        Param("dq_acc", ("B", "Hq", "M", "D"), Dtype.F32, Role.SCRATCH),
+        Param("sm_scale", (), Dtype.F32, Role.SCALAR),
+        *(Param(s, (), Dtype.F32, Role.SCALAR) for s in scalars),
+        *aux,
+    )
+
+
+def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, aux_grad: tuple[str, str] | None) -> tuple:
+    """One (q block, KV block) step of the KV-outer backward: recompute P, accumulate dV, dK, and dQ by atomics."""
+    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
+    mask = Mask("sm", use_mask_mod=mask_mod, **at)
+    body: list = [
+        Load("qt", "q", (*rows, Full())),
+        Load("gt", "dout", (*rows, Full())),
+        Load("lt", "lse", rows, other=float("inf")),
+        Load("dt", "delta", rows),
+        Dot("s", "qt", "kt", trans_b=True),
+        Elementwise("s", E("s * sm_scale")),
+        Elementwise("sm", E("s")),
+        *((ScoreMod("sm", **at),) if score_mod else ()),
+        IfBlock(BlockClass.FULL, True, then=(mask,), **at) if block_classes else mask,
+        Probs("p", "sm", "lt"),
+        Dot("dvp", "p", "gt", trans_b=False, trans_a=True),
+        Elementwise("dv_acc", E("dv_acc + dvp")),
+        Dot("dp", "gt", "vt", trans_b=True),
+        SoftmaxGrad("ds", "p", "dp", "dt"),
+        *((AuxGrad(aux_grad[0], aux_grad[1], "ds", "s", **at),) if aux_grad else ()),
+        ScoreModGrad("ds", "s", **at),
+        Elementwise("ds", E("ds * sm_scale")),
+        Dot("dkp", "ds", "qt", trans_b=False, trans_a=True),
+        Elementwise("dk_acc", E("dk_acc + dkp")),
+        Dot("dqp", "ds", "kt", trans_b=False),
+        Store("dq_acc", (*rows, Full()), "dqp", accumulate=True),
+    ]
+    return tuple(body)
+
+
+def backward(
+    name: str,
+    *,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    m_lo: str = "0",
+    dtype: Dtype = Dtype.F32,
+    aux: tuple[Param, ...] = (),
+    scalars: tuple[str, ...] = (),
+    aux_grad: tuple[str, str] | None = None,
+    block_classes: bool = False,
+    skip_empty: bool = False,
+    schedule: Schedule = Schedule(block_m=16, block_n=16, num_warps=4, num_stages=1),
+) -> Program:
+    """The canonical backward (notes/bwd_ir.md): delta = rowsum(dO * O); a KV-outer kernel with dk, dv in registers
+    looping over the group's q heads and the q blocks from `m_lo`, dq by fp32 atomics; a convert kernel for dq.
+    `aux_grad` = (grad, aux) adds `aux_grad grad of aux += ds`; `block_classes` masks only blocks that are not full;
+    `skip_empty` wraps the q-block step in `if block(...) is not empty`."""
+    rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
+    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    preprocess = Kernel("bwd_preprocess", (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", E("cdiv(M, BLOCK_M)"))), (
+        Let("m_start", E("m * BLOCK_M")),
+        Load("ot", "o", (*rows, Full())),
+        Load("gt", "dout", (*rows, Full())),
+        Elementwise("og", E("ot * gt")),
+        Reduce("dt", "sum", "og", 1),
+        Store("delta", rows, "dt"),
+    ))
+    step = _backward_m_body(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+                            block_classes=block_classes, aux_grad=aux_grad)
+    if skip_empty:
+        step = (IfBlock(BlockClass.EMPTY, True, then=step, **at),)
+    kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
+    dkdv = Kernel("bwd_dkdv", (GridAxis("b", E("B")), GridAxis("hk", E("Hkv")), GridAxis("n", E("cdiv(N, BLOCK_N)"))), (
+        Let("n_start", E("n * BLOCK_N")),
+        Load("kt", "k", kv_tile),
+        Load("vt", "v", kv_tile),
+        Init("dk_acc", ("BLOCK_N", "HEAD_PAD"), 0.0, Dtype.F32),
+        Init("dv_acc", ("BLOCK_N", "HEAD_PAD"), 0.0, Dtype.F32),
+        For("h", E("hk * (Hq // Hkv)"), E("(hk + 1) * (Hq // Hkv)"), 1, "forward", (
+            For("m_start", E(m_lo), E("M"), "BLOCK_M", "forward", step),
+        )),
+        Store("dk", kv_tile, "dk_acc"),
+        Store("dv", kv_tile, "dv_acc"),
+    ))
+    convert = Kernel("bwd_dq", preprocess.grid, (
+        Let("m_start", E("m * BLOCK_M")),
+        Load("dqt", "dq_acc", (*rows, Full())),
+        Store("dq", (*rows, Full()), "dqt"),
+    ))
+    grad_params = () if aux_grad is None else tuple(
+        Param(aux_grad[0], a.shape, Dtype.F32, Role.OUT) for a in aux if a.name == aux_grad[1])
+    return Program(
+        name=name,
+        params=_backward_params(dtype, aux, scalars) + grad_params,
+        schedule=schedule,
+        kernels=(preprocess, dkdv, convert),
+        score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, E(score_mod)) if score_mod else None,
+        mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, E(mask_mod)) if mask_mod else None,
+    )
+
+
+def causal_bwd(dtype: Dtype = Dtype.F32) -> Program:
+    """notes/bwd_ir.md's canonical program: causal, q blocks from the KV block's diagonal, masks on partial blocks."""
+    return backward("causal_bwd", mask_mod="q_idx >= kv_idx", m_lo="n_start // BLOCK_M * BLOCK_M", dtype=dtype,
+                    block_classes=True)
+
+
 FIXTURES = {
     "plain": plain,
     "causal": causal,
@@ -293,4 +410,4 @@ kernel decode grid(b: B, h: Hq):
 SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE, "pool_decode": POOL_DECODE}
 
 
-__all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "Expr"]
+__all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "backward", "causal_bwd", "Expr"]

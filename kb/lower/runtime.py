@@ -3,7 +3,8 @@
 `TritonKernel.from_program(p)` lowers `p` (kb.lower.triton), writes the source to
 `<cache_dir>/triton/<program>_<sha12>.py` (Triton's JIT reads kernel source with `inspect`,
 so it must live in a real file) and imports it. `run(inputs)` calls the module's host
-`forward`, which allocates outputs and scratch, computes grids and launches the kernels.
+`forward` (a backward program's: `backward`, kb.lower.triton_bwd), which allocates outputs and scratch,
+computes grids and launches the kernels.
 
 Invariants: the file name carries the sha256 of the source, so a cached file is never
 stale and two programs never share a module. `@triton.jit` makes interpreted or compiled
@@ -29,7 +30,7 @@ from typing import Mapping
 import torch
 
 from kb.errors import KBError
-from kb.ir.nodes import Program, Role
+from kb.ir.nodes import Program, Role, is_backward
 from kb.lower.triton import LowerOptions, kernel_fn_name, lower_program
 
 __all__ = ["TritonKernel", "load_module"]
@@ -107,10 +108,12 @@ class TritonKernel:
         kwargs = {n: v for n, v in inputs.items() if n not in ins}
         if kwargs.get("sm_scale", 0) is None:
             del kwargs["sm_scale"]
+        host = self.module.backward if is_backward(p) else self.module.forward
         try:
-            result = self.module.forward(*(inputs[n] for n in ins), **kwargs)
+            result = host(*(inputs[n] for n in ins), **kwargs)
         except self.module.ForwardArgumentError as err:
             raise KBError(f"cannot run program {p.name}: {err}") from err
-        outs = [q.name for q in p.params if q.role is Role.OUT]
+        # a backward module says its return order (dq, dk, dv, then aux gradients)
+        outs = self.module.BWD_OUTPUTS if is_backward(p) else [q.name for q in p.params if q.role is Role.OUT]
         result = result if isinstance(result, tuple) else (result,)
         return dict(zip(outs, result))

@@ -45,14 +45,15 @@ from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
-    Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    Stmt, Store, VALUE_DIM, launch_constants, serving_constructs, walk_stmts,
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
+    Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad,
+    SoftmaxGrad, Span, Stmt, Store, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
 )
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
-__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
+__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL",
+           "CLASS_CODE", "HostEntry", "program_signature", "kernel_sources", "check_attention_params"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
@@ -475,7 +476,12 @@ def _reads(st: Stmt) -> set[str]:
         val = getattr(st, f, None)
         if isinstance(val, str):
             names.add(val)
+    names.update(getattr(st, f) for f in _BACKWARD_READS.get(type(st), ()))
     return names
+
+
+# tile operands of backward statements not covered by the shared field names above (Finalize's `lse` is an output)
+_BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta")}
 
 
 def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
@@ -504,6 +510,8 @@ class _KernelGen:
                  pack: PackPlan | None = None) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
         self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
+        self.backward = is_backward(p)  # backward programs: 16-bit tiles widened in elementwise math, dot operand casts
+        self.loaded: set[str] = set()  # tiles that hold a load's values (in the tensor's dtype at run time)
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.region: _Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
@@ -605,6 +613,7 @@ class _KernelGen:
     def set_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype) -> str:
         code = self.local(ir_name)
         self.tiles[ir_name] = _Tile(shape, dtype)
+        self.loaded.discard(ir_name)
         self.names[ir_name] = Sym(code, _KIND[dtype])
         return code
 
@@ -811,12 +820,20 @@ class _KernelGen:
         self.offs.append({})
         before = len(self.lines)
         float_scalars = {q.name for q in self.sig.scalars if _KIND[q.dtype] is Kind.FLOAT}
+        fused: set[int] = set()
         for i, st in enumerate(body):
+            if i in fused:
+                continue
             c = _fold_target(st, body[i + 1:], float_scalars) if self.opts.fold_scale else None
             if c is not None:
                 if c not in self.sig.pos_scalars:
                     self.sig.pos_scalars.append(c)
                 self.fold_next[st.out] = c  # type: ignore[union-attr]
+            acc = self.dot_accumulator(st, body[i + 1:]) if self.backward else None
+            if acc is not None:
+                self.dot_into(st, acc)  # type: ignore[arg-type]
+                fused.add(i + 1)
+                continue
             self.stmt(st)
         if len(self.lines) == before:
             self.emit("pass")
@@ -850,11 +867,15 @@ class _KernelGen:
         ptr, mask, shape = self.address(st.tensor, st.index)
         desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
         out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
-        other = _load_other(mask, _NEG_INF if st.other == float("-inf") else repr(float(st.other)))
+        other = _load_other(mask, _float_code(st.other))
         plain = f"tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")")
         self.emit(f"{out} = {desc[0]}.load([{desc[1]}]) if USE_TMA else {plain}" if desc else f"{out} = {plain}")
+        self.loaded.add(st.out)
 
     def s_store(self, st: Store) -> None:
+        if st.accumulate:
+            self.accumulate_store(st)
+            return
         ptr, mask, _ = self.address(st.tensor, st.index)
         self.tile(st.value)
         value = f"{self.local(st.value)}.to({st.tensor}_ptr.dtype.element_ty)"
@@ -883,10 +904,53 @@ class _KernelGen:
 
     def s_dot(self, st: Dot) -> None:
         a, b = self.tile(st.a), self.tile(st.b)
+        rows = a.shape[-1] if st.trans_a else a.shape[0]
         n = b.shape[0] if st.trans_b else b.shape[-1]
-        bcode = f"tl.trans({self.local(st.b)})" if st.trans_b else self.local(st.b)
-        out = self.set_tile(st.out, (a.shape[0], n), Dtype.F32)
-        self.emit(f"{out} = tl.dot({self.local(st.a)}, {bcode}{self._prec(a, b)})")
+        acode, bcode = self.dot_operands(st)
+        out = self.set_tile(st.out, (rows, n), Dtype.F32)
+        self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
+
+    def dot_operands(self, st: Dot) -> tuple[str, str]:
+        """The operand codes of `st`, transposed as asked. In a backward program a computed fp32 tile (P, dS) meeting a
+        loaded one enters the tensor cores in the loaded tile's dtype (FlashAttention's choice; fp32 accumulation)."""
+        a, b = self.local(st.a), self.local(st.b)
+        if self.backward and (st.a in self.loaded) != (st.b in self.loaded):
+            if st.a in self.loaded:
+                b = f"{b}.to({a}.dtype)"
+            else:
+                a = f"{a}.to({b}.dtype)"
+        return (f"tl.trans({a})" if st.trans_a else a), (f"tl.trans({b})" if st.trans_b else b)
+
+    def dot_accumulator(self, st: Stmt, rest: tuple[Stmt, ...]) -> str | None:
+        """X when `st` is `dot t = ...` followed by `elementwise X = X + t` (or `t + X`), X an fp32 tile of the dot's
+        shape and t read nowhere else: the dot then accumulates into X (`tl.dot(a, b, X)`)."""
+        if not isinstance(st, Dot) or not rest or not isinstance(rest[0], Elementwise) or rest[0].value.op is not ExprOp.ADD:
+            return None
+        acc, t = rest[0].out, st.out
+        if sorted(str(x.value) for x in rest[0].value.args if x.op is ExprOp.VAR) != sorted((acc, t)) or acc == t \
+                or acc in (st.a, st.b) or acc not in self.tiles or self.tiles[acc].dtype is not Dtype.F32:
+            return None
+        a, b = self.tile(st.a), self.tile(st.b)
+        shape = (a.shape[-1] if st.trans_a else a.shape[0], b.shape[0] if st.trans_b else b.shape[-1])
+        readers = [x for x in walk_stmts(self.k.body) if not isinstance(x, (For, IfBlock)) and t in _reads(x)]
+        return acc if self.tiles[acc].shape == shape and readers == [rest[0]] else None
+
+    def dot_into(self, st: Dot, acc: str) -> None:
+        acode, bcode = self.dot_operands(st)
+        code = self.local(acc)
+        self.emit(f"{code} = tl.dot({acode}, {bcode}, {code}{self._prec(self.tile(st.a), self.tile(st.b))})"
+                  f"  # {st.out} = {st.a} @ {st.b} added into {acc}")
+
+    def accumulate_store(self, st: Store) -> None:
+        """`store t[...] += x`: relaxed fp32 atomic adds of the in-range elements (programs run in parallel)."""
+        prm = self.p.param(st.tensor)
+        if prm.dtype is not Dtype.F32:
+            raise KBError(f"store {st.tensor}[...] += {st.value}: the Triton lowering accumulates with fp32 atomics; "
+                          f"declare {st.tensor} f32 (it is {prm.dtype.value})")
+        ptr, mask, _ = self.address(st.tensor, st.index)
+        self.tile(st.value)
+        value = f"{self.local(st.value)}.to(tl.float32)"
+        self.emit(f"tl.atomic_add({ptr}, {value}" + (f", mask={mask}" if mask else "") + ', sem="relaxed")')
 
     def s_elementwise(self, st: Elementwise) -> None:
         if st.out in self.fold_next:
@@ -898,7 +962,7 @@ class _KernelGen:
             return
         used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
         shape = max((t.shape for t in used), key=len, default=())
-        code = self.ex(st.value)
+        code = self.ex(st.value) if not self.backward else _strip(lower_expr(st.value, self.ctx(self.widened(st.value))))
         kind = expr_kind(st.value, self.ctx())
         dtype = Dtype.F32 if kind is Kind.FLOAT else Dtype.I32 if kind is Kind.INT else Dtype.BOOL
         if not shape:
@@ -906,6 +970,14 @@ class _KernelGen:
             return
         out = self.set_tile(st.out, shape, dtype)
         self.emit(f"{out} = {code}")
+
+    def widened(self, e: Expr) -> dict[str, Sym]:
+        """Names with the loaded float tiles `e` reads widened to fp32 (backward math on 16-bit O, dO: delta)."""
+        names = dict(self.names)
+        for n in free_vars(e) & self.loaded:
+            if _KIND[self.tiles[n].dtype] is Kind.FLOAT:
+                names[n] = Sym(f"{self.names[n].code}.to(tl.float32)", Kind.FLOAT)
+        return names
 
     def s_reduce(self, st: Reduce) -> None:
         src = self.tile(st.src)
@@ -962,6 +1034,80 @@ class _KernelGen:
             body, names = self.invariant_terms(self.p.mask_mod.body, st, names)
             keep += f" & {_wrap(lower_expr(body, self.ctx(names)))}"
         self.emit(f"{code} = tl.where({keep}, {code}, {_NEG_INF})")
+
+    # -- backward statements
+    def s_probs(self, st: Probs) -> None:
+        s_t, l_t = self.tile(st.scores), self.tile(st.lse)
+        if len(s_t.shape) != 2 or len(l_t.shape) != 1:
+            raise KBError(f"probs {st.out}: needs a 2-D score tile and a row vector, got {s_t.shape} and {l_t.shape}")
+        s, lse = self.local(st.scores), self.local(st.lse)
+        out = self.set_tile(st.out, s_t.shape, Dtype.F32)
+        self.emit(f"# p = exp({s} - {lse}); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0")
+        self.emit(f'_lse_log2 = tl.where({lse} == {_NEG_INF}, float("inf"), {lse}) * {_LOG2E}')
+        self.emit(f"{out} = tl.exp2({s} * {_LOG2E} - _lse_log2[:, None])")
+
+    def s_softmaxgrad(self, st: SoftmaxGrad) -> None:
+        p_t, dp_t, d_t = self.tile(st.p), self.tile(st.dp), self.tile(st.delta)
+        if len(p_t.shape) != 2 or dp_t.shape != p_t.shape or len(d_t.shape) != 1:
+            raise KBError(f"softmax_grad {st.out}: needs p, dp of one 2-D shape and a row vector delta, "
+                          f"got {p_t.shape}, {dp_t.shape} and {d_t.shape}")
+        p, dp, delta = self.local(st.p), self.local(st.dp), self.local(st.delta)
+        out = self.set_tile(st.out, p_t.shape, Dtype.F32)
+        self.emit(f"{out} = {p} * ({dp} - {delta}[:, None])")
+
+    def s_scoremodgrad(self, st: ScoreModGrad) -> None:
+        from kb.ir.derive import score_grad
+
+        code = self.local(st.tile)
+        grad = score_grad(self.p.score_mod.body) if self.p.score_mod is not None else const(1)
+        if grad.op is ExprOp.CONST and grad.value == 1:
+            self.emit(f"# score_mod_grad {code}: d score_mod / d score is 1 here")
+            return
+        names = self.variant_names(st, self.local(st.scores))
+        self.emit(f"{code} = {code} * {_wrap(_strip(lower_expr(grad, self.ctx(names))))}  # d score_mod / d score")
+
+    def s_auxgrad(self, st: AuxGrad) -> None:
+        from kb.ir.derive import aux_partials
+
+        if self.p.score_mod is None:
+            raise KBError(f"aux_grad {st.grad} of {st.aux}: the program has no score_mod to differentiate")
+        try:
+            grad = self.p.param(st.grad)
+        except KeyError:
+            raise KBError(f"aux_grad {st.grad} of {st.aux}: {st.grad} is not a param of the program") from None
+        if grad.dtype is not Dtype.F32:
+            raise KBError(f"aux_grad {st.grad}: the Triton lowering accumulates with fp32 atomics; declare {st.grad} f32")
+        names = self.variant_names(st, self.local(st.scores))
+        rows, cols = names["q_idx"].code, names["kv_idx"].code
+        in_range = f"({rows} < {self.m_dim}) & ({cols} < {self.n_dim})"
+        ds = self.local(st.tile)
+        for index, partial in aux_partials(self.p.score_mod.body, st.aux):
+            if len(index) != len(grad.shape):
+                raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
+            self.aux_scatter(st.grad, grad, index, f"{ds} * {_wrap(_strip(lower_expr(partial, self.ctx(names))))}",
+                             in_range, names)
+
+    def aux_scatter(self, name: str, grad: Param, index: tuple[Expr, ...], value: str, in_range: str,
+                    names: dict[str, Sym]) -> None:
+        """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along."""
+        ctx = self.ctx(names)
+        terms, guards = [], []
+        for i, (e, d) in enumerate(zip(index, grad.shape)):
+            code = _wrap(_strip(lower_expr(e, ctx)))
+            terms.append(f"{code} * stride_{name}_{i}")
+            if not is_nonneg(e, ctx):
+                guards.append(f"({code} >= 0)")
+            if not (e.op is ExprOp.VAR and names.get(str(e.value), Sym("", Kind.INT)).below == self._dim(d)):
+                guards.append(f"({code} < {self._dim(d)})")
+        moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
+        if moves == {"q_idx", "kv_idx"}:
+            val, guards = value, [in_range, *guards]
+        else:
+            kept = f"tl.where({in_range}, {value}, 0.0)"
+            val = f"tl.sum({kept}, 1, keep_dims=True)" if moves == {"q_idx"} else \
+                f"tl.sum({kept}, 0, keep_dims=True)" if moves == {"kv_idx"} else f"tl.sum(tl.sum({kept}, 1), 0)"
+        mask = f", mask={' & '.join(guards)}" if guards else ""
+        self.emit(f"tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
         m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
@@ -1284,6 +1430,13 @@ class _KernelGen:
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
         self.block(self.k.body)
         return self.lines
+
+
+def _float_code(x: float) -> str:
+    """A float constant as Triton / Python source (infinities as float(...))."""
+    if x == float("-inf"):
+        return _NEG_INF
+    return 'float("inf")' if x == float("inf") else repr(float(x))
 
 
 def _strip(code: str) -> str:
@@ -1639,30 +1792,46 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     `designs` ({arch: {head-dim bucket: designs best first}}) are the launch parameters the module picks from on a
     GPU; without them (or for a GPU they miss) it times what it has once per shape, including the program's schedule."""
     opts = options or LowerOptions()
+    if is_backward(p):
+        from kb.lower.triton_bwd import lower_backward
+
+        return lower_backward(p, opts, designs)
     check_attention_params(p, "Triton")
     plan = plan_block_mask(p)
-    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body))
-    tensors = tuple(q for q in p.params if q.role is not Role.SCALAR)
-    runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
-    sig = _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
-                     table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
-                     even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
-                     tma=opts.tma, ws=opts.tma and opts.warp_specialize)
+    sig = program_signature(p, opts, plan)
     packs = _packing(p, opts, designs)
-    bodies = [(kernel_fn_name(k), _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
-    if isinstance(packs, dict):
-        bodies += [(packed_fn_name(k), _KernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
     out = [f'"""Triton kernels for IR program `{p.name}`: generated by kb.lower.triton, do not edit."""', "", _PREAMBLE]
-    for fn, lines in bodies:
-        args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
-        out += ["", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    out += kernel_sources(p, sig, plan, opts, packs)
     if sig.table:
         out += ["", *_class_kernel(p, sig, plan)]
     out += ["", *_design_lines(p, designs, packs), *_host(p, sig, plan, packs)]
     return "\n".join(out).rstrip() + "\n"
 
 
-def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]:
+def program_signature(p: Program, opts: LowerOptions, plan: BlockMaskPlan) -> _Signature:
+    """The argument list every kernel of `p` receives (completed while the kernels are generated)."""
+    has_if = any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body))
+    tensors = tuple(q for q in p.params if q.role is not Role.SCALAR)
+    runtime_dims = tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS)
+    return _Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
+                      table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
+                      even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
+                      tma=opts.tma, ws=opts.tma and opts.warp_specialize)
+
+
+def kernel_sources(p: Program, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions, packs: dict | str) -> list[str]:
+    """The `@triton.jit` functions of `p`'s kernels (and their packed forms), all with the final shared signature."""
+    bodies = [(kernel_fn_name(k), _KernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    if isinstance(packs, dict):
+        bodies += [(packed_fn_name(k), _KernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
+    out: list[str] = []
+    for fn, lines in bodies:
+        args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
+        out += ["", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
+    return out
+
+
+def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan, name: str = "_block_class_kernel") -> list[str]:
     """`_block_class_kernel`: one program per (b, h, m block, n block) of the table writes that tile's class of
     mask_mod (0 empty, 1 partial, 2 full; a tile past N is never full), evaluated in registers on the GPU."""
     assert p.mask_mod is not None
@@ -1699,7 +1868,7 @@ def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan) -> list[str]
         f"cls = tl.where(n_att == 0, {EMPTY}, tl.where((n_att == n_in) & ((j + 1) * BLOCK_N <= {n_dim}), {FULL}, {PARTIAL}))",
         "tl.store(bc_ptr + b * stride_bc_0 + h * stride_bc_1 + m * stride_bc_2 + j * stride_bc_3, cls.to(tl.int8))",
     ]
-    return ["@triton.jit", "def _block_class_kernel(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
+    return ["@triton.jit", f"def {name}(", *(f"    {a}," for a in args), "):", *(f"    {x}" for x in body), ""]
 
 
 def _split_kernels(p: Program) -> list[Kernel]:
@@ -1767,7 +1936,21 @@ def _out_dtype(q: Param, first_in: Param) -> str:
     return _TORCH_DTYPE[q.dtype]
 
 
-def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str) -> list[str]:
+@dataclass(frozen=True)
+class HostEntry:
+    """What a module's host function is: the forward's `forward` by default; kb.lower.triton_bwd makes `backward`
+    (its own design chooser and block-class kernel, so it can sit in one module beside a forward)."""
+
+    name: str = "forward"
+    chooser: str = "_choose_design"  # picks the design per GPU and shape
+    class_kernel: str = "_block_class_kernel"
+    table_tag: str = ""  # leading entries of the block-table cache key (code), e.g. '"bwd", '
+    zeroed: tuple[str, ...] = ()  # tensors allocated zero-filled (accumulated into)
+    returns: tuple[str, ...] = ()  # the returned expressions; () = the OUT params
+    table_helper: bool = True  # emit block_class_table()
+
+
+def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str, entry: HostEntry = HostEntry()) -> list[str]:
     ins = [q for q in p.params if q.role is Role.IN]
     aux = [q for q in p.params if q.role is Role.AUX]
     outs = [q for q in p.params if q.role is Role.OUT]
@@ -1777,14 +1960,15 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str) -
     names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
     sig_text = ", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else "")
-    L = [f"def forward({sig_text}, _design=None, **aux_and_scalars):",
-         f'    """Run `{p.name}`. Returns ({", ".join(q.name for q in outs)}). '
+    returned = ", ".join(entry.returns or tuple(q.name for q in outs))
+    L = [f"def {entry.name}({sig_text}, _design=None, **aux_and_scalars):",
+         f'    """Run `{p.name}`. Returns ({returned}). '
          f'Aux tensors: {", ".join(q.name for q in aux) or "none"}; scalars: {", ".join(q.name for q in scalars) or "none"}.',
          "    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.\"\"\"",
          "    kw = dict(aux_and_scalars)"]
     for q in aux:
         L.append(f'    if "{q.name}" not in kw:')
-        L.append(f'        raise ForwardArgumentError("forward() needs the aux tensor {q.name}={list(q.shape)}")')
+        L.append(f'        raise ForwardArgumentError("{entry.name}() needs the aux tensor {q.name}={list(q.shape)}")')
         L.append(f'    {q.name} = kw.pop("{q.name}")')
     L.append("    dims = {}")
     for q in (*ins, *aux):
@@ -1796,26 +1980,26 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str) -
             L.append(f"    sm_scale = 1.0 / math.sqrt({ins[0].name}.shape[-1]) if sm_scale is None else float(sm_scale)")
         else:
             L.append(f'    if "{q.name}" not in kw:')
-            L.append(f'        raise ForwardArgumentError("forward() needs the scalar {q.name}=...")')
+            L.append(f'        raise ForwardArgumentError("{entry.name}() needs the scalar {q.name}=...")')
             L.append(f'    {q.name} = float(kw.pop("{q.name}"))')
     if sig.table:  # like FlexAttention's block mask: built once by the caller and passed back, or built here
         L.append('    block_class, only_table = kw.pop("block_class", None), kw.pop("_only_block_class", False)')
     L.append("    if kw:")
-    L.append('        raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")')
+    L.append(f'        raise ForwardArgumentError(f"{entry.name}() got unexpected arguments: {{sorted(kw)}}")')
     L.append("")
     L.append("    def launch(design, table_only=False):")
-    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch, packs)]
+    L += ["    " + line if line else line for line in _launch_body(p, sig, plan, hctx, names, ins, aux, outs, scratch, packs, entry)]
     L.append("")
     first = ins[0].name
     dims_key = ", ".join(sig.dims)
     d_dim = "D" if "D" in sig.dims else f"{first}.shape[-1]"
-    L.append(f"    design = tuple(_design) if _design is not None else _choose_design({first}, {d_dim}, "
+    L.append(f"    design = tuple(_design) if _design is not None else {entry.chooser}({first}, {d_dim}, "
              f"({first}.device, {first}.dtype, {dims_key}{',' if len(sig.dims) == 1 else ''}), launch)")
     if sig.table:
         L.append("    return launch(design, table_only=only_table)")
     else:
         L.append("    return launch(design)")
-    if sig.table:
+    if sig.table and entry.table_helper:
         L += ["", "", "def block_class_table(*args, **kw):",
               '    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""',
               "    return forward(*args, _only_block_class=True, **kw)"]
@@ -1830,8 +2014,9 @@ def _grid_code(k: Kernel, hctx: ExprContext, pack: PackPlan | None, split: bool 
 
 
 def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprContext, names: dict,
-                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param], packs: dict | str) -> list[str]:
-    """The body of forward's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
+                 ins: list[Param], aux: list[Param], outs: list[Param], scratch: list[Param], packs: dict | str,
+                 entry: HostEntry = HostEntry()) -> list[str]:
+    """The body of the host's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
     s = p.schedule
     scalars = [q for q in p.params if q.role is Role.SCALAR]
     L = ["    BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)"]
@@ -1878,9 +2063,10 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         scalars_used = ", ".join(n for n in used if n in {q.name for q in scalars})
         cargs = ", ".join([q.name for q in aux] + [f"*{q.name}.stride()" for q in aux] + list(sig.dims)
                           + [q.name for q in scalars] + ["bc", "*bc.stride()", "*bc.shape[1:]"])
-        L.append(f"    classes = lambda bc: _block_class_kernel[(bc.numel(),)]({cargs}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
+        L.append(f"    classes = lambda bc: {entry.class_kernel}[(bc.numel(),)]({cargs}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)")
         L.append("    # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once")
-        L.append(f"    table = block_class if block_class is not None else _cached_table((BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, "
+        L.append(f"    table = block_class if block_class is not None else _cached_table(({entry.table_tag}BLOCK_M, BLOCK_N, "
+                 f"{', '.join(sig.dims)}, "
                  f"{scalars_used}{',' if scalars_used else ''}), ({tensors_used}{',' if tensors_used else ''}), "
                  f"lambda: _hblock_table(_hblock_classes(classes, {nb}, {nh}, {qshape[2]}, {p.param('k').shape[2]}, "
                  f"BLOCK_M, BLOCK_N, {device})))")
@@ -1891,7 +2077,8 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
     for q in (*outs, *scratch):
         shape = ", ".join(str(d) for d in q.shape)
         dtype = _out_dtype(q, ins[0]) if q.role is Role.OUT else _TORCH_DTYPE[q.dtype]
-        L.append(f"    {q.name} = torch.empty(({shape},), dtype={dtype}, device={device})")
+        alloc = "zeros" if q.name in entry.zeroed else "empty"
+        L.append(f"    {q.name} = torch.{alloc}(({shape},), dtype={dtype}, device={device})")
     if sig.tma:
         tma_ts = ", ".join(sig.tma_tensors) + ("," if len(sig.tma_tensors) == 1 else "")
         L.append("    # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow")
@@ -1914,5 +2101,5 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
             L.append(f"{indent}    {', '.join(args)},")
             L.append(f"{indent}    {const_kw}, num_warps=num_warps, num_stages=num_stages,")
             L.append(f"{indent})")
-    L.append(f"    return {', '.join(q.name for q in outs)}")
+    L.append(f"    return {', '.join(entry.returns or tuple(q.name for q in outs))}")
     return L

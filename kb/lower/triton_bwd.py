@@ -1,0 +1,231 @@
+"""Backward Program -> Triton module: the kernels (kb.lower.triton's generator) and a host `backward`, and the
+autograd glue that pairs a forward module with it.
+
+A backward program (`kb.ir.nodes.is_backward`) takes q, k, v, o, dout, lse (+ aux tensors, scalars) and writes
+dq, dk, dv (+ the gradient of each learnable aux tensor an `aux_grad` targets). Its module has:
+- the kernels, one `@triton.jit` function per IR kernel, in the KV-outer FlashAttention-2 shape the IR gives
+  (k, v, dk, dv tiles in registers, `store ... +=` as fp32 atomics, P and dS cast to the inputs' dtype before
+  the tensor-core dots, fp32 accumulation);
+- `backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_scalars) -> (dq, dk, dv, *aux_grads)`:
+  binds dims, zero-fills the accumulated tensors (`accumulated_tensors`), allocates scratch, launches the kernels
+  in order with the IR's grids; dq, dk, dv come back in the inputs' dtype, each aux gradient in its aux tensor's
+  dtype, in the order `BWD_OUTPUTS` names;
+- its own design table and chooser (`BWD_DESIGNS`, `BWD_PROGRAM_DESIGN`, `_choose_bwd_design`) and block-class
+  kernel (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
+  appended to a forward module without clashing with its `forward`, `DESIGNS` or `_block_class_kernel`.
+
+`lower_autograd(fwd, bwd)` is that combined module plus `KBAttentionFunction` (a `torch.autograd.Function`)
+and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o`, differentiable in q, k, v and in every
+learnable aux tensor; `autograd_glue(fwd, bwd)` is the glue text alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kb.errors import KBError
+from kb.ir.design import Design, DesignTable
+from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
+from kb.lower.triton import (
+    _PREAMBLE, HostEntry, LowerOptions, _class_kernel, _host, check_attention_params, kernel_fn_name, kernel_sources,
+    lower_program, plan_block_mask, program_signature,
+)
+
+__all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]
+
+log = logging.getLogger(__name__)
+
+BACKWARD_INPUTS = ("q", "k", "v", "o", "dout", "lse")  # the `in` params of a backward program, in host order
+_GRADS = ("dq", "dk", "dv")
+_CLASS_KERNEL = "_bwd_block_class_kernel"
+
+_BWD_HELPERS = '''\
+_BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
+
+
+def _bwd_fits(design, launch):
+    """Run the backward at `design`; False when the GPU cannot run it (shared memory or registers)."""
+    try:
+        launch(design)
+        return True
+    except triton.runtime.errors.OutOfResources as err:
+        _log.info("%s: design %s does not fit this GPU (%s)", BWD_PROGRAM, design, err)
+        return False
+
+
+def _choose_bwd_design(t, D, key, launch):
+    """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
+    that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
+    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    if key in _BWD_PICKED:
+        return _BWD_PICKED[key]
+    if _interpreting(t):
+        _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
+        return BWD_PROGRAM_DESIGN
+    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
+    bucket = max(16, triton.next_power_of_2(D))
+    listed = BWD_DESIGNS.get(arch, {}).get(bucket, ())
+    choice = next((d for d in listed if _bwd_fits(d, launch)), None)
+    if choice is None:
+        pool = [d for table in BWD_DESIGNS.values() for d in table.get(bucket, ())]
+        pool = list(dict.fromkeys(pool + [BWD_PROGRAM_DESIGN]))
+        from triton.testing import do_bench
+
+        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in pool if _bwd_fits(d, launch)]
+        if not timed:
+            raise RuntimeError(f"{BWD_PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
+        ms, choice = min(timed)
+        _log.warning("%s: no listed backward design for %s at head dim %d fits; timed %d for shape %s, running %s "
+                     "(%.3f ms)", BWD_PROGRAM, arch, D, len(timed), key[2:], choice, ms)
+    _BWD_PICKED[key] = choice
+    return choice
+'''
+
+
+def aux_gradients(p: Program) -> dict[str, str]:
+    """{gradient param: aux tensor} of a backward program's `aux_grad` statements, in the program's param order."""
+    pairs = {st.grad: st.aux for k in p.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
+    return {q.name: pairs[q.name] for q in p.params if q.name in pairs}
+
+
+def check_backward_params(p: Program) -> None:
+    """KBError (one line) unless `p` is a backward program the Triton lowering can host."""
+    if not is_backward(p):
+        raise KBError(f"program {p.name} is not a backward program (it has no `probs` statement)")
+    check_attention_params(p, "Triton")
+    ins = tuple(q.name for q in p.params if q.role is Role.IN)
+    if ins != BACKWARD_INPUTS:
+        raise KBError(f"backward program {p.name}: its `in` params must be {', '.join(BACKWARD_INPUTS)} in this order, "
+                      f"got {', '.join(ins)}")
+    grads = aux_gradients(p)
+    outs = [q.name for q in p.params if q.role is Role.OUT]
+    if sorted(outs) != sorted((*_GRADS, *grads)):
+        raise KBError(f"backward program {p.name}: its `out` params must be dq, dk, dv and the aux_grad targets "
+                      f"({', '.join(grads) or 'none'}), got {', '.join(outs)}")
+
+
+def _returns(p: Program) -> tuple[str, ...]:
+    """What `backward` returns: dq, dk, dv, then each aux gradient in its aux tensor's dtype."""
+    return (*_GRADS, *(f"{g}.to({a}.dtype)" for g, a in aux_gradients(p).items()))
+
+
+def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
+    table = {arch: {bucket: list(dict.fromkeys(d.as_tuple() for d in ds)) for bucket, ds in sorted(by.items())}
+             for arch, by in sorted((designs or {}).items())}
+    own = Design.of_schedule(p.schedule, tma=True, pack_gqa=False).as_tuple()
+    names = (*_GRADS, *aux_gradients(p))
+    return [f"BWD_PROGRAM = {p.name!r}",
+            "# Backward designs per GPU arch and head-dim bucket, best first: (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps,",
+            "# num_stages, tma, pack_gqa); backward programs do not pack GQA heads (their KV-outer loop walks the group)",
+            f"BWD_DESIGNS = {table!r}",
+            "# the backward program's own schedule: run by the interpreter (and verified there)",
+            f"BWD_PROGRAM_DESIGN = {own!r}",
+            f"BWD_OUTPUTS = {names!r}  # what backward() returns, in order",
+            "", ""]
+
+
+def backward_part(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
+    """Everything of `p`'s module after the shared preamble: appendable to a forward module's source."""
+    check_backward_params(p)
+    opts = options or LowerOptions()
+    plan = plan_block_mask(p)
+    sig = program_signature(p, opts, plan)
+    packs = "backward programs do not pack"
+    entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
+                      zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False)
+    out = ["", "", _BWD_HELPERS, *kernel_sources(p, sig, plan, opts, packs)]
+    if sig.table:
+        out += ["", *_class_kernel(p, sig, plan, _CLASS_KERNEL)]
+    out += ["", *_design_lines(p, designs), *_host(p, sig, plan, packs, entry)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def lower_backward(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
+    """The source of a standalone module running backward program `p` (host function `backward`)."""
+    head = f'"""Triton backward kernels for IR program `{p.name}`: generated by kb.lower.triton_bwd, do not edit."""'
+    return "\n".join([head, "", _PREAMBLE.rstrip(), backward_part(p, options, designs)]).rstrip() + "\n"
+
+
+# ------------------------------------------------------------------ autograd
+
+
+def _check_pair(fwd: Program, bwd: Program) -> None:
+    if is_backward(fwd):
+        raise KBError(f"program {fwd.name} is a backward program; autograd needs the forward first")
+    check_backward_params(bwd)
+    outs = [q.name for q in fwd.params if q.role is Role.OUT]
+    if "o" not in outs or "lse" not in outs:
+        raise KBError(f"forward program {fwd.name} must write o and lse (the backward recomputes P from lse); "
+                      f"it writes {', '.join(outs)}")
+    clash = {kernel_fn_name(k) for k in fwd.kernels} & {kernel_fn_name(k) for k in bwd.kernels}
+    if clash:
+        raise KBError(f"forward {fwd.name} and backward {bwd.name} both have kernels {sorted(clash)}; rename one side's")
+    fwd_takes = {q.name for q in fwd.params if q.role in (Role.AUX, Role.SCALAR)}
+    missing = [q.name for q in bwd.params if q.role in (Role.AUX, Role.SCALAR) and q.name not in fwd_takes]
+    if missing:
+        raise KBError(f"backward {bwd.name} needs {', '.join(missing)}, which forward {fwd.name} does not take")
+
+
+def autograd_glue(fwd: Program, bwd: Program) -> str:
+    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
+    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
+    _check_pair(fwd, bwd)
+    outs = [q.name for q in fwd.params if q.role is Role.OUT]
+    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
+    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
+    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    learnable = tuple(aux_gradients(bwd).values())
+    return f'''
+
+# ---- autograd: forward `{fwd.name}` saves lse, backward `{bwd.name}` computes the gradients ----
+_KB_AUX = {aux!r}  # aux tensors of kb_attention, in this order after the scalars
+_KB_BWD_AUX = {bwd_aux!r}  # the ones backward() reads
+_KB_SCALARS = {scalars!r}
+_KB_BWD_SCALARS = {bwd_scalars!r}
+_KB_LEARNABLE = {learnable!r}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
+
+
+class KBAttentionFunction(torch.autograd.Function):
+    """o = attention(q, k, v); backward gives dq, dk, dv and the learnable aux tensors' gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sm_scale, scalars, *aux):
+        outs = forward(q, k, v, sm_scale=sm_scale, **scalars, **dict(zip(_KB_AUX, aux)))
+        o, lse = outs[{outs.index("o")}], outs[{outs.index("lse")}]
+        ctx.save_for_backward(q, k, v, o, lse, *aux)
+        ctx.sm_scale, ctx.scalars = sm_scale, scalars
+        ctx.mark_non_differentiable(lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse, *aux = ctx.saved_tensors
+        named = dict(zip(_KB_AUX, aux))
+        grads = backward(q, k, v, o, dout.to(q.dtype).contiguous(), lse, sm_scale=ctx.sm_scale,
+                         **{{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}}, **{{n: named[n] for n in _KB_BWD_AUX}})
+        aux_grads = dict(zip(_KB_LEARNABLE, grads[3:]))
+        wanted = ctx.needs_input_grad[5:]
+        return (*grads[:3], None, None, *(aux_grads.get(n) if w else None for n, w in zip(_KB_AUX, wanted)))
+
+
+def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
+    """Attention of `{fwd.name}`, differentiable in q, k, v{" and " + ", ".join(learnable) if learnable else ""}."""
+    kw = dict(aux_and_scalars)
+    missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
+    if missing:
+        raise ForwardArgumentError(f"kb_attention() needs {{missing}}")
+    aux = tuple(kw.pop(n) for n in _KB_AUX)
+    scalars = {{n: kw.pop(n) for n in _KB_SCALARS}}
+    if kw:
+        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {{sorted(kw)}}")
+    return KBAttentionFunction.apply(q, k, v, sm_scale, scalars, *aux)
+'''
+
+
+def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = None,
+                   fwd_designs: DesignTable | None = None, bwd_designs: DesignTable | None = None) -> str:
+    """One module: `fwd`'s forward module, `bwd`'s kernels and host `backward`, and the autograd glue."""
+    _check_pair(fwd, bwd)
+    return lower_program(fwd, options, fwd_designs).rstrip() + "\n" + backward_part(bwd, options, bwd_designs) \
+        + autograd_glue(fwd, bwd)
