@@ -187,7 +187,7 @@ def _backward_params(dtype: Dtype, aux: tuple[Param, ...], scalars: tuple[str, .
     )
 
 
-def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, aux_grad: tuple[str, str] | None) -> tuple:
+def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, aux_grads: tuple[tuple[str, str], ...]) -> tuple:
     """One (q block, KV block) step of the KV-outer backward: recompute P, accumulate dV, dK, and dQ by atomics."""
     at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
@@ -207,7 +207,7 @@ def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, au
         Elementwise("dv_acc", E("dv_acc + dvp")),
         Dot("dp", "gt", "vt", trans_b=True),
         SoftmaxGrad("ds", "p", "dp", "dt"),
-        *((AuxGrad(aux_grad[0], aux_grad[1], "ds", "s", **at),) if aux_grad else ()),
+        *(AuxGrad(grad, aux_name, "ds", "s", **at) for grad, aux_name in aux_grads),
         ScoreModGrad("ds", "s", **at),
         Elementwise("ds", E("ds * sm_scale")),
         Dot("dkp", "ds", "qt", trans_b=False, trans_a=True),
@@ -224,17 +224,18 @@ def backward(
     score_mod: str | None = None,
     mask_mod: str | None = None,
     m_lo: str = "0",
+    m_hi: str = "M",
     dtype: Dtype = Dtype.F32,
     aux: tuple[Param, ...] = (),
     scalars: tuple[str, ...] = (),
-    aux_grad: tuple[str, str] | None = None,
+    aux_grads: tuple[tuple[str, str], ...] = (),
     block_classes: bool = False,
     skip_empty: bool = False,
     schedule: Schedule = Schedule(block_m=16, block_n=16, num_warps=4, num_stages=1),
 ) -> Program:
     """The canonical backward (notes/bwd_ir.md): delta = rowsum(dO * O); a KV-outer kernel with dk, dv in registers
-    looping over the group's q heads and the q blocks from `m_lo`, dq by fp32 atomics; a convert kernel for dq.
-    `aux_grad` = (grad, aux) adds `aux_grad grad of aux += ds`; `block_classes` masks only blocks that are not full;
+    looping over the group's q heads and the q blocks in [m_lo, m_hi), dq by fp32 atomics; a convert kernel for dq.
+    Each (grad, aux) of `aux_grads` adds `aux_grad grad of aux += ds` (grad: an f32 out param of aux's shape); `block_classes` masks only blocks that are not full;
     `skip_empty` wraps the q-block step in `if block(...) is not empty`."""
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
     at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
@@ -247,7 +248,7 @@ def backward(
         Store("delta", rows, "dt"),
     ))
     step = _backward_m_body(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
-                            block_classes=block_classes, aux_grad=aux_grad)
+                            block_classes=block_classes, aux_grads=aux_grads)
     if skip_empty:
         step = (IfBlock(BlockClass.EMPTY, True, then=step, **at),)
     kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
@@ -258,7 +259,7 @@ def backward(
         Init("dk_acc", ("BLOCK_N", "HEAD_PAD"), 0.0, Dtype.F32),
         Init("dv_acc", ("BLOCK_N", "HEAD_PAD"), 0.0, Dtype.F32),
         For("h", E("hk * (Hq // Hkv)"), E("(hk + 1) * (Hq // Hkv)"), 1, "forward", (
-            For("m_start", E(m_lo), E("M"), "BLOCK_M", "forward", step),
+            For("m_start", E(m_lo), E(m_hi), "BLOCK_M", "forward", step),
         )),
         Store("dk", kv_tile, "dk_acc"),
         Store("dv", kv_tile, "dv_acc"),
@@ -268,8 +269,8 @@ def backward(
         Load("dqt", "dq_acc", (*rows, Full())),
         Store("dq", (*rows, Full()), "dqt"),
     ))
-    grad_params = () if aux_grad is None else tuple(
-        Param(aux_grad[0], a.shape, Dtype.F32, Role.OUT) for a in aux if a.name == aux_grad[1])
+    shapes = {a.name: a.shape for a in aux}
+    grad_params = tuple(Param(grad, shapes[aux_name], Dtype.F32, Role.OUT) for grad, aux_name in aux_grads)
     return Program(
         name=name,
         params=_backward_params(dtype, aux, scalars) + grad_params,

@@ -1091,23 +1091,29 @@ class _KernelGen:
                     names: dict[str, Sym]) -> None:
         """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along."""
         ctx = self.ctx(names)
-        terms, guards = [], []
+        terms: list[str] = []
+        guards: dict[bool, list[str]] = {True: [], False: []}  # bounds of tile-shaped / scalar indices
         for i, (e, d) in enumerate(zip(index, grad.shape)):
             code = _wrap(_strip(lower_expr(e, ctx)))
             terms.append(f"{code} * stride_{name}_{i}")
+            tiled = bool(free_vars(e) & {"q_idx", "kv_idx"})
             if not is_nonneg(e, ctx):
-                guards.append(f"({code} >= 0)")
+                guards[tiled].append(f"({code} >= 0)")
             if not (e.op is ExprOp.VAR and names.get(str(e.value), Sym("", Kind.INT)).below == self._dim(d)):
-                guards.append(f"({code} < {self._dim(d)})")
+                guards[tiled].append(f"({code} < {self._dim(d)})")
         moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
         if moves == {"q_idx", "kv_idx"}:
-            val, guards = value, [in_range, *guards]
+            val, tile_guards = value, [in_range, *guards[True]]
         else:
             kept = f"tl.where({in_range}, {value}, 0.0)"
             val = f"tl.sum({kept}, 1, keep_dims=True)" if moves == {"q_idx"} else \
                 f"tl.sum({kept}, 0, keep_dims=True)" if moves == {"kv_idx"} else f"tl.sum(tl.sum({kept}, 1), 0)"
-        mask = f", mask={' & '.join(guards)}" if guards else ""
-        self.emit(f"tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
+            tile_guards = guards[True]
+        mask = f", mask={' & '.join(tile_guards)}" if tile_guards else ""
+        if guards[False]:  # scalar bounds guard the whole update (a scalar term in a tile mask trips the interpreter)
+            self.emit(f"if {' & '.join(guards[False])}:")
+        pad = "    " if guards[False] else ""
+        self.emit(f"{pad}tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
         m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
@@ -1241,7 +1247,7 @@ class _KernelGen:
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
-        sym = Sym(loop_var, Kind.INT, is_nonneg(st.lo, self.ctx()))
+        sym = Sym(loop_var, Kind.INT, is_nonneg(st.lo, self.ctx()), self.loop_below(st))
         if st.order not in ("reverse", "forward"):
             raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
         started = self.start_hoist(st)
@@ -1259,6 +1265,22 @@ class _KernelGen:
         self.block(st.body)
         self.depth -= 1
         self.end_hoist(started)
+
+    def loop_below(self, st: For) -> str | None:
+        """The dim a loop variable stays below, when the bound says so: `hi` a dim, or a GQA group's head range
+        `(g + 1) * (H // G)` with g a grid axis below G (aux loads indexed by it then need no guard)."""
+        hi = st.hi
+        if hi.op is ExprOp.VAR and str(hi.value) in self.sig.dims:
+            return str(hi.value)
+        if hi.op is not ExprOp.MUL or not self.backward:
+            return None
+        g1, ratio = hi.args
+        if ratio.op is not ExprOp.FLOORDIV or g1.op is not ExprOp.ADD or g1.args[1] != const(1) \
+                or g1.args[0].op is not ExprOp.VAR or any(a.op is not ExprOp.VAR for a in ratio.args):
+            return None
+        g = self.names.get(str(g1.args[0].value))
+        big, small = (str(a.value) for a in ratio.args)
+        return big if g is not None and g.below == small and big in self.sig.dims else None
 
     def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
         """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order)."""

@@ -40,6 +40,30 @@ _GRADS = ("dq", "dk", "dv")
 _CLASS_KERNEL = "_bwd_block_class_kernel"
 
 _BWD_HELPERS = '''\
+def _bwd_interpreter_compat():
+    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
+    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
+    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kb_bwd_compat", False):
+        return
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def bool_splat(self, ret_ty, arg):
+        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
+            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
+        return splat(self, ret_ty, arg)
+
+    interpreter.InterpreterBuilder.create_splat = bool_splat
+    interpreter._kb_bwd_compat = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _bwd_interpreter_compat()
+
+
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
 
 
