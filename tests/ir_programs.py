@@ -187,8 +187,10 @@ def _backward_params(dtype: Dtype, aux: tuple[Param, ...], scalars: tuple[str, .
     )
 
 
-def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, aux_grads: tuple[tuple[str, str], ...]) -> tuple:
-    """One (q block, KV block) step of the KV-outer backward: recompute P, accumulate dV, dK, and dQ by atomics."""
+def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, aux_grads: tuple[tuple[str, str], ...],
+                     dq_atomic: bool = True) -> tuple:
+    """One (q block, KV block) step of the KV-outer backward: recompute P, accumulate dV, dK, and dQ by atomics
+    (without `dq_atomic`, dQ is left to a separate pass)."""
     at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
     mask = Mask("sm", use_mask_mod=mask_mod, **at)
@@ -212,10 +214,45 @@ def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, au
         Elementwise("ds", E("ds * sm_scale")),
         Dot("dkp", "ds", "qt", trans_b=False, trans_a=True),
         Elementwise("dk_acc", E("dk_acc + dkp")),
-        Dot("dqp", "ds", "kt", trans_b=False),
-        Store("dq_acc", (*rows, Full()), "dqp", accumulate=True),
     ]
+    if dq_atomic:
+        body += [Dot("dqp", "ds", "kt", trans_b=False), Store("dq_acc", (*rows, Full()), "dqp", accumulate=True)]
     return tuple(body)
+
+
+def _dq_pass(lo: str, hi: str, *, score_mod: bool, mask_mod: bool, block_classes: bool) -> tuple:
+    """A q-block program's dQ: loop over KV blocks in [lo, hi), recompute P and dS, accumulate dQ in registers."""
+    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
+    kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
+    mask = Mask("sm", use_mask_mod=mask_mod, **at)
+    loop = For("n_start", E(lo), E(hi), "BLOCK_N", "forward", (
+        Load("kt", "k", kv_tile),
+        Load("vt", "v", kv_tile),
+        Dot("s", "qt", "kt", trans_b=True),
+        Elementwise("s", E("s * sm_scale")),
+        Elementwise("sm", E("s")),
+        *((ScoreMod("sm", **at),) if score_mod else ()),
+        IfBlock(BlockClass.FULL, True, then=(mask,), **at) if block_classes else mask,
+        Probs("p", "sm", "lt"),
+        Dot("dp", "gt", "vt", trans_b=True),
+        SoftmaxGrad("ds", "p", "dp", "dt"),
+        ScoreModGrad("ds", "s", **at),
+        Elementwise("ds", E("ds * sm_scale")),
+        Dot("dqp", "ds", "kt", trans_b=False),
+        Elementwise("dq_t", E("dq_t + dqp")),
+    ))
+    return (
+        Let("hk", E("h // (Hq // Hkv)")),
+        Let("m_start", E("m * BLOCK_M")),
+        Load("qt", "q", (*rows, Full())),
+        Load("gt", "dout", (*rows, Full())),
+        Load("lt", "lse", rows, other=float("inf")),
+        Load("dt", "delta", rows),
+        Init("dq_t", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32),
+        loop,
+        Store("dq", (*rows, Full()), "dq_t"),
+    )
 
 
 def backward(
@@ -231,12 +268,14 @@ def backward(
     aux_grads: tuple[tuple[str, str], ...] = (),
     block_classes: bool = False,
     skip_empty: bool = False,
+    dq_pass: tuple[str, str] | None = None,
     schedule: Schedule = Schedule(block_m=16, block_n=16, num_warps=4, num_stages=1),
 ) -> Program:
     """The canonical backward (notes/bwd_ir.md): delta = rowsum(dO * O); a KV-outer kernel with dk, dv in registers
     looping over the group's q heads and the q blocks in [m_lo, m_hi), dq by fp32 atomics; a convert kernel for dq.
     Each (grad, aux) of `aux_grads` adds `aux_grad grad of aux += ds` (grad: an f32 out param of aux's shape); `block_classes` masks only blocks that are not full;
-    `skip_empty` wraps the q-block step in `if block(...) is not empty`."""
+    `skip_empty` wraps the q-block step in `if block(...) is not empty`. `dq_pass` = (lo, hi): dq by a separate pass
+    instead (kernel bwd_dq over q blocks loops over KV blocks in [lo, hi), recomputing P and dS; no atomics)."""
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
     at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
     preprocess = Kernel("bwd_preprocess", (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", E("cdiv(M, BLOCK_M)"))), (
@@ -248,7 +287,7 @@ def backward(
         Store("delta", rows, "dt"),
     ))
     step = _backward_m_body(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
-                            block_classes=block_classes, aux_grads=aux_grads)
+                            block_classes=block_classes, aux_grads=aux_grads, dq_atomic=dq_pass is None)
     if skip_empty:
         step = (IfBlock(BlockClass.EMPTY, True, then=step, **at),)
     kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
@@ -268,12 +307,13 @@ def backward(
         Let("m_start", E("m * BLOCK_M")),
         Load("dqt", "dq_acc", (*rows, Full())),
         Store("dq", (*rows, Full()), "dqt"),
-    ))
+    ) if dq_pass is None else _dq_pass(*dq_pass, score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+                                       block_classes=block_classes))
     shapes = {a.name: a.shape for a in aux}
     grad_params = tuple(Param(grad, shapes[aux_name], Dtype.F32, Role.OUT) for grad, aux_name in aux_grads)
     return Program(
         name=name,
-        params=_backward_params(dtype, aux, scalars) + grad_params,
+        params=tuple(x for x in _backward_params(dtype, aux, scalars) if dq_pass is None or x.name != "dq_acc") + grad_params,
         schedule=schedule,
         kernels=(preprocess, dkdv, convert),
         score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, E(score_mod)) if score_mod else None,

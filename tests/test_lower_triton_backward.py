@@ -96,6 +96,14 @@ CASES = {
         score=lambda s, b, h, q, k, aux, sc: s * aux["temp"][h] + aux["qb"][b, q] + aux["kb"][k],
         aux={"temp": lambda B, Hq, N: torch.tensor([0.7, 1.3]), "qb": lambda B, Hq, N: torch.randn(B, N),
              "kb": lambda B, Hq, N: torch.randn(N)}),
+    "causal_dq_pass": Case(  # dq by a separate pass over KV blocks (no atomics; its KV loop split by block class)
+        lambda: backward("causal_dq_pass_bwd", mask_mod="q_idx >= kv_idx", m_lo=SLIDE, block_classes=True,
+                         dq_pass=("0", "minimum(N, m_start + BLOCK_M)")), mask=_causal),
+    "softcap_gqa_dq_pass": Case(
+        lambda: backward("softcap_dq_pass_bwd", score_mod="softcap * tanh(score / softcap)", scalars=("softcap",),
+                         dq_pass=("0", "N")),
+        score=lambda s, b, h, q, k, aux, sc: sc["softcap"] * torch.tanh(s / sc["softcap"]), scalars={"softcap": 1.5},
+        hq=4, hkv=2),
     "empty_rows": Case(  # rows 0..2 attend to nothing: lse = -inf there, their gradients 0
         lambda: backward("empty_rows_bwd", mask_mod="kv_idx + 3 <= q_idx", block_classes=True, skip_empty=True),
         mask=lambda b, h, q, k, aux: k + 3 <= q),
@@ -260,8 +268,12 @@ def test_generated_code_shape_follows_fa2() -> None:
     dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
     head, loop = dkdv.split("for h in range(", 1)
     assert "kt = " in head and "vt = " in head  # k, v loaded once per program, dk, dv accumulated in registers
-    assert "dv_acc = tl.dot(tl.trans(p.to(gt.dtype)), gt, dv_acc)" in loop  # p in the inputs' dtype, fp32 acc
-    assert "dk_acc = tl.dot(tl.trans(ds.to(qt.dtype)), qt, dk_acc)" in loop
+    # score tiles held transposed (kv rows, q columns): P^T and dS^T enter the dV, dK dots as they are, in the
+    # inputs' dtype, accumulating in fp32 registers
+    assert "s = tl.dot(kt, tl.trans(qt))" in loop and "p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])" in loop
+    assert "dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc)" in loop
+    assert "dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc)" in loop
+    assert "_desc_dq_acc_all.atomic_add([b, h, m_start, 0]" in loop  # Hopper: dq tiles by TMA reduce-add
     assert 'tl.atomic_add(dq_acc_ptr + ' in loop and 'sem="relaxed")' in loop
     assert 'input_precision="ieee"' not in src
     assert "dq_acc = torch.zeros(" in src and "delta = torch.empty(" in src  # accumulated tensors start at 0

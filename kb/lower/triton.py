@@ -399,8 +399,9 @@ def _max_all(es: list[Expr]) -> Expr:
 
 @dataclass(frozen=True)
 class _Tile:
-    shape: tuple[str, ...]  # size codes (constexpr names or int literals)
+    shape: tuple[str, ...]  # size codes (constexpr names or int literals), in the IR's orientation
     dtype: Dtype
+    t: bool = False  # held transposed (a score tile [BLOCK_M, BLOCK_N] of a KV-major kernel, as [BLOCK_N, BLOCK_M])
 
 
 @dataclass
@@ -512,6 +513,10 @@ class _KernelGen:
         self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
         self.backward = is_backward(p)  # backward programs: 16-bit tiles widened in elementwise math, dot operand casts
         self.loaded: set[str] = set()  # tiles that hold a load's values (in the tensor's dtype at run time)
+        # a backward kernel looping over q blocks (KV-outer: dk, dv of one KV block) holds its score tiles transposed,
+        # kv rows by q columns, so P^T and dS^T enter the dV, dK dots as they are (no register transposes)
+        self.kv_major = self.backward and pack is None and any(
+            isinstance(x, For) and str(x.step) == "BLOCK_M" for x in walk_stmts(k.body))
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.region: _Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
@@ -526,6 +531,8 @@ class _KernelGen:
         self.hoist: tuple[int, int, set[str]] | None = None
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
         self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
+        self.prologue = 0  # line after the grid-axis decode: whole-tensor descriptors are built there
+        self.whole_descs: dict[str, str] = {}  # tensor -> its whole-tensor descriptor (TMA reduce-add targets)
         self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
         for d in sig.dims:
             self.names[d] = Sym(d, Kind.INT, True)
@@ -610,12 +617,25 @@ class _KernelGen:
         self.offs[-1][key] = name
         return name
 
-    def set_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype) -> str:
+    def set_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype, t: bool = False) -> str:
         code = self.local(ir_name)
-        self.tiles[ir_name] = _Tile(shape, dtype)
+        self.tiles[ir_name] = _Tile(shape, dtype, t)
         self.loaded.discard(ir_name)
         self.names[ir_name] = Sym(code, _KIND[dtype])
         return code
+
+    def score_shaped(self, shape: tuple[str, ...]) -> bool:
+        """Is a tile of this (IR) shape held transposed here (a KV-major kernel's [BLOCK_M, BLOCK_N] tiles)?"""
+        return self.kv_major and shape == ("BLOCK_M", "BLOCK_N")
+
+    def oriented(self, ir_name: str, t: bool, code: str | None = None) -> str:
+        """The code of tile `ir_name` (or `code` computing it) held transposed iff `t`."""
+        code = code or self.local(ir_name)
+        return f"tl.trans({code})" if self.tile(ir_name).t != t else code
+
+    def rows(self, ir_name: str, vec: str) -> str:
+        """Row vector `vec` (one value per IR row, per q) broadcast over the 2-D tile `ir_name` as it is held."""
+        return f"{vec}[None, :]" if self.tile(ir_name).t else f"{vec}[:, None]"
 
     def tile(self, ir_name: str) -> _Tile:
         try:
@@ -877,8 +897,7 @@ class _KernelGen:
             self.accumulate_store(st)
             return
         ptr, mask, _ = self.address(st.tensor, st.index)
-        self.tile(st.value)
-        value = f"{self.local(st.value)}.to({st.tensor}_ptr.dtype.element_ty)"
+        value = f"{self.oriented(st.value, False)}.to({st.tensor}_ptr.dtype.element_ty)"
         plain = f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")")
         desc = self.tma_desc(st.tensor, st.index)
         if desc is None:
@@ -894,10 +913,11 @@ class _KernelGen:
             if isinstance(d, str) and d not in SCHEDULE_CONSTANTS:
                 raise KBError(f"init {st.out}: tile dims must be schedule constants or ints, got {d!r}")
         shape = tuple(str(d) for d in st.shape)
-        out = self.set_tile(st.out, shape, st.dtype)
+        t = self.score_shaped(shape)
+        out = self.set_tile(st.out, shape, st.dtype, t)
         fill = _NEG_INF if st.fill == float("-inf") else repr(float(st.fill)) if _KIND[st.dtype] is Kind.FLOAT \
             else repr(int(st.fill))
-        self.emit(f"{out} = tl.full([{', '.join(shape)}], {fill}, {_TL_DTYPE[st.dtype]})")
+        self.emit(f"{out} = tl.full([{', '.join(shape[::-1] if t else shape)}], {fill}, {_TL_DTYPE[st.dtype]})")
 
     def _prec(self, *tiles: _Tile) -> str:
         return ', input_precision="ieee"' if all(t.dtype is Dtype.F32 for t in tiles) else ""
@@ -906,20 +926,24 @@ class _KernelGen:
         a, b = self.tile(st.a), self.tile(st.b)
         rows = a.shape[-1] if st.trans_a else a.shape[0]
         n = b.shape[0] if st.trans_b else b.shape[-1]
-        acode, bcode = self.dot_operands(st)
-        out = self.set_tile(st.out, (rows, n), Dtype.F32)
+        t = self.score_shaped((rows, n))
+        acode, bcode = self.dot_operands(st, t)
+        out = self.set_tile(st.out, (rows, n), Dtype.F32, t)
         self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
 
-    def dot_operands(self, st: Dot) -> tuple[str, str]:
+    def dot_operands(self, st: Dot, out_t: bool = False) -> tuple[str, str]:
         """The operand codes of `st`, transposed as asked. In a backward program a computed fp32 tile (P, dS) meeting a
-        loaded one enters the tensor cores in the loaded tile's dtype (FlashAttention's choice; fp32 accumulation)."""
+        loaded one enters the tensor cores in the loaded tile's dtype (FlashAttention's choice; fp32 accumulation).
+        An output held transposed is computed as trans(b') @ trans(a'); operands held transposed are used as held."""
         a, b = self.local(st.a), self.local(st.b)
         if self.backward and (st.a in self.loaded) != (st.b in self.loaded):
             if st.a in self.loaded:
                 b = f"{b}.to({a}.dtype)"
             else:
                 a = f"{a}.to({b}.dtype)"
-        return (f"tl.trans({a})" if st.trans_a else a), (f"tl.trans({b})" if st.trans_b else b)
+        if out_t:
+            return self.oriented(st.b, not st.trans_b, b), self.oriented(st.a, not st.trans_a, a)
+        return self.oriented(st.a, st.trans_a, a), self.oriented(st.b, st.trans_b, b)
 
     def dot_accumulator(self, st: Stmt, rest: tuple[Stmt, ...]) -> str | None:
         """X when `st` is `dot t = ...` followed by `elementwise X = X + t` (or `t + X`), X an fp32 tile of the dot's
@@ -936,7 +960,7 @@ class _KernelGen:
         return acc if self.tiles[acc].shape == shape and readers == [rest[0]] else None
 
     def dot_into(self, st: Dot, acc: str) -> None:
-        acode, bcode = self.dot_operands(st)
+        acode, bcode = self.dot_operands(st, self.tile(acc).t)
         code = self.local(acc)
         self.emit(f"{code} = tl.dot({acode}, {bcode}, {code}{self._prec(self.tile(st.a), self.tile(st.b))})"
                   f"  # {st.out} = {st.a} @ {st.b} added into {acc}")
@@ -948,9 +972,51 @@ class _KernelGen:
             raise KBError(f"store {st.tensor}[...] += {st.value}: the Triton lowering accumulates with fp32 atomics; "
                           f"declare {st.tensor} f32 (it is {prm.dtype.value})")
         ptr, mask, _ = self.address(st.tensor, st.index)
-        self.tile(st.value)
-        value = f"{self.local(st.value)}.to(tl.float32)"
-        self.emit(f"tl.atomic_add({ptr}, {value}" + (f", mask={mask}" if mask else "") + ', sem="relaxed")')
+        value = f"{self.oriented(st.value, False)}.to(tl.float32)"
+        plain = f"tl.atomic_add({ptr}, {value}" + (f", mask={mask}" if mask else "") + ', sem="relaxed")'
+        reduce = self.tma_reduce(st, value)
+        if reduce is None:
+            self.emit(plain)
+            return
+        self.emit("if USE_TMA:  # one bulk reduce-add of the tile (TMA), out-of-range rows and columns dropped")
+        self.emit(f"    {reduce}")
+        self.emit("else:")
+        self.emit(f"    {plain}")
+
+    def tma_reduce(self, st: Store, value: str) -> str | None:
+        """`desc.atomic_add(...)` of an accumulating 2-D tile store `t[e.., Span|Full, Span|Full] += x` through a
+        descriptor over the whole tensor (unit leading block dims), built once at the kernel's start; None where the
+        tile is not such a tile (the element atomics then stay the only form)."""
+        if not self.sig.tma or self.packed_dims(st.tensor, st.index) is not None:
+            return None
+        prm = self.p.param(st.tensor)
+        n = len(prm.shape)
+        if n < 2 or any(not isinstance(i, Expr) for i in st.index[:-2]) or any(isinstance(i, Expr) for i in st.index[-2:]):
+            return None
+        sizes, starts = [], []
+        for d, item in zip(prm.shape[-2:], st.index[-2:]):
+            size = str(item.size) if isinstance(item, Span) else self._full_size(d)
+            if (isinstance(item, Span) and not is_nonneg(item.start, self.ctx())) \
+                    or not (size in SCHEDULE_CONSTANTS or (size.isdigit() and 16 <= int(size) <= 256)):
+                return None
+            sizes.append(size)
+            starts.append(self.ex(item.start) if isinstance(item, Span) else "0")
+        if st.tensor not in self.whole_descs:
+            name = self._fresh(f"_desc_{st.tensor}_all")
+            block = ["1"] * (n - 2) + sizes
+            make = (f"{name} = tl.make_tensor_descriptor({st.tensor}_ptr, shape=[{', '.join(self._dim(d) for d in prm.shape)}], "
+                    f"strides=[{', '.join(f'stride_{st.tensor}_{i}' for i in range(n - 1))}, 1], "
+                    f"block_shape=[{', '.join(block)}]) if USE_TMA else None")
+            self.lines.insert(self.prologue, "    " + make)
+            self.prologue += 1
+            if self.hoist is not None and self.hoist[0] >= self.prologue - 1:
+                self.hoist = (self.hoist[0] + 1, *self.hoist[1:])
+            self.whole_descs[st.tensor] = name
+            if st.tensor not in self.sig.tma_tensors:
+                self.sig.tma_tensors.append(st.tensor)
+        lead = [self.ex(e) for e in st.index[:-2]]
+        shape = ", ".join(["1"] * (n - 2) + sizes)
+        return f"{self.whole_descs[st.tensor]}.atomic_add([{', '.join(lead + starts)}], {value}.reshape([{shape}]))"
 
     def s_elementwise(self, st: Elementwise) -> None:
         if st.out in self.fold_next:
@@ -962,21 +1028,27 @@ class _KernelGen:
             return
         used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
         shape = max((t.shape for t in used), key=len, default=())
-        code = self.ex(st.value) if not self.backward else _strip(lower_expr(st.value, self.ctx(self.widened(st.value))))
+        t = any(x.t for x in used)  # held transposed when any operand is (the others are transposed to match)
+        code = self.ex(st.value) if not self.backward else _strip(lower_expr(st.value, self.ctx(self.widened(st.value, t))))
         kind = expr_kind(st.value, self.ctx())
         dtype = Dtype.F32 if kind is Kind.FLOAT else Dtype.I32 if kind is Kind.INT else Dtype.BOOL
         if not shape:
             self.bind_scalar(st.out, st.value)
             return
-        out = self.set_tile(st.out, shape, dtype)
+        out = self.set_tile(st.out, shape, dtype, t)
         self.emit(f"{out} = {code}")
 
-    def widened(self, e: Expr) -> dict[str, Sym]:
-        """Names with the loaded float tiles `e` reads widened to fp32 (backward math on 16-bit O, dO: delta)."""
+    def widened(self, e: Expr, t: bool = False) -> dict[str, Sym]:
+        """Names with the loaded float tiles `e` reads widened to fp32 (backward math on 16-bit O, dO: delta), and
+        its 2-D tiles held as the result is (transposed iff `t`)."""
         names = dict(self.names)
-        for n in free_vars(e) & self.loaded:
-            if _KIND[self.tiles[n].dtype] is Kind.FLOAT:
-                names[n] = Sym(f"{self.names[n].code}.to(tl.float32)", Kind.FLOAT)
+        for n in free_vars(e) & set(self.tiles):
+            tile, code = self.tiles[n], self.names[n].code
+            if n in self.loaded and _KIND[tile.dtype] is Kind.FLOAT:
+                code = f"{code}.to(tl.float32)"
+            if len(tile.shape) == 2 and tile.t != t:
+                code = f"tl.trans({code})"
+            names[n] = Sym(code, self.names[n].kind)
         return names
 
     def s_reduce(self, st: Reduce) -> None:
@@ -984,7 +1056,7 @@ class _KernelGen:
         if st.kind not in ("max", "sum"):
             raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
         out = self.set_tile(st.out, tuple(s for i, s in enumerate(src.shape) if i != st.axis), src.dtype)
-        self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {st.axis})")
+        self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {1 - st.axis if src.t else st.axis})")
 
     def variant_names(self, st: ScoreMod | Mask, score: str | None) -> dict[str, Sym]:
         tile = self.tile(st.tile)
@@ -996,13 +1068,14 @@ class _KernelGen:
         names.update({s.name: self.names[s.name] for s in self.sig.scalars})
         names["b"] = self.index_sym(st.b)
         names["h"] = self.index_sym(st.h)
-        names["q_idx"] = Sym(f"{om}[:, None]", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
+        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.q_start, self.ctx()))
         if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
             head, qpos = self.pack_rows(om)
             names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
             if st.h == var(self.pack.head):
                 names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
-        names["kv_idx"] = Sym(f"{on}[None, :]", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
         return names
@@ -1041,19 +1114,21 @@ class _KernelGen:
         if len(s_t.shape) != 2 or len(l_t.shape) != 1:
             raise KBError(f"probs {st.out}: needs a 2-D score tile and a row vector, got {s_t.shape} and {l_t.shape}")
         s, lse = self.local(st.scores), self.local(st.lse)
-        out = self.set_tile(st.out, s_t.shape, Dtype.F32)
+        lse_bc = self.rows(st.scores, "_lse_log2")
+        out = self.set_tile(st.out, s_t.shape, Dtype.F32, s_t.t)
         self.emit(f"# p = exp({s} - {lse}); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0")
         self.emit(f'_lse_log2 = tl.where({lse} == {_NEG_INF}, float("inf"), {lse}) * {_LOG2E}')
-        self.emit(f"{out} = tl.exp2({s} * {_LOG2E} - _lse_log2[:, None])")
+        self.emit(f"{out} = tl.exp2({s} * {_LOG2E} - {lse_bc})")
 
     def s_softmaxgrad(self, st: SoftmaxGrad) -> None:
         p_t, dp_t, d_t = self.tile(st.p), self.tile(st.dp), self.tile(st.delta)
         if len(p_t.shape) != 2 or dp_t.shape != p_t.shape or len(d_t.shape) != 1:
             raise KBError(f"softmax_grad {st.out}: needs p, dp of one 2-D shape and a row vector delta, "
                           f"got {p_t.shape}, {dp_t.shape} and {d_t.shape}")
-        p, dp, delta = self.local(st.p), self.local(st.dp), self.local(st.delta)
-        out = self.set_tile(st.out, p_t.shape, Dtype.F32)
-        self.emit(f"{out} = {p} * ({dp} - {delta}[:, None])")
+        p, dp = self.local(st.p), self.oriented(st.dp, p_t.t)
+        delta = self.rows(st.p, self.local(st.delta))
+        out = self.set_tile(st.out, p_t.shape, Dtype.F32, p_t.t)
+        self.emit(f"{out} = {p} * ({dp} - {delta})")
 
     def s_scoremodgrad(self, st: ScoreModGrad) -> None:
         from kb.ir.derive import score_grad
@@ -1063,7 +1138,7 @@ class _KernelGen:
         if grad.op is ExprOp.CONST and grad.value == 1:
             self.emit(f"# score_mod_grad {code}: d score_mod / d score is 1 here")
             return
-        names = self.variant_names(st, self.local(st.scores))
+        names = self.variant_names(st, self.oriented(st.scores, self.tile(st.tile).t))
         self.emit(f"{code} = {code} * {_wrap(_strip(lower_expr(grad, self.ctx(names))))}  # d score_mod / d score")
 
     def s_auxgrad(self, st: AuxGrad) -> None:
@@ -1077,7 +1152,7 @@ class _KernelGen:
             raise KBError(f"aux_grad {st.grad} of {st.aux}: {st.grad} is not a param of the program") from None
         if grad.dtype is not Dtype.F32:
             raise KBError(f"aux_grad {st.grad}: the Triton lowering accumulates with fp32 atomics; declare {st.grad} f32")
-        names = self.variant_names(st, self.local(st.scores))
+        names = self.variant_names(st, self.oriented(st.scores, self.tile(st.tile).t))
         rows, cols = names["q_idx"].code, names["kv_idx"].code
         in_range = f"({rows} < {self.m_dim}) & ({cols} < {self.n_dim})"
         ds = self.local(st.tile)
@@ -1085,10 +1160,10 @@ class _KernelGen:
             if len(index) != len(grad.shape):
                 raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
             self.aux_scatter(st.grad, grad, index, f"{ds} * {_wrap(_strip(lower_expr(partial, self.ctx(names))))}",
-                             in_range, names)
+                             in_range, names, self.tile(st.tile).t)
 
     def aux_scatter(self, name: str, grad: Param, index: tuple[Expr, ...], value: str, in_range: str,
-                    names: dict[str, Sym]) -> None:
+                    names: dict[str, Sym], t: bool = False) -> None:
         """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along."""
         ctx = self.ctx(names)
         terms: list[str] = []
@@ -1106,8 +1181,9 @@ class _KernelGen:
             val, tile_guards = value, [in_range, *guards[True]]
         else:
             kept = f"tl.where({in_range}, {value}, 0.0)"
-            val = f"tl.sum({kept}, 1, keep_dims=True)" if moves == {"q_idx"} else \
-                f"tl.sum({kept}, 0, keep_dims=True)" if moves == {"kv_idx"} else f"tl.sum(tl.sum({kept}, 1), 0)"
+            kv_axis, q_axis = (0, 1) if t else (1, 0)
+            val = f"tl.sum({kept}, {kv_axis}, keep_dims=True)" if moves == {"q_idx"} else \
+                f"tl.sum({kept}, {q_axis}, keep_dims=True)" if moves == {"kv_idx"} else f"tl.sum(tl.sum({kept}, 1), 0)"
             tile_guards = guards[True]
         mask = f", mask={' & '.join(tile_guards)}" if tile_guards else ""
         if guards[False]:  # scalar bounds guard the whole update (a scalar term in a tile mask trips the interpreter)
@@ -1450,6 +1526,7 @@ class _KernelGen:
         for a in axes:
             below = _wrap(self.ex(a.extent)) if a.extent.op is ExprOp.VAR else None
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
+        self.prologue = len(self.lines)
         self.block(self.k.body)
         return self.lines
 

@@ -539,6 +539,7 @@ def _bwd_dkdv_kernel(
     hk = pid % Hkv
     pid = pid // Hkv
     b = pid
+    _desc_dq_acc_all = tl.make_tensor_descriptor(dq_acc_ptr, shape=[B, Hq, M, D], strides=[stride_dq_acc_0, stride_dq_acc_1, stride_dq_acc_2, 1], block_shape=[1, 1, BLOCK_M, HEAD_PAD]) if USE_TMA else None
     n_start = n * BLOCK_N
     offs_n_start = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -555,24 +556,27 @@ def _bwd_dkdv_kernel(
             gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
             lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, mask=(offs_m_start < M), other=float("inf"))
             dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2, mask=(offs_m_start < M), other=0.0)
-            s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+            s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
             s = s * sm_scale
             sm = s
             # block class in closed form (analytic) for the tile at (m_start, n_start)
             _is_full = ((m_start <= (tl.minimum((m_start + BLOCK_M), M) - 1)) & ((n_start + BLOCK_N) <= N)) & ((m_start + (1 - tl.minimum((n_start + BLOCK_N), N))) >= 0)
             if not _is_full:
-                sm = tl.where((offs_n_start[None, :] < N) & (offs_m_start[:, None] >= offs_n_start[None, :]), sm, float("-inf"))
+                sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
             # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
             _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
-            p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[:, None])
-            dv_acc = tl.dot(tl.trans(p.to(gt.dtype)), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
-            dp = tl.dot(gt, tl.trans(vt), input_precision="ieee")
-            ds = p * (dp - dt[:, None])
+            p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+            dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+            dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+            ds = p * (dp - dt[None, :])
             # score_mod_grad ds: d score_mod / d score is 1 here
             ds = ds * sm_scale
-            dk_acc = tl.dot(tl.trans(ds.to(qt.dtype)), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
-            dqp = tl.dot(ds.to(kt.dtype), kt, input_precision="ieee")
-            tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+            dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+            dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+            if USE_TMA:  # one bulk reduce-add of the tile (TMA), out-of-range rows and columns dropped
+                _desc_dq_acc_all.atomic_add([b, h, m_start, 0], dqp.to(tl.float32).reshape([1, 1, BLOCK_M, HEAD_PAD]))
+            else:
+                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
     _desc_dk = tl.make_tensor_descriptor(dk_ptr + b * stride_dk_0 + hk * stride_dk_1, shape=[N, D], strides=[stride_dk_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     if USE_TMA:
         _desc_dk.store([n_start, 0], dk_acc.to(dk_ptr.dtype.element_ty))
@@ -716,7 +720,7 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         delta = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
         dq_acc = torch.zeros((B, Hq, M, D,), dtype=torch.float32, device=q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
-        USE_TMA = tma and _use_tma((o, dout, k, v, q, dk, dv, dq_acc, dq), (BLOCK_M, BLOCK_N, HEAD_PAD))
+        USE_TMA = tma and _use_tma((o, dout, k, v, q, dq_acc, dk, dv, dq), (BLOCK_M, BLOCK_N, HEAD_PAD))
         _bwd_preprocess_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
