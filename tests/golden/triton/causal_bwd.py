@@ -539,7 +539,6 @@ def _bwd_dkdv_kernel(
     hk = pid % Hkv
     pid = pid // Hkv
     b = pid
-    _desc_dq_acc_all = tl.make_tensor_descriptor(dq_acc_ptr, shape=[B, Hq, M, D], strides=[stride_dq_acc_0, stride_dq_acc_1, stride_dq_acc_2, 1], block_shape=[1, 1, BLOCK_M, HEAD_PAD]) if USE_TMA else None
     n_start = n * BLOCK_N
     offs_n_start = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -573,10 +572,7 @@ def _bwd_dkdv_kernel(
             ds = ds * sm_scale
             dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
             dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
-            if USE_TMA:  # one bulk reduce-add of the tile (TMA), out-of-range rows and columns dropped
-                _desc_dq_acc_all.atomic_add([b, h, m_start, 0], dqp.to(tl.float32).reshape([1, 1, BLOCK_M, HEAD_PAD]))
-            else:
-                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+            tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
     _desc_dk = tl.make_tensor_descriptor(dk_ptr + b * stride_dk_0 + hk * stride_dk_1, shape=[N, D], strides=[stride_dk_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     if USE_TMA:
         _desc_dk.store([n_start, 0], dk_acc.to(dk_ptr.dtype.element_ty))
@@ -720,7 +716,7 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         delta = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
         dq_acc = torch.zeros((B, Hq, M, D,), dtype=torch.float32, device=q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
-        USE_TMA = tma and _use_tma((o, dout, k, v, q, dq_acc, dk, dv, dq), (BLOCK_M, BLOCK_N, HEAD_PAD))
+        USE_TMA = tma and _use_tma((o, dout, k, v, q, dk, dv, dq_acc, dq), (BLOCK_M, BLOCK_N, HEAD_PAD))
         _bwd_preprocess_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
