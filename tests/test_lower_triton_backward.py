@@ -274,7 +274,8 @@ def test_generated_code_shape_follows_fa2() -> None:
     assert "dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc)" in loop
     assert "dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc)" in loop
     assert 'tl.atomic_add(dq_acc_ptr + ' in loop and 'sem="relaxed")' in loop
-    assert 'input_precision="ieee"' not in src
+    own = src.split("_BWD_PICKED = {}", 1)[1]  # what follows the shared preamble
+    assert 'input_precision="ieee"' not in own and "USE_TMA" not in own  # descriptors measured slower here
     assert "dq_acc = torch.zeros(" in src and "delta = torch.empty(" in src  # accumulated tensors start at 0
     assert not any(isinstance(st, Store) and st.accumulate and st.tensor != "dq_acc"
                    for k in causal_bwd().kernels for st in walk_stmts(k.body))

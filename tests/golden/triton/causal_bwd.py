@@ -442,7 +442,6 @@ def _bwd_preprocess_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -454,10 +453,8 @@ def _bwd_preprocess_kernel(
     m_start = m * BLOCK_M
     offs_m_start = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    _desc_o = tl.make_tensor_descriptor(o_ptr + b * stride_o_0 + h * stride_o_1, shape=[M, D], strides=[stride_o_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
-    ot = _desc_o.load([m_start, 0]) if USE_TMA else tl.load(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-    _desc_dout = tl.make_tensor_descriptor(dout_ptr + b * stride_dout_0 + h * stride_dout_1, shape=[M, D], strides=[stride_dout_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
-    gt = _desc_dout.load([m_start, 0]) if USE_TMA else tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+    ot = tl.load(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+    gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
     og = ot.to(tl.float32) * gt.to(tl.float32)
     dt = tl.sum(og, 1)
     tl.store(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2, dt.to(delta_ptr.dtype.element_ty), mask=(offs_m_start < M))
@@ -530,7 +527,6 @@ def _bwd_dkdv_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     # grid (b: B, hk: Hkv, n: cdiv(N, BLOCK_N)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -542,10 +538,8 @@ def _bwd_dkdv_kernel(
     n_start = n * BLOCK_N
     offs_n_start = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
-    _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
-    kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-    _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
-    vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+    kt = tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+    vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
     dk_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
     dv_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
     for h in range(hk * (Hq // Hkv), (hk + 1) * (Hq // Hkv), 1):
@@ -573,16 +567,8 @@ def _bwd_dkdv_kernel(
             dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
             dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
             tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
-    _desc_dk = tl.make_tensor_descriptor(dk_ptr + b * stride_dk_0 + hk * stride_dk_1, shape=[N, D], strides=[stride_dk_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
-    if USE_TMA:
-        _desc_dk.store([n_start, 0], dk_acc.to(dk_ptr.dtype.element_ty))
-    else:
-        tl.store(dk_ptr + b * stride_dk_0 + hk * stride_dk_1 + offs_n_start[:, None] * stride_dk_2 + offs_d[None, :] * stride_dk_3, dk_acc.to(dk_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
-    _desc_dv = tl.make_tensor_descriptor(dv_ptr + b * stride_dv_0 + hk * stride_dv_1, shape=[N, D], strides=[stride_dv_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
-    if USE_TMA:
-        _desc_dv.store([n_start, 0], dv_acc.to(dv_ptr.dtype.element_ty))
-    else:
-        tl.store(dv_ptr + b * stride_dv_0 + hk * stride_dv_1 + offs_n_start[:, None] * stride_dv_2 + offs_d[None, :] * stride_dv_3, dv_acc.to(dv_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
+    tl.store(dk_ptr + b * stride_dk_0 + hk * stride_dk_1 + offs_n_start[:, None] * stride_dk_2 + offs_d[None, :] * stride_dk_3, dk_acc.to(dk_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
+    tl.store(dv_ptr + b * stride_dv_0 + hk * stride_dv_1 + offs_n_start[:, None] * stride_dv_2 + offs_d[None, :] * stride_dv_3, dv_acc.to(dv_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
 
 
 @triton.jit
@@ -652,7 +638,6 @@ def _bwd_dq_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -664,13 +649,8 @@ def _bwd_dq_kernel(
     m_start = m * BLOCK_M
     offs_m_start = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    _desc_dq_acc = tl.make_tensor_descriptor(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1, shape=[M, D], strides=[stride_dq_acc_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
-    dqt = _desc_dq_acc.load([m_start, 0]) if USE_TMA else tl.load(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-    _desc_dq = tl.make_tensor_descriptor(dq_ptr + b * stride_dq_0 + h * stride_dq_1, shape=[M, D], strides=[stride_dq_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
-    if USE_TMA:
-        _desc_dq.store([m_start, 0], dqt.to(dq_ptr.dtype.element_ty))
-    else:
-        tl.store(dq_ptr + b * stride_dq_0 + h * stride_dq_1 + offs_m_start[:, None] * stride_dq_2 + offs_d[None, :] * stride_dq_3, dqt.to(dq_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+    dqt = tl.load(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+    tl.store(dq_ptr + b * stride_dq_0 + h * stride_dq_1 + offs_m_start[:, None] * stride_dq_2 + offs_d[None, :] * stride_dq_3, dqt.to(dq_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
 
 
 BWD_PROGRAM = 'causal_bwd'
@@ -678,7 +658,7 @@ BWD_PROGRAM = 'causal_bwd'
 # num_stages, tma, pack_gqa); backward programs do not pack GQA heads (their KV-outer loop walks the group)
 BWD_DESIGNS = {}
 # the backward program's own schedule: run by the interpreter (and verified there)
-BWD_PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)
+BWD_PROGRAM_DESIGN = (16, 16, 1, 4, 1, False, False)
 BWD_OUTPUTS = ('dq', 'dk', 'dv')  # what backward() returns, in order
 
 
@@ -715,19 +695,17 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         dv = torch.empty((B, Hkv, N, D,), dtype=q.dtype, device=q.device)
         delta = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
         dq_acc = torch.zeros((B, Hq, M, D,), dtype=torch.float32, device=q.device)
-        # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
-        USE_TMA = tma and _use_tma((o, dout, k, v, q, dk, dv, dq_acc, dq), (BLOCK_M, BLOCK_N, HEAD_PAD))
         _bwd_preprocess_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, num_warps=num_warps, num_stages=num_stages,
         )
         _bwd_dkdv_kernel[(B * Hkv * (_hcdiv(N, BLOCK_N)),)](
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, num_warps=num_warps, num_stages=num_stages,
         )
         _bwd_dq_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, num_warps=num_warps, num_stages=num_stages,
         )
         return dq, dk, dv
 
