@@ -1149,6 +1149,9 @@ class _KernelGen:
         self.emit(f"{pad}tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
+        if self.tile(st.scores).t:
+            raise KBError(f"online_softmax of {st.scores}: not supported in a kernel that loops over q blocks (KV-outer); "
+                          "put the forward's KV loop in a kernel of its own")
         m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
         prec = self._prec(self.tile(st.values))
         c = self.folded.pop(st.scores, None)
