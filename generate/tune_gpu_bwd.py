@@ -100,13 +100,14 @@ def read_suite(path: Path) -> list[SuiteRow]:
     return rows
 
 
-def suite_plan(suite: Path, from_dir: Path) -> dict:
-    """A plan (the forward timer's schema) for a suite file: each spec's candidate is `gen_<stem>.py` in `from_dir`,
-    at the spec's BENCH shape, no designs."""
+def suite_plan(suite: Path, from_dir: Path, tier: str | None = None) -> dict:
+    """A plan (the forward timer's schema) for a suite file (only the rows of `tier` if given): each spec's candidate
+    is `gen_<stem>.py` in `from_dir`, at the spec's BENCH shape, no designs."""
     from generate.outputs import output_stem
 
     entries = [{"name": r.spec.stem, "spec": str(r.spec), "candidate": str(Path(from_dir) / f"{output_stem(r.spec)}.py"),
-                "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)]
+                "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)
+               if tier is None or r.tier == tier]
     return {"schema": fwd.PLAN_SCHEMA, "suite": str(suite), "entries": entries}
 
 
@@ -406,6 +407,18 @@ def _ratios(res: dict) -> None:
             res[key] = ms[base] / em
 
 
+_GENERATED = ("verified", "generated, not verified")  # report statuses that leave a candidate (as `kb tune` reads them)
+
+
+def _generate_report(candidate: str) -> dict | None:
+    """The report `kb generate` wrote beside the candidate (`gen_x.report.json`), when there is one."""
+    path = Path(candidate).with_suffix(".report.json")
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def _suite_row(spec_path: str) -> SuiteRow | None:
     """The row of the spec in the backward_suite.txt beside it, if any (plans from `kb bench --plan` lack tiers)."""
     suite = Path(spec_path).parent / "backward_suite.txt"
@@ -418,6 +431,11 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
     out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
                            "tier": entry.get("tier") or (row.tier if row else None),
                            "class": entry.get("class") or (row.klass if row else None), "shapes": []}
+    report = _generate_report(entry["candidate"])
+    if report is not None:
+        out["generate_status"] = report.get("status")
+        if report.get("status") not in _GENERATED:
+            return {**out, "error": f"kb generate: {report.get('status')}: {str(report.get('error'))[:300]}"}
     if not Path(entry["candidate"]).is_file():
         return {**out, "error": f"no candidate {entry['candidate']}: run `kb generate {entry['spec']} --out DIR` first"}
     spec = fwd._load(entry["spec"], f"kb_bwd_spec_{idx}")
@@ -587,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", type=Path, help="PLAN.json RESULTS.json, or RESULTS.json with --suite")
     ap.add_argument("--suite", type=Path, help="a suite file (bench/heldout/backward_suite.txt) instead of a plan")
     ap.add_argument("--from", dest="from_dir", type=Path, default=Path("out"), help="with --suite: kb generate's --out")
+    ap.add_argument("--tier", choices=("core", "extra"), help="with --suite: only the specs of this tier")
     ap.add_argument("--deadline-s", type=float, default=300.0, help="after the warm-up, start no new entry after this")
     ap.add_argument("--warm-s", type=float, default=240.0, help="at most this long compiling in parallel first")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compile processes")
@@ -595,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(a.paths) != (1 if a.suite else 2):
         ap.error("give PLAN.json RESULTS.json, or --suite FILE with RESULTS.json")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    plan = suite_plan(a.suite, a.from_dir) if a.suite else json.loads(a.paths[0].read_text())
+    plan = suite_plan(a.suite, a.from_dir, a.tier) if a.suite else json.loads(a.paths[0].read_text())
     doc = run_plan_backward(plan, a.paths[-1], deadline_s=a.deadline_s, workers=a.workers, trials=a.trials,
                             warm_s=a.warm_s, command="python -m generate.tune_gpu_bwd " + " ".join(argv),
                             on_entry=lambda e, s: print(summary_line(e, s), flush=True))

@@ -123,6 +123,8 @@ def test_suite_plan_points_at_the_generated_candidates(tmp_path: Path) -> None:
     e = next(x for x in plan["entries"] if x["name"] == "relative_bias_learned")
     assert e["candidate"] == str(tmp_path / "gen_relative_bias_learned.py")
     assert (e["tier"], e["class"], e["designs"], e["shapes"]) == ("core", "relative-bias-learnable", [], None)
+    core = suite_plan(HELDOUT / "backward_suite.txt", tmp_path, tier="core")["entries"]
+    assert len(core) == 8 and {x["tier"] for x in core} == {"core"}
 
 
 # ---- FLOPs and errors -------------------------------------------------------------------------------
@@ -179,6 +181,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     entries = [{"name": f"{s.stem}:{k}", "spec": str(s), "candidate": _fake(tmp, s, k), "designs": [], "tier": "core"}
                for s, k in cases]
     entries.append({"name": "missing", "spec": str(LEARNED), "candidate": str(tmp / "nope.py"), "designs": []})
+    (tmp / "gen_refused.report.json").write_text(json.dumps({"status": "failed", "error": "float to integer cast"}))
+    entries.append({"name": "refused", "spec": str(LEARNED), "candidate": str(tmp / "gen_refused.py"), "designs": []})
     lines: list[str] = []
     doc = run_plan_backward({"schema": PLAN_SCHEMA, "entries": entries}, tmp / "bwd.json", device="cpu",
                             on_entry=lambda e, s: lines.append(summary_line(e, s)))
@@ -230,10 +234,12 @@ def test_sdpa_is_timed_where_it_applies_and_flex_says_why_not_on_cpu(dry_run: di
 def test_results_document_and_summary_lines(dry_run: dict) -> None:
     doc = dry_run["file"]
     assert doc["schema"] == SCHEMA and doc["env"]["dry_run"] == "cpu" and "10*D" in doc["flop_convention"]
-    assert len(dry_run["lines"]) == len(doc["entries"]) == 8
+    assert len(dry_run["lines"]) == len(doc["entries"]) == 9
     assert "no_backward" in dry_run["lines"][1] and "mismatch" in dry_run["lines"][3]
     missing = next(e for e in doc["entries"] if e["name"] == "missing")
-    assert "kb generate" in missing["error"] and dry_run["lines"][-1].startswith("missing: ERROR")
+    assert "kb generate" in missing["error"] and dry_run["lines"][-2].startswith("missing: ERROR")
+    refused = next(e for e in doc["entries"] if e["name"] == "refused")
+    assert refused["generate_status"] == "failed" and refused["error"] == "kb generate: failed: float to integer cast"
     assert (missing["tier"], missing["class"]) == ("core", "relative-bias-learnable")  # from backward_suite.txt
     not_timed = doc["summary"]["not_timed"]
     assert not_timed["relative_bias_learned:forward_only"].startswith("no_backward")
