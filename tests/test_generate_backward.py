@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
-import pytest
-import torch
+os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set before triton is imported
 
-from generate.pipeline import GenerateOptions, generate
-from kb.features import Features
-from kb.ir.nodes import is_backward
-from kb.ir.text import parse_program
-from kb.store.models import Kernel
-from tests.generate_fixtures import QUICK, REPO
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from generate.pipeline import GenerateOptions, generate  # noqa: E402
+from kb.features import Features  # noqa: E402
+from kb.ir.nodes import is_backward  # noqa: E402
+from kb.ir.text import parse_program  # noqa: E402
+from kb.store.models import Kernel  # noqa: E402
+from tests.generate_fixtures import QUICK, REPO  # noqa: E402
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
