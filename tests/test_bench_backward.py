@@ -268,3 +268,29 @@ def test_without_a_gpu_the_cli_says_so_in_one_line(module: str, tmp_path: Path) 
            "--from", str(tmp_path), str(tmp_path / "r.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
     assert r.returncode != 0 and r.stderr.strip() == "timing the backward needs a CUDA GPU; run this on the GPU machine"
+
+
+# ---- a candidate kb generate wrote (needs the session KB) --------------------------------------------------
+
+@pytest.mark.network
+def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
+    """The timer's contract with what `kb generate` emits: ModelNew's learnable table (registered under the spec
+    Model's key) is made trainable and its gradient checked beside dq, dk, dv."""
+    from generate.pipeline import GenerateOptions, generate
+    from tests.generate_fixtures import QUICK
+
+    spec = REPO / "examples" / "specs" / "relative_bias.py"
+    # the timer checks the gradients itself; verify_kernel=False keeps this test off the verifier's backward mode
+    r = generate(ingested_kb, spec, GenerateOptions(out_dir=tmp_path / "out", **{**QUICK, "backward": True,
+                                                                                   "verify_kernel": False}))
+    if r.backward == "none" and "no backward reference" in r.backward_reason:
+        pytest.skip(f"kb generate wrote no backward: {r.backward_reason}")  # until ingest lifts the expert backwards
+    assert r.succeeded and r.backward in ("verified", "generated, not verified"), r.backward_reason
+    plan = {"schema": PLAN_SCHEMA, "entries": [{"name": "rel", "spec": str(spec), "candidate": str(r.files["candidate"]),
+                                                "designs": []}]}
+    doc = run_plan_backward(plan, tmp_path / "bwd.json", device="cpu")
+    shape = doc["entries"][0]["shapes"][0]
+    em = next(x for x in shape["records"] if x["impl"] == "emitted")
+    assert shape["learnable"] == ["rel_bias"]
+    assert em["status"] == "ok", em
+    assert set(em["grad_err"]) == {"q", "k", "v", "rel_bias"} and max(em["grad_err"].values()) < GRAD_TOL
