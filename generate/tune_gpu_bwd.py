@@ -3,6 +3,7 @@
     python -m generate.tune_gpu_bwd PLAN.json RESULTS.json [--trials 20] [--deadline-s 300] [--workers 12]
     python -m generate.tune_gpu_bwd --suite bench/heldout/backward_suite.txt --from out/heldout RESULTS.json
     python -m generate.tune_gpu --backward ...                      (the same, through the forward timer's CLI)
+    TRITON_INTERPRET=1 python -m generate.tune_gpu_bwd --cpu-dry-run ...   (no GPU: small shapes, not measurements)
 
 The plan is the forward timer's (`kb bench --plan` / `kb tune --plan`; designs are ignored: a backward
 candidate picks its own), or is built here from a suite file and the `--out` directory of `kb generate`
@@ -610,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, default=240.0, help="at most this long compiling in parallel first")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compile processes")
     ap.add_argument("--trials", type=int, default=20, help="timed training steps per implementation (median)")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="no GPU: the same checks at the specs' small shapes under "
+                                                               "TRITON_INTERPRET=1, wall-clock times (not measurements)")
     a = ap.parse_args(argv)
     if len(a.paths) != (1 if a.suite else 2):
         ap.error("give PLAN.json RESULTS.json, or --suite FILE with RESULTS.json")
@@ -617,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = suite_plan(a.suite, a.from_dir, a.tier) if a.suite else json.loads(a.paths[0].read_text())
     doc = run_plan_backward(plan, a.paths[-1], deadline_s=a.deadline_s, workers=a.workers, trials=a.trials,
                             warm_s=a.warm_s, command="python -m generate.tune_gpu_bwd " + " ".join(argv),
+                            device="cpu" if a.cpu_dry_run else "cuda",
                             on_entry=lambda e, s: print(summary_line(e, s), flush=True))
     print(_totals_line(doc["summary"]), flush=True)
     return 0

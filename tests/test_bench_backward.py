@@ -294,3 +294,15 @@ def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb,
     assert shape["learnable"] == ["rel_bias"]
     assert em["status"] == "ok", em
     assert set(em["grad_err"]) == {"q", "k", "v", "rel_bias"} and max(em["grad_err"].values()) < GRAD_TOL
+
+
+def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "generate.tune_gpu_bwd", "--cpu-dry-run", "--suite", str(HELDOUT / "backward_suite.txt"),
+           "--tier", "core", "--from", str(tmp_path), str(tmp_path / "r.json")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 9 and all(": ERROR no candidate" in x for x in lines[:8])  # nothing generated in tmp_path
+    assert lines[-1].startswith("x flex: none timed") and "not timed: causal_d128_bf16" in lines[-1]
+    assert json.loads((tmp_path / "r.json").read_text())["env"]["dry_run"] == "cpu"
