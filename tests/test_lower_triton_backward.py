@@ -12,6 +12,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -226,6 +227,42 @@ def test_autograd_function_end_to_end(name: str, cache_dir: Path) -> None:
     o.backward(dout)
     for got, ref in zip((q.grad, k.grad, v.grad, *(t.grad for t in aux.values())), want):
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def _import(path: Path):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.mark.parametrize("cls", ["alibi", "causal", "document", "gqa", "prefix_lm", "relative_bias_learnable",
+                                 "sliding_window", "softcap_gqa"])
+def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: Path) -> None:
+    """kb generate's path: the rule engine's backward of a spec, lowered with its forward (lower_autograd), written as
+    a KernelBench candidate whose ModelNew calls kb_attention; gradients (and the learnable table's) match the spec."""
+    from generate.candidate import write_candidate
+    from tests.test_transfer_backward import CLASSES, SPECS, _programs
+
+    spec, fwd, bwd, _ = _programs(CLASSES[cls])
+    aux = [q.name for q in fwd.params if q.role is Role.AUX]
+    files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls, entry="kb_attention")
+    spec_mod, cand = _import(SPECS / CLASSES[cls]), _import(files.candidate)
+    torch.manual_seed(0)
+    model, new = spec_mod.Model(*spec_mod.get_init_inputs()), cand.ModelNew(*spec_mod.get_init_inputs())
+    new.load_state_dict(model.state_dict())
+    ins = [t.float().requires_grad_() if t.is_floating_point() else t for t in spec_mod.get_inputs()]
+    ref = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in ins]
+    out = new(*ins)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    model(*ref).backward(dout)
+    for got, want in zip(ins, ref):
+        if got.is_floating_point():
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+    for (name, got), (_, want) in zip(sorted(new.named_parameters()), sorted(model.named_parameters())):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
 
 
 def test_autograd_glue_checks_the_pair() -> None:
