@@ -3,11 +3,16 @@
 Needs only torch and triton (the modules bwd_lowering_gen.py wrote, in DIR/mods beside this file's copy). Usage:
   BWD="BM,BN,splits,warps,stages,tma;..." [FLEX=0] python3 bwd_lowering_bench.py causal causal+dqpass ...
 Writes $OUT/bench_bwd.json; ours_bwd_ms times the backward host alone at each design in BWD."""
-import importlib.util, json, math, os, sys, time, traceback
+# ruff: noqa: E731  (score_mod / mask_mod lambdas, as FlexAttention users write them)
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
-import triton
 from triton.testing import do_bench
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import torch._dynamo
@@ -24,7 +29,9 @@ BWD_DESIGNS = [tuple(int(x) for x in d.split(",")) + (False,) for d in os.enviro
 
 def load(name):
     spec = importlib.util.spec_from_file_location(f"m_{name}", HERE / "mods" / f"mod_{name}.py")
-    m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
 
 
 def setup(name, dev):
@@ -47,7 +54,6 @@ def setup(name, dev):
         ours_kw["softcap"] = CAP
         score = lambda s, b, h, qi, ki: CAP * torch.tanh(s / CAP)
     if name == "document":
-        lens = torch.tensor([S // 8] * 8, device=dev)
         bounds = torch.cumsum(torch.randint(S // 16, S // 4, (B, 16), device=dev, generator=g), 1)
         docs = (torch.arange(S, device=dev)[None, :, None] >= bounds[:, None, :]).sum(-1).to(torch.int32)
         ours_kw["doc_ids"] = docs
@@ -64,7 +70,8 @@ def setup(name, dev):
 def pairs(mask, per_b, dev):
     if mask is None:
         return B * S * S
-    qi = torch.arange(S, device=dev).view(-1, 1); ki = torch.arange(S, device=dev).view(1, -1)
+    qi = torch.arange(S, device=dev).view(-1, 1)
+    ki = torch.arange(S, device=dev).view(1, -1)
     n = 0
     for b in range(B if per_b else 1):
         n += int(mask(torch.tensor(b, device=dev), 0, qi, ki).sum())
@@ -92,7 +99,9 @@ def run(modname):
         for t in leaves:
             t.grad = None
         try:
-            o = fn(); o.backward(dout); torch.cuda.synchronize()
+            o = fn()
+            o.backward(dout)
+            torch.cuda.synchronize()
         except Exception as e:
             res[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             continue
@@ -104,7 +113,8 @@ def run(modname):
 
     def fwd_bwd(fn):
         def go():
-            o = fn(); o.backward(dout)
+            o = fn()
+            o.backward(dout)
         return go
     for label, fn in labels:
         if label in grads:

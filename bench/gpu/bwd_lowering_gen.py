@@ -1,14 +1,15 @@
 """Write combined forward+backward modules (lower_autograd) for bench/gpu/bwd_lowering_bench.py: for each variant the
 KV-outer program with dq by atomics (mod_NAME.py) and with dq by a separate pass (mod_NAME+dqpass.py).
 Usage (here, no GPU): PYTHONPATH=. python3 bench/gpu/bwd_lowering_gen.py DIR"""
-import dataclasses, json, sys
+import sys
 from pathlib import Path
 from kb.ir.design import Design
 from kb.ir.nodes import Dtype, Param, Role, Schedule
 from kb.lower.triton_bwd import lower_autograd
 from tests.ir_programs import backward, forward
 
-OUT = Path(sys.argv[1]); OUT.mkdir(parents=True, exist_ok=True)
+OUT = Path(sys.argv[1])
+OUT.mkdir(parents=True, exist_ok=True)
 W = 1024
 SLIDE = "n_start // BLOCK_M * BLOCK_M"
 CAUSAL_HI = "minimum(N, m_start + BLOCK_M)"
