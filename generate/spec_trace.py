@@ -458,8 +458,21 @@ def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
         one, zero = (const(1.0), const(0.0)) if dtype.is_floating_point else (const(1), const(0))
         return Sym(x.shape, call("where", x.expr, one, zero), dtype)
     if x.dtype.is_floating_point and not dtype.is_floating_point:
-        raise _err(node, st, "float to integer cast in the score computation")
+        if dtype not in (torch.int32, torch.int64):
+            raise _err(node, st, f"float to {dtype} cast (only int32 and int64 truncate like the IR's trunc)")
+        return Sym(x.shape, call("trunc", x.expr), dtype)  # torch's float -> int cast truncates toward zero
     return replace(x, dtype=dtype)
+
+
+def _embedding(node: torch.fx.Node, args: list[Any], st: _State) -> Sym:
+    """`F.embedding(indices, weight)` / `nn.Embedding(...)(indices)`: rows of a [num, dim] table, `weight[indices, :]`
+    (aten's argument order is (weight, indices, ...); padding_idx only changes the gradient)."""
+    weight, ix = _sym(args[0], node, st), _sym(args[1], node, st)
+    if len(weight.shape) != 2:
+        raise _err(node, st, f"embedding of a {len(weight.shape)}-D table (an embedding table is [num, dim])")
+    if ix.is_bool or ix.dtype.is_floating_point:
+        raise _err(node, st, f"embedding indexed by a {ix.dtype} tensor (indices must be integers)")
+    return S.index(weight, [ix, None], wrap=False)
 
 
 def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
@@ -561,6 +574,8 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         return S.full(shape or (), value, dt)
     if pk == "searchsorted":
         return _searchsorted(node, args, kw, st)
+    if pk == "embedding":
+        return _embedding(node, args, st)
     raise _err(node, st, "unsupported op in the score/mask computation")
 
 
