@@ -14,7 +14,7 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.expr import CALLS, Expr, ExprOp, call, const, parse_expr, print_expr, var
 from kb.ir.nodes import Load, Span
 from kb.ir.validate import problems
-from kb.lower.triton_expr import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.triton_expr import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 from tests.ir_programs import plain
 
 
@@ -81,6 +81,10 @@ def test_lowering_kind_and_sign() -> None:
     assert expr_kind(parse_expr("trunc(x) + 1"), ctx) is Kind.INT
     assert is_nonneg(parse_expr("trunc(abs(x) * 3.0)"), ctx)  # toward zero: never below 0 from a value >= 0
     assert is_nonneg(parse_expr("trunc(n)"), ctx) and not is_nonneg(parse_expr("trunc(d * 0.5)"), ctx)
+    assert lower_expr(parse_expr("trunc(x * 2.0)"), ctx) == "((x * 2.0)).to(tl.int32)"
+    assert lower_expr(parse_expr("trunc(d) + trunc(-2.5)"), ctx) == "(d + -2)"  # an integer is already truncated
+    host = ExprContext(ExprTarget.HOST, ctx.names)
+    assert lower_expr(parse_expr("trunc(x)"), host) == "_htrunc(x)"
 
 
 def test_derivative_is_zero() -> None:
