@@ -20,6 +20,7 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
   result is kept when both probes agree (else the unsubstituted body decides, usually "custom");
   a band bounded by such a scalar has kv_span 0 (unknown until run time).
 - cross: seq_q != seq_kv in `shapes` (and not decode); dropout: never (the IR has no dropout).
+- backward: `kb.ir.nodes.is_backward` (the program recomputes probabilities from a saved lse).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, walk_stmts
+from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, is_backward, walk_stmts
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 
@@ -173,6 +174,7 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
         arch=arch,
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
+    feats = replace(feats, backward=is_backward(p))
     return feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
 
 
