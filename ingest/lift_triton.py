@@ -1019,7 +1019,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
         prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
         out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
                                  tuple(flags.items()), tuple(notes)))
-    ctx.skipped[skipped_before:] = _merge_skips(fn.name, ctx.skipped[skipped_before:])
+    ctx.skipped[skipped_before:] = merge_skips(fn.name, ctx.skipped[skipped_before:])
     return out
 
 
@@ -1031,7 +1031,7 @@ def _failing_alike(lifted: list, skips: list[tuple[str, str]], tried: int) -> bo
     return tried >= ALIKE_FAILURES and not lifted and len(skips) == tried and len({why for _, why in skips}) == 1
 
 
-def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """One line per reason: flag combinations that failed alike are listed together."""
     by_reason: dict[str, list[str]] = {}
     for what, why in skips:
@@ -1117,7 +1117,7 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
         programs += progs
         tunables += _tunables(ctx, fn.name)
     return LiftReport(provenance_base.file, programs=tuple(programs), snippets=tuple(ctx.snippets),
-                      tunables=tuple(tunables), skipped=tuple(ctx.skipped))
+                      tunables=tuple(tunables), skipped=tuple(ctx.skipped), backward=tuple(bwd.coverage))
 
 
 def lift_file(path: Path, provenance_base: Provenance, family: str = "triton") -> LiftReport:

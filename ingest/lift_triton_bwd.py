@@ -54,6 +54,7 @@ class BackwardReport:
     tunables: list[LiftedTunable] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     handled: set[str] = field(default_factory=set)  # kernels the forward lifter must leave alone
+    coverage: list[tuple[str, str]] = field(default_factory=list)  # (kernel, "lifted: ..." or why not)
 
 
 # ================================================================ the dataflow of one kernel
@@ -125,22 +126,11 @@ def kind_of(walk: TileWalk) -> str | None:
     values = [e.value for e, _ in _effects(walk.body) if isinstance(e.value, TV)]
     nodes = _nodes(values)
     for x in nodes:
-        if x.op == "dot":
-            for a in x.args:
-                try:
-                    probs(_strip_trans(a))
-                    return "backward"
-                except Refuse:
-                    continue
+        if x.op in ("exp", "exp2") and _is_probs(x):
+            return "backward"
     if not any(x.op == "dot" for x in nodes) and any(_delta_value(v) for v in values):
         return "delta"
     return None
-
-
-def _strip_trans(x: TV) -> TV:
-    while x.op == "trans":
-        x = x.args[0]
-    return x
 
 
 def _delta_value(x: TV) -> tuple[TV, TV] | None:
@@ -286,6 +276,7 @@ class _Names:
     names: dict[str, Expr] = field(default_factory=dict)  # source name -> IR expression
     lanes: dict[str, str] = field(default_factory=dict)  # lane -> "q" | "kv" | "d"
     index: set[str] = field(default_factory=set)  # IR scalar names that are index atoms
+    src_index: set[str] = field(default_factory=set)  # source index atoms: lanes, block sizes, loop variables
 
     def ir(self, e: Expr) -> Expr:
         return simplify(substitute(_replace(simplify(e), self.values), self.names))
@@ -319,7 +310,13 @@ def _subexprs(e: Expr):  # noqa: ANN202
 
 
 def _lane_vars(walk: TileWalk) -> set[str]:
-    return {f"{lane}@{i}" for lane in walk.lanes for i in (0, 1)} | set(walk.lanes)
+    """Index atoms of source offsets: lanes (tagged or not), their extents (block sizes), loop variables."""
+    extents = {str(e.value) for e in walk.lanes.values() if e.op is ExprOp.VAR}
+    return {f"{lane}@{i}" for lane in walk.lanes for i in (0, 1)} | set(walk.lanes) | extents | _loop_vars(walk.body)
+
+
+def _loop_vars(items: list) -> set[str]:
+    return {v for it in items if isinstance(it, LoopNode) for v in {it.var} | _loop_vars(it.body)}
 
 
 def _whole_roles(names: _Names, walk: TileWalk, q_off: Expr, k_off: Expr) -> None:
@@ -443,7 +440,7 @@ def _kv_axis(names: _Names, g: _Grad) -> tuple[tuple[GridAxis, ...], LoopNode | 
     """The KV block: a program id (one program per KV block) or the loop around the dk/dv stores."""
     k_off = g.p.k.info[0].offset  # type: ignore[index]
     starts = [simplify(Expr(ExprOp.SUB, (strip_tags(idx), var(lane))))
-              for _, idx in stride_indices(simplify(k_off), _lane_vars_of(k_off) | {lp.var for lp in g.scope})
+              for _, idx in stride_indices(simplify(k_off), names.src_index)
               for lane in lanes_of(strip_tags(idx)) if names.lanes.get(lane) == "kv"]
     if len(starts) != 1:
         raise Refuse(f"the k tile has {len(starts)} row terms")
@@ -480,7 +477,7 @@ def _positions(names: _Names, ml: _MLoop, e: Expr) -> Expr:
 def _row_start(t: TV, names: _Names, loop_vars: set[str]) -> tuple[Expr, str]:
     """(start, lane) of the row term of a tile's source offset (its lane that is not the head dim)."""
     off = simplify(t.info[0].offset)  # type: ignore[index]
-    for _, idx in stride_indices(off, _lane_vars_of(off) | loop_vars):
+    for _, idx in stride_indices(off, names.src_index | loop_vars):
         plain = strip_tags(idx)
         rows = [lane for lane in lanes_of(plain) if names.lanes.get(lane) in ("q", "kv")]
         if rows:
@@ -644,7 +641,9 @@ def _delta_kernel(walk: TileWalk, fn: JitFn) -> _Delta:
     if len(found) != 1:
         raise Refuse(f"{len(found)} stores of rowsum(a * b)")
     eff, (a, b) = found[0]
-    names = _Names()
+    if a.info[0].base == b.info[0].base:  # type: ignore[index]
+        raise Refuse(f"line {eff.line}: the row sum multiplies {a.info[0].base} by itself, not o by dO")  # type: ignore[index]
+    names = _Names(src_index=_lane_vars(walk))
     _fused_roles(names, walk, a.info[0].offset)
     _whole_roles(names, walk, a.info[0].offset, a.info[0].offset)
     lane_d = next(lane for lane in a.lanes if lane not in eff.value.lanes)
@@ -719,11 +718,18 @@ def lift_backward(mod: TritonModule, base: Provenance, family: str) -> BackwardR
         if kind == "delta":
             try:
                 deltas.append(_delta_kernel(walk, fn))
+                rep.coverage.append((fn.name, "delta kernel: the bwd_preprocess of the backward programs"))
             except Refuse as why:
                 rep.skipped.append((fn.name, f"delta kernel not lifted: {why}"))
+                rep.coverage.append((fn.name, f"delta kernel not lifted: {why}"))
     for fn, kind, _ in kinds.values():
         if kind == "backward":
+            before, skips = len(rep.programs), len(rep.skipped)
             _lift_kernel(rep, mod, fn, base, family, deltas)
+            names = [p.name for p in rep.programs[before:]]
+            rep.coverage += [(fn.name, f"lifted: {', '.join(names)}")] if names else []
+            rep.coverage += [(what, f"not lifted: {why}") for what, why in rep.skipped if what.startswith(fn.name + "[")
+                             and (what, why) not in rep.skipped[:skips]]
     return rep
 
 
@@ -741,20 +747,57 @@ def _lift_kernel(rep: BackwardReport, mod: TritonModule, fn: JitFn, base: Proven
                 raise Refuse("constructs not understood: " + "; ".join(f"line {ln}: {w}" for ln, w in walk.unknown[:4]))
             if not deltas:
                 raise Refuse("no kernel in the file computes delta = rowsum(o * dO)")
-            built = _build(mod, fn, walk, deltas[0], flags, family, tunables)
+            built = _build(mod, fn, walk, deltas, flags, family, tunables)
         except Refuse as why:
             rep.skipped.append((f"{fn.name}[{label}]", str(why)))
             continue
         lifted = _checked(rep, mod, fn, built, flags, label, base, family, tunables)
         if lifted is not None:
             rep.programs.append(lifted)
+    from ingest.lift_triton import merge_skips
+
+    mine = [s for s in rep.skipped if s[0].startswith(fn.name + "[")]
+    rep.skipped = [s for s in rep.skipped if s not in mine] + merge_skips(fn.name, mine)
 
 
-def _build(mod: TritonModule, fn: JitFn, walk: TileWalk, pre: _Delta, flags: dict[str, bool], family: str,
+def _launch_args(mod: TritonModule, kernel: str) -> dict[str, str] | None:
+    """Parameter -> the launcher's variable passed to it (positional plain names), from the first launch site."""
+    fn = mod.jit[kernel]
+    for site in mod.launches:
+        if site.kernel == kernel:
+            return {a.arg: name for a, name in zip(fn.node.args.args, site.args) if name is not None}
+    return None
+
+
+def _pick_delta(mod: TritonModule, fn: JitFn, g: _Grad, deltas: list[_Delta], notes: list[str]) -> _Delta:
+    """The delta kernel whose stored buffer (and dO operand) the launcher passes to this kernel's delta (and dO)."""
+    ml = g.loops[0]
+    if ml.ds.delta.info[0].base == ml.p.lse.info[0].base:  # type: ignore[index]
+        raise Refuse(f"line {ml.ds.line}: dS subtracts the log-sum-exp ({ml.p.lse.info[0].base}), not delta")  # type: ignore[index]
+    here = _launch_args(mod, fn.name)
+    for pre in deltas:
+        there = _launch_args(mod, pre.fn.name)
+        if here is None or there is None:
+            continue
+        delta_arg = here.get(ml.ds.delta.info[0].base)  # type: ignore[index]
+        dout_arg = here.get(ml.ds.dout.info[0].base)  # type: ignore[index]
+        if delta_arg is not None and there.get(pre.stored) == delta_arg:
+            if dout_arg not in (there.get(pre.operands[0]), there.get(pre.operands[1])):
+                raise Refuse(f"the launcher passes {dout_arg} as dO, but {pre.fn.name} multiplies "
+                             f"{there.get(pre.operands[0])} and {there.get(pre.operands[1])}")
+            notes.append(f"delta kernel {pre.fn.name} linked by its launch: it stores `{delta_arg}`, which "
+                         f"{fn.name} reads as delta")
+            return pre
+    notes.append(f"delta kernel {deltas[0].fn.name} matched by dataflow only (no launches link it to {fn.name})")
+    return deltas[0]
+
+
+def _build(mod: TritonModule, fn: JitFn, walk: TileWalk, deltas: list[_Delta], flags: dict[str, bool], family: str,
            tunables: list[LiftedTunable]) -> _Built:
     g = _recognise(walk)
     notes: list[str] = []
-    names = _Names()
+    pre = _pick_delta(mod, fn, g, deltas, notes)
+    names = _Names(src_index=_lane_vars(walk))
     _lane_roles(names, walk, g.p)
     q_off, k_off = g.p.q.info[0].offset, g.p.k.info[0].offset  # type: ignore[index]
     _fused_roles(names, walk, q_off)

@@ -142,3 +142,4 @@ class LiftReport:
     snippets: tuple[LiftedSnippet, ...] = ()
     tunables: tuple[LiftedTunable, ...] = ()
     skipped: tuple[tuple[str, str], ...] = field(default=())  # (what, reason)
+    backward: tuple[tuple[str, str], ...] = field(default=())  # (backward kernel or region, what became of it)
