@@ -259,7 +259,7 @@ def dense_reference(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torc
     return pr @ vf, lse
 
 
-_BWD_SHAPES = ((2, 2, 37, 37, 16), (2, 2, 29, 45, 24), (2, 2, 45, 29, 24))  # (Hq, Hkv, M, N, D): ragged, M != N
+_BWD_SHAPES = ((2, 2, 37, 37, 16), (4, 2, 29, 45, 24), (4, 2, 45, 29, 24))  # (Hq, Hkv, M, N, D): ragged, M != N
 
 
 def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bool, str]:
@@ -276,10 +276,12 @@ def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bo
             Hkv = Hkv if gqa else Hq
             q, k, v = (torch.randn(1, h, n, D, generator=g).to(dt) for h, n in ((Hq, M), (Hkv, N), (Hkv, N)))
             scale = 1.0 / math.sqrt(D)
-            grads, o, lse, dout = _autograd_reference(p, q, k, v, scale, g)
+            aux = {prm.name: torch.rand(*(1 if d == "B" else Hq for d in prm.shape), generator=g) * 0.5
+                   for prm in p.params if prm.role is Role.AUX}
+            grads, o, lse, dout = _autograd_reference(p, q, k, v, scale, aux, g)
             try:
                 out = run_program(replace(p, schedule=sched), {"q": q, "k": k, "v": v, "o": o.to(dt), "dout": dout,
-                                                               "lse": lse, "sm_scale": scale})
+                                                               "lse": lse, "sm_scale": scale, **aux})
             except KBError as err:
                 return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, M={M} N={N}: {err}"
             for name in ("dq", "dk", "dv"):
@@ -289,15 +291,15 @@ def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bo
                 if not err < 1e-2:  # gradients are stored in the program's 16-bit dtype
                     return False, (f"{name} mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: "
                                    f"max error {err:.2e} relative to 1 + max |{name}|")
-    cases = "; ".join(f"M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
+    cases = "; ".join(f"Hq={c[0]} Hkv={c[1] if gqa else c[0]} M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
     return True, (f"interpreter dq, dk, dv == torch autograd of dense fp32 attention (max error {worst:.1e} relative "
                   f"to 1 + max |grad|; {cases}; blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)")
 
 
-def _autograd_reference(p: Program, q, k, v, scale, g) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _autograd_reference(p: Program, q, k, v, scale, aux, g) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of sum(o * dout) for dense fp32 attention under `p`'s variant functions, with o, lse, dout."""
     qf, kf, vf = (x.float().requires_grad_(True) for x in (q, k, v))
-    o, lse = dense_reference(p, qf, kf, vf, scale, {})
+    o, lse = dense_reference(p, qf, kf, vf, scale, aux)
     o = torch.nan_to_num(o)
     dout = torch.randn(o.shape, generator=g).to(q.dtype)
     o.backward(dout.float())

@@ -256,23 +256,35 @@ def _factors(x: TV) -> tuple[list[TV], list[Expr]]:
 
 
 def accumulation(x: TV) -> list[Term]:
-    """The per-iteration summands of a value built by loops (`acc = 0; for ...: acc += t`), with any
-    scaling applied after the loops; raises Refuse when `x` is not such a value."""
+    """The per-iteration summands of a value built by loops (`acc = 0; for ...: acc += t`, also through nested
+    loops and loops one after the other), with any scaling applied after the loops; raises Refuse otherwise."""
     core, scalars = _strip_scalars(x)
     post = product(scalars)
-    if core.op == "zeros":
-        return []
-    if core.op != "loop_out":
-        raise Refuse(f"line {x.line}: the stored value is not accumulated over a loop ({core.op})")
-    carry, final = core.args
-    loop: LoopNode = core.info  # type: ignore[assignment]
-    parts = linear(final)
-    own = [(c, t) for c, t in parts if t is carry]
-    if len(own) != 1 or simplify(own[0][0]) != const(1):
-        raise Refuse(f"line {loop.line}: the loop does not add to its carried value ({len(own)} uses)")
-    terms = [Term(t, loop, _mul(post, c)) for c, t in parts if t is not carry and isinstance(t, TV)]
-    if any(isinstance(t, Expr) for _, t in parts):
-        raise Refuse(f"line {loop.line}: the accumulator gains a non-tile term")
-    earlier = accumulation(carry.args[0])
-    return [Term(t.value, t.loop, _mul(post, t.scale)) for t in earlier] + terms
+    return [Term(t.value, t.loop, _mul(post, t.scale)) for t in _grown(core, None, None)]
 
+
+def _grown(v: TV, base: TV | None, loop: LoopNode | None) -> list[Term]:
+    """The summands that turn `base` (the carried value of `loop`; None: a zero tile) into `v`."""
+    if v is base or (base is None and v.op == "zeros"):
+        return []
+    if v.op == "loop_out":
+        carry, final = v.args
+        return _grown(carry.args[0], base, loop) + _grown(final, carry, v.info)  # type: ignore[arg-type]
+    if loop is None:
+        raise Refuse(f"line {v.line}: the stored value is not accumulated over a loop ({v.op})")
+    parts = linear(v)
+    if len(parts) == 1 and parts[0][1] is v:
+        raise Refuse(f"line {v.line}: {v.op} is not the loop's carried value plus tiles")
+    own = [(c, t) for c, t in parts if isinstance(t, TV) and _grows(t, base, loop)]
+    if len(own) != 1 or simplify(own[0][0]) != const(1) or any(isinstance(t, Expr) for _, t in parts):
+        raise Refuse(f"line {loop.line}: the loop does not add tiles to its carried value")
+    terms = [Term(t, loop, c) for c, t in parts if t is not own[0][1]]  # type: ignore[arg-type]
+    return _grown(own[0][1], base, loop) + terms  # type: ignore[arg-type]
+
+
+def _grows(t: TV, base: TV | None, loop: LoopNode) -> bool:
+    try:
+        _grown(t, base, loop)
+        return True
+    except Refuse:
+        return False
