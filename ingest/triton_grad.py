@@ -110,6 +110,8 @@ def linear(x: TV | Expr, masks: list[Expr] | None = None) -> list[tuple[Expr, TV
     `masks` (when given) and continues into t. Atoms are the other tiles, or lane expressions."""
     if isinstance(x, Expr):
         return [(const(1), x)]
+    if x.op == "zeros":  # `qk = tl.zeros(...); qk += tl.dot(...)`
+        return []
     if x.op in ("add", "sub"):
         a, b = linear(x.args[0], masks), linear(x.args[1], masks)
         return a + [(_mul(const(-1), c), t) for c, t in b] if x.op == "sub" else a + b
@@ -211,7 +213,11 @@ def probs(x: TV) -> Probs:
 
 
 def softmax_grad(x: TV, p_of: "callable") -> SoftmaxGrad:  # type: ignore[valid-type]
-    """dS = P * (dP - delta) * scalars, with P recognised by `p_of`; raises Refuse."""
+    """dS = P * (dP - delta) * scalars, with P recognised by `p_of`; raises Refuse. A zero fill
+    `where(mask, dS, 0)` is P's mask again (P is 0 there) and is looked through."""
+    node = x
+    while x.op == "where" and isinstance(x.args[0], TV) and _fill(x.args[1]) == 0.0:
+        x = x.args[0]
     tiles, scalars = _factors(x)
     if len(tiles) != 2:
         raise Refuse(f"line {x.line}: dS is a product of {len(tiles)} tiles, not P * (dP - delta)")
@@ -233,7 +239,7 @@ def softmax_grad(x: TV, p_of: "callable") -> SoftmaxGrad:  # type: ignore[valid-
         if p.q_lane not in dout.lanes or p.kv_lane not in v.lanes or dp.lane != p.d_lane:
             raise Refuse(f"line {dots[0][1].line}: dP does not contract dO (q rows) with V (kv rows) over the head dim")
         scale = _mul(_mul(product(scalars), dots[0][0]), dp.scale)
-        return SoftmaxGrad(x, p, dout, v, rows[0][1], scale, x.line)  # type: ignore[arg-type]
+        return SoftmaxGrad(node, p, dout, v, rows[0][1], scale, x.line)  # type: ignore[arg-type]
     raise Refuse(f"line {x.line}: neither factor of dS is the recomputed P")
 
 

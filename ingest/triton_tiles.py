@@ -138,6 +138,9 @@ def _axes(e: Expr) -> tuple:
 
 def _broadcast(a: tuple, b: tuple) -> tuple | None:
     """Lanes of an elementwise result (numpy broadcasting; None = a broadcast axis); None on a clash."""
+    rank = max(len(a), len(b))
+    if rank < 2:  # row vectors (or a vector and a scalar) stay 1-D
+        return a or b if not (a and b) or a == b else None
     a, b = (None,) * (2 - len(a)) + tuple(a), (None,) * (2 - len(b)) + tuple(b)
     out = []
     for x, y in zip(a, b):
