@@ -68,6 +68,7 @@ SNIPPET_KINDS = (
     "bwd_dq_accumulate",  # dQ += dS K (atomics, load-add-store, or a separate pass)
     "bwd_dkdv_epilogue",  # dK, dV written back (scaled)
     "bwd_loop_bounds",  # the loop over q blocks of a KV block (causal start)
+    "bwd_score_mod_grad",  # dS times the derivative of score_mod (softcap's d tanh)
 )
 
 # First words of IR statement lines (docs/ir.md grammar); anything else is an expression.
