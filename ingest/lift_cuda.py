@@ -86,7 +86,20 @@ def lift_file(path: Path, source: FetchedSource | None = None, family: str = "fa
     if not snippets and not tunables:
         skipped.append((rel, "no known region (mask, softmax, score mod, split-KV, paged, varlen, launch tiles) found"))
     log.info("lifted %s: %d snippets, %d tunables", rel, len(snippets), len(tunables))
-    return LiftReport(rel, (), tuple(snippets), tuple(tunables), tuple(skipped))
+    return LiftReport(rel, (), tuple(snippets), tuple(tunables), tuple(skipped), _backward(snippets, tunables))
+
+
+def _backward(snippets: list[LiftedSnippet], tunables: list[LiftedTunable]) -> tuple[tuple[str, str], ...]:
+    """Coverage lines for the backward pass: its regions (snippets) and launch tiles (tunables)."""
+    out = []
+    bs = [s for s in snippets if s.features.get("backward")]
+    if bs:
+        out.append(("regions", f"{len(bs)} backward snippets ({', '.join(sorted({s.kind for s in bs}))})"))
+    bt = [t for t in tunables if t.params.get("direction") == "backward"]
+    if bt:
+        dims = sorted({t.head_dim for t in bt})
+        out.append(("launch tiles", f"{len(bt)} backward tunables (head dims {dims}, archs {sorted({t.arch for t in bt})})"))
+    return tuple(out)
 
 
 def _short(region: Region) -> str:
