@@ -24,7 +24,7 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, conjunction, const, var
+from kb.ir.expr import Expr, ExprOp, conjunction, const, free_vars, var
 from kb.ir.nodes import (
     Dot, Dtype, Elementwise, For, Full, GridAxis, Init, Kernel, Let, Load, Mask, Param, Probs as ProbsStmt,
     Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad, SoftmaxGrad as SoftmaxGradStmt, Span, Store,
@@ -32,7 +32,7 @@ from kb.ir.nodes import (
 )
 from ingest.model import LiftedSnippet, LiftedTunable, Provenance
 from ingest.triton_bwd_kernels import (
-    DQPass, Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
+    Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
 )
 from ingest.triton_bwd_names import (
     Names, head_roles, index, lane_roles, positions, row_start, scale_param, sizes, source_index,
@@ -168,8 +168,6 @@ def _mask_kind(names: Names, p: Probs) -> tuple[str | None, list[Expr]]:
 
 
 def _vars(e: Expr) -> set[str]:
-    from kb.ir.expr import free_vars
-
     return set(free_vars(e))
 
 

@@ -96,6 +96,35 @@ def test_fa2_backward_snippets_and_tunables_are_marked(fa2):
     assert not any("_bwd" in what for what, _ in rep.skipped)
 
 
+AMD = "flash_attn/flash_attn_triton_amd/bwd_prefill_split.py"
+
+
+@lru_cache(maxsize=None)
+def _amd() -> LiftReport:
+    src = fetch(find_manifest("flash-attn-2"))
+    (top,) = [p for p in src.root.iterdir() if p.is_dir()]
+    return lift_file(top / AMD, _base(f"{top.name}/{AMD}"), "fa2_triton_amd")
+
+
+@pytest.mark.network
+def test_amd_split_backward_pairs_dkdv_with_its_dq_pass(monkeypatch):
+    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    rep = _amd()
+    progs = _backward(rep)
+    assert sorted(progs) == ["fa2_triton_amd_bwd_kernel_dkdv_noncausal", "fa2_triton_amd_bwd_kernel_dkdv_noncausal_use_alibi"]
+    plain = progs["fa2_triton_amd_bwd_kernel_dkdv_noncausal"]
+    assert plain.verified and "Hq=4 Hkv=2" in plain.verify_note  # GQA: the q heads of a KV head in a loop
+    dkdv, dq = plain.program.kernels[1:]
+    assert [a.name for a in dkdv.grid] == ["b", "hk", "n"] and [a.name for a in dq.grid] == ["b", "hk", "m"]
+    assert isinstance(dkdv.body[-3], For) and dkdv.body[-3].var == "h"
+    assert "dq_acc" not in {p.name for p in plain.program.params}  # dq by a separate pass, in registers
+    assert (plain.program.schedule.block_m, plain.program.schedule.block_n) == (32, 128)  # the dK/dV launch's tiles
+    alibi = progs["fa2_triton_amd_bwd_kernel_dkdv_noncausal_use_alibi"]
+    assert alibi.features.alibi and "alibi_slopes[b, h]" in str(alibi.program.score_mod.body)
+    causal = dict(rep.backward)
+    assert any("fraction of a block" in why for what, why in causal.items() if "dkdv_causal" in what)
+
+
 # ---------------------------------------------------------------- kernels written here (FA2's style, not its code)
 
 KERNELS = '''
