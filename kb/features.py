@@ -38,7 +38,7 @@ class Features:
     cross: bool = False  # seq_q and seq_kv independent (cross attention)
     kv_span: int = 0  # keys a query can see when a constant band bounds them (window left + right + 1); 0 = unbounded
     arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
-    backward: bool = False  # a backward program (dq, dk, dv from the saved lse): `kb.ir.nodes.is_backward`
+    backward: bool = False  # a backward program: dq, dk, dv from the saved lse (kb.ir.nodes.is_backward)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -38,9 +38,9 @@ class Filters:
     dtype: str | None = None
     head_dim: int | None = None
     decode: bool | None = None  # True: split-KV/decode kernels only; False: forward only
+    backward: bool = False  # True: backward programs only; False: forward programs only
     programs_only: bool = True  # only kernels with an executable program (not snippet-only rows)
     memory: bool = True  # include generated kernels and lessons (write-back memory)
-    backward: bool | None = False  # False: forward programs only; True: backward programs only (Features.backward); None: both
 
 
 @dataclass(frozen=True)
@@ -299,8 +299,7 @@ def _passing(table: _Table, flt: Filters) -> np.ndarray:
         ok &= (table.columns.split_kv | table.columns.decode) == flt.decode
     if not flt.memory:
         ok &= ~c.generated
-    if flt.backward is not None:
-        ok &= np.fromiter((g.features.backward for g in table.groups), dtype=bool, count=len(table.groups)) == flt.backward
+    ok &= table.columns.backward == flt.backward
     return ok
 
 

@@ -8,6 +8,7 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
 - head_dim: shapes["D"]; else schedule.head_pad when set; else an integer last dim of q;
   else 0, meaning "any head dim" (a program generic in D).
 - dtype: q's dtype, spelled as specs spell it ("fp32", "bf16", "fp16").
+- backward: the program recomputes probabilities from a saved lse (`probs`), `kb.ir.nodes.is_backward`.
 - split_kv: a grid axis whose extent uses NUM_SPLITS, or a `combine` statement.
 - decode: split_kv with num_splits > 1, or decode-shaped `shapes` (seq_q <= 16, seq_kv >= 8 seq_q).
 - return_lse: an out param named `lse` is stored.
@@ -20,7 +21,6 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
   result is kept when both probes agree (else the unsubstituted body decides, usually "custom");
   a band bounded by such a scalar has kv_span 0 (unknown until run time).
 - cross: seq_q != seq_kv in `shapes` (and not decode); dropout: never (the IR has no dropout).
-- backward: `kb.ir.nodes.is_backward` (the program recomputes probabilities from a saved lse).
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
         arch=arch,
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
-    feats = replace(feats, backward=is_backward(p))
-    return feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
+    feats = feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
+    return replace(feats, backward=True) if is_backward(p) else feats
 
 
 derive = derive_features  # the name kb/features.py's docstring uses
