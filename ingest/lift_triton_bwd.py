@@ -24,12 +24,13 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, conjunction, const, free_vars, var
+from kb.ir.expr import Expr, ExprOp, conjunction, const, free_vars, substitute, var
 from kb.ir.nodes import (
     Dot, Dtype, Elementwise, For, Full, GridAxis, Init, Kernel, Let, Load, Mask, Param, Probs as ProbsStmt,
     Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad, SoftmaxGrad as SoftmaxGradStmt, Span, Store,
     VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
+from kb.ir.text import print_stmt_header
 from ingest.model import LiftedSnippet, LiftedTunable, Provenance
 from ingest.triton_bwd_kernels import (
     Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
@@ -125,29 +126,40 @@ def _kv_loads(names: Names, p: Probs, v: TV) -> list:
     return [Load("kt", "k", rows), Load("vt", "v", rows)]
 
 
-def _enter(names: Names, loop: LoopNode, p: Probs, kind: str) -> tuple[str, list]:
-    """Name the source loop over q blocks (kind "q") or KV blocks ("kv"): its variable is the tile start
-    (`m_start`/`n_start`), or a counter (`mi`/`ni`) with `let m_start = ...` first in the body."""
-    start_name = "m_start" if kind == "q" else "n_start"
+def _enter(names: Names, loop: LoopNode, p: Probs, kind: str) -> tuple[str, list, tuple[Expr, Expr] | None]:
+    """Name the source loop over q blocks (kind "q") or KV blocks ("kv"). Its variable is the tile start
+    (`m_start` / `n_start`); a counter whose tile start is `base + i * BLOCK` becomes that start, stepping
+    by the block (`range(base + lo * BLOCK, base + hi * BLOCK, BLOCK)`, the same blocks); any other counter
+    stays (`mi` / `ni`) with `let m_start = ...` first in the body. Returns (variable, lets, new bounds)."""
+    start_name, block = ("m_start", "BLOCK_M") if kind == "q" else ("n_start", "BLOCK_N")
     src, _ = row_start(names, p.q if kind == "q" else p.k)
-    direct = src == var(loop.var)
-    loop_var = start_name if direct else start_name[0] + "i"
-    names.names[loop.var] = var(loop_var)
-    names.index |= {start_name, loop_var}
-    if direct:
-        names.starts.pop(start_name, None)
-        return loop_var, []
-    names.starts[start_name] = names.ir(src)
-    return loop_var, [Let(start_name, names.starts[start_name])]
+    counter = start_name[0] + "i"
+    names.index |= {start_name, counter}
+    names.starts.pop(start_name, None)
+    if src == var(loop.var):
+        names.names[loop.var] = var(start_name)
+        return start_name, [], None
+    names.names[loop.var] = var(counter)
+    start = names.ir(src)
+    names.starts[start_name] = start  # tiles at this start are indexed by `m_start` / `n_start`
+    base = simplify(substitute(start, {counter: const(0)}))
+    if names.ir(loop.step) == const(1) and simplify(Expr(ExprOp.SUB, (start, base))) == \
+            simplify(Expr(ExprOp.MUL, (var(counter), var(block)))):
+        at = lambda i: simplify(substitute(start, {counter: names.ir(i)}))  # noqa: E731
+        return start_name, [], (at(loop.lo), at(loop.hi))
+    return counter, [Let(start_name, start)], None
 
 
-def _loop(names: Names, loop: LoopNode, kind: str, loop_var: str, body: list) -> For:
-    step = names.ir(loop.step)
+def _loop(names: Names, loop: LoopNode, kind: str, entered: tuple, body: list) -> For:
+    loop_var, lets, bounds = entered
     block = "BLOCK_M" if kind == "q" else "BLOCK_N"
+    if bounds is not None:
+        return For(loop_var, bounds[0], bounds[1], block, "forward", tuple(lets + body))
+    step = names.ir(loop.step)
     step_dim = block if step == var(block) else step.value if step.op is ExprOp.CONST else None
     if not isinstance(step_dim, (str, int)) or isinstance(step_dim, bool):
         raise Refuse(f"line {loop.line}: the loop over {kind} blocks steps by {step}")
-    return For(loop_var, names.ir(loop.lo), names.ir(loop.hi), step_dim, "forward", tuple(body))
+    return For(loop_var, names.ir(loop.lo), names.ir(loop.hi), step_dim, "forward", tuple(lets + body))
 
 
 def _mask_kind(names: Names, p: Probs) -> tuple[str | None, list[Expr]]:
@@ -243,7 +255,8 @@ def _kv_outer(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
         if list(extra) != ([group] if group is not None else []):
             raise Refuse(f"line {ml.loop.line}: the q-block loop sits in loops {[lp.line for lp in extra]} besides "
                          f"the GQA group's")
-        loop_var, body = _enter(names, ml.loop, ml.p, "q")
+        entered = _enter(names, ml.loop, ml.p, "q")
+        body = list(entered[1])
         kind, terms = _mask_kind(names, ml.p)
         variants.append((kind, terms, _score_terms(names, ml.p)))
         body += _row_loads(names, ml.p, ml.ds.dout, ml.ds.delta) + _scores(kind, bool(ml.p.terms)) + [
@@ -256,7 +269,7 @@ def _kv_outer(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
         if ml.dq is not None:
             body += [Dot("dqp", "ds", "kt", trans_b=False),
                      Store("dq_acc", index(names, ml.dq.ptr.offset, "dq_acc", "h", "q"), "dqp", accumulate=True)]
-        loops.append(_loop(names, ml.loop, "q", loop_var, body))
+        loops.append(_loop(names, ml.loop, "q", entered, body[len(entered[1]):]))
     masks, score = _same_variants(variants)
     rows = (var("b"), var("hk"), Span(var("n_start"), "BLOCK_N"), Full())
     for eff, name in ((g.dk, "dk"), (g.dv, "dv")):
@@ -281,7 +294,7 @@ def _kv_outer(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
     if ds.delta.info[0].base == g.p.lse.info[0].base:  # type: ignore[index]
         raise Refuse(f"line {ds.line}: dS subtracts the log-sum-exp ({g.p.lse.info[0].base}), not delta")  # type: ignore[index]
     return _Part(fn, flags, kernel, masks, score, group is not None, g.loops[0].dq is not None, notes,
-                 _kv_outer_spans(g), g.p, ds.delta.info[0].base, ds.dout.info[0].base, _extents(walk, g.p),  # type: ignore[index]
+                 _kv_outer_spans(g, loops[0]), g.p, ds.delta.info[0].base, ds.dout.info[0].base, _extents(walk, g.p),  # type: ignore[index]
                  dict(names.aux))
 
 
@@ -313,13 +326,13 @@ def _early_exit_notes(walk: TileWalk, g: KVOuter) -> list[str]:
     return out
 
 
-def _kv_outer_spans(g: KVOuter) -> list[tuple[str, str, int, int, str]]:
+def _kv_outer_spans(g: KVOuter, loop: For) -> list[tuple[str, str, int, int, str]]:
     ml = g.loops[0]
     out = [("bwd_probs", "probs p = exp(s - lt)", ml.p.line, ml.p.line, ml.loop.file),
            ("bwd_softmax_grad", "softmax_grad ds = p * (dp - dt)", ml.ds.line, ml.ds.line, ml.loop.file),
            ("bwd_dkdv_epilogue", "store dk[b, hk, n_start:+BLOCK_N, :] = dk_acc", min(g.dk.line, g.dv.line),
             max(g.dk.line, g.dv.line), g.dk.file),
-           ("bwd_loop_bounds", f"for m_start in range({ml.loop.lo}, {ml.loop.hi}, BLOCK_M) forward:", ml.loop.line,
+           ("bwd_loop_bounds", print_stmt_header(loop), ml.loop.line,
             ml.loop.line, ml.loop.file)]
     if ml.dq is not None:
         out.append(("bwd_dq_accumulate", "store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp", ml.dq.line, ml.dq.line,
@@ -343,12 +356,13 @@ def _dq_pass(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
         extra = ancestors(walk, kl.loop)[len(d.outer):]
         if list(extra):
             raise Refuse(f"line {kl.loop.line}: the KV-block loop sits in loops {[lp.line for lp in extra]}")
-        loop_var, body = _enter(names, kl.loop, kl.p, "kv")
+        entered = _enter(names, kl.loop, kl.p, "kv")
+        body = list(entered[1])
         kind, terms = _mask_kind(names, kl.p)
         variants.append((kind, terms, _score_terms(names, kl.p)))
         body += _kv_loads(names, kl.p, kl.ds.v) + _scores(kind, bool(kl.p.terms)) + _grad(bool(kl.p.terms)) + [
             Dot("dqp", "ds", "kt", trans_b=False), Elementwise("dqa", Expr(ExprOp.ADD, (var("dqa"), var("dqp"))))]
-        loops.append(_loop(names, kl.loop, "kv", loop_var, body))
+        loops.append(_loop(names, kl.loop, "kv", entered, body[len(entered[1]):]))
     masks, score = _same_variants(variants)
     if d.outer != ((group,) if group is not None else ()):
         raise Refuse(f"line {d.store.line}: dQ is stored inside loops {[lp.line for lp in d.outer]}")
@@ -362,7 +376,7 @@ def _dq_pass(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
                     tuple(body))
     kl = d.loops[0]
     spans = [("bwd_dq_accumulate", "dot dqp = ds @ kt", d.store.line, d.store.line, d.store.file),
-             ("bwd_loop_bounds", f"for n_start in range({kl.loop.lo}, {kl.loop.hi}, BLOCK_N) forward:", kl.loop.line,
+             ("bwd_loop_bounds", print_stmt_header(loops[0]), kl.loop.line,
               kl.loop.line, kl.loop.file)]
     notes = [f"dq by a separate pass ({fn.name}, lines {fn.node.lineno}-{fn.node.end_lineno}): Q-outer, recomputing P "
              f"and dS over the KV blocks"]
