@@ -265,6 +265,32 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
         torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.network
+def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """The four backward programs ingest lifts from FA2's Triton `_bwd_kernel` run lowered as they run interpreted."""
+    from kb.ir.interpret import run_program
+    from tests.test_lift_triton_backward import CACHE, _fa2
+
+    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    programs = [lp.program for lp in _fa2()[1].programs if lp.features.backward]
+    assert len(programs) == 4
+    B, H, M, N, D = 1, 2, 40, 40, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(n)) for n in (M, N, N + 1))
+    v = v[:, :, :N]
+    for p in programs:
+        p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=16, block_n=16, num_warps=4))
+        s = q @ k.transpose(-1, -2) / math.sqrt(D)
+        if p.mask_mod is not None:
+            s = s.masked_fill(torch.arange(M)[:, None] < torch.arange(N)[None, :], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        o = torch.softmax(s, -1) @ v
+        half = {"q": q, "k": k, "v": v, "o": o, "dout": torch.randn(o.shape, generator=torch.Generator().manual_seed(7))}
+        ins = {**{n: t.to(torch.float16) for n, t in half.items()}, "lse": lse, "sm_scale": 1 / math.sqrt(D)}
+        want, got = run_program(p, ins), TritonKernel.from_program(p, cache_dir).run(ins)
+        for g in ("dq", "dk", "dv"):  # P and dS enter the lowered dots in fp16, the interpreter's in fp32
+            torch.testing.assert_close(got[g].float(), want[g].float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{p.name} {g}: {m}")
+
+
 def test_autograd_glue_checks_the_pair() -> None:
     with pytest.raises(KBError, match="backward program"):
         autograd_glue(causal_bwd(), causal_bwd())
