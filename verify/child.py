@@ -59,7 +59,8 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
         return early(Finding(Verdict.compile_error, f"candidate has a syntax error: {err}", detail=traceback.format_exc(limit=-2)))
     if static:  # decided before importing: importing already runs the candidate's code
         f = static[0]
-        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}"))
+        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}",
+                             phase=f.phase))
     sys.path.insert(0, str(cand_path.resolve().parent))  # candidates may import their sibling modules
     try:
         cand_cls = load_candidate(cand_path)

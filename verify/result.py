@@ -97,9 +97,9 @@ class TimingReport:
 class BackwardReport:
     """What a `backward=True` run checked: which gradients, on how many calls, and how far off they were.
 
-    Errors are the largest over all calls and gradients, each normalised by its gradient's max |ref|;
-    `max_torch_err` is the same measure for torch's own autograd in the spec's dtype, the basis of
-    the tolerance (see verify.grads)."""
+    Errors are the largest over all calls and gradients, each in units of its gradient's
+    max(1, max |ref|); `max_torch_err` is the same measure for eager torch emulated in the spec's
+    dtype, the basis of the tolerance (see verify.grads; 0 for fp32 specs)."""
 
     calls: int
     grads: tuple[str, ...]

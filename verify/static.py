@@ -44,6 +44,7 @@ class StaticFinding:
     op: str
     message: str
     line: int
+    phase: str = "forward"  # "backward" for the autograd findings
 
 
 def _root(node: ast.AST) -> str | None:
@@ -86,30 +87,33 @@ def _dotted(node: ast.AST) -> str:
     return ".".join(reversed(parts))
 
 
-def _autograd_names(tree: ast.AST) -> set[str]:
-    """Local names bound to autograd modules or functions (`from torch.autograd import grad`, `import torch.func as tf`)."""
-    names = set()
+def _autograd_names(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to autograd modules or functions, with what they stand for
+    (`from torch.autograd import grad as g` -> {"g": "grad"}; `import torch.func as tf` -> {"tf": "torch.func"})."""
+    names: dict[str, str] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(AUTOGRAD_MODULES):
-            names |= {a.asname or a.name for a in node.names}
+            names.update({a.asname or a.name: a.name for a in node.names})
         elif isinstance(node, ast.ImportFrom) and node.module == "torch":
-            names |= {a.asname or a.name for a in node.names if a.name in {"autograd", "func"}}
+            names.update({a.asname or a.name: f"torch.{a.name}" for a in node.names if a.name in {"autograd", "func"}})
         elif isinstance(node, ast.Import):
-            names |= {a.asname for a in node.names if a.asname and a.name.startswith(AUTOGRAD_MODULES)}
+            names.update({a.asname: a.name for a in node.names if a.asname and a.name.startswith(AUTOGRAD_MODULES)})
     return names
 
 
-def _autograd_call(node: ast.AST, autograd_names: set[str], kernel_aliases: set[str]) -> str | None:
+def _autograd_call(node: ast.AST, autograd_names: dict[str, str], kernel_aliases: set[str]) -> str | None:
     """The call's spelling when it asks torch autograd for gradients (see the module docstring)."""
     if not isinstance(node, ast.Call) or _root(node.func) in kernel_aliases:
         return None
     path = _dotted(node.func)
+    head, _, rest = path.partition(".")
+    if head in autograd_names:  # resolve an imported alias to what it names
+        path = autograd_names[head] + (f".{rest}" if rest else "")
     last = path.rsplit(".", 1)[-1]
     if isinstance(node.func, ast.Attribute) and last == "backward":
-        return path or ".backward"
-    head = path.split(".")[0]
-    via_module = any(f".{m.split('.')[-1]}." in f".{path}" for m in AUTOGRAD_MODULES) or head in autograd_names
-    if last in AUTOGRAD_CALLS and via_module or "autograd.functional" in path:
+        return path
+    via_module = head in autograd_names or any(f".{m.split('.')[-1]}." in f".{path}" for m in AUTOGRAD_MODULES)
+    if (last in AUTOGRAD_CALLS and via_module) or "autograd.functional" in path:
         return path
     return None
 
@@ -127,10 +131,11 @@ def _grad_mode_in_backward(tree: ast.AST) -> list[tuple[str, int]]:
 def _autograd_findings(tree: ast.AST, kernel_aliases: set[str]) -> list[StaticFinding]:
     names = _autograd_names(tree)
     found = [StaticFinding(Verdict.forbidden_call, "autograd", f"candidate calls {what}: gradients must come from its "
-                           "own backward kernels, not torch autograd", node.lineno)
+                           "own backward kernels, not torch autograd", node.lineno, "backward")
              for node in ast.walk(tree) if (what := _autograd_call(node, names, kernel_aliases))]
     found += [StaticFinding(Verdict.forbidden_call, "autograd", f"backward calls {what}: a backward that records a graph "
-                            "has torch differentiate a re-computation", line) for what, line in _grad_mode_in_backward(tree)]
+                            "has torch differentiate a re-computation", line, "backward")
+              for what, line in _grad_mode_in_backward(tree)]
     return found
 
 

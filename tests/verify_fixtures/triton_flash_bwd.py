@@ -207,7 +207,7 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     """(dq, dk, dv) for dO = `do`, from the forward's saved O and lse2."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    do = do.contiguous()
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))  # the gradients are written with these strides
     delta = (do.float() * o.float()).sum(-1).contiguous()  # Δ [B, Hq, Sq]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = (Hq, Hkv, Sq, Skv, _LOG2E / math.sqrt(D), 1.0 / math.sqrt(D))
