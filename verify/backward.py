@@ -133,6 +133,9 @@ class BackwardChecks:
         problem = identity_problem(got, avoid, what=f"gradient {label}")
         if problem:
             return self._finding(Verdict.hack_suspected, problem[1], ctx, op=problem[0], **kw)
+        if got.shape != want.shape:  # a parameter of Model's name but another shape (its values were not copied)
+            return self._finding(Verdict.shape_mismatch, f"gradient {label} has shape {tuple(got.shape)}, the reference's "
+                                 f"is {tuple(want.shape)}", ctx, **kw)
         prev = self._last_grads.get((*key, label))
         self._last_grads[(*key, label)] = (got, got.detach().clone(), want)
         if prev is not None and got.untyped_storage().data_ptr() == prev[0].untyped_storage().data_ptr():
