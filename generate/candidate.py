@@ -108,8 +108,14 @@ def _kb_check_baked(module, incompatible_keys):
 '''
 
 
-def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str) -> CandidateFiles:
-    """Write the candidate and the plain Triton module; returns their paths."""
+def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str,
+                    entry: str = "forward") -> CandidateFiles:
+    """Write the candidate and the plain Triton module; returns their paths.
+
+    `entry`: the module function ModelNew calls: "forward" (returns (o, lse), no autograd) or
+    "kb_attention" (differentiable: the module holds a backward and its autograd glue)."""
+    if entry not in ("forward", "kb_attention"):
+        raise KBError(f"unknown candidate entry {entry!r}; use forward or kb_attention")
     out_dir.mkdir(parents=True, exist_ok=True)
     names, (qn, kn, vn) = forward_signature(spec)
     missing = [a for a in program_aux if a not in spec.aux]
@@ -165,7 +171,8 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
            f"            raise ValueError(f'this kernel was generated for {spec.heads_fixed} query heads (the spec computes "
            f"its score/mask constants from the head count), not {{{qn}.shape[1]}}: run kb generate for that head count')"]
           if spec.heads_fixed else []),
-        f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})",
+        (f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})" if entry == "forward" else
+         f"        _o = kb_attention({qkv}, sm_scale={scale}{aux_kwargs})  # differentiable: the generated backward"),
         # the output follows the inputs' dtype (as the spec's torch ops would), unless the spec returns another
         *([f"        return _o if _o.dtype == {out} else _o.to({out})"] if spec.output_dtype != spec.shapes.dtype
           else ["        return _o"]),

@@ -23,8 +23,9 @@ from kb.errors import KBError
 
 __all__ = ["SUFFIXES", "output_stem", "publish", "staging_dir"]
 
-# every file a run may write for spec stem S: S.py (ModelNew), S_triton.py, S.aux.pt, S.kbir, S.cu, S.report.json
-SUFFIXES = (".py", "_triton.py", ".aux.pt", ".kbir", ".cu", ".report.json")
+# every file a run may write for spec stem S: S.py (ModelNew), S_triton.py, S.aux.pt, S.kbir, S_bwd.kbir (the
+# backward program), S.cu, S.report.json
+SUFFIXES = (".py", "_triton.py", ".aux.pt", ".kbir", "_bwd.kbir", ".cu", ".report.json")
 _PREFIX = ".kb-staging-"
 
 

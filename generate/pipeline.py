@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
+from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
 from generate.designs import design_table
 from generate.outputs import output_stem, publish, staging_dir
@@ -61,6 +62,7 @@ class GenerateOptions:
     deadline: float | None = None  # time.monotonic() when that budget ends; generate() sets it per spec
     target: str = "auto"  # GPU arch to design for (sm90, sm80, ...); auto: this machine's GPU, else the setting
     designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
+    backward: bool = True  # also generate the backward (dq, dk, dv) and make ModelNew differentiable (--no-backward)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class GenerateResult:
     error: str = ""
     seconds: float = 0.0
     status: str = "failed"  # "verified", "generated, not verified" or "failed": the report's status
+    backward: str = "none"  # the report's backward status: "verified", "generated, not verified" or "none"
+    backward_reason: str = ""  # why there is no backward, when there is none
 
     @property
     def attempts_to_success(self) -> int | None:
@@ -117,8 +121,11 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     options = replace(options, deadline=time.monotonic() + options.timeout_s,
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options))
     with staging_dir(out_dir) as stage:
+        bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
             outcomes, built, ref = _attempts(kb, spec, options, stage)
+            if built is not None and options.backward:
+                bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
             outcomes, built, ref = [], None, None
             run.error = str(err)
@@ -126,7 +133,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
             run.status, run.error, run.finished_at = "interrupted", "interrupted (Ctrl-C or SIGTERM) before a kernel was verified", _now()
             kb.write_run(run)
             raise KeyboardInterrupt(f"run {run.id} recorded as interrupted; no kernel written") from err
-        return _finish(kb, spec, run, outcomes, built, ref, options, t0, out_dir)
+        return _finish(kb, spec, run, outcomes, built, ref, bwd, options, t0, out_dir)
 
 
 @dataclass
@@ -142,6 +149,31 @@ class _Built:
 
 
 Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
+
+
+@dataclass
+class _NoBackward:
+    """Why the run has no backward (the forward-only candidate stays), with the attempts made."""
+
+    reason: str
+    outcomes: list[AttemptOutcome] = field(default_factory=list)
+
+
+def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOptions, stage: Path,
+              first_n: int) -> tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward:
+    try:
+        found, outcomes = build_backward(
+            kb, spec, built.program, memory=options.memory, references=options.references,
+            verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
+            ("not_run", "kernel verification skipped (--no-verify)"),
+            designs=options.designs, stage=stage, stem=_name(spec), first_n=first_n)
+    except KBError as err:
+        return _NoBackward(str(err))
+    if found is None:
+        last = outcomes[-1] if outcomes else None
+        return _NoBackward(f"no backward passed: {last.stage.value} {last.verdict}: {last.feedback[:300]}" if last
+                           else "no backward reference could be tried", outcomes)
+    return found, outcomes
 
 
 def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
@@ -220,7 +252,8 @@ def _name(spec: Spec) -> str:
 
 
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
-            ref: RankedKernel | None, options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
+            ref: RankedKernel | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
+            options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
     kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
     succeeded = kernel is not None
     run.status = "succeeded" if succeeded else "failed"
@@ -236,19 +269,37 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
             records.append(kernel)
         run.kernel_id = kernel.id
     records.append(run)
+    bwd_outcomes = bwd.outcomes if isinstance(bwd, _NoBackward) else bwd[1]
     records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict,
-                        feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds) for o in outcomes]
+                        feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds)
+                for o in outcomes + bwd_outcomes]
     records += lessons_for_run(run.id, spec, outcomes, succeeded)
+    bwd_kernel, bwd_existing = None, None
+    if kernel is not None and not isinstance(bwd, _NoBackward):
+        bwd_kernel = _backward_row(spec, bwd[0], kernel)
+        assign_id(bwd_kernel)
+        bwd_existing = kb.find(bwd_kernel.id)
+        if bwd_existing is None:
+            records.append(bwd_kernel)
     kb.write_records(records)
     report = _report(spec, run, kernel, existing, built, ref, outcomes, options)
+    if built is not None:
+        report["backward"] = _backward_report(bwd, bwd_kernel, bwd_existing)
     files = dict(built.files) if built is not None else {}
+    if built is not None and not isinstance(bwd, _NoBackward):
+        bf = bwd[0].files  # the differentiable candidate replaces the forward-only one
+        files.update({"candidate": bf.candidate, "triton": bf.triton, **({"aux": bf.aux} if bf.aux else {})})
+        files["backward_ir"] = _stage_text(bf.candidate.with_name(bf.candidate.stem + "_bwd.kbir"),
+                                           print_program(bwd[0].program))
     if built is not None:
         files["ir"] = _stage_text(files["candidate"].with_suffix(".kbir"), print_program(built.program))
         if built.cuda_src:
             files["cuda"] = _stage_text(files["candidate"].with_suffix(".cu"), built.cuda_src)
     published = publish(out_dir, _name(spec), files, report)
+    back = report.get("backward", {})
     return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), published,
-                          run.error, time.perf_counter() - t0, report["status"])
+                          run.error, time.perf_counter() - t0, report["status"], back.get("status", "none"),
+                          back.get("reason", ""))
 
 
 def _stage_text(path: Path, text: str) -> Path:
@@ -278,6 +329,28 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
                                        spec.shapes.Dv if spec.shapes.value_dim else None)
                           if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})
     return report
+
+
+def _backward_report(bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward, row: Kernel | None,
+                     existing: object) -> dict:
+    """The report's `backward` section: whether ModelNew is differentiable, and why (not)."""
+    if isinstance(bwd, _NoBackward):
+        return {"status": "none", "reason": bwd.reason, "attempts": [o.as_dict() for o in bwd.outcomes]}
+    built, outcomes = bwd
+    return {"status": "verified" if built.verdict == "passed" else "generated, not verified",
+            "kernel_id": row.id if row else None, "kernel_was_in_kb": existing is not None,
+            "reference_id": built.reference_id, "ir_hash": content_hash(built.program),
+            "verify": {"verdict": built.verdict, "detail": built.detail}, "attempts": [o.as_dict() for o in outcomes]}
+
+
+def _backward_row(spec: Spec, built: BackwardBuilt, forward: Kernel) -> Kernel:
+    """The backward program as a KB kernel: lineage from its backward reference; its file is the whole module."""
+    feats = derive_features(built.program, shapes=_shape_dict(spec))
+    return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
+                  features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
+                  verified=built.verdict == "passed", verify_note=f"verify (with gradients): {built.verdict}; "
+                  f"forward kernel {forward.id}", spec_hash=spec.source_hash, triton_src=built.module_src, cuda_src="",
+                  file=str(spec.path), parent_id=built.reference_id)
 
 
 def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
@@ -377,14 +450,16 @@ def _budget_spent(outcomes: list[AttemptOutcome], options: GenerateOptions) -> l
     return outcomes[:-1] + [replace(outcomes[-1], feedback=outcomes[-1].feedback + note)]
 
 
-def _verify(spec: Spec, candidate: Path, options: GenerateOptions) -> tuple[str, str]:
+def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: bool = False) -> tuple[str, str]:
     from verify import VerifyOptions, verify
 
     left = _budget_left(options)
     if left <= 0:
         return "timeout", f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
+    extra = {"backward": True} if backward else {}  # gradients as well
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
-                                                     max_cases=options.verify_max_cases, determinism=True, timeout_s=left))
+                                                     max_cases=options.verify_max_cases, determinism=True, timeout_s=left,
+                                                     **extra))
     return res.verdict.value, _verify_detail(res)
 
 

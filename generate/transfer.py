@@ -210,7 +210,7 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_
     split = bool(split_axes & (free_vars(loop.lo) | free_vars(loop.hi)))
     lo, hi = (loop.lo, loop.hi) if split else (const(0), var("N"))
     if target.mask_mod is not None:
-        bounds = _band_bounds(target.mask_mod, target.dims)
+        bounds = band_bounds(target.mask_mod, target.dims)
         if bounds is not None:
             mlo, mhi = (substitute(e, {"m_start": q_start}) for e in bounds)
             step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
@@ -221,7 +221,7 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_
     return lo, hi
 
 
-def _band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] | None:
+def band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] | None:
     """KV bounds implied by the load-free `&` terms of the mask (exact: keys outside them are masked).
 
     `doc[b, q_idx] == doc[b, kv_idx] & (kv_idx <= q_idx)` keeps the causal bound of its second term;

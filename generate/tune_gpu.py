@@ -1,6 +1,7 @@
 """The GPU half of `kb tune`: time a generated kernel's designs beside FlexAttention and SDPA, in one process.
 
     python -m generate.tune_gpu PLAN.json RESULTS.json [--deadline-s 540] [--workers 12]
+    python -m generate.tune_gpu --backward PLAN.json RESULTS.json      (forward+backward: generate.tune_gpu_bwd)
 
 A plan (written by `kb tune --plan`, or built in-process by `kb tune` on a GPU machine) lists entries:
 the spec file, the candidate file `kb generate` wrote (`ModelNew` + the Triton module's `forward`), the
@@ -497,7 +498,14 @@ def _summary_line(entry: dict, seconds: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--backward" in argv:  # forward+backward instead: generate.tune_gpu_bwd, with its own options
+        from generate.tune_gpu_bwd import main as backward_main
+
+        return backward_main([a for a in argv if a != "--backward"])
     ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward+backward (python -m generate.tune_gpu_bwd; see its --help for its options)")
     ap.add_argument("plan", type=Path)
     ap.add_argument("results", type=Path)
     ap.add_argument("--deadline-s", type=float, default=300.0,
@@ -508,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     plan = json.loads(a.plan.read_text())
     run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials, warm_s=a.warm_s,
-             command="python -m generate.tune_gpu " + " ".join(argv if argv is not None else sys.argv[1:]))
+             command="python -m generate.tune_gpu " + " ".join(argv))
     return 0
 
 

@@ -149,6 +149,8 @@ def generate_cmd(
     engine: str = typer.Option("rule", help="rule (offline, default) or llm (KB_LLM_BASE_URL / KB_LLM_MODEL)."),
     no_memory: bool = typer.Option(False, "--no-memory", help="Ignore written-back kernels and lessons."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the verify harness on the lowered kernel."),
+    no_backward: bool = typer.Option(False, "--no-backward",
+                                     help="Forward only: no backward kernels; ModelNew is then not differentiable."),
     max_attempts: int = typer.Option(6, help="Attempts per spec."),
     timeout: float = typer.Option(None, "--timeout", metavar="SECONDS",
                                   help="Budget per spec for all its attempts; each verify gets what is left [default: KB_VERIFY_TIMEOUT, 600]."),
@@ -175,9 +177,9 @@ def generate_cmd(
     kb = _open(ctx)
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts, timeout_s=settings.verify_timeout,
-                           target=resolve_target(target, settings.target_arch))
+                           target=resolve_target(target, settings.target_arch), backward=not no_backward)
     table = Table(title="generate")
-    for col in ("spec", "result", "attempts", "kernel", "seconds"):
+    for col in ("spec", "result", "backward", "attempts", "kernel", "seconds"):
         table.add_column(col)
     table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
     failed = 0
@@ -197,7 +199,10 @@ def generate_cmd(
         elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
             made.append(f"{p.name}: {r.error}")
         detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
-        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status), str(len(r.attempts)),
+        if r.succeeded and r.backward == "none" and not no_backward:
+            made.append(f"{p.name}: no backward ({r.backward_reason}); ModelNew is forward-only")
+        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status),
+                      _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
                       r.kernel_id or "-", f"{r.seconds:.1f}", detail)
     out.print(table)
     for line in made:
@@ -209,4 +214,5 @@ def generate_cmd(
         raise typer.Exit(1)
 
 
-_STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]"}
+_STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]",
+                 "none": "[yellow]{}[/]"}

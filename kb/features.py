@@ -38,6 +38,7 @@ class Features:
     cross: bool = False  # seq_q and seq_kv independent (cross attention)
     kv_span: int = 0  # keys a query can see when a constant band bounds them (window left + right + 1); 0 = unbounded
     arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
+    backward: bool = False  # a backward program: dq, dk, dv from the saved lse (kb.ir.nodes.is_backward)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -55,7 +56,7 @@ class Features:
             parts.append(f"{self.score_mod} score_mod")
         if self.gqa_ratio > 1:
             parts.append(f"gqa ratio {self.gqa_ratio}")
-        for flag in ("split_kv", "decode", "paged_kv", "varlen", "dropout", "return_lse", "cross"):
+        for flag in ("backward", "split_kv", "decode", "paged_kv", "varlen", "dropout", "return_lse", "cross"):
             if getattr(self, flag):
                 parts.append(flag.replace("_", " "))
         parts.append(f"head dim {self.head_dim} {self.dtype} {self.arch}")

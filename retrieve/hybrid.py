@@ -38,6 +38,7 @@ class Filters:
     dtype: str | None = None
     head_dim: int | None = None
     decode: bool | None = None  # True: split-KV/decode kernels only; False: forward only
+    backward: bool = False  # True: backward programs only; False: forward programs only
     programs_only: bool = True  # only kernels with an executable program (not snippet-only rows)
     memory: bool = True  # include generated kernels and lessons (write-back memory)
 
@@ -298,6 +299,7 @@ def _passing(table: _Table, flt: Filters) -> np.ndarray:
         ok &= (table.columns.split_kv | table.columns.decode) == flt.decode
     if not flt.memory:
         ok &= ~c.generated
+    ok &= table.columns.backward == flt.backward
     return ok
 
 

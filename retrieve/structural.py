@@ -94,6 +94,7 @@ class CandidateColumns(NamedTuple):
     paged_kv: np.ndarray
     varlen: np.ndarray
     return_lse: np.ndarray
+    backward: np.ndarray
     verified: np.ndarray
     executable: np.ndarray
     gqa_ratio: np.ndarray  # int columns
@@ -113,7 +114,7 @@ def candidate_columns(cands: Sequence[tuple[Features, bool, bool]]) -> Candidate
         causal=col((f.causal for f in fs), bool), sliding_window=col((f.sliding_window for f in fs), bool),
         split_kv=col((f.split_kv for f in fs), bool), decode=col((f.decode for f in fs), bool),
         paged_kv=col((f.paged_kv for f in fs), bool), varlen=col((f.varlen for f in fs), bool),
-        return_lse=col((f.return_lse for f in fs), bool), verified=col((v for _, v, _ in cands), bool),
+        return_lse=col((f.return_lse for f in fs), bool), backward=col((f.backward for f in fs), bool), verified=col((v for _, v, _ in cands), bool),
         executable=col((e for _, _, e in cands), bool), gqa_ratio=col((f.gqa_ratio for f in fs), np.int64),
         head_dim=col((f.head_dim for f in fs), np.int64),
     )

@@ -77,7 +77,7 @@ def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, t
     assert found["target"]["mask"] == "sliding_window" and len(found["kernels"]) == 3
     assert all("embedding" in k["terms"] for k in found["kernels"])  # the server answered the vector query
 
-    res = kb_cli("generate", str(SPEC), "--out", str(tmp_path / "out"))  # the full verify harness
+    res = kb_cli("generate", str(SPEC), "--out", str(tmp_path / "out"), "--no-backward")  # the full verify harness
     assert res.exit_code == 0, res.output
     report = json.loads(next((tmp_path / "out").glob("*.report.json")).read_text())
     assert report["verify"]["verdict"] == "passed"

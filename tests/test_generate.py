@@ -10,13 +10,12 @@ import pytest
 from generate.pipeline import GenerateOptions, generate
 from kb.ir.text import parse_program
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
-from tests.generate_fixtures import REPO
+from tests.generate_fixtures import QUICK, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 EXAMPLES = REPO / "examples" / "specs"
 # quick verification in tests (one distribution, the spec's own shape); `kb generate` runs the full harness
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 RULE_SPECS = [
     "causal_d64.py", "causal_gqa_d128.py", "sliding_window.py", "alibi.py", "softcap_causal.py", "document_mask.py",
     "prefix_lm.py", "relative_bias.py", "mqa.py", "cross_attention.py", "sdpa_causal_d128_bf16.py",

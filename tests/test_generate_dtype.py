@@ -26,7 +26,7 @@ def test_traced_output_dtype() -> None:
 
 
 def test_bf16_in_fp32_out_generates_and_verifies(ingested_kb, tmp_path: Path) -> None:
-    opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1,
+    opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1, backward=False,
                            compile_cuda=False, max_attempts=2)
     r = generate(ingested_kb, SPEC, opts)
     assert r.succeeded, r.error

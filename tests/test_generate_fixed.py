@@ -15,12 +15,11 @@ import torch
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
-from tests.generate_fixtures import REPO
+from tests.generate_fixtures import QUICK, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "tests" / "data" / "specs_state" / "alibi_slopes_in_forward.py"
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 
 
 def _module(path: Path, name: str):  # noqa: ANN202

@@ -11,13 +11,12 @@ import torch
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec, spec_inputs
-from tests.generate_fixtures import REPO
+from tests.generate_fixtures import QUICK, REPO
 from verify.load import load_spec as load_verify_spec
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 FLEX = sorted((REPO / "examples" / "specs").glob("flex_*.py"))
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 
 
 def test_harness_model_is_the_spec_reference() -> None:

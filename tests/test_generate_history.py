@@ -12,13 +12,12 @@ from generate.pipeline import GenerateOptions, generate
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import Kernel, open_kb
-from tests.generate_fixtures import REPO
+from tests.generate_fixtures import QUICK, REPO
 from tests.helpers_store import make_kernel, make_source
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "examples" / "specs" / "sliding_window.py"
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 
 
 def _stem_files(out: Path) -> set[str]:

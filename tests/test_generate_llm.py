@@ -22,7 +22,7 @@ from tests.generate_fixtures import REPO
 pytestmark = pytest.mark.network
 
 SPEC = REPO / "examples/specs/causal_d64.py"
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1)
+QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, backward=False)
 
 
 @pytest.fixture

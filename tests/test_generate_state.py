@@ -23,7 +23,7 @@ from tests.generate_fixtures import REPO  # noqa: E402
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPECS = REPO / "tests" / "data" / "specs_state"
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False, max_attempts=3)
+QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False, max_attempts=3, backward=False)
 
 
 def _import(path: Path, name: str):  # noqa: ANN202

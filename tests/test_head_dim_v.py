@@ -233,7 +233,7 @@ def reference_kb(kb):  # noqa: ANN001 - a KB holding two hand-written reference 
 @pytest.mark.parametrize("score", ["", _SOFTCAP], ids=["causal", "softcap"])
 def test_generate_end_to_end_and_verify(reference_kb, tmp_path: Path, score: str) -> None:  # noqa: ANN001
     spec = _spec(tmp_path, "dv_softcap" if score else "dv_causal", score=score)
-    opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1,
+    opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1, backward=False,
                            compile_cuda=False)
     r = generate(reference_kb, spec, opts)
     assert r.succeeded, r.error + "\n" + "\n".join(f"{a.stage.value}: {a.feedback[:300]}" for a in r.attempts)

@@ -30,9 +30,9 @@ from kb.lower.runtime import TritonKernel
 from kb.lower.triton import BlockMaskKind, lower_program, plan_block_mask
 from tests.attn_reference import reference_attention
 from tests.ir_programs import forward
+from tests.generate_fixtures import QUICK
 from tests.test_lower_triton import dense_block_classes
 
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 
 _HEAD = '''import math
 import torch

@@ -21,12 +21,11 @@ from generate.tune_gpu import SCHEMA, run_plan
 from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.store import Lesson, PerfRecord
-from tests.generate_fixtures import REPO
+from tests.generate_fixtures import QUICK, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "bench" / "tuning" / "causal.py"
-QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False)
 ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04", "torch_version": "2.11.0+cu130",
        "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m generate.tune_gpu plan.json r.json",
        "date": "2026-12-03T12:00:00+00:00"}

@@ -8,6 +8,7 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
 - head_dim: shapes["D"]; else schedule.head_pad when set; else an integer last dim of q;
   else 0, meaning "any head dim" (a program generic in D).
 - dtype: q's dtype, spelled as specs spell it ("fp32", "bf16", "fp16").
+- backward: the program recomputes probabilities from a saved lse (`probs`), `kb.ir.nodes.is_backward`.
 - split_kv: a grid axis whose extent uses NUM_SPLITS, or a `combine` statement.
 - decode: split_kv with num_splits > 1, or decode-shaped `shapes` (seq_q <= 16, seq_kv >= 8 seq_q).
 - return_lse: an out param named `lse` is stored.
@@ -29,7 +30,7 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, walk_stmts
+from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, is_backward, walk_stmts
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
 
@@ -173,7 +174,8 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
         arch=arch,
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
-    return feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
+    feats = feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
+    return replace(feats, backward=True) if is_backward(p) else feats
 
 
 derive = derive_features  # the name kb/features.py's docstring uses

@@ -5,6 +5,7 @@ Invariants (FlashAttention-2's choices, natural-log space):
   finite or -inf, never NaN (the max used for exponentials is 0 when m_new = -inf).
 - finalize: o = acc / l, lse = m + log(l); where l == 0, o = 0 and lse = -inf.
 - combine: parts with lse = -inf contribute nothing (even if their o is NaN/poisoned).
+- probs (backward): p = exp(s - lse) is 0 where s or lse is -inf (and so for rows past M loaded with lse = +inf).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from kb.errors import KBError
 
-__all__ = ["online_softmax_step", "finalize", "combine"]
+__all__ = ["online_softmax_step", "finalize", "combine", "probs", "softmax_grad"]
 
 _NEG_INF = float("-inf")
 
@@ -60,3 +61,20 @@ def combine(o_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tenso
     w = torch.where(live, torch.exp(lse_parts - torch.where(lse == _NEG_INF, 0.0, lse)), 0.0)
     o = torch.where(live[..., None], w[..., None] * o_parts.float(), 0.0).sum(dim=0)
     return o, lse
+
+
+def probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Backward's recomputed P: exp(s - lse[:, None]); 0 where s or the row's lse is -inf."""
+    if s.dim() != 2 or lse.shape != s.shape[:1]:
+        raise KBError(f"probs needs scores [R, C] and lse [R], got {list(s.shape)} and {list(lse.shape)}")
+    s, lse = s.float(), lse.float()[:, None]
+    p = torch.exp(s - lse)
+    return torch.where((s == _NEG_INF) | (lse == _NEG_INF), torch.zeros_like(p), p)
+
+
+def softmax_grad(p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """dS = P * (dP - delta[:, None]) (delta = rowsum(dO * O))."""
+    if p.dim() != 2 or dp.shape != p.shape or delta.shape != p.shape[:1]:
+        raise KBError(f"softmax_grad needs p, dp [R, C] and delta [R], got {list(p.shape)}, "
+                      f"{list(dp.shape)} and {list(delta.shape)}")
+    return p.float() * (dp.float() - delta.float()[:, None])

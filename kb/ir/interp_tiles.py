@@ -24,7 +24,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr
 from kb.ir.nodes import Dim, Dtype, Full, Gather, Index, Span, VALUE_DIM
 
-__all__ = ["TORCH_DTYPES", "next_pow2", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter"]
+__all__ = ["TORCH_DTYPES", "next_pow2", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter", "scatter_add"]
 
 TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     Dtype.F32: torch.float32,
@@ -127,6 +127,16 @@ def gather(t: torch.Tensor, ix: TileIndex, other: float) -> torch.Tensor:
         raise KBError(f"cannot pad a {t.dtype} tensor with {other}; use an integral `other`")
     fill = torch.tensor(other, dtype=t.dtype)
     return torch.where(ix.valid, values, fill).reshape(ix.tile_shape)
+
+
+def scatter_add(t: torch.Tensor, ix: TileIndex, value: torch.Tensor) -> int:
+    """Add the in-range part of `value` into `t` (an accumulating store); returns elements added."""
+    if tuple(value.shape) != ix.tile_shape:
+        raise KBError(f"stored tile has shape {tuple(value.shape)}, the index addresses {list(ix.tile_shape)}")
+    where = ix.valid
+    grids = tuple(p.expand(where.shape)[where] for p in ix.indices)
+    t.index_put_(grids, value.reshape(where.shape)[where].to(t.dtype), accumulate=True)
+    return int(where.sum())
 
 
 def scatter(t: torch.Tensor, ix: TileIndex, value: torch.Tensor) -> int:

@@ -19,9 +19,10 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
+from kb.ir.expr import Expr
 from kb.ir.nodes import BlockClass, VariantFn
 
-__all__ = ["UNBOUNDED", "TileCoords", "ClampedAux", "eval_variant", "mask_tile", "classify_block"]
+__all__ = ["UNBOUNDED", "TileCoords", "ClampedAux", "eval_variant", "eval_over_tile", "mask_tile", "classify_block"]
 
 
 UNBOUNDED = 1 << 62  # the extent of a missing M or N dim (token-major and paged programs)
@@ -62,6 +63,22 @@ class ClampedAux:
             raise KBError(f"{self.reader} reads {self.name} out of range (shape {list(self.t.shape)}) "
                           f"for {self.lane}; fix the index or the aux tensor's shape")
         return self.t[tuple(clamped)]
+
+
+def eval_over_tile(
+    e: Expr,
+    coords: TileCoords,
+    env: Mapping[str, Value],
+    aux: Mapping[str, torch.Tensor],
+    b: int,
+    h: int,
+    score: torch.Tensor,
+) -> torch.Tensor:
+    """An expression over score_mod's names (score, b, h, q_idx, kv_idx) on the tile, broadcast to its shape."""
+    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx, "score": score}
+    tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
+    out = eval_expr(e, local, tensors)  # type: ignore[arg-type]
+    return torch.as_tensor(out).expand(coords.shape)
 
 
 def eval_variant(

@@ -34,12 +34,16 @@ from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
 from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
-from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, tile_index
-from kb.ir.interp_variants import UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_variant, mask_tile
+from kb.ir.derive import aux_partials, score_grad
+from kb.ir.interp_softmax import probs, softmax_grad
+from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, scatter_add, tile_index
+from kb.ir.interp_variants import (
+    UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_over_tile, eval_variant, mask_tile,
+)
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Init, Kernel, Let, Load, Mask,
-    OnlineSoftmax, Param, Program, Reduce, Role, ScoreMod, Stmt, StmtOp, Store, SCHEDULE_CONSTANTS,
-    VALUE_DIM,
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Init, Kernel, Let, Load,
+    Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt, StmtOp,
+    Store, SCHEDULE_CONSTANTS, VALUE_DIM, accumulated_tensors,
 )
 from kb.ir.text import print_stmt_header
 
@@ -97,9 +101,10 @@ def interpret(p: Program, inputs: Inputs, *, shapes: Mapping[str, int] | None = 
     """Execute `p` and return outputs with execution statistics."""
     dims = bind_dims(p, inputs, shapes)
     tensors, scalars = _take_inputs(p, inputs)
+    zeroed = accumulated_tensors(p)
     for prm in p.params:
         if prm.role in (Role.OUT, Role.SCRATCH):
-            tensors[prm.name] = _poisoned(prm, dims)
+            tensors[prm.name] = _zeros(prm, dims) if prm.name in zeroed else _poisoned(prm, dims)
     with torch.no_grad():
         stats = tuple(_Machine(p, k, dims, scalars, tensors).run() for k in p.kernels)
     outputs = {prm.name: tensors[prm.name] for prm in p.params if prm.role is Role.OUT}
@@ -186,6 +191,10 @@ def _checked_scalar(prm: Param, x: object) -> Value:
     return float(x)
 
 
+def _zeros(prm: Param, dims: Mapping[str, int]) -> torch.Tensor:
+    return torch.zeros([resolve_dim(d, dims) for d in prm.shape], dtype=TORCH_DTYPES[prm.dtype])
+
+
 def _poisoned(prm: Param, dims: Mapping[str, int]) -> torch.Tensor:
     dt = TORCH_DTYPES[prm.dtype]
     shape = [resolve_dim(d, dims) for d in prm.shape]
@@ -233,6 +242,8 @@ class _Machine:
             StmtOp.SCORE_MOD: self._score_mod, StmtOp.MASK: self._mask,
             StmtOp.ONLINE_SOFTMAX: self._online_softmax, StmtOp.FINALIZE: self._finalize,
             StmtOp.COMBINE: self._combine, StmtOp.FOR: self._for, StmtOp.IF_BLOCK: self._if,
+            StmtOp.PROBS: self._probs, StmtOp.SOFTMAX_GRAD: self._softmax_grad,
+            StmtOp.SCORE_MOD_GRAD: self._score_mod_grad, StmtOp.AUX_GRAD: self._aux_grad,
         }
 
     def run(self) -> KernelStats:
@@ -309,7 +320,7 @@ class _Machine:
             raise KBError(f"gathered index {g.index} must be an integer, got {pos.dtype}")
         return pos.long().expand(size).clone(), ok.clone()
 
-    def _coords(self, st: ScoreMod | Mask, tile: torch.Tensor) -> tuple[TileCoords, int, int]:
+    def _coords(self, st: ScoreMod | Mask | ScoreModGrad | AuxGrad, tile: torch.Tensor) -> tuple[TileCoords, int, int]:
         if tile.dim() != 2:
             raise KBError(f"{st.tile} must be a 2-D score tile, has shape {list(tile.shape)}")
         coords = TileCoords(self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
@@ -327,7 +338,8 @@ class _Machine:
 
     def _store(self, st: Store) -> None:
         t, ix = self._ixs(st.tensor, st.index)
-        self.c.elements_stored += scatter(t, ix, self._tile(st.value))  # type: ignore[arg-type]
+        write = scatter_add if st.accumulate else scatter
+        self.c.elements_stored += write(t, ix, self._tile(st.value))  # type: ignore[arg-type]
 
     def _init(self, st: Init) -> None:
         shape = [resolve_dim(d, self.env) for d in st.shape]
@@ -335,10 +347,13 @@ class _Machine:
 
     def _dot(self, st: Dot) -> None:
         a, b = self._tile(st.a).float(), self._tile(st.b).float()
+        if a.dim() != 2 or b.dim() != 2:
+            raise KBError(f"dot needs 2-D tiles, got {st.a} {list(a.shape)} and {st.b} {list(b.shape)}")
+        a = a.transpose(0, 1) if st.trans_a else a
         b = b.transpose(0, 1) if st.trans_b else b
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-            raise KBError(f"dot {st.a} {list(a.shape)} @ {'trans(' + st.b + ')' if st.trans_b else st.b} "
-                          f"{list(b.shape)}: inner dims differ")
+        if a.shape[1] != b.shape[0]:
+            raise KBError(f"dot {'trans(' + st.a + ')' if st.trans_a else st.a} {list(a.shape)} @ "
+                          f"{'trans(' + st.b + ')' if st.trans_b else st.b} {list(b.shape)}: inner dims differ")
         self.env[st.out] = a @ b
 
     def _elementwise(self, st: Elementwise) -> None:
@@ -372,6 +387,32 @@ class _Machine:
                             self.aux, b, h, self.dims.get("N"))
         self.env[st.tile] = tile.masked_fill(~allowed, float("-inf"))
         self.c.masks_applied += 1
+
+    def _probs(self, st: Probs) -> None:
+        self.env[st.out] = probs(self._tile(st.scores), self._tile(st.lse))
+
+    def _softmax_grad(self, st: SoftmaxGrad) -> None:
+        self.env[st.out] = softmax_grad(self._tile(st.p), self._tile(st.dp), self._tile(st.delta))
+
+    def _score_mod_grad(self, st: ScoreModGrad) -> None:
+        if self.p.score_mod is None:
+            return  # the identity's derivative
+        s = self._tile(st.scores).float()
+        coords, b, h = self._coords(st, s)
+        g = eval_over_tile(score_grad(self.p.score_mod.body), coords, self.variant_env, self.aux, b, h, s)
+        self.env[st.tile] = self._tile(st.tile) * g
+
+    def _aux_grad(self, st: AuxGrad) -> None:
+        if self.p.score_mod is None:
+            raise KBError(f"program {self.p.name} takes the gradient of {st.aux} but defines no score_mod")
+        s, ds = self._tile(st.scores).float(), self._tile(st.tile).float()
+        coords, b, h = self._coords(st, s)
+        grad = self._param_tensor(st.grad)[1]
+        for index, partial in aux_partials(self.p.score_mod.body, st.aux):
+            value = ds * eval_over_tile(partial, coords, self.variant_env, self.aux, b, h, s)
+            where = coords.in_range
+            pos = [eval_over_tile(i, coords, self.variant_env, self.aux, b, h, s).long()[where] for i in index]
+            grad.index_put_(tuple(pos), value[where].to(grad.dtype), accumulate=True)
 
     def _online_softmax(self, st: OnlineSoftmax) -> None:
         m, l, acc = online_softmax_step(self._tile(st.m), self._tile(st.l), self._tile(st.acc),

@@ -18,9 +18,9 @@ from dataclasses import dataclass, fields
 from kb.errors import KBError
 from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
-    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
-    Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule,
-    ScoreMod, Span, Stmt, Store, VariantFn,
+    AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
+    Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, Store, VariantFn,
 )
 
 __all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "INDENT"]
@@ -61,7 +61,7 @@ def _indices(ixs: tuple[Index, ...]) -> str:
     return ", ".join(_index(i) for i in ixs)
 
 
-def _at(st: ScoreMod | Mask | IfBlock) -> str:
+def _at(st: ScoreMod | Mask | IfBlock | ScoreModGrad | AuxGrad) -> str:
     return ", ".join(print_expr(e) for e in (st.b, st.h, st.q_start, st.kv_start))
 
 
@@ -74,12 +74,13 @@ def print_stmt_header(st: Stmt) -> str:
             other = "" if st.other == 0.0 else f" other {_float(st.other)}"
             return f"load {st.out} = {st.tensor}[{_indices(st.index)}]{other}"
         case Store():
-            return f"store {st.tensor}[{_indices(st.index)}] = {st.value}"
+            return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
         case Init():
             return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
         case Dot():
+            a = f"trans({st.a})" if st.trans_a else st.a
             b = f"trans({st.b})" if st.trans_b else st.b
-            return f"dot {st.out} = {st.a} @ {b}"
+            return f"dot {st.out} = {a} @ {b}"
         case Elementwise():
             return f"elementwise {st.out} = {print_expr(st.value)}"
         case Reduce():
@@ -94,6 +95,14 @@ def print_stmt_header(st: Stmt) -> str:
             return f"finalize {st.o}, {st.lse} = ({st.m}, {st.l}, {st.acc})"
         case Combine():
             return f"combine {st.o}, {st.lse} = ({st.o_parts}, {st.lse_parts})"
+        case Probs():
+            return f"probs {st.out} = exp({st.scores} - {st.lse})"
+        case SoftmaxGrad():
+            return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
+        case ScoreModGrad():
+            return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st)})"
+        case AuxGrad():
+            return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st)})"
         case For():
             return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
         case IfBlock():
@@ -333,9 +342,9 @@ _N = rf"({_NAME})"
 _STMT_RE: dict[str, re.Pattern] = {
     "let": re.compile(rf"^let\s+(?P<name>{_NAME})\s*=(?P<value>.+)$"),
     "load": re.compile(rf"^load\s+(?P<out>{_NAME})\s*=\s*(?P<tensor>{_NAME})\[(?P<index>.*)\](?:\s+other\s+(?P<other>\S+))?$"),
-    "store": re.compile(rf"^store\s+(?P<tensor>{_NAME})\[(?P<index>.*)\]\s*=\s*(?P<value>{_NAME})$"),
+    "store": re.compile(rf"^store\s+(?P<tensor>{_NAME})\[(?P<index>.*)\]\s*(?P<acc>\+?)=\s*(?P<value>{_NAME})$"),
     "init": re.compile(rf"^init\s+(?P<out>{_NAME})\s*=\s*full\((?P<dims>[^;()]*);(?P<fill>[^;()]*)\)\s+(?P<dtype>\w+)$"),
-    "dot": re.compile(rf"^dot\s+(?P<out>{_NAME})\s*=\s*(?P<a>{_NAME})\s*@\s*(?:trans\(\s*(?P<bt>{_NAME})\s*\)|(?P<b>{_NAME}))$"),
+    "dot": re.compile(rf"^dot\s+(?P<out>{_NAME})\s*=\s*(?:trans\(\s*(?P<ta>{_NAME})\s*\)|(?P<a>{_NAME}))\s*@\s*(?:trans\(\s*(?P<bt>{_NAME})\s*\)|(?P<b>{_NAME}))$"),
     "elementwise": re.compile(rf"^elementwise\s+(?P<out>{_NAME})\s*=(?P<value>.+)$"),
     "reduce": re.compile(rf"^reduce\s+(?P<out>{_NAME})\s*=\s*(?P<kind>max|sum)\(\s*(?P<src>{_NAME})\s*,\s*(?P<axis>-?\d+)\s*\)$"),
     "score_mod": re.compile(rf"^score_mod\s+(?P<tile>{_NAME})\s+at\s+\((?P<at>.*)\)$"),
@@ -343,15 +352,19 @@ _STMT_RE: dict[str, re.Pattern] = {
     "online_softmax": re.compile(rf"^online_softmax\s+\(\s*{_N}\s*,\s*{_N}\s*,\s*{_N}\s*\)\s*\+=\s*{_N}\s*@\s*{_N}$"),
     "finalize": re.compile(rf"^finalize\s+{_N}\s*,\s*{_N}\s*=\s*\(\s*{_N}\s*,\s*{_N}\s*,\s*{_N}\s*\)$"),
     "combine": re.compile(rf"^combine\s+{_N}\s*,\s*{_N}\s*=\s*\(\s*{_N}\s*,\s*{_N}\s*\)$"),
+    "probs": re.compile(rf"^probs\s+{_N}\s*=\s*exp\(\s*{_N}\s*-\s*{_N}\s*\)$"),
+    "softmax_grad": re.compile(rf"^softmax_grad\s+{_N}\s*=\s*{_N}\s*\*\s*\(\s*{_N}\s*-\s*{_N}\s*\)$"),
+    "score_mod_grad": re.compile(rf"^score_mod_grad\s+(?P<tile>{_NAME})\s+wrt\s+(?P<scores>{_NAME})\s+at\s+\((?P<at>.*)\)$"),
+    "aux_grad": re.compile(rf"^aux_grad\s+(?P<grad>{_NAME})\s+of\s+(?P<aux>{_NAME})\s*\+=\s*(?P<tile>{_NAME})\s+wrt\s+(?P<scores>{_NAME})\s+at\s+\((?P<at>.*)\)$"),
     "for": re.compile(rf"^for\s+(?P<var>{_NAME})\s+in\s+range\((?P<args>.*)\)\s+(?P<order>forward|reverse)\s*:$"),
     "if": re.compile(r"^if\s+block\((?P<at>.*)\)\s+is\s+(?P<neg>not\s+)?(?P<cls>full|partial|empty)\s*:$"),
 }
 _STMT_FORM = {
     "let": "let NAME = EXPR",
     "load": "load NAME = TENSOR[index, ...] [other FLOAT]",
-    "store": "store TENSOR[index, ...] = NAME",
+    "store": "store TENSOR[index, ...] = NAME  or  store TENSOR[index, ...] += NAME",
     "init": "init NAME = full(DIM, ...; FLOAT) DTYPE",
-    "dot": "dot NAME = A @ B  or  dot NAME = A @ trans(B)",
+    "dot": "dot NAME = A @ B, A @ trans(B), trans(A) @ B or trans(A) @ trans(B)",
     "elementwise": "elementwise NAME = EXPR",
     "reduce": "reduce NAME = max(SRC, AXIS)  or  sum(SRC, AXIS)",
     "score_mod": "score_mod TILE at (b, h, q_start, kv_start)",
@@ -359,6 +372,10 @@ _STMT_FORM = {
     "online_softmax": "online_softmax (m, l, acc) += SCORES @ VALUES",
     "finalize": "finalize O, LSE = (m, l, acc)",
     "combine": "combine O, LSE = (O_PARTS, LSE_PARTS)",
+    "probs": "probs P = exp(SCORES - LSE)",
+    "softmax_grad": "softmax_grad DS = P * (DP - DELTA)",
+    "score_mod_grad": "score_mod_grad DS wrt SCORES at (b, h, q_start, kv_start)",
+    "aux_grad": "aux_grad GRAD of AUX += DS wrt SCORES at (b, h, q_start, kv_start)",
     "for": "for VAR in range(LO, HI, STEP) forward|reverse:",
     "if": "if block(b, h, q_start, kv_start) is [not] full|partial|empty:",
 }
@@ -374,13 +391,14 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
             other = 0.0 if m["other"] is None else _parse_float(m["other"], L, ln.col + m.start("other"))
             return Load(m["out"], m["tensor"], idx, other)
         case "store":
-            return Store(m["tensor"], _parse_indices(m["index"], L, ln.col + m.start("index")), m["value"])
+            idx = _parse_indices(m["index"], L, ln.col + m.start("index"))
+            return Store(m["tensor"], idx, m["value"], accumulate=m["acc"] == "+")
         case "init":
             shape = _parse_dims(m["dims"], L, ln.col + m.start("dims"))
             fill = _parse_float(m["fill"], L, ln.col + m.start("fill"))
             return Init(m["out"], shape, fill, _enum(Dtype, m["dtype"], L, ln.col + m.start("dtype"), "dtype"))
         case "dot":
-            return Dot(m["out"], m["a"], m["bt"] or m["b"], trans_b=m["bt"] is not None)
+            return Dot(m["out"], m["ta"] or m["a"], m["bt"] or m["b"], trans_b=m["bt"] is not None, trans_a=m["ta"] is not None)
         case "elementwise":
             return Elementwise(m["out"], _expr(m["value"], L, ln.col + m.start("value")))
         case "reduce":
@@ -395,6 +413,14 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
             return Finalize(*m.groups())
         case "combine":
             return Combine(*m.groups())
+        case "probs":
+            return Probs(*m.groups())
+        case "softmax_grad":
+            return SoftmaxGrad(*m.groups())
+        case "score_mod_grad":
+            return ScoreModGrad(m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
+        case "aux_grad":
+            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
     raise AssertionError(kw)
 
 

@@ -7,6 +7,9 @@ kind, run while walking each kernel body with the names in scope). Invariants th
   `let` names and loop variables; tiles are the outputs of load/init/dot/elementwise/reduce/
   online_softmax/finalize/combine. One namespace: a name is never both a tile and a scalar,
   and never shadows a param, dim or schedule constant.
+- Backward statements: `probs`/`softmax_grad` take a row vector [R] of their [R, C] tile;
+  `score_mod_grad`/`aux_grad` take a gradient tile and the score_mod input of one shape; `aux_grad`
+  names an aux tensor score_mod reads and an f32 out param of its shape; `+=` stores target f32.
 - Names defined inside a `for` body are local to it; names defined in both branches of an
   `if` are visible after it.
 - Index forms: a span's `until` is an integer scalar expression; a gathered axis
@@ -29,9 +32,9 @@ from typing import Callable, Iterator
 from kb.errors import KBError
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
-    BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
-    Let, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, Schedule, ScoreMod, Span, Stmt,
-    Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
+    AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
+    Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad,
+    SoftmaxGrad, Span, Stmt, Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
 )
 from kb.ir.text import print_stmt_header
 
@@ -318,6 +321,8 @@ def _store(st: Store, env: _Env) -> Iterator[str]:
     prm = _params(env.program).get(st.tensor)
     if prm is not None and prm.role not in (Role.OUT, Role.SCRATCH):
         yield f"'{st.tensor}' is an {prm.role.value} param; only out and scratch params are stored"
+    if st.accumulate and prm is not None and prm.dtype is not Dtype.F32:
+        yield f"'{st.tensor}' is {prm.dtype.value}; an accumulating store (+=) needs an f32 tensor"
     yield from _need_tiles(env, value=st.value)
     shape = env.tiles.get(st.value)
     if bad or prm is None or shape is None:
@@ -349,11 +354,12 @@ def _dot(st: Dot, env: _Env) -> Iterator[str]:
         if len(a) != 2 or len(b) != 2:
             yield f"dot needs 2-D tiles, got '{st.a}' {_shape_str(a)} and '{st.b}' {_shape_str(b)}"
         else:
+            outer_a, inner_a = (a[1], a[0]) if st.trans_a else (a[0], a[1])
             inner_b, outer_b = (b[1], b[0]) if st.trans_b else (b[0], b[1])
-            if not _same(a[1], inner_b, env.program.schedule):
-                yield (f"shape mismatch: inner dims of '{st.a}' {_shape_str(a)} and "
+            if not _same(inner_a, inner_b, env.program.schedule):
+                yield (f"shape mismatch: inner dims of {'trans(' + st.a + ')' if st.trans_a else repr(st.a)} {_shape_str(a)} and "
                        f"{'trans(' + st.b + ')' if st.trans_b else repr(st.b)} {_shape_str(b)} disagree")
-            out = (a[0], outer_b)
+            out = (outer_a, outer_b)
     yield from _define(env, st.out, out)
 
 
@@ -408,6 +414,58 @@ def _mask(st: Mask, env: _Env) -> Iterator[str]:
         yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
     yield from _scores_2d(env, st.tile)
     yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+
+
+def _row_stat(env: _Env, tile: str, rows: str) -> Iterator[str]:
+    """`rows` must be the [R] row vector of the 2-D tile `tile` [R, C]."""
+    known = _known(env, tile, rows)
+    if known is not None and len(known[0]) == 2 and not _agree(known[1], known[0][:1], env.program.schedule):
+        yield f"shape mismatch: '{rows}' {_shape_str(known[1])} is not a row vector of '{tile}' {_shape_str(known[0])}"
+
+
+def _probs(st: Probs, env: _Env) -> Iterator[str]:
+    yield from _scores_2d(env, st.scores)
+    yield from _need_tiles(env, lse=st.lse)
+    yield from _row_stat(env, st.scores, st.lse)
+    yield from _define(env, st.out, env.tiles.get(st.scores))
+
+
+def _softmax_grad(st: SoftmaxGrad, env: _Env) -> Iterator[str]:
+    yield from _scores_2d(env, st.p)
+    yield from _need_tiles(env, dp=st.dp, delta=st.delta)
+    known = _known(env, st.p, st.dp)
+    if known is not None and not _agree(known[0], known[1], env.program.schedule):
+        yield f"shape mismatch: '{st.p}' {_shape_str(known[0])} and '{st.dp}' {_shape_str(known[1])}"
+    yield from _row_stat(env, st.p, st.delta)
+    yield from _define(env, st.out, env.tiles.get(st.p))
+
+
+def _grad_of_scores(st: ScoreModGrad | AuxGrad, env: _Env) -> Iterator[str]:
+    yield from _scores_2d(env, st.tile)
+    yield from _scores_2d(env, st.scores)
+    known = _known(env, st.tile, st.scores)
+    if known is not None and not _agree(known[0], known[1], env.program.schedule):
+        yield f"shape mismatch: '{st.tile}' {_shape_str(known[0])} and '{st.scores}' {_shape_str(known[1])}"
+    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+
+
+def _score_mod_grad(st: ScoreModGrad, env: _Env) -> Iterator[str]:
+    yield from _grad_of_scores(st, env)
+
+
+def _aux_grad(st: AuxGrad, env: _Env) -> Iterator[str]:
+    yield from _grad_of_scores(st, env)
+    prms = _params(env.program)
+    aux, grad = prms.get(st.aux), prms.get(st.grad)
+    fn = env.program.score_mod
+    if aux is None or aux.role is not Role.AUX:
+        yield f"'{st.aux}' must be an aux param"
+    elif fn is None or st.aux not in {str(n.value) for n in walk(fn.body) if n.op is ExprOp.LOAD}:
+        yield f"score_mod does not read '{st.aux}', so it has no gradient here"
+    if grad is None or grad.role is not Role.OUT or grad.dtype is not Dtype.F32:
+        yield f"'{st.grad}' must be an f32 out param"
+    elif aux is not None and grad.shape != aux.shape:
+        yield f"'{st.grad}' {list(grad.shape)} must have the shape of '{st.aux}' {list(aux.shape)}"
 
 
 def _online_softmax(st: OnlineSoftmax, env: _Env) -> Iterator[str]:
@@ -487,7 +545,8 @@ def _if(st: IfBlock, env: _Env) -> Iterator[str]:
 STMT_RULES: dict[type, Rule] = {
     Let: _let, Load: _load, Store: _store, Init: _init, Dot: _dot, Elementwise: _elementwise,
     Reduce: _reduce, ScoreMod: _score_mod, Mask: _mask, OnlineSoftmax: _online_softmax,
-    Finalize: _finalize, Combine: _combine, For: _for, IfBlock: _if,
+    Finalize: _finalize, Combine: _combine, For: _for, IfBlock: _if, Probs: _probs,
+    SoftmaxGrad: _softmax_grad, ScoreModGrad: _score_mod_grad, AuxGrad: _aux_grad,
 }  # type: ignore[dict-item]
 
 
@@ -616,9 +675,9 @@ def _kernel_rules(p: Program) -> Iterator[Problem]:
         yield from _walk_block(k.body, env)
 
 
-def _stores(stmts: tuple[Stmt, ...]) -> Iterator[Store]:
+def _stores(stmts: tuple[Stmt, ...]) -> Iterator[Store | AuxGrad]:
     for st in stmts:
-        if isinstance(st, Store):
+        if isinstance(st, Store | AuxGrad):
             yield st
         elif isinstance(st, For):
             yield from _stores(st.body)
@@ -627,7 +686,8 @@ def _stores(stmts: tuple[Stmt, ...]) -> Iterator[Store]:
 
 
 def _outputs_stored(p: Program) -> Iterator[Problem]:
-    stored = {st.tensor for k in p.kernels if isinstance(k, Kernel) for st in _stores(k.body)}
+    stored = {st.grad if isinstance(st, AuxGrad) else st.tensor
+              for k in p.kernels if isinstance(k, Kernel) for st in _stores(k.body)}
     for prm in p.params:
         if isinstance(prm, Param) and prm.role is Role.OUT and prm.name not in stored:
             yield Problem(f"param '{prm.name}'", "out param is never stored")

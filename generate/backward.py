@@ -1,0 +1,104 @@
+"""The backward stage of `kb generate`: dq, dk, dv (and learnable tables' gradients) for a verified forward.
+
+After the forward kernel passed, the KB's backward references (expert backward kernels lifted into
+the IR, and earlier generated backwards) are ranked for the spec; each is tried in turn:
+transfer the forward's variant slots into it (generate.transfer_bwd), check the interpreted
+gradients against autograd (generate.check_backward), lower forward + backward + autograd glue into
+one Triton module (kb.lower.triton_bwd.lower_autograd), write the candidate whose `ModelNew` calls
+the differentiable `kb_attention`, and verify it with gradients (verify, `backward=True`). The first
+that passes replaces the forward-only candidate; if none does, the forward-only candidate stays and
+the report says why there is no backward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from generate.attempts import AttemptOutcome, Stage
+from generate.candidate import CandidateFiles, write_candidate
+from generate.check_backward import check_backward_program
+from generate.spec import Spec
+from kb.errors import KBError
+from kb.ir.nodes import Program, Role
+from kb.ir.text import parse_program, print_program
+from kb.ir.validate import validate
+from kb.store.kb import KnowledgeBase
+from retrieve.hybrid import Filters, describe_target, query
+
+__all__ = ["BackwardBuilt", "build_backward", "learnable_aux", "BACKWARD_STRATEGY"]
+
+BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
+
+
+@dataclass(frozen=True)
+class BackwardBuilt:
+    """A backward that passed every stage: its program, reference and the candidate files written for it."""
+
+    program: Program
+    reference_id: str
+    module_src: str  # the whole Triton module: forward, backward, autograd glue
+    files: CandidateFiles
+    verdict: str
+    detail: str
+
+
+def learnable_aux(spec: Spec) -> tuple[str, ...]:
+    """Aux tensors the spec holds as nn.Parameters (their gradients are part of the backward)."""
+    return tuple(e.aux for e in spec.state if e.parameter and e.aux)
+
+
+def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
+                   verify_fn, designs, stage: Path, stem: str, first_n: int) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:  # noqa: ANN001
+    """Try the ranked backward references in order; (the first that passes, every attempt)."""
+    from generate.transfer_bwd import backward_target, transfer_backward
+
+    features = replace(spec.features, backward=True)
+    found = query(kb, describe_target(features, *spec.variant_strings()), features, k=references,
+                  filters=Filters(memory=memory, backward=True))
+    if not found.kernels:
+        raise KBError("the KB holds no backward reference program; run `kb ingest --all` first")
+    target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
+    outcomes: list[AttemptOutcome] = []
+    for ref in found.kernels:
+        t0 = time.perf_counter()
+
+        def outcome(stage_: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
+            return AttemptOutcome(first_n + len(outcomes), ref.id, BACKWARD_STRATEGY, stage_, verdict, detail,
+                                  time.perf_counter() - t0, text)
+
+        try:
+            program = transfer_backward(parse_program(kb.get(ref.id).ir_text), target, name=f"{stem}_bwd")  # type: ignore[union-attr]
+            validate(program)
+        except KBError as err:
+            outcomes.append(outcome(Stage.TRANSFER, "compile_error", str(err)))
+            continue
+        text = print_program(program)
+        failure = check_backward_program(program, forward, spec, target.learnable)
+        if failure:
+            outcomes.append(outcome(Stage.IR_CHECK, "numeric_mismatch", failure, text))
+            continue
+        built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem)
+        if isinstance(built, tuple):
+            outcomes.append(outcome(*built, text))
+            continue
+        outcomes.append(outcome(Stage.VERIFY if built.verdict == "passed" else Stage.LOWER, "passed", built.detail, text))
+        return built, outcomes
+    return None, outcomes
+
+
+def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001
+             stage: Path, stem: str) -> BackwardBuilt | tuple[Stage, str, str]:
+    from kb.lower.triton_bwd import lower_autograd
+
+    try:
+        src = lower_autograd(forward, program, fwd_designs=designs)
+        aux = [p.name for p in forward.params if p.role is Role.AUX]
+        files = write_candidate(spec, src, aux, stage, stem, entry="kb_attention")
+    except KBError as err:
+        return Stage.LOWER, "compile_error", str(err)
+    verdict, detail = verify_fn(files.candidate)
+    if verdict not in ("passed", "not_run"):
+        return Stage.VERIFY, verdict, detail
+    return BackwardBuilt(program, ref_id, src, files, verdict, detail)

@@ -1,0 +1,78 @@
+"""The IR check of a backward program: interpreted gradients against autograd of the spec's variant.
+
+The forward program runs first (in the interpreter, on the spec's inputs) to give o and lse, as the
+generated kernel's forward saves them; the backward program then runs on a random dO. The reference
+is fp32 dense attention over the spec's traced score_mod/mask_mod (`variants_attention`'s math, which
+tracing already checked against the spec's own Model), differentiated by torch autograd, including
+the learnable aux tables. The kernel itself is checked later against the user's Model (verify/).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from generate.attempts import IR_CHECK_TOL
+from generate.spec import Spec, spec_inputs
+from generate.transfer_bwd import grad_name
+from kb.errors import KBError
+from kb.ir.evaluate import dense_scores_mask
+from kb.ir.interpret import run_program
+from kb.ir.nodes import Program, Role
+
+__all__ = ["check_backward_program", "reference_grads"]
+
+
+def reference_grads(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    learnable: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """dq, dk, dv (and d<aux> per learnable aux) of fp32 dense attention with the spec's variant."""
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    aux = {n: t.detach().float().requires_grad_(n in learnable) if t.is_floating_point() else t
+           for n, t in spec.aux.items()}
+    B, Hq, M, _ = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    s = (qf @ kf.repeat_interleave(rep, 1).transpose(-2, -1)) * spec.softmax_scale
+    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": q.shape[-1]}
+    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, aux)
+    keep = keep.expand(B, Hq, M, N)
+    p = torch.softmax(s.float().masked_fill(~keep, -math.inf), dim=-1)
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
+    o = p @ vf.repeat_interleave(rep, 1)
+    o.backward(dout.float())
+    grads = {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    for n in learnable:
+        grads[grad_name(n)] = aux[n].grad if aux[n].grad is not None else torch.zeros_like(aux[n])
+    return grads
+
+
+def check_backward_program(backward: Program, forward: Program, spec: Spec, learnable: tuple[str, ...] = (),
+                           seed: int = 0) -> str | None:
+    """None when the interpreted gradients match autograd within the dtype's IR tolerance; else why not."""
+    q, k, v = spec_inputs(spec, seed)
+    inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
+    for p in forward.params:
+        if p.role is Role.AUX:
+            inputs[p.name] = spec.aux[p.name]
+    try:
+        saved = run_program(forward, inputs)
+        dout = torch.randn(saved["o"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.dtype)
+        got = run_program(backward, {**inputs, "o": saved["o"], "lse": saved["lse"], "dout": dout})
+    except KBError as err:
+        return f"interpreter error: {err}"
+    want = reference_grads(spec, q, k, v, dout, learnable)
+    tol = IR_CHECK_TOL.get(spec.shapes.dtype, 1e-4)
+    for name, ref in want.items():
+        out = got.get(name)
+        if out is None:
+            return f"backward program does not produce {name}"
+        if out.shape != ref.shape:
+            return f"{name} shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+        err = (out.float() - ref).abs().nan_to_num(float("inf"))
+        bound = tol * max(1.0, ref.abs().max().item())
+        if err.max().item() > bound:
+            at = tuple((err == err.max()).nonzero()[0].tolist())
+            return (f"IR gradient {name} differs from autograd of the spec: max abs err {err.max().item():.3g} "
+                    f"(tolerance {bound:.3g}) first at {at}")
+    return None

@@ -1,0 +1,205 @@
+"""Backward transfer: the verified forward program's variant slots into a retrieved backward reference.
+
+The reference (an expert backward kernel lifted into the IR) decides the code shape: its kernels,
+loop order (KV-outer dK/dV, dq by accumulation or a separate pass), schedule and GQA reduction.
+The forward program gives what is the spec's: score_mod, mask_mod, their aux tensors and scalars,
+the dtypes. Per tile body (the loop body that recomputes P with `probs`):
+- the reference's own masking (and any variant statements) is removed;
+- after the score scale, the score_mod input is kept (`elementwise sm = s`), score_mod is applied to
+  the copy and the mask after it (`if block is not full: mask` for a mask_mod, else the bounds);
+- after `softmax_grad`: `aux_grad` for each learnable table score_mod reads, then `score_mod_grad`;
+- with a mask_mod, the tile body runs only for non-empty blocks, and the loop over q blocks
+  (KV-outer) or kv blocks (Q-outer) is bounded by the mask's static band, derived from the mask
+  (`kb.ir.classify.mask_kv_bounds`; for KV-outer loops with the roles of q and kv swapped).
+Every function is `Program -> Program`; the interpreter check against autograd is the proof.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from generate.transfer import band_bounds
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, call, const, loaded_tensors, substitute, var
+from kb.ir.nodes import (
+    AuxGrad, BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, Param, Probs, Program, Role,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, walk_stmts,
+)
+
+__all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_name"]
+
+_FLOAT = (Dtype.F32, Dtype.BF16, Dtype.F16)
+_F32_BUFFERS = ("lse", "delta", "dq_acc")  # the saved lse and the f32 scratch of a backward program
+
+
+@dataclass(frozen=True)
+class BackwardTarget:
+    """What the backward takes from the verified forward program and the spec."""
+
+    forward: Program
+    learnable: tuple[str, ...] = ()  # aux tensors read by score_mod that are nn.Parameters of the spec
+    dims: tuple[int, int] | None = None  # the spec's (M, N), to classify mask constants
+
+
+def grad_name(aux: str) -> str:
+    """The gradient param of a learnable aux tensor."""
+    return f"d{aux}"
+
+
+def backward_target(forward: Program, learnable_state: tuple[str, ...], dims: tuple[int, int] | None) -> BackwardTarget:
+    """Learnable = aux tensors the forward's score_mod reads that the spec holds as parameters."""
+    read = loaded_tensors(forward.score_mod.body) if forward.score_mod is not None else frozenset()
+    return BackwardTarget(forward, tuple(a for a in learnable_state if a in read), dims)
+
+
+def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) -> Program:
+    """The backward reference with the forward's variant slots, params, dtypes and block skipping."""
+    fwd = target.forward
+    if not any(isinstance(st, Probs) for k in reference.kernels for st in walk_stmts(k.body)):
+        raise KBError(f"reference {reference.name} is not a backward program (no `probs` statement)")
+    kernels = tuple(_rewrite_kernel(k, target) for k in reference.kernels)
+    return Program(name=name, params=_params(reference, target), schedule=replace(reference.schedule, head_pad=0),
+                   kernels=kernels, score_mod=fwd.score_mod, mask_mod=fwd.mask_mod)
+
+
+def _params(reference: Program, target: BackwardTarget) -> tuple[Param, ...]:
+    fwd = target.forward
+    dtype, o_dtype = fwd.param("q").dtype, fwd.param("o").dtype
+    kept = []
+    for p in reference.params:
+        if p.role is Role.AUX or (p.role is Role.SCALAR and p.name != "sm_scale"):
+            continue  # the reference's own variant inputs
+        if p.dtype in _FLOAT and p.name not in _F32_BUFFERS and p.role in (Role.IN, Role.OUT):
+            p = replace(p, dtype=o_dtype if p.name == "o" else dtype)
+        kept.append(p)
+    names = {p.name for p in kept}
+    extra = [p for p in fwd.params if p.role in (Role.AUX, Role.SCALAR) and p.name not in names]
+    grads = [Param(grad_name(a), fwd.param(a).shape, Dtype.F32, Role.OUT) for a in target.learnable]
+    return tuple(kept) + tuple(extra) + tuple(grads)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _rewrite_kernel(kernel: Kernel, target: BackwardTarget) -> Kernel:
+    return replace(kernel, body=_rewrite_body(kernel.body, kernel.body, target))
+
+
+def _rewrite_body(body: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...], target: BackwardTarget) -> tuple[Stmt, ...]:
+    out: list[Stmt] = []
+    for st in body:
+        if isinstance(st, For) and any(isinstance(s, Probs) for s in _strip(st.body)):
+            out.append(_rewrite_tile_loop(st, kernel_body, target))
+        elif isinstance(st, For):
+            out.append(replace(st, body=_rewrite_body(st.body, kernel_body, target)))
+        else:
+            out.append(st)
+    return tuple(out)
+
+
+def _rewrite_tile_loop(loop: For, kernel_body: tuple[Stmt, ...], target: BackwardTarget) -> For:
+    fwd = target.forward
+    flat = _strip(loop.body)
+    at = _coords(flat, kernel_body)
+    tile = _tile_body(flat, at, target)
+    if fwd.mask_mod is not None:
+        tile = (IfBlock(BlockClass.EMPTY, True, then=tile, **at),)
+    lo, hi = _loop_bounds(loop, at, fwd.mask_mod.body if fwd.mask_mod else None, target.dims)
+    return replace(loop, lo=lo, hi=hi, body=tile)
+
+
+def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
+    """The tile body without variant statements and block tests, flattened."""
+    out: list[Stmt] = []
+    for st in body:
+        if isinstance(st, (ScoreMod, Mask, ScoreModGrad, AuxGrad)):
+            continue
+        if isinstance(st, IfBlock):
+            out += _strip(st.then)
+            continue
+        out.append(st)
+    return tuple(out)
+
+
+def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> dict[str, Expr]:
+    """(b, h, q_start, kv_start) of the tile, read off its q and k loads."""
+    q = next((st for st in walk_stmts(flat) if isinstance(st, Load) and st.tensor == "q"), None) or \
+        next((st for st in walk_stmts(kernel_body) if isinstance(st, Load) and st.tensor == "q"), None)
+    k = next((st for st in walk_stmts(kernel_body) if isinstance(st, Load) and st.tensor == "k"), None)
+    if q is None or k is None:
+        raise KBError("backward reference loads no q or k tile: cannot place the mask")
+    q_span = next((ix for ix in q.index if isinstance(ix, Span)), None)
+    k_span = next((ix for ix in k.index if isinstance(ix, Span)), None)
+    if q_span is None or k_span is None or len(q.index) < 4:
+        raise KBError("backward reference's q/k loads have no block span: cannot place the mask")
+    b, h = q.index[0], q.index[1]
+    if not isinstance(b, Expr) or not isinstance(h, Expr):
+        raise KBError("backward reference's q load has no scalar batch/head index")
+    return dict(b=b, h=h, q_start=q_span.start, kv_start=k_span.start)
+
+
+def _tile_body(flat: tuple[Stmt, ...], at: dict[str, Expr], target: BackwardTarget) -> tuple[Stmt, ...]:
+    fwd = target.forward
+    probs = next(st for st in flat if isinstance(st, Probs))
+    scores = _scaled_scores(flat)
+    copy = probs.scores if probs.scores != scores else "sm"
+    out: list[Stmt] = []
+    for st in flat:
+        if isinstance(st, Elementwise) and st.out == copy and st.value == var(scores):
+            continue  # the reference's own copy of the score_mod input: re-made below
+        if isinstance(st, Probs):
+            st = replace(st, scores=copy)
+        out.append(st)
+        if isinstance(st, Elementwise) and st.out == scores and _is_scale(st, scores):
+            out.append(Elementwise(copy, var(scores)))
+            if fwd.score_mod is not None:
+                out.append(ScoreMod(copy, **at))
+            mask = Mask(copy, use_mask_mod=fwd.mask_mod is not None, **at)
+            out.append(IfBlock(BlockClass.FULL, True, then=(mask,), **at) if fwd.mask_mod is not None else mask)
+        if isinstance(st, SoftmaxGrad):
+            out += [AuxGrad(grad_name(a), a, st.out, scores, **at) for a in target.learnable]
+            if fwd.score_mod is not None:
+                out.append(ScoreModGrad(st.out, scores, **at))
+    return tuple(out)
+
+
+def _scaled_scores(flat: tuple[Stmt, ...]) -> str:
+    """The score tile: the first dot's output, scaled in place by sm_scale right after it."""
+    dot = next((st for st in flat if isinstance(st, Dot)), None)
+    if dot is None or not any(isinstance(st, Elementwise) and st.out == dot.out and _is_scale(st, dot.out) for st in flat):
+        raise KBError("backward reference's tile body has no `s = q @ trans(k)` scaled by sm_scale: cannot place score_mod")
+    return dot.out
+
+
+def _is_scale(st: Elementwise, scores: str) -> bool:
+    return st.value.op is ExprOp.MUL and set(st.value.args) == {var(scores), var("sm_scale")}
+
+
+# ---------------------------------------------------------------- loop bounds
+
+
+def _loop_bounds(loop: For, at: dict[str, Expr], mask: Expr | None, dims: tuple[int, int] | None) -> tuple[Expr, Expr]:
+    """[lo, hi) of the loop over q blocks (step BLOCK_M, KV-outer) or kv blocks (step BLOCK_N, Q-outer)."""
+    kv_outer = loop.step == "BLOCK_M"
+    full = (const(0), var("M" if kv_outer else "N"))
+    if mask is None:
+        return full
+    if not kv_outer:
+        band = band_bounds(mask, dims)
+        return full if band is None else _aligned(*(substitute(e, {"m_start": at["q_start"]}) for e in band), "BLOCK_N")
+    swapped = substitute(mask, {"q_idx": var("kv_idx"), "kv_idx": var("q_idx")})
+    band = band_bounds(swapped, dims[::-1] if dims else None)
+    if band is None:
+        return full
+    roles = {"m_start": at["kv_start"], "BLOCK_M": var("BLOCK_N"), "M": var("N"), "N": var("M")}
+    return _aligned(*(substitute(e, roles) for e in band), "BLOCK_M")
+
+
+def _aligned(lo: Expr, hi: Expr, block: str) -> tuple[Expr, Expr]:
+    """`lo` rounded down to a block boundary (the loop visits whole blocks), never below 0."""
+    if lo != const(0):
+        if lo.op is ExprOp.MAXIMUM and lo.args[0] == const(0):
+            lo = lo.args[1]  # clamped again below, after rounding
+        b = var(block)
+        lo = call("maximum", const(0), Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (lo, b)), b)))
+    return lo, hi

@@ -1,0 +1,133 @@
+"""Symbolic derivatives of variant expressions, for backward programs.
+
+`score_grad(body)` is d score_mod / d score as an Expr over the same names (score, b, h, q_idx,
+kv_idx, scalars, aux loads); `aux_partials(body, tensor)` gives, for each distinct load
+`tensor[idx...]` in the body, its index exprs and d body / d tensor[idx...].
+
+Rules: integer and boolean subexpressions (comparisons, `//`, `%`, `cdiv`, loads of int tensors
+used as indices) are piecewise constant, so their derivative is 0; `where(c, a, b)` differentiates
+its branches; `maximum`/`minimum` take the branch they select (ties go to the first argument);
+`abs` has derivative sign(x) with sign(0) = 1. Results are simplified (0 and 1 folded), so
+`score + slopes[h] * (kv_idx - q_idx)` has derivative `1` and softcap's `c * tanh(score / c)`
+gives `c * ((1 - tanh(score / c) * tanh(score / c)) * (1 / c))`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from kb.ir.expr import Expr, ExprOp, call, const, var, walk
+
+__all__ = ["score_grad", "aux_partials", "derivative"]
+
+_ZERO_OPS = frozenset({
+    ExprOp.CONST, ExprOp.LOAD, ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV, ExprOp.LT, ExprOp.LE, ExprOp.GT,
+    ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT,
+})
+_HOLE = "__wrt__"  # the variable a load occurrence is replaced by while differentiating w.r.t. it
+
+
+def score_grad(body: Expr) -> Expr:
+    """d body / d score."""
+    return derivative(body, "score")
+
+
+def aux_partials(body: Expr, tensor: str) -> tuple[tuple[tuple[Expr, ...], Expr], ...]:
+    """((index exprs, d body / d tensor[index]) for each distinct load of `tensor` in `body`)."""
+    loads = list(dict.fromkeys(n for n in walk(body) if n.op is ExprOp.LOAD and n.value == tensor))
+    out = []
+    for ld in loads:
+        holed = _replace(body, ld, var(_HOLE))
+        out.append((ld.args, _replace(derivative(holed, _HOLE), var(_HOLE), ld)))
+    return tuple(out)
+
+
+def derivative(e: Expr, name: str) -> Expr:
+    """d e / d name, simplified."""
+    if name not in {str(n.value) for n in walk(e) if n.op is ExprOp.VAR}:
+        return const(0)
+    if e.op is ExprOp.VAR:
+        return const(1)
+    if e.op in _ZERO_OPS:
+        return const(0)
+    return _RULES[e.op](e.args, [derivative(a, name) for a in e.args])
+
+
+def _replace(e: Expr, old: Expr, new: Expr) -> Expr:
+    if e == old:
+        return new
+    if not e.args:
+        return e
+    return Expr(e.op, tuple(_replace(a, old, new) for a in e.args), e.value)
+
+
+# ---------------------------------------------------------------- simplifying builders
+
+
+def _is(e: Expr, v: float) -> bool:
+    return e.op is ExprOp.CONST and not isinstance(e.value, bool) and e.value == v
+
+
+def _add(a: Expr, b: Expr) -> Expr:
+    return b if _is(a, 0) else a if _is(b, 0) else Expr(ExprOp.ADD, (a, b))
+
+
+def _sub(a: Expr, b: Expr) -> Expr:
+    return a if _is(b, 0) else _neg(b) if _is(a, 0) else Expr(ExprOp.SUB, (a, b))
+
+
+def _mul(a: Expr, b: Expr) -> Expr:
+    if _is(a, 0) or _is(b, 0):
+        return const(0)
+    return b if _is(a, 1) else a if _is(b, 1) else Expr(ExprOp.MUL, (a, b))
+
+
+def _div(a: Expr, b: Expr) -> Expr:
+    return const(0) if _is(a, 0) else a if _is(b, 1) else Expr(ExprOp.DIV, (a, b))
+
+
+def _neg(a: Expr) -> Expr:
+    if a.op is ExprOp.CONST and isinstance(a.value, (int, float)) and not isinstance(a.value, bool):
+        return const(-a.value)
+    return Expr(ExprOp.NEG, (a,))
+
+
+def _where(c: Expr, a: Expr, b: Expr) -> Expr:
+    return a if a == b else call("where", c, a, b)
+
+
+# ---------------------------------------------------------------- rules: (args, d args) -> derivative
+
+
+def _d_div(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
+    # (a / b)' = a' / b - a b' / b^2
+    return _sub(_div(d[0], x[1]), _div(_mul(x[0], d[1]), _mul(x[1], x[1])))
+
+
+def _d_tanh(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
+    t = call("tanh", x[0])
+    return _mul(_sub(const(1), _mul(t, t)), d[0])
+
+
+def _d_sigmoid(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
+    s = call("sigmoid", x[0])
+    return _mul(_mul(s, _sub(const(1), s)), d[0])
+
+
+_RULES = {
+    ExprOp.ADD: lambda x, d: _add(d[0], d[1]),
+    ExprOp.SUB: lambda x, d: _sub(d[0], d[1]),
+    ExprOp.MUL: lambda x, d: _add(_mul(d[0], x[1]), _mul(x[0], d[1])),
+    ExprOp.DIV: _d_div,
+    ExprOp.NEG: lambda x, d: _neg(d[0]),
+    ExprOp.WHERE: lambda x, d: _where(x[0], d[1], d[2]),
+    ExprOp.EXP: lambda x, d: _mul(call("exp", x[0]), d[0]),
+    ExprOp.EXP2: lambda x, d: _mul(_mul(const(math.log(2.0)), call("exp2", x[0])), d[0]),
+    ExprOp.LOG: lambda x, d: _div(d[0], x[0]),
+    ExprOp.TANH: _d_tanh,
+    ExprOp.SIGMOID: _d_sigmoid,
+    ExprOp.ABS: lambda x, d: _mul(call("where", Expr(ExprOp.LT, (x[0], const(0))), const(-1), const(1)), d[0]),
+    ExprOp.SQRT: lambda x, d: _div(d[0], _mul(const(2), call("sqrt", x[0]))),
+    ExprOp.MAXIMUM: lambda x, d: _where(Expr(ExprOp.GE, (x[0], x[1])), d[0], d[1]),
+    ExprOp.MINIMUM: lambda x, d: _where(Expr(ExprOp.LE, (x[0], x[1])), d[0], d[1]),
+}

@@ -1,0 +1,85 @@
+"""`kb generate` makes ModelNew differentiable: the backward (dq, dk, dv and a learnable table's gradient) is
+transferred from the expert backward kernel the session KB lifted from flash-attn, checked in the IR against
+autograd, lowered to Triton, verified with gradients (Triton's interpreter on CPU) and written back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set before triton is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from generate.pipeline import GenerateOptions, generate  # noqa: E402
+from kb.features import Features  # noqa: E402
+from kb.ir.nodes import is_backward  # noqa: E402
+from kb.ir.text import parse_program  # noqa: E402
+from kb.store.models import Kernel  # noqa: E402
+from tests.generate_fixtures import QUICK, REPO  # noqa: E402
+
+pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
+
+EXAMPLES = REPO / "examples" / "specs"
+WITH_BACKWARD = {**QUICK, "backward": True}
+# the issue's eight variant classes, one example spec each
+CLASSES = {
+    "causal": "causal_d64.py", "sliding_window": "sliding_window.py", "alibi": "alibi.py",
+    "softcap": "softcap_causal.py", "document": "document_mask.py", "prefix_lm": "prefix_lm.py",
+    "gqa": "causal_gqa_d128.py", "relative_bias_learnable": "relative_bias.py",
+}
+
+
+def _load(path: Path):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_the_session_kb_holds_lifted_backward_references(ingested_kb) -> None:
+    refs = [k for k in ingested_kb.list(Kernel) if k.ir_text and Features.from_json(k.features_json).backward]
+    assert refs and all(is_backward(parse_program(k.ir_text)) and k.verified for k in refs)
+    assert any("flash_attn_triton.py" in (k.file or "") for k in refs)
+
+
+@pytest.mark.parametrize("cls", sorted(CLASSES))
+def test_generated_backward_is_verified_and_written_back(ingested_kb, tmp_path: Path, cls: str) -> None:
+    r = generate(ingested_kb, EXAMPLES / CLASSES[cls], GenerateOptions(out_dir=tmp_path / "out", **WITH_BACKWARD))
+    assert r.succeeded, r.error
+    report = json.loads(r.files["report"].read_text())
+    bwd = report["backward"]
+    assert r.backward == "verified" and bwd["status"] == "verified", json.dumps(bwd, indent=1)[:3000]
+    assert r.files["backward_ir"].is_file() and "kb_attention(" in r.files["candidate"].read_text()
+    row = ingested_kb.get(bwd["kernel_id"])
+    assert isinstance(row, Kernel) and row.verified and Features.from_json(row.features_json).backward
+    assert row.parent_id == bwd["reference_id"]  # lineage: the backward reference it was transferred from
+
+
+def test_user_trains_with_the_generated_module(ingested_kb, tmp_path: Path) -> None:
+    """A user's view: import the candidate, load the Model's state, step an optimizer on the learnable table."""
+    spec_path = EXAMPLES / CLASSES["relative_bias_learnable"]
+    r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path / "out", **WITH_BACKWARD))
+    assert r.backward == "verified", r.backward_reason
+    spec, cand = _load(spec_path), _load(r.files["candidate"])
+    model, new = spec.Model(*spec.get_init_inputs()), cand.ModelNew(*spec.get_init_inputs())
+    new.load_state_dict(model.state_dict())
+    q, k, v = (t.requires_grad_(True) for t in spec.get_inputs())
+    new(q, k, v).square().mean().backward()
+    ref = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    model(*ref).square().mean().backward()
+    for got, want in zip((q.grad, k.grad, v.grad, new.rel_bias.grad), (*(t.grad for t in ref), model.rel_bias.grad)):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    before = new.rel_bias.detach().clone()
+    torch.optim.SGD(new.parameters(), lr=0.1).step()
+    assert not torch.equal(before, new.rel_bias.detach())
+
+
+def test_no_backward_says_why_and_keeps_the_forward(ingested_kb, tmp_path: Path) -> None:
+    r = generate(ingested_kb, EXAMPLES / CLASSES["causal"], GenerateOptions(out_dir=tmp_path / "out", **QUICK))
+    report = json.loads(r.files["report"].read_text())
+    assert r.succeeded and report["backward"]["status"] == "none" and "--no-backward" in report["backward"]["reason"]
+    assert "kb_attention(" not in r.files["candidate"].read_text()

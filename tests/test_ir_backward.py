@@ -1,0 +1,200 @@
+"""Backward programs in the IR: text round trip, validation, symbolic derivatives, and the
+interpreter's dq, dk, dv (and a learnable table's gradient) against torch autograd."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kb.errors import KBError
+from kb.ir.derive import aux_partials, score_grad
+from kb.ir.expr import parse_expr, print_expr
+from kb.ir.interpret import run_program
+from kb.ir.nodes import is_backward
+from kb.ir.text import parse_program, print_program
+from kb.ir.validate import problems
+
+_HEADER = """program {name}
+param q: [B, Hq, M, D] f32 in
+param k: [B, Hkv, N, D] f32 in
+param v: [B, Hkv, N, D] f32 in
+param o: [B, Hq, M, D] f32 in
+param dout: [B, Hq, M, D] f32 in
+param lse: [B, Hq, M] f32 in
+param dq: [B, Hq, M, D] f32 out
+param dk: [B, Hkv, N, D] f32 out
+param dv: [B, Hkv, N, D] f32 out
+param delta: [B, Hq, M] f32 scratch
+param dq_acc: [B, Hq, M, D] f32 scratch
+param sm_scale: [] f32 scalar
+{extra}schedule block_m=16 block_n=16 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+{variants}"""
+
+_KERNELS = """kernel bwd_preprocess grid(b: B, h: Hq, m: cdiv(M, BLOCK_M)):
+  let m_start = m * BLOCK_M
+  load ot = o[b, h, m_start:+BLOCK_M, :]
+  load gt = dout[b, h, m_start:+BLOCK_M, :]
+  elementwise og = ot * gt
+  reduce dt = sum(og, 1)
+  store delta[b, h, m_start:+BLOCK_M] = dt
+kernel bwd_dkdv grid(b: B, hk: Hkv, n: cdiv(N, BLOCK_N)):
+  let n_start = n * BLOCK_N
+  load kt = k[b, hk, n_start:+BLOCK_N, :]
+  load vt = v[b, hk, n_start:+BLOCK_N, :]
+  init dk_acc = full(BLOCK_N, HEAD_PAD; 0.0) f32
+  init dv_acc = full(BLOCK_N, HEAD_PAD; 0.0) f32
+  for h in range(hk * (Hq // Hkv), (hk + 1) * (Hq // Hkv), 1) forward:
+    for m_start in range({m_lo}, M, BLOCK_M) forward:
+      if block(b, h, m_start, n_start) is not empty:
+        load qt = q[b, h, m_start:+BLOCK_M, :]
+        load gt = dout[b, h, m_start:+BLOCK_M, :]
+        load lt = lse[b, h, m_start:+BLOCK_M] other inf
+        load dt = delta[b, h, m_start:+BLOCK_M]
+        dot s = qt @ trans(kt)
+        elementwise s = s * sm_scale
+        elementwise sm = s
+{score_mod}        mask sm at (b, h, m_start, n_start) {mask}
+        probs p = exp(sm - lt)
+        dot dvp = trans(p) @ gt
+        elementwise dv_acc = dv_acc + dvp
+        dot dp = gt @ trans(vt)
+        softmax_grad ds = p * (dp - dt)
+{aux_grad}        score_mod_grad ds wrt s at (b, h, m_start, n_start)
+        elementwise ds = ds * sm_scale
+        dot dkp = trans(ds) @ qt
+        elementwise dk_acc = dk_acc + dkp
+        dot dqp = ds @ kt
+        store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp
+  store dk[b, hk, n_start:+BLOCK_N, :] = dk_acc
+  store dv[b, hk, n_start:+BLOCK_N, :] = dv_acc
+kernel bwd_dq grid(b: B, h: Hq, m: cdiv(M, BLOCK_M)):
+  let m_start = m * BLOCK_M
+  load dqt = dq_acc[b, h, m_start:+BLOCK_M, :]
+  store dq[b, h, m_start:+BLOCK_M, :] = dqt
+"""
+
+
+def backward_text(name: str, *, score_mod: str | None = None, mask_mod: str | None = None,
+                  extra: str = "", aux_grad: str | None = None, m_lo: str = "0") -> str:
+    variants = (f"score_mod(score, b, h, q_idx, kv_idx) = {score_mod}\n" if score_mod else "") + \
+        (f"mask_mod(b, h, q_idx, kv_idx) = {mask_mod}\n" if mask_mod else "")
+    at = "(b, h, m_start, n_start)"
+    return _HEADER.format(name=name, extra=extra, variants=variants) + _KERNELS.format(
+        m_lo=m_lo, mask="mask_mod" if mask_mod else "bounds",
+        score_mod=f"        score_mod sm at {at}\n" if score_mod else "",
+        aux_grad=f"        aux_grad {aux_grad} += ds wrt s at {at}\n" if aux_grad else "")
+
+
+def _reference(q, k, v, scale, score_fn, mask_fn):
+    """fp32 dense attention; fully masked rows give o = 0 and lse = -inf."""
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    kk, vv = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = scale * q @ kk.transpose(-1, -2)
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(Hq).view(1, Hq, 1, 1)
+    qi, ki = torch.arange(M).view(1, 1, M, 1), torch.arange(N).view(1, 1, 1, N)
+    if score_fn is not None:
+        s = score_fn(s, b, h, qi, ki)
+    allowed = torch.ones_like(s, dtype=torch.bool) if mask_fn is None else mask_fn(b, h, qi, ki).expand(s.shape)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ vv, lse
+
+
+CASES = {
+    "plain": dict(),
+    "causal": dict(mask_mod="q_idx >= kv_idx", m_lo="n_start // BLOCK_M * BLOCK_M",
+                   mask_fn=lambda b, h, q, k: q >= k),
+    "gqa_causal": dict(mask_mod="q_idx >= kv_idx", mask_fn=lambda b, h, q, k: q >= k, hkv=1),
+    "sliding_window": dict(mask_mod="(q_idx >= kv_idx) & (q_idx - kv_idx <= 10)",
+                           mask_fn=lambda b, h, q, k: (q >= k) & (q - k <= 10)),
+    "empty_rows": dict(mask_mod="kv_idx + 3 <= q_idx", mask_fn=lambda b, h, q, k: k + 3 <= q),
+    "softcap": dict(score_mod="softcap * tanh(score / softcap)", scalars={"softcap": 2.0},
+                    score_fn=lambda s, b, h, q, k: 2.0 * torch.tanh(s / 2.0)),
+    "alibi": dict(score_mod="score + slopes[h] * (kv_idx - q_idx)", mask_mod="q_idx >= kv_idx",
+                  aux={"slopes": torch.tensor([0.5, 0.25])}, extra="param slopes: [Hq] f32 aux\n",
+                  mask_fn=lambda b, h, q, k: q >= k),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def _run_case(name: str, case: dict, *, B: int = 1, Hq: int = 2, M: int = 40, N: int = 40, D: int = 8):
+    hkv = case.get("hkv", Hq)
+    text = backward_text(name, score_mod=case.get("score_mod"), mask_mod=case.get("mask_mod"),
+                         extra=case.get("extra", "") + "".join(f"param {s}: [] f32 scalar\n" for s in case.get("scalars", {})),
+                         aux_grad=case.get("aux_grad"), m_lo=case.get("m_lo", "0"))
+    prog = parse_program(text)
+    q = torch.randn(B, Hq, M, D, requires_grad=True)
+    k = torch.randn(B, hkv, N, D, requires_grad=True)
+    v = torch.randn(B, hkv, N, D, requires_grad=True)
+    aux = {n: t.clone().requires_grad_(True) for n, t in case.get("aux", {}).items()}
+    scale = 1 / math.sqrt(D)
+    score_fn = case.get("score_fn")
+    if "slopes" in aux:
+        score_fn = lambda s, b, h, qi, ki: s + aux["slopes"][h] * (ki - qi)  # noqa: E731
+    if "rel" in aux:
+        score_fn = lambda s, b, h, qi, ki: s + aux["rel"][h, qi - ki + N - 1]  # noqa: E731
+    o, lse = _reference(q, k, v, scale, score_fn, case.get("mask_fn"))
+    dout = torch.randn_like(o)
+    o.backward(dout)
+    out = run_program(prog, {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o.detach(), "dout": dout,
+                             "lse": lse.detach(), "sm_scale": scale, **case.get("scalars", {}),
+                             **{n: t.detach() for n, t in aux.items()}})
+    return out, {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{"d" + n: t.grad for n, t in aux.items()}}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradients_match_autograd(name: str) -> None:
+    out, want = _run_case(name, CASES[name])
+    for g in ("dq", "dk", "dv"):
+        torch.testing.assert_close(out[g], want[g], atol=1e-4, rtol=1e-4, msg=lambda m: f"{name} {g}: {m}")
+
+
+def test_learnable_table_gets_its_gradient() -> None:
+    N = 24
+    case = dict(score_mod="score + rel[h, q_idx - kv_idx + N - 1]", aux={"rel": 0.3 * torch.randn(2, 2 * N - 1)},
+                extra="param rel: [Hq, R] f32 aux\nparam drel: [Hq, R] f32 out\n", aux_grad="drel of rel")
+    out, want = _run_case("rel_bias", case, M=N, N=N)
+    for g in ("dq", "dk", "dv", "drel"):
+        torch.testing.assert_close(out[g], want[g], atol=1e-4, rtol=1e-4)
+
+
+def test_text_round_trips_and_validates() -> None:
+    text = backward_text("causal_bwd", mask_mod="q_idx >= kv_idx")
+    p = parse_program(text)
+    assert print_program(p) == text
+    assert problems(p) == ()
+    assert is_backward(p)
+    assert "dot dvp = trans(p) @ gt" in text and "store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp" in text
+
+
+def test_validator_names_bad_backward_statements() -> None:
+    text = backward_text("bad", extra="param rel: [Hq, R] f32 aux\nparam drel: [Hq, R] bf16 out\n",
+                         aux_grad="drel of rel").replace("softmax_grad ds = p * (dp - dt)", "softmax_grad ds = p * (dp - kt)")
+    found = [str(x) for x in problems(parse_program(text))]
+    assert any("'drel' must be an f32 out param" in f for f in found)
+    assert any("score_mod does not read 'rel'" in f for f in found)
+    assert any("'kt'" in f and "row vector" in f for f in found)
+
+
+def test_parse_error_names_the_backward_form() -> None:
+    with pytest.raises(KBError, match="probs P = exp"):
+        parse_program(backward_text("x").replace("probs p = exp(sm - lt)", "probs p = sm - lt"))
+
+
+def test_derivatives_of_variant_expressions() -> None:
+    assert print_expr(score_grad(parse_expr("score + slopes[h] * (kv_idx - q_idx)"))) == "1"
+    assert print_expr(score_grad(parse_expr("where(q_idx >= kv_idx, score, -inf)"))) == "where(q_idx >= kv_idx, 1, 0)"
+    g = score_grad(parse_expr("softcap * tanh(score / softcap)"))
+    assert "tanh(score / softcap)" in print_expr(g)
+    (idx, partial), = aux_partials(parse_expr("score * temp[h] + rel[h, q_idx - kv_idx]"), "temp")
+    assert [print_expr(i) for i in idx] == ["h"] and print_expr(partial) == "score"
