@@ -86,6 +86,8 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
     for t_arch, head_dim, params in tunables:
         if head_dim not in (0, bucket) or not t_arch.startswith("sm") or bool(params.get("split_kv")) != decode:
             continue
+        if params.get("direction") == "backward":  # a backward kernel's tiles say nothing about the forward's
+            continue
         bm, bn = _int(params.get("block_m")), _int(params.get("block_n"))
         if bm is None or bn is None:
             continue

@@ -210,8 +210,9 @@ def select(s: Sym, dim: int, i: int) -> Sym:
     return Sym(s.shape[:dim] + s.shape[dim + 1:], _rename(s.expr, mapping), s.dtype)
 
 
-def index(s: Sym, indices: Sequence[Sym | None]) -> Sym:
-    """Advanced indexing `s[indices]` (None = full slice), torch/numpy placement rules."""
+def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True) -> Sym:
+    """Advanced indexing `s[indices]` (None = full slice), torch/numpy placement rules. Negative indices
+    wrap as in torch unless `wrap` is False (an embedding lookup, where torch refuses them)."""
     present = [k for k, ix in enumerate(indices) if ix is not None]
     if not present:
         return s
@@ -239,7 +240,7 @@ def index(s: Sym, indices: Sequence[Sym | None]) -> Sym:
         ix_expr = _rename(ix.expr, {j: dvar(bstart + j) for j in range(nb)})
         n = s.shape[k]
         # negative indices wrap, as in torch
-        if _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape):
+        if wrap and _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape):
             ix_expr = Expr(ExprOp.MOD, (ix_expr, const(n)))
         mapping[k] = ix_expr
     shape = tuple(s.shape[k] for k in before) + bshape + tuple(s.shape[k] for k in after)

@@ -458,8 +458,21 @@ def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
         one, zero = (const(1.0), const(0.0)) if dtype.is_floating_point else (const(1), const(0))
         return Sym(x.shape, call("where", x.expr, one, zero), dtype)
     if x.dtype.is_floating_point and not dtype.is_floating_point:
-        raise _err(node, st, "float to integer cast in the score computation")
+        if dtype not in (torch.int32, torch.int64):
+            raise _err(node, st, f"float to {dtype} cast (only int32 and int64 truncate like the IR's trunc)")
+        return Sym(x.shape, call("trunc", x.expr), dtype)  # torch's float -> int cast truncates toward zero
     return replace(x, dtype=dtype)
+
+
+def _embedding(node: torch.fx.Node, args: list[Any], st: _State) -> Sym:
+    """`F.embedding(indices, weight)` / `nn.Embedding(...)(indices)`: rows of a [num, dim] table, `weight[indices, :]`
+    (aten's argument order is (weight, indices, ...); padding_idx only changes the gradient)."""
+    weight, ix = _sym(args[0], node, st), _sym(args[1], node, st)
+    if len(weight.shape) != 2:
+        raise _err(node, st, f"embedding of a {len(weight.shape)}-D table (an embedding table is [num, dim])")
+    if ix.is_bool or ix.dtype.is_floating_point:
+        raise _err(node, st, f"embedding indexed by a {ix.dtype} tensor (indices must be integers)")
+    return S.index(weight, [ix, None], wrap=False)
 
 
 def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
@@ -496,6 +509,10 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         return S.binary(ExprOp.DIV, S.scalar_sym(1.0), S.unary(ExprOp.SQRT, _sym(args[0], node, st)), dt)
     if pk in _UN:
         return S.unary(_UN[pk], _sym(args[0], node, st), dt)
+    if pk in ("min", "max"):
+        if len(args) != 2 or not isinstance(args[1], Sym):
+            raise _err(node, st, f"torch.{pk} as a reduction (only the elementwise torch.{pk}(a, b) of two tensors)")
+        return S.binary(ExprOp.MINIMUM if pk == "min" else ExprOp.MAXIMUM, args[0], args[1], dt)
     if pk in ("where", "masked_fill"):
         if pk == "where":
             c, x, y = (_sym(a, node, st) for a in args)
@@ -561,6 +578,8 @@ def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
         return S.full(shape or (), value, dt)
     if pk == "searchsorted":
         return _searchsorted(node, args, kw, st)
+    if pk == "embedding":
+        return _embedding(node, args, st)
     raise _err(node, st, "unsupported op in the score/mask computation")
 
 
@@ -894,7 +913,41 @@ def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
         if pk in _IDENTITY | _CASTS or (pk in _OUTPUT_LAYOUT and (st.gathers or st.packed)):
             return first  # a serving spec's own output layout: its reference maps it back (generate.spec_serving)
         raise _err(node, st, "op after the attention output (the spec must return softmax(...) @ v as [B, H, M, D])")
+    if (base := _inplace_base(pk)) is not None:
+        _check_inplace(node, st)
+        pk = base
     return _sym_op(pk, node, args, kw, st)
+
+
+# in-place forms (`x += y` is add_) traced as their out-of-place op, when no alias of x outlives the update
+_INPLACE = {"add", "sub", "mul", "div", "clamp", "masked_fill", "abs", "neg", "exp", "log", "bitwise_and",
+            "bitwise_or", "logical_and", "logical_or", "logical_not", "bitwise_not", "remainder", "floor_divide",
+            "maximum", "minimum", "tanh", "sigmoid", "sqrt"}
+_ALIASING = {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "mT", "unsqueeze", "squeeze",
+             "slice", "select", "alias", "detach", "as_strided", "narrow", "diagonal", "unfold", "flatten",
+             "view_as", "unflatten", "movedim", "expand_as", "split", "chunk", "unbind", "split_with_sizes"}
+
+
+def _inplace_base(pk: str) -> str | None:
+    return pk[:-1] if pk.endswith("_") and not pk.startswith("_") and pk[:-1] in _INPLACE else None
+
+
+def _check_inplace(node: torch.fx.Node, st: _State) -> None:
+    """An in-place update equals its out-of-place op only if nothing else sees the old tensor's storage: the
+    updated tensor is no view, and every other use of it (a view of it included) comes before the update."""
+    target = node.args[0]
+    if not isinstance(target, torch.fx.Node):
+        return
+    if target.op in ("placeholder", "get_attr"):
+        raise _err(node, st, f"in-place {_packet(node)} of a forward input or of the Model's state (each call would "
+                             "change it; compute a new tensor instead)")
+    if target.op == "call_function" and _packet(target) in _ALIASING:
+        raise _err(node, st, f"in-place {_packet(node)} on a view (write x = x + y, or update the tensor itself)")
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    later = [u for u in target.users if u is not node and order[u] > order[node]]
+    viewed = [u for u in target.users if u is not node and u.op == "call_function" and _packet(u) in _ALIASING]
+    if later or viewed:
+        raise _err(node, st, f"in-place {_packet(node)} of a tensor also used elsewhere (write x = x + y instead)")
 
 
 def _softmax(node: torch.fx.Node, args: list[Any], st: _State) -> _Probs:

@@ -57,7 +57,9 @@ def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) 
     fwd = target.forward
     if not any(isinstance(st, Probs) for k in reference.kernels for st in walk_stmts(k.body)):
         raise KBError(f"reference {reference.name} is not a backward program (no `probs` statement)")
-    kernels = tuple(_rewrite_kernel(k, target) for k in reference.kernels)
+    grads_in = _aux_grad_kernel(reference)
+    kernels = tuple(_rewrite_kernel(k, target if k.name == grads_in else replace(target, learnable=()))
+                    for k in reference.kernels)
     return Program(name=name, params=_params(reference, target), schedule=replace(reference.schedule, head_pad=0),
                    kernels=kernels, score_mod=fwd.score_mod, mask_mod=fwd.mask_mod)
 
@@ -83,6 +85,16 @@ def _params(reference: Program, target: BackwardTarget) -> tuple[Param, ...]:
 
 def _rewrite_kernel(kernel: Kernel, target: BackwardTarget) -> Kernel:
     return replace(kernel, body=_rewrite_body(kernel.body, kernel.body, target))
+
+
+def _aux_grad_kernel(reference: Program) -> str | None:
+    """The kernel that accumulates learnable tables' gradients: the KV-outer one (a loop over q blocks) when the
+    reference recomputes dS in two passes (dK/dV, then dQ), so each (q, kv) pair is counted once."""
+    tiled = [k for k in reference.kernels if any(isinstance(s, Probs) for s in walk_stmts(k.body))]
+    kv_outer = [k for k in tiled if any(isinstance(s, For) and s.step == "BLOCK_M" and
+                                        any(isinstance(x, Probs) for x in walk_stmts(s.body)) for s in walk_stmts(k.body))]
+    chosen = kv_outer or tiled
+    return chosen[0].name if chosen else None
 
 
 def _rewrite_body(body: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...], target: BackwardTarget) -> tuple[Stmt, ...]:

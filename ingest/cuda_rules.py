@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ingest.cuda_tree import Region, RegionKind
 
-__all__ = ["Rule", "RULES", "match_rule"]
+__all__ = ["Rule", "RULES", "BACKWARD_RULES", "BWD_SCOPE", "match_rule"]
 
 F, S, I, E, T = RegionKind.FUNCTION, RegionKind.STRUCT, RegionKind.IF, RegionKind.ELSE, RegionKind.STMT
 
@@ -76,7 +76,81 @@ def _r(name: str, kinds: set, head: str, kind: str, title: str, ir: str, feature
     return Rule(name, frozenset(kinds), head, kind, title, ir, features or {}, **kw)
 
 
-RULES: tuple[Rule, ...] = (
+BWD = {"backward": True}
+BWD_SCOPE = r"^compute_dq_dk_dv"
+# FA2's backward: one KV column block per program (`compute_dq_dk_dv_1colblock`), q blocks visited from the last
+# down to m_block_min (the first block a causal/local KV block sees, bottom-right aligned), dQ into an f32 buffer.
+MBLOCK_MIN_BR = "maximum(0, (n * BLOCK_N + M - N) // BLOCK_M)"
+
+# Backward rules come first: inside the backward kernels they win over the forward rules of the same regions.
+BACKWARD_RULES: tuple[Rule, ...] = (
+    _r("fa2_bwd_dot_do_o", {F}, r"^dot_do_o$", "bwd_delta",
+       "delta = rowsum(dO * O) of each q row (times p_dropout), reduced over the row's threads", "reduce dt = sum(og, 1)", BWD),
+    _r("fa2_bwd_preprocess", {F}, r"^compute_dot_do_o$", "bwd_delta",
+       "Backward preprocess kernel: delta per q block (and the dq accumulator cleared)",
+       "store delta[b, h, m_start:+BLOCK_M] = dt", BWD),
+    _r("fa2_bwd_convert_dq", {F}, r"^convert_dQ$", "bwd_dq_accumulate",
+       "dQ from the f32 accumulator (summed over deterministic splits), times the softmax scale, to the input dtype",
+       "store dq[b, h, m_start:+BLOCK_M, :] = dqt", BWD),
+    _r("fa2_bwd_convert_dkv", {F}, r"^convert_dKV$", "bwd_dkdv_epilogue",
+       "dK, dV from f32 accumulators (GQA/MQA: summed over the q heads of a KV head), scaled, to the input dtype",
+       "store dk[b, hk, n_start:+BLOCK_N, :] = dk_acc", {**BWD}),
+    _r("fa2_bwd_seqk_parallel", {F}, r"^compute_dq_dk_dv_seqk_parallel$", "bwd_loop_bounds",
+       "KV-outer grid: one KV column block per program (strided over the SMs when deterministic)",
+       "for n in range(0, cdiv(N, BLOCK_N), 1) forward:", BWD),
+    _r("fa2_bwd_mblock_min", {T}, r"int m_block_min = ", "bwd_loop_bounds",
+       "First q block a KV block sees: 0, or the diagonal for causal/local (bottom-right aligned); q blocks run last to first",
+       MBLOCK_MIN_BR, {**BWD, "causal": True}, scope=BWD_SCOPE),
+    _r("fa2_bwd_mblock_max_local", {I}, r"^Is_local$", "bwd_loop_bounds",
+       "Last q block a KV block sees under a sliding window",
+       "minimum(cdiv(M, BLOCK_M), cdiv((n + 1) * BLOCK_N + M - N + window_left, BLOCK_M))",
+       {**BWD, "sliding_window": True}, scope=BWD_SCOPE, body=r"m_block_max"),
+    _r("fa2_bwd_causal_mask", {I}, r"^m_block \* kBlockM < \(n_block \+ 1\) \* kBlockN \+ binfo\.actual_seqlen_q - binfo\.actual_seqlen_k \|\|",
+       "mask_causal", "Backward causal mask on q blocks that cross the diagonal (bottom-right aligned)", CAUSAL_BR,
+       {**BWD, "causal": True}, scope=BWD_SCOPE),
+    _r("fa2_bwd_local_mask", {I}, r"^m_block \* kBlockM < .* - params\.window_size_right", "mask_local",
+       "Backward sliding-window mask on q blocks near the window's edges", LOCAL_BR, {**BWD, "sliding_window": True},
+       scope=BWD_SCOPE),
+    _r("fa2_bwd_bounds_mask", {I}, r"^!Is_even_MN && \(n_block \+ 1\) \* kBlockN >= binfo\.actual_seqlen_k$", "mask_bounds",
+       "Backward: ragged last KV block, columns past seqlen_k get -inf", BOUNDS, BWD, scope=BWD_SCOPE),
+    _r("fa2_bwd_alibi", {I}, r"^Has_alibi$", "alibi", "Backward: ALiBi bias re-applied to the recomputed scores", ALIBI,
+       {**BWD, "alibi": True, "score_mod": "alibi"}, scope=BWD_SCOPE),
+    _r("fa2_bwd_softcap", {I}, r"^Is_softcap$", "softcap", "Backward: softcap re-applied to the recomputed scores", SOFTCAP,
+       {**BWD, "softcap": True, "score_mod": "softcap"}, scope=BWD_SCOPE, body=r"apply_softcap"),
+    _r("fa2_bwd_dtanh", {I}, r"^Is_softcap$", "bwd_score_mod_grad",
+       "Backward softcap: d tanh = 1 - tanh² of the scores, multiplied into dS (the derivative of score_mod)",
+       "score_mod_grad ds wrt s at (b, h, m_start, n_start)", {**BWD, "softcap": True}, scope=BWD_SCOPE,
+       body=r"dtanh"),
+    _r("fa2_bwd_dropout", {I}, r"^Is_dropout$", "dropout",
+       "Backward: the forward's dropout mask re-applied to P (same Philox draws) before dV = Pᵀ dO", DROPOUT,
+       {**BWD, "dropout": True}, scope=BWD_SCOPE, body=r"apply_dropout"),
+    _r("fa2_bwd_probs", {T}, r"scale_apply_exp2", "bwd_probs",
+       "P recomputed from the saved LSE: exp2(s * scale_log2 - lse * scale_log2)", "probs p = exp(s - lt)", BWD,
+       scope=BWD_SCOPE),
+    _r("fa2_bwd_ds", {T}, r"float scaled_ds = pointwise_mult", "bwd_softmax_grad",
+       "dS = P * (dP - delta) per element (delta = dP_sum, the preprocess's rowsum(dO * O))",
+       "softmax_grad ds = p * (dp - dt)", BWD, scope=BWD_SCOPE),
+    _r("fa2_bwd_dq_serial", {I}, r"^!Seq_parallel$", "bwd_dq_accumulate",
+       "dQ of this KV block added into the f32 buffer without atomics (one program walks the KV blocks)",
+       "store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp", BWD, scope=BWD_SCOPE),
+    _r("fa2_bwd_dq_atomic", {T}, r"atomicAdd\(&tdQgdQaccum", "bwd_dq_accumulate",
+       "dQ of this KV block added into the f32 buffer with atomicAdd (one program per KV block)",
+       "store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp", BWD, scope=BWD_SCOPE),
+    _r("fa2_bwd_dq_direct", {I}, r"^Is_last$", "bwd_dq_accumulate",
+       "dQ written directly when this is the only KV block (scaled, converted)", "store dq[b, h, m_start:+BLOCK_M, :] = dqt",
+       BWD, scope=BWD_SCOPE, body=r"tdQgdQ"),
+    _r("fa2_bwd_dk_scale", {T}, r"acc_dk\(i\) \*= params\.scale_softmax_rp_dropout", "bwd_dkdv_epilogue",
+       "Epilogue: dK scaled by the softmax scale (and 1/(1 - p) with dropout) after the q-block loop",
+       "elementwise dk_acc = dk_acc * sm_scale", BWD, scope=BWD_SCOPE),
+    _r("fa2_bwd_launch", {F}, r"^run_flash_bwd_seqk_parallel$", "schedule",
+       "Backward launch: delta preprocess over q blocks, dq/dk/dv over (KV blocks, b, h), dq conversion",
+       "schedule block_m=kBlockM block_n=kBlockN num_warps=kNWarps", BWD),
+    _r("fa2_bwd_traits", {S}, r"^Flash_bwd_kernel_traits$", "schedule",
+       "Backward kernel traits: tile (kBlockM, kBlockN, kHeadDim), warps, MMA atom layouts for S/dP, dK/dV and dQ, "
+       "V in registers, double buffering", "schedule block_m=kBlockM block_n=kBlockN num_warps=kNWarps", BWD),
+)
+
+RULES: tuple[Rule, ...] = BACKWARD_RULES + (
     # ---- FA2 mask.h
     _r("fa2_mask_bounds_fn", {F}, r"^apply_mask$", "mask_bounds", "Key-bounds mask: columns past seqlen_k get -inf", BOUNDS, scope=r"^$"),
     _r("fa2_mask_local_fn", {F}, r"^apply_mask_local$", "mask_local",

@@ -20,7 +20,7 @@ from tree_sitter import Node
 
 from ingest.cuda_tree import CudaFile, collapse, node_name
 
-__all__ = ["RawTunable", "fa2_launch_tunables", "cutlass_runner_tunables"]
+__all__ = ["RawTunable", "fa2_launch_tunables", "fa2_bwd_launch_tunables", "cutlass_runner_tunables", "SMEM_PER_ARCH"]
 
 # (arch, head_dim, dtype, params, condition, line_start, line_end, family_suffix)
 RawTunable = tuple[str, int, str, dict, str, int, int, str]
@@ -124,6 +124,64 @@ def fa2_launch_tunables(f: CudaFile) -> list[RawTunable]:
     return out
 
 
+_BWD_TRAITS_PARAMS = ("head_dim", "block_m", "block_n", "num_warps", "atom_layout_m_sdp", "atom_layout_n_dkv",
+                      "atom_layout_m_dq", "v_in_regs", "no_double_buffer")
+# Opt-in shared memory per block (bytes) that FA2's backward dispatch tests (`max_smem_per_block >= ...`).
+SMEM_PER_ARCH = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
+
+
+def fa2_bwd_launch_tunables(f: CudaFile) -> list[RawTunable]:
+    """`Flash_bwd_kernel_traits<Headdim, kBlockM, kBlockN, kNWarps, AtomLayoutMSdP, AtomLayoutNdKV, AtomLayoutMdQ,
+    Is_V_in_regs, No_double_buffer, T>` in `run_mha_bwd_hdimNN`: for every arch (its shared memory per block) the
+    traits the dispatch picks without dropout (the IR has none), one tunable per dtype, marked backward."""
+    out: list[RawTunable] = []
+    for fn in (n for n in _walk(f.root) if n.type == "function_definition"):
+        m = re.fullmatch(r"run_mha_bwd_hdim(\d+)", node_name(fn))
+        if m is None:
+            continue
+        for n in _walk(fn):
+            if n.type != "template_type" or f.node_text(n.child_by_field_name("name")) != "Flash_bwd_kernel_traits":
+                continue
+            stmt = n
+            while stmt.parent is not None and stmt.type != "expression_statement":
+                stmt = stmt.parent
+            for arch, smem in SMEM_PER_ARCH.items():
+                env = {**_const_env(fn, f, {}), "max_smem_per_block": smem, "Is_dropout": False}
+                try:
+                    if not all(_eval_cond(c, env) == want for c, want in _branches(stmt, fn)):
+                        continue
+                    values = [_eval(a, env) for a in n.child_by_field_name("arguments").named_children[:9]]
+                except (KeyError, ValueError, AttributeError, IndexError):
+                    continue
+                params: dict = dict(zip(_BWD_TRAITS_PARAMS, values))
+                head_dim = int(params.pop("head_dim"))
+                params = {k: (bool(v) if k in ("v_in_regs", "no_double_buffer") else int(v)) for k, v in params.items()}
+                params["direction"] = "backward"
+                cond = " && ".join(_conditions(stmt, fn, f))
+                for dtype in ("fp16", "bf16"):
+                    out.append((arch, head_dim, dtype, dict(params), cond, stmt.start_point.row + 1,
+                                stmt.end_point.row + 1, "_bwd"))
+    return out
+
+
+def _branches(node: Node, stop: Node) -> list[tuple[Node, bool]]:
+    """The if-conditions around `node` up to `stop`, each with the value it must have (False in an else branch)."""
+    out = []
+    child, parent = node, node.parent
+    while parent is not None and parent != stop:
+        if parent.type == "if_statement":
+            alt = parent.child_by_field_name("alternative")
+            out.append((parent.child_by_field_name("condition"), not (alt is not None and child == alt)))
+        child, parent = parent, parent.parent
+    return out
+
+
+def _eval_cond(node: Node, env: dict[str, int | bool]) -> bool:
+    if node.type == "condition_clause":
+        node = node.named_children[-1]
+    return bool(_eval(node, env))
+
+
 def _const_env(fn: Node, f: CudaFile, seed: dict[str, int]) -> dict[str, int | bool]:
     env: dict[str, int | bool] = {"false": False, "true": True, **seed}
     for n in _walk(fn):
@@ -161,6 +219,8 @@ def cutlass_runner_tunables(f: CudaFile) -> list[RawTunable]:
             if not head_dim:
                 continue
             params: dict[str, object] = {"block_m": int(shape.group(1)), "block_n": int(shape.group(2))}
+            if direction == "bwd":
+                params["direction"] = "backward"
             for a in args[1:]:
                 text = collapse(f.node_text(a))
                 if a.type == "string_literal":

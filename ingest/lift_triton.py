@@ -86,6 +86,7 @@ class _Ctx:
     snippets: list[LiftedSnippet] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     seen_snippets: set = field(default_factory=set)
+    backward: set = field(default_factory=set)  # kernels ingest.lift_triton_bwd took (their configs are theirs)
 
 
 # ---------------------------------------------------------------- provenance + snippets
@@ -117,7 +118,7 @@ def _snippet(ctx: _Ctx, kind: str, title: str, ir_text: str, start: int, end: in
 # ---------------------------------------------------------------- flags + tunables
 
 
-def _flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
+def flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
     """Fixed constexpr values by policy, and the enumerated feature flags present in the kernel."""
     params = {a.arg for a in fn.node.args.args}
     fixed: dict[str, object] = {k: v for k, v in mod.module_values.items() if k not in params}  # globals read by value
@@ -189,6 +190,8 @@ def _tunables(ctx: _Ctx, kernel: str) -> list[LiftedTunable]:
     out: list[LiftedTunable] = []
     keys = _block_keys(ctx, kernel)
     for c in ctx.mod.configs:
+        if c.function in ctx.backward:
+            continue
         params = {keys.get(k, k): v for k, v in c.params.items()}
         arch = "cdna" if "cdna" in c.function else "rdna" if "rdna" in c.function else "any"
         out.append(LiftedTunable(ctx.family, arch, 0, "any", params, f"{c.function}()", _prov(ctx, c.line, c.line)))
@@ -884,7 +887,7 @@ def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: d
     for name, fn in ctx.mod.jit.items():
         if fn is split_fn or any(_is_matmul(n) for n in ast.walk(fn.node)):
             continue
-        fixed, _ = _flag_values(fn, ctx.mod)
+        fixed, _ = flag_values(fn, ctx.mod)
         w = _walk(ctx, fn, {**fixed, **flags}, {})
         kinds = {e.kind for e in w.events}
         if {"colmax", "colsum"} <= kinds and ({"exp", "exp2"} & kinds) and stored <= {a.arg for a in fn.node.args.args}:
@@ -927,7 +930,7 @@ def node_file_of(n: ast.AST, ctx: _Ctx) -> str:
 
 
 def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
-    fixed, enumerated = _flag_values(fn, ctx.mod)
+    fixed, enumerated = flag_values(fn, ctx.mod)
     tunables = _tunables(ctx, fn.name)
     schedule, sched_note = _default_schedule(ctx, fn.name, tunables)
     _flag_snippets(ctx, fn)
@@ -1016,7 +1019,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
         prov = _prov(ctx, fn.node.lineno, fn.node.end_lineno or fn.node.lineno)
         out.append(LiftedProgram(name, ctx.family, prog, prov, tuple(tunables), ok, note, feats,
                                  tuple(flags.items()), tuple(notes)))
-    ctx.skipped[skipped_before:] = _merge_skips(fn.name, ctx.skipped[skipped_before:])
+    ctx.skipped[skipped_before:] = merge_skips(fn.name, ctx.skipped[skipped_before:])
     return out
 
 
@@ -1028,7 +1031,7 @@ def _failing_alike(lifted: list, skips: list[tuple[str, str]], tried: int) -> bo
     return tried >= ALIKE_FAILURES and not lifted and len(skips) == tried and len({why for _, why in skips}) == 1
 
 
-def _merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """One line per reason: flag combinations that failed alike are listed together."""
     by_reason: dict[str, list[str]] = {}
     for what, why in skips:
@@ -1086,11 +1089,19 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
     ctx = _Ctx(mod, provenance_base, family)
     if not mod.jit:
         return LiftReport(provenance_base.file, skipped=(("file", "no @triton.jit kernel in the file"),))
-    programs: list[LiftedProgram] = []
-    tunables: list[LiftedTunable] = []
+    from ingest.lift_triton_bwd import lift_backward  # backward kernels: recognised by dataflow, in their own module
+
+    bwd = lift_backward(mod, provenance_base, family)
+    ctx.backward = bwd.handled
+    programs: list[LiftedProgram] = list(bwd.programs)
+    tunables: list[LiftedTunable] = list(bwd.tunables)
+    ctx.snippets += bwd.snippets
+    ctx.skipped += bwd.skipped
     called = {n.func.id for f in mod.jit.values() for n in ast.walk(f.node)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     for fn in mod.jit.values():
+        if fn.name in bwd.handled:
+            continue
         for r in serving_regions(fn.node):
             _snippet(ctx, r.kind, r.title, r.ir_text, r.start, r.end, features=dict(r.features))
         if fn.name in called:
@@ -1098,9 +1109,6 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
         reach = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
         if not any(_is_matmul(n) for r in reach for n in ast.walk(r)):
             continue  # no matmul anywhere: a reduce kernel, reached from its split kernel
-        if "bwd" in fn.name:
-            ctx.skipped.append((fn.name, "backward kernel: the IR models the forward pass only"))
-            continue
         try:
             progs = _lift_kernel(ctx, fn)
         except (RecursionError, KBError, KeyError, ValueError, TypeError, IndexError) as err:
@@ -1109,7 +1117,7 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
         programs += progs
         tunables += _tunables(ctx, fn.name)
     return LiftReport(provenance_base.file, programs=tuple(programs), snippets=tuple(ctx.snippets),
-                      tunables=tuple(tunables), skipped=tuple(ctx.skipped))
+                      tunables=tuple(tunables), skipped=tuple(ctx.skipped), backward=tuple(bwd.coverage))
 
 
 def lift_file(path: Path, provenance_base: Provenance, family: str = "triton") -> LiftReport:

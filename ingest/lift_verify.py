@@ -5,7 +5,9 @@ must match them exactly on shapes that exercise the tile structure):
 - `verify_program`: dense [B, H, S, D] programs, ragged M != N, non-power-of-two head dims, at
   the lifted schedule and at 16x16 blocks (split-KV programs with short queries);
 - `verify_packed`: packed varlen programs ([T, H, D] with sequence tables), per sequence;
-- `verify_decode`: split-KV decode over a token pool or a page cache with its table, per sequence.
+- `verify_decode`: split-KV decode over a token pool or a page cache with its table, per sequence;
+- `verify_backward`: a backward program's dq, dk, dv against torch autograd of dense fp32 attention
+  (o and lse from the same forward), on ragged shapes at the lifted schedule and at 16x16 blocks.
 Each returns (passed, note); the note is what the KB stores as the verification record.
 """
 
@@ -22,7 +24,7 @@ from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, free_vars, loaded_tensors, var
 from kb.ir.nodes import Dtype, Let, Load, Program, Role, walk_stmts
 
-__all__ = ["verify_program", "verify_packed", "verify_decode", "dense_reference", "resolved_let"]
+__all__ = ["verify_program", "verify_packed", "verify_decode", "verify_backward", "dense_reference", "resolved_let"]
 
 
 def resolved_let(body: tuple, name: str) -> Expr:
@@ -255,3 +257,50 @@ def dense_reference(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torc
     lse = torch.logsumexp(s, -1)
     pr = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return pr @ vf, lse
+
+
+_BWD_SHAPES = ((2, 2, 37, 37, 16), (4, 2, 29, 45, 24), (4, 2, 45, 29, 24))  # (Hq, Hkv, M, N, D): ragged, M != N
+
+
+def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bool, str]:
+    """dq, dk, dv of the interpreter vs torch autograd of dense fp32 attention under the program's variant
+    functions (o and lse from that forward, dO random), at the lifted schedule and at 16x16 blocks."""
+    from kb.ir.interpret import run_program
+
+    g = torch.Generator().manual_seed(seed)
+    small = replace(p.schedule, block_m=16, block_n=16)
+    runs = [(p.schedule, _BWD_SHAPES[:1]), (small, _BWD_SHAPES[1:])]
+    worst, dt = 0.0, _TORCH_DTYPES[p.param("q").dtype]
+    for sched, shapes in runs:
+        for Hq, Hkv, M, N, D in shapes:
+            Hkv = Hkv if gqa else Hq
+            q, k, v = (torch.randn(1, h, n, D, generator=g).to(dt) for h, n in ((Hq, M), (Hkv, N), (Hkv, N)))
+            scale = 1.0 / math.sqrt(D)
+            aux = {prm.name: torch.rand(*(1 if d == "B" else Hq for d in prm.shape), generator=g) * 0.5
+                   for prm in p.params if prm.role is Role.AUX}
+            grads, o, lse, dout = _autograd_reference(p, q, k, v, scale, aux, g)
+            try:
+                out = run_program(replace(p, schedule=sched), {"q": q, "k": k, "v": v, "o": o.to(dt), "dout": dout,
+                                                               "lse": lse, "sm_scale": scale, **aux})
+            except KBError as err:
+                return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, M={M} N={N}: {err}"
+            for name in ("dq", "dk", "dv"):
+                want = grads[name]
+                err = ((out[name].float() - want).abs().max() / (1.0 + want.abs().max())).item()
+                worst = max(worst, err)
+                if not err < 1e-2:  # gradients are stored in the program's 16-bit dtype
+                    return False, (f"{name} mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: "
+                                   f"max error {err:.2e} relative to 1 + max |{name}|")
+    cases = "; ".join(f"Hq={c[0]} Hkv={c[1] if gqa else c[0]} M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
+    return True, (f"interpreter dq, dk, dv == torch autograd of dense fp32 attention (max error {worst:.1e} relative "
+                  f"to 1 + max |grad|; {cases}; blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)")
+
+
+def _autograd_reference(p: Program, q, k, v, scale, aux, g) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of sum(o * dout) for dense fp32 attention under `p`'s variant functions, with o, lse, dout."""
+    qf, kf, vf = (x.float().requires_grad_(True) for x in (q, k, v))
+    o, lse = dense_reference(p, qf, kf, vf, scale, aux)
+    o = torch.nan_to_num(o)
+    dout = torch.randn(o.shape, generator=g).to(q.dtype)
+    o.backward(dout.float())
+    return {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}, o.detach(), lse.detach(), dout

@@ -61,12 +61,21 @@ SNIPPET_KINDS = (
     "rotary",
     "block_info",
     "schedule",
+    # backward pass (features carry backward=True)
+    "bwd_delta",  # delta = rowsum(o * dO)
+    "bwd_probs",  # P recomputed from the saved lse
+    "bwd_softmax_grad",  # dS = P * (dP - delta)
+    "bwd_dq_accumulate",  # dQ += dS K (atomics, load-add-store, or a separate pass)
+    "bwd_dkdv_epilogue",  # dK, dV written back (scaled)
+    "bwd_loop_bounds",  # the loop over q blocks of a KV block (causal start)
+    "bwd_score_mod_grad",  # dS times the derivative of score_mod (softcap's d tanh)
 )
 
 # First words of IR statement lines (docs/ir.md grammar); anything else is an expression.
 IR_STATEMENT_HEADS = (
     "let", "load", "store", "init", "dot", "elementwise", "reduce", "score_mod", "mask",
     "online_softmax", "finalize", "combine", "for", "if", "schedule",
+    "probs", "softmax_grad", "score_mod_grad", "aux_grad",
 )
 
 _FEATURE_NAMES = frozenset(f.name for f in fields(Features))
@@ -134,3 +143,4 @@ class LiftReport:
     snippets: tuple[LiftedSnippet, ...] = ()
     tunables: tuple[LiftedTunable, ...] = ()
     skipped: tuple[tuple[str, str], ...] = field(default=())  # (what, reason)
+    backward: tuple[tuple[str, str], ...] = field(default=())  # (backward kernel or region, what became of it)

@@ -44,6 +44,7 @@ class IngestSummary:
         return {
             "files": len(files),
             "programs": sum(f.programs for f in files),
+            "backward_kernels": sum(len(f.backward) for f in files),
             "verified": sum(f.verified for f in files),
             "snippets": sum(f.snippets for f in files),
             "tunables": sum(f.tunables for f in files),

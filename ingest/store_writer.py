@@ -30,6 +30,7 @@ class FileCoverage:
     tunables: int
     skipped: tuple[tuple[str, str], ...]
     new_rows: int  # rows that were not in the KB before (0 on a re-ingest)
+    backward: tuple[tuple[str, str], ...] = ()  # backward kernels / regions and what became of them
 
 
 def source_id(src: FetchedSource) -> str:
@@ -88,7 +89,7 @@ def write_report(kb: KnowledgeBase, report: LiftReport, sid: str) -> FileCoverag
     programs = list(getattr(report, "programs", ()) or ())
     return FileCoverage(report.file, len(programs), sum(1 for p in programs if p.verified), len(report.snippets),
                         len(report.tunables) + sum(len(p.tunables) for p in programs), tuple(report.skipped),
-                        len([r for r in rows if r.id not in known]))
+                        len([r for r in rows if r.id not in known]), tuple(getattr(report, "backward", ()) or ()))
 
 
 def _dedupe(rows: list) -> list:

@@ -198,10 +198,13 @@ def _collect_configs(mod: TritonModule) -> None:
         if isinstance(n, ast.Call) and ast.unparse(n.func) in ("triton.Config", "Config") and n.args:
             try:
                 params = dict(_literal(n.args[0]))  # type: ignore[arg-type]
-                for kw in n.keywords:
-                    params[kw.arg] = _literal(kw.value)
             except Unknown:
                 continue
+            for kw in n.keywords:  # num_warps=, num_stages=; a callable (`pre_hook=init_to_zero("DQ")`) is left out
+                try:
+                    params[kw.arg] = _literal(kw.value)
+                except Unknown:
+                    pass
             mod.configs.append(ConfigEntry(params, owner.get(id(n), "<module>"), n.lineno))
 
 
@@ -404,7 +407,7 @@ def _track(target: ast.AST, value: ast.AST, consts: dict[str, object]) -> None:
 
 
 def _inline(call: ast.Call, fn: JitFn, targets: list[ast.expr], consts: dict[str, object],
-            mod: TritonModule, depth: int) -> list[ast.stmt]:
+            mod: TritonModule, depth: int, calls: bool = False) -> list[ast.stmt]:
     """Bind parameters, specialize the body in a child constant scope, turn `return` into assigns."""
     raw = [a.arg for a in fn.node.args.args]
     fn_body = copy.deepcopy(fn.node.body)
@@ -426,7 +429,7 @@ def _inline(call: ast.Call, fn: JitFn, targets: list[ast.expr], consts: dict[str
             child.pop(p, None)
         else:
             child[p] = v
-    body = specialize(fn_body, child, mod, depth + 1)
+    body = specialize(fn_body, child, mod, depth + 1, calls=calls)
     for st in body:
         if isinstance(st, ast.Return) and st.value is not None:
             vals = st.value.elts if isinstance(st.value, ast.Tuple) else [st.value]
@@ -467,8 +470,11 @@ def _callee(node: ast.AST, mod: TritonModule) -> JitFn | None:
     return None
 
 
-def specialize(body: list[ast.stmt], consts: dict[str, object], mod: TritonModule, depth: int = 0) -> list[ast.stmt]:
-    """Fold constexpr `if`s, inline jit calls, track constant assignments (in `consts`)."""
+def specialize(body: list[ast.stmt], consts: dict[str, object], mod: TritonModule, depth: int = 0, *,
+               calls: bool = False) -> list[ast.stmt]:
+    """Fold constexpr `if`s, inline jit calls, track constant assignments (in `consts`).
+
+    With `calls`, a jit call that is a statement of its own (`_store_dk_dv(...)`) is inlined too."""
     if depth > 8:
         raise RecursionError("jit call nesting deeper than 8")
     out: list[ast.stmt] = []
@@ -477,21 +483,21 @@ def specialize(body: list[ast.stmt], consts: dict[str, object], mod: TritonModul
             try:
                 taken = const_eval(st.test, consts)
             except Unknown:
-                st.body = specialize(st.body, dict(consts), mod, depth)
-                st.orelse = specialize(st.orelse, dict(consts), mod, depth)
+                st.body = specialize(st.body, dict(consts), mod, depth, calls=calls)
+                st.orelse = specialize(st.orelse, dict(consts), mod, depth, calls=calls)
                 for sub in st.body + st.orelse:  # runtime branch: assigned names are no longer constant
                     for n in ast.walk(sub):
                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                             consts.pop(n.id, None)
                 out.append(st)
                 continue
-            out.extend(specialize(st.body if taken else st.orelse, consts, mod, depth))
+            out.extend(specialize(st.body if taken else st.orelse, consts, mod, depth, calls=calls))
             continue
         if isinstance(st, (ast.Assign, ast.AnnAssign)) and st.value is not None:
             targets = st.targets if isinstance(st, ast.Assign) else [st.target]
             fn = _callee(st.value, mod)
             if fn is not None:
-                out.extend(_inline(st.value, fn, targets, consts, mod, depth))  # type: ignore[arg-type]
+                out.extend(_inline(st.value, fn, targets, consts, mod, depth, calls))  # type: ignore[arg-type]
                 for t in targets:
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name):
@@ -502,8 +508,11 @@ def specialize(body: list[ast.stmt], consts: dict[str, object], mod: TritonModul
             out.append(st)
             continue
         if isinstance(st, ast.For):
-            st.body = specialize(st.body, dict(consts), mod, depth)
+            st.body = specialize(st.body, dict(consts), mod, depth, calls=calls)
             out.append(st)
+            continue
+        if calls and isinstance(st, ast.Expr) and (fn := _callee(st.value, mod)) is not None:
+            out.extend(_inline(st.value, fn, [], consts, mod, depth, calls))  # type: ignore[arg-type]
             continue
         out.append(st)
     return out

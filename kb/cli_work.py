@@ -58,6 +58,10 @@ def ingest_cmd(
             table.add_row(s.source, _short(f.file), f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
                           str(f.new_rows), skipped)
     out.print(table)
+    for s in summary.sources:  # the backward pass: kernels lifted into programs, regions into snippets, or why not
+        for f in s.files:
+            for what, status in f.backward:
+                out.print(f"backward {_short(f.file, 40)} {what}: {status}", markup=False)
     t = summary.totals()
     out.print(f"{t['programs']} programs ({t['verified']} verified by the interpreter), {t['snippets']} snippets, "
               f"{t['tunables']} tunables, {t['new_rows']} new rows, {t['skipped']} skipped items in {summary.seconds:.1f}s")

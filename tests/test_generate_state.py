@@ -43,9 +43,15 @@ def _trained(key: str, value: torch.Tensor) -> torch.Tensor:
     return torch.tensor(1.3) if value.dim() == 0 else torch.randn(value.shape, generator=g) * 0.8
 
 
-@pytest.mark.parametrize("name,learnable", [("learnable_temperature", "t"), ("learnable_rel_bias", "attn.rel_bias")])
-def test_learnable_state_stays_learnable(ingested_kb, tmp_path: Path, name: str, learnable: str) -> None:
-    spec_path = SPECS / f"{name}.py"
+# (spec, its learnable state_dict key); t5_bucket_bias reads an nn.Embedding table at log-spaced buckets
+# (torch.log, then a float -> int64 cast: the IR's trunc)
+LEARNABLE = [(SPECS / "learnable_temperature.py", "t"), (SPECS / "learnable_rel_bias.py", "attn.rel_bias"),
+             (REPO / "tests" / "data" / "specs" / "t5_bucket_bias.py", "rel.weight")]
+
+
+@pytest.mark.parametrize("spec_path,learnable", LEARNABLE, ids=lambda x: x.stem if isinstance(x, Path) else x)
+def test_learnable_state_stays_learnable(ingested_kb, tmp_path: Path, spec_path: Path, learnable: str) -> None:
+    name = spec_path.stem
     r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path / "out", **QUICK))
     assert r.succeeded, r.error
     user = _import(spec_path, f"user_{name}")

@@ -143,6 +143,8 @@ def _run_case(name: str, case: dict, *, B: int = 1, Hq: int = 2, M: int = 40, N:
         score_fn = lambda s, b, h, qi, ki: s + aux["slopes"][h] * (ki - qi)  # noqa: E731
     if "rel" in aux:
         score_fn = lambda s, b, h, qi, ki: s + aux["rel"][h, qi - ki + N - 1]  # noqa: E731
+    if "score_fn_of" in case:  # a score function reading the (differentiable) aux tensors
+        score_fn = case["score_fn_of"](aux)
     o, lse = _reference(q, k, v, scale, score_fn, case.get("mask_fn"))
     dout = torch.randn_like(o)
     o.backward(dout)
@@ -165,6 +167,28 @@ def test_learnable_table_gets_its_gradient() -> None:
                 extra="param rel: [Hq, R] f32 aux\nparam drel: [Hq, R] f32 out\n", aux_grad="drel of rel")
     out, want = _run_case("rel_bias", case, M=N, N=N)
     for g in ("dq", "dk", "dv", "drel"):
+        torch.testing.assert_close(out[g], want[g], atol=1e-4, rtol=1e-4)
+
+
+def _t5_bucket(d: torch.Tensor) -> torch.Tensor:
+    """Log-spaced buckets of |d| (T5): 0..3 exact, then 4 + trunc(log(|d| / 4) / log(6) * 4), at most 7; the upper
+    half for d < 0."""
+    n = d.abs()
+    far = torch.clamp(4 + (torch.log(n.clamp(min=1).float() / 4) / math.log(6.0) * 4).to(torch.int64), max=7)
+    return (d < 0).to(torch.int64) * 8 + torch.where(n < 4, n, far)
+
+
+def test_bucketed_table_gets_its_gradient() -> None:
+    """A table read at trunc(log(...))-computed buckets: trunc is piecewise constant, the table's partial is 1, and
+    the gradient of each bucket sums over every (q, kv) pair that reads it."""
+    case = dict(score_mod="score + tab[h, where(kv_idx - q_idx < 0, 8, 0) + where(abs(kv_idx - q_idx) < 4, "
+                          "abs(kv_idx - q_idx), minimum(4 + trunc(log(maximum(abs(kv_idx - q_idx), 1) / 4) "
+                          f"/ {math.log(6.0)!r} * 4), 7))]",
+                aux={"tab": 0.5 * torch.randn(2, 16)}, extra="param tab: [Hq, 16] f32 aux\nparam dtab: [Hq, 16] f32 out\n",
+                aux_grad="dtab of tab",
+                score_fn_of=lambda aux: lambda s, b, h, qi, ki: s + aux["tab"][h, _t5_bucket(ki - qi)])
+    out, want = _run_case("t5_buckets", case)
+    for g in ("dq", "dk", "dv", "dtab"):
         torch.testing.assert_close(out[g], want[g], atol=1e-4, rtol=1e-4)
 
 

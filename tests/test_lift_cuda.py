@@ -154,3 +154,36 @@ def test_bad_input_is_reported_not_raised(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     assert "cannot read" in lift_file(binary).skipped[0][1]
     assert lift_file(tmp_path / "missing.h").skipped
+
+
+def test_fa2_backward_regions_are_snippets_marked_backward(fa2):
+    src, reports = fa2
+    kernel = _report(reports, "src/flash_bwd_kernel.h")
+    kinds = {s.kind for s in kernel.snippets}
+    assert {"bwd_probs", "bwd_softmax_grad", "bwd_dq_accumulate", "bwd_dkdv_epilogue", "bwd_loop_bounds",
+            "bwd_score_mod_grad", "mask_causal", "mask_bounds"} <= kinds
+    assert all(s.features.get("backward") for s in kernel.snippets)
+    atomic = next(s for s in kernel.snippets if "atomicAdd" in s.title)
+    assert "atomicAdd(&tdQgdQaccum(i), acc_dq(i))" in atomic.text and "+= dqp" in atomic.ir_text
+    ds = next(s for s in kernel.snippets if s.kind == "bwd_softmax_grad")
+    assert "pointwise_mult" in ds.text and ds.ir_text == "softmax_grad ds = p * (dp - dt)"
+    pre = _report(reports, "src/flash_bwd_preprocess_kernel.h")
+    assert {s.kind for s in pre.snippets} >= {"bwd_delta", "bwd_dq_accumulate", "bwd_dkdv_epilogue"}
+    forward = _report(reports, "src/flash_fwd_kernel.h")
+    assert not any(s.features.get("backward") for s in forward.snippets)
+
+
+def test_fa2_backward_tunables_per_head_dim_and_arch(fa2):
+    src, reports = fa2
+    rel = next(k for k in reports if k.endswith("flash_bwd_launch_template.h"))
+    bwd = [t for t in reports[rel].tunables if t.dtype == "bf16"]
+    assert bwd and all(t.family == "fa2_cuda_bwd" and t.params["direction"] == "backward" for t in bwd)
+    by = {(t.head_dim, t.arch): (t.params["block_m"], t.params["block_n"], t.params["num_warps"]) for t in bwd}
+    assert by[(128, "sm80")] == (64, 128, 8) and by[(128, "sm86")] == (64, 64, 8)  # 144 KB of smem or less
+    assert by[(256, "sm90")] == (64, 64, 8) and by[(256, "sm86")] == (64, 32, 8)
+    assert {hd for hd, _ in by} == {32, 64, 96, 128, 192, 256}
+    lines = _lines(src, rel)
+    for t in bwd:
+        assert f"Flash_bwd_kernel_traits<Headdim, {t.params['block_m']}, {t.params['block_n']}," in lines[t.provenance.line_start - 1]
+    fwd = _report(reports, "flash_fwd_launch_template.h")
+    assert not any(t.params.get("direction") for t in fwd.tunables)

@@ -141,6 +141,7 @@ _EXPRS = [
     "a // b", "a % b", "cdiv(a, b)", "a / b", "-a // b", "maximum(a, x)", "minimum(a, b) * 2",
     "where(a > b, a, x)", "abs(a - b)", "tanh(x) + sigmoid(x)", "exp(x) - log(abs(x) + 1)", "sqrt(abs(x))",
     "x // 0.75", "x % 0.75", "(a >= 0) & ~(b < 0) | (a == b)", "exp2(x) * (a != b)",
+    "trunc(x * 3.0) + trunc(-x)", "trunc(a / b) * 2 + trunc(a)", "trunc(a > b) - trunc(x)",
 ]
 _VALUES = [(7, 2, 1.5), (-7, 2, -1.25), (7, -2, 0.5), (-7, -2, -2.0), (0, 3, 0.0), (-1, 5, 3.0), (6, 3, -0.3)]
 

@@ -115,6 +115,16 @@ def test_floor_division_and_modulo_on_negative_operands(cache_dir: Path) -> None
     _check(p, cache_dir, M=21, N=19)
 
 
+def test_trunc_rounds_toward_zero_in_arithmetic_and_load_indices(cache_dir: Path) -> None:
+    # (kv_idx - q_idx) / 4 is negative below the diagonal: trunc(-2.25) = -2, where floor would give -3;
+    # slopes[trunc(|kv_idx - q_idx| / 16.0)] reads entry 0 below distance 16, entry 1 from there
+    p = forward("trunc_bias", score_mod="score + trunc((kv_idx - q_idx) / 4) * 0.25 + trunc(-0.3 * (kv_idx - q_idx)) * 0.125"
+                                        " + slopes[trunc(abs(kv_idx - q_idx) / 16.0)]",
+                aux=(Param("slopes", ("Hq",), Dtype.F32, Role.AUX),))
+    assert ".to(tl.int32)" in lower_program(p)
+    _check(p, cache_dir, M=21, N=19)
+
+
 def test_reverse_kv_order(cache_dir: Path) -> None:
     p = FIXTURES["sliding_window"]()
     fwd = p.kernels[0]

@@ -142,6 +142,96 @@ def test_flex_fully_masked_rows_give_zero(tmp_path):
     assert torch.allclose(out, variants_attention(spec, q, k, v), atol=1e-6)
 
 
+_T5_HF = """import math
+import torch, torch.nn as nn
+
+def bucket(rel, bidirectional, num_buckets=16, max_distance=22):
+    out = 0
+    if bidirectional:
+        num_buckets //= 2
+        out += (rel > 0).to(torch.long) * num_buckets
+        rel = torch.abs(rel)
+    else:
+        rel = -torch.min(rel, torch.zeros_like(rel))
+    exact = num_buckets // 2
+    large = exact + (torch.log(rel.float() / exact) / math.log(max_distance / exact) * (num_buckets - exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, num_buckets - 1))
+    out += torch.where(rel < exact, rel, large)
+    return out
+
+class Model(nn.Module):
+    def __init__(self, n_heads):
+        super().__init__()
+        self.relative_attention_bias = nn.Embedding(16, n_heads)
+
+    def forward(self, q, k, v):
+        m, n = q.shape[2], k.shape[2]
+        rel = torch.arange(n, dtype=torch.long)[None, :] - torch.arange(m, dtype=torch.long)[:, None]
+        values = self.relative_attention_bias(bucket(rel, BIDIRECTIONAL)).permute([2, 0, 1]).unsqueeze(0)
+        scores = torch.matmul(q, k.transpose(3, 2)) + values
+        if not BIDIRECTIONAL:
+            scores = scores + torch.triu(torch.full((m, n), -1e9), diagonal=1)
+        return torch.matmul(nn.functional.softmax(scores.float(), dim=-1).type_as(scores), v)
+
+def get_inputs():
+    return [torch.randn(1, 2, 40, 16) for _ in range(3)]
+
+def get_init_inputs():
+    return [2]
+"""
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+def test_t5_buckets_in_the_transformers_spelling(tmp_path, bidirectional):
+    """`out += ...`, torch.min(a, b), .to(torch.long) of a log and an nn.Embedding lookup: the learnable table
+    stays an aux tensor read at `trunc(...)`-computed buckets."""
+    p = tmp_path / "t5_hf.py"
+    p.write_text(f"BIDIRECTIONAL = {bidirectional}\n" + _T5_HF)
+    spec = load_spec(p)
+    score = print_expr(spec.score_mod)
+    assert score.startswith("score + relative_attention_bias_weight[") and "trunc(log(" in score
+    assert [(e.key, e.parameter, e.aux) for e in spec.state] == [
+        ("relative_attention_bias.weight", True, "relative_attention_bias_weight")]
+    assert spec.features.mask == ("none" if bidirectional else "causal")
+    assert _agrees(spec) <= TOL["fp32"]
+
+
+_INPLACE_SPEC = """import torch, torch.nn as nn
+class Model(nn.Module):
+    def forward(self, q, k, v):
+        n = q.shape[2]
+        d = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+        {body}
+        return torch.softmax(q @ k.transpose(-2, -1) + bias, -1) @ v
+def get_inputs():
+    return [torch.randn(1, 2, 8, 16) for _ in range(3)]
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize("body,match", [
+    ("seen = d.view(n, n); d += 1; bias = (d + seen).float()", "in-place add_ of a tensor also used elsewhere"),
+    ("d[:, 0] += 1; bias = d.float()", "in-place add_ on a view"),
+    ("bias = (d * 0.7).to(torch.int16).float()", "float to torch.int16 cast"),
+    ("v.mul_(2); bias = d.float()", "in-place mul_ of a forward input"),
+    ("bias = torch.max(d.float(), dim=-1).values[:, None]", "torch.max as a reduction"),
+])
+def test_unsupported_casts_and_updates_are_named(tmp_path, body, match):
+    p = tmp_path / "bad.py"
+    p.write_text(_INPLACE_SPEC.format(body=body))
+    with pytest.raises(KBError, match=match):
+        load_spec(p)
+
+
+def test_inplace_update_without_aliases_is_traced(tmp_path):
+    p = tmp_path / "inplace.py"
+    p.write_text(_INPLACE_SPEC.format(body="bias = d.float(); bias *= 0.5; bias.clamp_(min=-2.0)"))
+    spec = load_spec(p)
+    assert print_expr(spec.score_mod) == "score + maximum((kv_idx - q_idx) * 0.5, -2.0)"
+    assert _agrees(spec) <= TOL["fp32"]
+
+
 @pytest.mark.parametrize("name,op", [
     ("dropout_training", "dropout"), ("op_after_softmax", "pow"), ("not_attention", "linear"),
     ("repeat_tiles_heads", "repeat"),

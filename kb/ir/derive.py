@@ -4,8 +4,8 @@
 kv_idx, scalars, aux loads); `aux_partials(body, tensor)` gives, for each distinct load
 `tensor[idx...]` in the body, its index exprs and d body / d tensor[idx...].
 
-Rules: integer and boolean subexpressions (comparisons, `//`, `%`, `cdiv`, loads of int tensors
-used as indices) are piecewise constant, so their derivative is 0; `where(c, a, b)` differentiates
+Rules: integer and boolean subexpressions (comparisons, `//`, `%`, `cdiv`, `trunc`, loads of int
+tensors used as indices) are piecewise constant, so their derivative is 0; `where(c, a, b)` differentiates
 its branches; `maximum`/`minimum` take the branch they select (ties go to the first argument);
 `abs` has derivative sign(x) with sign(0) = 1. Results are simplified (0 and 1 folded), so
 `score + slopes[h] * (kv_idx - q_idx)` has derivative `1` and softcap's `c * tanh(score / c)`
@@ -22,7 +22,7 @@ __all__ = ["score_grad", "aux_partials", "derivative"]
 
 _ZERO_OPS = frozenset({
     ExprOp.CONST, ExprOp.LOAD, ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV, ExprOp.LT, ExprOp.LE, ExprOp.GT,
-    ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT,
+    ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT, ExprOp.TRUNC,
 })
 _HOLE = "__wrt__"  # the variable a load occurrence is replaced by while differentiating w.r.t. it
 

@@ -3,9 +3,9 @@
 Used by the reference interpreter, by dense torch references of programs and specs, and by
 mask/score classification. `varlen_attention` is the torch reference for token-major (varlen)
 and paged layouts (`paged_to_token_major`, `pool_to_token_major` unpage a cache first): dense
-attention run per sequence, what a lifted serving kernel is verified against. Semantics match the lowerings: `//` and `%` are floor
-division/modulo, `&`/`|`/`~` are logical on booleans, loads index aux tensors with
-(broadcast) integer index tensors.
+attention run per sequence, what a lifted serving kernel is verified against. Semantics match the
+lowerings: `//` and `%` are floor division/modulo, `trunc` rounds toward zero to an int64,
+`&`/`|`/`~` are logical on booleans, loads index aux tensors with (broadcast) integer index tensors.
 """
 
 from __future__ import annotations
@@ -115,11 +115,22 @@ def eval_expr(e: Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Ten
     if op is ExprOp.CDIV:
         a, b = args
         return -(-a // b) if not isinstance(a, torch.Tensor) else torch.div(a + b - 1, b, rounding_mode="floor")
+    if op is ExprOp.TRUNC:
+        return _trunc(args[0])
     if op in _UNARY_T:
         (a,) = args
         return _UNARY_T[op](a.float() if isinstance(a, torch.Tensor) and not a.is_floating_point() else a) \
             if isinstance(a, torch.Tensor) else _UNARY_S[op](a)
     return _binary(op, args[0], args[1])
+
+
+def _trunc(x: Value) -> Value:
+    """Toward zero, an integer: torch's float -> int64 cast (a Python int for a Python scalar)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.int64)
+    if isinstance(x, float) and not math.isfinite(x):
+        raise KBError(f"trunc({x}) has no integer value")
+    return int(x)
 
 
 def dense_scores_mask(

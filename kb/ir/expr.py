@@ -15,6 +15,8 @@ Invariants:
 - `&`, `|`, `~` are logical and/or/not on boolean operands (as on tensors in torch).
 - `LOAD` reads an auxiliary tensor: `value` is the tensor name, `args` the indices.
 - Constants are int, float or bool; `inf` is the float infinity (a VAR named `inf` never exists).
+- `trunc(x)` is an integer: x truncated toward zero (torch's `.to(torch.int64)` of a float, so
+  `trunc(-2.5) == -2`); an integer operand is unchanged, a boolean one becomes 0 or 1.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class ExprOp(Enum):
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
     CDIV = "cdiv"
+    TRUNC = "trunc"  # float -> integer, toward zero
 
 
 # name -> (op, arity)
@@ -88,7 +91,7 @@ CALLS: dict[str, tuple[ExprOp, int]] = {
     op.value: (op, 3 if op is ExprOp.WHERE else 2 if op in (ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV) else 1)
     for op in (
         ExprOp.WHERE, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID,
-        ExprOp.ABS, ExprOp.SQRT, ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV,
+        ExprOp.ABS, ExprOp.SQRT, ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV, ExprOp.TRUNC,
     )
 }
 

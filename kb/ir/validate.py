@@ -219,14 +219,19 @@ _INT_DTYPES = (Dtype.I32, Dtype.I64)
 
 
 def _float_part(e: Expr, p: Program) -> str | None:
-    """The first sub-expression of `e` that is float-valued (a float constant, `/`, exp.., a float param or load)."""
-    params = _params(p)
-    for n in walk(e):
-        prm = params.get(str(n.value)) if n.op in (ExprOp.VAR, ExprOp.LOAD) else None
-        if (n.op is ExprOp.CONST and isinstance(n.value, float) or n.op in _FLOAT_CALLS
-                or prm is not None and prm.dtype not in _INT_DTYPES and prm.dtype is not Dtype.BOOL):
-            return str(n)
-    return None
+    """The first sub-expression of `e` that is float-valued (a float constant, `/`, exp.., a float param or load);
+    `trunc(...)` is an integer whatever its operand (its operand is not searched)."""
+    return _first_float(e, _params(p))
+
+
+def _first_float(n: Expr, params: dict[str, Param]) -> str | None:
+    if n.op is ExprOp.TRUNC:
+        return None
+    prm = params.get(str(n.value)) if n.op in (ExprOp.VAR, ExprOp.LOAD) else None
+    if (n.op is ExprOp.CONST and isinstance(n.value, float) or n.op in _FLOAT_CALLS
+            or prm is not None and prm.dtype not in _INT_DTYPES and prm.dtype is not Dtype.BOOL):
+        return str(n)
+    return next((f for a in n.args if (f := _first_float(a, params)) is not None), None)
 
 
 def _integer_expr(env: _Env, e: Expr, what: str) -> Iterator[str]:

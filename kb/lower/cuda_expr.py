@@ -16,6 +16,7 @@ Invariants:
   resolution never sees mixed types.
 - Aux loads (`t[i, j]`) read `ptr[i*s0 + j*s1]` only when every index is in range, else 0
   (the IR's load rule); element types convert through the `kb_f` overloads.
+- `trunc(x)` of a float is the C++ conversion `(long long)(x)`, which truncates toward zero.
 - Unknown names raise `KBError` (from `triton_expr`), so nothing unbound is ever emitted.
 """
 
@@ -141,6 +142,8 @@ def lower_cexpr(e: Expr, ctx: ExprContext) -> str:
     if op is ExprOp.ABS:
         want = Kind.FLOAT if kinds[0] is Kind.FLOAT else Kind.INT
         return f"kb_abs({_as(want, args[0], kinds[0])})"
+    if op is ExprOp.TRUNC:
+        return _as(Kind.INT, args[0], kinds[0])  # a float -> long long conversion truncates toward zero
     if op in _FLOAT_FN:
         return f"{_FLOAT_FN[op]}({_as(Kind.FLOAT, args[0], kinds[0])})"
     raise AssertionError(f"unhandled expression op {op}")

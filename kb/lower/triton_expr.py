@@ -5,9 +5,12 @@ Two targets share one walker (`ExprTarget`):
   when both operands are provably non-negative they lower to Triton's own `//`/`%` (which
   truncate, identical there); otherwise to the generated helpers `_floordiv`/`_floormod`.
   `tanh` lowers to `_tanh` (2*sigmoid(2x)-1: no libdevice, works in the interpreter).
+  `trunc(x)` of a float lowers to `x.to(tl.int32)` (a conversion toward zero, negative values
+  included); the kernel's integers are int32 index math, so a float beyond int32 range has no
+  defined trunc there (torch's int64 would hold it; such a value indexes no aux tensor anyway).
   Aux loads lower to masked `tl.load`s: out-of-range indices read 0 (the IR's rule).
 - HOST: plain Python over ints/floats/torch tensors, using the module's `_h*` helpers
-  (Python's `//`, `%` are already floor ops, on ints and on torch tensors).
+  (Python's `//`, `%` are already floor ops, on ints and on torch tensors; `_htrunc` is int64).
 
 Invariants: every binary operation is parenthesised (the output never depends on
 precedence); every variable is looked up in `ExprContext.names` (unknown names raise
@@ -96,6 +99,8 @@ def expr_kind(e: Expr, ctx: ExprContext) -> Kind:
         return _aux(e, ctx).kind
     if op in _CMP or op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
         return Kind.BOOL
+    if op is ExprOp.TRUNC:
+        return Kind.INT
     if op in _FLOAT_CALLS or op is ExprOp.DIV:
         return Kind.FLOAT
     kinds = [expr_kind(a, ctx) for a in (e.args[1:] if op is ExprOp.WHERE else e.args)]
@@ -117,6 +122,8 @@ def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
         return any(is_nonneg(a, ctx) for a in e.args)
     if op in (ExprOp.ABS, ExprOp.EXP, ExprOp.EXP2, ExprOp.SQRT, ExprOp.SIGMOID):
         return True
+    if op is ExprOp.TRUNC:
+        return is_nonneg(e.args[0], ctx)  # toward zero: a float in (-1, 0) gives 0, never below
     return False
 
 
@@ -161,9 +168,20 @@ def lower_expr(e: Expr, ctx: ExprContext) -> str:
         return f"{'_floordiv' if op is ExprOp.FLOORDIV else '_floormod'}({args[0]}, {args[1]})"
     if op in _ARITH or op in _CMP or op in (ExprOp.DIV, ExprOp.AND, ExprOp.OR):
         return f"({args[0]} {op.value} {args[1]})"
+    if op is ExprOp.TRUNC:
+        if e.args[0].op is ExprOp.CONST and not isinstance(e.args[0].value, bool):
+            return str(math.trunc(e.args[0].value))  # type: ignore[arg-type]
+        return _lower_trunc(args[0], expr_kind(e.args[0], ctx), dev)
     if op in _FLOAT_CALLS and dev and expr_kind(e.args[0], ctx) is not Kind.FLOAT:
         args[0] = f"({args[0]}).to(tl.float32)"
     return f"{(_DEVICE_CALL if dev else _HOST_CALL)[op]}({', '.join(args)})"
+
+
+def _lower_trunc(code: str, kind: Kind, dev: bool) -> str:
+    """An integer operand is already truncated; a float or bool one converts (toward zero)."""
+    if kind is Kind.INT:
+        return code
+    return f"({code}).to(tl.int32)" if dev else f"_htrunc({code})"
 
 
 def _lower_load(e: Expr, ctx: ExprContext) -> str:

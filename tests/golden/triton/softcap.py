@@ -136,6 +136,7 @@ def _hfloat(f):
 
 _hexp, _hexp2, _hlog, _htanh = _hfloat(torch.exp), _hfloat(torch.exp2), _hfloat(torch.log), _hfloat(torch.tanh)
 _hsigmoid, _hsqrt, _habs = _hfloat(torch.sigmoid), _hfloat(torch.sqrt), lambda x: torch.as_tensor(x).abs()
+_htrunc = lambda x: torch.as_tensor(x).long() if _tensor(x) else int(x)  # toward zero (IR trunc)
 
 
 def _hload(t, idx):
