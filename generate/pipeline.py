@@ -456,10 +456,9 @@ def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: 
     left = _budget_left(options)
     if left <= 0:
         return "timeout", f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
-    extra = {"backward": True} if backward else {}  # gradients as well
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
                                                      max_cases=options.verify_max_cases, determinism=True, timeout_s=left,
-                                                     **extra))
+                                                     backward=backward))
     return res.verdict.value, _verify_detail(res)
 
 

@@ -55,12 +55,14 @@ def storage_ptrs(values: list[Any]) -> set[int]:
     return {x.untyped_storage().data_ptr() for x in values if isinstance(x, torch.Tensor)}
 
 
-def identity_problem(out: Any, input_ptrs: set[int]) -> tuple[str, str] | None:
-    """(hack name, message) when the output is not a plain tensor with its own storage."""
+def identity_problem(out: Any, input_ptrs: set[int], what: str = "the output") -> tuple[str, str] | None:
+    """(hack name, message) when `what` (the forward's output, or a gradient) is not a plain tensor with its own storage."""
+    source = "forward returned" if what == "the output" else f"{what} is"
     if not isinstance(out, torch.Tensor):
-        return "not_a_tensor", f"forward returned {type(out).__name__}, not a torch.Tensor"
+        return "not_a_tensor", f"{source} {type(out).__name__}, not a torch.Tensor"
     if type(out) is not torch.Tensor:
-        return "tensor_subclass", f"forward returned a {type(out).__name__} (tensor subclass / lazy tensor), not a plain torch.Tensor"
+        return "tensor_subclass", f"{source} a {type(out).__name__} (tensor subclass / lazy tensor), not a plain torch.Tensor"
     if out.untyped_storage().data_ptr() in input_ptrs:
-        return "aliases_input", "the output shares storage with an input (a view or the input itself)"
+        others = "an input" if what == "the output" else "an input, the output or dO"
+        return "aliases_input", f"{what} shares storage with {others} (a view or the tensor itself)"
     return None

@@ -54,12 +54,13 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
                             duration_s=time.monotonic() - start, **base)  # type: ignore[arg-type]
 
     try:
-        static = scan_candidate(cand_path, spec_path, opts.torch_baseline)
+        static = scan_candidate(cand_path, spec_path, opts.torch_baseline, backward=opts.backward)
     except SyntaxError as err:
         return early(Finding(Verdict.compile_error, f"candidate has a syntax error: {err}", detail=traceback.format_exc(limit=-2)))
     if static:  # decided before importing: importing already runs the candidate's code
         f = static[0]
-        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}"))
+        return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}",
+                             phase=f.phase))
     sys.path.insert(0, str(cand_path.resolve().parent))  # candidates may import their sibling modules
     try:
         cand_cls = load_candidate(cand_path)
@@ -70,6 +71,8 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
     finding = session.run()
     verdict = finding.verdict if finding else Verdict.passed
     message = finding.message if finding else f"passed {session.calls} calls over {len(session.cases_run)} shapes"
+    if finding is None and opts.backward:
+        message += f", gradients of {', '.join(session.targets.labels)} checked on {session.bwd_calls} backward calls"
     timing = session.time_it() if finding is None else None
     return session.result(verdict, message, finding, timing, time.monotonic() - start, base)
 

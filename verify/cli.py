@@ -31,6 +31,8 @@ def verify_command(
     json_out: Annotated[Optional[Path], typer.Option("--json-out", help="where to write the JSON report")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the JSON report instead of a table")] = False,
     torch_baseline: Annotated[bool, typer.Option("--torch-baseline", help="allow torch compute ops (plain torch re-implementations)")] = False,
+    backward: Annotated[bool, typer.Option("--backward", help="also check gradients (q, k, v, Model's learnable parameters) "
+                                                               "against the fp32 reference, anti-cheat rules inside backward")] = False,
     timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS",
                                                      help="limit on the candidate process [default: KB_VERIFY_TIMEOUT, 600]")] = None,
 ) -> int:
@@ -42,7 +44,8 @@ def verify_command(
             raise KBError(f"{what} file {path} does not exist")
     settings = _settings() if timeout is None else replace(_settings(), verify_timeout=timeout)
     try:
-        result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline, timeout_s=settings.verify_timeout))
+        result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline, backward=backward,
+                                                       timeout_s=settings.verify_timeout))
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as `kb` maps it: the runner already killed the candidate
         raise KeyboardInterrupt("verification stopped; no candidate process or temp directory left, no report written") from err
     if json_out is not None:

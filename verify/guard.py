@@ -11,6 +11,16 @@
 - hack_suspected: a module whose forward is defined in the spec file was called (the
   reference Model, in either mode), or a thread was started.
 The Triton interpreter only uses allocation/copy ops (empty, copy_, set_), never these.
+
+`phase="backward"` guards the harness's `torch.autograd.grad` call on the candidate's output, so
+every rule above also holds inside the candidate's backward (the dispatch mode travels with the
+autograd engine's thread-local state into its worker threads). Two more rules there, strict mode only:
+- forbidden_call "autograd_in_backward": a torch compute op that records an autograd graph (grad
+  mode on and a tensor argument requiring grad), i.e. the backward re-runs a computation under
+  `torch.enable_grad()` to have torch differentiate it;
+- forbidden_call "nested_autograd": the autograd engine entered again while the harness's backward
+  runs (`torch.autograd.grad`, `Tensor.backward`, `torch.autograd.functional`, `torch.func`
+  transforms all reach it), seen by wrapping `Variable._execution_engine` for the call.
 """
 
 from __future__ import annotations
@@ -22,12 +32,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.variable import Variable
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.result import Verdict
 
-__all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES"]
+__all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES", "PHASES"]
+
+PHASES = ("forward", "backward")
 
 FORBIDDEN_OPS = frozenset({
     "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "dot", "vdot", "mv", "addmv", "linear", "einsum",
@@ -70,15 +83,20 @@ class _OpWatch(TorchDispatchMode):
         self.guard = guard
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
         g = self.guard
+        if g.strict and g.violation is None and g.phase == "backward" and _records_graph(func, args, kwargs):
+            g.violation = Violation(
+                Verdict.forbidden_call, "autograd_in_backward",
+                f"{func} recorded an autograd graph inside the candidate's backward (torch ops under enable_grad): "
+                "gradients must come from the candidate's own kernels, not from torch autograd on a re-computation")
+        out = func(*args, **(kwargs or {}))
         if g.stream is not None and g.violation is None and torch.cuda.current_stream() != g.stream:
             g.violation = Violation(Verdict.hack_suspected, "side_stream",
                                     f"{func} ran on a side stream; work must run on the caller's stream")
         if g.strict and g.violation is None:
             name = forbidden_op(func)
             if name:
-                g.violation = Violation(Verdict.forbidden_call, name, f"candidate called {name} inside forward")
+                g.violation = Violation(Verdict.forbidden_call, name, f"candidate called {name} inside {g.phase}")
             elif g.max_numel and _has_tensor(args) and isinstance(out, torch.Tensor) and out.numel() > g.max_numel \
                     and getattr(func, "overloadpacket", func).__name__ not in DATA_MOVEMENT_OPS:
                 g.violation = Violation(
@@ -92,11 +110,49 @@ def _has_tensor(args: Any) -> bool:
     return any(isinstance(a, torch.Tensor) for a in args)
 
 
-class CallGuard:
-    """Watch one candidate call. `strict` False is torch-baseline mode (torch compute allowed)."""
+def _records_graph(func: Any, args: Any, kwargs: Any) -> bool:
+    """Grad mode is on and a tensor argument requires grad: autograd records this op (data movement aside)."""
+    if not torch.is_grad_enabled() or getattr(func, "overloadpacket", func).__name__ in DATA_MOVEMENT_OPS:
+        return False
+    flat = list(args) + list((kwargs or {}).values())
+    flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
 
-    def __init__(self, strict: bool, spec_file: str, inputs: list[Any], expected_numel: int) -> None:
-        self.strict = strict
+
+class _EngineWatch:
+    """Stands in for `Variable._execution_engine` during a guarded backward: counts how deep
+    `run_backward` is entered; a second level is the candidate's backward calling autograd."""
+
+    def __init__(self, engine: Any, guard: "CallGuard") -> None:
+        self._engine, self._guard, self._depth = engine, guard, 0
+
+    def run_backward(self, *args: Any, **kwargs: Any) -> Any:
+        g = self._guard
+        if self._depth > 0 and g.violation is None:
+            g.violation = Violation(Verdict.forbidden_call, "nested_autograd",
+                                    "the candidate's backward called torch autograd (torch.autograd.grad / "
+                                    "Tensor.backward): gradients must come from its own kernels")
+        self._depth += 1
+        try:
+            return self._engine.run_backward(*args, **kwargs)
+        finally:
+            self._depth -= 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+class CallGuard:
+    """Watch one candidate call. `strict` False is torch-baseline mode (torch compute allowed).
+
+    phase: "forward" (the call of ModelNew) or "backward" (the harness's autograd call on its output;
+    `inputs` then also holds dO, `expected_numel` the output's size)."""
+
+    def __init__(self, strict: bool, spec_file: str, inputs: list[Any], expected_numel: int,
+                 phase: str = "forward") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        self.strict, self.phase = strict, phase
         self.spec_file = os.path.realpath(spec_file)
         sizes = [x.numel() for x in inputs if isinstance(x, torch.Tensor)] + [expected_numel]
         self.max_numel = MATERIALISE_FACTOR * max(sizes)
@@ -118,7 +174,8 @@ class CallGuard:
     def _thread_started(self, what: str) -> None:
         if self.violation is None or self.violation.verdict is not Verdict.forbidden_call:
             self.violation = Violation(Verdict.hack_suspected, "background_thread",
-                                       f"candidate started a thread ({what}) inside forward; work must finish before it returns")
+                                       f"candidate started a thread ({what}) inside {self.phase}; "
+                                       "work must finish before it returns")
 
     def __enter__(self) -> "CallGuard":
         self._threads_before = set(threading.enumerate())
@@ -136,14 +193,20 @@ class CallGuard:
         threading.Thread.start = start  # type: ignore[method-assign]
         _thread.start_new_thread = raw
         self._hook = register_module_forward_pre_hook(self._module_call)
+        self._engine = Variable._execution_engine
+        if self.strict and self.phase == "backward":
+            Variable._execution_engine = _EngineWatch(self._engine, self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+        Variable._execution_engine = self._engine
         self._hook.remove()
         threading.Thread.start = self._orig_start  # type: ignore[method-assign]
         _thread.start_new_thread = self._orig_raw
         extra = [t for t in threading.enumerate() if t not in self._threads_before]
+        if self.phase == "backward":  # autograd's own device threads show up as dummies once they run Python
+            extra = [t for t in extra if not isinstance(t, threading._DummyThread)]
         if extra and self.violation is None:
             self._thread_started(extra[0].name)

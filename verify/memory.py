@@ -4,6 +4,8 @@ CPU: Linux resets the process's peak RSS (VmHWM) on `echo 5 > /proc/self/clear_r
 so peak = VmHWM after - VmRSS before (tracemalloc cannot see torch's allocations).
 Where that is not allowed, the RSS delta after the call is the fallback (a lower bound).
 CUDA: torch.cuda's peak allocated bytes, reset before the call.
+`poison_allocator` fills freed memory with NaN before a call, so a result read from
+uninitialised memory is NaN, never a previous answer.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["PeakMemory", "measure_peak"]
+__all__ = ["PeakMemory", "measure_peak", "poison_allocator"]
 
 _MIB = 1024 * 1024
 
@@ -51,3 +53,10 @@ def measure_peak(device: str) -> Iterator[PeakMemory]:
     yield result
     after = _status_kib("VmHWM") if method.startswith("peak") else _status_kib("VmRSS")
     result.mib, result.method = max(0, after - before) / 1024, method
+
+
+def poison_allocator(nbytes: int, device: str) -> None:
+    """Allocate, NaN-fill and free buffers of the output's size so `torch.empty` hands back NaN."""
+    for n in (nbytes, 2 * nbytes, nbytes + 4096):
+        buf = torch.full((max(1, n // 4),), float("nan"), device=device)
+        del buf

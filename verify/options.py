@@ -16,9 +16,12 @@ class VerifyOptions:
 
     seed None draws a fresh seed per run (recorded in the result). torch_baseline allows
     torch compute ops (matmul/softmax/SDPA) in the candidate; every other check still runs.
+    backward also checks the gradients of q, k, v and of Model's learnable parameters on every
+    call (verify.grads), with the forward's anti-cheat rules active inside the backward.
     """
 
     torch_baseline: bool = False
+    backward: bool = False
     distributions: tuple[str, ...] = ALL_DISTRIBUTIONS
     max_cases: int = 8  # shape cases, the spec's own shape first
     seed: int | None = None

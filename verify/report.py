@@ -21,6 +21,13 @@ def result_table(r: VerifyResult) -> Table:
             ("max abs / rel error", f"{r.max_abs_err:.3g} / {r.max_rel_err:.3g}")]
     if r.finding is not None and r.finding.op:
         rows.append(("caught", r.finding.op))
+    if r.finding is not None and r.finding.phase == "backward":
+        rows.append(("in", "backward" + (f", gradient {r.finding.grad}" if r.finding.grad else "")))
+    b = r.backward
+    if b is not None:
+        rows.append(("gradients", f"{', '.join(b.grads)} on {b.calls} backward calls; max error "
+                                  f"{b.max_abs_err:.3g} x max(1, max|ref|); eager torch in the spec's dtype "
+                                  f"{b.max_torch_err:.3g} (allowed: dtype table + {b.slack:g}x that)"))
     if r.memory is not None:
         rows.append(("peak memory", f"candidate {r.memory.candidate_peak_mib:.1f} MiB, reference "
                                     f"{r.memory.reference_peak_mib:.1f} MiB ({r.memory.method})"))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
-__all__ = ["Verdict", "ShapeCase", "Finding", "MemoryReport", "TimingReport", "VerifyResult"]
+__all__ = ["Verdict", "ShapeCase", "Finding", "MemoryReport", "TimingReport", "BackwardReport", "VerifyResult"]
 
 
 class Verdict(str, Enum):
@@ -25,6 +25,7 @@ class Verdict(str, Enum):
     nondeterministic = "nondeterministic"
     forbidden_call = "forbidden_call"
     hack_suspected = "hack_suspected"
+    no_backward = "no_backward"  # backward runs only: output detached from autograd, backward not implemented, a gradient missing
     passed = "passed"
 
 
@@ -64,6 +65,8 @@ class Finding:
     max_abs_err: float | None = None
     max_rel_err: float | None = None
     detail: str = ""  # traceback tail, stderr tail, source line
+    phase: str = "forward"  # "forward" or "backward": which pass was caught
+    grad: str | None = None  # backward: the gradient at fault ("q", "k", "v", "param rel_bias")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,21 @@ class TimingReport:
 
 
 @dataclass(frozen=True)
+class BackwardReport:
+    """What a `backward=True` run checked: which gradients, on how many calls, and how far off they were.
+
+    Errors are the largest over all calls and gradients, each in units of its gradient's
+    max(1, max |ref|); `max_torch_err` is the same measure for eager torch emulated in the spec's
+    dtype, the basis of the tolerance (see verify.grads; 0 for fp32 specs)."""
+
+    calls: int
+    grads: tuple[str, ...]
+    max_abs_err: float
+    max_torch_err: float
+    slack: float
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     verdict: Verdict
     message: str
@@ -110,6 +128,7 @@ class VerifyResult:
     score: float = 0.0
     notes: tuple[str, ...] = ()
     duration_s: float = 0.0
+    backward: BackwardReport | None = None  # None: gradients were not checked
 
     @property
     def passed(self) -> bool:
@@ -131,6 +150,8 @@ class VerifyResult:
         kw["notes"] = tuple(kw.get("notes", ()))
         kw["memory"] = MemoryReport(**kw["memory"]) if kw.get("memory") else None
         kw["timing"] = TimingReport(**kw["timing"]) if kw.get("timing") else None
+        bwd = kw.get("backward")
+        kw["backward"] = BackwardReport(**{**bwd, "grads": tuple(bwd["grads"])}) if bwd else None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in known})
 

@@ -8,25 +8,29 @@ Per shape case, for the first distribution the candidate is called three times:
 Every other distribution gets one call on fresh inputs. Before each call the allocator
 is poisoned with NaN buffers and the reference output is kept alive, so a candidate that
 returns uninitialised memory sees NaN or zeros, never a previous answer.
+
+With `backward=True` q, k, v require grad, ModelNew runs with grad enabled, and every call whose
+forward passes is followed by one guarded backward (verify.backward.BackwardChecks).
 """
 
 from __future__ import annotations
 
 import copy
-
 import logging
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from verify.backward import BackwardChecks
 from verify.checks import compare, identity_problem, storage_ptrs
+from verify.grads import grad_targets
 from verify.guard import CallGuard
 from verify.inputs import make_inputs
 from verify.load import Spec, SpecError
-from verify.memory import measure_peak
+from verify.memory import measure_peak, poison_allocator
 from verify.options import VerifyOptions
 from verify.reference import reference_output, tf32
 from verify.result import Finding, MemoryReport, ShapeCase, TimingReport, Verdict, VerifyResult
@@ -39,21 +43,14 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Ctx:
+class Ctx:
     case: ShapeCase | None
     dist: str
     seed: int
     step: str
 
 
-def poison_allocator(nbytes: int, device: str) -> None:
-    """Allocate, NaN-fill and free buffers of the output's size so `torch.empty` hands back NaN."""
-    for n in (nbytes, 2 * nbytes, nbytes + 4096):
-        buf = torch.full((max(1, n // 4),), float("nan"), device=device)
-        del buf
-
-
-class Session:
+class Session(BackwardChecks):
     def __init__(self, spec: Spec, cand_cls: type, opts: VerifyOptions, device: str, seed: int, progress: Path | None) -> None:
         self.spec, self.opts, self.device, self.seed, self.progress = spec, opts, device, seed, progress
         self.calls, self.max_abs, self.max_rel = 0, 0.0, 0.0
@@ -70,6 +67,11 @@ class Session:
         self.own_inputs = list(spec.get_inputs())
         self.layout: Layout = find_layout(self.own_inputs)
         self._last: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.targets = grad_targets(self.layout, self.own_inputs, self.ref_model)
+        # per (shape, gradient): the previous call's gradient tensor (held, so its memory cannot be handed
+        # out again), its value and the reference's value then
+        self._last_grads: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.bwd_calls, self.grad_err, self.torch_err = 0, 0.0, 0.0
 
     # ---- driving
     def run(self) -> Finding | None:
@@ -78,7 +80,7 @@ class Session:
             self.cand = self.cand_cls(*self.init).to(self.device)
             shared = _share_weights(self.native_model, self.cand)
         except Exception as err:  # noqa: BLE001 - candidate code
-            return self._error(err, _Ctx(None, "-", self.seed, "construct ModelNew"))
+            return self._error(err, Ctx(None, "-", self.seed, "construct ModelNew"))
         if shared:
             self.notes.append(f"weights shared from Model by name: {', '.join(shared)}")
         cases, notes = plan_cases(self.spec, self.own_inputs, self.opts.max_cases)
@@ -91,8 +93,8 @@ class Session:
 
     def _run_case(self, ci: int, case: ShapeCase | None) -> Finding | None:
         for di, dist in enumerate(self.opts.distributions):
-            ctx = _Ctx(case, dist, self.seed + 1000 * ci + di, "fresh inputs")
-            inputs = make_inputs(self.spec, self.layout, case, dist, ctx.seed, self.device)
+            ctx = Ctx(case, dist, self.seed + 1000 * ci + di, "fresh inputs")
+            inputs = self._leaves(make_inputs(self.spec, self.layout, case, dist, ctx.seed, self.device))
             try:
                 ref = reference_output(self.ref_model, inputs)
             except Exception as err:  # noqa: BLE001 - spec code rejecting a planned shape
@@ -114,18 +116,19 @@ class Session:
                 return finding
         return None
 
-    def _probes(self, case: ShapeCase | None, dist: str, ctx: _Ctx, inputs: list[Any]) -> Finding | None:
+    def _probes(self, case: ShapeCase | None, dist: str, ctx: Ctx, inputs: list[Any]) -> Finding | None:
         probe_seed = ctx.seed + 500
         fresh = make_inputs(self.spec, self.layout, case, dist, probe_seed, self.device)
-        for dst, src in zip(inputs, fresh):
-            if isinstance(dst, torch.Tensor) and dst.is_floating_point():
-                dst.copy_(src)
+        with torch.no_grad():  # q, k, v may be leaves that require grad
+            for dst, src in zip(inputs, fresh):
+                if isinstance(dst, torch.Tensor) and dst.is_floating_point():
+                    dst.copy_(src)
         ref = reference_output(self.ref_model, inputs)
-        finding, out = self._checked_call(inputs, ref, _Ctx(case, dist, probe_seed, "same storage, new values"))
+        finding, out = self._checked_call(inputs, ref, Ctx(case, dist, probe_seed, "same storage, new values"))
         if finding or not self.opts.determinism:
             return finding
-        clones = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-        dctx = _Ctx(case, dist, probe_seed, "determinism rerun")
+        clones = self._leaves([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs])
+        dctx = Ctx(case, dist, probe_seed, "determinism rerun")
         finding, again = self._checked_call(clones, ref, dctx)
         if finding:
             return finding
@@ -136,9 +139,9 @@ class Session:
         return None
 
     # ---- one call
-    def _checked_call(self, inputs: list[Any], ref: torch.Tensor, ctx: _Ctx) -> tuple[Finding | None, Any]:
+    def _checked_call(self, inputs: list[Any], ref: torch.Tensor, ctx: Ctx) -> tuple[Finding | None, Any]:
         self._progress(ctx)
-        saved = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        saved = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
         ptrs = storage_ptrs(inputs)
         expected_dtype = self._expected_dtype()
         poison_allocator(ref.numel() * torch.empty((), dtype=expected_dtype).element_size(), self.device)
@@ -146,7 +149,7 @@ class Session:
         out, error = None, None
         with measure_peak(self.device) as peak:
             try:
-                with guard, torch.no_grad():
+                with guard, torch.set_grad_enabled(self.opts.backward):
                     out = self.cand(*inputs)
                     if self.device == "cuda":
                         torch.cuda.synchronize()
@@ -160,10 +163,13 @@ class Session:
             return self._finding(v.verdict, v.message, ctx, op=v.op), out
         if error is not None:
             return self._error(error, ctx), out
-        return self._check_output(out, inputs, saved, ptrs, ref, expected_dtype, ctx), out
+        finding = self._check_output(out, inputs, saved, ptrs, ref, expected_dtype, ctx)
+        if finding is None and self.opts.backward:
+            finding = self._check_backward(out, inputs, replace(ctx, step=ctx.step + ", backward"))
+        return finding, out
 
     def _check_output(self, out: Any, inputs: list[Any], saved: list[Any], ptrs: set[int], ref: torch.Tensor,
-                      expected_dtype: torch.dtype, ctx: _Ctx) -> Finding | None:
+                      expected_dtype: torch.dtype, ctx: Ctx) -> Finding | None:
         if not isinstance(out, torch.Tensor):
             return self._finding(Verdict.shape_mismatch, f"forward returned {type(out).__name__}, not a tensor", ctx)
         problem = identity_problem(out, ptrs)
@@ -199,25 +205,25 @@ class Session:
         return [x.to(self.device) if isinstance(x, torch.Tensor) else x for x in self.own_inputs]
 
     def _measure_reference(self, inputs: list[Any]) -> None:
-        native = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+        native = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
         with measure_peak(self.device) as peak, torch.no_grad():
             self.native_model(*native)
         self.ref_peak, self.mem_method = max(self.ref_peak, peak.mib), peak.method
 
-    def _progress(self, ctx: _Ctx) -> None:
+    def _progress(self, ctx: Ctx) -> None:
         if self.progress is not None:
             label = ctx.case.label() if ctx.case else "spec inputs"
             self.progress.write_text(f"{label} | {ctx.dist} | seed {ctx.seed} | {ctx.step}")
 
-    def _finding(self, verdict: Verdict, message: str, ctx: _Ctx, **kw: Any) -> Finding:
+    def _finding(self, verdict: Verdict, message: str, ctx: Ctx, **kw: Any) -> Finding:
         where = f" [{ctx.case.label() if ctx.case else 'spec inputs'}, {ctx.dist}, seed {ctx.seed}, {ctx.step}]"
         return Finding(verdict, message + where, case=ctx.case, distribution=ctx.dist, seed=ctx.seed, **kw)
 
-    def _error(self, err: BaseException, ctx: _Ctx) -> Finding:
+    def _error(self, err: BaseException, ctx: Ctx, what: str = "", phase: str = "forward") -> Finding:
         compile_err = type(err).__name__ in {"CompilationError", "CompileTimeAssertionFailure"}
         verdict = Verdict.compile_error if compile_err else Verdict.runtime_error
         detail = "".join(traceback.format_exception(err, limit=-4))[-4000:]
-        return self._finding(verdict, f"{type(err).__name__}: {str(err)[:300]}", ctx, detail=detail)
+        return self._finding(verdict, f"{what}{type(err).__name__}: {str(err)[:300]}", ctx, detail=detail, phase=phase)
 
     # ---- timing and result
     def time_it(self) -> TimingReport:
@@ -252,7 +258,7 @@ class Session:
             distributions=tuple(self.opts.distributions), calls=self.calls, max_abs_err=self.max_abs,
             max_rel_err=self.max_rel, memory=MemoryReport(self.cand_peak, self.ref_peak, self.mem_method),
             timing=timing, score=composite_score(verdict is not Verdict.compile_error, verdict is Verdict.passed, perf),
-            notes=tuple(self.notes), duration_s=duration, **base)
+            notes=tuple(self.notes), duration_s=duration, backward=self.backward_report(), **base)
 
 
 def _share_weights(model: torch.nn.Module, cand: torch.nn.Module) -> list[str]:

@@ -1,0 +1,173 @@
+"""Gradient references and the gradient tolerance of `backward=True` runs.
+
+Per checked call (see verify.session): a cotangent dO ~ N(0, 1) drawn from the call's seed (so
+every call has its own); the **fp32 reference** gradients: the spec's Model in fp32 on the
+candidate's inputs upcast, TF32 off, differentiated with respect to q, k, v and Model's learnable
+parameters (`requires_grad` nn.Parameters, e.g. a relative-bias table); and **torch's own
+gradients in the spec's dtype**: the spec's Model as the user runs it, on the same inputs and dO.
+The candidate (ModelNew, holding Model's state_dict under the same keys) is differentiated with
+respect to its same-named parameters.
+
+Tolerance rule. Gradients accumulate over a whole sequence (dk, dv sum over every query row, a
+bias table's gradient over every diagonal) and pass through differences of large numbers
+(dS = P (dP - Δ)), so low-precision rounding costs more than in the forward. How much rounding is
+fair is measured, not picked: `e_torch` is the largest distance from the fp32 reference of **torch
+eager in the spec's dtype**, emulated on the reference itself: the fp32 reference computation with
+every floating tensor an op produces (forward and backward) rounded to the spec's dtype
+(`DtypeEmulation`), SDPA decomposed into its math ops. That is what eager PyTorch computes with
+bf16 tensors (each op accumulates in fp32, stores in bf16), whatever fused op the spec happens to
+call, so the basis does not depend on how the spec was written. The candidate may carry
+`GRAD_SLACK` times that on top of the forward's dtype table. Element i of gradient g passes when
+
+    |g_i - ref_i| <= atol * scale + rtol * |ref_i| + GRAD_SLACK * e_torch,
+    scale = max(1, max|ref|)  (the forward's convention: q, k, v and dO are O(1), so 1 is their unit),
+
+(atol, rtol) from `verify.checks.TOLERANCES` by the spec's dtype. GRAD_SLACK = 2 is the convention
+of FlashAttention's backward tests (a kernel may be at most twice as far from the fp32 reference as
+eager PyTorch in the same dtype). For fp32 specs e_torch is 0, so the forward's table applies: the
+floor of 1 in `scale` matters there, because a gradient can be tiny and ill-conditioned (the
+adversarial distribution's dq, a sum of near-cancelling terms, is ~1e-5 with a FlashAttention-style
+Δ = rowsum(dO∘O) carrying absolute fp32 errors of ~1e-5 too).
+The emulation rounds as the device's kernels do: to nearest on a GPU; toward zero for bf16 under
+TRITON_INTERPRET=1, because Triton 3.6's interpreter converts fp32 -> bf16 by truncation (twice the
+GPU's rounding error: an honest bf16 kernel there is up to ~3.5x as far from fp32 as round-to-nearest
+eager torch, and within 2x of truncating eager torch).
+Where the reference gradient is NaN (fully masked rows of a spec whose softmax gives NaN) any value
+is accepted; elsewhere the candidate's gradient must be finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from verify.checks import TOLERANCES, Comparison
+from verify.reference import tf32
+from verify.shapes import Layout
+
+__all__ = ["GRAD_SLACK", "GradTargets", "grad_targets", "cotangent", "model_grads", "DtypeEmulation", "torch_error",
+           "grad_scale", "compare_grad"]
+
+GRAD_SLACK = 2.0
+
+
+@dataclass(frozen=True)
+class GradTargets:
+    """What is differentiated: input positions (q, k, v) and Model's learnable parameter names."""
+
+    positions: tuple[int, ...]
+    names: tuple[str, ...]  # "q", "k", "v" (or "input 3" for a spec without a q/k/v layout)
+    params: tuple[str, ...]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.names + tuple(f"param {p}" for p in self.params)
+
+
+def grad_targets(layout: Layout, inputs: list[Any], model: nn.Module) -> GradTargets:
+    """q, k, v (every floating tensor input when no q/k/v layout was found) and Model's trainable parameters."""
+    if layout.qkv is not None:
+        positions, names = tuple(layout.qkv), ("q", "k", "v")
+    else:
+        positions = tuple(i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.is_floating_point())
+        names = tuple(f"input {i}" for i in positions)
+    params = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+    return GradTargets(positions, names, params)
+
+
+def cotangent(shape: torch.Size, seed: int, device: str) -> torch.Tensor:
+    """dO ~ N(0, 1) in fp32 from its own generator: a fresh cotangent per call, reproducible from the seed."""
+    gen = torch.Generator().manual_seed(seed ^ 0x5EED)
+    return torch.randn(tuple(shape), generator=gen).to(device)
+
+
+class DtypeEmulation(TorchDispatchMode):
+    """Round every fp32 tensor an op produces to `dtype` (and back), as if torch stored it in `dtype`.
+
+    Views keep their base's values (not rounded, aliasing kept); in-place and `out=` ops are rounded in place.
+    truncate: round bf16 toward zero (as Triton's interpreter converts fp32 -> bf16) instead of to nearest."""
+
+    def __init__(self, dtype: torch.dtype, truncate: bool = False) -> None:
+        super().__init__()
+        self.dtype, self.truncate = dtype, truncate and dtype == torch.bfloat16
+
+    def _round(self, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            return t
+        if self.truncate:  # keep the top 16 bits: sign, exponent and bf16's 7 mantissa bits
+            return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).reshape(t.shape)
+        return t.to(self.dtype).to(torch.float32)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        if func._schema.is_mutable:
+            tree_map(lambda t: t.copy_(self._round(t)) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, out)
+            return out
+        return tree_map(self._round, out)
+
+
+@contextlib.contextmanager
+def _emulating(dtype: torch.dtype | None, truncate: bool) -> Iterator[None]:
+    if dtype is None or dtype == torch.float32:
+        yield
+        return
+    with sdpa_kernel(SDPBackend.MATH), DtypeEmulation(dtype, truncate):
+        yield
+
+
+def model_grads(model: nn.Module, inputs: list[Any], targets: GradTargets, d_out: torch.Tensor,
+                emulate: torch.dtype | None = None, truncate: bool = False) -> list[torch.Tensor | None]:
+    """fp32 gradients of `model(*inputs)` (inputs upcast, TF32 off; `model` in fp32) for `targets`, cotangent `d_out`.
+
+    emulate: a low-precision dtype to run the computation in by `DtypeEmulation` (torch eager in that
+    dtype), None for the fp32 reference. Inputs are detached copies: the caller's tensors are untouched."""
+    leaves = [x.detach().clone().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    wrt = [leaves[i].requires_grad_(True) for i in targets.positions]
+    named = dict(model.named_parameters())
+    wrt += [named[n] for n in targets.params]
+    with tf32(False), torch.enable_grad(), _emulating(emulate, truncate):
+        out = model(*leaves)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"spec Model returned {type(out).__name__}; verify compares one output tensor")
+        grads = torch.autograd.grad(out, wrt, d_out.to(out.dtype), allow_unused=True)
+    return [None if g is None else g.detach().float() for g in grads]
+
+
+def torch_error(lowp: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    """max |lowp - ref| over the elements where both are finite (0 when either is missing)."""
+    if lowp is None or ref is None:
+        return 0.0
+    ok = torch.isfinite(lowp) & torch.isfinite(ref)
+    return float((lowp - ref).abs()[ok].max()) if bool(ok.any()) else 0.0
+
+
+def grad_scale(ref: torch.Tensor) -> float:
+    """max(1, max |ref| over the defined elements)."""
+    defined = ref[~torch.isnan(ref)]
+    return max(1.0, float(defined.abs().max())) if defined.numel() else 1.0
+
+
+def compare_grad(got: torch.Tensor, ref: torch.Tensor, e_torch: float, dtype: torch.dtype) -> Comparison:
+    """The module's tolerance rule; errors in the result are normalised by the gradient's scale."""
+    atol, rtol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    got, want = got.detach().float().cpu(), ref.detach().float().cpu()
+    defined = ~torch.isnan(want)
+    scale = grad_scale(want)
+    err = (got - want).abs()
+    nonfinite = defined & ~torch.isfinite(got)
+    bad = defined & (nonfinite | (err > atol * scale + rtol * want.abs() + GRAD_SLACK * e_torch))
+    err = torch.where(defined & ~nonfinite, err, torch.zeros_like(err))
+    rel = err / (want.abs() + scale * 1e-3)
+    first = tuple(int(i) for i in bad.nonzero()[0]) if bool(bad.any()) else None
+    return Comparison(ok=not bool(bad.any()), max_abs_err=float(err.max()) / scale if err.numel() else 0.0,
+                      max_rel_err=float(rel.max()) if rel.numel() else 0.0, nonfinite=int(nonfinite.sum()),
+                      bad_elements=int(bad.sum()), first_bad=first)
