@@ -21,13 +21,14 @@ from generate.candidate import CandidateFiles, write_candidate
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from kb.errors import KBError
-from kb.ir.nodes import Program, Role
+from kb.ir.expr import free_vars
+from kb.ir.nodes import Probs, Program, Role, walk_stmts
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import Filters, describe_target, query
 
-__all__ = ["BackwardBuilt", "build_backward", "learnable_aux", "BACKWARD_STRATEGY"]
+__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "learnable_aux", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
 
@@ -51,7 +52,11 @@ def learnable_aux(spec: Spec) -> tuple[str, ...]:
 
 def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
                    verify_fn, designs, stage: Path, stem: str, first_n: int) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:  # noqa: ANN001
-    """Try the ranked backward references in order; (the first that passes, every attempt)."""
+    """Try the ranked backward references in order; (the first that passes, every attempt).
+
+    `designs`: (the forward's design table, the backward's). Among references ranked alike, those whose tile
+    kernels run in parallel over sequence blocks come first: a program per (batch, head) that walks every KV
+    block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at training batch sizes."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
@@ -60,8 +65,10 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     if not found.kernels:
         raise KBError("the KB holds no backward reference program; run `kb ingest --all` first")
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
+    programs = {r.id: parse_program(kb.get(r.id).ir_text) for r in found.kernels}  # type: ignore[union-attr]
+    ranked = sorted(found.kernels, key=lambda r: not block_parallel(programs[r.id]))  # stable: ties keep retrieval's order
     outcomes: list[AttemptOutcome] = []
-    for ref in found.kernels:
+    for ref in ranked:
         t0 = time.perf_counter()
 
         def outcome(stage_: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
@@ -69,7 +76,7 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
                                   time.perf_counter() - t0, text)
 
         try:
-            program = transfer_backward(parse_program(kb.get(ref.id).ir_text), target, name=f"{stem}_bwd")  # type: ignore[union-attr]
+            program = transfer_backward(programs[ref.id], target, name=f"{stem}_bwd")
             validate(program)
         except KBError as err:
             outcomes.append(outcome(Stage.TRANSFER, "compile_error", str(err)))
@@ -88,12 +95,18 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     return None, outcomes
 
 
+def block_parallel(p: Program) -> bool:
+    """Every kernel that recomputes P has a grid axis over sequence blocks (an extent in BLOCK_M or BLOCK_N)."""
+    tiled = [k for k in p.kernels if any(isinstance(s, Probs) for s in walk_stmts(k.body))]
+    return bool(tiled) and all(any(free_vars(ax.extent) & {"BLOCK_M", "BLOCK_N"} for ax in k.grid) for k in tiled)
+
+
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001
              stage: Path, stem: str) -> BackwardBuilt | tuple[Stage, str, str]:
     from kb.lower.triton_bwd import lower_autograd
 
     try:
-        src = lower_autograd(forward, program, fwd_designs=designs)
+        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1])
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem, entry="kb_attention")
     except KBError as err:

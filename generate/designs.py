@@ -76,25 +76,31 @@ def _int(v: object) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket: int, decode: bool) -> list[Design]:
+def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket: int, decode: bool,
+                   backward: bool = False) -> list[Design]:
     """Designs from expert launch configurations `(arch, head_dim, params)` for this arch and head dim.
 
     Exact-arch configurations come first, then those of the other NVIDIA archs (FA2's sm80 choices
     are good starting points on Hopper too). Warps: the source's, else 8 for CUTLASS's two-consumer
-    (cooperative / ping-pong) kernels, else 4; stages: the source's, else 3 on sm90 and 2 before."""
+    (cooperative / ping-pong) kernels, else 4; stages: the source's, else 3 on sm90 and 2 before.
+    `backward`: the expert backward kernels' configurations only (and the reverse: a backward kernel's
+    tiles say nothing about the forward's); stages: 1 where the source turns double buffering off, else 2;
+    no tensor descriptors (the backward lowering does not use them)."""
     same, other = [], []
     for t_arch, head_dim, params in tunables:
         if head_dim not in (0, bucket) or not t_arch.startswith("sm") or bool(params.get("split_kv")) != decode:
             continue
-        if params.get("direction") == "backward":  # a backward kernel's tiles say nothing about the forward's
+        if (params.get("direction") == "backward") != backward:
             continue
         bm, bn = _int(params.get("block_m")), _int(params.get("block_n"))
         if bm is None or bn is None:
             continue
         warps = _int(params.get("num_warps")) or (8 if any(w in str(params.get("kernel", "")) for w in ("Cooperative", "Pingpong")) else 4)
-        stages = _int(params.get("num_stages")) or (3 if arch >= "sm90" else 2)
+        stages = _int(params.get("num_stages")) or (3 if arch >= "sm90" and not backward else 2)
+        if backward and params.get("no_double_buffer"):
+            stages = 1
         try:
-            d = Design(16 if decode else bm, bn, warps, stages, AUTO_SPLITS if decode else 1)
+            d = Design(16 if decode else bm, bn, warps, stages, AUTO_SPLITS if decode else 1, tma=not backward)
         except Exception:  # noqa: BLE001 - a configuration Triton cannot express (e.g. 192-wide tiles)
             continue
         (same if t_arch == arch else other).append(d)
@@ -107,9 +113,13 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
 PACKED_DECODE_GRID = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 2, 3), (128, 4, 2))
 
 
-def default_designs(decode: bool) -> list[Design]:
+def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     """The grid a design search always includes (Triton's usual attention tiles on NVIDIA GPUs); for decode,
-    GQA-packed split-KV designs first (no-ops where a program or shape cannot pack)."""
+    GQA-packed split-KV designs first (no-ops where a program or shape cannot pack); for the backward, narrower
+    q tiles (its KV-outer loop holds K, V, dK and dV tiles at once) and no tensor descriptors."""
+    if backward:
+        return [Design(m, n, w, s, tma=False) for m, n, w, s in ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2),
+                                                               (64, 64, 4, 3), (32, 64, 4, 2), (128, 128, 8, 1))]
     if decode:
         return [Design(16, n, w, s, AUTO_SPLITS, pack_gqa=True) for n, w, s in PACKED_DECODE_GRID] \
             + [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),
@@ -130,13 +140,15 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
     if memory:
         scores: dict[Design, float] = {}
         near = [(s, math.exp(8.0 * (perf_similarity(target, s.features) - 1.0))) for s in sweeps
-                if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode]
+                if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode
+                and s.features.backward == target.backward]
         total = sum(w for _, w in near)
         for sweep, w in near:
             for d, rel in sweep.relative().items():
                 scores[d] = scores.get(d, 0.0) + w * rel / total
         measured = sorted(scores, key=lambda d: (-scores[d], d))
-    ranked = measured + expert_designs(tunables, arch, bucket, decode) + default_designs(decode)
+    ranked = measured + expert_designs(tunables, arch, bucket, decode, target.backward) \
+        + default_designs(decode, target.backward)
     if decode and target.gqa_ratio != 1 and not any(d.pack_gqa for d in measured):
         # packing not measured yet: the expert practice (packed, bandwidth-sized tiles) before unpacked measurements
         packed = [d for d in ranked if d.pack_gqa]  # the default grid's packed designs (nothing measured packs)

@@ -166,7 +166,8 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             kb, spec, built.program, memory=options.memory, references=options.references,
             verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
             ("not_run", "kernel verification skipped (--no-verify)"),
-            designs=options.designs, stage=stage, stem=_name(spec), first_n=first_n)
+            designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
+            first_n=first_n)
     except KBError as err:
         return _NoBackward(str(err))
     if found is None:
@@ -429,14 +430,16 @@ def resolve_target(target: str, default: str) -> str:
     return default
 
 
-def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions) -> DesignTable:
+def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions, *, backward: bool = False) -> DesignTable:
     """The designs the emitted module carries: the target arch first, sm80/sm90 beside it, for the spec's
-    head-dim bucket and the common 64/128 buckets, ranked by what the KB knows (measured sweeps with memory on)."""
+    head-dim bucket and the common 64/128 buckets, ranked by what the KB knows (measured sweeps with memory on);
+    `backward`: those of its backward kernels."""
     target = resolve_target(options.target, kb.settings.target_arch)
     archs = list(dict.fromkeys([target, "sm90", "sm80"]))
     buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
     value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
-    return design_table(kb, spec.features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
+    features = replace(spec.features, backward=True) if backward else spec.features
+    return design_table(kb, features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
 
 
 def _budget_left(options: GenerateOptions) -> float:
