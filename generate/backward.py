@@ -21,14 +21,14 @@ from generate.candidate import CandidateFiles, write_candidate
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from kb.errors import KBError
-from kb.ir.expr import free_vars
-from kb.ir.nodes import Probs, Program, Role, walk_stmts
+from kb.ir.expr import free_vars, var
+from kb.ir.nodes import Probs, Program, Role, Store, walk_stmts
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import Filters, describe_target, query
 
-__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "learnable_aux", "BACKWARD_STRATEGY"]
+__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
 
@@ -54,19 +54,24 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
                    verify_fn, designs, stage: Path, stem: str, first_n: int) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:  # noqa: ANN001
     """Try the ranked backward references in order; (the first that passes, every attempt).
 
-    `designs`: (the forward's design table, the backward's). Among references ranked alike, those whose tile
-    kernels run in parallel over sequence blocks come first: a program per (batch, head) that walks every KV
-    block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at training batch sizes."""
+    `designs`: (the forward's design table, the backward's). Retrieval's order is refined by two structural
+    facts of the programs: for a GQA/MQA spec, references whose dK/dV kernel runs per KV head (reducing over
+    its query heads) come first, since one per query head cannot write a shared KV head's gradient; then
+    those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
+    walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
+    training batch sizes. Two more references than the forward's are tried: an IR check costs seconds."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
-    found = query(kb, describe_target(features, *spec.variant_strings()), features, k=references,
+    found = query(kb, describe_target(features, *spec.variant_strings()), features, k=references + 2,
                   filters=Filters(memory=memory, backward=True))
     if not found.kernels:
         raise KBError("the KB holds no backward reference program; run `kb ingest --all` first")
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
     programs = {r.id: parse_program(kb.get(r.id).ir_text) for r in found.kernels}  # type: ignore[union-attr]
-    ranked = sorted(found.kernels, key=lambda r: not block_parallel(programs[r.id]))  # stable: ties keep retrieval's order
+    gqa = spec.shapes.Hq != spec.shapes.Hkv
+    ranked = sorted(found.kernels, key=lambda r: (gqa and not per_kv_head(programs[r.id]),
+                                                  not block_parallel(programs[r.id])))  # stable: ties keep retrieval's order
     outcomes: list[AttemptOutcome] = []
     for ref in ranked:
         t0 = time.perf_counter()
@@ -99,6 +104,12 @@ def block_parallel(p: Program) -> bool:
     """Every kernel that recomputes P has a grid axis over sequence blocks (an extent in BLOCK_M or BLOCK_N)."""
     tiled = [k for k in p.kernels if any(isinstance(s, Probs) for s in walk_stmts(k.body))]
     return bool(tiled) and all(any(free_vars(ax.extent) & {"BLOCK_M", "BLOCK_N"} for ax in k.grid) for k in tiled)
+
+
+def per_kv_head(p: Program) -> bool:
+    """The kernel that writes dk runs over KV heads (a grid axis of extent Hkv): GQA/MQA-capable."""
+    writers = [k for k in p.kernels if any(isinstance(s, Store) and s.tensor == "dk" for s in walk_stmts(k.body))]
+    return bool(writers) and all(any(ax.extent == var("Hkv") for ax in k.grid) for k in writers)
 
 
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001

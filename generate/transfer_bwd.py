@@ -23,7 +23,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, call, const, loaded_tensors, substitute, var
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, Param, Probs, Program, Role,
-    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, walk_stmts,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, VALUE_DIM, walk_stmts,
 )
 
 __all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_name"]
@@ -57,6 +57,9 @@ def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) 
     fwd = target.forward
     if not any(isinstance(st, Probs) for k in reference.kernels for st in walk_stmts(k.body)):
         raise KBError(f"reference {reference.name} is not a backward program (no `probs` statement)")
+    if VALUE_DIM in fwd.dims():
+        raise KBError("no backward yet for value heads of their own width (D_v != D_qk): the backward "
+                      "references have one head dim")
     grads_in = _aux_grad_kernel(reference)
     kernels = tuple(_rewrite_kernel(k, target if k.name == grads_in else replace(target, learnable=()))
                     for k in reference.kernels)

@@ -22,9 +22,11 @@ call, so the basis does not depend on how the spec was written. The candidate ma
     |g_i - ref_i| <= atol * scale + rtol * |ref_i| + GRAD_SLACK * e_torch,
     scale = max(1, max|ref|)  (the forward's convention: q, k, v and dO are O(1), so 1 is their unit),
 
-(atol, rtol) from `verify.checks.TOLERANCES` by the spec's dtype. GRAD_SLACK = 2 is the convention
-of FlashAttention's backward tests (a kernel may be at most twice as far from the fp32 reference as
-eager PyTorch in the same dtype). For fp32 specs e_torch is 0, so the forward's table applies: the
+(atol, rtol) from `verify.checks.TOLERANCES` by the spec's dtype. GRAD_SLACK = 3 is the convention
+of FlashAttention's gradient tests (flash-attn 2.8.3 tests/test_flash_attn.py::test_flash_attn_output:
+dq, dk, dv within 3x eager PyTorch's error, the output within 2x): an FA-style backward takes
+Δ = rowsum(dO∘O) from the stored low-precision output, eager torch rowsum(dP∘P), and where dP - Δ
+cancels (the adversarial distribution) that difference alone costs about 2x. For fp32 specs e_torch is 0, so the forward's table applies: the
 floor of 1 in `scale` matters there, because a gradient can be tiny and ill-conditioned (the
 adversarial distribution's dq, a sum of near-cancelling terms, is ~1e-5 with a FlashAttention-style
 Δ = rowsum(dO∘O) carrying absolute fp32 errors of ~1e-5 too).
@@ -55,7 +57,7 @@ from verify.shapes import Layout
 __all__ = ["GRAD_SLACK", "GradTargets", "grad_targets", "cotangent", "model_grads", "DtypeEmulation", "torch_error",
            "grad_scale", "compare_grad"]
 
-GRAD_SLACK = 2.0
+GRAD_SLACK = 3.0
 
 
 @dataclass(frozen=True)
