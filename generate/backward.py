@@ -31,6 +31,7 @@ from retrieve.hybrid import Filters, describe_target, query
 __all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
+_POOL = 12  # backward references ranked by retrieval before the structural refinement picks the ones tried
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,12 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     its query heads) come first, since one per query head cannot write a shared KV head's gradient; then
     those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
-    training batch sizes. Two more references than the forward's are tried: an IR check costs seconds."""
+    training batch sizes. The refinement reorders retrieval's top `_POOL`; two more references than the forward's
+    are tried: an IR check costs seconds."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
-    found = query(kb, describe_target(features, *spec.variant_strings()), features, k=references + 2,
+    found = query(kb, describe_target(features, *spec.variant_strings()), features, k=_POOL,
                   filters=Filters(memory=memory, backward=True))
     if not found.kernels:
         raise KBError("the KB holds no backward reference program; run `kb ingest --all` first")
@@ -71,7 +73,7 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     programs = {r.id: parse_program(kb.get(r.id).ir_text) for r in found.kernels}  # type: ignore[union-attr]
     gqa = spec.shapes.Hq != spec.shapes.Hkv
     ranked = sorted(found.kernels, key=lambda r: (gqa and not per_kv_head(programs[r.id]),
-                                                  not block_parallel(programs[r.id])))  # stable: ties keep retrieval's order
+                                                  not block_parallel(programs[r.id])))[:references + 2]  # stable
     outcomes: list[AttemptOutcome] = []
     for ref in ranked:
         t0 = time.perf_counter()

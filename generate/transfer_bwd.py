@@ -70,10 +70,11 @@ def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) 
 def _params(reference: Program, target: BackwardTarget) -> tuple[Param, ...]:
     fwd = target.forward
     dtype, o_dtype = fwd.param("q").dtype, fwd.param("o").dtype
+    own_grads = {st.grad for k in reference.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
     kept = []
     for p in reference.params:
-        if p.role is Role.AUX or (p.role is Role.SCALAR and p.name != "sm_scale"):
-            continue  # the reference's own variant inputs
+        if p.role is Role.AUX or (p.role is Role.SCALAR and p.name != "sm_scale") or p.name in own_grads:
+            continue  # the reference's own variant inputs and their gradients
         if p.dtype in _FLOAT and p.name not in _F32_BUFFERS and p.role in (Role.IN, Role.OUT):
             p = replace(p, dtype=o_dtype if p.name == "o" else dtype)
         kept.append(p)

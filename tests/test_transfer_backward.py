@@ -69,3 +69,14 @@ def test_a_forward_program_is_refused_as_a_backward_reference() -> None:
     spec, fwd, _, target = _programs(CLASSES["causal"])
     with pytest.raises(KBError, match="not a backward program"):
         transfer_backward(fwd, target, name="x")
+
+
+def test_a_generated_backward_with_a_table_gradient_serves_as_a_reference_for_another_variant() -> None:
+    """Write-back makes generated backwards references; a table's gradient belongs to its own spec only."""
+    _, _, with_table, _ = _programs(CLASSES["relative_bias_learnable"])
+    spec, fwd, _, _ = _programs(CLASSES["softcap_gqa"])
+    target = backward_target(fwd, (), (spec.shapes.M, spec.shapes.N))
+    bwd = transfer_backward(with_table, target, name="bwd")
+    validate(bwd)
+    assert not any(isinstance(st, AuxGrad) for k in bwd.kernels for st in walk_stmts(k.body))
+    assert check_backward_program(bwd, fwd, spec) is None
