@@ -24,6 +24,7 @@ import ast
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from ingest.triton_exec import Opaque, Ptr
 from ingest.triton_source import JitFn, TritonModule, Unknown, const_eval, node_file
 from ingest.triton_sym import normalize, simplify, to_expr
 
@@ -50,17 +51,6 @@ class TV:
     lanes: tuple
     line: int
     info: object = None
-
-
-@dataclass(frozen=True)
-class Ptr:
-    base: str
-    offset: Expr
-
-
-@dataclass(frozen=True)
-class Opaque:
-    text: str
 
 
 @dataclass

@@ -72,10 +72,12 @@ def eval_over_tile(
     aux: Mapping[str, torch.Tensor],
     b: int,
     h: int,
-    score: torch.Tensor,
+    score: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """An expression over score_mod's names (score, b, h, q_idx, kv_idx) on the tile, broadcast to its shape."""
-    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx, "score": score}
+    """An expression over the variant names (score, b, h, q_idx, kv_idx) on the tile, broadcast to its shape."""
+    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
+    if score is not None:
+        local["score"] = score
     tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
     out = eval_expr(e, local, tensors)  # type: ignore[arg-type]
     return torch.as_tensor(out).expand(coords.shape)
@@ -91,12 +93,7 @@ def eval_variant(
     score: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fn` over the tile, broadcast to `coords.shape` (scores keep `score`'s dtype)."""
-    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
-    if score is not None:
-        local["score"] = score
-    tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
-    out = eval_expr(fn.body, local, tensors)  # type: ignore[arg-type]
-    out = out if isinstance(out, torch.Tensor) else torch.tensor(out)
+    out = eval_over_tile(fn.body, coords, env, aux, b, h, score)
     if score is not None:
         return out.to(score.dtype).expand(coords.shape)
     return out.bool().expand(coords.shape)
