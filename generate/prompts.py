@@ -43,9 +43,9 @@ kernel      := "kernel" NAME "grid(" axis ("," axis)* "):" NL block   # axis := 
 block       := INDENT stmt+ DEDENT
 stmt        := "let" NAME "=" EXPR
              | "load" NAME "=" NAME "[" index ("," index)* "]" ["other" FLOAT]
-             | "store" NAME "[" index ("," index)* "]" "=" NAME
+             | "store" NAME "[" index ("," index)* "]" ("=" | "+=") NAME      # += accumulates (f32 targets)
              | "init" NAME "=" "full(" dims ";" FLOAT ")" DTYPE
-             | "dot" NAME "=" NAME "@" (NAME | "trans(" NAME ")")
+             | "dot" NAME "=" (NAME | "trans(" NAME ")") "@" (NAME | "trans(" NAME ")")
              | "elementwise" NAME "=" EXPR
              | "reduce" NAME "=" ("max"|"sum") "(" NAME "," INT ")"
              | "score_mod" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
@@ -53,6 +53,10 @@ stmt        := "let" NAME "=" EXPR
              | "online_softmax" "(" NAME "," NAME "," NAME ")" "+=" NAME "@" NAME
              | "finalize" NAME "," NAME "=" "(" NAME "," NAME "," NAME ")"
              | "combine" NAME "," NAME "=" "(" NAME "," NAME ")"
+             | "probs" NAME "=" "exp(" NAME "-" NAME ")"                     # backward, see below
+             | "softmax_grad" NAME "=" NAME "*" "(" NAME "-" NAME ")"
+             | "score_mod_grad" NAME "wrt" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
+             | "aux_grad" NAME "of" NAME "+=" NAME "wrt" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
              | "for" NAME "in" "range(" EXPR "," EXPR "," DIM ")" ("forward"|"reverse") ":" NL block
              | "if" "block(" EXPR "," EXPR "," EXPR "," EXPR ")" "is" ["not"] ("full"|"partial"|"empty") ":" NL block ["else:" NL block]
 index       := EXPR | EXPR ":+" DIM ["until" EXPR] | ":"
@@ -60,7 +64,7 @@ index       := EXPR | EXPR ":+" DIM ["until" EXPR] | ":"
 DTYPE       := f32 | bf16 | f16 | i32 | i64 | bool
 ROLE        := in | out | aux | scalar | scratch
 EXPR        := a Python expression (see kb/ir/expr.py): + - * / // % < <= > >= == != & | ~,
-               where exp exp2 log tanh sigmoid abs sqrt maximum minimum cdiv, tensor[i, j], inf
+               where exp exp2 log tanh sigmoid abs sqrt maximum minimum cdiv trunc, tensor[i, j], inf
 """
 
 _RULES = """\

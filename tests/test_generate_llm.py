@@ -43,7 +43,8 @@ def _programs(kb) -> tuple[str, str]:  # noqa: ANN001
     from kb.features import Features
 
     ref = next(k for k in kb.list_kernels(origin="ingest")
-               if k.ir_text.startswith("program ") and not Features.from_json(k.features_json).split_kv)
+               if k.ir_text.startswith("program ") and not Features.from_json(k.features_json).split_kv
+               and not Features.from_json(k.features_json).backward)
     good = transfer(parse_program(ref.ir_text), target_for(spec), Strategy.BLOCK_MASK, name="llm_causal")
     wrong = replace(good, mask_mod=None, kernels=transfer(parse_program(ref.ir_text), replace(target_for(spec), mask_mod=None),
                                                           Strategy.BLOCK_MASK).kernels)
