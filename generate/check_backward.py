@@ -14,15 +14,12 @@ products (a bias table's, over every pair of a bucket) carries that rounding, as
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from generate.attempts import IR_CHECK_TOL
-from generate.spec import Spec, spec_inputs
+from generate.spec import Spec, spec_inputs, variants_attention
 from generate.transfer_bwd import grad_name
 from kb.errors import KBError
-from kb.ir.evaluate import dense_scores_mask
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program, Role
 from verify.grads import GRAD_SLACK, DtypeEmulation, torch_error
@@ -36,17 +33,7 @@ def reference_grads(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
     aux = {n: t.detach().float().requires_grad_(n in learnable) if t.is_floating_point() else t
            for n, t in spec.aux.items()}
-    B, Hq, M, _ = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    rep = Hq // Hkv
-    s = (qf @ kf.repeat_interleave(rep, 1).transpose(-2, -1)) * spec.softmax_scale
-    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": q.shape[-1]}
-    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, aux)
-    keep = keep.expand(B, Hq, M, N)
-    p = torch.softmax(s.float().masked_fill(~keep, -math.inf), dim=-1)
-    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
-    o = p @ vf.repeat_interleave(rep, 1)
-    o.backward(dout.float())
+    variants_attention(spec, qf, kf, vf, aux).backward(dout.float())
     grads = {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
     for n in learnable:
         grads[grad_name(n)] = aux[n].grad if aux[n].grad is not None else torch.zeros_like(aux[n])

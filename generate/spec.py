@@ -536,16 +536,18 @@ def spec_inputs(spec: Spec, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
     return q, k, v
 
 
-def variants_attention(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def variants_attention(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       aux: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention computed from the spec's *extracted* IR expressions (fp32, dense): the
-    independent check of tracing is `variants_attention == spec.reference`."""
+    independent check of tracing is `variants_attention == spec.reference`. Differentiable in q, k, v
+    and in `aux` (the aux tensors the expressions read; default the spec's)."""
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     rep = Hq // Hkv
     kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     s = (q.float() @ kk.transpose(-2, -1)) * spec.softmax_scale
     env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": D}
-    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, spec.aux)
+    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, spec.aux if aux is None else aux)
     keep = keep.expand(B, Hq, M, N)
     p = torch.softmax(s.float().masked_fill(~keep, -math.inf), dim=-1)
     p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))

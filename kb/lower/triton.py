@@ -913,20 +913,23 @@ class _KernelGen:
         shape = tuple(str(d) for d in st.shape)
         t = self.score_shaped(shape)
         out = self.set_tile(st.out, shape, st.dtype, t)
-        fill = _NEG_INF if st.fill == float("-inf") else repr(float(st.fill)) if _KIND[st.dtype] is Kind.FLOAT \
-            else repr(int(st.fill))
+        fill = _float_code(st.fill) if _KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
         self.emit(f"{out} = tl.full([{', '.join(shape[::-1] if t else shape)}], {fill}, {_TL_DTYPE[st.dtype]})")
 
     def _prec(self, *tiles: _Tile) -> str:
         return ', input_precision="ieee"' if all(t.dtype is Dtype.F32 for t in tiles) else ""
 
+    def dot_shape(self, st: Dot) -> tuple[str, str]:
+        """The (IR-oriented) shape of `st`'s result."""
+        a, b = self.tile(st.a), self.tile(st.b)
+        return (a.shape[-1] if st.trans_a else a.shape[0], b.shape[0] if st.trans_b else b.shape[-1])
+
     def s_dot(self, st: Dot) -> None:
         a, b = self.tile(st.a), self.tile(st.b)
-        rows = a.shape[-1] if st.trans_a else a.shape[0]
-        n = b.shape[0] if st.trans_b else b.shape[-1]
-        t = self.score_shaped((rows, n))
+        shape = self.dot_shape(st)
+        t = self.score_shaped(shape)
         acode, bcode = self.dot_operands(st, t)
-        out = self.set_tile(st.out, (rows, n), Dtype.F32, t)
+        out = self.set_tile(st.out, shape, Dtype.F32, t)
         self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
 
     def dot_operands(self, st: Dot, out_t: bool = False) -> tuple[str, str]:
@@ -952,10 +955,8 @@ class _KernelGen:
         if sorted(str(x.value) for x in rest[0].value.args if x.op is ExprOp.VAR) != sorted((acc, t)) or acc == t \
                 or acc in (st.a, st.b) or acc not in self.tiles or self.tiles[acc].dtype is not Dtype.F32:
             return None
-        a, b = self.tile(st.a), self.tile(st.b)
-        shape = (a.shape[-1] if st.trans_a else a.shape[0], b.shape[0] if st.trans_b else b.shape[-1])
         readers = [x for x in walk_stmts(self.k.body) if not isinstance(x, (For, IfBlock)) and t in _reads(x)]
-        return acc if self.tiles[acc].shape == shape and readers == [rest[0]] else None
+        return acc if self.tiles[acc].shape == self.dot_shape(st) and readers == [rest[0]] else None
 
     def dot_into(self, st: Dot, acc: str) -> None:
         acode, bcode = self.dot_operands(st, self.tile(acc).t)
