@@ -1,7 +1,10 @@
 """Compile generated CUDA C++ with nvcc: a shared library to load, or an object to check.
 
 `build(source, out_dir, mode)` writes `<out_dir>/<name>_<sha12>.cu` and runs
-`nvcc -std=c++17 -arch=<arch> -O3 --compiler-options -fPIC [-D...] -shared` (or `-c` for OBJECT).
+`nvcc -std=c++17 -arch=<arch> -O3 --compiler-options -fPIC [-D...] [extra flags] -shared` (or `-c`
+for OBJECT, `-ptx` for PTX). An arch-specific target such as `sm_90a` (wgmma, setmaxnreg) is
+passed in the `-gencode=arch=compute_90a,code=sm_90a` form, which nvcc 13.0 assembles without
+a plain sm_90 pass.
 The result is a typed `BuildResult`; a compile error is a result (status COMPILE_ERROR with
 nvcc's log), not an exception, so callers can feed the log back to a generator. Only a
 missing nvcc raises `KBError` (from `find_nvcc`), because nothing can be done without it.
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from kb.errors import KBError
 
-__all__ = ["BuildMode", "BuildStatus", "BuildResult", "build", "find_nvcc", "nvcc_command", "DEFAULT_ARCH"]
+__all__ = ["BuildMode", "BuildStatus", "BuildResult", "build", "find_nvcc", "nvcc_command", "arch_flag", "DEFAULT_ARCH"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ DEFAULT_ARCH = "sm_90"
 class BuildMode(Enum):
     SHARED = "shared"  # a .so exporting kb_launch, for ctypes
     OBJECT = "object"  # compile only (-c): proves the source is valid CUDA C++
+    PTX = "ptx"  # device code to PTX text (-ptx), for checking which instructions were emitted
 
 
 class BuildStatus(Enum):
@@ -68,28 +72,42 @@ def find_nvcc() -> str:
     raise KBError("nvcc was not found; install the CUDA toolkit, or set KB_NVCC or CUDA_HOME to point at it")
 
 
+_MODE_FLAG = {BuildMode.SHARED: "-shared", BuildMode.OBJECT: "-c", BuildMode.PTX: "-ptx"}
+_MODE_SUFFIX = {BuildMode.SHARED: ".so", BuildMode.OBJECT: ".o", BuildMode.PTX: ".ptx"}
+
+
+def arch_flag(arch: str) -> str:
+    """`-arch=sm_90` for a family target; `-gencode=arch=compute_90a,code=sm_90a` for `sm_90a`."""
+    if arch.startswith("sm_") and arch.endswith("a"):
+        return f"-gencode=arch=compute_{arch[3:]},code={arch}"
+    return f"-arch={arch}"
+
+
 def nvcc_command(src: Path, out: Path, mode: BuildMode, arch: str = DEFAULT_ARCH, opt: str = "-O3",
-                 nvcc: str | None = None, defines: tuple[str, ...] = ()) -> list[str]:
-    cmd = [nvcc or find_nvcc(), "-std=c++17", f"-arch={arch}", opt, "--compiler-options", "-fPIC"]
+                 nvcc: str | None = None, defines: tuple[str, ...] = (),
+                 extra_flags: tuple[str, ...] = ()) -> list[str]:
+    cmd = [nvcc or find_nvcc(), "-std=c++17", arch_flag(arch), opt, "--compiler-options", "-fPIC"]
     cmd += [f"-D{d}" for d in defines]
-    cmd += ["-shared"] if mode is BuildMode.SHARED else ["-c"]
+    cmd += list(extra_flags)
+    cmd += [_MODE_FLAG[mode]]
     return cmd + ["-o", str(out), str(src)]
 
 
 def build(source: str, out_dir: Path, mode: BuildMode = BuildMode.SHARED, *, name: str = "kernel",
           arch: str = DEFAULT_ARCH, opt: str = "-O3", defines: tuple[str, ...] = (),
-          timeout_s: float = 600.0) -> BuildResult:
+          extra_flags: tuple[str, ...] = (), timeout_s: float = 600.0) -> BuildResult:
     """Compile `source` into `out_dir` (created if needed); see the module docstring."""
     nvcc = find_nvcc()
     out_dir.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(f"{source}\0{mode.value}\0{arch}\0{opt}\0{defines}".encode()).hexdigest()[:12]
+    key = f"{source}\0{mode.value}\0{arch}\0{opt}\0{defines}" + (f"\0{extra_flags}" if extra_flags else "")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     stem = f"{name}_{digest}"
     src = out_dir / f"{stem}.cu"
-    artefact = out_dir / (f"{stem}.so" if mode is BuildMode.SHARED else f"{stem}.o")
+    artefact = out_dir / f"{stem}{_MODE_SUFFIX[mode]}"
     if not src.exists() or src.read_text() != source:
         src.write_text(source)
     tmp = artefact.with_name(f".{artefact.name}.{os.getpid()}.tmp")
-    cmd = nvcc_command(src, tmp, mode, arch, opt, nvcc, defines)
+    cmd = nvcc_command(src, tmp, mode, arch, opt, nvcc, defines, extra_flags)
     if artefact.exists():
         return BuildResult(BuildStatus.OK, artefact, src, tuple(cmd), "", 0.0, cached=True)
     t0 = time.perf_counter()
