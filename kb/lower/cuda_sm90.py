@@ -541,7 +541,8 @@ struct Consumer {
       if (kb_block_kind(a, t.b, t.h, t.m_start, t.n_start(i)) != 0) ++n_valid;
     turn_left = n_valid == 0 ? 0 : (OVERLAP ? n_valid + 1 : 2 * n_valid);
     if (PINGPONG && cw == 1 && turn_left > 0) named_arrive(1, 2 * 128);  // warpgroup 0 goes first
-    if (n_valid > 0) mbar_wait(sm.bar_q(), 0);
+    // Always wait for Q, even with no key block: the CTA must not exit under an in-flight TMA write.
+    mbar_wait(sm.bar_q(), 0);
 
     int it = 0;
     int s_prev = 0;
