@@ -112,12 +112,15 @@ __device__ __forceinline__ void kb_ldmatrix_x4_trans(uint32_t (&r)[4], const voi
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kb_smem_addr(p)));
 }
-// d += a (16x16, row) * b (16x8, col); fp32 accumulate
+// d += a (16x16, row) * b (16x8, col); fp32 accumulate. Registers only, so not volatile: the compiler may
+// sink it below later ldmatrix loads (which stay in order), overlapping shared-memory latency with the mma
 __device__ __forceinline__ void kb_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.KB_MMA_T.KB_MMA_T.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.KB_MMA_T.KB_MMA_T.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// 2^x on the SFU (flush-to-zero; -inf gives 0), what FA2 gets from exp2f under --use_fast_math
+__device__ __forceinline__ float kb_exp2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ uint32_t kb_pack(float lo, float hi) {
   KB_T2 v = KB_PACK2(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -461,14 +464,14 @@ class _MmaGen(_KernelGen):
                 self.emit("const float kb_m_new = fmaxf(kb_m_old, kb_mx);")
                 self.emit("// rows with no unmasked score yet keep m = -inf; subtract 0 there so exp2 sees -inf, never NaN")
                 self.emit(f"const float kb_ms = (kb_m_new == -INFINITY ? 0.0f : kb_m_new) * {_LOG2E};")
-                self.emit(f"const float kb_alpha = exp2f(fmaf(kb_m_old, {_LOG2E}, -kb_ms));")
+                self.emit(f"const float kb_alpha = kb_exp2(fmaf(kb_m_old, {_LOG2E}, -kb_ms));")
                 self.emit("kb_m[kb_mi][kb_hf] = kb_m_new;")
                 self.emit("float kb_sum = 0.0f;")
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_ni = 0; kb_ni < KB_NT; ++kb_ni)"):
                     self.emit("#pragma unroll")
                     with self.indent("for (int kb_e = 2 * kb_hf; kb_e < 2 * kb_hf + 2; ++kb_e)"):
-                        self.emit(f"const float kb_p = exp2f(fmaf(kb_s[kb_mi][kb_ni][kb_e], {_LOG2E}, -kb_ms));")
+                        self.emit(f"const float kb_p = kb_exp2(fmaf(kb_s[kb_mi][kb_ni][kb_e], {_LOG2E}, -kb_ms));")
                         self.emit("kb_s[kb_mi][kb_ni][kb_e] = kb_p;")
                         self.emit("kb_sum += kb_p;")
                 self.emit("kb_l[kb_mi][kb_hf] = kb_l[kb_mi][kb_hf] * kb_alpha + kb_sum;")
