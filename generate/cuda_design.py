@@ -25,7 +25,7 @@ __all__ = ["CudaChoice", "choose_cuda", "fa2_traits", "fit_registers", "MAX_ACC_
 
 log = logging.getLogger(__name__)
 
-MAX_ACC_REGS = 160  # fp32 score + output fragment registers per thread that sm_80/sm_90a builds hold without spills
+MAX_ACC_REGS = 96  # fp32 score + output fragment registers per thread that the variants keep without spills (ptxas, sm_80/sm_90a)
 ROLE_REFERENCE = ("portable reference: not measured within 10% of the Triton module on the target GPU; "
                   "ModelNew runs the Triton module")
 
