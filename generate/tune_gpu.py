@@ -415,7 +415,8 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     cand, model, new = _candidate(entry, spec, shape, device, "profile")
     args, kwargs, _ = _module_call(cand, new, inputs)
     impls: dict[str, Callable[[], Any] | None] = {
-        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs)}
+        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs),
+        "emitted-cuda": _emitted_cuda(entry, args, kwargs) if device == "cuda" else None}
     for text in entry["designs"]:
         impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=_design_arg(text), **kwargs)
     return {name: fn for name, fn in impls.items() if fn is not None}
