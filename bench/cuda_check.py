@@ -2,6 +2,13 @@
 
 Usage (on a GPU machine, from the repo root):
     python3 bench/cuda_check.py [--dtypes f32,bf16] [--only causal,document] [--time]
+    python3 bench/cuda_check.py --tensor-cores [--traits 128x64x4,64x64x4] [--time] [--json OUT]
+
+`--tensor-cores` checks and times the FA2-structured lowering (kb.lower.cuda_mma) instead of the
+portable SIMT one, once per `--traits` entry (BLOCK_M x BLOCK_N x num_warps); fp32 fixtures and
+programs it declines (split-KV) are reported as DECLINED, not failures. Its `--time` times the
+causal/plain/alibi/sliding_window/document fixtures at S = 2048 and 8192, D = 64 and 128, bf16,
+beside SDPA's flash and cuDNN backends (causal, or none for plain) in one process.
 
 For each fixture x dtype x shape it prints the max |error| of o and lse against
 `tests/attn_reference.py` (computed on CPU in fp32), NaN counts, and PASS/FAIL at the
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -27,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kb.ir.nodes import Dtype, Program, Role  # noqa: E402
+from kb.errors import KBError  # noqa: E402
+from kb.lower.cuda_mma import MmaTraits, with_traits  # noqa: E402
 from kb.lower.cuda_runtime import CudaKernel  # noqa: E402
 from tests.attn_reference import reference_attention  # noqa: E402
 from tests.ir_programs import FIXTURES  # noqa: E402
@@ -55,10 +65,26 @@ def make_inputs(p: Program, shape: tuple[int, ...], dtype: torch.dtype, seed: in
     return qkv, scalars, aux
 
 
+TRAITS: MmaTraits | None = None  # --tensor-cores: the traits of the kernel under test
+
+
+def _kernel(name: str, dtype: Dtype, cache: Path) -> CudaKernel:
+    p = FIXTURES[name](dtype=dtype)
+    if TRAITS is None:
+        return CudaKernel.from_program(p, cache)
+    return CudaKernel.from_program(with_traits(p, TRAITS), cache, tensor_cores=True)
+
+
 def check(name: str, dtype: Dtype, cache: Path) -> bool:
     p = FIXTURES[name](dtype=dtype)
     t0 = time.perf_counter()
-    kernel = CudaKernel.from_program(p, cache)
+    try:
+        kernel = _kernel(name, dtype, cache)
+    except KBError as err:
+        if TRAITS is not None and ("tensor-core lowering" in str(err)):
+            print(f"{name:16s} {dtype.value:5s} DECLINED {str(err)[:200]}", flush=True)
+            return True
+        raise
     build_s = time.perf_counter() - t0
     ok_all = True
     for i, shape in enumerate(SPECIAL.get(name, SHAPES)):
@@ -97,6 +123,41 @@ def bench(cache: Path, schedules: list[tuple[int, int, int]]) -> None:
               f"sdpa {ref:.3f} ms ({flops / ref / 1e9:.1f} TFLOP/s)", flush=True)
 
 
+def bench_mma(cache: Path, traits: list[MmaTraits], out: dict) -> None:
+    """Tensor-core kernels of the variant fixtures beside SDPA flash / cuDNN (causal for the masked variants)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = out.setdefault("timings", [])
+    for D, S, name in itertools.product((64, 128), (2048, 8192), ("plain", "causal", "alibi", "sliding_window", "document")):
+        B, H = (4, 16) if S == 2048 else (1, 16)
+        p = FIXTURES[name](dtype=Dtype.BF16)
+        qkv, scalars, aux = make_inputs(p, (B, H, H, S, S, D), torch.bfloat16, seed=0)
+        dev = {k: v.cuda() for k, v in {**qkv, **aux}.items()}
+        causal = name != "plain"
+        q, k, v = dev["q"], dev["k"], dev["v"]
+        base = {}
+        for be, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+            try:
+                with sdpa_kernel([be]):
+                    base[label] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), 20)
+            except Exception as err:  # noqa: BLE001
+                print(f"{label} unavailable: {err}", flush=True)
+        flops = 4 * B * H * S * S * D / (2 if causal else 1)  # the causal count for every masked variant
+        for t in traits:
+            try:
+                kern = CudaKernel.from_program(with_traits(p, t), cache, tensor_cores=True, defines=(f"KB_HEAD_PAD_ONLY={D}",))
+                ms = _time(lambda: kern.run({**dev, **scalars}), 20)
+            except Exception as err:  # noqa: BLE001
+                print(f"time {name} D={D} S={S} {t}: ERROR {str(err)[:300]}", flush=True)
+                continue
+            row = {"variant": name, "B": B, "H": H, "S": S, "D": D, "traits": str(t), "ms": ms,
+                   "tflops_causal_count": flops / ms / 1e9, **{f"{k}_ms": v for k, v in base.items()}}
+            rows.append(row)
+            rel = " ".join(f"{k} {v:.3f} ms ({v / ms:.2f}x)" for k, v in base.items())
+            print(f"time {name:14s} D={D:3d} S={S:5d} B={B} H={H} {str(t):12s} kb-mma {ms:.3f} ms "
+                  f"({flops / ms / 1e9:.0f} TFLOP/s causal count) | {rel}", flush=True)
+
+
 def _time(fn, reps: int = 10) -> float:
     fn()
     torch.cuda.synchronize()
@@ -113,7 +174,7 @@ def _time(fn, reps: int = 10) -> float:
 
 def _try_build(name: str, dtype: Dtype, cache: Path) -> bool:
     try:
-        CudaKernel.from_program(FIXTURES[name](dtype=dtype), cache)
+        _kernel(name, dtype, cache)
         return True
     except Exception as err:
         print(f"{name:16s} {dtype.value:5s} BUILD ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
@@ -128,6 +189,9 @@ def main() -> int:
     ap.add_argument("--schedules", default="16x16x4,64x64x4,64x64x8",
                     help="BLOCK_MxBLOCK_Nxnum_warps schedules timed by --time")
     ap.add_argument("--cache", default=str(ROOT / "build" / "cuda_check"))
+    ap.add_argument("--tensor-cores", action="store_true", help="the FA2-structured lowering (kb.lower.cuda_mma)")
+    ap.add_argument("--traits", default="128x64x4", help="BLOCK_MxBLOCK_Nxnum_warps list for --tensor-cores")
+    ap.add_argument("--json", default="", help="write the results here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device visible: run this on a GPU machine", file=sys.stderr)
@@ -136,6 +200,8 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     names = [n for n in FIXTURES if not args.only or n in args.only.split(",")]
     dtypes = [Dtype(d) for d in args.dtypes.split(",")]
+    if args.tensor_cores:
+        return _main_mma(args, names, [d for d in dtypes if d is not Dtype.F32])
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:  # nvcc runs outside the GIL
         built = list(pool.map(lambda nd: _try_build(nd[0], nd[1], Path(args.cache)), itertools.product(names, dtypes)))
@@ -150,6 +216,32 @@ def main() -> int:
                 print(f"{name:16s} {dt.value:5s} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
     if args.time:
         bench(Path(args.cache), [tuple(int(x) for x in sch.split("x")) for sch in args.schedules.split(",")])
+    print("ALL PASS" if ok else "SOME FAILED", flush=True)
+    return 0 if ok else 1
+
+
+def _main_mma(args: argparse.Namespace, names: list[str], dtypes: list[Dtype]) -> int:
+    global TRAITS
+    traits = [MmaTraits(*(int(x) for x in t.split("x"))) for t in args.traits.split(",")]
+    out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": []}
+    ok = True
+    for t in traits:
+        TRAITS = t
+        with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) // 2)) as pool:
+            list(pool.map(lambda nd: _try_build(nd[0], nd[1], Path(args.cache)), itertools.product(names, dtypes)))
+        for dt, name in itertools.product(dtypes, names):
+            try:
+                passed = check(name, dt, Path(args.cache))
+            except Exception as err:  # noqa: BLE001
+                passed = False
+                print(f"{name:16s} {dt.value:5s} {t} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
+            out["checks"].append({"traits": str(t), "fixture": name, "dtype": dt.value, "passed": passed})
+            ok &= passed
+        print(f"traits {t}: {'pass' if ok else 'FAIL'}", flush=True)
+    if args.time:
+        bench_mma(Path(args.cache), traits, out)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
     print("ALL PASS" if ok else "SOME FAILED", flush=True)
     return 0 if ok else 1
 

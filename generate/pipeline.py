@@ -22,6 +22,7 @@ from typing import Literal
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
+from generate.cuda_design import choose_cuda, fa2_traits
 from generate.designs import design_table
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
@@ -37,7 +38,8 @@ from kb.ir.text import content_hash, parse_program, print_program
 from kb.ir.validate import validate
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
-from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
+from kb.lower.cuda_mma import MmaTraits
+from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, Tunable
 from kb.store.records import assign_id
 from retrieve.hybrid import Filters, RankedKernel, describe_target, query
 
@@ -62,6 +64,7 @@ class GenerateOptions:
     deadline: float | None = None  # time.monotonic() when that budget ends; generate() sets it per spec
     target: str = "auto"  # GPU arch to design for (sm90, sm80, ...); auto: this machine's GPU, else the setting
     designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
+    cuda_traits: tuple[MmaTraits, str] | None = None  # tensor-core CUDA traits and their origin; generate() sets them
     backward: bool = True  # also generate the backward (dq, dk, dv) and make ModelNew differentiable (--no-backward)
 
 
@@ -119,7 +122,8 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     run = kb.get(run_id)  # type: ignore[assignment]
     run.error = ""  # the run's final write replaces the owner note
     options = replace(options, deadline=time.monotonic() + options.timeout_s,
-                      designs=options.designs if options.designs is not None else _designs(kb, spec, options))
+                      designs=options.designs if options.designs is not None else _designs(kb, spec, options),
+                      cuda_traits=options.cuda_traits or fa2_traits(kb.list(Tunable, family="fa2_cuda"), spec.shapes.D))
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
@@ -146,6 +150,7 @@ class _Built:
     files: dict[str, Path]
     verdict: str
     detail: str
+    cuda_report: dict = field(default_factory=dict)  # which CUDA lowering, its traits, the role of the `.cu`
 
 
 Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
@@ -326,9 +331,10 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
     if built is not None:
         report["verify"] = {"verdict": built.verdict, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)
-        report["cuda"] = (compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
-                                       spec.shapes.Dv if spec.shapes.value_dim else None)
-                          if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})
+        report["cuda"] = {**built.cuda_report,
+                          **(compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
+                                          spec.shapes.Dv if spec.shapes.value_dim else None)
+                             if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})}
     return report
 
 
@@ -370,7 +376,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
         triton_src = lower_program(program, designs=options.designs)
     except KBError as err:
         return Stage.LOWER, "compile_error", str(err)
-    cuda_src = _cuda_source(program)
+    cuda = choose_cuda(program, *(options.cuda_traits or fa2_traits([], spec.shapes.D)))
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
         cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
@@ -382,22 +388,13 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
         if verdict != "passed":
             return Stage.VERIFY, verdict, detail
     files = {"candidate": cand.candidate, "triton": cand.triton, **({"aux": cand.aux} if cand.aux else {})}
-    return _Built(program, triton_src, cuda_src, files, verdict, detail)
+    return _Built(program, triton_src, cuda.source if cuda else None, files, verdict, detail,
+                  cuda.report if cuda else {})
 
 
 def _shape_dict(spec: Spec) -> dict[str, int]:
     s = spec.shapes
     return {"B": s.B, "Hq": s.Hq, "Hkv": s.Hkv, "M": s.M, "N": s.N, "D": s.D}
-
-
-def _cuda_source(program: Program) -> str | None:
-    from kb.lower.cuda import lower_program as lower_cuda
-
-    try:
-        return lower_cuda(program)
-    except KBError as err:
-        log.warning("CUDA lowering failed: %s", err)
-        return None
 
 
 def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None) -> dict:

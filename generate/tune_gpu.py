@@ -325,6 +325,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
         picked = dict(cand._PICKED)
         res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
         records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
+                   _record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
                    _record("flex", flex, ref, flops, trials, check=False), _record("sdpa", sdpa, ref, flops, trials, check=False)]
         table = getattr(cand, "block_class_table", None)
         for text in entry["designs"]:
@@ -347,6 +348,63 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     return res
 
 
+def _cuda_build_args(entry: dict, head_dim: int) -> tuple[Path, Path, tuple[str, ...]] | None:
+    """(.cu, .kbir, nvcc defines) of the CUDA source emitted beside the candidate, if there is one."""
+    from kb.ir.design import head_bucket
+
+    cand = Path(entry["candidate"])
+    cu, ir = cand.with_suffix(".cu"), cand.with_suffix(".kbir")
+    if not (cu.is_file() and ir.is_file()):
+        return None
+    return cu, ir, (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
+
+
+def _build_cuda_all(entries: list[dict], workers: int) -> None:
+    """nvcc every emitted `.cu` in parallel first (cached by content), so timing only loads libraries."""
+    from kb.ir.text import parse_program
+    from kb.lower.cuda_build import BuildMode, build
+    from kb.lower.cuda_runtime import device_arch
+
+    def one(entry: dict) -> str:
+        shapes = entry.get("shapes") or [{}]
+        found = _cuda_build_args(entry, int(shapes[0].get("D", 128)))
+        if found is None:
+            return f"{entry['name']}: no .cu"
+        cu, ir, defines = found
+        res = build(cu.read_text(), cu.parent / "cuda-build", BuildMode.SHARED, name=parse_program(ir.read_text()).name,
+                    arch=device_arch(), defines=defines)
+        return f"{entry['name']}: {res.status.value} ({res.seconds:.0f} s)"
+
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:  # nvcc runs outside the GIL
+        done = list(pool.map(one, entries))
+    print(f"built the emitted .cu files in {time.monotonic() - t0:.0f} s: " + "; ".join(done), flush=True)
+
+
+def _emitted_cuda(entry: dict, args: tuple, kwargs: dict) -> Callable[[], Any] | None:
+    """The `.cu` that `kb generate` wrote beside the candidate, built with nvcc for this GPU as it is and
+    called through its `kb_launch` ABI on the arguments ModelNew passed the Triton module; None without one."""
+    found = _cuda_build_args(entry, args[0].shape[-1])
+    if found is None or not torch.cuda.is_available():
+        return None
+    from kb.ir.text import parse_program
+    from kb.lower.cuda_runtime import CudaKernel
+
+    cu, ir, defines = found
+    try:
+        kern = CudaKernel.from_source(parse_program(ir.read_text()), cu.read_text(), cu.parent / "cuda-build",
+                                      defines=defines)
+    except Exception as err:  # noqa: BLE001 - a .cu that does not build is recorded as an error, not a crash
+        failure = err
+
+        def fail() -> None:
+            raise failure
+        return fail
+    inputs = {"q": args[0], "k": args[1], "v": args[2],
+              **{n: x for n, x in kwargs.items() if x is not None and not n.startswith("_")}}
+    return lambda: kern.run(inputs)["o"]
+
+
 def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict[str, Callable[[], Any]]:
     """What one plan entry times at one of its shapes, as zero-argument calls: `emitted` (ModelNew as a user
     calls it), `flex`, `sdpa` where they apply, and `design TEXT` for each of the entry's designs. For
@@ -357,7 +415,8 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     cand, model, new = _candidate(entry, spec, shape, device, "profile")
     args, kwargs, _ = _module_call(cand, new, inputs)
     impls: dict[str, Callable[[], Any] | None] = {
-        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs)}
+        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs),
+        "emitted-cuda": _emitted_cuda(entry, args, kwargs) if device == "cuda" else None}
     for text in entry["designs"]:
         impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=_design_arg(text), **kwargs)
     return {name: fn for name, fn in impls.items() if fn is not None}
@@ -459,6 +518,7 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
     entries = plan["entries"]
     if device == "cuda":
         _warm_all(entries, workers, warm_s)
+        _build_cuda_all(entries, workers)
     deadline = time.monotonic() + deadline_s  # for the timing; the warm-up has its own budget (run 7 lost its
     # whole deadline to compiling)
     env = environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}

@@ -912,7 +912,10 @@ def _err_name() -> str:
     return "KB_ERR_HEAD_DIM"
 
 
-def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param]) -> list[str]:
+def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param], *,
+          pre_launch: list[str] | None = None, errors: Mapping[int, str] | None = None) -> list[str]:
+    """The runner per HEAD_PAD, `kb_launch` and `kb_error_string`; `pre_launch` lines check the filled `kb_a`
+    (returning an error code), `errors` names those codes."""
     names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
     names.update({q.name: Sym(_local(q.name), _KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
@@ -958,6 +961,7 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
         L.append(f"  kb_a.bc_size[1] = {'kb_a.' + _local(t.h_dim) if t.per_h else '1'};")
         L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{_local(t.m_dim)}, BLOCK_M);")
         L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{_local(t.n_dim)}, BLOCK_N);")
+    L += pre_launch or []
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
     run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
     if abi.value_dim:
@@ -982,6 +986,7 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     L += ["}", "",
           f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
           f'  if (code == {_err_name()}) return "no kernel was compiled for this head dim (the largest HEAD_PAD is {HEAD_PADS[-1]})";',
+          *(f'  if (code == {c}) return "{msg}";' for c, msg in (errors or {}).items()),
           "  return cudaGetErrorString(static_cast<cudaError_t>(code));",
           "}"]
     return L

@@ -16,8 +16,10 @@ occurrence of a dim must agree; tensors may be non-contiguous (strides are passe
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import math
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +72,24 @@ class CudaKernel:
     lib: ctypes.CDLL
 
     @classmethod
-    def from_program(cls, p: Program, cache_dir: Path | None = None, arch: str | None = None) -> "CudaKernel":
+    def from_program(cls, p: Program, cache_dir: Path | None = None, arch: str | None = None, *,
+                     tensor_cores: bool = False, defines: tuple[str, ...] = ()) -> "CudaKernel":
+        """Lower `p` (`tensor_cores`: kb.lower.cuda_mma with p's schedule as the traits), build and load it."""
         require_gpu()
-        source = lower_program(p)
+        from kb.lower.cuda_mma import lower_program_mma
+
+        return cls.from_source(p, lower_program_mma(p) if tensor_cores else lower_program(p), cache_dir, arch,
+                               defines=defines)
+
+    @classmethod
+    def from_source(cls, p: Program, source: str, cache_dir: Path | None = None, arch: str | None = None, *,
+                    defines: tuple[str, ...] = ()) -> "CudaKernel":
+        """Build and load a lowered source of `p` as it is (say, the `.cu` that `kb generate` wrote): its
+        BLOCK_M/BLOCK_N/warps, read from the source, size the block-class table."""
+        require_gpu()
+        p = _with_source_schedule(p, source)
         result = build(source, cache_dir or _default_cache_dir(), BuildMode.SHARED, name=p.name,
-                       arch=arch or device_arch())
+                       arch=arch or device_arch(), defines=defines)
         if not result.ok:
             raise KBError(f"nvcc could not build program {p.name} ({result.status.value}):\n{result.log[-4000:]}")
         lib = ctypes.CDLL(str(result.artefact))
@@ -155,6 +170,17 @@ class CudaKernel:
         if unbound:
             raise KBError(f"program {self.program.name}: dims {unbound} are carried by no input tensor")
         return dims
+
+
+def _with_source_schedule(p: Program, source: str) -> Program:
+    """`p` with the BLOCK_M / BLOCK_N / warps the lowered source was generated for."""
+    found = dict(re.findall(r"constexpr (?:long long|int) (BLOCK_M|BLOCK_N|KB_WARPS) = (\d+);", source))
+    if not {"BLOCK_M", "BLOCK_N", "KB_WARPS"} <= set(found):
+        raise KBError(f"program {p.name}: the CUDA source does not declare BLOCK_M, BLOCK_N and KB_WARPS; "
+                      "is it a kb.lower.cuda / kb.lower.cuda_mma output?")
+    s = dataclasses.replace(p.schedule, block_m=int(found["BLOCK_M"]), block_n=int(found["BLOCK_N"]),
+                            num_warps=int(found["KB_WARPS"]))
+    return dataclasses.replace(p, schedule=s)
 
 
 def _shape(t: Param, dims: Mapping[str, int]) -> tuple[int, ...]:

@@ -1,0 +1,94 @@
+"""Which CUDA source `kb generate` writes beside the Triton module, and what the report says it is.
+
+The tensor-core lowering (kb.lower.cuda_mma, FA2's structure) takes its traits from the FA2 forward
+launch templates lifted into the KB (tunables of family `fa2_cuda`, the sm80 default path of the
+spec's head-dim bucket). Where those traits would hold more accumulator registers per thread than
+the lowering keeps without spilling (`MAX_ACC_REGS`, from ptxas on sm_80/sm_90a), BLOCK_N halves
+down to 64 and then the warps double, keeping FA2's query tile. A program the tensor-core lowering
+declines gets the portable SIMT lowering (kb.lower.cuda), and the report says why.
+
+Until the tensor-core kernel is measured within 10% of the Triton module on the target, the report
+labels the `.cu` the portable reference (`ROLE_REFERENCE`); the Triton module is what ModelNew runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kb.errors import KBError
+from kb.ir.design import head_bucket
+from kb.ir.nodes import Program
+from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
+
+__all__ = ["CudaChoice", "choose_cuda", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
+
+log = logging.getLogger(__name__)
+
+MAX_ACC_REGS = 96  # fp32 score + output fragment registers per thread that the variants keep without spills (ptxas, sm_80/sm_90a)
+ROLE_REFERENCE = ("portable reference: not measured within 10% of the Triton module on the target GPU; "
+                  "ModelNew runs the Triton module")
+
+
+@dataclass(frozen=True)
+class CudaChoice:
+    source: str
+    lowering: str  # tensor_cores | portable
+    report: dict
+
+
+def _acc_regs(t: MmaTraits, head_pad: int) -> int:
+    return t.block_m // t.num_warps // 16 * (t.block_n // 2 + head_pad // 2)
+
+
+def fit_registers(t: MmaTraits, head_pad: int) -> MmaTraits:
+    """`t` with BLOCK_N halved (down to 64), then the warps doubled, until the fragments fit MAX_ACC_REGS."""
+    while _acc_regs(t, head_pad) > MAX_ACC_REGS:
+        if t.block_n > 64:
+            t = MmaTraits(t.block_m, t.block_n // 2, t.num_warps)
+        elif t.block_m // (t.num_warps * 2) >= 16:
+            t = MmaTraits(t.block_m, t.block_n, t.num_warps * 2)
+        else:
+            break
+    return t
+
+
+def fa2_traits(tunables: list, head_dim: int) -> tuple[MmaTraits, str]:
+    """FA2's sm80 forward traits for the head-dim bucket from the KB's lifted tunables (rows with
+    `family`, `arch`, `head_dim`, `params_json`, `condition`, `id`), register-fitted; (traits, where from)."""
+    import json
+
+    bucket = head_bucket(head_dim)
+    for row in tunables:
+        terms = [c.strip() for c in (row.condition or "").split("&&") if c.strip()]
+        if row.family != "fa2_cuda" or row.arch != "sm80" or row.head_dim != bucket or any(not c.startswith("!") for c in terms):
+            continue
+        prm = json.loads(row.params_json)
+        lifted = MmaTraits(prm["block_m"], prm["block_n"], prm["num_warps"])
+        fitted = fit_registers(lifted, bucket)
+        note = f"FA2 launch template ({row.file}:{row.line_start}) {lifted}"
+        return fitted, note + ("" if fitted == lifted else f", register-fitted to {fitted}")
+    fallback = fit_registers(FA2_TRAITS.get(bucket, MmaTraits(64, 64, 4)), bucket)
+    return fallback, f"built-in FA2 traits for head dim {bucket} (no lifted fa2_cuda tunable in this KB)"
+
+
+def choose_cuda(program: Program, traits: MmaTraits, origin: str) -> CudaChoice | None:
+    """The CUDA source for `program`: tensor cores (with `traits`, chosen from `origin`) where the lowering
+    accepts it, else the portable one; None when neither lowers (the report then has no `.cu`)."""
+    from kb.lower.cuda import lower_program as lower_portable
+    from kb.lower.cuda_mma import lower_program_mma, with_traits
+
+    try:
+        src = lower_program_mma(with_traits(program, traits))
+        return CudaChoice(src, "tensor_cores", {"lowering": "tensor_cores", "structure": "FA2: mma.sync m16n8k16, "
+                          "ldmatrix from swizzled shared memory, cp.async K/V overlap", "traits": str(traits),
+                          "traits_from": origin, "role": ROLE_REFERENCE})
+    except KBError as err:
+        declined = str(err)
+    try:
+        src = lower_portable(program)
+    except KBError as err:
+        log.warning("CUDA lowering failed: %s", err)
+        return None
+    return CudaChoice(src, "portable", {"lowering": "portable", "structure": "SIMT, tiles in shared memory (no tensor cores)",
+                                        "tensor_cores_declined": declined, "role": ROLE_REFERENCE})

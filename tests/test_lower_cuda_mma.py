@@ -1,0 +1,114 @@
+"""Tensor-core CUDA lowering (FA2 structure): nvcc builds it for sm_80 and sm_90a with the default traits of
+the 64 and 128 head-dim buckets, the machine code is on the tensor cores with no local-memory spills, programs
+outside its structure are declined with a reason, and `kb generate` writes it with an honest report.
+
+Correctness on a GPU is `bench/cuda_check.py --tensor-cores` (every fixture, bf16 and fp16, ragged shapes).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kb.errors import KBError
+from kb.ir.nodes import Dtype
+from kb.lower.cuda_build import find_nvcc
+from kb.lower.cuda_mma import MmaTraits, lower_program_mma, with_traits
+from generate.cuda_design import MAX_ACC_REGS, choose_cuda, fa2_traits, fit_registers
+from tests.ir_programs import FIXTURES
+
+ARCHS = {"sm_80": ["-arch=sm_80"], "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
+
+
+def _nvcc_or_skip() -> str:
+    try:
+        return find_nvcc()
+    except KBError as err:
+        pytest.skip(str(err))
+
+
+def _ptxas(nvcc: str) -> str:
+    found = shutil.which("ptxas") or str(Path(nvcc).parent / "ptxas")
+    if not Path(found).is_file():
+        pytest.skip("ptxas is not beside nvcc")
+    return found
+
+
+def _default_traits(head_dim: int) -> MmaTraits:
+    return fa2_traits([], head_dim)[0]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", ["causal", "alibi", "sliding_window", "document"])
+def test_default_designs_use_tensor_cores_without_spills(tmp_path: Path, name: str, head_dim: int, arch: str) -> None:
+    nvcc = _nvcc_or_skip()
+    src = lower_program_mma(with_traits(FIXTURES[name](dtype=Dtype.BF16), _default_traits(head_dim)))
+    cu = tmp_path / "k.cu"
+    cu.write_text(src)
+    ptx = tmp_path / "k.ptx"
+    subprocess.run([nvcc, "-std=c++17", *ARCHS[arch], "-O3", f"-DKB_HEAD_PAD_ONLY={head_dim}", "-ptx", "-o", str(ptx), str(cu)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    text = ptx.read_text()
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text and "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
+    assert "cp.async.cg.shared.global" in text and "cp.async.wait_group" in text
+    gpu = arch.replace("sm_90a", "sm_90a")
+    res = subprocess.run([_ptxas(nvcc), f"-arch={gpu}", "-O3", "-v", "-o", str(tmp_path / "k.cubin"), str(ptx)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    info = res.stdout + res.stderr
+    fwd = re.search(r"Compiling entry function '(_Z\w*kb_fwd_kernel\w*)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
+                    info, re.S)
+    assert fwd, info
+    assert (fwd.group(2), fwd.group(3)) == ("0", "0"), f"{name} D={head_dim} {arch} spills: {info}"
+    cuobjdump = shutil.which("cuobjdump") or str(Path(nvcc).parent / "cuobjdump")
+    if Path(cuobjdump).is_file():  # the SASS itself, where the toolkit ships cuobjdump
+        sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
+        assert "HMMA.16816.F32.BF16" in sass and "LDSM" in sass and "LDGSTS" in sass
+        assert "LDL" not in sass and "STL" not in sass
+
+
+def test_fp16_programs_use_the_fp16_mma() -> None:
+    src = lower_program_mma(with_traits(FIXTURES["causal"](dtype=Dtype.F16), MmaTraits(64, 64, 4)))
+    assert "f32.f16.f16.f32" in src and "__half" in src
+
+
+@pytest.mark.parametrize("name, dtype, why", [("decode_split_kv", Dtype.BF16, "split-KV"),
+                                              ("causal", Dtype.F32, "bf16 or fp16")])
+def test_programs_outside_the_structure_are_declined(name: str, dtype: Dtype, why: str) -> None:
+    with pytest.raises(KBError, match=why):
+        lower_program_mma(FIXTURES[name](dtype=dtype))
+
+
+def test_traits_must_give_each_warp_16_or_32_rows() -> None:
+    with pytest.raises(KBError, match="16 or 32 query rows"):
+        with_traits(FIXTURES["causal"](dtype=Dtype.BF16), MmaTraits(128, 64, 2))
+
+
+def test_fa2_traits_come_from_the_lifted_launch_template_and_fit_the_registers() -> None:
+    row = lambda hd, bm, bn, w, cond: SimpleNamespace(  # noqa: E731 - the columns fa2_traits reads
+        family="fa2_cuda", arch="sm80", head_dim=hd, condition=cond, file="flash_fwd_launch_template.h", line_start=1,
+        params_json=f'{{"block_m": {bm}, "block_n": {bn}, "num_warps": {w}}}')
+    rows = [row(128, 128, 32, 4, "Is_dropout"), row(128, 64, 64, 4, "is_sm8x && Is_causal"),
+            row(128, 128, 64, 4, "!Is_dropout && !(is_sm8x)"), row(64, 128, 128, 4, "!Is_dropout")]
+    t128, why = fa2_traits(rows, 100)  # bucket 128: the sm80 default path, not the dropout or sm86 rows
+    assert t128 == MmaTraits(128, 64, 8) and "128x64 w4" in why and "register-fitted" in why
+    assert fa2_traits(rows, 64)[0] == MmaTraits(128, 64, 8)
+    assert "built-in" in fa2_traits([], 64)[1]
+    for hp in (32, 64, 128):  # at 256 the output fragment alone is 128 registers: it spills (a known limit)
+        t = fit_registers(MmaTraits(128, 128, 4), hp)
+        assert t.block_m // t.num_warps // 16 * (t.block_n // 2 + hp // 2) <= MAX_ACC_REGS
+
+
+def test_choose_cuda_reports_the_lowering_and_labels_the_reference() -> None:
+    tc = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), MmaTraits(128, 64, 4), "test")
+    assert tc is not None and tc.lowering == "tensor_cores" and "mma.sync" in tc.source
+    assert tc.report["traits"] == "128x64 w4" and tc.report["role"].startswith("portable reference")
+    split = choose_cuda(FIXTURES["decode_split_kv"](dtype=Dtype.BF16), MmaTraits(128, 64, 4), "test")
+    assert split is not None and split.lowering == "portable" and "split-KV" in split.report["tensor_cores_declined"]
