@@ -734,7 +734,8 @@ class _KernelGen:
         return f"!{name}" if st.negate else name
 
     # -- whole kernel
-    def generate(self) -> list[str]:
+    def decode_grid(self) -> None:
+        """Declare the grid axes from the flattened `blockIdx.x` (the last axis varies fastest)."""
         axes = self.k.grid
         self.emit(f"// grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
         self.emit("long long kb_pid = blockIdx.x;")
@@ -746,6 +747,9 @@ class _KernelGen:
         for a in axes:
             self.names[a.name] = Sym(_local(a.name), Kind.INT, True)
             self.scopes[-1].add(_local(a.name))
+
+    def generate(self) -> list[str]:
+        self.decode_grid()
         self.block(self.k.body)
         return self.lines
 

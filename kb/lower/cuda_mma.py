@@ -507,17 +507,7 @@ class _MmaGen(_KernelGen):
         if not sms or len({(s.m, s.l, s.acc) for s in sms}) != 1 or not dots or len({d.a for d in dots}) != 1:
             raise self.fail("a kernel without one online-softmax state")
         self.sm, self.q_name, self.in_scores, self.s_name = sms[0], dots[0].a, False, ""
-        axes = self.k.grid
-        self.emit(f"// grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
-        self.emit("long long kb_pid = blockIdx.x;")
-        for a in reversed(axes[1:]):
-            ext = self.ex(a.extent)
-            self.emit(f"const long long {_local(a.name)} = kb_pid % ({ext});")
-            self.emit(f"kb_pid = kb_pid / ({ext});")
-        self.emit(f"const long long {_local(axes[0].name)} = kb_pid;")
-        for a in axes:
-            self.names[a.name] = Sym(_local(a.name), Kind.INT, True)
-            self.scopes[-1].add(_local(a.name))
+        self.decode_grid()
         self.emit("const int kb_row0 = kb_warp * (BLOCK_M / KB_WARPS);  // this warp's first query row in the tile")
         for st in self.k.body:
             if not isinstance(st, (Let, Load, Init, For, Finalize, Store, Elementwise)):
