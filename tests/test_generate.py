@@ -55,6 +55,8 @@ def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -
     report = json.loads(r.files["report"].read_text())
     assert r.files["cuda"].read_text().count("__global__") >= 1
     assert report["cuda"]["compiled"], report["cuda"]["log"]
+    assert report["cuda"]["lowering"] in ("tensor_cores", "portable")  # which CUDA lowering wrote the .cu
+    assert report["cuda"]["role"].startswith("portable reference")  # not measured within 10% of Triton
 
 
 def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:
