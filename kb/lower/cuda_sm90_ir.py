@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
+from dataclasses import dataclass
 
 from kb.errors import KBError
 from kb.ir.evaluate import eval_expr
@@ -34,6 +36,7 @@ from kb.lower.cuda import (
     launch_abi,
 )
 from kb.lower.cuda_expr import Kind, Sym, expr_kind, lower_cexpr
+from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.triton import BlockMaskKind, plan_block_mask
 
@@ -54,8 +57,38 @@ def _is_scale(e: Expr, s: str) -> bool:
     return e.op is ExprOp.MUL and {str(a.value) for a in e.args if a.op is ExprOp.VAR} == {s, "sm_scale"}
 
 
+@dataclass(frozen=True)
+class _Loop:
+    """One KV loop: `for n in range(lo, hi, BLOCK_N): [if block is not empty:] load K, V; dot; scores; online_softmax`."""
+
+    loop: For
+    skip: IfBlock | None
+    loads: tuple[Load, ...]
+    dot: Dot
+    scores: tuple[Stmt, ...]
+
+
+def _parse_loop(p: Program, f: For) -> _Loop:
+    body: tuple[Stmt, ...] = f.body
+    skip = None
+    if len(body) == 1 and isinstance(body[0], IfBlock) and body[0].cls is BlockClass.EMPTY and body[0].negate \
+            and not body[0].orelse:
+        skip, body = body[0], body[0].then
+    if len(body) < 4 or not all(isinstance(s, Load) for s in body[:2]) or not isinstance(body[2], Dot) \
+            or not isinstance(body[-1], OnlineSoftmax) or str(f.step) != "BLOCK_N":
+        raise _fail(p, f"the body of `for {f.var}`")
+    return _Loop(f, skip, body[:2], body[2], body[3:-1])
+
+
+def _scores_text(lp: _Loop) -> str:
+    """The loop's score statements as IR text, the loop variable written `@n` (equal text = equal statements)."""
+    lines: list[str] = []
+    _print_block(lp.scores, 0, lines)
+    return re.sub(rf"\b{re.escape(lp.loop.var)}\b", "@n", "\n".join(lines))
+
+
 class _Shape:
-    """The one-loop flash forward the template computes, taken apart."""
+    """The flash forward the template computes, taken apart: lets, KV loops with one set of score statements."""
 
     def __init__(self, p: Program) -> None:
         if len(p.kernels) != 1:
@@ -63,57 +96,51 @@ class _Shape:
         k = p.kernels[0]
         if [a.name for a in k.grid] != ["b", "h", "m"]:
             raise _fail(p, "a grid other than (b, h, m)")
+        fors = [i for i, s in enumerate(k.body) if isinstance(s, For)]
+        if not fors:
+            raise _fail(p, "a program without a KV loop")
+        tail = [type(s).__name__ for s in k.body[fors[-1] + 1:]]
+        if tail != ["Finalize", "Store", "Store"] or any(not isinstance(s, (Let, Load, Init, For)) for s in k.body[:fors[-1]]):
+            raise _fail(p, "the statements around the KV loops")
         self.lets = [s for s in k.body if isinstance(s, Let)]
-        loops = [s for s in k.body if isinstance(s, For)]
-        rest = [s for s in k.body if not isinstance(s, (Let, For, Load, Init))]
-        if len(loops) != 1:
-            raise _fail(p, f"{len(loops)} KV loops (one is accepted)")
-        lets_after = [s for s in k.body[k.body.index(loops[0]):] if isinstance(s, Let)]
-        if lets_after or [type(s).__name__ for s in rest] != ["Finalize", "Store", "Store"]:
-            raise _fail(p, "the statements around the KV loop")
-        self.loop = loops[0]
-        body: tuple[Stmt, ...] = self.loop.body
-        self.skip: IfBlock | None = None
-        if len(body) == 1 and isinstance(body[0], IfBlock) and body[0].cls is BlockClass.EMPTY and body[0].negate \
-                and not body[0].orelse:
-            self.skip, body = body[0], body[0].then
-        if len(body) < 4 or not all(isinstance(s, Load) for s in body[:2]) or not isinstance(body[2], Dot) \
-                or not isinstance(body[-1], OnlineSoftmax):
-            raise _fail(p, f"the body of `for {self.loop.var}`")
-        self.loads = {ld.out: ld for ld in body[:2]}
-        self.dot, self.scores = body[2], body[3:-1]
-        if str(self.loop.step) != "BLOCK_N" or self.loop.order not in ("forward", "reverse"):
-            raise _fail(p, f"`for {self.loop.var}` steps")
+        self.loops = [_parse_loop(p, k.body[i]) for i in fors]
+        first = self.loops[0]
+        if any(_scores_text(lp) != _scores_text(first) or lp.dot.out != first.dot.out for lp in self.loops[1:]):
+            raise _fail(p, "KV loops with different score statements")
+        self.scores, self.s = first.scores, first.dot.out
         self.q_load = next((s for s in k.body if isinstance(s, Load)), None)
-        self.s = self.dot.out
 
 
 def _check_addresses(p: Program, shape: _Shape) -> None:
-    """q[b, h, m*BLOCK_M:+BLOCK_M, :] and k/v[b, h // (Hq // Hkv), n:+BLOCK_N, :], checked on sample values."""
-    loads = [(shape.q_load, "q", "BLOCK_M")] + [(ld, ld.tensor, "BLOCK_N") for ld in shape.loads.values()]
-    if shape.q_load is None or {ld.tensor for ld in shape.loads.values()} != {"k", "v"} or shape.q_load.tensor != "q":
-        raise _fail(p, "loads of tensors other than q, k, v")
-    for ld, tensor, rows in loads:
-        idx = ld.index
-        if len(idx) != 4 or not isinstance(idx[2], Span) or str(idx[2].size) != rows or not isinstance(idx[3], Full) \
-                or isinstance(idx[0], (Span, Full)) or isinstance(idx[1], (Span, Full)):
-            raise _fail(p, f"the index of {tensor}[...]")
-    for Hq, Hkv in ((8, 8), (8, 2), (8, 1), (6, 3)):
-        for b, h, m, n in itertools.product((0, 1), range(Hq), (0, 3), (0, 256)):
-            env = {"B": 2, "Hq": Hq, "Hkv": Hkv, "M": 1000, "N": 1000, "D": 64, "BLOCK_M": SM90_BLOCK_M,
-                   "BLOCK_N": SM90_BLOCK_N, "b": b, "h": h, "m": m}
-            for let in shape.lets:
-                env[let.name] = eval_expr(let.value, env)
-            want = {"q": (b, h, m * SM90_BLOCK_M), "k": (b, h // (Hq // Hkv), n), "v": (b, h // (Hq // Hkv), n)}
-            env[shape.loop.var] = n
-            for st in _element_stmts(shape.scores):  # q_idx/kv_idx of the kernel are the tile's rows and columns
-                if (int(eval_expr(st.q_start, env)), int(eval_expr(st.kv_start, env))) != (m * SM90_BLOCK_M, n):
-                    raise _fail(p, f"{st.op.value} at ({st.q_start}, {st.kv_start})")
-            for ld, tensor, _ in loads:
-                got = tuple(int(eval_expr(e, env)) for e in (ld.index[0], ld.index[1], ld.index[2].start))
-                if got != want[tensor]:
-                    raise _fail(p, f"the rows/heads {tensor}[...] addresses (expected b, h // (Hq // Hkv), "
-                                   "m * BLOCK_M or the loop variable)")
+    """q[b, h, m*BLOCK_M:+BLOCK_M, :] and k/v[b, h // (Hq // Hkv), n:+BLOCK_N, :], and the score statements at the
+    tile (m*BLOCK_M, n), checked on sample values of the dims."""
+    if shape.q_load is None or shape.q_load.tensor != "q":
+        raise _fail(p, "a program whose first load is not q")
+    for lp in shape.loops:
+        loads = [(shape.q_load, "BLOCK_M")] + [(ld, "BLOCK_N") for ld in lp.loads]
+        if {ld.tensor for ld in lp.loads} != {"k", "v"}:
+            raise _fail(p, "KV loads of tensors other than k and v")
+        for ld, rows in loads:
+            idx = ld.index
+            if len(idx) != 4 or not isinstance(idx[2], Span) or str(idx[2].size) != rows or not isinstance(idx[3], Full) \
+                    or isinstance(idx[0], (Span, Full)) or isinstance(idx[1], (Span, Full)):
+                raise _fail(p, f"the index of {ld.tensor}[...]")
+        for Hq, Hkv in ((8, 8), (8, 2), (8, 1), (6, 3)):
+            for b, h, m, n in itertools.product((0, 1), range(Hq), (0, 3), (0, 256)):
+                env = {"B": 2, "Hq": Hq, "Hkv": Hkv, "M": 1000, "N": 1000, "D": 64, "BLOCK_M": SM90_BLOCK_M,
+                       "BLOCK_N": SM90_BLOCK_N, "b": b, "h": h, "m": m}
+                for let in shape.lets:
+                    env[let.name] = eval_expr(let.value, env)
+                want = {"q": (b, h, m * SM90_BLOCK_M), "k": (b, h // (Hq // Hkv), n), "v": (b, h // (Hq // Hkv), n)}
+                env[lp.loop.var] = n
+                for st in _element_stmts(lp.scores):  # the kernel's q_idx/kv_idx are the tile's rows and columns
+                    if (int(eval_expr(st.q_start, env)), int(eval_expr(st.kv_start, env))) != (m * SM90_BLOCK_M, n):
+                        raise _fail(p, f"{st.op.value} at ({st.q_start}, {st.kv_start})")
+                for ld, _ in loads:
+                    got = tuple(int(eval_expr(e, env)) for e in (ld.index[0], ld.index[1], ld.index[2].start))
+                    if got != want[ld.tensor]:
+                        raise _fail(p, f"the rows/heads {ld.tensor}[...] addresses (expected b, h // (Hq // Hkv), "
+                                       "m * BLOCK_M or the loop variable)")
 
 
 def _element_stmts(stmts: tuple[Stmt, ...]) -> list[ScoreMod | Mask]:
@@ -130,6 +157,9 @@ class _HookGen(_KernelGen):
     """Emits the three hook functions with `_KernelGen`'s expression, let and block-class machinery."""
 
     def body(self, lines_from) -> list[str]:  # noqa: ANN001 - a callable filling self.lines
+        """One hook's lines: names start again from the dims, schedule constants and scalars."""
+        self.base_names = getattr(self, "base_names", dict(self.names))
+        self.names = dict(self.base_names)
         self.lines, self.depth, self.scopes = [], 1, [set()]
         lines_from()
         return self.lines
@@ -150,23 +180,21 @@ class _HookGen(_KernelGen):
         guard = IfBlock(BlockClass.FULL, True, st.b, st.h, st.q_start, st.kv_start, ())
         return self.block_condition(guard)
 
-    def score_stmt(self, st: Stmt, s: str, kinds: list[str]) -> None:
+    def score_stmt(self, st: Stmt, s: str) -> None:
+        """Emit `st` on the one score `kb_s` at (q_idx, kv_idx)."""
         if isinstance(st, IfBlock):
             if st.cls is not BlockClass.FULL or not st.negate or st.orelse or \
                     not all(isinstance(x, Mask) for x in st.then):
                 raise _fail(self.p, f"`if block(..) is {'not ' if st.negate else ''}{st.cls.value}` around {st.then}")
             for x in st.then:
-                self.score_stmt(x, s, kinds)
+                self.score_stmt(x, s)
         elif isinstance(st, Elementwise):
             if st.out != s or (free_vars(st.value) & {n for n in self.tiles}) - {s}:
                 raise _fail(self.p, f"elementwise {st.out}")
-            if not _is_scale(st.value, s):
-                kinds.append("true")
             ctx = self.ctx({**self.names, s: Sym("kb_s", Kind.FLOAT)})
             value = lower_cexpr(st.value, ctx)
             self.emit(f"kb_s = {value if expr_kind(st.value, ctx) is Kind.FLOAT else f'(float)({value})'};")
         elif isinstance(st, ScoreMod) and self.p.score_mod is not None and st.tile == s:
-            kinds.append("true")
             names = self.element_names(st)
             names["score"] = Sym("kb_s", Kind.FLOAT)
             ctx = self.ctx(names)
@@ -174,8 +202,6 @@ class _HookGen(_KernelGen):
             self.emit(f"kb_s = {value if expr_kind(self.p.score_mod.body, ctx) is Kind.FLOAT else f'(float)({value})'};")
         elif isinstance(st, Mask) and st.tile == s and (not st.use_mask_mod or self.p.mask_mod is not None):
             if st.use_mask_mod:  # kv_idx < N: the kernel masks it itself
-                kinds.append(f"mask:{id(st)}")
-                self.masks.append(st)
                 keep = lower_cexpr(self.p.mask_mod.body, self.ctx(self.element_names(st)))
                 self.emit(f"if (!({keep})) kb_s = -INFINITY;")
         else:
@@ -192,30 +218,27 @@ class _HookGen(_KernelGen):
 def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN001
     plan = plan_block_mask(p)
     g = _HookGen(p, p.kernels[0], abi, plan)
-    g.masks = []  # type: ignore[attr-defined]
     g.tiles[shape.s] = None  # type: ignore[assignment]  # the score is a tile name, never a scalar
     head = "(const KbArgs& kb_a, long long b, long long h, long long kb_m_start"
     locs = _locals(abi, scalars)
-    kv = g.body(lambda: (g.prologue(shape), g.emit(f"kb_lo = {g.ex(shape.loop.lo)}; kb_hi = {g.ex(shape.loop.hi)};")))
-    kinds: list[str] = []
+    bounds = [(f"kb_lo{i}", f"kb_hi{i}") for i in range(len(shape.loops))]
 
-    def score() -> None:
-        g.names.pop(shape.loop.var, None)
-        for st in shape.scores:
-            g.score_stmt(st, shape.s, kinds)
-    score_lines = g.body(score)
-    g.names[shape.loop.var] = Sym("kb_n_start", Kind.INT, True)
-
-    def kind() -> None:
+    def kv_range() -> None:
         g.prologue(shape)
-        if shape.skip is not None:
-            g.emit(f"if (!({g.block_condition(shape.skip)})) return 0;  // the loop skips empty tiles")
-        if "true" in kinds:
-            g.emit("return 1;  // a score statement acts on every tile")
-            return
-        tests = [g.needs_mask(m) for m in g.masks]  # type: ignore[attr-defined]
-        g.emit(f"return ({' || '.join(tests) or 'false'}) ? 1 : 2;")
-    kind_lines = g.body(kind)
+        for (lo, hi), lp in zip(bounds, shape.loops):
+            g.emit(f"const long long {lo} = {g.ex(lp.loop.lo)}, {hi} = {g.ex(lp.loop.hi)};")
+        g.emit("kb_lo = 0x7fffffffffffffffLL; kb_hi = -0x7fffffffffffffffLL;  // the union of the loops that run")
+        for lo, hi in bounds:
+            g.emit(f"if ({lo} < {hi}) {{ kb_lo = kb_min(kb_lo, {lo}); kb_hi = kb_max(kb_hi, {hi}); }}")
+        g.emit("if (kb_lo > kb_hi) { kb_lo = 0; kb_hi = 0; }")
+        g.emit("// the kernel walks tiles kb_lo + k * BLOCK_N from kb_lo >= 0; a loop off that grid would be a wrong")
+        g.emit("// answer, so it stops the kernel (a launch error) instead")
+        for lo, hi in bounds:
+            g.emit(f"if ({lo} < {hi} && ({lo} < 0 || kb_floormod({lo} - kb_lo, BLOCK_N) != 0)) __trap();")
+
+    kv = g.body(kv_range)
+    score_lines = g.body(lambda: [g.score_stmt(st, shape.s) for st in shape.scores])
+    kind_lines = g.body(lambda: _kind_lines(g, shape, bounds))
     return "\n".join([
         f"__device__ __forceinline__ void kb_kv_range{head}, long long& kb_lo, long long& kb_hi) {{",
         *locs, *kv, "}",
@@ -224,6 +247,45 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
         "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, long long b, long long h, long long q_idx, "
         "long long kv_idx, float kb_s) {",
         *locs, *score_lines, "  return kb_s;", "}"])
+
+
+def _kind_lines(g: "_HookGen", shape: _Shape, bounds: list[tuple[str, str]]) -> None:
+    """kb_block_kind's body: the loop that visits the tile decides (skip test, then whether a score statement acts)."""
+    g.prologue(shape)
+    for (lo, hi), lp in zip(bounds, shape.loops):
+        g.names[lp.loop.var] = Sym("kb_n_start", Kind.INT, True)
+        g.emit(f"const long long {lo} = {g.ex(lp.loop.lo)}, {hi} = {g.ex(lp.loop.hi)};")
+        with g.indent(f"if ({lo} <= kb_n_start && kb_n_start < {hi} && kb_floormod(kb_n_start - {lo}, BLOCK_N) == 0)"):
+            if lp.skip is not None:
+                g.emit(f"if (!({g.block_condition(lp.skip)})) return 0;  // the loop skips empty tiles")
+            kinds, masks = _acting(g, lp)
+            if kinds:
+                g.emit("return 1;  // a score statement acts on every tile")
+            else:
+                tests = [g.needs_mask(m) for m in masks]
+                g.emit(f"return ({' || '.join(tests) or 'false'}) ? 1 : 2;")
+        g.names.pop(lp.loop.var)
+    g.emit("return 0;  // no loop visits this tile")
+
+
+def _acting(g: "_HookGen", lp: _Loop) -> tuple[bool, list[Mask]]:
+    """(whether a statement other than `s * sm_scale` and masks acts on every element, the loop's mask_mod masks)."""
+    always, masks = False, []
+    for st in _flat(lp.scores):
+        if isinstance(st, Elementwise):
+            always |= not _is_scale(st.value, st.out)
+        elif isinstance(st, ScoreMod):
+            always = True
+        elif isinstance(st, Mask) and st.use_mask_mod:
+            masks.append(st)
+    return always, masks
+
+
+def _flat(stmts: tuple[Stmt, ...]) -> list[Stmt]:
+    out: list[Stmt] = []
+    for st in stmts:
+        out += _flat(st.then + st.orelse) if isinstance(st, IfBlock) else [st]
+    return out
 
 
 def lower_program_sm90(p: Program, head_dim: int) -> str:
