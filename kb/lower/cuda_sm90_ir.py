@@ -294,8 +294,9 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
     if head_dim not in SM90_HEAD_DIMS:
         raise KBError(f"Hopper lowering of {p.name}: head dim {head_dim} (the template has {SM90_HEAD_DIMS})")
     q = p.param("q")
-    if q.dtype not in (Dtype.BF16, Dtype.F16) or any(p.param(t).dtype is not q.dtype for t in ("k", "v")):
-        raise KBError(f"Hopper lowering of {p.name}: q, k, v must all be bf16 or fp16 (got {q.dtype.value})")
+    if q.dtype not in (Dtype.BF16, Dtype.F16) or any(p.param(t).dtype is not q.dtype for t in ("k", "v", "o")):
+        raise KBError(f"Hopper lowering of {p.name}: q, k, v and o must all be bf16 or all fp16 "
+                      f"(got q {q.dtype.value}, o {p.param('o').dtype.value}; the kernel stores o in q's type)")
     want = {"q": ("B", "Hq", "M", "D"), "k": ("B", "Hkv", "N", "D"), "v": ("B", "Hkv", "N", "D"),
             "o": ("B", "Hq", "M", "D"), "lse": ("B", "Hq", "M")}
     names = {x.name for x in p.params}
