@@ -13,6 +13,7 @@ labels the `.cu` the portable reference (`ROLE_REFERENCE`); the Triton module is
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from kb.ir.design import head_bucket
 from kb.ir.nodes import Program
 from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
 
-__all__ = ["CudaChoice", "CudaPlan", "choose_cuda", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
+__all__ = ["CudaChoice", "CudaPlan", "choose_cuda", "cuda_plan", "cuda_role", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,31 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
         return None
     return CudaChoice(src, "portable", "sm_80", {"lowering": "portable", "structure": "SIMT, tiles in shared memory "
                       "(no tensor cores)", "arch": "sm_80", "declined": declined, "role": ROLE_REFERENCE})
+
+
+def cuda_role(kb, kernel_id: str, arch: str, lowering: str) -> dict:  # noqa: ANN001 - KnowledgeBase
+    """The `.cu`'s role from the KB's measurements of this kernel on `arch`: the latest shape where both the emitted
+    Triton module and a `.cu` of the same lowering were timed. Within 10% of Triton: an alternative; otherwise (or
+    never measured) the portable reference. ModelNew runs the Triton module either way."""
+    from kb.store import PerfRecord
+
+    from generate.perf_import import cuda_impl
+
+    rows = [r for r in kb.list(PerfRecord, kind="measured", kernel_id=kernel_id) if r.arch == arch and r.ms]
+    want = json.dumps(cuda_impl(lowering), sort_keys=True)
+    cu = sorted((r for r in rows if r.design_json == want), key=lambda r: str(r.measured_at or ""))
+    for c in reversed(cu):
+        tri = [r for r in rows if r.design_json == "{}" and r.shape_json == c.shape_json and r.gpu == c.gpu
+               and r.measured_at == c.measured_at]  # timed in the same run
+        if not tri:
+            continue
+        ratio = tri[-1].ms / c.ms
+        where = f"{ratio:.2f}x the Triton module on {c.gpu} at {c.shape_json} ({c.measured_at:%Y-%m-%d})"
+        if c.ms <= 1.1 * tri[-1].ms:
+            return {"role": f"alternative: measured {where}; ModelNew runs the Triton module", "measured_vs_triton": ratio}
+        return {"role": f"portable reference: measured {where}; ModelNew runs the Triton module",
+                "measured_vs_triton": ratio}
+    return {"role": ROLE_REFERENCE}
 
 
 def cuda_plan(target: str, head_dim: int, tunables: list) -> CudaPlan:

@@ -28,7 +28,7 @@ from kb.ir.text import parse_program
 from kb.store.models import Kernel, Lesson, Origin, PerfRecord
 from kb.store.records import assign_id
 
-__all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results"]
+__all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results", "cuda_impl"]
 
 SCHEMA = "kernel-kb/tune/v1"  # generate.tune_gpu.SCHEMA; repeated so importing needs no torch
 _ENV_NEEDS = ("gpu", "driver", "arch", "command", "date", "torch_version", "triton_version")
@@ -124,9 +124,12 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfR
     base = ", ".join(f"{name} {ms:.4g} ms" for name, ms in (("flex", flex), ("sdpa", sdpa)) if ms)
     rows = []
     for r in shape["records"]:
-        if r.get("status") != "ok" or not (r["impl"].startswith("design ") or r["impl"] == "emitted"):
+        if r.get("status") != "ok" or not (r["impl"].startswith("design ") or r["impl"] in ("emitted", "emitted-cuda")):
             continue
-        if r["impl"] == "emitted":
+        if r["impl"] == "emitted-cuda":  # the .cu beside the module, as written (not a design of the Triton module)
+            design_json = json.dumps(cuda_impl(r.get("lowering")), sort_keys=True)
+            notes = f"the emitted .cu ({r.get('lowering') or 'lowering not recorded'}) through kb_launch"
+        elif r["impl"] == "emitted":
             design_json = "{}"
             notes = f"as emitted by kb generate (ModelNew, design {shape.get('emitted_design')})"
         else:
@@ -145,6 +148,11 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfR
                                measured_at=datetime.fromisoformat(env["date"]), arch=env["arch"],
                                design_json=design_json, notes=f"{notes}; {base}" if base else notes))
     return rows
+
+
+def cuda_impl(lowering: str | None) -> dict:
+    """The `design_json` of a measured `.cu`: what it is, never a Triton design."""
+    return {"impl": "cuda", "lowering": lowering or ""}
 
 
 def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:

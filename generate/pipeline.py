@@ -22,7 +22,7 @@ from typing import Literal
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
-from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan
+from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
 from generate.designs import design_table
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
@@ -289,6 +289,8 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
             records.append(bwd_kernel)
     kb.write_records(records)
     report = _report(spec, run, kernel, existing, built, ref, outcomes, options)
+    if built is not None and kernel is not None and built.cuda_src and options.cuda is not None:
+        report["cuda"].update(cuda_role(kb, kernel.id, options.cuda.target, built.cuda_report.get("lowering", "")))
     if built is not None:
         report["backward"] = _backward_report(bwd, bwd_kernel, bwd_existing)
     files = dict(built.files) if built is not None else {}

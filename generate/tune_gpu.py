@@ -325,7 +325,8 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
         picked = dict(cand._PICKED)
         res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
         records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
-                   _record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
+                   {**_record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
+                    "lowering": _cuda_lowering(entry)},
                    _record("flex", flex, ref, flops, trials, check=False), _record("sdpa", sdpa, ref, flops, trials, check=False)]
         table = getattr(cand, "block_class_table", None)
         for text in entry["designs"]:
@@ -357,6 +358,15 @@ def _cuda_build_args(entry: dict, head_dim: int) -> tuple[Path, Path, tuple[str,
     if not (cu.is_file() and ir.is_file()):
         return None
     return cu, ir, (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
+
+
+def _cuda_lowering(entry: dict) -> str | None:
+    """Which CUDA lowering wrote the emitted `.cu` (from its report beside it), or None without one."""
+    report = Path(entry["candidate"]).with_suffix(".report.json")
+    try:
+        return json.loads(report.read_text()).get("cuda", {}).get("lowering")
+    except (OSError, ValueError):
+        return None
 
 
 def _build_cuda_all(entries: list[dict], workers: int) -> None:

@@ -100,3 +100,24 @@ def test_kb_tune_says_it_needs_a_gpu(ingested_kb_settings, tmp_path: Path) -> No
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith("kb: error: kb tune needs a CUDA GPU") and "--plan" in res.stderr
+
+
+def test_a_measured_cu_sets_its_role_in_the_report(tuned, tmp_path: Path) -> None:
+    """kb tune's `emitted-cuda` timing imports as a `.cu` record (never a Triton design); the report calls the `.cu`
+    an alternative only where it was measured within 10% of the Triton module, for the same lowering."""
+    from generate.cuda_design import cuda_role
+    from generate.designs import sweeps_from_kb
+
+    kb, r, _, doc = tuned
+    measured = json.loads(json.dumps(dict(doc, env={**ENV, "date": "2026-12-04T12:00:00+00:00"})))  # a run of its own
+    shape = measured["entries"][0]["shapes"][0]
+    triton_ms = next(rec["ms"] for rec in shape["records"] if rec["impl"] == "emitted")
+    shape["records"].append({"impl": "emitted-cuda", "status": "ok", "ms": triton_ms * 1.05, "tflops": 1.0,
+                             "lowering": "sm90_wgmma"})
+    import_results(kb, measured, "synthetic")
+    assert all(s.times for s in sweeps_from_kb(kb, "sm90"))  # the .cu record is not read as a design
+    near = cuda_role(kb, r.kernel_id, "sm90", "sm90_wgmma")
+    assert near["role"].startswith("alternative: measured") and "the Triton module on NVIDIA H200" in near["role"]
+    assert 0.9 <= near["measured_vs_triton"] < 1.0
+    assert cuda_role(kb, r.kernel_id, "sm90", "tensor_cores")["role"].startswith("portable reference: not measured")
+    assert cuda_role(kb, r.kernel_id, "sm80", "sm90_wgmma")["role"].startswith("portable reference: not measured")
