@@ -104,13 +104,14 @@ __device__ __forceinline__ void kb_cp_async16(void* dst, const void* src, bool v
 }
 __device__ __forceinline__ void kb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void kb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-__device__ __forceinline__ void kb_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+// `a`: a shared-state-space byte address (kb_smem_addr)
+__device__ __forceinline__ void kb_ldmatrix_x4(uint32_t (&r)[4], uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kb_smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-__device__ __forceinline__ void kb_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void kb_ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kb_smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 // d += a (16x16, row) * b (16x8, col); fp32 accumulate. Registers only, so not volatile: the compiler may
 // sink it below later ldmatrix loads (which stay in order), overlapping shared-memory latency with the mma
@@ -133,20 +134,39 @@ template <int HP> __device__ __forceinline__ int kb_swz(int row, int chunk) {
   constexpr int MASK = CPR >= 8 ? 7 : CPR - 1;
   return row * HP + ((chunk ^ ((row / RPG) & MASK)) << 3);
 }
+// ldmatrix addresses without per-load swizzle math. The lanes of one ldmatrix.x4 read rows R0 + row(lane) and
+// 16-byte chunks C0 + hi(lane), with R0 a multiple of 8 and C0 even, both compile-time after unrolling. Rows 8 apart
+// share their swizzle, so the XOR term u(lane) = (row / RPG) & MASK < 8 does not see R0, and
+// (C0 + hi) ^ u = (C0 & ~7) + (((C0 & 7) + hi) ^ u): each lane needs 4 base addresses, one per (C0 & 7) / 2, and
+// R0 and C0 & ~7 become an immediate offset (kb_swz_imm) that ptxas folds into the ldmatrix address.
+template <int HP> __device__ __forceinline__ void kb_swz_bases(uint32_t (&o)[4], uint32_t tile, int row, int hi) {
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = tile + kb_swz<HP>(row, 2 * j + hi) * (uint32_t)sizeof(KB_T);
+}
+// the byte offset of (R0, C0) from the base kb_swz_bases gave for (C0 & 7) / 2
+template <int HP> __device__ __forceinline__ constexpr uint32_t kb_swz_imm(int r0, int c0) {
+  return (uint32_t)((r0 * HP + (c0 & ~7) * 8) * (int)sizeof(KB_T));
+}
 // rows [row0, row0 + ROWS) x cols [0, HP) of a tensor (row r at base + off + r * rs) into a swizzled tile;
-// rows outside [0, nrows) and columns >= D are zero-filled
+// rows outside [0, nrows) and columns >= D are zero-filled. Thread t copies chunk t % CPR of rows t / CPR + k * RSTEP:
+// one 64-bit source pointer stepping by RSTEP rows, and (RSTEP a multiple of 8) one destination plus immediates.
 template <int ROWS, int HP>
 __device__ __forceinline__ void kb_load_tile(KB_T* tile, const KB_T* base, long long off, long long row0,
                                              long long nrows, long long rs, long long D) {
   constexpr int CPR = HP / 8;
+  static_assert(KB_THREADS % CPR == 0, "a pass of the CTA covers whole rows");
+  constexpr int RSTEP = KB_THREADS / CPR;
+  const int r0 = threadIdx.x / CPR, c = threadIdx.x % CPR;
+  const bool col_ok = c * 8 < D;
+  const KB_T* src = base + off + (row0 + r0) * rs + c * 8;
   #pragma unroll
-  for (int it = 0; it < (ROWS * CPR + KB_THREADS - 1) / KB_THREADS; ++it) {
-    const int i = it * KB_THREADS + threadIdx.x;
-    if ((ROWS * CPR) % KB_THREADS != 0 && i >= ROWS * CPR) break;
-    const int r = i / CPR, c = i % CPR;
+  for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+    const int r = r0 + it * RSTEP;
+    if (ROWS % RSTEP != 0 && r >= ROWS) break;
     const long long gr = row0 + r;
-    const bool ok = gr >= 0 && gr < nrows && c * 8 < D;
-    kb_cp_async16(tile + kb_swz<HP>(r, c), ok ? base + off + gr * rs + c * 8 : base, ok);
+    const bool ok = col_ok && gr >= 0 && gr < nrows;
+    KB_T* dst = RSTEP % 8 == 0 ? tile + kb_swz<HP>(r0, c) + it * RSTEP * HP : tile + kb_swz<HP>(r, c);
+    kb_cp_async16(dst, ok ? src + it * RSTEP * rs : base, ok);
   }
 }
 """.strip("\n")
@@ -436,13 +456,11 @@ class _MmaGen(_KernelGen):
             self.emit("uint32_t kb_qa[KB_MT][4];")
             self.emit("#pragma unroll")
             self.emit("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)")
-            self.emit("  kb_ldmatrix_x4(kb_qa[kb_mi], kb_sQ + kb_swz<HEAD_PAD>(kb_row0 + kb_mi * 16 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, "
-                      "kb_kk * 2 + kb_lane / 16));")
+            self.emit("  kb_ldmatrix_x4(kb_qa[kb_mi], kb_aq[kb_kk % 4] + kb_swz_imm<HEAD_PAD>(kb_mi * 16, kb_kk * 2));")
             self.emit("#pragma unroll")
             with self.indent("for (int kb_nj = 0; kb_nj < KB_NT / 2; ++kb_nj)"):
                 self.emit("uint32_t kb_kb[4];  // B of n8 tiles 2nj (regs 0, 1) and 2nj + 1 (regs 2, 3)")
-                self.emit("kb_ldmatrix_x4(kb_kb, kb_sK + kb_swz<HEAD_PAD>(kb_nj * 16 + kb_lane % 8 + (kb_lane / 16) * 8, "
-                          "kb_kk * 2 + (kb_lane / 8) % 2));")
+                self.emit("kb_ldmatrix_x4(kb_kb, kb_ak[kb_kk % 4] + kb_swz_imm<HEAD_PAD>(kb_nj * 16, kb_kk * 2));")
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
                     self.emit("kb_mma(kb_s[kb_mi][2 * kb_nj], kb_qa[kb_mi], kb_kb[0], kb_kb[1]);")
@@ -493,8 +511,7 @@ class _MmaGen(_KernelGen):
             self.emit("#pragma unroll")
             with self.indent("for (int kb_dj = 0; kb_dj < KB_DT / 2; ++kb_dj)"):
                 self.emit("uint32_t kb_vb[4];  // B of d8 tiles 2dj (regs 0, 1) and 2dj + 1 (regs 2, 3), transposed on load")
-                self.emit("kb_ldmatrix_x4_trans(kb_vb, kb_sV + kb_swz<HEAD_PAD>(kb_kk * 16 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, "
-                          "kb_dj * 2 + kb_lane / 16));")
+                self.emit("kb_ldmatrix_x4_trans(kb_vb, kb_av[kb_dj % 4] + kb_swz_imm<HEAD_PAD>(kb_kk * 16, kb_dj * 2));")
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
                     self.emit("kb_mma(kb_o[kb_mi][2 * kb_dj], kb_pa[kb_mi], kb_vb[0], kb_vb[1]);")
@@ -509,6 +526,12 @@ class _MmaGen(_KernelGen):
         self.sm, self.q_name, self.in_scores, self.s_name = sms[0], dots[0].a, False, ""
         self.decode_grid()
         self.emit("const int kb_row0 = kb_warp * (BLOCK_M / KB_WARPS);  // this warp's first query row in the tile")
+        self.emit("// ldmatrix base addresses (kb_swz_bases): Q and V lanes read rows lane % 8 + ((lane / 8) % 2) * 8, chunk "
+                  "+ lane / 16; K lanes rows lane % 8 + (lane / 16) * 8, chunk + (lane / 8) % 2")
+        self.emit("uint32_t kb_aq[4], kb_ak[4], kb_av[4];")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_aq, kb_smem_addr(kb_sQ), kb_row0 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, kb_lane / 16);")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_ak, kb_smem_addr(kb_sK), kb_lane % 8 + (kb_lane / 16) * 8, (kb_lane / 8) % 2);")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_av, kb_smem_addr(kb_sV), kb_lane % 8 + ((kb_lane / 8) % 2) * 8, kb_lane / 16);")
         for st in self.k.body:
             if not isinstance(st, (Let, Load, Init, For, Finalize, Store, Elementwise)):
                 raise self.fail(f"a top-level {st.op.value}")
@@ -554,7 +577,7 @@ def lower_program_mma(p: Program) -> str:
     ctype = _CTYPE[q.dtype]
     pack = "__floats2bfloat162_rn" if q.dtype is Dtype.BF16 else "__floats2half2_rn"
     t2 = "__nv_bfloat162" if q.dtype is Dtype.BF16 else "__half2"
-    helpers = (_MMA_HELPERS.replace("KB_MMA_T", _MMA_TYPE[q.dtype]).replace("KB_T2", t2).replace("KB_PACK2", pack)
+    helpers = (_MMA_HELPERS.replace("KB_MMA_T", _MMA_TYPE[q.dtype]).replace("sizeof(KB_T)", f"sizeof({ctype})").replace("KB_T2", t2).replace("KB_PACK2", pack)
                .replace("KB_T*", f"{ctype}*"))
     out = [f"// Tensor-core CUDA kernel for IR program `{p.name}` (FA2 structure, sm80+): generated by kb.lower.cuda_mma, do not edit.",
            f'// Host entry: extern "C" int {LAUNCH_SYMBOL}(ptrs, strides, dims, scalars, stream); see kb/lower/cuda.py.',
