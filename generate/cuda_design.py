@@ -21,7 +21,7 @@ from kb.ir.design import head_bucket
 from kb.ir.nodes import Program
 from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
 
-__all__ = ["CudaChoice", "choose_cuda", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
+__all__ = ["CudaChoice", "CudaPlan", "choose_cuda", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,20 @@ ROLE_REFERENCE = ("portable reference: not measured within 10% of the Triton mod
 
 
 @dataclass(frozen=True)
+class CudaPlan:
+    """What `choose_cuda` needs to know about a spec: the target arch, the head dim, the FA2 traits and their origin."""
+
+    target: str  # sm90, sm80, ...
+    head_dim: int
+    traits: MmaTraits
+    traits_from: str
+
+
+@dataclass(frozen=True)
 class CudaChoice:
     source: str
-    lowering: str  # tensor_cores | portable
+    lowering: str  # sm90_wgmma | tensor_cores | portable
+    arch: str  # what nvcc builds it for (sm_90a for the Hopper template)
     report: dict
 
 
@@ -72,23 +83,40 @@ def fa2_traits(tunables: list, head_dim: int) -> tuple[MmaTraits, str]:
     return fallback, f"built-in FA2 traits for head dim {bucket} (no lifted fa2_cuda tunable in this KB)"
 
 
-def choose_cuda(program: Program, traits: MmaTraits, origin: str) -> CudaChoice | None:
-    """The CUDA source for `program`: tensor cores (with `traits`, chosen from `origin`) where the lowering
-    accepts it, else the portable one; None when neither lowers (the report then has no `.cu`)."""
+def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
+    """The CUDA source for `program`: on an sm90 target the Hopper template (wgmma, TMA, warp specialised) where
+    it accepts the program, else FA2's tensor-core structure, else the portable lowering; None when none lowers
+    (the report then has no `.cu`). Each refusal's reason goes into the report."""
     from kb.lower.cuda import lower_program as lower_portable
     from kb.lower.cuda_mma import lower_program_mma, with_traits
+    from kb.lower.cuda_sm90_ir import lower_program_sm90
 
+    declined: dict[str, str] = {}
+    if plan.target == "sm90":
+        try:
+            return CudaChoice(lower_program_sm90(program, plan.head_dim), "sm90_wgmma", "sm_90a", {
+                "lowering": "sm90_wgmma", "structure": "FA3/CUTLASS 88: TMA producer warpgroup, two wgmma consumer "
+                "warpgroups (ping-pong, intra-warpgroup overlap), hooks from the IR", "arch": "sm_90a",
+                "head_dim": plan.head_dim, "role": ROLE_REFERENCE})
+        except KBError as err:
+            declined["sm90_wgmma"] = str(err)
     try:
-        src = lower_program_mma(with_traits(program, traits))
-        return CudaChoice(src, "tensor_cores", {"lowering": "tensor_cores", "structure": "FA2: mma.sync m16n8k16, "
-                          "ldmatrix from swizzled shared memory, cp.async K/V overlap", "traits": str(traits),
-                          "traits_from": origin, "role": ROLE_REFERENCE})
+        src = lower_program_mma(with_traits(program, plan.traits))
+        return CudaChoice(src, "tensor_cores", "sm_80", {
+            "lowering": "tensor_cores", "structure": "FA2: mma.sync m16n8k16, ldmatrix from swizzled shared memory, "
+            "cp.async K/V overlap", "traits": str(plan.traits), "traits_from": plan.traits_from, "arch": "sm_80",
+            "role": ROLE_REFERENCE, **({"declined": declined} if declined else {})})
     except KBError as err:
-        declined = str(err)
+        declined["tensor_cores"] = str(err)
     try:
         src = lower_portable(program)
     except KBError as err:
         log.warning("CUDA lowering failed: %s", err)
         return None
-    return CudaChoice(src, "portable", {"lowering": "portable", "structure": "SIMT, tiles in shared memory (no tensor cores)",
-                                        "tensor_cores_declined": declined, "role": ROLE_REFERENCE})
+    return CudaChoice(src, "portable", "sm_80", {"lowering": "portable", "structure": "SIMT, tiles in shared memory "
+                      "(no tensor cores)", "arch": "sm_80", "declined": declined, "role": ROLE_REFERENCE})
+
+
+def cuda_plan(target: str, head_dim: int, tunables: list) -> CudaPlan:
+    traits, origin = fa2_traits(tunables, head_dim)
+    return CudaPlan(target, head_dim, traits, origin)

@@ -22,7 +22,7 @@ from typing import Literal
 from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
-from generate.cuda_design import choose_cuda, fa2_traits
+from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan
 from generate.designs import design_table
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
@@ -38,7 +38,6 @@ from kb.ir.text import content_hash, parse_program, print_program
 from kb.ir.validate import validate
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
-from kb.lower.cuda_mma import MmaTraits
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, Tunable
 from kb.store.records import assign_id
 from retrieve.hybrid import Filters, RankedKernel, describe_target, query
@@ -64,7 +63,7 @@ class GenerateOptions:
     deadline: float | None = None  # time.monotonic() when that budget ends; generate() sets it per spec
     target: str = "auto"  # GPU arch to design for (sm90, sm80, ...); auto: this machine's GPU, else the setting
     designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
-    cuda_traits: tuple[MmaTraits, str] | None = None  # tensor-core CUDA traits and their origin; generate() sets them
+    cuda: CudaPlan | None = None  # target arch, head dim and FA2 traits of the `.cu`; generate() sets them
     backward: bool = True  # also generate the backward (dq, dk, dv) and make ModelNew differentiable (--no-backward)
 
 
@@ -123,7 +122,8 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     run.error = ""  # the run's final write replaces the owner note
     options = replace(options, deadline=time.monotonic() + options.timeout_s,
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options),
-                      cuda_traits=options.cuda_traits or fa2_traits(kb.list(Tunable, family="fa2_cuda"), spec.shapes.D))
+                      cuda=options.cuda or cuda_plan(resolve_target(options.target, kb.settings.target_arch),
+                                                     spec.shapes.D, kb.list(Tunable, family="fa2_cuda")))
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
@@ -333,7 +333,8 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
         report["ir_hash"] = content_hash(built.program)
         report["cuda"] = {**built.cuda_report,
                           **(compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
-                                          spec.shapes.Dv if spec.shapes.value_dim else None)
+                                          spec.shapes.Dv if spec.shapes.value_dim else None,
+                                          arch=built.cuda_report.get("arch", "sm_90"))
                              if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})}
     return report
 
@@ -376,7 +377,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
         triton_src = lower_program(program, designs=options.designs)
     except KBError as err:
         return Stage.LOWER, "compile_error", str(err)
-    cuda = choose_cuda(program, *(options.cuda_traits or fa2_traits([], spec.shapes.D)))
+    cuda = choose_cuda(program, options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, []))
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
         cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
@@ -397,7 +398,8 @@ def _shape_dict(spec: Spec) -> dict[str, int]:
     return {"B": s.B, "Hq": s.Hq, "Hkv": s.Hkv, "M": s.M, "N": s.N, "D": s.D}
 
 
-def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None) -> dict:
+def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None, *,
+                 arch: str = "sm_90") -> dict:
     """Compile the CUDA source with nvcc (object only: no GPU here) for the spec's head dims (`head_dim_v`: a
     value head dim of its own); a typed summary for the report."""
     from kb.lower.cuda_build import BuildMode, build
@@ -406,7 +408,7 @@ def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | No
     if head_dim_v is not None:
         defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)
     try:
-        res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1",
+        res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1", arch=arch,
                     defines=defines, timeout_s=300)
     except KBError as err:  # no nvcc on this machine
         return {"compiled": False, "status": "not_run", "log": str(err)}

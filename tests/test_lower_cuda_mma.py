@@ -19,7 +19,7 @@ from kb.errors import KBError
 from kb.ir.nodes import Dtype
 from kb.lower.cuda_build import find_nvcc
 from kb.lower.cuda_mma import MmaTraits, lower_program_mma, with_traits
-from generate.cuda_design import MAX_ACC_REGS, choose_cuda, fa2_traits, fit_registers
+from generate.cuda_design import MAX_ACC_REGS, CudaPlan, choose_cuda, fa2_traits, fit_registers
 from tests.ir_programs import FIXTURES
 
 ARCHS = {"sm_80": ["-arch=sm_80"], "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
@@ -113,8 +113,14 @@ def test_fa2_traits_come_from_the_lifted_launch_template_and_fit_the_registers()
 
 
 def test_choose_cuda_reports_the_lowering_and_labels_the_reference() -> None:
-    tc = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), MmaTraits(128, 64, 4), "test")
+    plan = CudaPlan("sm80", 64, MmaTraits(128, 64, 4), "test")
+    tc = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), plan)
     assert tc is not None and tc.lowering == "tensor_cores" and "mma.sync" in tc.source
     assert tc.report["traits"] == "128x64 w4" and tc.report["role"].startswith("portable reference")
-    split = choose_cuda(FIXTURES["decode_split_kv"](dtype=Dtype.BF16), MmaTraits(128, 64, 4), "test")
-    assert split is not None and split.lowering == "portable" and "split-KV" in split.report["tensor_cores_declined"]
+    split = choose_cuda(FIXTURES["decode_split_kv"](dtype=Dtype.BF16), plan)
+    assert split is not None and split.lowering == "portable" and "split-KV" in split.report["declined"]["tensor_cores"]
+    hopper = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), CudaPlan("sm90", 128, MmaTraits(128, 64, 8), "test"))
+    assert hopper is not None and hopper.lowering == "sm90_wgmma" and hopper.arch == "sm_90a"
+    assert "wgmma.mma_async" in hopper.source and "kb_score" in hopper.source
+    fallback = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), CudaPlan("sm90", 96, MmaTraits(128, 64, 8), "test"))
+    assert fallback is not None and fallback.lowering == "tensor_cores" and "head dim 96" in fallback.report["declined"]["sm90_wgmma"]

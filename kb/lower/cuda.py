@@ -947,24 +947,7 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     L += [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
           "const double* scalars, void* stream) {",
           "  KbArgs kb_a;"]
-    off = 0
-    for i, t in enumerate(abi.tensors):
-        const = "const " if t.role in (Role.IN, Role.AUX) else ""
-        L.append(f"  kb_a.{_local(t.name)} = static_cast<{const}{_CTYPE[t.dtype]}*>(ptrs[{i}]);")
-        for j in range(len(t.shape)):
-            L.append(f"  kb_a.{_local(t.name)}_stride[{j}] = strides[{off + j}];")
-        off += len(t.shape)
-    for i, d in enumerate(abi.dims):
-        L.append(f"  kb_a.{_local(d)} = dims[{i}];")
-    for i, s in enumerate(abi.scalars):
-        L.append(f"  kb_a.{_local(s)} = (float)scalars[{i}];")
-    if abi.table:
-        t = abi.table
-        L.append(f"  kb_a.bc = static_cast<const signed char*>(ptrs[{len(abi.tensors)}]);")
-        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + _local(t.b_dim) if t.per_b else '1'};")
-        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + _local(t.h_dim) if t.per_h else '1'};")
-        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{_local(t.m_dim)}, BLOCK_M);")
-        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{_local(t.n_dim)}, BLOCK_N);")
+    L += _fill_args(abi)
     L += pre_launch or []
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
     run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
@@ -993,6 +976,30 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
           *(f'  if (code == {c}) return "{msg}";' for c, msg in (errors or {}).items()),
           "  return cudaGetErrorString(static_cast<cudaError_t>(code));",
           "}"]
+    return L
+
+
+def _fill_args(abi: LaunchAbi) -> list[str]:
+    """`kb_launch`'s lines filling `KbArgs kb_a` from (ptrs, strides, dims, scalars) in `LaunchAbi` order."""
+    L: list[str] = []
+    off = 0
+    for i, t in enumerate(abi.tensors):
+        const = "const " if t.role in (Role.IN, Role.AUX) else ""
+        L.append(f"  kb_a.{_local(t.name)} = static_cast<{const}{_CTYPE[t.dtype]}*>(ptrs[{i}]);")
+        for j in range(len(t.shape)):
+            L.append(f"  kb_a.{_local(t.name)}_stride[{j}] = strides[{off + j}];")
+        off += len(t.shape)
+    for i, d in enumerate(abi.dims):
+        L.append(f"  kb_a.{_local(d)} = dims[{i}];")
+    for i, s in enumerate(abi.scalars):
+        L.append(f"  kb_a.{_local(s)} = (float)scalars[{i}];")
+    if abi.table:
+        t = abi.table
+        L.append(f"  kb_a.bc = static_cast<const signed char*>(ptrs[{len(abi.tensors)}]);")
+        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + _local(t.b_dim) if t.per_b else '1'};")
+        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + _local(t.h_dim) if t.per_h else '1'};")
+        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{_local(t.m_dim)}, BLOCK_M);")
+        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{_local(t.n_dim)}, BLOCK_N);")
     return L
 
 

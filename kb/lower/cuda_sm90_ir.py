@@ -1,0 +1,340 @@
+"""Program -> the Hopper template (kb.lower.cuda_sm90) with its three hooks generated from the IR.
+
+The template keeps FA3's fixed algorithm (TMA producer, two wgmma consumer warpgroups, online
+softmax, epilogue); the Program supplies what varies, as Inductor's FlexAttention templates take
+score_mod/mask_mod:
+- `kb_kv_range`: the prologue `let`s and the bounds of the program's one KV loop;
+- `kb_block_kind`: 0 when the loop's `if block(..) is not empty` skips the tile, 1 when some score
+  statement acts on its elements, 2 when only `s * sm_scale` does (every mask of a FULL tile keeps
+  every score, so a mask counts only where the tile is not provably full: closed form or the
+  block-class table, `kb.lower.triton.plan_block_mask`);
+- `kb_score`: the loop's score statements in order (elementwise on the score, score_mod, masks) on
+  one score at (q_idx, kv_idx); `if block(..) is not full: mask` applies unconditionally (a full tile
+  keeps every score, so this is exact).
+The kernel reads q/k/v at [b, h // (Hq // Hkv), rows, :] (GQA), so the Program's loads must address
+exactly those (checked by evaluating its index expressions), with BLOCK_M = 128 and BLOCK_N the
+template's. Host entry: `kb.lower.cuda`'s `kb_launch` ABI (the same `LaunchAbi`), which fills `KbArgs`,
+runs the block-class kernel when the program has a table, then `kb_sm90_launch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass
+
+from kb.errors import KBError
+from kb.ir.evaluate import eval_expr
+from kb.ir.expr import Expr, ExprOp, free_vars
+from kb.ir.nodes import (
+    BlockClass, Dot, Dtype, Elementwise, For, Full, IfBlock, Init, Let, Load, Mask, OnlineSoftmax, Program, Role,
+    ScoreMod, Span, Stmt,
+)
+from kb.lower.cuda import (
+    EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _locals, _table_helpers,
+    launch_abi,
+)
+from kb.lower.cuda_expr import Kind, Sym, expr_kind, lower_cexpr
+from kb.ir.text import _print_block
+from kb.lower.cuda_sm90 import sm90_forward_source
+from kb.lower.triton import BlockMaskKind, plan_block_mask
+
+__all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
+
+SM90_BLOCK_M = 128
+SM90_BLOCK_N = 128
+SM90_HEAD_DIMS = (64, 128)
+
+
+def _fail(p: Program, what: str) -> KBError:
+    return KBError(f"Hopper lowering of {p.name}: {what} is outside the structure it accepts "
+                   "(see kb/lower/cuda_sm90_ir.py); the other CUDA lowerings still apply")
+
+
+def _is_scale(e: Expr, s: str) -> bool:
+    """e is `s * sm_scale` (either order)."""
+    return e.op is ExprOp.MUL and {str(a.value) for a in e.args if a.op is ExprOp.VAR} == {s, "sm_scale"}
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """One KV loop: `for n in range(lo, hi, BLOCK_N): [if block is not empty:] load K, V; dot; scores; online_softmax`."""
+
+    loop: For
+    skip: IfBlock | None
+    loads: tuple[Load, ...]
+    dot: Dot
+    scores: tuple[Stmt, ...]
+
+
+def _parse_loop(p: Program, f: For) -> _Loop:
+    body: tuple[Stmt, ...] = f.body
+    skip = None
+    if len(body) == 1 and isinstance(body[0], IfBlock) and body[0].cls is BlockClass.EMPTY and body[0].negate \
+            and not body[0].orelse:
+        skip, body = body[0], body[0].then
+    if len(body) < 4 or not all(isinstance(s, Load) for s in body[:2]) or not isinstance(body[2], Dot) \
+            or not isinstance(body[-1], OnlineSoftmax) or str(f.step) != "BLOCK_N":
+        raise _fail(p, f"the body of `for {f.var}`")
+    return _Loop(f, skip, body[:2], body[2], body[3:-1])
+
+
+def _scores_text(lp: _Loop) -> str:
+    """The loop's score statements as IR text, the loop variable written `@n` (equal text = equal statements)."""
+    lines: list[str] = []
+    _print_block(lp.scores, 0, lines)
+    return re.sub(rf"\b{re.escape(lp.loop.var)}\b", "@n", "\n".join(lines))
+
+
+class _Shape:
+    """The flash forward the template computes, taken apart: lets, KV loops with one set of score statements."""
+
+    def __init__(self, p: Program) -> None:
+        if len(p.kernels) != 1:
+            raise _fail(p, "more than one kernel")
+        k = p.kernels[0]
+        if [a.name for a in k.grid] != ["b", "h", "m"]:
+            raise _fail(p, "a grid other than (b, h, m)")
+        fors = [i for i, s in enumerate(k.body) if isinstance(s, For)]
+        if not fors:
+            raise _fail(p, "a program without a KV loop")
+        tail = [type(s).__name__ for s in k.body[fors[-1] + 1:]]
+        if tail != ["Finalize", "Store", "Store"] or any(not isinstance(s, (Let, Load, Init, For)) for s in k.body[:fors[-1]]):
+            raise _fail(p, "the statements around the KV loops")
+        self.lets = [s for s in k.body if isinstance(s, Let)]
+        self.loops = [_parse_loop(p, k.body[i]) for i in fors]
+        first = self.loops[0]
+        if any(_scores_text(lp) != _scores_text(first) or lp.dot.out != first.dot.out for lp in self.loops[1:]):
+            raise _fail(p, "KV loops with different score statements")
+        self.scores, self.s = first.scores, first.dot.out
+        self.q_load = next((s for s in k.body if isinstance(s, Load)), None)
+
+
+def _check_addresses(p: Program, shape: _Shape) -> None:
+    """q[b, h, m*BLOCK_M:+BLOCK_M, :] and k/v[b, h // (Hq // Hkv), n:+BLOCK_N, :], and the score statements at the
+    tile (m*BLOCK_M, n), checked on sample values of the dims."""
+    if shape.q_load is None or shape.q_load.tensor != "q":
+        raise _fail(p, "a program whose first load is not q")
+    for lp in shape.loops:
+        loads = [(shape.q_load, "BLOCK_M")] + [(ld, "BLOCK_N") for ld in lp.loads]
+        if {ld.tensor for ld in lp.loads} != {"k", "v"}:
+            raise _fail(p, "KV loads of tensors other than k and v")
+        for ld, rows in loads:
+            idx = ld.index
+            if len(idx) != 4 or not isinstance(idx[2], Span) or str(idx[2].size) != rows or not isinstance(idx[3], Full) \
+                    or isinstance(idx[0], (Span, Full)) or isinstance(idx[1], (Span, Full)):
+                raise _fail(p, f"the index of {ld.tensor}[...]")
+        for Hq, Hkv in ((8, 8), (8, 2), (8, 1), (6, 3)):
+            for b, h, m, n in itertools.product((0, 1), range(Hq), (0, 3), (0, 256)):
+                env = {"B": 2, "Hq": Hq, "Hkv": Hkv, "M": 1000, "N": 1000, "D": 64, "BLOCK_M": SM90_BLOCK_M,
+                       "BLOCK_N": SM90_BLOCK_N, "b": b, "h": h, "m": m}
+                for let in shape.lets:
+                    env[let.name] = eval_expr(let.value, env)
+                want = {"q": (b, h, m * SM90_BLOCK_M), "k": (b, h // (Hq // Hkv), n), "v": (b, h // (Hq // Hkv), n)}
+                env[lp.loop.var] = n
+                for st in _element_stmts(lp.scores):  # the kernel's q_idx/kv_idx are the tile's rows and columns
+                    if (int(eval_expr(st.q_start, env)), int(eval_expr(st.kv_start, env))) != (m * SM90_BLOCK_M, n):
+                        raise _fail(p, f"{st.op.value} at ({st.q_start}, {st.kv_start})")
+                for ld, _ in loads:
+                    got = tuple(int(eval_expr(e, env)) for e in (ld.index[0], ld.index[1], ld.index[2].start))
+                    if got != want[ld.tensor]:
+                        raise _fail(p, f"the rows/heads {ld.tensor}[...] addresses (expected b, h // (Hq // Hkv), "
+                                       "m * BLOCK_M or the loop variable)")
+
+
+def _element_stmts(stmts: tuple[Stmt, ...]) -> list[ScoreMod | Mask]:
+    out: list[ScoreMod | Mask] = []
+    for st in stmts:
+        if isinstance(st, (ScoreMod, Mask)):
+            out.append(st)
+        elif isinstance(st, IfBlock):
+            out += _element_stmts(st.then + st.orelse)
+    return out
+
+
+class _HookGen(_KernelGen):
+    """Emits the three hook functions with `_KernelGen`'s expression, let and block-class machinery."""
+
+    def body(self, lines_from) -> list[str]:  # noqa: ANN001 - a callable filling self.lines
+        """One hook's lines: names start again from the dims, schedule constants and scalars."""
+        self.base_names = getattr(self, "base_names", dict(self.names))
+        self.names = dict(self.base_names)
+        self.lines, self.depth, self.scopes = [], 1, [set()]
+        lines_from()
+        return self.lines
+
+    def prologue(self, shape: _Shape) -> None:
+        """b, h, m (from m_start) and the program's lets, as in the kernel."""
+        for n in ("b", "h"):
+            self.names[n] = Sym(n, Kind.INT, True)
+        self.emit("[[maybe_unused]] const long long m = kb_m_start / BLOCK_M;")
+        self.names["m"] = Sym("m", Kind.INT, True)
+        for let in shape.lets:
+            self.bind_scalar(let.name, let.value)
+
+    def needs_mask(self, st: Mask) -> str:
+        """C++ bool: this mask can drop a score of the tile at n_start (False only where the tile is provably full)."""
+        if not st.use_mask_mod or (self.plan.kind is BlockMaskKind.TABLE and self.abi.table is None):
+            return "true" if st.use_mask_mod else "false"
+        guard = IfBlock(BlockClass.FULL, True, st.b, st.h, st.q_start, st.kv_start, ())
+        return self.block_condition(guard)
+
+    def score_stmt(self, st: Stmt, s: str) -> None:
+        """Emit `st` on the one score `kb_s` at (q_idx, kv_idx)."""
+        if isinstance(st, IfBlock):
+            if st.cls is not BlockClass.FULL or not st.negate or st.orelse or \
+                    not all(isinstance(x, Mask) for x in st.then):
+                raise _fail(self.p, f"`if block(..) is {'not ' if st.negate else ''}{st.cls.value}` around {st.then}")
+            for x in st.then:
+                self.score_stmt(x, s)
+        elif isinstance(st, Elementwise):
+            if st.out != s or (free_vars(st.value) & {n for n in self.tiles}) - {s}:
+                raise _fail(self.p, f"elementwise {st.out}")
+            ctx = self.ctx({**self.names, s: Sym("kb_s", Kind.FLOAT)})
+            value = lower_cexpr(st.value, ctx)
+            self.emit(f"kb_s = {value if expr_kind(st.value, ctx) is Kind.FLOAT else f'(float)({value})'};")
+        elif isinstance(st, ScoreMod) and self.p.score_mod is not None and st.tile == s:
+            names = self.element_names(st)
+            names["score"] = Sym("kb_s", Kind.FLOAT)
+            ctx = self.ctx(names)
+            value = lower_cexpr(self.p.score_mod.body, ctx)
+            self.emit(f"kb_s = {value if expr_kind(self.p.score_mod.body, ctx) is Kind.FLOAT else f'(float)({value})'};")
+        elif isinstance(st, Mask) and st.tile == s and (not st.use_mask_mod or self.p.mask_mod is not None):
+            if st.use_mask_mod:  # kv_idx < N: the kernel masks it itself
+                keep = lower_cexpr(self.p.mask_mod.body, self.ctx(self.element_names(st)))
+                self.emit(f"if (!({keep})) kb_s = -INFINITY;")
+        else:
+            raise _fail(self.p, f"the score statement {type(st).__name__}")
+
+    def element_names(self, st: ScoreMod | Mask) -> dict[str, Sym]:
+        if str(st.b) != "b" or str(st.h) != "h":
+            raise _fail(self.p, f"{st.op.value} at ({st.b}, {st.h}, ..) (b and h are accepted)")
+        names = {**self.names, "q_idx": Sym("q_idx", Kind.INT, True), "kv_idx": Sym("kv_idx", Kind.INT, True)}
+        names["b"], names["h"] = Sym("b", Kind.INT, True), Sym("h", Kind.INT, True)
+        return names
+
+
+def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN001
+    plan = plan_block_mask(p)
+    g = _HookGen(p, p.kernels[0], abi, plan)
+    g.tiles[shape.s] = None  # type: ignore[assignment]  # the score is a tile name, never a scalar
+    head = "(const KbArgs& kb_a, long long b, long long h, long long kb_m_start"
+    locs = _locals(abi, scalars)
+    bounds = [(f"kb_lo{i}", f"kb_hi{i}") for i in range(len(shape.loops))]
+
+    def kv_range() -> None:
+        g.prologue(shape)
+        for (lo, hi), lp in zip(bounds, shape.loops):
+            g.emit(f"const long long {lo} = {g.ex(lp.loop.lo)}, {hi} = {g.ex(lp.loop.hi)};")
+        g.emit("kb_lo = 0x7fffffffffffffffLL; kb_hi = -0x7fffffffffffffffLL;  // the union of the loops that run")
+        for lo, hi in bounds:
+            g.emit(f"if ({lo} < {hi}) {{ kb_lo = kb_min(kb_lo, {lo}); kb_hi = kb_max(kb_hi, {hi}); }}")
+        g.emit("if (kb_lo > kb_hi) { kb_lo = 0; kb_hi = 0; }")
+        g.emit("// the kernel walks tiles kb_lo + k * BLOCK_N from kb_lo >= 0; a loop off that grid would be a wrong")
+        g.emit("// answer, so it stops the kernel (a launch error) instead")
+        for lo, hi in bounds:
+            g.emit(f"if ({lo} < {hi} && ({lo} < 0 || kb_floormod({lo} - kb_lo, BLOCK_N) != 0)) __trap();")
+
+    kv = g.body(kv_range)
+    score_lines = g.body(lambda: [g.score_stmt(st, shape.s) for st in shape.scores])
+    kind_lines = g.body(lambda: _kind_lines(g, shape, bounds))
+    return "\n".join([
+        f"__device__ __forceinline__ void kb_kv_range{head}, long long& kb_lo, long long& kb_hi) {{",
+        *locs, *kv, "}",
+        f"__device__ __forceinline__ int kb_block_kind{head}, long long kb_n_start) {{",
+        *locs, *kind_lines, "}",
+        "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, long long b, long long h, long long q_idx, "
+        "long long kv_idx, float kb_s) {",
+        *locs, *score_lines, "  return kb_s;", "}"])
+
+
+def _kind_lines(g: "_HookGen", shape: _Shape, bounds: list[tuple[str, str]]) -> None:
+    """kb_block_kind's body: the loop that visits the tile decides (skip test, then whether a score statement acts)."""
+    g.prologue(shape)
+    for (lo, hi), lp in zip(bounds, shape.loops):
+        g.names[lp.loop.var] = Sym("kb_n_start", Kind.INT, True)
+        g.emit(f"const long long {lo} = {g.ex(lp.loop.lo)}, {hi} = {g.ex(lp.loop.hi)};")
+        with g.indent(f"if ({lo} <= kb_n_start && kb_n_start < {hi} && kb_floormod(kb_n_start - {lo}, BLOCK_N) == 0)"):
+            if lp.skip is not None:
+                g.emit(f"if (!({g.block_condition(lp.skip)})) return 0;  // the loop skips empty tiles")
+            kinds, masks = _acting(g, lp)
+            if kinds:
+                g.emit("return 1;  // a score statement acts on every tile")
+            else:
+                tests = [g.needs_mask(m) for m in masks]
+                g.emit(f"return ({' || '.join(tests) or 'false'}) ? 1 : 2;")
+        g.names.pop(lp.loop.var)
+    g.emit("return 0;  // no loop visits this tile")
+
+
+def _acting(g: "_HookGen", lp: _Loop) -> tuple[bool, list[Mask]]:
+    """(whether a statement other than `s * sm_scale` and masks acts on every element, the loop's mask_mod masks)."""
+    always, masks = False, []
+    for st in _flat(lp.scores):
+        if isinstance(st, Elementwise):
+            always |= not _is_scale(st.value, st.out)
+        elif isinstance(st, ScoreMod):
+            always = True
+        elif isinstance(st, Mask) and st.use_mask_mod:
+            masks.append(st)
+    return always, masks
+
+
+def _flat(stmts: tuple[Stmt, ...]) -> list[Stmt]:
+    out: list[Stmt] = []
+    for st in stmts:
+        out += _flat(st.then + st.orelse) if isinstance(st, IfBlock) else [st]
+    return out
+
+
+def lower_program_sm90(p: Program, head_dim: int) -> str:
+    """The Hopper (sm_90a) source for `p` at head dim `head_dim` (64 or 128; the kernel refuses another D at
+    launch); KBError when `p` is outside the structure above."""
+    if head_dim not in SM90_HEAD_DIMS:
+        raise KBError(f"Hopper lowering of {p.name}: head dim {head_dim} (the template has {SM90_HEAD_DIMS})")
+    q = p.param("q")
+    if q.dtype not in (Dtype.BF16, Dtype.F16) or any(p.param(t).dtype is not q.dtype for t in ("k", "v", "o")):
+        raise KBError(f"Hopper lowering of {p.name}: q, k, v and o must all be bf16 or all fp16 "
+                      f"(got q {q.dtype.value}, o {p.param('o').dtype.value}; the kernel stores o in q's type)")
+    want = {"q": ("B", "Hq", "M", "D"), "k": ("B", "Hkv", "N", "D"), "v": ("B", "Hkv", "N", "D"),
+            "o": ("B", "Hq", "M", "D"), "lse": ("B", "Hq", "M")}
+    names = {x.name for x in p.params}
+    if not set(want) <= names or any(tuple(map(str, p.param(t).shape)) != dims for t, dims in want.items()):
+        raise KBError(f"Hopper lowering of {p.name}: needs q, k, v, o, lse shaped [B, Hq|Hkv, M|N, D] (one head dim)")
+    if any(x.role in (Role.OUT, Role.SCRATCH) and x.name not in ("o", "lse") for x in p.params):
+        raise KBError(f"Hopper lowering of {p.name}: outputs other than o and lse")
+    p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N,
+                                                            num_warps=4))
+    shape = _Shape(p)
+    _check_addresses(p, shape)
+    abi = launch_abi(p)
+    scalars = [x for x in p.params if x.role is Role.SCALAR]
+    dtype = "bf16" if q.dtype is Dtype.BF16 else "fp16"
+    consts = ["constexpr int KB_THREADS = 128;  // the block-class kernel's", "constexpr int KB_WARPS = 4;",
+              f"[[maybe_unused]] constexpr long long BLOCK_M = {SM90_BLOCK_M};",
+              f"[[maybe_unused]] constexpr long long BLOCK_N = {SM90_BLOCK_N};",
+              "[[maybe_unused]] constexpr long long NUM_SPLITS = 1;"]
+    hooks = "\n".join([EXPR_HELPERS, *consts, *_args_struct(abi), *(_table_helpers(p, abi, 128) if abi.table else []),
+                       _hooks(p, shape, abi, scalars)])
+    src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
+    out = [f"// Hopper (sm_90a) kernel for IR program `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
+           "the IR (kb.lower.cuda_sm90_ir), do not edit. Build with -gencode=arch=compute_90a,code=sm_90a.",
+           src, *_host(abi)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _host(abi) -> list[str]:  # noqa: ANN001
+    """`kb_launch` with the portable ABI: fill KbArgs, block classes first when there is a table, then the kernel."""
+    L = [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
+         "const double* scalars, void* stream) {", "  KbArgs kb_a;", *_fill_args(abi),
+         "  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);"]
+    if abi.table:
+        L += ["  const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
+              "  if (kb_cells > 0) kb_block_class_kernel<<<(unsigned)kb_cells, KB_THREADS, 0, kb_stream>>>(kb_a, "
+              "const_cast<signed char*>(kb_a.bc));",
+              "  cudaError_t kb_err = cudaGetLastError();",
+              "  if (kb_err != cudaSuccess) return (int)kb_err;"]
+    L += ["  return kb_sm90_launch(&kb_a, stream);", "}", "",
+          f'extern "C" const char* {ERROR_SYMBOL}(int code) {{ return kb_sm90_error_string(code); }}']
+    return L
