@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Mapping
 
 from kb.errors import KBError
-from kb.ir.expr import free_vars
+from kb.ir.expr import Expr, ExprOp, free_vars, walk
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax,
     Program, Role, ScoreMod, Span, Stmt, Store, VALUE_DIM,
@@ -51,12 +51,16 @@ from kb.lower.cuda import (
     _CTYPE, EXPR_HELPERS, _KERNEL_HELPERS, _PREAMBLE, LAUNCH_SYMBOL, _args_struct, _host, _KernelGen, _local,
     _locals, _table_helpers, kernel_symbol, launch_abi,
 )
-from kb.lower.cuda_expr import Kind, Sym, expr_kind, lower_cexpr
+from kb.lower.cuda_expr import IntWidth, Kind, Sym, expr_kind, is_nonneg, lower_cexpr
 from kb.lower.triton import plan_block_mask
 
-__all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "FA2_TRAITS"]
+__all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "KB_ERR_RANGE", "KB_DIM_LIMIT", "FA2_TRAITS"]
 
 KB_ERR_LAYOUT = -2
+KB_ERR_RANGE = -3
+# The launcher refuses runtime dims above this (KB_ERR_RANGE), so that q_idx, kv_idx and the variant arithmetic
+# on them provably fit 32-bit ints in the score-fragment loops (`_ival`); 64-bit integer ops are emulated on the GPU.
+KB_DIM_LIMIT = 2**30 - 1
 _LOG2E = "1.4426950408889634f"
 _MMA_TYPE = {Dtype.BF16: "bf16", Dtype.F16: "f16"}
 
@@ -92,6 +96,75 @@ def with_traits(p: Program, traits: MmaTraits) -> Program:
     return dataclasses.replace(p, schedule=s)
 
 
+# ------------------------------------------------------------------ integer ranges (for 32-bit fragment math)
+
+Ival = tuple[int | None, int | None]  # inclusive bounds; None: unbounded on that side
+_I32: Ival = (-(2**31), 2**31 - 1)
+_CMP = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
+_ANY: Ival = (None, None)
+
+
+def _fits32(r: Ival) -> bool:
+    return r[0] is not None and r[1] is not None and _I32[0] <= r[0] and r[1] <= _I32[1]
+
+
+def _shift(r: Ival, lo: int, hi: int) -> Ival:
+    return (None if r[0] is None else r[0] + lo, None if r[1] is None else r[1] + hi)
+
+
+def _ival(e: Expr, env: Mapping[str, Ival], aux: Mapping[str, Dtype]) -> Ival:
+    """Conservative bounds of an integer expression (Python semantics) given bounds of its names."""
+    op = e.op
+    if op is ExprOp.CONST:
+        v = e.value
+        return (int(v), int(v)) if isinstance(v, (bool, int)) else _ANY
+    if op is ExprOp.VAR:
+        return env.get(str(e.value), _ANY)
+    if op is ExprOp.LOAD:
+        return {Dtype.I32: _I32, Dtype.BOOL: (0, 1)}.get(aux.get(str(e.value)), _ANY)  # type: ignore[arg-type]
+    if op in _CMP or op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
+        return (0, 1)
+    a = [_ival(x, env, aux) for x in e.args]
+    known = all(v is not None for r in a for v in r)
+    if op is ExprOp.ADD:
+        return (None if a[0][0] is None or a[1][0] is None else a[0][0] + a[1][0],
+                None if a[0][1] is None or a[1][1] is None else a[0][1] + a[1][1])
+    if op is ExprOp.SUB:
+        return (None if a[0][0] is None or a[1][1] is None else a[0][0] - a[1][1],
+                None if a[0][1] is None or a[1][0] is None else a[0][1] - a[1][0])
+    if op is ExprOp.NEG:
+        return (None if a[0][1] is None else -a[0][1], None if a[0][0] is None else -a[0][0])
+    if op is ExprOp.MUL and known:
+        prods = [x * y for x in a[0] for y in a[1]]  # type: ignore[operator]
+        return (min(prods), max(prods))
+    if op in (ExprOp.FLOORDIV, ExprOp.CDIV) and known and a[1][0] > 0:  # type: ignore[operator]
+        # floor(x / d) with d > 0 is monotone in x, and in d for x of one sign: the corners bound it
+        num = a[0] if op is ExprOp.FLOORDIV else (-a[0][1], -a[0][0])  # type: ignore[operator]
+        q = [x // d for x in num for d in a[1]]  # type: ignore[operator]
+        return (min(q), max(q)) if op is ExprOp.FLOORDIV else (-max(q), -min(q))
+    if op is ExprOp.MOD and a[1][0] is not None and a[1][0] > 0 and a[1][1] is not None:
+        return (0, a[1][1] - 1)
+    if op is ExprOp.MAXIMUM:
+        los = [r[0] for r in a if r[0] is not None]
+        return (max(los) if los else None, None if any(r[1] is None for r in a) else max(r[1] for r in a))  # type: ignore[type-var]
+    if op is ExprOp.MINIMUM:
+        his = [r[1] for r in a if r[1] is not None]
+        return (None if any(r[0] is None for r in a) else min(r[0] for r in a), min(his) if his else None)  # type: ignore[type-var]
+    if op is ExprOp.ABS and known:
+        lo, hi = a[0]
+        return (lo, hi) if lo >= 0 else (-hi, -lo) if hi <= 0 else (0, max(-lo, hi))  # type: ignore[operator,type-var]
+    if op is ExprOp.WHERE and all(v is not None for r in a[1:] for v in r):
+        return (min(r[0] for r in a[1:]), max(r[1] for r in a[1:]))  # type: ignore[type-var]
+    return _ANY
+
+
+def _hoistable(e: Expr, kind: Callable[[Expr], Kind]) -> bool:
+    """Evaluating `e` where the per-element code might not have (a lazy `&&`/`?:` operand) is harmless: pure,
+    loads guarded, and no integer division by a value that might be 0."""
+    return not any(n.op in (ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV) and kind(n) is Kind.INT
+                   and not (n.args[1].op is ExprOp.CONST and n.args[1].value) for n in walk(e))
+
+
 # ------------------------------------------------------------------ device building blocks
 
 _MMA_HELPERS = r"""
@@ -104,13 +177,14 @@ __device__ __forceinline__ void kb_cp_async16(void* dst, const void* src, bool v
 }
 __device__ __forceinline__ void kb_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void kb_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-__device__ __forceinline__ void kb_ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+// `a`: a shared-state-space byte address (kb_smem_addr)
+__device__ __forceinline__ void kb_ldmatrix_x4(uint32_t (&r)[4], uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kb_smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
-__device__ __forceinline__ void kb_ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void kb_ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t a) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kb_smem_addr(p)));
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 // d += a (16x16, row) * b (16x8, col); fp32 accumulate. Registers only, so not volatile: the compiler may
 // sink it below later ldmatrix loads (which stay in order), overlapping shared-memory latency with the mma
@@ -133,20 +207,39 @@ template <int HP> __device__ __forceinline__ int kb_swz(int row, int chunk) {
   constexpr int MASK = CPR >= 8 ? 7 : CPR - 1;
   return row * HP + ((chunk ^ ((row / RPG) & MASK)) << 3);
 }
+// ldmatrix addresses without per-load swizzle math. The lanes of one ldmatrix.x4 read rows R0 + row(lane) and
+// 16-byte chunks C0 + hi(lane), with R0 a multiple of 8 and C0 even, both compile-time after unrolling. Rows 8 apart
+// share their swizzle, so the XOR term u(lane) = (row / RPG) & MASK < 8 does not see R0, and
+// (C0 + hi) ^ u = (C0 & ~7) + (((C0 & 7) + hi) ^ u): each lane needs 4 base addresses, one per (C0 & 7) / 2, and
+// R0 and C0 & ~7 become an immediate offset (kb_swz_imm) that ptxas folds into the ldmatrix address.
+template <int HP> __device__ __forceinline__ void kb_swz_bases(uint32_t (&o)[4], uint32_t tile, int row, int hi) {
+  #pragma unroll
+  for (int j = 0; j < 4; ++j) o[j] = tile + kb_swz<HP>(row, 2 * j + hi) * (uint32_t)sizeof(KB_T);
+}
+// the byte offset of (R0, C0) from the base kb_swz_bases gave for (C0 & 7) / 2
+template <int HP> __device__ __forceinline__ constexpr uint32_t kb_swz_imm(int r0, int c0) {
+  return (uint32_t)((r0 * HP + (c0 & ~7) * 8) * (int)sizeof(KB_T));
+}
 // rows [row0, row0 + ROWS) x cols [0, HP) of a tensor (row r at base + off + r * rs) into a swizzled tile;
-// rows outside [0, nrows) and columns >= D are zero-filled
+// rows outside [0, nrows) and columns >= D are zero-filled. Thread t copies chunk t % CPR of rows t / CPR + k * RSTEP:
+// one 64-bit source pointer stepping by RSTEP rows, and (RSTEP a multiple of 8) one destination plus immediates.
 template <int ROWS, int HP>
 __device__ __forceinline__ void kb_load_tile(KB_T* tile, const KB_T* base, long long off, long long row0,
                                              long long nrows, long long rs, long long D) {
   constexpr int CPR = HP / 8;
+  static_assert(KB_THREADS % CPR == 0, "a pass of the CTA covers whole rows");
+  constexpr int RSTEP = KB_THREADS / CPR;
+  const int r0 = threadIdx.x / CPR, c = threadIdx.x % CPR;
+  const bool col_ok = c * 8 < D;
+  const KB_T* src = base + off + (row0 + r0) * rs + c * 8;
   #pragma unroll
-  for (int it = 0; it < (ROWS * CPR + KB_THREADS - 1) / KB_THREADS; ++it) {
-    const int i = it * KB_THREADS + threadIdx.x;
-    if ((ROWS * CPR) % KB_THREADS != 0 && i >= ROWS * CPR) break;
-    const int r = i / CPR, c = i % CPR;
+  for (int it = 0; it < (ROWS + RSTEP - 1) / RSTEP; ++it) {
+    const int r = r0 + it * RSTEP;
+    if (ROWS % RSTEP != 0 && r >= ROWS) break;
     const long long gr = row0 + r;
-    const bool ok = gr >= 0 && gr < nrows && c * 8 < D;
-    kb_cp_async16(tile + kb_swz<HP>(r, c), ok ? base + off + gr * rs + c * 8 : base, ok);
+    const bool ok = col_ok && gr >= 0 && gr < nrows;
+    KB_T* dst = RSTEP % 8 == 0 ? tile + kb_swz<HP>(r0, c) + it * RSTEP * HP : tile + kb_swz<HP>(r, c);
+    kb_cp_async16(dst, ok ? src + it * RSTEP * rs : base, ok);
   }
 }
 """.strip("\n")
@@ -172,6 +265,13 @@ class _MmaGen(_KernelGen):
         self.role: dict[str, str] = {}  # IR tile name -> q | s | m | l | acc | o | lse
         self.q_tile: str | None = None
         self.tensors_read: set[str] = set()  # tensors whose tiles cp.async reads (the layout check covers them)
+        # bounds of the uniform integer names (dims up to KB_DIM_LIMIT, checked by the launcher)
+        self.ivals: dict[str, Ival] = {d: (0, KB_DIM_LIMIT) for d in abi.dims}
+        sch = p.schedule
+        self.ivals.update(BLOCK_M=(sch.block_m,) * 2, BLOCK_N=(sch.block_n,) * 2, NUM_SPLITS=(sch.num_splits,) * 2,
+                          HEAD_PAD=(16, 256))
+        self.aux_dtype = {t.name: t.dtype for t in abi.tensors if t.role is Role.AUX}
+        self.hoisted = 0
 
     # -- recognising the structure
     def fail(self, what: str) -> KBError:
@@ -193,6 +293,22 @@ class _MmaGen(_KernelGen):
         terms = [f"({self.ex(it)}) * {stride}[{i}]" for i, it in enumerate(index[:-1]) if i != r]
         return _TileRef(tensor, " + ".join(terms) or "0LL", f"({self.ex(index[r].start)})",
                         _local(str(prm.shape[r])), f"{stride}[{r}]", f"{stride}[{last}]")
+
+    # -- integer ranges of the uniform scalars
+    def ival(self, e: Expr, env: Mapping[str, Ival] | None = None) -> Ival:
+        return _ival(e, self.ivals if env is None else env, self.aux_dtype)
+
+    def decode_grid(self) -> None:
+        super().decode_grid()
+        for a in self.k.grid:
+            hi = self.ival(a.extent)[1]
+            self.ivals[a.name] = (0, None if hi is None else hi - 1)
+
+    def bind_scalar(self, name: str, e: Expr) -> None:
+        # a reassigned or loop-carried scalar could leave the first value's range: unbounded then
+        again = self.declared(_local(name)) or name in self.ivals or self.in_scores
+        super().bind_scalar(name, e)
+        self.ivals[name] = _ANY if again else self.ival(e)
 
     # -- fragments
     def frag_elems(self) -> Iterator[None]:
@@ -260,25 +376,129 @@ class _MmaGen(_KernelGen):
         if st.tile != self.s_name or self.p.score_mod is None:
             raise self.fail(f"score_mod {st.tile}")
         self.emit(f"// score_mod {st.tile}: {self.p.score_mod.body}")
-        for _ in self.frag_elems():
-            names = self.variant_names(st, None, ["kb_fr", "kb_fc"])  # type: ignore[arg-type]
-            names["score"] = Sym("kb_sv", Kind.FLOAT)
-            ctx = self.ctx(names)
-            value = lower_cexpr(self.p.score_mod.body, ctx)
-            if expr_kind(self.p.score_mod.body, ctx) is not Kind.FLOAT:
-                value = f"((float)({value}))"
-            self.emit(f"kb_sv = {value};")
+        self.variant(st, self.p.score_mod.body, lambda v, kind: f"kb_sv = {v if kind is Kind.FLOAT else f'((float)({v}))'};")
 
     def s_mask(self, st: Mask) -> None:
         if st.tile != self.s_name or (st.use_mask_mod and self.p.mask_mod is None):
             raise self.fail(f"mask {st.tile}")
         self.emit(f"// mask {st.tile}: kv_idx < {self.n_dim}" + (f" & ({self.p.mask_mod.body})" if st.use_mask_mod else ""))
-        for _ in self.frag_elems():
-            names = self.variant_names(st, None, ["kb_fr", "kb_fc"])  # type: ignore[arg-type]
-            keep = f"(kb_ki < {_local(self.n_dim)})"
-            if st.use_mask_mod:
-                keep += f" && {lower_cexpr(self.p.mask_mod.body, self.ctx(names))}"
-            self.emit(f"if (!({keep})) kb_sv = -INFINITY;")
+        n = Expr(ExprOp.CONST, value=int(self.n_dim)) if self.n_dim.isdigit() else Expr(ExprOp.VAR, value=self.n_dim)
+        keep = Expr(ExprOp.LT, (Expr(ExprOp.VAR, value="kv_idx"), n))
+        if st.use_mask_mod:
+            keep = Expr(ExprOp.AND, (keep, self.p.mask_mod.body))  # type: ignore[union-attr]
+        self.variant(st, keep, lambda v, kind: f"if (!{v}) kb_sv = -INFINITY;")
+
+    def variant(self, st: ScoreMod | Mask, body: Expr, assign: Callable[[str, Kind], str]) -> None:
+        """`body` (a score_mod or the mask's keep test, over b, h, q_idx, kv_idx, score) on this thread's score
+        elements. Subexpressions free of `score` are hoisted: uniform ones once, q_idx-only ones once per fragment
+        row (2 * KB_MT per thread), kv_idx-only ones once per fragment column (2 per n8 tile); integers are 32-bit
+        wherever their ranges provably fit (q_idx < M + BLOCK_M, kv_idx < N + BLOCK_N with dims <= KB_DIM_LIMIT)."""
+        names = {d: self.names[d] for d in self.abi.dims}
+        names.update({q.name: self.names[q.name] for q in self.scalar_params})
+        env = {d: self.ivals[d] for d in self.abi.dims}
+        for v in ("b", "h"):
+            e = getattr(st, v)
+            names[v] = Sym(f"({self.ex(e)})", Kind.INT, is_nonneg(e, self.ctx()))
+            env[v] = self.ival(e)
+        qs, ks = self.ival(st.q_start), self.ival(st.kv_start)
+        env["q_idx"], env["kv_idx"] = _shift(qs, 0, self.p.schedule.block_m - 1), _shift(ks, 0, self.p.schedule.block_n - 1)
+        q32, k32 = _fits32(qs) and _fits32(env["q_idx"]), _fits32(ks) and _fits32(env["kv_idx"])
+        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["score"] = Sym("kb_sv", Kind.FLOAT)
+        int_codes = {c for c, ok in (("kb_qi", q32), ("kb_ki", k32)) if ok}
+        memo: dict[Expr, bool] = {}
+
+        def kind(e: Expr) -> Kind:
+            return expr_kind(e, self.ctx(names))
+
+        def narrow(e: Expr) -> bool:  # `int` when its range fits and so do its integer operands'
+            if e not in memo:
+                memo[e] = _fits32(self.ival(e, env)) and (e.op is ExprOp.LOAD or all(
+                    narrow(a) for a in e.args if kind(a) is Kind.INT))
+            return memo[e]
+
+        levels: dict[str, list[tuple[str, Expr]]] = {"uniform": [], "row": [], "col": []}
+
+        def hoist(e: Expr) -> Expr:
+            dep = free_vars(e) & {"q_idx", "kv_idx", "score"}
+            if e.op not in (ExprOp.CONST, ExprOp.VAR) and len(dep) <= 1 and "score" not in dep and _hoistable(e, kind):
+                self.hoisted += 1
+                name = f"kb_h{self.hoisted}"
+                levels["uniform" if not dep else "row" if "q_idx" in dep else "col"].append((name, e))
+                return Expr(ExprOp.VAR, value=name)
+            return Expr(e.op, tuple(hoist(a) for a in e.args), e.value) if e.args else e
+
+        elem = hoist(body)
+        ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}
+        coord = {"kb_qi": (st.q_start, q32), "kb_ki": (st.kv_start, k32)}
+
+        def decl(var: str, offset: str) -> str:
+            start, small = coord[var]
+            ty, cast = ("int", f"(int)({self.ex(start)})") if small else ("long long", self.ex(start))
+            return f"[[maybe_unused]] const {ty} {var} = {cast} + {offset};"
+
+        def define(name: str, e: Expr, ref: str) -> str:
+            """Declare hoisted value `name` (read as `ref` from then on); returns its C++ type."""
+            k = kind(e)
+            ty = ctype.get(k) or ("int" if narrow(e) else "long long")
+            names[name] = Sym(ref, k, is_nonneg(e, self.ctx(names)) if k is Kind.INT else False)
+            env[name] = self.ival(e, env)
+            if ty == "int":
+                int_codes.add(ref)
+            return ty
+
+        def value(e: Expr) -> str:
+            return lower_cexpr(e, self.ctx(names), IntWidth(narrow, frozenset(int_codes)))
+
+        self.emit("{")
+        with self.indent():
+            for name, e in levels["uniform"]:
+                ty = ctype.get(kind(e)) or ("int" if narrow(e) else "long long")
+                self.emit(f"const {ty} {name} = {value(e)};  // uniform: {e}")
+                define(name, e, name)
+            rows = levels["row"]
+            if rows:
+                self.emit(f"// per fragment row (rows lane/4, lane/4 + 8 of each m16 tile): {'; '.join(str(e) for _, e in rows)}")
+                types = [define(n, e, f"{n}[kb_mi][kb_hf]") for n, e in rows]
+                self.emit(" ".join(f"{ty} {n}[KB_MT][2];" for ty, (n, _) in zip(types, rows)))
+                self.emit("#pragma unroll")
+                with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
+                    self.emit("#pragma unroll")
+                    with self.indent("for (int kb_hf = 0; kb_hf < 2; ++kb_hf)"):
+                        self.emit(decl("kb_qi", "kb_row0 + kb_mi * 16 + kb_lane / 4 + kb_hf * 8"))
+                        for n, e in rows:
+                            self.emit(f"{n}[kb_mi][kb_hf] = {value(e)};")
+                for n, _ in rows:  # the element loop indexes by its own element
+                    names[n] = dataclasses.replace(names[n], code=f"{n}[kb_mi][kb_e / 2]")
+                    if f"{n}[kb_mi][kb_hf]" in int_codes:
+                        int_codes.add(names[n].code)
+            cols = levels["col"]
+            self.emit("#pragma unroll")
+            with self.indent("for (int kb_ni = 0; kb_ni < KB_NT; ++kb_ni)"):
+                if cols:
+                    self.emit(f"// per fragment column (columns 2 * (lane % 4), +1 of n8 tile ni): "
+                              f"{'; '.join(str(e) for _, e in cols)}")
+                    types = [define(n, e, f"{n}[kb_cj]") for n, e in cols]
+                    self.emit(" ".join(f"{ty} {n}[2];" for ty, (n, _) in zip(types, cols)))
+                    self.emit("#pragma unroll")
+                    with self.indent("for (int kb_cj = 0; kb_cj < 2; ++kb_cj)"):
+                        self.emit(decl("kb_ki", "kb_ni * 8 + (kb_lane % 4) * 2 + kb_cj"))
+                        for n, e in cols:
+                            self.emit(f"{n}[kb_cj] = {value(e)};")
+                    for n, _ in cols:
+                        names[n] = dataclasses.replace(names[n], code=f"{n}[kb_e % 2]")
+                        if f"{n}[kb_cj]" in int_codes:
+                            int_codes.add(names[n].code)
+                self.emit("#pragma unroll")
+                with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
+                    self.emit("#pragma unroll  // the C fragment: rows + 8 for e >= 2, column + e % 2")
+                    with self.indent("for (int kb_e = 0; kb_e < 4; ++kb_e)"):
+                        self.emit("float& kb_sv = kb_s[kb_mi][kb_ni][kb_e];")
+                        self.emit(decl("kb_qi", "kb_row0 + kb_mi * 16 + kb_lane / 4 + (kb_e / 2) * 8"))
+                        self.emit(decl("kb_ki", "kb_ni * 8 + (kb_lane % 4) * 2 + kb_e % 2"))
+                        self.emit(assign(value(elem), kind(elem)))
+        self.emit("}")
 
     def s_ifblock(self, st: IfBlock) -> None:
         if not self.in_scores:
@@ -377,6 +597,8 @@ class _MmaGen(_KernelGen):
         self.role[dot.out] = "s"
         n = _local(st.var)
         self.names[st.var] = Sym(n, Kind.INT)
+        lo, hi = self.ival(st.lo)[0], self.ival(st.hi)[1]
+        self.ivals[st.var] = (lo, None if hi is None else hi - 1)
         kref, vref = self.tile_ref(by_name[dot.b].tensor, by_name[dot.b].index, "BLOCK_N"), \
             self.tile_ref(by_name[sm.values].tensor, by_name[sm.values].index, "BLOCK_N")
         self.emit(f"// for {st.var} in range({st.lo}, {st.hi}, {st.step}) {st.order}: K(j+1) and V(j) in flight under the mma")
@@ -436,13 +658,11 @@ class _MmaGen(_KernelGen):
             self.emit("uint32_t kb_qa[KB_MT][4];")
             self.emit("#pragma unroll")
             self.emit("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)")
-            self.emit("  kb_ldmatrix_x4(kb_qa[kb_mi], kb_sQ + kb_swz<HEAD_PAD>(kb_row0 + kb_mi * 16 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, "
-                      "kb_kk * 2 + kb_lane / 16));")
+            self.emit("  kb_ldmatrix_x4(kb_qa[kb_mi], kb_aq[kb_kk % 4] + kb_swz_imm<HEAD_PAD>(kb_mi * 16, kb_kk * 2));")
             self.emit("#pragma unroll")
             with self.indent("for (int kb_nj = 0; kb_nj < KB_NT / 2; ++kb_nj)"):
                 self.emit("uint32_t kb_kb[4];  // B of n8 tiles 2nj (regs 0, 1) and 2nj + 1 (regs 2, 3)")
-                self.emit("kb_ldmatrix_x4(kb_kb, kb_sK + kb_swz<HEAD_PAD>(kb_nj * 16 + kb_lane % 8 + (kb_lane / 16) * 8, "
-                          "kb_kk * 2 + (kb_lane / 8) % 2));")
+                self.emit("kb_ldmatrix_x4(kb_kb, kb_ak[kb_kk % 4] + kb_swz_imm<HEAD_PAD>(kb_nj * 16, kb_kk * 2));")
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
                     self.emit("kb_mma(kb_s[kb_mi][2 * kb_nj], kb_qa[kb_mi], kb_kb[0], kb_kb[1]);")
@@ -493,8 +713,7 @@ class _MmaGen(_KernelGen):
             self.emit("#pragma unroll")
             with self.indent("for (int kb_dj = 0; kb_dj < KB_DT / 2; ++kb_dj)"):
                 self.emit("uint32_t kb_vb[4];  // B of d8 tiles 2dj (regs 0, 1) and 2dj + 1 (regs 2, 3), transposed on load")
-                self.emit("kb_ldmatrix_x4_trans(kb_vb, kb_sV + kb_swz<HEAD_PAD>(kb_kk * 16 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, "
-                          "kb_dj * 2 + kb_lane / 16));")
+                self.emit("kb_ldmatrix_x4_trans(kb_vb, kb_av[kb_dj % 4] + kb_swz_imm<HEAD_PAD>(kb_kk * 16, kb_dj * 2));")
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
                     self.emit("kb_mma(kb_o[kb_mi][2 * kb_dj], kb_pa[kb_mi], kb_vb[0], kb_vb[1]);")
@@ -509,6 +728,12 @@ class _MmaGen(_KernelGen):
         self.sm, self.q_name, self.in_scores, self.s_name = sms[0], dots[0].a, False, ""
         self.decode_grid()
         self.emit("const int kb_row0 = kb_warp * (BLOCK_M / KB_WARPS);  // this warp's first query row in the tile")
+        self.emit("// ldmatrix base addresses (kb_swz_bases): Q and V lanes read rows lane % 8 + ((lane / 8) % 2) * 8, chunk "
+                  "+ lane / 16; K lanes rows lane % 8 + (lane / 16) * 8, chunk + (lane / 8) % 2")
+        self.emit("uint32_t kb_aq[4], kb_ak[4], kb_av[4];")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_aq, kb_smem_addr(kb_sQ), kb_row0 + kb_lane % 8 + ((kb_lane / 8) % 2) * 8, kb_lane / 16);")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_ak, kb_smem_addr(kb_sK), kb_lane % 8 + (kb_lane / 16) * 8, (kb_lane / 8) % 2);")
+        self.emit("kb_swz_bases<HEAD_PAD>(kb_av, kb_smem_addr(kb_sV), kb_lane % 8 + ((kb_lane / 8) % 2) * 8, kb_lane / 16);")
         for st in self.k.body:
             if not isinstance(st, (Let, Load, Init, For, Finalize, Store, Elementwise)):
                 raise self.fail(f"a top-level {st.op.value}")
@@ -554,7 +779,7 @@ def lower_program_mma(p: Program) -> str:
     ctype = _CTYPE[q.dtype]
     pack = "__floats2bfloat162_rn" if q.dtype is Dtype.BF16 else "__floats2half2_rn"
     t2 = "__nv_bfloat162" if q.dtype is Dtype.BF16 else "__half2"
-    helpers = (_MMA_HELPERS.replace("KB_MMA_T", _MMA_TYPE[q.dtype]).replace("KB_T2", t2).replace("KB_PACK2", pack)
+    helpers = (_MMA_HELPERS.replace("KB_MMA_T", _MMA_TYPE[q.dtype]).replace("sizeof(KB_T)", f"sizeof({ctype})").replace("KB_T2", t2).replace("KB_PACK2", pack)
                .replace("KB_T*", f"{ctype}*"))
     out = [f"// Tensor-core CUDA kernel for IR program `{p.name}` (FA2 structure, sm80+): generated by kb.lower.cuda_mma, do not edit.",
            f'// Host entry: extern "C" int {LAUNCH_SYMBOL}(ptrs, strides, dims, scalars, stream); see kb/lower/cuda.py.',
@@ -567,7 +792,9 @@ def lower_program_mma(p: Program) -> str:
            f"constexpr int KB_MT = {s.block_m // s.num_warps // 16};  // m16 tiles per warp",
            f"constexpr int KB_NT = {s.block_n // 8};  // n8 tiles of a score row block",
            "constexpr int KB_ERR_HEAD_DIM = -1;",
-           f"constexpr int KB_ERR_LAYOUT = {KB_ERR_LAYOUT};", "",
+           f"constexpr int KB_ERR_LAYOUT = {KB_ERR_LAYOUT};",
+           f"constexpr int KB_ERR_RANGE = {KB_ERR_RANGE};",
+           f"constexpr long long KB_DIM_LIMIT = {KB_DIM_LIMIT};  // 32-bit index math in the score-fragment loops", "",
            helpers, "", *_args_struct(abi), ""]
     if abi.table:
         out += [*_table_helpers(p, abi, threads), ""]
@@ -586,7 +813,12 @@ def lower_program_mma(p: Program) -> str:
             *_locals(abi, scalars), *body, "}", ""]
     checks = [_aligned(p, t) for t in sorted(gen.tensors_read)]
     layout = [f"  if (kb_a.D % 8 != 0 || !({' && '.join(checks)})) return KB_ERR_LAYOUT;"]
+    dims = " || ".join(f"kb_a.{_local(d)} < 0 || kb_a.{_local(d)} > KB_DIM_LIMIT" for d in abi.dims)
+    if dims:
+        layout.append(f"  if ({dims}) return KB_ERR_RANGE;")
     out += _host(p, abi, [k], scalars, pre_launch=layout,
                  errors={KB_ERR_LAYOUT: "the tensor-core kernel needs D % 8 == 0 and q/k/v with a unit last stride, "
-                                        "16-byte aligned rows and strides that are multiples of 8 (call .contiguous())"})
+                                        "16-byte aligned rows and strides that are multiples of 8 (call .contiguous())",
+                         KB_ERR_RANGE: f"the tensor-core kernel needs every dim <= {KB_DIM_LIMIT} (its score-fragment "
+                                       "index math is 32-bit)"})
     return "\n".join(out).rstrip() + "\n"

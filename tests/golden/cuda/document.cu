@@ -14,6 +14,19 @@ KB_HD long long kb_floormod(long long a, long long b) {
   long long r = a % b;
   return ((r != 0) && ((r < 0) != (b < 0))) ? r + b : r;
 }
+// 32-bit versions for index math proven to fit (kb.lower.cuda_mma's fragment loops); own names, never overloads
+KB_HD int kb_floordiv32(int a, int b) {
+  int q = a / b;
+  return ((a % b != 0) && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+KB_HD int kb_floormod32(int a, int b) {
+  int r = a % b;
+  return ((r != 0) && ((r < 0) != (b < 0))) ? r + b : r;
+}
+KB_HD int kb_cdiv32(int a, int b) { return -kb_floordiv32(-a, b); }
+KB_HD int kb_max32(int a, int b) { return a > b ? a : b; }
+KB_HD int kb_min32(int a, int b) { return a < b ? a : b; }
+KB_HD int kb_abs32(int x) { return x < 0 ? -x : x; }
 KB_HD float kb_floordivf(float a, float b) { return floorf(a / b); }
 KB_HD float kb_floormodf(float a, float b) { return a - b * floorf(a / b); }
 KB_HD long long kb_cdiv(long long a, long long b) { return -kb_floordiv(-a, b); }
