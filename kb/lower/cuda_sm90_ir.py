@@ -32,10 +32,11 @@ from kb.ir.nodes import (
     ScoreMod, Span, Stmt,
 )
 from kb.lower.cuda import (
-    EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _locals, _table_helpers,
-    launch_abi,
+    EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _local, _locals,
+    _table_helpers, launch_abi,
 )
-from kb.lower.cuda_expr import Kind, Sym, expr_kind, lower_cexpr
+from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, lower_cexpr
+from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _ival
 from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.triton import BlockMaskKind, plan_block_mask
@@ -45,6 +46,7 @@ __all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
 SM90_HEAD_DIMS = (64, 128)
+_INT_ARGS = ("b", "h", "q_idx", "kv_idx")  # kb_score's int copies of its arguments
 
 
 def _fail(p: Program, what: str) -> KBError:
@@ -198,14 +200,30 @@ class _HookGen(_KernelGen):
             names = self.element_names(st)
             names["score"] = Sym("kb_s", Kind.FLOAT)
             ctx = self.ctx(names)
-            value = lower_cexpr(self.p.score_mod.body, ctx)
+            value = lower_cexpr(self.p.score_mod.body, ctx, self.width(ctx))
             self.emit(f"kb_s = {value if expr_kind(self.p.score_mod.body, ctx) is Kind.FLOAT else f'(float)({value})'};")
         elif isinstance(st, Mask) and st.tile == s and (not st.use_mask_mod or self.p.mask_mod is not None):
             if st.use_mask_mod:  # kv_idx < N: the kernel masks it itself
-                keep = lower_cexpr(self.p.mask_mod.body, self.ctx(self.element_names(st)))
+                ctx = self.ctx(self.element_names(st))
+                keep = lower_cexpr(self.p.mask_mod.body, ctx, self.width(ctx))
                 self.emit(f"if (!({keep})) kb_s = -INFINITY;")
         else:
             raise _fail(self.p, f"the score statement {type(st).__name__}")
+
+    def width(self, ctx: ExprContext) -> IntWidth:
+        """32-bit integers wherever the value provably fits: the launcher refuses dims above KB_DIM_LIMIT, and
+        q_idx, kv_idx, b, h are `int` in kb_score (64-bit integer ops are emulated on the GPU)."""
+        env = {d: (0, KB_DIM_LIMIT) for d in self.abi.dims}
+        env.update({n: (0, KB_DIM_LIMIT) for n in _INT_ARGS})
+        aux = {t.name: t.dtype for t in self.abi.tensors if t.role is Role.AUX}
+        memo: dict[Expr, bool] = {}
+
+        def narrow(e: Expr) -> bool:  # `int` when its range fits and so do its integer operands'
+            if e not in memo:
+                memo[e] = _fits32(_ival(e, env, aux)) and (e.op is ExprOp.LOAD or all(
+                    narrow(a) for a in e.args if expr_kind(a, ctx) is Kind.INT))
+            return memo[e]
+        return IntWidth(narrow, frozenset(_INT_ARGS))
 
     def element_names(self, st: ScoreMod | Mask) -> dict[str, Sym]:
         if str(st.b) != "b" or str(st.h) != "h":
@@ -244,8 +262,10 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
         *locs, *kv, "}",
         f"__device__ __forceinline__ int kb_block_kind{head}, long long kb_n_start) {{",
         *locs, *kind_lines, "}",
-        "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, long long b, long long h, long long q_idx, "
-        "long long kv_idx, float kb_s) {",
+        "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, long long kb_b, long long kb_h, long long kb_q, "
+        "long long kb_kv, float kb_s) {",
+        "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT",
+        "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, q_idx = (int)kb_q, kv_idx = (int)kb_kv;",
         *locs, *score_lines, "  return kb_s;", "}"])
 
 
@@ -335,6 +355,10 @@ def _host(abi) -> list[str]:  # noqa: ANN001
               "const_cast<signed char*>(kb_a.bc));",
               "  cudaError_t kb_err = cudaGetLastError();",
               "  if (kb_err != cudaSuccess) return (int)kb_err;"]
-    L += ["  return kb_sm90_launch(&kb_a, stream);", "}", "",
-          f'extern "C" const char* {ERROR_SYMBOL}(int code) {{ return kb_sm90_error_string(code); }}']
+    too_big = " || ".join(f"kb_a.{_local(d)} > {KB_DIM_LIMIT}LL" for d in abi.dims) or "false"
+    L += [f"  if ({too_big}) return {KB_ERR_RANGE};  // the hooks' 32-bit index math needs dims <= {KB_DIM_LIMIT}",
+          "  return kb_sm90_launch(&kb_a, stream);", "}", "",
+          f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
+          f'  if (code == {KB_ERR_RANGE}) return "the Hopper kernel needs every dim <= {KB_DIM_LIMIT}";',
+          "  return kb_sm90_error_string(code);", "}"]
     return L
