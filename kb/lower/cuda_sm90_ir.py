@@ -33,7 +33,7 @@ from kb.ir.nodes import (
 )
 from kb.lower.cuda import (
     EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _local, _locals,
-    _table_helpers, launch_abi,
+    _table_helpers, launch_abi, schedule_constants,
 )
 from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, lower_cexpr
 from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _ival
@@ -331,10 +331,7 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
     abi = launch_abi(p)
     scalars = [x for x in p.params if x.role is Role.SCALAR]
     dtype = "bf16" if q.dtype is Dtype.BF16 else "fp16"
-    consts = ["constexpr int KB_THREADS = 128;  // the block-class kernel's", "constexpr int KB_WARPS = 4;",
-              f"[[maybe_unused]] constexpr long long BLOCK_M = {SM90_BLOCK_M};",
-              f"[[maybe_unused]] constexpr long long BLOCK_N = {SM90_BLOCK_N};",
-              "[[maybe_unused]] constexpr long long NUM_SPLITS = 1;"]
+    consts = schedule_constants(p.schedule)  # KB_THREADS: the block-class kernel's
     hooks = "\n".join([EXPR_HELPERS, *consts, *_args_struct(abi), *(_table_helpers(p, abi, 128) if abi.table else []),
                        _hooks(p, shape, abi, scalars)])
     src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
