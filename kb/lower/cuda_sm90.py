@@ -6,7 +6,7 @@ translation unit (no CUTLASS/CuTe; inline PTX for wgmma, TMA, mbarrier, setmaxnr
 with hk = h / (Hq/Hkv); a row with every score -inf gives o = 0 and lse = -inf.
 
 The variant comes in through `hooks`, C++ placed before the kernel, which defines `struct KbArgs`
-and three device functions (see `HOOK_INTERFACE`); `KB_BLOCK_M`, `KB_BLOCK_N` and `KB_HEAD_DIM`
+and four device functions (see `HOOK_INTERFACE`); `KB_BLOCK_M`, `KB_BLOCK_N` and `KB_HEAD_DIM`
 are defined before it so that hooks may use them. The kernel itself masks kv_idx outside [0, N)
 and never stores rows q_idx >= M; hooks are not called for such rows or columns.
 
@@ -46,8 +46,10 @@ HOOK_INTERFACE = """\
 __device__ void kb_kv_range(const KbArgs& a, long long b, long long h, long long m_start, long long& lo, long long& hi);
 // 0 = skip the (query tile, key tile) entirely, 1 = partial (kb_score per element), 2 = full (s * sm_scale)
 __device__ int kb_block_kind(const KbArgs& a, long long b, long long h, long long m_start, long long n_start);
-// raw score s = q.k of (q_idx, kv_idx) -> final score (natural-log domain, sm_scale included), -INFINITY masks
-__device__ float kb_score(const KbArgs& a, long long b, long long h, long long q_idx, long long kv_idx, float s);
+// what the score statements need of one query row, computed once per CTA and thread row (struct KbRow)
+__device__ KbRow kb_row(const KbArgs& a, long long b, long long h, long long q_idx);
+// raw score s = q.k of (row, kv_idx) -> final score (natural-log domain, sm_scale included), -INFINITY masks
+__device__ float kb_score(const KbArgs& a, const KbRow& row, long long kv_idx, float s);
 """
 
 # Codes above every cudaError_t value; kb_sm90_error_string names them.
@@ -116,8 +118,13 @@ __device__ __forceinline__ void kb_kv_range(const KbArgs& a, long long b, long l
                                             long long& lo, long long& hi) { lo = 0; hi = a.N; }
 __device__ __forceinline__ int kb_block_kind(const KbArgs& a, long long b, long long h, long long m_start,
                                              long long n_start) { return 2; }
-__device__ __forceinline__ float kb_score(const KbArgs& a, long long b, long long h, long long q_idx,
-                                          long long kv_idx, float s) { return s * a.sm_scale; }
+struct KbRow { float scale; };
+__device__ __forceinline__ KbRow kb_row(const KbArgs& a, long long b, long long h, long long q_idx) {
+  return {a.sm_scale};
+}
+__device__ __forceinline__ float kb_score(const KbArgs& a, const KbRow& r, long long kv_idx, float s) {
+  return s * r.scale;
+}
 """
 
 
@@ -134,9 +141,12 @@ __device__ __forceinline__ int kb_block_kind(const KbArgs& a, long long b, long 
   if (n_start + KB_BLOCK_N - 1 <= m_start) return 2;  // every key at or before every query
   return 1;
 }
-__device__ __forceinline__ float kb_score(const KbArgs& a, long long b, long long h, long long q_idx,
-                                          long long kv_idx, float s) {
-  return kv_idx > q_idx ? -INFINITY : s * a.sm_scale;
+struct KbRow { long long q_idx; float scale; };
+__device__ __forceinline__ KbRow kb_row(const KbArgs& a, long long b, long long h, long long q_idx) {
+  return {q_idx, a.sm_scale};
+}
+__device__ __forceinline__ float kb_score(const KbArgs& a, const KbRow& r, long long kv_idx, float s) {
+  return kv_idx > r.q_idx ? -INFINITY : s * r.scale;
 }
 """
 
@@ -408,6 +418,7 @@ struct Consumer {
   int cw;        // consumer warpgroup 0 or 1: rows 64cw .. 64cw+63 of the tile
   int lane, warp;
   long long q0;  // query index of this thread's row r = 0 (row r = 1 is q0 + 8)
+  KbRow rows[2];  // kb_row of this thread's two query rows (rows >= M: never read)
   float o[HD / 2];
   float sacc[BN / 2];
   uint32_t p[BN / 4];
@@ -419,6 +430,9 @@ struct Consumer {
     lane = tid % 32;
     warp = tid / 32;
     q0 = t.m_start + 64 * cw + 16 * warp + lane / 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      if (q0 + 8 * r < a.M) rows[r] = kb_row(a, t.b, t.h, q0 + 8 * r);  // once per CTA: the rows never change
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
     m_run[0] = m_run[1] = -INFINITY;
@@ -466,7 +480,7 @@ struct Consumer {
       if (kv < 0 || kv >= N) x = -INFINITY;
       else if (kind == 2) x = sacc[i] * scale2;
       else if (q >= M) x = -INFINITY;  // a ragged-tail row: never stored, keep hooks in bounds
-      else x = kb_score(a, t.b, t.h, q, kv, sacc[i]) * LOG2E;
+      else x = kb_score(a, rows[(i / 2) % 2], kv, sacc[i]) * LOG2E;
       sacc[i] = x;
     }
   }

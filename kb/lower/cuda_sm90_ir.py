@@ -35,8 +35,8 @@ from kb.lower.cuda import (
     EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _local, _locals,
     _table_helpers, launch_abi, schedule_constants,
 )
-from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, lower_cexpr
-from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _ival
+from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, is_nonneg, lower_cexpr
+from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _hoistable, _ival
 from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.triton import BlockMaskKind, plan_block_mask
@@ -46,7 +46,7 @@ __all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
 SM90_HEAD_DIMS = (64, 128)
-_INT_ARGS = ("b", "h", "q_idx", "kv_idx")  # kb_score's int copies of its arguments
+_ROW_ARGS = ("b", "h", "q_idx")  # KbRow's int fields (the launcher refuses dims above KB_DIM_LIMIT)
 
 
 def _fail(p: Program, what: str) -> KBError:
@@ -197,25 +197,56 @@ class _HookGen(_KernelGen):
             value = lower_cexpr(st.value, ctx)
             self.emit(f"kb_s = {value if expr_kind(st.value, ctx) is Kind.FLOAT else f'(float)({value})'};")
         elif isinstance(st, ScoreMod) and self.p.score_mod is not None and st.tile == s:
-            names = self.element_names(st)
-            names["score"] = Sym("kb_s", Kind.FLOAT)
-            ctx = self.ctx(names)
-            value = lower_cexpr(self.p.score_mod.body, ctx, self.width(ctx))
-            self.emit(f"kb_s = {value if expr_kind(self.p.score_mod.body, ctx) is Kind.FLOAT else f'(float)({value})'};")
+            value, kind = self.element(self.p.score_mod.body, st)
+            self.emit(f"kb_s = {value if kind is Kind.FLOAT else f'(float)({value})'};")
         elif isinstance(st, Mask) and st.tile == s and (not st.use_mask_mod or self.p.mask_mod is not None):
             if st.use_mask_mod:  # kv_idx < N: the kernel masks it itself
-                ctx = self.ctx(self.element_names(st))
-                keep = lower_cexpr(self.p.mask_mod.body, ctx, self.width(ctx))
-                self.emit(f"if (!({keep})) kb_s = -INFINITY;")
+                self.emit(f"if (!({self.element(self.p.mask_mod.body, st)[0]})) kb_s = -INFINITY;")
         else:
             raise _fail(self.p, f"the score statement {type(st).__name__}")
 
-    def width(self, ctx: ExprContext) -> IntWidth:
-        """32-bit integers wherever the value provably fits: the launcher refuses dims above KB_DIM_LIMIT, and
-        q_idx, kv_idx, b, h are `int` in kb_score (64-bit integer ops are emulated on the GPU)."""
+    def element(self, e: Expr, st: ScoreMod | Mask) -> tuple[str, Kind]:
+        """`e` for kb_score, with its pieces that do not depend on kv_idx or the score moved into kb_row (computed
+        once per CTA and thread row: the template's rows never change); (C++ code, kind)."""
+        if str(st.b) != "b" or str(st.h) != "h":
+            raise _fail(self.p, f"{st.op.value} at ({st.b}, {st.h}, ..) (b and h are accepted)")
+        row = {**self.names, **{n: Sym(n, Kind.INT, True) for n in (*_ROW_ARGS, "kv_idx")},
+               "score": Sym("kb_s", Kind.FLOAT)}
+        rctx = self.ctx(row)
+        body = self.hoist(e, rctx)
+        elem = {**row, **{n: Sym(f"r.{n}", Kind.INT, True) for n in _ROW_ARGS},
+                **{f.name: Sym(f"r.{f.name}", f.kind, f.nonneg) for f in self.fields}}
+        ctx = self.ctx(elem)
+        return lower_cexpr(body, ctx, self.width(ctx, {f"r.{n}" for n in _ROW_ARGS} | {"kv_idx"})), expr_kind(body, ctx)
+
+    def hoist(self, e: Expr, ctx: ExprContext) -> Expr:
+        """`e` with each largest piece free of kv_idx and the score (and safe to evaluate eagerly) replaced by a
+        KbRow field; the fields' code is lowered for kb_row."""
+        if e.op not in (ExprOp.CONST, ExprOp.VAR) and not free_vars(e) & {"kv_idx", "score"} \
+                and _hoistable(e, lambda x: expr_kind(x, ctx)):
+            kind = expr_kind(e, ctx)
+            rng = _ival(e, self.env(), self.aux_types()) if kind is Kind.INT else None
+            ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if _fits32(rng) else "long long")
+            name = f"kb_r{len(self.fields)}"
+            code = lower_cexpr(e, ctx, self.width(ctx, set(_ROW_ARGS)))
+            self.fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng))
+            return Expr(ExprOp.VAR, value=name)
+        return Expr(e.op, tuple(self.hoist(a, ctx) for a in e.args), e.value) if e.args else e
+
+    def env(self) -> dict[str, tuple]:
         env = {d: (0, KB_DIM_LIMIT) for d in self.abi.dims}
-        env.update({n: (0, KB_DIM_LIMIT) for n in _INT_ARGS})
-        aux = {t.name: t.dtype for t in self.abi.tensors if t.role is Role.AUX}
+        env.update({n: (0, KB_DIM_LIMIT) for n in (*_ROW_ARGS, "kv_idx")})
+        env.update({f.name: f.range for f in self.fields if f.range is not None})
+        return env
+
+    def aux_types(self) -> dict[str, Dtype]:
+        return {t.name: t.dtype for t in self.abi.tensors if t.role is Role.AUX}
+
+    def width(self, ctx: ExprContext, int_codes: set[str]) -> IntWidth:
+        """32-bit integers wherever the value provably fits: the launcher refuses dims above KB_DIM_LIMIT
+        (64-bit integer ops are emulated on the GPU); `int_codes`: the names already `int`."""
+        env, aux = self.env(), self.aux_types()
+        ints = int_codes | {f"r.{f.name}" for f in self.fields if f.ctype == "int"}
         memo: dict[Expr, bool] = {}
 
         def narrow(e: Expr) -> bool:  # `int` when its range fits and so do its integer operands'
@@ -223,14 +254,30 @@ class _HookGen(_KernelGen):
                 memo[e] = _fits32(_ival(e, env, aux)) and (e.op is ExprOp.LOAD or all(
                     narrow(a) for a in e.args if expr_kind(a, ctx) is Kind.INT))
             return memo[e]
-        return IntWidth(narrow, frozenset(_INT_ARGS))
+        return IntWidth(narrow, frozenset(ints))
 
-    def element_names(self, st: ScoreMod | Mask) -> dict[str, Sym]:
-        if str(st.b) != "b" or str(st.h) != "h":
-            raise _fail(self.p, f"{st.op.value} at ({st.b}, {st.h}, ..) (b and h are accepted)")
-        names = {**self.names, "q_idx": Sym("q_idx", Kind.INT, True), "kv_idx": Sym("kv_idx", Kind.INT, True)}
-        names["b"], names["h"] = Sym("b", Kind.INT, True), Sym("h", Kind.INT, True)
-        return names
+    def row_hook(self) -> list[str]:
+        """struct KbRow and kb_row: b, h, q_idx and the hoisted pieces of one query row."""
+        struct = ["struct KbRow {", "  int b, h, q_idx;", *(f"  {f.ctype} {f.name};" for f in self.fields), "};"]
+        body = ["__device__ __forceinline__ KbRow kb_row(const KbArgs& kb_a, long long kb_b, long long kb_h, "
+                "long long kb_q) {",
+                "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT",
+                "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, q_idx = (int)kb_q;",
+                *self.locals_, "  KbRow r;", "  r.b = b; r.h = h; r.q_idx = q_idx;",
+                *(f"  r.{f.name} = {f.code};" for f in self.fields), "  return r;", "}"]
+        return struct + body
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A KbRow field: a piece of a score statement computed once per query row."""
+
+    name: str
+    kind: Kind
+    ctype: str
+    code: str  # C++ in kb_row's scope
+    nonneg: bool
+    range: tuple | None
 
 
 def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN001
@@ -255,6 +302,7 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
             g.emit(f"if ({lo} < {hi} && ({lo} < 0 || kb_floormod({lo} - kb_lo, BLOCK_N) != 0)) __trap();")
 
     kv = g.body(kv_range)
+    g.fields, g.locals_ = [], locs
     score_lines = g.body(lambda: [g.score_stmt(st, shape.s) for st in shape.scores])
     kind_lines = g.body(lambda: _kind_lines(g, shape, bounds))
     return "\n".join([
@@ -262,10 +310,9 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
         *locs, *kv, "}",
         f"__device__ __forceinline__ int kb_block_kind{head}, long long kb_n_start) {{",
         *locs, *kind_lines, "}",
-        "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, long long kb_b, long long kb_h, long long kb_q, "
-        "long long kb_kv, float kb_s) {",
-        "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT",
-        "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, q_idx = (int)kb_q, kv_idx = (int)kb_kv;",
+        *g.row_hook(),
+        "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, const KbRow& r, long long kb_kv, float kb_s) {",
+        "  [[maybe_unused]] const int kv_idx = (int)kb_kv;  // the launcher refuses dims above KB_DIM_LIMIT",
         *locs, *score_lines, "  return kb_s;", "}"])
 
 
