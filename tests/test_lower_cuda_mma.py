@@ -7,9 +7,11 @@ Correctness on a GPU is `bench/cuda_check.py --tensor-cores` (every fixture, bf1
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,35 +49,49 @@ def _default_traits(head_dim: int) -> MmaTraits:
     return fa2_traits([], head_dim)[0]
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["causal", "plain", "alibi", "sliding_window", "document"])
-def test_default_designs_use_tensor_cores_without_spills(tmp_path: Path, name: str, head_dim: int, arch: str) -> None:
+CASES = [(n, d, a) for n in ("causal", "plain", "alibi", "sliding_window", "document") for d in (64, 128)
+         for a in sorted(ARCHS)]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every case built once, in parallel (nvcc and ptxas run outside the GIL): (PTX text, ptxas log, rc, cubin)."""
     nvcc = _nvcc_or_skip()
-    src = lower_program_mma(with_traits(FIXTURES[name](dtype=Dtype.BF16), _default_traits(head_dim)))
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    ptx = tmp_path / "k.ptx"
-    subprocess.run([nvcc, "-std=c++17", *ARCHS[arch], "-O3", f"-DKB_HEAD_PAD_ONLY={head_dim}", "-ptx", "-o", str(ptx), str(cu)],
-                   check=True, capture_output=True, text=True, timeout=300)
-    text = ptx.read_text()
+    ptxas = _ptxas(nvcc)
+    root = tmp_path_factory.mktemp("mma")
+
+    def one(case: tuple[str, int, str]) -> tuple[str, str, int, Path]:
+        name, head_dim, arch = case
+        d = root / f"{name}_{head_dim}_{arch}"
+        d.mkdir()
+        (d / "k.cu").write_text(lower_program_mma(with_traits(FIXTURES[name](dtype=Dtype.BF16), _default_traits(head_dim))))
+        subprocess.run([nvcc, "-std=c++17", *ARCHS[arch], "-O3", f"-DKB_HEAD_PAD_ONLY={head_dim}", "-ptx", "-o",
+                        str(d / "k.ptx"), str(d / "k.cu")], check=True, capture_output=True, text=True, timeout=300)
+        res = subprocess.run([ptxas, f"-arch={arch}", "-O3", "-v", "-o", str(d / "k.cubin"), str(d / "k.ptx")],
+                             capture_output=True, text=True, timeout=300)
+        return (d / "k.ptx").read_text(), res.stdout + res.stderr, res.returncode, d / "k.cubin"
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip(CASES, pool.map(one, CASES)))
+
+
+@pytest.mark.parametrize("name, head_dim, arch", CASES)
+def test_default_designs_use_tensor_cores_without_spills(builds: dict, name: str, head_dim: int, arch: str) -> None:
+    text, info, rc, cubin = builds[(name, head_dim, arch)]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text and "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
     assert "cp.async.cg.shared.global" in text and "cp.async.wait_group" in text
-    gpu = arch.replace("sm_90a", "sm_90a")
-    res = subprocess.run([_ptxas(nvcc), f"-arch={gpu}", "-O3", "-v", "-o", str(tmp_path / "k.cubin"), str(ptx)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    info = res.stdout + res.stderr
+    assert rc == 0, info[-2000:]
     fwd = re.search(r"Compiling entry function '(_Z\w*kb_fwd_kernel\w*)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads",
                     info, re.S)
     assert fwd, info
     assert (fwd.group(2), fwd.group(3)) == ("0", "0"), f"{name} D={head_dim} {arch} spills: {info}"
     regs = re.search(r"Used (\d+) registers", info[fwd.end():])
     assert regs and int(regs.group(1)) <= MAX_DEFAULT_REGS, f"{name} D={head_dim} {arch} registers: {info}"
+    nvcc = _nvcc_or_skip()
     cuobjdump = shutil.which("cuobjdump") or str(Path(nvcc).parent / "cuobjdump")
     if Path(cuobjdump).is_file():  # the SASS itself, where the toolkit ships cuobjdump
-        sass = subprocess.run([cuobjdump, "-sass", str(tmp_path / "k.cubin")], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
         assert "HMMA.16816.F32.BF16" in sass and "LDSM" in sass and "LDGSTS" in sass
         assert "LDL" not in sass and "STL" not in sass
 
