@@ -7,9 +7,10 @@ Correctness on a GPU: `python3 bench/cuda_check.py --sm90` (fixtures at D=64/128
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import subprocess
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -58,23 +59,40 @@ def _rename(st, old: str, new: str):  # noqa: ANN001, ANN202
     return dataclasses.replace(st, **changes)
 
 
-@pytest.mark.parametrize("name, head_dim", [("causal", 128), ("causal", 64), ("document", 128), ("alibi", 128),
-                                            ("softcap", 64), ("two_loops", 128)])
-def test_generated_hooks_build_for_sm90a_on_wgmma_without_spills(tmp_path: Path, name: str, head_dim: int) -> None:
+HOOK_CASES = [("causal", 128), ("causal", 64), ("document", 128), ("alibi", 128), ("softcap", 64), ("two_loops", 128)]
+
+
+@pytest.fixture(scope="module")
+def hook_builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each case's (source, PTX text, ptxas log of the object build), built once and in parallel."""
     nvcc = _nvcc_or_skip()
-    p = _two_loops("alibi") if name == "two_loops" else FIXTURES[name](dtype=Dtype.BF16)
-    src = lower_program_sm90(p, head_dim)
-    cu = tmp_path / "k.cu"
-    cu.write_text(src)
-    res = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-ptx",
-                          "-o", str(tmp_path / "k.ptx"), str(cu)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ptx = (tmp_path / "k.ptx").read_text()
+    root = tmp_path_factory.mktemp("sm90")
+    flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
+
+    def one(case: tuple[str, int]) -> tuple[str, str, str]:
+        name, head_dim = case
+        d = root / f"{name}_{head_dim}"
+        d.mkdir()
+        p = _two_loops("alibi") if name == "two_loops" else FIXTURES[name](dtype=Dtype.BF16)
+        src = lower_program_sm90(p, head_dim)
+        (d / "k.cu").write_text(src)
+        ptx = subprocess.run([*flags, "-ptx", "-o", str(d / "k.ptx"), str(d / "k.cu")], capture_output=True, text=True,
+                             timeout=300)
+        assert ptx.returncode == 0, ptx.stderr[-3000:]
+        obj = subprocess.run([*flags, "-c", "-o", str(d / "k.o"), str(d / "k.cu")], capture_output=True, text=True,
+                             timeout=300)
+        return src, (d / "k.ptx").read_text(), obj.stdout + obj.stderr
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip(HOOK_CASES, pool.map(one, HOOK_CASES)))
+
+
+@pytest.mark.parametrize("name, head_dim", HOOK_CASES)
+def test_generated_hooks_build_for_sm90a_on_wgmma_without_spills(hook_builds: dict, name: str, head_dim: int) -> None:
+    src, ptx, log = hook_builds[(name, head_dim)]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
-    res = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v", "-c",
-                          "-o", str(tmp_path / "k.o"), str(cu)], capture_output=True, text=True, timeout=300)
-    spills = re.findall(r"Compiling entry function '(\w*kb_sm90_fwd\w*)'.*?(\d+) bytes spill stores", res.stdout + res.stderr, re.S)
-    assert spills and all(s == "0" for _, s in spills), res.stdout + res.stderr
+    spills = re.findall(r"Compiling entry function '(\w*kb_sm90_fwd\w*)'.*?(\d+) bytes spill stores", log, re.S)
+    assert spills and all(s == "0" for _, s in spills), log
     if name == "two_loops":
         assert "kb_lo1" in src and "__trap()" in src  # the union of the loops, and a loud stop off the tile grid
 
