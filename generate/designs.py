@@ -164,7 +164,7 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
     from kb.store import Kernel, PerfRecord
 
     rows = [r for r in kb.list(PerfRecord, kind="measured") if r.arch and r.design_json not in ("", "{}")
-            and '"impl"' not in r.design_json and (arch is None or r.arch == arch) and r.ms]  # not the .cu records
+            and "impl" not in json.loads(r.design_json) and (arch is None or r.arch == arch) and r.ms]  # not .cu records
     groups: dict[tuple[str, str, str, str], list] = {}
     for r in rows:
         groups.setdefault((r.kernel_id, r.shape_json, r.arch, r.gpu), []).append(r)
