@@ -24,7 +24,8 @@ from kb.errors import KBError
 from kb.ir.evaluate import eval_expr
 from kb.ir.nodes import Dtype, For, IfBlock, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
-from kb.lower.triton import BlockMaskKind, LowerOptions, _block_tests, lower_program, plan_block_mask
+from kb.lower.block_mask import BlockMaskKind, _block_tests, plan_block_mask
+from kb.lower.triton import LowerOptions, lower_program
 from tests.attn_reference import reference_attention
 from tests.ir_programs import FIXTURES, forward
 

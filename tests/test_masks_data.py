@@ -27,7 +27,8 @@ from kb.errors import KBError
 from kb.ir.evaluate import eval_expr
 from kb.ir.nodes import Dtype, Param, Role
 from kb.lower.runtime import TritonKernel
-from kb.lower.triton import BlockMaskKind, lower_program, plan_block_mask
+from kb.lower.block_mask import BlockMaskKind, plan_block_mask
+from kb.lower.triton import lower_program
 from tests.attn_reference import reference_attention
 from tests.ir_programs import forward
 from tests.generate_fixtures import QUICK

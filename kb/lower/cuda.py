@@ -21,7 +21,7 @@ Code shape (plain SIMT, every tile in dynamic shared memory):
 - A `__syncthreads()` follows every tile-producing statement (tile statements are barriers);
   scalars (grid axes, `let`, loop variables) are uniform across the CTA, so every loop and `if`
   is uniform and the barriers inside them are legal.
-- `if block(...) is CLASS` is decided in closed form when `kb.lower.triton.plan_block_mask`
+- `if block(...) is CLASS` is decided in closed form when `kb.lower.block_mask.plan_block_mask`
   finds one (causal, sliding window, offsets); otherwise a generated `kb_block_class_kernel`
   evaluates mask_mod over every (BLOCK_M x BLOCK_N) tile on the device first and writes an
   int8 table [B|1, H|1, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] (0 empty, 1 partial, 2 full; an
@@ -58,9 +58,10 @@ from kb.lower.cuda_expr import (
     EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
     lower_cexpr,
 )
-from kb.lower.triton import (
-    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, check_attention_params, plan_block_mask,
+from kb.lower.block_mask import (
+    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, plan_block_mask,
 )
+from kb.lower.triton import check_attention_params
 
 __all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
            "LAUNCH_SYMBOL", "ERROR_SYMBOL", "KB_ERR_HEAD_DIM"]

@@ -52,7 +52,7 @@ from kb.lower.cuda import (
     _locals, _table_helpers, kernel_symbol, launch_abi, schedule_constants,
 )
 from kb.lower.cuda_expr import IntWidth, Kind, Sym, expr_kind, is_nonneg, lower_cexpr
-from kb.lower.triton import plan_block_mask
+from kb.lower.block_mask import plan_block_mask
 
 __all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "KB_ERR_RANGE", "KB_DIM_LIMIT", "FA2_TRAITS"]
 

@@ -7,7 +7,7 @@ score_mod/mask_mod:
 - `kb_block_kind`: 0 when the loop's `if block(..) is not empty` skips the tile, 1 when some score
   statement acts on its elements, 2 when only `s * sm_scale` does (every mask of a FULL tile keeps
   every score, so a mask counts only where the tile is not provably full: closed form or the
-  block-class table, `kb.lower.triton.plan_block_mask`);
+  block-class table, `kb.lower.block_mask.plan_block_mask`);
 - `kb_score`: the loop's score statements in order (elementwise on the score, score_mod, masks) on
   one score at (q_idx, kv_idx); `if block(..) is not full: mask` applies unconditionally (a full tile
   keeps every score, so this is exact).
@@ -39,7 +39,7 @@ from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, is_n
 from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _hoistable, _ival
 from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
-from kb.lower.triton import BlockMaskKind, plan_block_mask
+from kb.lower.block_mask import BlockMaskKind, plan_block_mask
 
 __all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
 

@@ -34,37 +34,34 @@ Invariants of the generated module:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import keyword
 import re
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Iterator
 
 from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, var, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad,
     SoftmaxGrad, Span, Stmt, Store, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
 )
+from kb.lower.block_mask import (
+    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, _full_span, _max_all, _reach,
+    _simplify, _union_span, plan_block_mask,
+)
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
-from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
+from kb.lower.triton_expr import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
-__all__ = ["lower_program", "LowerOptions", "BlockMaskKind", "BlockMaskPlan", "plan_block_mask", "kernel_fn_name", "EMPTY", "PARTIAL", "FULL",
-           "CLASS_CODE", "HostEntry", "program_signature", "kernel_sources", "check_attention_params"]
+__all__ = ["lower_program", "LowerOptions", "kernel_fn_name", "HostEntry", "program_signature", "kernel_sources",
+           "check_attention_params"]
 
-EMPTY, PARTIAL, FULL = 0, 1, 2
-CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
 _LOG2E = "1.4426950408889634"
 _NEG_INF = 'float("-inf")'
 _TL_DTYPE = {Dtype.F32: "tl.float32", Dtype.BF16: "tl.bfloat16", Dtype.F16: "tl.float16",
              Dtype.I32: "tl.int32", Dtype.I64: "tl.int64", Dtype.BOOL: "tl.int1"}
 _TORCH_DTYPE = {Dtype.F32: "torch.float32", Dtype.BF16: "torch.bfloat16", Dtype.F16: "torch.float16",
                 Dtype.I32: "torch.int32", Dtype.I64: "torch.int64", Dtype.BOOL: "torch.bool"}
-_KIND = {Dtype.F32: Kind.FLOAT, Dtype.BF16: Kind.FLOAT, Dtype.F16: Kind.FLOAT,
-         Dtype.I32: Kind.INT, Dtype.I64: Kind.INT, Dtype.BOOL: Kind.BOOL}
 _RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
 
 
@@ -123,275 +120,6 @@ def kernel_fn_name(k: Kernel) -> str:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-# ------------------------------------------------------------------ block classes
-
-
-class BlockMaskKind(Enum):
-    NO_MASK = "no_mask"  # classes follow from the tile bounds alone
-    ANALYTIC = "analytic"  # an `|` of conjunctions L_i <= alpha*q_idx + beta*kv_idx <= U_j, decided on the tile corners
-    TABLE = "table"  # host-computed table, read by the kernel
-
-
-@dataclass(frozen=True)
-class LinearBounds:
-    """`L_i <= alpha*q_idx + beta*kv_idx <= U_j` for every bound: one conjunct of mask_mod's `|` (one direction).
-
-    Bounds are integer Exprs over b, h, dims, int scalars and loads from int aux tensors at indices free
-    of q_idx/kv_idx (a per-batch prefix length `prefix[b]`), so a program reads them once."""
-
-    alpha: int
-    beta: int
-    lower: tuple[Expr, ...] = ()
-    upper: tuple[Expr, ...] = ()
-
-
-@dataclass(frozen=True)
-class BlockMaskPlan:
-    kind: BlockMaskKind
-    disjuncts: tuple[LinearBounds, ...] = ()  # ANALYTIC: the mask is their `|`; a block is full when one of them
-    # covers it, empty when every one misses it (exact for one disjunct; prefix-LM = two)
-    per_b: bool = False  # TABLE: does the class depend on b / h?
-    per_h: bool = False
-
-
-def _linear(e: Expr) -> tuple[int, int, Expr] | None:
-    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
-    if not ({"q_idx", "kv_idx"} & free_vars(e)):
-        return (0, 0, e)
-    if e.op is ExprOp.VAR:
-        return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = _linear(e.args[0]), _linear(e.args[1])
-        if a is None or b is None:
-            return None
-        sign = 1 if e.op is ExprOp.ADD else -1
-        return a[0] + sign * b[0], a[1] + sign * b[1], Expr(e.op, (a[2], b[2]))
-    if e.op is ExprOp.NEG:
-        a = _linear(e.args[0])
-        return None if a is None else (-a[0], -a[1], Expr(ExprOp.NEG, (a[2],)))
-    if e.op is ExprOp.MUL:
-        for x, y in (e.args, e.args[::-1]):
-            if x.op is ExprOp.CONST and isinstance(x.value, int) and not isinstance(x.value, bool):
-                lin = _linear(y)
-                return None if lin is None else (x.value * lin[0], x.value * lin[1], Expr(ExprOp.MUL, (x, lin[2])))
-    return None
-
-
-_FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
-
-
-def _operands(e: Expr, op: ExprOp) -> Iterator[Expr]:
-    """The terms of a nest of `op` (AND: conjuncts, OR: disjuncts)."""
-    if e.op is op:
-        for a in e.args:
-            yield from _operands(a, op)
-    else:
-        yield e
-
-
-def _int_expr(e: Expr) -> bool:
-    return all(n.op not in (ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT)
-               and not (n.op is ExprOp.CONST and isinstance(n.value, float)) for n in walk(e))
-
-
-def plan_block_mask(p: Program) -> BlockMaskPlan:
-    """Decide how block classes are computed for `p`'s mask_mod (see module docstring)."""
-    if p.mask_mod is None:
-        return BlockMaskPlan(BlockMaskKind.NO_MASK)
-    not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and _KIND[q.dtype] is not Kind.INT}
-    disjuncts = [_linear_bounds(d, not_int) for d in _operands(p.mask_mod.body, ExprOp.OR)]
-    if any(d is None for d in disjuncts):
-        return _table_plan(p)
-    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
-
-
-def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
-    """`e` as bounds on one linear form of q_idx/kv_idx with unit coefficients, or None."""
-    direction: tuple[int, int] | None = None
-    lower: list[Expr] = []
-    upper: list[Expr] = []
-    for atom in _operands(e, ExprOp.AND):
-        lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
-        if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
-                or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
-            return None
-        a, b, c = lin
-        op = atom.op
-        if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
-            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
-        if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
-            return None
-        direction = (a, b)
-        r = Expr(ExprOp.NEG, (c,))  # a*q + b*kv  op  r
-        if op in (ExprOp.GE, ExprOp.EQ):
-            lower.append(r)
-        if op is ExprOp.GT:
-            lower.append(r + 1)
-        if op in (ExprOp.LE, ExprOp.EQ):
-            upper.append(r)
-        if op is ExprOp.LT:
-            upper.append(r - 1)
-    assert direction is not None
-    return LinearBounds(direction[0], direction[1], tuple(lower), tuple(upper))
-
-
-def _table_plan(p: Program) -> BlockMaskPlan:
-    fv = free_vars(p.mask_mod.body) if p.mask_mod else frozenset()
-    return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
-
-
-def _is_int(e: Expr) -> bool:
-    return e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
-
-
-def _simplify(e: Expr) -> Expr:
-    """Fold integer constants and drop +0/-0/double negation (keeps generated conditions readable)."""
-    args = tuple(_simplify(a) for a in e.args)
-    e = Expr(e.op, args, e.value) if args else e
-    if e.op is ExprOp.NEG:
-        (a,) = args
-        if _is_int(a):
-            return const(-a.value)  # type: ignore[operator]
-        if a.op is ExprOp.NEG:
-            return a.args[0]
-        if a.op is ExprOp.SUB:
-            return _simplify(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = args
-        if _is_int(a) and _is_int(b):
-            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
-        if _is_int(b) and b.value == 0:
-            return a
-        if _is_int(a) and a.value == 0:
-            return b if e.op is ExprOp.ADD else _simplify(Expr(ExprOp.NEG, (b,)))
-        if b.op is ExprOp.NEG:
-            return _simplify(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
-        if _is_int(b) and b.value < 0:  # type: ignore[operator]
-            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
-        if _is_int(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and _is_int(a.args[1]):
-            # (x +- c1) +- c2 -> x + (+-c1 +- c2)
-            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
-                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
-            return _simplify(Expr(ExprOp.ADD, (a.args[0], const(c))))
-    if e.op is ExprOp.MUL:
-        a, b = args
-        if _is_int(a) and a.value == 1:
-            return b
-        if _is_int(b) and b.value == 1:
-            return a
-    return e
-
-
-def _any(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.OR, (a, b)), es)
-
-
-def _all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.AND, (a, b)), es)
-
-
-def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
-    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
-    q0, k0 = st.q_start, st.kv_start
-    q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
-    k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
-    empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
-    full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
-    if plan.kind is BlockMaskKind.ANALYTIC:
-        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
-        if len(tests) == 1:
-            empty += tests[0][0]
-            full += tests[0][1]
-        else:
-            empty.append(_all([_any(e) for e, _ in tests]))
-            full.append(_any([_all(f) for _, f in tests]))
-    return _simplify(_any(empty)), _simplify(_all(full))
-
-
-def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
-    """(min, max) of alpha*q_idx + beta*kv_idx over q_idx in [q0, q1], kv_idx in [k0, k1]."""
-    lo_terms, hi_terms = [], []
-    for coef, (lo, hi) in ((d.alpha, q), (d.beta, k)):
-        if coef == 1:
-            lo_terms.append(lo), hi_terms.append(hi)
-        elif coef == -1:
-            lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
-    g_min, g_max = lo_terms[0], hi_terms[0]
-    for a, b in zip(lo_terms[1:], hi_terms[1:]):
-        g_min, g_max = g_min + a, g_max + b
-    return g_min, g_max
-
-
-def _disjunct_tests(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr],
-                    at: dict[str, Expr]) -> tuple[list[Expr], list[Expr]]:
-    """(terms of `misses every pair of the tile`: any holds, terms of `holds on every pair`: all hold) for one
-    conjunct of bounds; exact, since the form takes every integer value between its min and max on a tile."""
-    g_min, g_max = _form_range(d, q, k)
-    lower = [substitute(x, at) for x in d.lower]
-    upper = [substitute(x, at) for x in d.upper]
-    empty = [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
-    empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
-    full = [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
-    return empty, full
-
-
-def _part_range(coef: int, lo: Expr, hi: Expr) -> tuple[Expr, Expr]:
-    """(min, max) of coef * x for x in [lo, hi], coef in {-1, 0, 1}."""
-    if coef == 0:
-        return const(0), const(0)
-    return (lo, hi) if coef == 1 else (Expr(ExprOp.NEG, (hi,)), Expr(ExprOp.NEG, (lo,)))
-
-
-def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
-    """[first, last]: the kv_start values whose whole BLOCK_N tile (rows q) satisfies `d`, within [lo, n - BLOCK_N]."""
-    a_min, a_max = _part_range(d.alpha, *q)
-    first, last = lo, n - var("BLOCK_N")
-    for x in (substitute(x, at) for x in d.lower):  # g_min >= L
-        if d.beta == -1:
-            last = call("minimum", last, a_min - var("BLOCK_N") + 1 - x)
-        elif d.beta == 1:
-            first = call("maximum", first, x - a_min)
-    for x in (substitute(x, at) for x in d.upper):  # g_max <= U
-        if d.beta == -1:
-            first = call("maximum", first, a_max - x)
-        elif d.beta == 1:
-            last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
-    if d.beta == 0:  # the rows alone decide: every block or none
-        rows = _all([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
-                    + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
-        first = call("where", rows, first, n)
-    return first, last
-
-
-def _union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
-    """One interval of full blocks inside the union of two: both when they overlap or touch, else the longer."""
-    (f1, l1), (f2, l2) = a, b
-    if f1 == f2:
-        return f1, call("maximum", l1, l2)
-    meet = Expr(ExprOp.AND, (Expr(ExprOp.LE, (f2, l1 + 1)), Expr(ExprOp.LE, (f1, l2 + 1))))
-    longer = Expr(ExprOp.GE, (l1 - f1, l2 - f2))
-    return (call("where", meet, call("minimum", f1, f2), call("where", longer, f1, f2)),
-            call("where", meet, call("maximum", l1, l2), call("where", longer, l1, l2)))
-
-
-def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) -> Expr:
-    """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
-    a_min, a_max = _part_range(d.alpha, *q)
-    if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L
-        return _min_all([a_max - substitute(x, at) + 1 for x in d.lower])
-    if d.beta == 1 and d.upper:  # g_min = a_min + kv_start <= U
-        return _min_all([substitute(x, at) - a_min + 1 for x in d.upper])
-    return n
-
-
-def _min_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("minimum", a, b), es)
-
-
-def _max_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("maximum", a, b), es)
 
 
 # ------------------------------------------------------------------ kernels
@@ -540,9 +268,9 @@ class _KernelGen:
         for c in SCHEDULE_CONSTANTS:
             self.names[c] = Sym(c, Kind.INT, True)
         for s in sig.scalars:
-            self.names[s.name] = Sym(s.name, _KIND[s.dtype])
+            self.names[s.name] = Sym(s.name, DTYPE_KIND[s.dtype])
         self.aux = {t.name: AuxRef(f"{t.name}_ptr", tuple(f"stride_{t.name}_{i}" for i in range(len(t.shape))),
-                                   tuple(self._dim(d) for d in t.shape), _KIND[t.dtype])
+                                   tuple(self._dim(d) for d in t.shape), DTYPE_KIND[t.dtype])
                     for t in sig.tensors if t.role is Role.AUX}
 
     # -- helpers
@@ -619,7 +347,7 @@ class _KernelGen:
         code = self.local(ir_name)
         self.tiles[ir_name] = _Tile(shape, dtype, t)
         self.loaded.discard(ir_name)
-        self.names[ir_name] = Sym(code, _KIND[dtype])
+        self.names[ir_name] = Sym(code, DTYPE_KIND[dtype])
         return code
 
     def score_shaped(self, shape: tuple[str, ...]) -> bool:
@@ -837,7 +565,7 @@ class _KernelGen:
     def block(self, body: tuple[Stmt, ...]) -> None:
         self.offs.append({})
         before = len(self.lines)
-        float_scalars = {q.name for q in self.sig.scalars if _KIND[q.dtype] is Kind.FLOAT}
+        float_scalars = {q.name for q in self.sig.scalars if DTYPE_KIND[q.dtype] is Kind.FLOAT}
         fused: set[int] = set()
         for i, st in enumerate(body):
             if i in fused:
@@ -913,7 +641,7 @@ class _KernelGen:
         shape = tuple(str(d) for d in st.shape)
         t = self.score_shaped(shape)
         out = self.set_tile(st.out, shape, st.dtype, t)
-        fill = _float_code(st.fill) if _KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
+        fill = _float_code(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
         self.emit(f"{out} = tl.full([{', '.join(shape[::-1] if t else shape)}], {fill}, {_TL_DTYPE[st.dtype]})")
 
     def _prec(self, *tiles: _Tile) -> str:
@@ -1002,7 +730,7 @@ class _KernelGen:
         names = dict(self.names)
         for n in free_vars(e) & set(self.tiles):
             tile, code = self.tiles[n], self.names[n].code
-            if n in self.loaded and _KIND[tile.dtype] is Kind.FLOAT:
+            if n in self.loaded and DTYPE_KIND[tile.dtype] is Kind.FLOAT:
                 code = f"{code}.to(tl.float32)"
             if len(tile.shape) == 2 and tile.t != t:
                 code = f"tl.trans({code})"
@@ -1898,13 +1626,13 @@ def _class_kernel(p: Program, sig: _Signature, plan: BlockMaskPlan, name: str = 
     aux = [q for q in p.params if q.role is Role.AUX]
     q_shape, m_dim, n_dim = p.param("q").shape, str(p.param("q").shape[2]), str(p.param("k").shape[2])
     names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in sig.scalars})
+    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in sig.scalars})
     for n, dim, used in (("b", q_shape[0], plan.per_b), ("h", q_shape[1], plan.per_h)):
         names[n] = Sym(n, Kind.INT, True, str(dim) if used and isinstance(dim, str) else None)
     names["q_idx"] = Sym("offs_q[:, None]", Kind.INT, True)
     names["kv_idx"] = Sym("offs_kv[None, :]", Kind.INT, True)
     refs = {q.name: AuxRef(f"{q.name}_ptr", tuple(f"stride_{q.name}_{i}" for i in range(len(q.shape))),
-                           tuple(str(d) for d in q.shape), _KIND[q.dtype]) for q in aux}
+                           tuple(str(d) for d in q.shape), DTYPE_KIND[q.dtype]) for q in aux}
     mask = _strip(lower_expr(p.mask_mod.body, ExprContext(ExprTarget.DEVICE, names, refs)))
     args = [f"{q.name}_ptr" for q in aux] + [f"stride_{q.name}_{i}" for q in aux for i in range(len(q.shape))] \
         + list(sig.dims) + [q.name for q in sig.scalars] \
@@ -2017,7 +1745,7 @@ def _host(p: Program, sig: _Signature, plan: BlockMaskPlan, packs: dict | str, e
     scratch = [q for q in p.params if q.role is Role.SCRATCH]
     scalars = [q for q in p.params if q.role is Role.SCALAR]
     names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(q.name, _KIND[q.dtype]) for q in scalars})
+    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
     sig_text = ", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else "")
     returned = ", ".join(entry.returns or tuple(q.name for q in outs))

@@ -27,9 +27,10 @@ import logging
 from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
 from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
+from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
     _PREAMBLE, HostEntry, LowerOptions, _class_kernel, _host, check_attention_params, kernel_fn_name, kernel_sources,
-    lower_program, plan_block_mask, program_signature,
+    lower_program, program_signature,
 )
 
 __all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]

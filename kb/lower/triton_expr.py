@@ -26,8 +26,9 @@ from typing import Mapping
 
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp
+from kb.ir.nodes import Dtype
 
-__all__ = ["ExprTarget", "Kind", "Sym", "AuxRef", "ExprContext", "lower_expr", "expr_kind", "is_nonneg"]
+__all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "lower_expr", "expr_kind", "is_nonneg"]
 
 
 class ExprTarget(Enum):
@@ -39,6 +40,10 @@ class Kind(Enum):
     INT = "int"
     FLOAT = "float"
     BOOL = "bool"
+
+
+DTYPE_KIND = {Dtype.F32: Kind.FLOAT, Dtype.BF16: Kind.FLOAT, Dtype.F16: Kind.FLOAT,
+              Dtype.I32: Kind.INT, Dtype.I64: Kind.INT, Dtype.BOOL: Kind.BOOL}  # the value kind of a tensor element
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,292 @@
+"""Block-mask planning: how `if block(...) is CLASS` is decided for a program's mask_mod, shared by the lowerings.
+
+- NO_MASK: no mask_mod; a tile's class follows from its bounds alone.
+- ANALYTIC: mask_mod is an `|` of conjunctions of bounds, each on one linear form in q_idx/kv_idx with unit
+  coefficients (causal, sliding window, offsets; prefix-LM with a constant, 0-d or per-batch prefix). A tile's
+  class is then decided in closed form on its corners (`_block_tests`), and a forward KV loop can be split into
+  partial / full / partial parts (`_full_span`, `_union_span`, `_reach`).
+- TABLE: anything else; the host fills a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8 with the codes
+  below (0 empty, 1 partial, 2 full) that the kernels read.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterator
+
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, substitute, var, walk
+from kb.ir.nodes import BlockClass, IfBlock, Program, Role
+from kb.lower.triton_expr import DTYPE_KIND, Kind
+
+__all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
+
+
+class BlockMaskKind(Enum):
+    NO_MASK = "no_mask"  # classes follow from the tile bounds alone
+    ANALYTIC = "analytic"  # an `|` of conjunctions L_i <= alpha*q_idx + beta*kv_idx <= U_j, decided on the tile corners
+    TABLE = "table"  # host-computed table, read by the kernel
+
+
+@dataclass(frozen=True)
+class LinearBounds:
+    """`L_i <= alpha*q_idx + beta*kv_idx <= U_j` for every bound: one conjunct of mask_mod's `|` (one direction).
+
+    Bounds are integer Exprs over b, h, dims, int scalars and loads from int aux tensors at indices free
+    of q_idx/kv_idx (a per-batch prefix length `prefix[b]`), so a program reads them once."""
+
+    alpha: int
+    beta: int
+    lower: tuple[Expr, ...] = ()
+    upper: tuple[Expr, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlockMaskPlan:
+    kind: BlockMaskKind
+    disjuncts: tuple[LinearBounds, ...] = ()  # ANALYTIC: the mask is their `|`; a block is full when one of them
+    # covers it, empty when every one misses it (exact for one disjunct; prefix-LM = two)
+    per_b: bool = False  # TABLE: does the class depend on b / h?
+    per_h: bool = False
+
+
+def _linear(e: Expr) -> tuple[int, int, Expr] | None:
+    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
+    if not ({"q_idx", "kv_idx"} & free_vars(e)):
+        return (0, 0, e)
+    if e.op is ExprOp.VAR:
+        return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
+    if e.op in (ExprOp.ADD, ExprOp.SUB):
+        a, b = _linear(e.args[0]), _linear(e.args[1])
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op is ExprOp.ADD else -1
+        return a[0] + sign * b[0], a[1] + sign * b[1], Expr(e.op, (a[2], b[2]))
+    if e.op is ExprOp.NEG:
+        a = _linear(e.args[0])
+        return None if a is None else (-a[0], -a[1], Expr(ExprOp.NEG, (a[2],)))
+    if e.op is ExprOp.MUL:
+        for x, y in (e.args, e.args[::-1]):
+            if x.op is ExprOp.CONST and isinstance(x.value, int) and not isinstance(x.value, bool):
+                lin = _linear(y)
+                return None if lin is None else (x.value * lin[0], x.value * lin[1], Expr(ExprOp.MUL, (x, lin[2])))
+    return None
+
+
+_FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
+
+
+def _operands(e: Expr, op: ExprOp) -> Iterator[Expr]:
+    """The terms of a nest of `op` (AND: conjuncts, OR: disjuncts)."""
+    if e.op is op:
+        for a in e.args:
+            yield from _operands(a, op)
+    else:
+        yield e
+
+
+def _int_expr(e: Expr) -> bool:
+    return all(n.op not in (ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT)
+               and not (n.op is ExprOp.CONST and isinstance(n.value, float)) for n in walk(e))
+
+
+def plan_block_mask(p: Program) -> BlockMaskPlan:
+    """Decide how block classes are computed for `p`'s mask_mod (see module docstring)."""
+    if p.mask_mod is None:
+        return BlockMaskPlan(BlockMaskKind.NO_MASK)
+    not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and DTYPE_KIND[q.dtype] is not Kind.INT}
+    disjuncts = [_linear_bounds(d, not_int) for d in _operands(p.mask_mod.body, ExprOp.OR)]
+    if any(d is None for d in disjuncts):
+        return _table_plan(p)
+    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
+
+
+def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
+    """`e` as bounds on one linear form of q_idx/kv_idx with unit coefficients, or None."""
+    direction: tuple[int, int] | None = None
+    lower: list[Expr] = []
+    upper: list[Expr] = []
+    for atom in _operands(e, ExprOp.AND):
+        lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
+        if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
+                or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
+            return None
+        a, b, c = lin
+        op = atom.op
+        if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
+            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
+        if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
+            return None
+        direction = (a, b)
+        r = Expr(ExprOp.NEG, (c,))  # a*q + b*kv  op  r
+        if op in (ExprOp.GE, ExprOp.EQ):
+            lower.append(r)
+        if op is ExprOp.GT:
+            lower.append(r + 1)
+        if op in (ExprOp.LE, ExprOp.EQ):
+            upper.append(r)
+        if op is ExprOp.LT:
+            upper.append(r - 1)
+    assert direction is not None
+    return LinearBounds(direction[0], direction[1], tuple(lower), tuple(upper))
+
+
+def _table_plan(p: Program) -> BlockMaskPlan:
+    fv = free_vars(p.mask_mod.body) if p.mask_mod else frozenset()
+    return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
+
+
+def _is_int(e: Expr) -> bool:
+    return e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
+
+
+def _simplify(e: Expr) -> Expr:
+    """Fold integer constants and drop +0/-0/double negation (keeps generated conditions readable)."""
+    args = tuple(_simplify(a) for a in e.args)
+    e = Expr(e.op, args, e.value) if args else e
+    if e.op is ExprOp.NEG:
+        (a,) = args
+        if _is_int(a):
+            return const(-a.value)  # type: ignore[operator]
+        if a.op is ExprOp.NEG:
+            return a.args[0]
+        if a.op is ExprOp.SUB:
+            return _simplify(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
+    if e.op in (ExprOp.ADD, ExprOp.SUB):
+        a, b = args
+        if _is_int(a) and _is_int(b):
+            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
+        if _is_int(b) and b.value == 0:
+            return a
+        if _is_int(a) and a.value == 0:
+            return b if e.op is ExprOp.ADD else _simplify(Expr(ExprOp.NEG, (b,)))
+        if b.op is ExprOp.NEG:
+            return _simplify(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
+        if _is_int(b) and b.value < 0:  # type: ignore[operator]
+            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
+        if _is_int(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and _is_int(a.args[1]):
+            # (x +- c1) +- c2 -> x + (+-c1 +- c2)
+            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
+                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
+            return _simplify(Expr(ExprOp.ADD, (a.args[0], const(c))))
+    if e.op is ExprOp.MUL:
+        a, b = args
+        if _is_int(a) and a.value == 1:
+            return b
+        if _is_int(b) and b.value == 1:
+            return a
+    return e
+
+
+def _any(es: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: Expr(ExprOp.OR, (a, b)), es)
+
+
+def _all(es: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: Expr(ExprOp.AND, (a, b)), es)
+
+
+def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
+    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
+    q0, k0 = st.q_start, st.kv_start
+    q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
+    k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
+    empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
+    full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
+    if plan.kind is BlockMaskKind.ANALYTIC:
+        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
+        if len(tests) == 1:
+            empty += tests[0][0]
+            full += tests[0][1]
+        else:
+            empty.append(_all([_any(e) for e, _ in tests]))
+            full.append(_any([_all(f) for _, f in tests]))
+    return _simplify(_any(empty)), _simplify(_all(full))
+
+
+def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
+    """(min, max) of alpha*q_idx + beta*kv_idx over q_idx in [q0, q1], kv_idx in [k0, k1]."""
+    lo_terms, hi_terms = [], []
+    for coef, (lo, hi) in ((d.alpha, q), (d.beta, k)):
+        if coef == 1:
+            lo_terms.append(lo), hi_terms.append(hi)
+        elif coef == -1:
+            lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
+    g_min, g_max = lo_terms[0], hi_terms[0]
+    for a, b in zip(lo_terms[1:], hi_terms[1:]):
+        g_min, g_max = g_min + a, g_max + b
+    return g_min, g_max
+
+
+def _disjunct_tests(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr],
+                    at: dict[str, Expr]) -> tuple[list[Expr], list[Expr]]:
+    """(terms of `misses every pair of the tile`: any holds, terms of `holds on every pair`: all hold) for one
+    conjunct of bounds; exact, since the form takes every integer value between its min and max on a tile."""
+    g_min, g_max = _form_range(d, q, k)
+    lower = [substitute(x, at) for x in d.lower]
+    upper = [substitute(x, at) for x in d.upper]
+    empty = [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
+    empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
+    full = [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
+    return empty, full
+
+
+def _part_range(coef: int, lo: Expr, hi: Expr) -> tuple[Expr, Expr]:
+    """(min, max) of coef * x for x in [lo, hi], coef in {-1, 0, 1}."""
+    if coef == 0:
+        return const(0), const(0)
+    return (lo, hi) if coef == 1 else (Expr(ExprOp.NEG, (hi,)), Expr(ExprOp.NEG, (lo,)))
+
+
+def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
+    """[first, last]: the kv_start values whose whole BLOCK_N tile (rows q) satisfies `d`, within [lo, n - BLOCK_N]."""
+    a_min, a_max = _part_range(d.alpha, *q)
+    first, last = lo, n - var("BLOCK_N")
+    for x in (substitute(x, at) for x in d.lower):  # g_min >= L
+        if d.beta == -1:
+            last = call("minimum", last, a_min - var("BLOCK_N") + 1 - x)
+        elif d.beta == 1:
+            first = call("maximum", first, x - a_min)
+    for x in (substitute(x, at) for x in d.upper):  # g_max <= U
+        if d.beta == -1:
+            first = call("maximum", first, a_max - x)
+        elif d.beta == 1:
+            last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
+    if d.beta == 0:  # the rows alone decide: every block or none
+        rows = _all([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
+                    + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
+        first = call("where", rows, first, n)
+    return first, last
+
+
+def _union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
+    """One interval of full blocks inside the union of two: both when they overlap or touch, else the longer."""
+    (f1, l1), (f2, l2) = a, b
+    if f1 == f2:
+        return f1, call("maximum", l1, l2)
+    meet = Expr(ExprOp.AND, (Expr(ExprOp.LE, (f2, l1 + 1)), Expr(ExprOp.LE, (f1, l2 + 1))))
+    longer = Expr(ExprOp.GE, (l1 - f1, l2 - f2))
+    return (call("where", meet, call("minimum", f1, f2), call("where", longer, f1, f2)),
+            call("where", meet, call("maximum", l1, l2), call("where", longer, l1, l2)))
+
+
+def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) -> Expr:
+    """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
+    a_min, a_max = _part_range(d.alpha, *q)
+    if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L
+        return _min_all([a_max - substitute(x, at) + 1 for x in d.lower])
+    if d.beta == 1 and d.upper:  # g_min = a_min + kv_start <= U
+        return _min_all([substitute(x, at) - a_min + 1 for x in d.upper])
+    return n
+
+
+def _min_all(es: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: call("minimum", a, b), es)
+
+
+def _max_all(es: list[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: call("maximum", a, b), es)
