@@ -14,7 +14,8 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.expr import CALLS, Expr, ExprOp, call, const, parse_expr, print_expr, var
 from kb.ir.nodes import Load, Span
 from kb.ir.validate import problems
-from kb.lower.triton_expr import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
+from kb.lower.expr_context import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.triton_expr import lower_expr
 from tests.ir_programs import plain
 
 

@@ -27,7 +27,8 @@ from kb.ir.expr import parse_expr
 from kb.ir.nodes import Dtype, For, Full, Kernel, Load, Program, Role
 from kb.lower.cuda import HEAD_PADS, launch_abi, lower_program
 from kb.lower.cuda_build import BuildMode, BuildStatus, build, find_nvcc
-from kb.lower.cuda_expr import EXPR_HELPERS, ExprContext, ExprTarget, Kind, Sym, lower_cexpr
+from kb.lower.cuda_expr import EXPR_HELPERS, lower_cexpr
+from kb.lower.expr_context import ExprContext, ExprTarget, Kind, Sym
 from tests.attn_reference import reference_attention
 from tests.ir_programs import FIXTURES, causal
 

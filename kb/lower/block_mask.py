@@ -18,7 +18,7 @@ from typing import Iterator
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import BlockClass, IfBlock, Program, Role
-from kb.lower.triton_expr import DTYPE_KIND, Kind
+from kb.lower.expr_context import DTYPE_KIND, Kind
 
 __all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
 

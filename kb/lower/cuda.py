@@ -54,10 +54,8 @@ from kb.ir.nodes import (
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
     Stmt, Store, VALUE_DIM, walk_stmts,
 )
-from kb.lower.cuda_expr import (
-    EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
-    lower_cexpr,
-)
+from kb.lower.cuda_expr import EXPR_HELPERS, cxx_type, float_literal, lower_cexpr
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.block_mask import (
     CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, plan_block_mask,
 )
@@ -74,8 +72,6 @@ _LOG2E = "1.4426950408889634f"
 _CTYPE = {Dtype.F32: "float", Dtype.BF16: "__nv_bfloat16", Dtype.F16: "__half", Dtype.I32: "int",
           Dtype.I64: "long long", Dtype.BOOL: "bool"}
 _BYTES = {Dtype.F32: 4, Dtype.BF16: 2, Dtype.F16: 2, Dtype.I32: 4, Dtype.I64: 8, Dtype.BOOL: 1}
-_KIND = {Dtype.F32: Kind.FLOAT, Dtype.BF16: Kind.FLOAT, Dtype.F16: Kind.FLOAT,
-         Dtype.I32: Kind.INT, Dtype.I64: Kind.INT, Dtype.BOOL: Kind.BOOL}
 _CXX_RESERVED = {
     "auto", "bool", "break", "case", "char", "const", "continue", "default", "delete", "do", "double", "else",
     "enum", "extern", "float", "for", "goto", "if", "inline", "int", "long", "new", "operator", "private",
@@ -207,7 +203,7 @@ class _Tile:
         elem = f"{self.code}[{self.addr(coords)}]"
         if self.dtype in (Dtype.BF16, Dtype.F16):
             return f"kb_f({elem})"
-        if _KIND[self.dtype] is Kind.INT and self.dtype is not Dtype.I64:
+        if DTYPE_KIND[self.dtype] is Kind.INT and self.dtype is not Dtype.I64:
             return f"((long long){elem})"
         return elem
 
@@ -238,9 +234,9 @@ class _KernelGen:
             self.names[c] = Sym(c, Kind.INT, True)
         self.scalar_params = [q for q in p.params if q.role is Role.SCALAR]
         for s in self.scalar_params:
-            self.names[s.name] = Sym(_local(s.name), _KIND[s.dtype])
+            self.names[s.name] = Sym(_local(s.name), DTYPE_KIND[s.dtype])
         self.aux = {t.name: AuxRef(f"kb_a.{_local(t.name)}", tuple(f"kb_a.{_local(t.name)}_stride[{i}]" for i in range(len(t.shape))),
-                                   tuple(_size_code(d) for d in t.shape), _KIND[t.dtype])
+                                   tuple(_size_code(d) for d in t.shape), DTYPE_KIND[t.dtype])
                     for t in abi.tensors if t.role is Role.AUX}
 
     # -- helpers
@@ -346,7 +342,7 @@ class _KernelGen:
             buf.bytes_expr.append(bytes_expr)
         if not internal:
             self.tiles[ir_name] = tile
-            self.names[ir_name] = Sym(code, _KIND[dtype])
+            self.names[ir_name] = Sym(code, DTYPE_KIND[dtype])
         return tile
 
     def tile(self, ir_name: str) -> _Tile:
@@ -360,7 +356,7 @@ class _KernelGen:
         names = dict(self.names)
         for n, t in self.tiles.items():
             if len(t.shape) == len(coords):
-                names[n] = Sym(t.read(coords), _KIND[t.dtype])
+                names[n] = Sym(t.read(coords), DTYPE_KIND[t.dtype])
         return names
 
     # -- addressing
@@ -434,7 +430,7 @@ class _KernelGen:
         with self.elements(tile.shape) as c:
             off, ok, _ = self.address(st.tensor, st.index, c)
             x = tile.read(c)
-            value = f"kb_cvt<{_CTYPE[prm.dtype]}>(kb_f({x}))" if _KIND[prm.dtype] is Kind.FLOAT \
+            value = f"kb_cvt<{_CTYPE[prm.dtype]}>(kb_f({x}))" if DTYPE_KIND[prm.dtype] is Kind.FLOAT \
                 else f"({_CTYPE[prm.dtype]})({x})"
             assign = f"kb_a.{_local(st.tensor)}[{off}] = {value};"
             self.emit(f"if ({ok}) {assign}" if ok else assign)
@@ -443,7 +439,7 @@ class _KernelGen:
     def s_init(self, st: Init) -> None:
         shape = tuple(str(self._const_size(d)) for d in st.shape)
         out = self.new_tile(st.out, shape, st.dtype)
-        fill = float_literal(st.fill) if _KIND[st.dtype] is Kind.FLOAT else str(int(st.fill))
+        fill = float_literal(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else str(int(st.fill))
         with self.elements(shape) as c:
             self.emit(f"{out.code}[{out.addr(c)}] = kb_cvt<{_CTYPE[st.dtype]}>({fill});"
                       if st.dtype in (Dtype.BF16, Dtype.F16) else f"{out.code}[{out.addr(c)}] = {fill};")
@@ -535,7 +531,7 @@ class _KernelGen:
         src = self.tile(st.src)
         if st.kind not in ("max", "sum"):
             raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
-        if len(src.shape) != 2 or _KIND[src.dtype] is not Kind.FLOAT:
+        if len(src.shape) != 2 or DTYPE_KIND[src.dtype] is not Kind.FLOAT:
             raise KBError(f"reduce {st.out}: the CUDA lowering reduces 2-D float tiles only")
         init, op = ("-INFINITY", "fmaxf") if st.kind == "max" else ("0.0f", "kb_add")
         rows, cols = (src.shape[0], src.shape[1]) if st.axis == 1 else (src.shape[1], src.shape[0])
@@ -837,10 +833,10 @@ def _table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
     t = abi.table
     scalars = [q for q in p.params if q.role is Role.SCALAR]
     names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(_local(q.name), _KIND[q.dtype]) for q in scalars})
+    names.update({q.name: Sym(_local(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
     names.update({n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")})
     aux = {q.name: AuxRef(f"kb_a.{_local(q.name)}", tuple(f"kb_a.{_local(q.name)}_stride[{i}]" for i in range(len(q.shape))),
-                          tuple(_size_code(d) for d in q.shape), _KIND[q.dtype]) for q in abi.tensors if q.role is Role.AUX}
+                          tuple(_size_code(d) for d in q.shape), DTYPE_KIND[q.dtype]) for q in abi.tensors if q.role is Role.AUX}
     ctx = ExprContext(ExprTarget.DEVICE, names, aux)
     attend = lower_cexpr(p.mask_mod.body, ctx)
     return [
@@ -927,7 +923,7 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     """The runner per HEAD_PAD, `kb_launch` and `kb_error_string`; `pre_launch` lines check the filled `kb_a`
     (returning an error code), `errors` names those codes."""
     names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(_local(q.name), _KIND[q.dtype]) for q in scalars})
+    names.update({q.name: Sym(_local(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
     L = [abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
          *_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]

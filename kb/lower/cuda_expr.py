@@ -1,9 +1,8 @@
 """IR expressions -> CUDA C++ expression text (device and host code alike).
 
-The value kinds and the non-negativity proofs are the Triton lowering's (`kb.lower.triton_expr`:
-`Kind`, `Sym`, `AuxRef`, `ExprContext`, `expr_kind`, `is_nonneg`), so both lowerings type an
-expression the same way; only the spelling differs. `ExprContext.target` is ignored here:
-the generated helpers are `__host__ __device__`.
+The names, value kinds and non-negativity proofs are the shared `kb.lower.expr_context`'s, as for
+the Triton spelling (`kb.lower.triton_expr`), so both lowerings type an expression the same way; only
+the spelling differs. `ExprContext.target` is ignored here: the generated helpers are `__host__ __device__`.
 
 C++ types: INT is `long long`, FLOAT is `float`, BOOL is `bool`.
 
@@ -17,7 +16,7 @@ Invariants:
 - Aux loads (`t[i, j]`) read `ptr[i*s0 + j*s1]` only when every index is in range, else 0
   (the IR's load rule); element types convert through the `kb_f` overloads.
 - `trunc(x)` of a float is the C++ conversion `(long long)(x)`, which truncates toward zero.
-- Unknown names raise `KBError` (from `triton_expr`), so nothing unbound is ever emitted.
+- Unknown names raise `KBError` (from `expr_context`), so nothing unbound is ever emitted.
 
 32-bit integers (`IntWidth`, optional): a caller that can prove value ranges (kb.lower.cuda_mma's
 score-fragment loops) passes `IntWidth`, and every INT node it marks narrow is computed in `int`
@@ -34,13 +33,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kb.ir.expr import Expr, ExprOp
-from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.expr_context import CMP_OPS, ExprContext, Kind, aux_ref, expr_kind, index_guards, is_nonneg, lookup
 
-__all__ = ["lower_cexpr", "cxx_type", "float_literal", "Kind", "Sym", "AuxRef", "ExprContext", "ExprTarget",
-           "expr_kind", "is_nonneg", "EXPR_HELPERS", "IntWidth"]
+__all__ = ["lower_cexpr", "cxx_type", "float_literal", "EXPR_HELPERS", "IntWidth"]
 
 _CXX_TYPE = {Kind.INT: "long long", Kind.FLOAT: "float", Kind.BOOL: "bool"}
-_CMP = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
 _FLOAT_FN = {ExprOp.EXP: "expf", ExprOp.EXP2: "exp2f", ExprOp.LOG: "logf", ExprOp.TANH: "tanhf",
              ExprOp.SIGMOID: "kb_sigmoid", ExprOp.SQRT: "sqrtf"}
 
@@ -139,7 +136,7 @@ def lower_cexpr(e: Expr, ctx: ExprContext, width: IntWidth | None = None) -> str
     if op is ExprOp.CONST:
         return str(e.value) if narrow else _const(e.value)
     if op is ExprOp.VAR:
-        sym = _sym(e, ctx)
+        sym = lookup(e, ctx)
         return f"((int)({sym.code}))" if narrow and width is not None and sym.code not in width.int_codes else sym.code
     if op is ExprOp.LOAD:
         return _lower_load(e, ctx, width, narrow)
@@ -157,7 +154,7 @@ def _lower_sized(e: Expr, ctx: ExprContext, width: IntWidth, narrow: bool, args:
     context (a wide INT node, or a comparison with a wide operand) narrow INT operands widen to `long long`.
     FLOAT nodes take `int` operands as they are (an `int` -> `float` conversion is the cheap one)."""
     small = [k is Kind.INT and _is_narrow(a, ctx, width) for a, k in zip(e.args, kinds)]
-    if e.op in _CMP:
+    if e.op in CMP_OPS:
         wide_ctx = not all(s for s, k in zip(small, kinds) if k is Kind.INT)
     else:
         wide_ctx = kind is Kind.INT and not narrow
@@ -192,7 +189,7 @@ def _lower_op(e: Expr, ctx: ExprContext, args: list[str], kinds: list[Kind], kin
     if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL):
         a, b = (_as(Kind.INT, x, k, itype) if k is Kind.BOOL else x for x, k in zip(args, kinds))
         return f"({a} {op.value} {b})"
-    if op in _CMP:
+    if op in CMP_OPS:
         return f"({args[0]} {op.value} {args[1]})"
     if op is ExprOp.WHERE:
         c = args[0]
@@ -215,23 +212,13 @@ def _lower_op(e: Expr, ctx: ExprContext, args: list[str], kinds: list[Kind], kin
     raise AssertionError(f"unhandled expression op {op}")
 
 
-def _sym(e: Expr, ctx: ExprContext) -> Sym:
-    # expr_kind raises the project's KBError for unknown names; reuse it for the message
-    expr_kind(e, ctx)
-    return ctx.names[str(e.value)]
-
-
 def _lower_load(e: Expr, ctx: ExprContext, width: IntWidth | None = None, narrow: bool = False) -> str:
-    kind = expr_kind(e, ctx)  # validates the tensor name and arity
-    ref: AuxRef = ctx.aux[str(e.value)]
+    ref = aux_ref(e, ctx)
+    kind = ref.kind
     # indices may be 32-bit; the strides are `long long`, so the offset is computed in 64 bits either way
     idx = [_as(Kind.INT, lower_cexpr(a, ctx, width), expr_kind(a, ctx)) for a in e.args]
     offset = " + ".join(f"{i} * {s}" for i, s in zip(idx, ref.strides))
-    guards = []
-    for a, i, size in zip(e.args, idx, ref.sizes):
-        if not is_nonneg(a, ctx):
-            guards.append(f"({i} >= 0LL)")
-        guards.append(f"({i} < {size})")
+    guards = index_guards(e, idx, ctx, "0LL")
     elem = f"{ref.code}[{offset}]"
     if kind is Kind.FLOAT:
         return f"({' && '.join(guards)} ? kb_f({elem}) : 0.0f)"

@@ -51,7 +51,8 @@ from kb.lower.cuda import (
     _CTYPE, EXPR_HELPERS, _KERNEL_HELPERS, _PREAMBLE, LAUNCH_SYMBOL, _args_struct, _host, _KernelGen, _local,
     _locals, _table_helpers, kernel_symbol, launch_abi, schedule_constants,
 )
-from kb.lower.cuda_expr import IntWidth, Kind, Sym, expr_kind, is_nonneg, lower_cexpr
+from kb.lower.cuda_expr import IntWidth, lower_cexpr
+from kb.lower.expr_context import Kind, Sym, expr_kind, is_nonneg
 from kb.lower.block_mask import plan_block_mask
 
 __all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "KB_ERR_RANGE", "KB_DIM_LIMIT", "FA2_TRAITS"]

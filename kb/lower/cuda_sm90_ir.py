@@ -35,7 +35,8 @@ from kb.lower.cuda import (
     EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _local, _locals,
     _table_helpers, launch_abi, schedule_constants,
 )
-from kb.lower.cuda_expr import ExprContext, IntWidth, Kind, Sym, expr_kind, is_nonneg, lower_cexpr
+from kb.lower.cuda_expr import IntWidth, lower_cexpr
+from kb.lower.expr_context import ExprContext, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _hoistable, _ival
 from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source

@@ -51,7 +51,8 @@ from kb.lower.block_mask import (
     _simplify, _union_span, plan_block_mask,
 )
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
-from kb.lower.triton_expr import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.triton_expr import lower_expr
 
 __all__ = ["lower_program", "LowerOptions", "kernel_fn_name", "HostEntry", "program_signature", "kernel_sources",
            "check_attention_params"]
