@@ -1,0 +1,332 @@
+"""The runtime preamble of every Triton module kb.lower.triton generates, as a module of its own.
+
+The text between the two marker lines below is pasted, byte for byte, at the top of each generated module, so the
+modules stand alone (they import only math, os, torch, triton and the standard library); kept here it is linted
+and imported by tests like any other code. It holds:
+- interpreter fixes (`_interpreter_compat`, `_interpreter_speed`), applied only when TRITON_INTERPRET=1;
+- the device helpers the lowered expressions call (`_floordiv`, `_floormod`, `_tanh`) and their host twins (`_h*`);
+- the block-class table: building it on the GPU (`_hblock_classes`), the per-row block lists
+  (`_hblock_lists`) and the cache keyed by the mask's inputs (`_cached_table`);
+- the design choice per GPU and shape (`_choose_design`), the split-KV count rule (`_auto_splits`, `_split_rule`),
+  the Hopper tensor-descriptor test (`_use_tma`) and the argument checks of the host function (`_bind`).
+
+The helpers read `PROGRAM`, `DESIGNS` and `PROGRAM_DESIGN`, which each generated module defines after the
+preamble (kb.lower.triton writes them); the placeholders at the end of this file stand in for them here.
+"""
+
+# ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
+import logging
+import math
+import weakref
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_log = logging.getLogger("kernel_kb.generated")
+
+
+def _interpreter_compat():
+    """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
+    scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
+    (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
+    And two slow paths that compute nothing (_interpreter_speed)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kb_compat", False):
+        return
+    _interpreter_speed(interpreter)
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched
+    interpreter.InterpreterBuilder.create_dot = dot
+    interpreter._kb_compat = True
+
+
+def _interpreter_speed(interpreter):
+    """Two interpreter costs that change no result, skipped (a decode kernel's CPU check ran 2-4x slower with them):
+    - every integer +, -, * builds an int64 overflow check through the semantic layer whose only effect is a
+      device_assert, which the interpreter drops unless debugging (options.debug); it now runs only then;
+    - every call of a @triton.jit helper (tl.cdiv, tl.max, tl.sum, ...) re-patched triton.language with
+      inspect.getmembers; within one grid run, modules already patched for it are not patched again."""
+    semantic = interpreter.interpreter_semantic
+    sanitize = semantic.binary_op_sanitize_overflow_impl
+
+    def overflow_check(lhs, rhs, binary_op):
+        if semantic.builder.options.debug:
+            sanitize(lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    patch_lang, grid_call, patched = interpreter._patch_lang, interpreter.GridExecutor.__call__, []
+
+    class _Kept:
+        def restore(self):
+            pass
+
+    def lang_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        if patched and langs <= patched[-1]:
+            return _Kept()  # already patched in this grid run (device-function scopes are never restored anyway)
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1].update(langs)
+        return scope
+
+    def run_grid(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = lang_once
+    interpreter.GridExecutor.__call__ = run_grid
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_compat()
+
+
+@triton.jit
+def _floordiv(a, b):
+    q = a // b
+    return tl.where((a % b != 0) & ((a < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def _floormod(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+def _tensor(*xs):
+    return any(isinstance(x, torch.Tensor) for x in xs)
+
+
+def _hcdiv(a, b):
+    return -(-a // b)
+
+
+def _hmaximum(a, b):
+    return torch.maximum(torch.as_tensor(a), torch.as_tensor(b)) if _tensor(a, b) else max(a, b)
+
+
+def _hminimum(a, b):
+    return torch.minimum(torch.as_tensor(a), torch.as_tensor(b)) if _tensor(a, b) else min(a, b)
+
+
+def _hwhere(c, x, y):
+    return torch.where(torch.as_tensor(c), torch.as_tensor(x), torch.as_tensor(y)) if _tensor(c, x, y) else (x if c else y)
+
+
+def _hnot(x):
+    return ~x if isinstance(x, torch.Tensor) else not x
+
+
+def _hfloat(f):
+    return lambda x: f(torch.as_tensor(x).float())
+
+
+_hexp, _hexp2, _hlog, _htanh = _hfloat(torch.exp), _hfloat(torch.exp2), _hfloat(torch.log), _hfloat(torch.tanh)
+_hsigmoid, _hsqrt, _habs = _hfloat(torch.sigmoid), _hfloat(torch.sqrt), lambda x: torch.as_tensor(x).abs()
+_htrunc = lambda x: torch.as_tensor(x).long() if _tensor(x) else int(x)  # toward zero (IR trunc)
+
+
+def _hload(t, idx):
+    """t[idx] with broadcast index tensors; out-of-range elements read 0 (the IR's load rule)."""
+    idx = torch.broadcast_tensors(*(torch.as_tensor(i, device=t.device).long() for i in idx))
+    ok = torch.ones(idx[0].shape, dtype=torch.bool, device=t.device)
+    for i, n in zip(idx, t.shape):
+        ok &= (i >= 0) & (i < n)
+    vals = t[tuple(torch.where(ok, i, 0) for i in idx)]
+    return torch.where(ok, vals, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _hblock_classes(launch, nb, nh, M, N, BLOCK_M, BLOCK_N, device):
+    """[nb, nh, cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] int8: 0 empty, 1 partial, 2 full (IR block classes), filled by
+    `launch(bc)`: the module's block-class kernel, one program per tile (no Python loop over batches or blocks)."""
+    bc = torch.empty(nb, nh, _hcdiv(M, BLOCK_M), _hcdiv(N, BLOCK_N), dtype=torch.int8, device=device)
+    if bc.numel():
+        launch(bc)
+    return bc
+
+
+_TABLES = {}  # block tables by (design, dims, scalars): the mask inputs they were built from, and the table
+
+
+def _cached_table(key, mask_inputs, build):
+    """The block table for these mask inputs, rebuilt only when one of them changed shape or contents (compared
+    element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
+    The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
+    device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
+    hit = _TABLES.get(key)
+    if hit is not None:
+        copies, table, seen = hit
+        if all(ref() is a and a._version == version for a, (ref, version) in zip(mask_inputs, seen)):
+            return table
+        if all(a.shape == c.shape and a.dtype == c.dtype and a.device == c.device and torch.equal(a, c)
+               for a, c in zip(mask_inputs, copies)):
+            _TABLES[key] = (copies, table, _witness(mask_inputs))
+            return table
+    table = build()
+    if len(_TABLES) >= 8:
+        _TABLES.pop(next(iter(_TABLES)))
+    _TABLES[key] = (tuple(a.detach().clone() for a in mask_inputs), table, _witness(mask_inputs))
+    return table
+
+
+def _witness(tensors):
+    return tuple((weakref.ref(t), t._version) for t in tensors)
+
+
+def _hblock_table(bc):
+    return bc, _hblock_lists(bc)
+
+
+def _hblock_lists(block_class):
+    """[nb, nh, nm, 2, 2 * nn + 1] int32 from the class table: for class c (0 partial, 1 full) of each
+    row, entries [0, nn] count the blocks of that class before block j, then come their indices ascending."""
+    nn = block_class.shape[-1]
+    of_class = torch.stack((block_class == 1, block_class == 2), dim=3)
+    out = torch.zeros(*of_class.shape[:-1], 2 * nn + 1, dtype=torch.int32, device=block_class.device)
+    out[..., 1:nn + 1] = of_class.cumsum(-1)
+    out[..., nn + 1:] = torch.argsort((~of_class).to(torch.int8), dim=-1, stable=True)
+    return out
+
+
+_PICKED = {}  # shape key -> the design this module runs for it (chosen once per key)
+
+
+def _interpreting(t):
+    return os.environ.get("TRITON_INTERPRET") == "1" or not t.is_cuda
+
+
+def _launches(design, launch):
+    """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
+    try:
+        return launch(design)
+    except triton.runtime.errors.OutOfResources as err:
+        _log.info("%s: design %s does not fit this GPU (%s)", PROGRAM, design, err)
+        return None
+
+
+def _choose_design(t, D, key, launch):
+    """The design for inputs like `t` with head dim D: on a GPU the module lists designs for (the first
+    that fits); on another GPU, the fastest of every design listed for this head dim, timed once per shape
+    and logged; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    if key in _PICKED:
+        return _PICKED[key]
+    if _interpreting(t):
+        _PICKED[key] = PROGRAM_DESIGN
+        return PROGRAM_DESIGN
+    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
+    bucket = max(16, triton.next_power_of_2(D))
+    listed = DESIGNS.get(arch, {}).get(bucket, ())
+    choice = next((d for d in listed if _launches(d, launch) is not None), None)
+    if choice is None:
+        # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
+        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())]
+        pool = pool or [d for table in DESIGNS.values() for ds in table.values() for d in ds]
+        pool = list(dict.fromkeys(pool + [PROGRAM_DESIGN]))
+        from triton.testing import do_bench
+
+        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d)
+                 for d in pool if _launches(d, launch) is not None]
+        if not timed:
+            raise RuntimeError(f"{PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
+        ms, choice = min(timed)
+        why = f"none of the {len(listed)} designs listed" if listed else "no design measured"
+        _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shape %s, running %s (%.3f ms)",
+                     PROGRAM, why, arch, D, len(timed), key[2:], choice, ms)
+    _PICKED[key] = choice
+    return choice
+
+
+def _design7(design):
+    """A design tuple with its GQA-packing flag (tuples written before packing existed have 6 entries: no packing)."""
+    return (*design, False)[:7]
+
+
+_MIN_SPLIT_BLOCKS = 4  # no split shorter than this many KV blocks (each split costs a q load, a partial write and read)
+
+
+def _auto_splits(programs, kv_blocks, device):
+    """Split-KV count for a grid of `programs` (at one split; packed: B * Hkv * row blocks) over `kv_blocks` KV
+    blocks, from the SM count (flash-decoding); 1 off CUDA. See _split_rule."""
+    if device.type != "cuda":
+        return 1
+    return _split_rule(programs, kv_blocks, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def _split_rule(programs, kv_blocks, sms):
+    """Enough programs for about two waves of `sms` SMs, no split shorter than _MIN_SPLIT_BLOCKS KV blocks, at most
+    128; among [that count, twice it] the one that fills its last wave best (the smallest on ties); then the count
+    whose splits are all non-empty (every split is a whole number of KV blocks, the last one possibly shorter)."""
+    cap = max(1, min(128, kv_blocks // _MIN_SPLIT_BLOCKS))
+    want = min(cap, _hcdiv(2 * sms, programs))
+    if want <= 1:
+        return 1
+    busy = {n: programs * n / (_hcdiv(programs * n, sms) * sms) for n in range(want, min(cap, 2 * want) + 1)}
+    best = max(busy, key=lambda n: (busy[n], -n))
+    return _hcdiv(kv_blocks, _hcdiv(kv_blocks, best))
+
+
+def _tma_alloc(size, alignment, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(tensors, tile_sides):
+    """The Hopper tensor-descriptor path (USE_TMA): a CUDA GPU of capability >= 9.0, not interpreting,
+    tile sides <= 256, every tensor's last dim contiguous, its base and other strides 16-byte aligned."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not tensors or not all(t.is_cuda for t in tensors):
+        return False
+    if torch.cuda.get_device_capability(tensors[0].device) < (9, 0) or max(tile_sides) > 256:
+        return False
+    for t in tensors:
+        if t.dim() < 2 or t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    triton.set_allocator(_tma_alloc)  # device-side descriptors live in a small global scratch
+    return True
+
+
+class ForwardArgumentError(ValueError):
+    """Bad arguments to forward(): a missing aux tensor or scalar, or inconsistent shapes."""
+
+
+def _bind(dims, name, t, spec):
+    if t.dim() != len(spec):
+        raise ForwardArgumentError(f"{name}: expected {len(spec)} dims {spec}, got shape {tuple(t.shape)}")
+    for d, n in zip(spec, t.shape):
+        if isinstance(d, int):
+            if d != n:
+                raise ForwardArgumentError(f"{name}: expected size {d}, got shape {tuple(t.shape)}")
+        elif dims.setdefault(d, n) != n:
+            raise ForwardArgumentError(f"{name}: dim {d} is {n} here but {dims[d]} elsewhere")
+# ---- generated modules: preamble ends ----
+
+# placeholders for the generated module's own constants (see the module docstring)
+PROGRAM = "triton_preamble"
+DESIGNS: dict = {}
+PROGRAM_DESIGN = (64, 64, 1, 4, 2, False, False)
