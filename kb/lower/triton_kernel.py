@@ -1,0 +1,735 @@
+"""The Triton kernel generator: one `@triton.jit` function body per IR kernel, statement by statement.
+
+Each IR statement becomes a few lines in the FlashAttention-2 Triton style (see kb.lower.triton); the tiles, names
+and addressing it uses are `kb.lower.triton_tiles.TritonTiles`'. Beyond one statement at a time it fuses a dot
+into the accumulation that follows it (backward), folds a positive scale into the softmax exponent, streams split
+partials into a combine, and splits a KV loop by block class (closed form or the host's block lists).
+"""
+
+from __future__ import annotations
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
+from kb.ir.nodes import (
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Let, Load, Mask,
+    OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt,
+    Store, walk_stmts,
+)
+from kb.lower.block_mask import (
+    CLASS_CODE, PARTIAL, BlockMaskKind, _block_tests, _full_span, _max_all, _reach, _simplify, _union_span,
+)
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
+from kb.lower.triton_expr import lower_expr
+from kb.lower.triton_tiles import Region, Tile, TritonTiles
+
+__all__ = ["TritonKernelGen"]
+
+_SPLIT_PARTIAL = frozenset({BlockClass.EMPTY, BlockClass.PARTIAL})  # closed-form split: partial parts may hold empty blocks
+
+
+def _reads(st: Stmt) -> set[str]:
+    """Names (tiles and scalars) a statement reads, nested bodies included."""
+    if isinstance(st, (For, IfBlock)):
+        out = set().union(*(_reads(x) for x in walk_stmts(st.body if isinstance(st, For) else st.then + st.orelse)))
+        return out | (free_vars(st.lo) | free_vars(st.hi) if isinstance(st, For) else set())
+    names: set[str] = set()
+    for f in st.__dataclass_fields__:
+        val = getattr(st, f)
+        if isinstance(val, Expr):
+            names |= free_vars(val)
+        elif isinstance(val, tuple):
+            names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
+            names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
+    for f in ("a", "b", "src", "tile", "m", "l", "acc", "scores", "values", "value", "o_parts", "lse_parts"):
+        val = getattr(st, f, None)
+        if isinstance(val, str):
+            names.add(val)
+    names.update(getattr(st, f) for f in _BACKWARD_READS.get(type(st), ()))
+    return names
+
+
+# tile operands of backward statements not covered by the shared field names above (Finalize's `lse` is an output)
+_BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta")}
+
+
+def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
+    """The scalar c when `st` is `t = t * c` and `t` is then only masked and fed to online_softmax."""
+    if not isinstance(st, Elementwise) or st.value.op is not ExprOp.MUL:
+        return None
+    x, y = st.value.args
+    if y.op is ExprOp.VAR and y.value == st.out:
+        x, y = y, x
+    if not (x.op is ExprOp.VAR and x.value == st.out and y.op is ExprOp.VAR and y.value in scalars):
+        return None
+    t = st.out
+    for nxt in rest:
+        for sub in walk_stmts((nxt,)):
+            if isinstance(sub, IfBlock) or (isinstance(sub, Mask) and sub.tile == t):
+                continue
+            if isinstance(sub, OnlineSoftmax) and sub.scores == t:
+                return str(y.value) if not any(t in _reads(r) for r in rest[rest.index(nxt) + 1:]) else None
+            if t in _reads(sub) or getattr(sub, "out", None) == t:
+                return None
+    return None
+
+
+class TritonKernelGen(TritonTiles):
+    """The body lines of one `@triton.jit` function (`generate`), statement by statement."""
+
+    # -- statements
+    def block(self, body: tuple[Stmt, ...]) -> None:
+        self.offs.append({})
+        before = len(self.lines)
+        float_scalars = {q.name for q in self.sig.scalars if DTYPE_KIND[q.dtype] is Kind.FLOAT}
+        fused: set[int] = set()
+        for i, st in enumerate(body):
+            if i in fused:
+                continue
+            c = _fold_target(st, body[i + 1:], float_scalars) if self.opts.fold_scale else None
+            if c is not None:
+                if c not in self.sig.pos_scalars:
+                    self.sig.pos_scalars.append(c)
+                self.fold_next[st.out] = c  # type: ignore[union-attr]
+            acc = self.dot_accumulator(st, body[i + 1:]) if self.backward else None
+            if acc is not None:
+                self.dot_into(st, acc)  # type: ignore[arg-type]
+                fused.add(i + 1)
+                continue
+            self.stmt(st)
+        if len(self.lines) == before:
+            self.emit("pass")
+        self.offs.pop()
+
+    def stmt(self, st: Stmt) -> None:
+        getattr(self, "s_" + type(st).__name__.lower())(st)
+
+    def s_let(self, st: Let) -> None:
+        self.bind_scalar(st.name, st.value)
+
+    def split_dim(self, st: Load) -> int | None:
+        """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
+        the tile's first axis: the combine then streams them one split at a time instead of holding them all."""
+        shape = self.p.param(st.tensor).shape
+        tile_dims = [i for i, it in enumerate(st.index) if not isinstance(it, Expr)]
+        if not tile_dims or shape[tile_dims[0]] != "NUM_SPLITS" or not isinstance(st.index[tile_dims[0]], Full):
+            return None
+        readers = [x for x in walk_stmts(self.k.body) if st.out in _reads(x)]
+        ok = len(readers) == 1 and isinstance(readers[0], Combine) and readers[0].o_parts == st.out
+        return tile_dims[0] if ok else None
+
+    def s_load(self, st: Load) -> None:
+        dim = self.split_dim(st) if st.other == 0.0 else None
+        if dim is not None:
+            _, _, shape = self.address(st.tensor, st.index)
+            self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
+            self.deferred[st.out] = (st, dim)
+            self.emit(f"# {self.local(st.out)}: loaded one split at a time by the combine below (each partial read once)")
+            return
+        ptr, mask, shape = self.address(st.tensor, st.index)
+        desc = self.tma_desc(st.tensor, st.index) if st.other == 0.0 else None
+        out = self.set_tile(st.out, shape, self.p.param(st.tensor).dtype)
+        other = load_other(mask, float_code(st.other))
+        plain = f"tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")")
+        self.emit(f"{out} = {desc[0]}.load([{desc[1]}]) if USE_TMA else {plain}" if desc else f"{out} = {plain}")
+        self.loaded.add(st.out)
+
+    def s_store(self, st: Store) -> None:
+        if st.accumulate:
+            self.accumulate_store(st)
+            return
+        ptr, mask, _ = self.address(st.tensor, st.index)
+        value = f"{self.oriented(st.value, False)}.to({st.tensor}_ptr.dtype.element_ty)"
+        plain = f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")")
+        desc = self.tma_desc(st.tensor, st.index)
+        if desc is None:
+            self.emit(plain)
+            return
+        self.emit("if USE_TMA:")
+        self.emit(f"    {desc[0]}.store([{desc[1]}], {value})")
+        self.emit("else:")
+        self.emit(f"    {plain}")
+
+    def s_init(self, st: Init) -> None:
+        for d in st.shape:
+            if isinstance(d, str) and d not in SCHEDULE_CONSTANTS:
+                raise KBError(f"init {st.out}: tile dims must be schedule constants or ints, got {d!r}")
+        shape = tuple(str(d) for d in st.shape)
+        t = self.score_shaped(shape)
+        out = self.set_tile(st.out, shape, st.dtype, t)
+        fill = float_code(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
+        self.emit(f"{out} = tl.full([{', '.join(shape[::-1] if t else shape)}], {fill}, {TL_DTYPE[st.dtype]})")
+
+    def _prec(self, *tiles: Tile) -> str:
+        return ', input_precision="ieee"' if all(t.dtype is Dtype.F32 for t in tiles) else ""
+
+    def dot_shape(self, st: Dot) -> tuple[str, str]:
+        """The (IR-oriented) shape of `st`'s result."""
+        a, b = self.tile(st.a), self.tile(st.b)
+        return (a.shape[-1] if st.trans_a else a.shape[0], b.shape[0] if st.trans_b else b.shape[-1])
+
+    def s_dot(self, st: Dot) -> None:
+        a, b = self.tile(st.a), self.tile(st.b)
+        shape = self.dot_shape(st)
+        t = self.score_shaped(shape)
+        acode, bcode = self.dot_operands(st, t)
+        out = self.set_tile(st.out, shape, Dtype.F32, t)
+        self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
+
+    def dot_operands(self, st: Dot, out_t: bool = False) -> tuple[str, str]:
+        """The operand codes of `st`, transposed as asked. In a backward program a computed fp32 tile (P, dS) meeting a
+        loaded one enters the tensor cores in the loaded tile's dtype (FlashAttention's choice; fp32 accumulation).
+        An output held transposed is computed as trans(b') @ trans(a'); operands held transposed are used as held."""
+        a, b = self.local(st.a), self.local(st.b)
+        if self.backward and (st.a in self.loaded) != (st.b in self.loaded):
+            if st.a in self.loaded:
+                b = f"{b}.to({a}.dtype)"
+            else:
+                a = f"{a}.to({b}.dtype)"
+        if out_t:
+            return self.oriented(st.b, not st.trans_b, b), self.oriented(st.a, not st.trans_a, a)
+        return self.oriented(st.a, st.trans_a, a), self.oriented(st.b, st.trans_b, b)
+
+    def dot_accumulator(self, st: Stmt, rest: tuple[Stmt, ...]) -> str | None:
+        """X when `st` is `dot t = ...` followed by `elementwise X = X + t` (or `t + X`), X an fp32 tile of the dot's
+        shape and t read nowhere else: the dot then accumulates into X (`tl.dot(a, b, X)`)."""
+        if not isinstance(st, Dot) or not rest or not isinstance(rest[0], Elementwise) or rest[0].value.op is not ExprOp.ADD:
+            return None
+        acc, t = rest[0].out, st.out
+        if sorted(str(x.value) for x in rest[0].value.args if x.op is ExprOp.VAR) != sorted((acc, t)) or acc == t \
+                or acc in (st.a, st.b) or acc not in self.tiles or self.tiles[acc].dtype is not Dtype.F32:
+            return None
+        readers = [x for x in walk_stmts(self.k.body) if not isinstance(x, (For, IfBlock)) and t in _reads(x)]
+        return acc if self.tiles[acc].shape == self.dot_shape(st) and readers == [rest[0]] else None
+
+    def dot_into(self, st: Dot, acc: str) -> None:
+        acode, bcode = self.dot_operands(st, self.tile(acc).t)
+        code = self.local(acc)
+        self.emit(f"{code} = tl.dot({acode}, {bcode}, {code}{self._prec(self.tile(st.a), self.tile(st.b))})"
+                  f"  # {st.out} = {st.a} @ {st.b} added into {acc}")
+
+    def accumulate_store(self, st: Store) -> None:
+        """`store t[...] += x`: relaxed fp32 atomic adds of the in-range elements (programs run in parallel)."""
+        prm = self.p.param(st.tensor)
+        if prm.dtype is not Dtype.F32:
+            raise KBError(f"store {st.tensor}[...] += {st.value}: the Triton lowering accumulates with fp32 atomics; "
+                          f"declare {st.tensor} f32 (it is {prm.dtype.value})")
+        ptr, mask, _ = self.address(st.tensor, st.index)
+        value = f"{self.oriented(st.value, False)}.to(tl.float32)"
+        # element atomics: on H200 a TMA reduce-add of the tile (desc.atomic_add) measured slower (2.79 vs 2.35 ms,
+        # causal backward B4 H16 S4K D128 at 64x128 w8 s2), the reduce waiting on its shared-memory staging
+        self.emit(f"tl.atomic_add({ptr}, {value}" + (f", mask={mask}" if mask else "") + ', sem="relaxed")')
+
+    def s_elementwise(self, st: Elementwise) -> None:
+        if st.out in self.fold_next:
+            c = self.fold_next.pop(st.out)
+            code = self.local(st.out)
+            self.folded[st.out] = c
+            self.emit(f"# `{code} * {c}` is folded into the softmax exponent when {c} > 0 (POS_{c})")
+            self.emit(f"{code} = {code} if POS_{c} else {code} * {self.names[c].code}")
+            return
+        used = [self.tiles[n] for n in sorted(free_vars(st.value)) if n in self.tiles]
+        shape = max((t.shape for t in used), key=len, default=())
+        t = any(x.t for x in used)  # held transposed when any operand is (the others are transposed to match)
+        code = self.ex(st.value) if not self.backward else strip_parens(lower_expr(st.value, self.ctx(self.widened(st.value, t))))
+        kind = expr_kind(st.value, self.ctx())
+        dtype = Dtype.F32 if kind is Kind.FLOAT else Dtype.I32 if kind is Kind.INT else Dtype.BOOL
+        if not shape:
+            self.bind_scalar(st.out, st.value)
+            return
+        out = self.set_tile(st.out, shape, dtype, t)
+        self.emit(f"{out} = {code}")
+
+    def widened(self, e: Expr, t: bool = False) -> dict[str, Sym]:
+        """Names with the loaded float tiles `e` reads widened to fp32 (backward math on 16-bit O, dO: delta), and
+        its 2-D tiles held as the result is (transposed iff `t`)."""
+        names = dict(self.names)
+        for n in free_vars(e) & set(self.tiles):
+            tile, code = self.tiles[n], self.names[n].code
+            if n in self.loaded and DTYPE_KIND[tile.dtype] is Kind.FLOAT:
+                code = f"{code}.to(tl.float32)"
+            if len(tile.shape) == 2 and tile.t != t:
+                code = f"tl.trans({code})"
+            names[n] = Sym(code, self.names[n].kind)
+        return names
+
+    def s_reduce(self, st: Reduce) -> None:
+        src = self.tile(st.src)
+        if st.kind not in ("max", "sum"):
+            raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
+        out = self.set_tile(st.out, tuple(s for i, s in enumerate(src.shape) if i != st.axis), src.dtype)
+        self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {1 - st.axis if src.t else st.axis})")
+
+    def variant_names(self, st: ScoreMod | Mask, score: str | None) -> dict[str, Sym]:
+        tile = self.tile(st.tile)
+        if len(tile.shape) != 2:
+            raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
+        om = self.offsets(st.q_start, tile.shape[0])
+        on = self.offsets(st.kv_start, tile.shape[1])
+        names = {d: self.names[d] for d in self.sig.dims}
+        names.update({s.name: self.names[s.name] for s in self.sig.scalars})
+        names["b"] = self.index_sym(st.b)
+        names["h"] = self.index_sym(st.h)
+        q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
+        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
+            head, qpos = self.pack_rows(om)
+            names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
+            if st.h == var(self.pack.head):
+                names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
+        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        if score is not None:
+            names["score"] = Sym(score, Kind.FLOAT)
+        return names
+
+    def index_sym(self, e: Expr) -> Sym:
+        """A batch/head index: a grid axis keeps what the grid knows about it (>= 0, below its extent)."""
+        if e.op is ExprOp.VAR and str(e.value) in self.names:
+            return self.names[str(e.value)]
+        return Sym(wrap(self.ex(e)), Kind.INT, is_nonneg(e, self.ctx()))
+
+    def s_scoremod(self, st: ScoreMod) -> None:
+        if self.p.score_mod is None:
+            raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
+        code = self.local(st.tile)
+        body, names = self.invariant_terms(self.p.score_mod.body, st, self.variant_names(st, code))
+        self.emit(f"{code} = {strip_parens(lower_expr(body, self.ctx(names)))}")
+
+    def s_mask(self, st: Mask) -> None:
+        code = self.local(st.tile)
+        if self.region is not None and self.region.full and self.region.covers(st) \
+                and self.tile(st.tile).shape == ("BLOCK_M", "BLOCK_N"):
+            self.emit(f"# full block: every in-range pair attends and no kv index is past N; no mask for {code}")
+            return
+        names = self.variant_names(st, None)
+        keep = f"({names['kv_idx'].code} < {self.n_dim})"
+        if st.use_mask_mod:
+            if self.p.mask_mod is None:
+                raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
+            body, names = self.invariant_terms(self.p.mask_mod.body, st, names)
+            keep += f" & {wrap(lower_expr(body, self.ctx(names)))}"
+        self.emit(f"{code} = tl.where({keep}, {code}, {NEG_INF})")
+
+    # -- backward statements
+    def s_probs(self, st: Probs) -> None:
+        s_t, l_t = self.tile(st.scores), self.tile(st.lse)
+        if len(s_t.shape) != 2 or len(l_t.shape) != 1:
+            raise KBError(f"probs {st.out}: needs a 2-D score tile and a row vector, got {s_t.shape} and {l_t.shape}")
+        s, lse = self.local(st.scores), self.local(st.lse)
+        lse_bc = self.rows(st.scores, "_lse_log2")
+        out = self.set_tile(st.out, s_t.shape, Dtype.F32, s_t.t)
+        self.emit(f"# p = exp({s} - {lse}); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0")
+        self.emit(f'_lse_log2 = tl.where({lse} == {NEG_INF}, float("inf"), {lse}) * {LOG2E}')
+        self.emit(f"{out} = tl.exp2({s} * {LOG2E} - {lse_bc})")
+
+    def s_softmaxgrad(self, st: SoftmaxGrad) -> None:
+        p_t, dp_t, d_t = self.tile(st.p), self.tile(st.dp), self.tile(st.delta)
+        if len(p_t.shape) != 2 or dp_t.shape != p_t.shape or len(d_t.shape) != 1:
+            raise KBError(f"softmax_grad {st.out}: needs p, dp of one 2-D shape and a row vector delta, "
+                          f"got {p_t.shape}, {dp_t.shape} and {d_t.shape}")
+        p, dp = self.local(st.p), self.oriented(st.dp, p_t.t)
+        delta = self.rows(st.p, self.local(st.delta))
+        out = self.set_tile(st.out, p_t.shape, Dtype.F32, p_t.t)
+        self.emit(f"{out} = {p} * ({dp} - {delta})")
+
+    def s_scoremodgrad(self, st: ScoreModGrad) -> None:
+        from kb.ir.derive import score_grad
+
+        code = self.local(st.tile)
+        grad = score_grad(self.p.score_mod.body) if self.p.score_mod is not None else const(1)
+        if grad.op is ExprOp.CONST and grad.value == 1:
+            self.emit(f"# score_mod_grad {code}: d score_mod / d score is 1 here")
+            return
+        names = self.variant_names(st, self.oriented(st.scores, self.tile(st.tile).t))
+        self.emit(f"{code} = {code} * {wrap(strip_parens(lower_expr(grad, self.ctx(names))))}  # d score_mod / d score")
+
+    def s_auxgrad(self, st: AuxGrad) -> None:
+        from kb.ir.derive import aux_partials
+
+        if self.p.score_mod is None:
+            raise KBError(f"aux_grad {st.grad} of {st.aux}: the program has no score_mod to differentiate")
+        try:
+            grad = self.p.param(st.grad)
+        except KeyError:
+            raise KBError(f"aux_grad {st.grad} of {st.aux}: {st.grad} is not a param of the program") from None
+        if grad.dtype is not Dtype.F32:
+            raise KBError(f"aux_grad {st.grad}: the Triton lowering accumulates with fp32 atomics; declare {st.grad} f32")
+        names = self.variant_names(st, self.oriented(st.scores, self.tile(st.tile).t))
+        rows, cols = names["q_idx"].code, names["kv_idx"].code
+        in_range = f"({rows} < {self.m_dim}) & ({cols} < {self.n_dim})"
+        ds = self.local(st.tile)
+        for index, partial in aux_partials(self.p.score_mod.body, st.aux):
+            if len(index) != len(grad.shape):
+                raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
+            self.aux_scatter(st.grad, grad, index, f"{ds} * {wrap(strip_parens(lower_expr(partial, self.ctx(names))))}",
+                             in_range, names, self.tile(st.tile).t)
+
+    def aux_scatter(self, name: str, grad: Param, index: tuple[Expr, ...], value: str, in_range: str,
+                    names: dict[str, Sym], t: bool = False) -> None:
+        """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along."""
+        ctx = self.ctx(names)
+        terms: list[str] = []
+        guards: dict[bool, list[str]] = {True: [], False: []}  # bounds of tile-shaped / scalar indices
+        for i, (e, d) in enumerate(zip(index, grad.shape)):
+            code = wrap(strip_parens(lower_expr(e, ctx)))
+            terms.append(f"{code} * stride_{name}_{i}")
+            tiled = bool(free_vars(e) & {"q_idx", "kv_idx"})
+            if not is_nonneg(e, ctx):
+                guards[tiled].append(f"({code} >= 0)")
+            if not (e.op is ExprOp.VAR and names.get(str(e.value), Sym("", Kind.INT)).below == self._dim(d)):
+                guards[tiled].append(f"({code} < {self._dim(d)})")
+        moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
+        if moves == {"q_idx", "kv_idx"}:
+            val, tile_guards = value, [in_range, *guards[True]]
+        else:
+            kept = f"tl.where({in_range}, {value}, 0.0)"
+            kv_axis, q_axis = (0, 1) if t else (1, 0)
+            val = f"tl.sum({kept}, {kv_axis}, keep_dims=True)" if moves == {"q_idx"} else \
+                f"tl.sum({kept}, {q_axis}, keep_dims=True)" if moves == {"kv_idx"} else f"tl.sum(tl.sum({kept}, 1), 0)"
+            tile_guards = guards[True]
+        mask = f", mask={' & '.join(tile_guards)}" if tile_guards else ""
+        if guards[False]:  # scalar bounds guard the whole update (a scalar term in a tile mask trips the interpreter)
+            self.emit(f"if {' & '.join(guards[False])}:")
+        pad = "    " if guards[False] else ""
+        self.emit(f"{pad}tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
+
+    def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
+        if self.tile(st.scores).t:
+            raise KBError(f"online_softmax of {st.scores}: not supported in a kernel that loops over q blocks (KV-outer); "
+                          "put the forward's KV loop in a kernel of its own")
+        m, l, acc, s, v = (self.local(n) for n in (st.m, st.l, st.acc, st.scores, st.values))
+        prec = self._prec(self.tile(st.values))
+        c = self.folded.pop(st.scores, None)
+        if c is None:
+            self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1))")
+        else:
+            cc = self.names[c].code
+            self.emit(f"_m_new = tl.maximum({m}, tl.max({s}, 1) * ({cc} if POS_{c} else 1.0))")
+            self.emit(f"_qk_scale = {cc} * {LOG2E} if POS_{c} else {LOG2E}")
+        self.emit("# rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN")
+        self.emit(f"_m_log2 = tl.where(_m_new == {NEG_INF}, 0.0, _m_new) * {LOG2E}")
+        self.emit(f"_alpha = tl.exp2({m} * {LOG2E} - _m_log2)")
+        self.emit(f"_p = tl.exp2({s} * {LOG2E if c is None else '_qk_scale'} - _m_log2[:, None])")
+        self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
+        if self._split_p(self.tile(st.values)):
+            self.emit(f"# fp32 output from 16-bit V: P enters as a hi/lo pair of {v}.dtype tiles, so P keeps ~16 bits")
+            self.emit(f"_p_hi = _p.to({v}.dtype)")
+            self.emit(f"{acc} = tl.dot(_p_hi, {v}, {acc} * _alpha[:, None])")
+            self.emit(f"{acc} = tl.dot((_p - _p_hi.to(tl.float32)).to({v}.dtype), {v}, {acc})")
+        else:
+            self.emit(f"{acc} = tl.dot(_p.to({v}.dtype), {v}, {acc} * _alpha[:, None]{prec})")
+        self.emit(f"{m} = _m_new")
+
+    def _split_p(self, v: Tile) -> bool:
+        """Whether P·V must keep fp32 accuracy of P: the program writes an fp32 output (a spec that upcasts
+        16-bit inputs and returns fp32) from 16-bit V tiles, where one 16-bit P would round it to 8 bits."""
+        wide = any(q.role is Role.OUT and q.dtype is Dtype.F32 and q.name != "lse" for q in self.p.params)
+        return wide and v.dtype in (Dtype.BF16, Dtype.F16)
+
+    def s_finalize(self, st: Finalize) -> None:
+        m, l, acc = (self.local(n) for n in (st.m, st.l, st.acc))
+        acc_t, l_t = self.tile(st.acc), self.tile(st.l)
+        o = self.set_tile(st.o, acc_t.shape, Dtype.F32)
+        lse = self.set_tile(st.lse, l_t.shape, Dtype.F32)
+        self.emit(f"_l_safe = tl.where({l} == 0.0, 1.0, {l})")
+        self.emit(f"{o} = {acc} / _l_safe[:, None]")
+        self.emit(f"{lse} = tl.where({l} == 0.0, {NEG_INF}, {m} + tl.log(_l_safe))")
+
+    def s_combine(self, st: Combine) -> None:
+        po_t, pl_t = self.tile(st.o_parts), self.tile(st.lse_parts)
+        if len(po_t.shape) != len(pl_t.shape) + 1:
+            raise KBError(f"combine {st.o}: o_parts must have one more dim than lse_parts")
+        po, pl = self.local(st.o_parts), self.local(st.lse_parts)
+        o = self.set_tile(st.o, po_t.shape[1:], Dtype.F32)
+        lse = self.set_tile(st.lse, pl_t.shape[1:], Dtype.F32)
+        w_bc = "[" + ", ".join([":"] * len(pl_t.shape) + ["None"]) + "]"
+        self.emit(f"_lse_max = tl.max({pl}, 0)")
+        self.emit(f"_lse_max = tl.where(_lse_max == {NEG_INF}, 0.0, _lse_max)")
+        self.emit(f"_w = tl.exp({pl} - _lse_max[None, :])  # splits without keys have lse = -inf: weight 0")
+        self.emit("_w_sum = tl.sum(_w, 0)")
+        self.emit("_w_safe = tl.where(_w_sum == 0.0, 1.0, _w_sum)")
+        self.emit(f"{lse} = tl.where(_w_sum == 0.0, {NEG_INF}, _lse_max + tl.log(_w_safe))")
+        if st.o_parts not in self.deferred:
+            self.emit(f"{o} = tl.sum(_w{w_bc} * {po}, 0) / _w_safe[:, None]")
+            return
+        load, dim = self.deferred.pop(st.o_parts)
+        one = w_bc.replace(":, ", "", 1)
+        self.emit(f"{o} = tl.zeros([{', '.join(po_t.shape[1:])}], tl.float32)")
+        self.emit("for _sp in range(0, NUM_SPLITS):  # one split's partial at a time, weighted by its share of the sum")
+        self.depth += 1
+        self.offs.append({})
+        self.names["_sp"] = Sym("_sp", Kind.INT, True)
+        ptr, mask, _ = self.address(load.tensor, tuple(var("_sp") if i == dim else it for i, it in enumerate(load.index)))
+        self.emit(f"_w_sp = tl.sum(tl.where(tl.arange(0, {pl_t.shape[0]}){bcast(0, len(pl_t.shape))} == _sp, _w, 0.0), 0)")
+        other = load_other(mask, "0.0")
+        self.emit(f"{o} += _w_sp{one} * tl.load({ptr}" + (f", mask={mask}, other={other})" if mask else ")"))
+        self.offs.pop()
+        self.depth -= 1
+        self.emit(f"{o} = {o} / _w_safe[:, None]")
+
+    def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
+        plan = self.plan
+        if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
+                or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts) \
+                or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
+            return None
+        return self.loop_tile(st, ("forward", "reverse"))
+
+    def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
+        if not self.opts.indexed_kv_loop or not self.sig.table or self.pack is not None:
+            return None
+        # the lists visit partial, then full blocks, ascending, whatever the IR's order (the order only moves
+        # rounding): a reverse loop over a table would otherwise branch on every block up to its bound
+        at = self.loop_tile(st, ("forward", "reverse"))
+        if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
+            return None
+        return at
+
+    def multiple_of(self, e: Expr, unit: str) -> bool:
+        """Is `e` a multiple of the constexpr `unit` by its form (0, unit * x, sums, min/max, lets)?"""
+        if e.op is ExprOp.CONST:
+            return e.value == 0
+        if e.op is ExprOp.VAR:
+            return e.value == unit or (str(e.value) in self.lets and self.multiple_of(self.lets[str(e.value)], unit))
+        if e.op is ExprOp.MUL:
+            return any(self.multiple_of(a, unit) for a in e.args)
+        if e.op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MAXIMUM, ExprOp.MINIMUM):
+            return all(self.multiple_of(a, unit) for a in e.args)
+        return e.op is ExprOp.NEG and self.multiple_of(e.args[0], unit)
+
+    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",)) -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own tile."""
+        if self.region is not None or st.order not in orders or str(st.step) != "BLOCK_N":
+            return None
+        stmts = list(walk_stmts(st.body))
+        tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
+        if not tests or any(isinstance(x, For) for x in stmts):
+            return None
+        at = (tests[0].b, tests[0].h, tests[0].q_start)
+        defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
+                              if isinstance(getattr(x, n, None), str)}
+        if any(x.kv_start != var(st.var) or (x.b, x.h, x.q_start) != at for x in tests):
+            return None
+        if any(free_vars(e) & defined for e in at):
+            return None
+        return at
+
+    def s_for(self, st: For) -> None:
+        at = self.split_at(st)
+        if at is not None:
+            self.split_for(st, at)
+            return
+        at = self.indexed_at(st)
+        if at is not None:
+            self.indexed_for(st, at)
+            return
+        lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
+        loop_var = self.local(st.var)
+        self._invalidate(loop_var)
+        sym = Sym(loop_var, Kind.INT, is_nonneg(st.lo, self.ctx()), self.loop_below(st))
+        if st.order not in ("reverse", "forward"):
+            raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
+        started = self.start_hoist(st)
+        if st.order == "reverse":
+            n_iter = f"_n_iter_{loop_var}"
+            self.emit(f"{n_iter} = tl.cdiv({hi} - {wrap(lo)}, {step})")
+            self.emit(f"for _it_{loop_var} in range(0, {n_iter}):")
+            self.depth += 1
+            self.emit(f"{loop_var} = {wrap(lo)} + ({n_iter} - 1 - _it_{loop_var}) * {step}")
+            self.depth -= 1
+        else:
+            self.emit(f"for {loop_var} in {self.loop_range(st, lo, hi, step)}:")
+        self.names[st.var] = sym
+        self.depth += 1
+        self.block(st.body)
+        self.depth -= 1
+        self.end_hoist(started)
+
+    def loop_below(self, st: For) -> str | None:
+        """The dim a loop variable stays below, when the bound says so: `hi` a dim, or a GQA group's head range
+        `(g + 1) * (H // G)` with g a grid axis below G (aux loads indexed by it then need no guard)."""
+        hi = st.hi
+        if hi.op is ExprOp.VAR and str(hi.value) in self.sig.dims:
+            return str(hi.value)
+        if hi.op is not ExprOp.MUL or not self.backward:
+            return None
+        g1, ratio = hi.args
+        if ratio.op is not ExprOp.FLOORDIV or g1.op is not ExprOp.ADD or g1.args[1] != const(1) \
+                or g1.args[0].op is not ExprOp.VAR or any(a.op is not ExprOp.VAR for a in ratio.args):
+            return None
+        g = self.names.get(str(g1.args[0].value))
+        big, small = (str(a.value) for a in ratio.args)
+        return big if g is not None and g.below == small and big in self.sig.dims else None
+
+    def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
+        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order)."""
+        v = self.local(st.var)
+        q0 = at[2]
+        q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
+        sub = {"b": at[0], "h": at[1]}
+        spans = [_full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
+            or [(st.lo, var(self.n_dim) - var("BLOCK_N"))]
+        first, last = spans[0]
+        for f, l in spans[1:]:
+            first, last = _union_span((first, last), (f, l))
+        hi_expr = st.hi
+        if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
+            hi_expr = call("minimum", hi_expr, _max_all([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
+        self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
+        lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
+        self.emit(f"{lo} = {self.position(st.lo)}")
+        self.emit(f"{hi} = {self.position(_simplify(hi_expr))}")
+        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
+        self.emit(f"_full_first_{v} = {self.position(_simplify(first))}")
+        self.emit(f"_full_last_{v} = {self.position(_simplify(last))}")
+        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
+        self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
+                  f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
+        parts = [("0", f"_i_a_{v}", False), (f"_i_a_{v}", f"_i_b_{v}", True), (f"_i_b_{v}", f"_n_iter_{v}", False)]
+        if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
+            parts.reverse()
+        started = self.start_hoist(st)
+        for i_lo, i_hi, full in parts:
+            self._invalidate(v)
+            self.names[st.var] = Sym(v, Kind.INT, is_nonneg(st.lo, self.ctx()))
+            what = "full" if full else "partial"
+            if st.order == "reverse":
+                it = f"_it_{v}"
+                self.emit(f"for {it} in range(0, {i_hi} - {i_lo}):  # {what} blocks, descending")
+                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * BLOCK_N")
+            else:
+                a = lo if i_lo == "0" else f"{lo} + {i_lo} * BLOCK_N"
+                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * BLOCK_N"
+                self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {what} blocks")
+            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL)
+            self.depth += 1
+            self.block(st.body)
+            self.depth -= 1
+            self.region = None
+        self.end_hoist(started)
+
+    def indexed_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
+        """Two loops over the host's lists of partial, then full, KV blocks of this tile row in [lo, hi)."""
+        v = self.local(st.var)
+        b = self.ex(at[0]) if self.plan.per_b else "0"
+        h = self.ex(at[1]) if self.plan.per_h else "0"
+        row, j_lo, j_hi = f"_kvl_row_{v}", f"_j_lo_{v}", f"_j_hi_{v}"
+        self.emit("# KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block")
+        self.emit("# indices): partial blocks, then full blocks (no mask code); empty blocks are never visited")
+        self.emit(f"{row} = kvl_ptr + {wrap(b)} * stride_kvl_0 + {wrap(h)} * stride_kvl_1 "
+                  f"+ ({wrap(self.ex(at[2]))} // BLOCK_M) * stride_kvl_2")
+        lo = self.ex(st.lo)
+        self.emit(f"{j_lo} = {lo if is_nonneg(st.lo, self.ctx()) else f'tl.maximum({lo}, 0)'} // BLOCK_N")
+        self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, BLOCK_N), bc_nn), {j_lo})")
+        started = self.start_hoist(st)
+        for cls in (BlockClass.PARTIAL, BlockClass.FULL):
+            lst, it = f"_kvl_{cls.value}_{v}", f"_i_{cls.value}_{v}"
+            self.emit(f"{lst} = {row} + {CLASS_CODE[cls] - PARTIAL} * stride_kvl_3")
+            self._invalidate(v)
+            self.names[st.var] = Sym(v, Kind.INT, True)
+            self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_kvl_4), tl.load({lst} + {j_hi} * stride_kvl_4)):")
+            self.depth += 1
+            self.emit(f"{v} = tl.load({lst} + (bc_nn + 1 + {it}) * stride_kvl_4) * BLOCK_N  # {cls.value} blocks")
+            self.region = Region(st.var, at, frozenset({cls}))
+            self.block(st.body)
+            self.region = None
+            self.depth -= 1
+        self.end_hoist(started)
+
+    def s_ifblock(self, st: IfBlock) -> None:
+        if self.region is not None and self.region.covers(st):
+            holds = self.region.decide(st)
+            if holds is not None:
+                cond = f"{'not ' if st.negate else ''}block is {st.cls.value}"
+                self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
+                taken = st.then if holds != st.negate else st.orelse
+                for sub in taken:
+                    self.stmt(sub)
+                return
+        cond = self.block_condition(st)
+        self.emit(f"if {cond}:")
+        self.depth += 1
+        self.block(st.then)
+        self.depth -= 1
+        if st.orelse:
+            self.emit("else:")
+            self.depth += 1
+            self.block(st.orelse)
+            self.depth -= 1
+
+    def block_condition(self, st: IfBlock) -> str:
+        code = CLASS_CODE[st.cls]
+        op = "!=" if st.negate else "=="
+        if self.plan.kind is BlockMaskKind.TABLE:
+            bq, bk = var("BLOCK_M"), var("BLOCK_N")
+            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.q_start, bq)), const(0))),
+                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.kv_start, bk)), const(0)))))
+            cell = load("__bc", st.b if self.plan.per_b else const(0), st.h if self.plan.per_h else const(0),
+                        Expr(ExprOp.FLOORDIV, (st.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.kv_start, bk)))
+            aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
+                                              ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
+            cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
+            self.emit("# block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial")
+            self.emit(f"_bclass = {cls}")
+            return f"_bclass {op} {code}"
+        empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
+        self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
+                  f"({strip_parens(self.ex(st.q_start))}, {strip_parens(self.ex(st.kv_start))})")
+        if st.cls is BlockClass.FULL:
+            test = full
+        elif st.cls is BlockClass.EMPTY:
+            test = empty
+        else:
+            test = Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
+        self.emit(f"_is_{st.cls.value} = {self.ex(test)}")
+        return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
+
+    # -- whole kernel
+    def axis_value(self, axis: str, index: str) -> str:
+        """A grid axis' value from its flat index; packed, the head axis is the group's first query head."""
+        if self.pack is not None and axis == self.pack.head:
+            return f"{wrap(index)} * ({self.pack.hq} // {self.pack.hkv})"
+        return index
+
+    def moves_kv_bound(self, axis: str) -> bool:
+        """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
+        deps: dict[str, set[str]] = {}
+        for st in self.k.body:
+            if isinstance(st, Let):
+                fv = free_vars(st.value)
+                deps[st.name] = set(fv).union(*(deps.get(n, set()) for n in fv))
+            if isinstance(st, For):
+                fv = free_vars(st.hi)
+                if axis in set(fv).union(*(deps.get(n, set()) for n in fv)):
+                    return True
+        return False
+
+    def generate(self) -> list[str]:
+        axes = self.k.grid
+        pk = self.pack
+        self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
+        if pk is not None:
+            self.emit(f"# GQA packed: {pk.head} runs over the {pk.hkv} KV heads, {pk.rows} over cdiv(({pk.hq} // {pk.hkv}) * {pk.m}, "
+                      f"BLOCK_M) blocks of (query head in group, query position) rows")
+            self.emit(f"_pk_rows = ({pk.hq} // {pk.hkv}) * {pk.m}")
+        heavy = self.opts.heavy_first and len(axes) > 1 and self.moves_kv_bound(axes[-1].name)
+        if len(axes) == 1:
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'tl.program_id(0)')}")
+        else:
+            self.emit("pid = tl.program_id(0)")
+            for a in reversed(axes[1:]):
+                ext = wrap(self.ex(pk.extent(a.name, a.extent) if pk else a.extent))
+                if heavy and a is axes[-1]:
+                    self.emit(f"# `{a.name}` moves the KV loop bound: largest {a.name} first, so the launch ends on short programs")
+                    self.emit(f"{self.local(a.name)} = {ext} - 1 - pid % {ext}")
+                else:
+                    self.emit(f"{self.local(a.name)} = {self.axis_value(a.name, f'pid % {ext}')}")
+                self.emit(f"pid = pid // {ext}")
+            self.emit(f"{self.local(axes[0].name)} = {self.axis_value(axes[0].name, 'pid')}")
+        for a in axes:
+            below = wrap(self.ex(a.extent)) if a.extent.op is ExprOp.VAR else None
+            self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
+        self.block(self.k.body)
+        return self.lines

@@ -1,0 +1,427 @@
+"""A Triton kernel's tiles, names and addressing: the state below the statement emitters (kb.lower.triton_kernel).
+
+`Signature` is the argument list every kernel of a program receives; `Tile` what the generator knows of a tile it
+holds; `Region` the part of a split KV loop being generated. `TritonTiles` keeps the IR names visible at the current
+line, the tiles, the `offs_*` aranges already made, and turns `tensor[index]` accesses into pointer/mask code
+(also as tensor descriptors, hoisted before the outermost loop where they do not change in it).
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kb.errors import KBError
+from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
+from kb.ir.nodes import (
+    BlockClass, Dtype, For, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
+    VALUE_DIM, is_backward, walk_stmts,
+)
+from kb.lower.block_mask import BlockMaskPlan
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.pack_gqa import PACK_ROWS, PackPlan, row_span
+from kb.lower.triton_code import bcast, strip_parens, wrap
+from kb.lower.triton_expr import lower_expr
+
+if TYPE_CHECKING:
+    from kb.lower.triton import LowerOptions
+
+__all__ = ["Tile", "Signature", "Region", "TritonTiles"]
+
+_RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Tile:
+    shape: tuple[str, ...]  # size codes (constexpr names or int literals), in the IR's orientation
+    dtype: Dtype
+    t: bool = False  # held transposed (a score tile [BLOCK_M, BLOCK_N] of a KV-major kernel, as [BLOCK_N, BLOCK_M])
+
+
+@dataclass
+class Signature:
+    """What every kernel of the program receives (one shared argument list keeps launches uniform)."""
+
+    tensors: tuple[Param, ...]
+    dims: tuple[str, ...]
+    scalars: tuple[Param, ...]
+    table: bool
+    pads: list[str] = field(default_factory=list)  # PAD_<dim> constexprs for Full over runtime dims
+    even_d: bool = False  # EVEN_D constexpr: D == HEAD_PAD, head-dim masks are dropped
+    even_dv: bool = False  # EVEN_DV constexpr: Dv == HEAD_PAD_V, value-head-dim masks are dropped
+    consts: tuple[str, ...] = SCHEDULE_CONSTANTS  # the schedule constants the kernels receive (launch_constants)
+    pos_scalars: list[str] = field(default_factory=list)  # POS_<scalar> constexprs: scalar > 0 (fold_scale)
+    tma: bool = False  # USE_TMA constexpr (LowerOptions.tma)
+    ws: bool = False  # WARP_SPEC constexpr (LowerOptions.warp_specialize, with tma)
+    tma_tensors: list[str] = field(default_factory=list)  # tensors with a descriptor form somewhere
+
+    def args(self) -> list[str]:
+        out = [f"{t.name}_ptr" for t in self.tensors]
+        out += [f"stride_{t.name}_{i}" for t in self.tensors for i in range(len(t.shape))]
+        out += list(self.dims) + [s.name for s in self.scalars]
+        if self.table:
+            out += ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nb", "bc_nh", "bc_nm", "bc_nn"]
+            out += ["kvl_ptr", *(f"stride_kvl_{i}" for i in range(5))]
+        return out
+
+    def constexprs(self) -> list[str]:
+        return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
+            + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else [])
+
+
+@dataclass(frozen=True)
+class Region:
+    """One part of a split KV loop: the block classes its tiles at (b, h, q_start, var) can have."""
+
+    var: str  # the IR loop variable (the tile's kv_start)
+    at: tuple[Expr, Expr, Expr]  # (b, h, q_start) shared by every mask / block test in the loop
+    classes: frozenset[BlockClass]
+
+    @property
+    def full(self) -> bool:
+        return self.classes == {BlockClass.FULL}
+
+    def covers(self, st: Mask | IfBlock) -> bool:
+        return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
+
+    def decide(self, st: IfBlock) -> bool | None:
+        """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
+        if st.cls not in self.classes:
+            return False
+        return True if self.classes == {st.cls} else None
+
+
+class TritonTiles:
+    """The generator's state and addressing; kb.lower.triton_kernel.TritonKernelGen adds the statement emitters."""
+
+    def __init__(self, p: Program, k: Kernel, sig: Signature, plan: BlockMaskPlan, opts: LowerOptions,
+                 pack: PackPlan | None = None) -> None:
+        self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
+        self.backward = is_backward(p)  # backward programs: 16-bit tiles widened in elementwise math, dot operand casts
+        self.loaded: set[str] = set()  # tiles that hold a load's values (in the tensor's dtype at run time)
+        # a backward kernel looping over q blocks (KV-outer: dk, dv of one KV block) holds its score tiles transposed,
+        # kv rows by q columns, so P^T and dS^T enter the dV, dK dots as they are (no register transposes)
+        self.kv_major = self.backward and pack is None and any(
+            isinstance(x, For) and str(x.step) == "BLOCK_M" for x in walk_stmts(k.body))
+        self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
+        self.region: Region | None = None  # set while lowering one part of a split KV loop
+        self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
+        self.fold_next: dict[str, str] = {}
+        self.lines: list[str] = []
+        self.depth = 1
+        self.names: dict[str, Sym] = {}
+        self.tiles: dict[str, Tile] = {}
+        self.offs: list[dict[tuple[str, str], str]] = [{}]
+        self.used: set[str] = set()
+        # where descriptors of loads inside the outermost loop are built: (line, depth, IR names set in the loop)
+        self.hoist: tuple[int, int, set[str]] | None = None
+        self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
+        self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
+        self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
+        for d in sig.dims:
+            self.names[d] = Sym(d, Kind.INT, True)
+        if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
+            self.m_dim = PACK_ROWS
+            self.names[PACK_ROWS] = Sym("_pk_rows", Kind.INT, True)
+        for c in SCHEDULE_CONSTANTS:
+            self.names[c] = Sym(c, Kind.INT, True)
+        for s in sig.scalars:
+            self.names[s.name] = Sym(s.name, DTYPE_KIND[s.dtype])
+        self.aux = {t.name: AuxRef(f"{t.name}_ptr", tuple(f"stride_{t.name}_{i}" for i in range(len(t.shape))),
+                                   tuple(self._dim(d) for d in t.shape), DTYPE_KIND[t.dtype])
+                    for t in sig.tensors if t.role is Role.AUX}
+
+    # -- helpers
+    def emit(self, line: str) -> None:
+        self.lines.append("    " * self.depth + line)
+
+    def ctx(self, names: dict[str, Sym] | None = None, aux: dict[str, AuxRef] | None = None) -> ExprContext:
+        return ExprContext(ExprTarget.DEVICE, self.names if names is None else names, self.aux if aux is None else aux)
+
+    def ex(self, e: Expr) -> str:
+        return strip_parens(lower_expr(e, self.ctx()))
+
+    def position(self, e: Expr) -> str:
+        """A KV position (a loop bound): 32-bit, as tile offsets and descriptor loads need, also where it reads
+        an int64 aux tensor (a per-batch prefix length)."""
+        code = self.ex(e)
+        return f"({code}).to(tl.int32)" if any(n.op is ExprOp.LOAD for n in walk(e)) else code
+
+    def local(self, ir_name: str) -> str:
+        code = ir_name if ir_name not in _RESERVED and not keyword.iskeyword(ir_name) and not ir_name.startswith("_") \
+            and not ir_name.endswith("_ptr") and not ir_name.startswith(("stride_", "offs_", "bc_")) else f"v_{ir_name}"
+        return code
+
+    def bind_scalar(self, name: str, e: Expr) -> str:
+        code = self.local(name)
+        sym = Sym(code, expr_kind(e, self.ctx()), is_nonneg(e, self.ctx()))
+        self._invalidate(code)
+        self.emit(f"{code} = {self.ex(e)}")
+        self.names[name] = sym
+        return code
+
+    def _invalidate(self, code: str) -> None:
+        pat = re.compile(rf"\b{re.escape(code)}\b")
+        for scope in self.offs:
+            for key in [k for k in scope if pat.search(k[0])]:
+                del scope[key]
+
+    def _dim(self, d: object) -> str:
+        return str(d)
+
+    def _full_size(self, d: object) -> str:
+        if d == "D":
+            return "HEAD_PAD"
+        if d == VALUE_DIM:
+            return "HEAD_PAD_V"
+        if isinstance(d, int):
+            return str(_next_pow2(d))
+        if d in ("HEAD_PAD", "HEAD_PAD_V"):
+            return str(d)
+        pad = f"PAD_{d}"
+        if pad not in self.sig.pads:
+            self.sig.pads.append(pad)
+        return pad
+
+    def offsets(self, start: Expr | None, size: str) -> str:
+        start_code = "0" if start is None else self.ex(start)
+        key = (start_code, size)
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key]
+        base = "offs_" + (start_code if re.fullmatch(r"[A-Za-z_]\w*", start_code) and start is not None
+                          else "d" if size == "HEAD_PAD" else "dv" if size == "HEAD_PAD_V" else "r")
+        name, i = base, 1
+        while name in self.used:
+            i += 1
+            name = f"{base}{i}"
+        self.used.add(name)
+        arange = f"tl.arange(0, {size})"
+        self.emit(f"{name} = {arange}" if start is None else f"{name} = {start_code} + {arange}")
+        self.offs[-1][key] = name
+        return name
+
+    def set_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype, t: bool = False) -> str:
+        code = self.local(ir_name)
+        self.tiles[ir_name] = Tile(shape, dtype, t)
+        self.loaded.discard(ir_name)
+        self.names[ir_name] = Sym(code, DTYPE_KIND[dtype])
+        return code
+
+    def score_shaped(self, shape: tuple[str, ...]) -> bool:
+        """Is a tile of this (IR) shape held transposed here (a KV-major kernel's [BLOCK_M, BLOCK_N] tiles)?"""
+        return self.kv_major and shape == ("BLOCK_M", "BLOCK_N")
+
+    def oriented(self, ir_name: str, t: bool, code: str | None = None) -> str:
+        """The code of tile `ir_name` (or `code` computing it) held transposed iff `t`."""
+        code = code or self.local(ir_name)
+        return f"tl.trans({code})" if self.tile(ir_name).t != t else code
+
+    def rows(self, ir_name: str, vec: str) -> str:
+        """Row vector `vec` (one value per IR row, per q) broadcast over the 2-D tile `ir_name` as it is held."""
+        return f"{vec}[None, :]" if self.tile(ir_name).t else f"{vec}[:, None]"
+
+    def tile(self, ir_name: str) -> Tile:
+        try:
+            return self.tiles[ir_name]
+        except KeyError:
+            raise KBError(f"kernel {self.k.name}: tile {ir_name!r} is used before it is defined") from None
+
+    # -- addressing
+    def address(self, tensor: str, index: tuple) -> tuple[str, str | None, tuple[str, ...]]:
+        """(pointer expression, mask expression or None, tile shape) of `tensor[index]`."""
+        try:
+            prm = self.p.param(tensor)
+        except KeyError:
+            raise KBError(f"kernel {self.k.name}: unknown tensor {tensor!r}") from None
+        if len(index) != len(prm.shape):
+            raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
+        spans: list[tuple[str, str, str, bool]] = []  # (offs, size, extent, needs lower guard)
+        even: list[str] = []  # head-dim bounds, dropped when EVEN_D (EVEN_DV over the value head dim)
+        even_flag = "EVEN_D"
+        terms: list[str] = []
+        rank = sum(not isinstance(i, Expr) for i in index)
+        pos = 0
+        packed = self.packed_dims(tensor, index)
+        for dim_i, (d, item) in enumerate(zip(prm.shape, index)):
+            stride = f"stride_{tensor}_{dim_i}"
+            if packed is not None and dim_i == packed[0]:
+                continue  # the head term is added per row with the query-block span below
+            if packed is not None and dim_i == packed[1]:
+                assert isinstance(item, Span)
+                offs = self.offsets(item.start, str(item.size))
+                head, qpos = self.pack_rows(offs)
+                bc = offs + bcast(pos, rank)
+                terms += [f"{head}{bcast(pos, rank)} * stride_{tensor}_{packed[0]}", f"{qpos}{bcast(pos, rank)} * {stride}"]
+                spans.append((bc, str(item.size), "_pk_rows", False))
+                pos += 1
+                continue
+            if isinstance(item, Expr):
+                terms.append(f"{wrap(self.ex(item))} * {stride}")
+                continue
+            in_full_block = False
+            if isinstance(item, Span):
+                size = str(item.size)
+                offs = self.offsets(item.start, size)
+                guard = not is_nonneg(item.start, self.ctx())
+                # a full block lies inside [0, N): n_start + BLOCK_N <= N
+                in_full_block = self.region is not None and self.region.full and item.start == var(self.region.var) \
+                    and size == "BLOCK_N" and d == self.n_dim
+            else:
+                size = self._full_size(d)
+                offs = self.offsets(None, size)
+                guard = False
+            bc = offs + bcast(pos, rank)
+            terms.append(f"{bc} * {stride}")
+            extent = self._dim(d)
+            if self.sig.even_d and d == "D" and size == "HEAD_PAD":
+                even.append(f"({bc} < {extent})")
+            elif self.sig.even_dv and d == VALUE_DIM and size == "HEAD_PAD_V":
+                even.append(f"({bc} < {extent})")
+                even_flag = "EVEN_DV"
+            elif not (isinstance(d, int) and str(d) == size) and not in_full_block:
+                spans.append((bc, size, extent, guard))
+            pos += 1
+        mask_parts = [f"({bc} < {ext})" for bc, _, ext, _ in spans] + [f"({bc} >= 0)" for bc, _, _, g in spans if g]
+        if even:
+            always = " & ".join(mask_parts)
+            both = " & ".join(mask_parts + even)
+            mask = f"({always or 'None'} if {even_flag} else {both})"
+            return f"{tensor}_ptr + " + " + ".join(terms), mask, tuple(
+                str(item.size) if isinstance(item, Span) else self._full_size(d)
+                for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
+        shape = tuple(str(item.size) if isinstance(item, Span) else self._full_size(d)
+                      for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
+        return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
+
+    def packed_dims(self, tensor: str, index: tuple) -> tuple[int, int] | None:
+        """(head dim, query-block span dim) of an access this packed kernel gathers / scatters per row."""
+        if self.pack is None:
+            return None
+        shape = self.p.param(tensor).shape
+        spans = [i for i, (d, it) in enumerate(zip(shape, index)) if row_span(it, d, self.pack)]
+        heads = [i for i, (d, it) in enumerate(zip(shape, index)) if it == var(self.pack.head) and d == self.pack.hq]
+        return (heads[0], spans[0]) if spans and heads else None
+
+    def pack_rows(self, offs: str) -> tuple[str, str]:
+        """Per-row query head and query position of the packed rows `offs` (row r: head h + r // M, position r % M)."""
+        assert self.pack is not None
+        key = (offs, "__pack__")
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key], f"{offs}_pos"
+        head, m = self.names[self.pack.head].code, self.names[self.pack.m].code
+        self.emit(f"{offs}_head = {head} + {offs} // {m}  # packed rows: (query head in group, query position)")
+        self.emit(f"{offs}_pos = {offs} % {m}")
+        self.offs[-1][key] = f"{offs}_head"
+        return f"{offs}_head", f"{offs}_pos"
+
+    def tma_desc(self, tensor: str, index: tuple) -> tuple[str, str] | None:
+        """(descriptor name, offsets code) of a 2-D tile `tensor[e.., Span|Full, Span|Full]`, or None.
+
+        The descriptor covers the [rows, cols] slice at the leading indices with the dims' true
+        extents, so TMA's out-of-range zero fill / store clipping equal the masked form's bounds.
+        Packed rows (GQA packing) are a gather, not a tile: no descriptor.
+        """
+        if not self.sig.tma or self.packed_dims(tensor, index) is not None:
+            return None
+        prm = self.p.param(tensor)
+        n = len(prm.shape)
+        if n < 2 or prm.dtype not in (Dtype.BF16, Dtype.F16, Dtype.F32) \
+                or any(not isinstance(i, Expr) for i in index[:-2]) or any(isinstance(i, Expr) for i in index[-2:]):
+            return None
+        sizes, starts = [], []
+        for d, item in zip(prm.shape[-2:], index[-2:]):
+            if isinstance(item, Span):
+                if not is_nonneg(item.start, self.ctx()):
+                    return None
+                size, start = str(item.size), self.ex(item.start)
+            else:
+                size, start = self._full_size(d), "0"
+            if not (size in SCHEDULE_CONSTANTS or (size.isdigit() and 16 <= int(size) <= 256)):
+                return None
+            sizes.append(size)
+            starts.append(start)
+        lead = [(e, f"{wrap(self.ex(e))} * stride_{tensor}_{i}") for i, e in enumerate(index[:-2])]
+        base = " + ".join([f"{tensor}_ptr"] + [t for _, t in lead])
+        make = (f"tl.make_tensor_descriptor({base}, shape=[{self._dim(prm.shape[-2])}, {self._dim(prm.shape[-1])}], "
+                f"strides=[stride_{tensor}_{n - 2}, 1], block_shape=[{', '.join(sizes)}]) if USE_TMA else None")
+        if tensor not in self.sig.tma_tensors:
+            self.sig.tma_tensors.append(tensor)
+        if self.hoist is not None:
+            line, depth, defined = self.hoist
+            if any(free_vars(e) & defined for e, _ in lead):
+                return None
+            return self.before_loop(make, f"_desc_{tensor}"), ", ".join(starts)
+        name = self._fresh(f"_desc_{tensor}")
+        self.emit(f"{name} = {make}")
+        return name, ", ".join(starts)
+
+    def before_loop(self, code: str, base: str) -> str:
+        """The name of `code` computed once before the outermost loop (one line per distinct code)."""
+        assert self.hoist is not None
+        line, depth, defined = self.hoist
+        if code not in self.descs:
+            name = self._fresh(base)
+            self.lines.insert(line, "    " * depth + f"{name} = {code}")
+            self.hoist = (line + 1, depth, defined)
+            self.descs[code] = name
+        return self.descs[code]
+
+    def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
+        """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
+        `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+            return e, names
+        q_offs = names["q_idx"].code.split("[")[0]
+        if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
+            return e, names  # the query offsets are made inside the loop: nothing to hoist them next to
+        names = dict(names)
+        ctx = self.ctx(names)
+
+        def visit(x: Expr) -> Expr:
+            if not x.args or not free_vars(x).isdisjoint({"kv_idx", "score"}):
+                return Expr(x.op, tuple(visit(a) for a in x.args), x.value) if x.args else x
+            if not any(n.op is ExprOp.LOAD for n in walk(x)):
+                return x
+            code = strip_parens(lower_expr(x, ctx))
+            name = self.before_loop(code, "_inv")
+            names[name] = Sym(name, expr_kind(x, ctx), is_nonneg(x, ctx))
+            return var(name)
+
+        return visit(e), names
+
+    def _fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.used:
+            i += 1
+            name = f"{base}{i}"
+        self.used.add(name)
+        return name
+
+    def start_hoist(self, st: For) -> bool:
+        """Mark the current line as where descriptors of this (outermost) loop's loads are built."""
+        if self.hoist is not None:
+            return False
+        stmts = list(walk_stmts(st.body))
+        defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc", "var")
+                              if isinstance(getattr(x, n, None), str)}
+        self.hoist, self.descs = (len(self.lines), self.depth, defined), {}
+        return True
+
+    def end_hoist(self, started: bool) -> None:
+        if started:
+            self.hoist, self.descs = None, {}
+
+    def loop_range(self, st: For, lo: str, hi: str, step: str) -> str:
+        """`range(...)`, or `tl.range(..., warp_specialize=WARP_SPEC)` for an innermost forward loop."""
+        if self.sig.ws and not any(isinstance(x, For) for x in walk_stmts(st.body)):
+            return f"tl.range({lo}, {hi}, {step}, warp_specialize=WARP_SPEC)"
+        return f"range({lo}, {hi}, {step})"
