@@ -31,7 +31,8 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.nodes import Program, Role, is_backward
-from kb.lower.triton import LowerOptions, kernel_fn_name, lower_program
+from kb.lower.triton import LowerOptions, lower_program
+from kb.lower.triton_host import kernel_fn_name
 
 __all__ = ["TritonKernel", "load_module"]
 

@@ -76,7 +76,8 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     from triton.compiler import ASTSource
 
     from kb.lower.runtime import load_module
-    from kb.lower.triton import kernel_fn_name, lower_program
+    from kb.lower.triton import lower_program
+    from kb.lower.triton_host import kernel_fn_name
 
     module = load_module(lower_program(p, options), p.name)[0]
     tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR}

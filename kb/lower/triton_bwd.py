@@ -29,9 +29,9 @@ from kb.ir.design import Design, DesignTable
 from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
-    _PREAMBLE, HostEntry, LowerOptions, _class_kernel, _host, check_attention_params, kernel_fn_name, kernel_sources,
-    lower_program, program_signature,
+    _PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, program_signature,
 )
+from kb.lower.triton_host import HostEntry, class_kernel, host_function, kernel_fn_name
 
 __all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]
 
@@ -163,8 +163,8 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
                       zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False)
     out = ["", "", _BWD_HELPERS, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
-        out += ["", *_class_kernel(p, sig, plan, _CLASS_KERNEL)]
-    out += ["", *_design_lines(p, designs), *_host(p, sig, plan, packs, entry)]
+        out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
+    out += ["", *_design_lines(p, designs), *host_function(p, sig, plan, packs, entry)]
     return "\n".join(out).rstrip() + "\n"
 
 

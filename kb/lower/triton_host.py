@@ -1,0 +1,391 @@
+"""The fixed parts of a generated Triton module around its IR kernels, as templates with holes.
+
+As Inductor keeps FlexAttention's algorithm in one template and injects score_mod/mask_mod into it, the code a
+module runs around its kernels is written out here once, as it appears in the generated file, and only the
+program-specific pieces are filled in (`string.Template` holes, `${name}`):
+- `design_lines`: the module's constants (PROGRAM, the design table DESIGNS, PROGRAM_DESIGN);
+- `class_kernel`: the block-class kernel that fills the host table, with the program's mask_mod injected;
+- `host_function`: the host `forward` (or a backward's `backward`): argument checks, then `launch(design)`,
+  which allocates the outputs, builds or reuses the block table and launches every kernel.
+A hole that stands for zero or more whole lines sits at the start of a line and its value ends with a newline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from string import Template
+from typing import Iterable
+
+from kb.ir.design import Design, DesignTable
+from kb.ir.expr import free_vars, loaded_tensors
+from kb.ir.nodes import Kernel, Param, Program, Role, SCHEDULE_CONSTANTS, VALUE_DIM
+from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym
+from kb.lower.pack_gqa import PACK_ROWS, PackPlan
+from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
+from kb.lower.triton_expr import lower_expr
+from kb.lower.triton_tiles import Signature
+
+__all__ = ["HostEntry", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "class_kernel",
+           "host_function"]
+
+
+def kernel_fn_name(k: Kernel) -> str:
+    return f"_{k.name}_kernel"
+
+
+def packed_fn_name(k: Kernel) -> str:
+    return f"_{k.name}_packed_kernel"
+
+
+def split_kernels(p: Program) -> list[Kernel]:
+    """The kernels with a split-KV grid axis (an extent over NUM_SPLITS)."""
+    return [k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid)]
+
+
+def _lines(text: str) -> list[str]:
+    return text.split("\n")
+
+
+def _block(lines: Iterable[str]) -> str:
+    """Whole lines for a hole at the start of a line."""
+    return "".join(f"{x}\n" for x in lines)
+
+
+def _tuple_body(names: list[str]) -> str:
+    """The inside of a tuple display of `names` (a trailing comma for one; nothing for none)."""
+    return ", ".join(names) + ("," if len(names) == 1 else "")
+
+
+# ------------------------------------------------------------------ module constants
+
+
+_DESIGNS = Template('''\
+PROGRAM = ${program}
+# Designs per GPU arch and head-dim bucket, best first, chosen by kernel-kb from what its KB knew
+# (measured records, expert tunables): (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa);
+# NUM_SPLITS 0 = chosen at launch from the grid and the SM count
+# GQA packing: ${packing}
+DESIGNS = ${designs}
+# the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses
+PROGRAM_DESIGN = ${own}
+
+''')
+
+
+def design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> list[str]:
+    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule.
+
+    A program that cannot pack lists its designs unpacked (deduplicated), so the table says what runs; a split-KV
+    program that can pack verifies its packed form (its own schedule packs)."""
+    packable = isinstance(packs, dict)
+
+    def tuples(ds: tuple[Design, ...]) -> list[tuple]:
+        return list(dict.fromkeys(d.as_tuple() if packable else dataclasses.replace(d, pack_gqa=False).as_tuple() for d in ds))
+
+    table = {arch: {bucket: tuples(ds) for bucket, ds in sorted(by.items())} for arch, by in sorted((designs or {}).items())}
+    own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and bool(split_kernels(p))).as_tuple()
+    packing = "available (designs with pack_gqa run the packed kernels)" if packable else f"not used, {packs}"
+    return _lines(_DESIGNS.substitute(program=repr(p.name), packing=packing, designs=repr(table), own=repr(own)))
+
+
+# ------------------------------------------------------------------ block-class kernel
+
+
+_CLASS_KERNEL = Template('''\
+@triton.jit
+def ${name}(
+${args}):
+    # one program per tile of the table [nb, nh, nm, nn], flattened; the mask is evaluated in registers
+    pid = tl.program_id(0)
+    j = pid % bc_nn
+    pid = pid // bc_nn
+    m = pid % bc_nm
+    pid = pid // bc_nm
+    h = pid % bc_nh
+    b = pid // bc_nh
+    offs_q = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_kv = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_range = (offs_q[:, None] < ${m_dim}) & (offs_kv[None, :] < ${n_dim})
+    attend = in_range & ${mask}
+    n_in = tl.sum(tl.sum(in_range.to(tl.int32), 1), 0)
+    n_att = tl.sum(tl.sum(attend.to(tl.int32), 1), 0)
+    cls = tl.where(n_att == 0, ${empty}, tl.where((n_att == n_in) & ((j + 1) * BLOCK_N <= ${n_dim}), ${full}, ${partial}))
+    tl.store(bc_ptr + b * stride_bc_0 + h * stride_bc_1 + m * stride_bc_2 + j * stride_bc_3, cls.to(tl.int8))
+''')
+
+
+def class_kernel(p: Program, sig: Signature, plan: BlockMaskPlan, name: str = "_block_class_kernel") -> list[str]:
+    """`_block_class_kernel`: one program per (b, h, m block, n block) of the table writes that tile's class of
+    mask_mod (0 empty, 1 partial, 2 full; a tile past N is never full), evaluated in registers on the GPU."""
+    assert p.mask_mod is not None
+    aux = [q for q in p.params if q.role is Role.AUX]
+    q_shape, m_dim, n_dim = p.param("q").shape, str(p.param("q").shape[2]), str(p.param("k").shape[2])
+    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in sig.scalars})
+    for n, dim, used in (("b", q_shape[0], plan.per_b), ("h", q_shape[1], plan.per_h)):
+        names[n] = Sym(n, Kind.INT, True, str(dim) if used and isinstance(dim, str) else None)
+    names["q_idx"] = Sym("offs_q[:, None]", Kind.INT, True)
+    names["kv_idx"] = Sym("offs_kv[None, :]", Kind.INT, True)
+    refs = {q.name: AuxRef(f"{q.name}_ptr", tuple(f"stride_{q.name}_{i}" for i in range(len(q.shape))),
+                           tuple(str(d) for d in q.shape), DTYPE_KIND[q.dtype]) for q in aux}
+    mask = strip_parens(lower_expr(p.mask_mod.body, ExprContext(ExprTarget.DEVICE, names, refs)))
+    args = [f"{q.name}_ptr" for q in aux] + [f"stride_{q.name}_{i}" for q in aux for i in range(len(q.shape))] \
+        + list(sig.dims) + [q.name for q in sig.scalars] \
+        + ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nh", "bc_nm", "bc_nn",
+           "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
+    return _lines(_CLASS_KERNEL.substitute(name=name, args=_block(f"    {a}," for a in args), m_dim=m_dim, n_dim=n_dim,
+                                           mask=wrap(mask), empty=EMPTY, full=FULL, partial=PARTIAL))
+
+
+# ------------------------------------------------------------------ host function
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """What a module's host function is: the forward's `forward` by default; kb.lower.triton_bwd makes `backward`
+    (its own design chooser and block-class kernel, so it can sit in one module beside a forward)."""
+
+    name: str = "forward"
+    chooser: str = "_choose_design"  # picks the design per GPU and shape
+    class_kernel: str = "_block_class_kernel"
+    table_tag: str = ""  # leading entries of the block-table cache key (code), e.g. '"bwd", '
+    zeroed: tuple[str, ...] = ()  # tensors allocated zero-filled (accumulated into)
+    returns: tuple[str, ...] = ()  # the returned expressions; () = the OUT params
+    table_helper: bool = True  # emit block_class_table()
+
+
+_HOST_FUNCTION = Template('''\
+def ${fn}(${params}, _design=None, **aux_and_scalars):
+    """Run `${program}`. Returns (${returned}). Aux tensors: ${aux_names}; scalars: ${scalar_names}.
+    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one."""
+    kw = dict(aux_and_scalars)
+${take_aux}    dims = {}
+${bind}${take_scalars}${take_table}    if kw:
+        raise ForwardArgumentError(f"${fn}() got unexpected arguments: {sorted(kw)}")
+
+    def launch(design, table_only=False):
+${launch}
+
+    design = tuple(_design) if _design is not None else ${chooser}(${first}, ${head_dim}, (${first}.device, ${first}.dtype, ${dims_key}), launch)
+    return launch(${launch_args})${table_helper}''')
+
+_TAKE_AUX = Template('''\
+    if "${aux}" not in kw:
+        raise ForwardArgumentError("${fn}() needs the aux tensor ${aux}=${shape}")
+    ${aux} = kw.pop("${aux}")
+''')
+
+_TAKE_SCALAR = Template('''\
+    if "${scalar}" not in kw:
+        raise ForwardArgumentError("${fn}() needs the scalar ${scalar}=...")
+    ${scalar} = float(kw.pop("${scalar}"))
+''')
+
+_SM_SCALE = Template('''\
+    sm_scale = 1.0 / math.sqrt(${first}.shape[-1]) if sm_scale is None else float(sm_scale)
+''')
+
+# like FlexAttention's block mask: built once by the caller and passed back, or built here
+_TAKE_TABLE = '''\
+    block_class, only_table = kw.pop("block_class", None), kw.pop("_only_block_class", False)
+'''
+
+_TABLE_HELPER = '''
+
+
+def block_class_table(*args, **kw):
+    """(block classes, block lists) forward(*args, **kw) builds; pass it back as block_class= to reuse it."""
+    return forward(*args, _only_block_class=True, **kw)'''
+
+
+def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict | str,
+                  entry: HostEntry = HostEntry()) -> list[str]:
+    """The host function (`entry.name`) of `p`'s module: check and bind the arguments, choose the design, launch."""
+    ins = [q for q in p.params if q.role is Role.IN]
+    aux = [q for q in p.params if q.role is Role.AUX]
+    scalars = [q for q in p.params if q.role is Role.SCALAR]
+    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in scalars})
+    hctx = ExprContext(ExprTarget.HOST, names)
+    first = ins[0].name
+    take_scalars = "".join(_SM_SCALE.substitute(first=first) if q.name == "sm_scale"
+                           else _TAKE_SCALAR.substitute(scalar=q.name, fn=entry.name) for q in scalars)
+    return _lines(_HOST_FUNCTION.substitute(
+        fn=entry.name, program=p.name,
+        params=", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else ""),
+        returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)),
+        aux_names=", ".join(q.name for q in aux) or "none", scalar_names=", ".join(q.name for q in scalars) or "none",
+        take_aux="".join(_TAKE_AUX.substitute(aux=q.name, fn=entry.name, shape=list(q.shape)) for q in aux),
+        bind=_block([*(f'    _bind(dims, "{q.name}", {q.name}, {tuple(q.shape)!r})' for q in (*ins, *aux)),
+                     *(f'    {d} = dims["{d}"]' for d in sig.dims)]),
+        take_scalars=take_scalars, take_table=_TAKE_TABLE if sig.table else "",
+        launch=_launch_body(p, sig, plan, hctx, packs, entry),
+        chooser=entry.chooser, first=first, head_dim="D" if "D" in sig.dims else f"{first}.shape[-1]",
+        dims_key=_tuple_body(list(sig.dims)),
+        launch_args="design, table_only=only_table" if sig.table else "design",
+        table_helper=_TABLE_HELPER if sig.table and entry.table_helper else ""))
+
+
+# ------------------------------------------------------------------ launch(design)
+
+
+_LAUNCH = Template('''\
+        BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)
+${pack}        NUM_SPLITS = ${num_splits}
+        HEAD_PAD = ${head_pad}
+${constexprs}${table}${allocate}${tma}${launches}        return ${returned}''')
+
+_PACK = Template('''\
+        # GQA packing: the ${hq} // ${hkv} query heads of a KV head share a tile (K/V read once per KV head)
+        PACK = PACK and ${hq} > ${hkv} and ${hq} % ${hkv} == 0
+        _PK_ROWS = (${hq} // ${hkv}) * ${m}
+''')
+
+_HEAD_PAD_CHECK = '''\
+        if HEAD_PAD < D:
+            raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
+'''
+
+_TABLE = Template('''\
+        # block classes of mask_mod (not decidable in closed form): one GPU program per tile
+        classes = lambda bc: ${class_kernel}[(bc.numel(),)](${args}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once
+        table = block_class if block_class is not None else _cached_table((${key}), (${inputs}), lambda: _hblock_table(_hblock_classes(classes, ${nb}, ${nh}, ${m}, ${n}, BLOCK_M, BLOCK_N, ${device})))
+        if table_only:
+            return table
+        bc, kvl = table
+''')
+
+_TMA = Template('''\
+        # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
+        USE_TMA = tma and _use_tma((${tensors}), (${sides}))
+''')
+
+_KERNEL_LAUNCH = Template('''\
+${indent}${fn}[(${grid},)](
+${indent}    ${args},
+${indent}    ${constexprs}, num_warps=num_warps, num_stages=num_stages,
+${indent})
+''')
+
+
+def _grid_code(k: Kernel, hctx: ExprContext, pack: PackPlan | None, split: bool = True) -> str:
+    """The host's launch-grid size of kernel `k` (packed: over KV heads and packed row blocks); without the
+    split axes when `split` is False."""
+    axes = [a for a in k.grid if split or "NUM_SPLITS" not in free_vars(a.extent)]
+    return " * ".join(wrap(lower_expr(pack.extent(a.name, a.extent) if pack else a.extent, hctx)) for a in axes) or "1"
+
+
+def _out_dtype(q: Param, first_in: Param) -> str:
+    """The attention output (a tile tensor of q's rank, typed like q in the IR) follows the inputs' dtype at run
+    time (bf16 in, bf16 out); any other declared dtype (the LSE's f32, a spec's deliberate fp32 output) is kept."""
+    if q.dtype == first_in.dtype and len(q.shape) == len(first_in.shape):
+        return f"{first_in.name}.dtype"
+    return TORCH_DTYPE[q.dtype]
+
+
+def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprContext, packs: dict | str,
+                 entry: HostEntry) -> str:
+    """The body of the host's `launch(design)`: allocate outputs, build the block table, launch every kernel."""
+    ins = [q for q in p.params if q.role is Role.IN]
+    device = ins[0].name + ".device"
+    pack = ""
+    if isinstance(packs, dict):
+        pk = next(iter(packs.values()))
+        hctx = ExprContext(hctx.target, {**hctx.names, PACK_ROWS: Sym("_PK_ROWS", Kind.INT, True)}, hctx.aux)
+        pack = _PACK.substitute(hq=pk.hq, hkv=pk.hkv, m=pk.m)
+    return _LAUNCH.substitute(
+        pack=pack, num_splits=_num_splits(p, hctx, packs, device),
+        head_pad=str(p.schedule.head_pad) if p.schedule.head_pad else "max(16, triton.next_power_of_2(D))",
+        constexprs=_constexpr_values(sig), table=_table_build(p, sig, plan, entry, device) if sig.table else "",
+        allocate=_block(_allocations(p, entry, device)), tma=_tma_choice(p, sig), launches=_launches(p, sig, hctx, packs),
+        returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)))
+
+
+def _num_splits(p: Program, hctx: ExprContext, packs: dict | str, device: str) -> str:
+    """NUM_SPLITS at launch: a split-KV program's 0 is chosen from the grid and the SM count."""
+    split = split_kernels(p)
+    if not split:
+        return "max(1, NUM_SPLITS)"
+    base = _grid_code(split[0], hctx, None, split=False)
+    if isinstance(packs, dict):
+        base = f"({_grid_code(split[0], hctx, packs[split[0].name], split=False)} if PACK else {base})"
+    return f"NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {device})"
+
+
+def _constexpr_values(sig: Signature) -> str:
+    """The head-pad check and the constexprs derived from the shapes and scalars (PAD_*, HEAD_PAD_V, EVEN_*, POS_*)."""
+    lines = [f"        {pad} = triton.next_power_of_2({pad[4:]})" for pad in sig.pads]
+    if VALUE_DIM in sig.dims:
+        lines.append(f"        HEAD_PAD_V = max(16, triton.next_power_of_2({VALUE_DIM}))")
+    if sig.even_d:
+        lines.append("        EVEN_D = HEAD_PAD == D")
+    if sig.even_dv:
+        lines.append(f"        EVEN_DV = HEAD_PAD_V == {VALUE_DIM}")
+    lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
+    return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
+
+
+def _table_build(p: Program, sig: Signature, plan: BlockMaskPlan, entry: HostEntry, device: str) -> str:
+    """Build (or reuse) the block-class table and its block lists; `launch(design, table_only=True)` returns them."""
+    assert p.mask_mod is not None
+    aux = [q for q in p.params if q.role is Role.AUX]
+    scalars = [q for q in p.params if q.role is Role.SCALAR]
+    qshape = p.param("q").shape
+    used = sorted(free_vars(p.mask_mod.body) & {q.name for q in (*aux, *scalars)} | loaded_tensors(p.mask_mod.body))
+    tensors_used = [n for n in used if n in {q.name for q in aux}]
+    scalars_used = ", ".join(n for n in used if n in {q.name for q in scalars})
+    args = ", ".join([q.name for q in aux] + [f"*{q.name}.stride()" for q in aux] + list(sig.dims)
+                     + [q.name for q in scalars] + ["bc", "*bc.stride()", "*bc.shape[1:]"])
+    key = f"{entry.table_tag}BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, {scalars_used}{',' if scalars_used else ''}"
+    return _TABLE.substitute(class_kernel=entry.class_kernel, args=args, key=key,
+                             inputs=", ".join(tensors_used) + ("," if tensors_used else ""),
+                             nb=str(qshape[0]) if plan.per_b else "1", nh=str(qshape[1]) if plan.per_h else "1",
+                             m=qshape[2], n=p.param("k").shape[2], device=device)
+
+
+def _allocations(p: Program, entry: HostEntry, device: str) -> list[str]:
+    """The outputs (in the inputs' dtype where they follow it) and the scratch tensors; accumulated ones zeroed."""
+    first_in = next(q for q in p.params if q.role is Role.IN)
+    lines = []
+    for q in (q for q in p.params if q.role is Role.OUT):
+        lines.append(_allocation(q, _out_dtype(q, first_in), entry, device))
+    for q in (q for q in p.params if q.role is Role.SCRATCH):
+        lines.append(_allocation(q, TORCH_DTYPE[q.dtype], entry, device))
+    return lines
+
+
+def _allocation(q: Param, dtype: str, entry: HostEntry, device: str) -> str:
+    alloc = "zeros" if q.name in entry.zeroed else "empty"
+    return f"        {q.name} = torch.{alloc}(({', '.join(str(d) for d in q.shape)},), dtype={dtype}, device={device})"
+
+
+def _tma_choice(p: Program, sig: Signature) -> str:
+    """USE_TMA (and WARP_SPEC): decided at launch from the GPU and the tensors' layouts."""
+    out = ""
+    if sig.tma:
+        sides = "BLOCK_M, BLOCK_N, HEAD_PAD" + (", HEAD_PAD_V" if VALUE_DIM in sig.dims else "")
+        out += _TMA.substitute(tensors=_tuple_body(sig.tma_tensors), sides=sides)
+    if sig.ws:
+        out += f"        WARP_SPEC = USE_TMA and {bool(p.schedule.warp_specialize)}\n"
+    return out
+
+
+def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str) -> str:
+    """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`."""
+    table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
+    args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
+                     + [q.name for q in sig.scalars] + table_args)
+    constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
+    out = ""
+    for k in p.kernels:
+        plain = dict(fn=kernel_fn_name(k), grid=_grid_code(k, hctx, None), args=args, constexprs=constexprs)
+        if not isinstance(packs, dict):
+            out += _KERNEL_LAUNCH.substitute(indent="        ", **plain)
+            continue
+        packed = dict(plain, fn=packed_fn_name(k), grid=_grid_code(k, hctx, packs[k.name]))
+        out += "        if PACK:\n" + _KERNEL_LAUNCH.substitute(indent="            ", **packed)
+        out += "        else:\n" + _KERNEL_LAUNCH.substitute(indent="            ", **plain)
+    return out
