@@ -20,7 +20,8 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, sub
 from kb.ir.nodes import BlockClass, IfBlock, Program, Role
 from kb.lower.expr_context import DTYPE_KIND, Kind
 
-__all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "EMPTY", "PARTIAL", "FULL", "CLASS_CODE"]
+__all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "block_class_test", "EMPTY", "PARTIAL",
+           "FULL", "CLASS_CODE"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
@@ -206,6 +207,16 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
             empty.append(_all([_any(e) for e, _ in tests]))
             full.append(_any([_all(f) for _, f in tests]))
     return _simplify(_any(empty)), _simplify(_all(full))
+
+
+def block_class_test(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> Expr:
+    """`block(...) is st.cls` (before `st.negate`) of the tile at (st.q_start, st.kv_start), in closed form."""
+    empty, full = _block_tests(plan, st, m_dim, n_dim)
+    if st.cls is BlockClass.FULL:
+        return full
+    if st.cls is BlockClass.EMPTY:
+        return empty
+    return Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
 
 
 def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:

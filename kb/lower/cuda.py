@@ -48,16 +48,16 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, free_vars
+from kb.ir.expr import Expr, free_vars
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
-    Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
+    Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
     Stmt, Store, VALUE_DIM, walk_stmts,
 )
 from kb.lower.cuda_expr import EXPR_HELPERS, cxx_type, float_literal, lower_cexpr
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.block_mask import (
-    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, _block_tests, plan_block_mask,
+    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, block_class_test, plan_block_mask,
 )
 from kb.lower.triton import check_attention_params
 
@@ -215,37 +215,23 @@ class _Buffer:
     bytes_expr: list[str] = field(default_factory=list)  # candidates; the max is allocated
 
 
-class _KernelGen:
+class _KernelGen(KernelGenBase[_Tile]):
     """Generates one `__global__` kernel (body lines plus its shared-memory layout)."""
 
+    INDENT = "  "
+
     def __init__(self, p: Program, k: Kernel, abi: LaunchAbi, plan: BlockMaskPlan) -> None:
-        self.p, self.k, self.abi, self.plan = p, k, abi, plan
-        self.lines: list[str] = []
-        self.depth = 1
-        self.names: dict[str, Sym] = {}
-        self.tiles: dict[str, _Tile] = {}
+        self.scalar_params = [q for q in p.params if q.role is Role.SCALAR]
+        super().__init__(p, k, plan, abi.dims, self.scalar_params, _local)
+        self.abi = abi
         self.buffers: dict[str, _Buffer] = {}
         self.scopes: list[set[str]] = [set()]
         self.counter = 0
-        self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
-        for d in abi.dims:
-            self.names[d] = Sym(_local(d), Kind.INT, True)
-        for c in SCHEDULE_CONSTANTS:
-            self.names[c] = Sym(c, Kind.INT, True)
-        self.scalar_params = [q for q in p.params if q.role is Role.SCALAR]
-        for s in self.scalar_params:
-            self.names[s.name] = Sym(_local(s.name), DTYPE_KIND[s.dtype])
         self.aux = {t.name: AuxRef(f"kb_a.{_local(t.name)}", tuple(f"kb_a.{_local(t.name)}_stride[{i}]" for i in range(len(t.shape))),
                                    tuple(_size_code(d) for d in t.shape), DTYPE_KIND[t.dtype])
                     for t in abi.tensors if t.role is Role.AUX}
 
     # -- helpers
-    def emit(self, line: str) -> None:
-        self.lines.append("  " * self.depth + line)
-
-    def ctx(self, names: Mapping[str, Sym] | None = None) -> ExprContext:
-        return ExprContext(ExprTarget.DEVICE, self.names if names is None else names, self.aux)
-
     def ex(self, e: Expr) -> str:
         return lower_cexpr(e, self.ctx())
 
@@ -345,12 +331,6 @@ class _KernelGen:
             self.names[ir_name] = Sym(code, DTYPE_KIND[dtype])
         return tile
 
-    def tile(self, ir_name: str) -> _Tile:
-        try:
-            return self.tiles[ir_name]
-        except KeyError:
-            raise KBError(f"kernel {self.k.name}: tile {ir_name!r} is used before it is defined") from None
-
     def tile_names(self, coords: list[str]) -> dict[str, Sym]:
         """Names for an element loop: every tile reads its element at `coords`."""
         names = dict(self.names)
@@ -362,12 +342,7 @@ class _KernelGen:
     # -- addressing
     def address(self, tensor: str, index: tuple, coords: list[str]) -> tuple[str, str | None, tuple[str, ...]]:
         """(element offset, in-range test or None, tile shape) of `tensor[index]` at tile `coords`."""
-        try:
-            prm = self.p.param(tensor)
-        except KeyError:
-            raise KBError(f"kernel {self.k.name}: unknown tensor {tensor!r}") from None
-        if len(index) != len(prm.shape):
-            raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
+        prm = self.tensor_param(tensor, index)
         terms, guards, shape = [], [], []
         pos = 0
         for i, (d, item) in enumerate(zip(prm.shape, index)):
@@ -402,9 +377,6 @@ class _KernelGen:
 
     def stmt(self, st: Stmt) -> None:
         getattr(self, "s_" + type(st).__name__.lower())(st)
-
-    def s_let(self, st: Let) -> None:
-        self.bind_scalar(st.name, st.value)
 
     def s_load(self, st: Load) -> None:
         dtype = self.p.param(st.tensor).dtype
@@ -529,8 +501,7 @@ class _KernelGen:
 
     def s_reduce(self, st: Reduce) -> None:
         src = self.tile(st.src)
-        if st.kind not in ("max", "sum"):
-            raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
+        self.check_reduce(st)
         if len(src.shape) != 2 or DTYPE_KIND[src.dtype] is not Kind.FLOAT:
             raise KBError(f"reduce {st.out}: the CUDA lowering reduces 2-D float tiles only")
         init, op = ("-INFINITY", "fmaxf") if st.kind == "max" else ("0.0f", "kb_add")
@@ -568,17 +539,16 @@ class _KernelGen:
         return tile
 
     def s_scoremod(self, st: ScoreMod) -> None:
-        if self.p.score_mod is None:
-            raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
+        score_mod = self.score_mod_body(st)
         tile = self._score_tile(st)
-        self.emit(f"// score_mod {st.tile}: {self.p.score_mod.body}")
+        self.emit(f"// score_mod {st.tile}: {score_mod}")
         with self.elements(tile.shape) as c:
             names = self.variant_names(st, tile, c)
             self.emit(f"const float kb_sc = {tile.code}[{tile.addr(c)}];")
             names["score"] = Sym("kb_sc", Kind.FLOAT)
             ctx = self.ctx(names)
-            value = lower_cexpr(self.p.score_mod.body, ctx)
-            if expr_kind(self.p.score_mod.body, ctx) is not Kind.FLOAT:
+            value = lower_cexpr(score_mod, ctx)
+            if expr_kind(score_mod, ctx) is not Kind.FLOAT:
                 value = f"((float)({value}))"
             self.emit(f"{tile.code}[{tile.addr(c)}] = {value};")
         self.sync()
@@ -590,9 +560,7 @@ class _KernelGen:
             names = self.variant_names(st, tile, c)
             keep = f"(kb_ki < {_local(self.n_dim)})"
             if st.use_mask_mod:
-                if self.p.mask_mod is None:
-                    raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
-                keep += f" && {lower_cexpr(self.p.mask_mod.body, self.ctx(names))}"
+                keep += f" && {lower_cexpr(self.mask_mod_body(st), self.ctx(names))}"
             self.emit(f"if (!({keep})) {tile.code}[{tile.addr(c)}] = -INFINITY;")
         self.sync()
 
@@ -679,15 +647,14 @@ class _KernelGen:
         step = str(self._const_size(st.step))
         var = _local(st.var)
         before = dict(self.tiles)
-        if st.order not in ("forward", "reverse"):
-            raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
+        self.check_order(st)
         self.emit(f"// for {st.var} in range({st.lo}, {st.hi}, {st.step}) {st.order}")
         if st.order == "forward":
             self.emit("#pragma unroll 1")
             header = f"for (long long {var} = {lo}; {var} < {hi}; {var} += {step})"
             with self.indent(header):
                 self.scopes[-1].add(var)
-                self.names[st.var] = Sym(var, Kind.INT, is_nonneg(st.lo, self.ctx()))
+                self.names[st.var] = self.loop_sym(st, var)
                 self.block(st.body)
         else:
             it, n = self.fresh("it"), self.fresh("n_iter")
@@ -696,7 +663,7 @@ class _KernelGen:
             with self.indent(f"for (long long {it} = 0; {it} < {n}; ++{it})"):
                 self.emit(f"const long long {var} = {lo} + ({n} - 1 - {it}) * {step};")
                 self.scopes[-1].add(var)
-                self.names[st.var] = Sym(var, Kind.INT, is_nonneg(st.lo, self.ctx()))
+                self.names[st.var] = self.loop_sym(st, var)
                 self.block(st.body)
         for name, t in before.items():
             if self.tiles.get(name) != t:
@@ -722,9 +689,7 @@ class _KernelGen:
             self.emit("// block class from the table (0 empty, 1 partial, 2 full); an unaligned tile is partial")
             self.emit(f"const int {cls} = kb_table_class(kb_a, {bi}, {hi}, {qs}, {ks});")
             return f"{cls} {op} {code}"
-        empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
-        test = full if st.cls is BlockClass.FULL else empty if st.cls is BlockClass.EMPTY \
-            else Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
+        test = block_class_test(self.plan, st, self.m_dim, self.n_dim)
         name = self.fresh(f"is_{st.cls.value}")
         self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.q_start}, {st.kv_start})")
         self.emit(f"const bool {name} = {self.ex(test)};")

@@ -16,7 +16,7 @@ from kb.ir.nodes import (
     Store, walk_stmts,
 )
 from kb.lower.block_mask import (
-    CLASS_CODE, PARTIAL, BlockMaskKind, _block_tests, _full_span, _max_all, _reach, _simplify, _union_span,
+    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, _full_span, _max_all, _reach, _simplify, _union_span,
 )
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
@@ -103,9 +103,6 @@ class TritonKernelGen(TritonTiles):
 
     def stmt(self, st: Stmt) -> None:
         getattr(self, "s_" + type(st).__name__.lower())(st)
-
-    def s_let(self, st: Let) -> None:
-        self.bind_scalar(st.name, st.value)
 
     def split_dim(self, st: Load) -> int | None:
         """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
@@ -255,8 +252,7 @@ class TritonKernelGen(TritonTiles):
 
     def s_reduce(self, st: Reduce) -> None:
         src = self.tile(st.src)
-        if st.kind not in ("max", "sum"):
-            raise KBError(f"reduce {st.out}: unknown reduction {st.kind!r} (max or sum)")
+        self.check_reduce(st)
         out = self.set_tile(st.out, tuple(s for i, s in enumerate(src.shape) if i != st.axis), src.dtype)
         self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {1 - st.axis if src.t else st.axis})")
 
@@ -289,10 +285,9 @@ class TritonKernelGen(TritonTiles):
         return Sym(wrap(self.ex(e)), Kind.INT, is_nonneg(e, self.ctx()))
 
     def s_scoremod(self, st: ScoreMod) -> None:
-        if self.p.score_mod is None:
-            raise KBError(f"score_mod {st.tile}: the program has no score_mod; add `score_mod(...) = ...` or drop the statement")
+        score_mod = self.score_mod_body(st)
         code = self.local(st.tile)
-        body, names = self.invariant_terms(self.p.score_mod.body, st, self.variant_names(st, code))
+        body, names = self.invariant_terms(score_mod, st, self.variant_names(st, code))
         self.emit(f"{code} = {strip_parens(lower_expr(body, self.ctx(names)))}")
 
     def s_mask(self, st: Mask) -> None:
@@ -304,9 +299,7 @@ class TritonKernelGen(TritonTiles):
         names = self.variant_names(st, None)
         keep = f"({names['kv_idx'].code} < {self.n_dim})"
         if st.use_mask_mod:
-            if self.p.mask_mod is None:
-                raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
-            body, names = self.invariant_terms(self.p.mask_mod.body, st, names)
+            body, names = self.invariant_terms(self.mask_mod_body(st), st, names)
             keep += f" & {wrap(lower_expr(body, self.ctx(names)))}"
         self.emit(f"{code} = tl.where({keep}, {code}, {NEG_INF})")
 
@@ -528,9 +521,8 @@ class TritonKernelGen(TritonTiles):
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
-        sym = Sym(loop_var, Kind.INT, is_nonneg(st.lo, self.ctx()), self.loop_below(st))
-        if st.order not in ("reverse", "forward"):
-            raise KBError(f"for {st.var}: unknown order {st.order!r} (forward or reverse)")
+        sym = self.loop_sym(st, loop_var, self.loop_below(st))
+        self.check_order(st)
         started = self.start_hoist(st)
         if st.order == "reverse":
             n_iter = f"_n_iter_{loop_var}"
@@ -593,7 +585,7 @@ class TritonKernelGen(TritonTiles):
         started = self.start_hoist(st)
         for i_lo, i_hi, full in parts:
             self._invalidate(v)
-            self.names[st.var] = Sym(v, Kind.INT, is_nonneg(st.lo, self.ctx()))
+            self.names[st.var] = self.loop_sym(st, v)
             what = "full" if full else "partial"
             if st.order == "reverse":
                 it = f"_it_{v}"
@@ -674,15 +666,9 @@ class TritonKernelGen(TritonTiles):
             self.emit("# block class from the host table (0 empty, 1 partial, 2 full); unaligned tiles are partial")
             self.emit(f"_bclass = {cls}")
             return f"_bclass {op} {code}"
-        empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
+        test = block_class_test(self.plan, st, self.m_dim, self.n_dim)
         self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
                   f"({strip_parens(self.ex(st.q_start))}, {strip_parens(self.ex(st.kv_start))})")
-        if st.cls is BlockClass.FULL:
-            test = full
-        elif st.cls is BlockClass.EMPTY:
-            test = empty
-        else:
-            test = Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
         self.emit(f"_is_{st.cls.value} = {self.ex(test)}")
         return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
 

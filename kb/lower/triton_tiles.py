@@ -13,14 +13,14 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
 from kb.ir.nodes import (
     BlockClass, Dtype, For, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
     VALUE_DIM, is_backward, walk_stmts,
 )
 from kb.lower.block_mask import BlockMaskPlan
-from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, row_span
 from kb.lower.triton_code import bcast, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
@@ -97,12 +97,15 @@ class Region:
         return True if self.classes == {st.cls} else None
 
 
-class TritonTiles:
+class TritonTiles(KernelGenBase[Tile]):
     """The generator's state and addressing; kb.lower.triton_kernel.TritonKernelGen adds the statement emitters."""
+
+    INDENT = "    "
 
     def __init__(self, p: Program, k: Kernel, sig: Signature, plan: BlockMaskPlan, opts: LowerOptions,
                  pack: PackPlan | None = None) -> None:
-        self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
+        super().__init__(p, k, plan, sig.dims, sig.scalars)
+        self.sig, self.opts = sig, opts
         self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
         self.backward = is_backward(p)  # backward programs: 16-bit tiles widened in elementwise math, dot operand casts
         self.loaded: set[str] = set()  # tiles that hold a load's values (in the tensor's dtype at run time)
@@ -114,37 +117,20 @@ class TritonTiles:
         self.region: Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
         self.fold_next: dict[str, str] = {}
-        self.lines: list[str] = []
-        self.depth = 1
-        self.names: dict[str, Sym] = {}
-        self.tiles: dict[str, Tile] = {}
         self.offs: list[dict[tuple[str, str], str]] = [{}]
         self.used: set[str] = set()
         # where descriptors of loads inside the outermost loop are built: (line, depth, IR names set in the loop)
         self.hoist: tuple[int, int, set[str]] | None = None
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
         self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
-        self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])
-        for d in sig.dims:
-            self.names[d] = Sym(d, Kind.INT, True)
         if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
             self.m_dim = PACK_ROWS
             self.names[PACK_ROWS] = Sym("_pk_rows", Kind.INT, True)
-        for c in SCHEDULE_CONSTANTS:
-            self.names[c] = Sym(c, Kind.INT, True)
-        for s in sig.scalars:
-            self.names[s.name] = Sym(s.name, DTYPE_KIND[s.dtype])
         self.aux = {t.name: AuxRef(f"{t.name}_ptr", tuple(f"stride_{t.name}_{i}" for i in range(len(t.shape))),
                                    tuple(self._dim(d) for d in t.shape), DTYPE_KIND[t.dtype])
                     for t in sig.tensors if t.role is Role.AUX}
 
     # -- helpers
-    def emit(self, line: str) -> None:
-        self.lines.append("    " * self.depth + line)
-
-    def ctx(self, names: dict[str, Sym] | None = None, aux: dict[str, AuxRef] | None = None) -> ExprContext:
-        return ExprContext(ExprTarget.DEVICE, self.names if names is None else names, self.aux if aux is None else aux)
-
     def ex(self, e: Expr) -> str:
         return strip_parens(lower_expr(e, self.ctx()))
 
@@ -228,21 +214,10 @@ class TritonTiles:
         """Row vector `vec` (one value per IR row, per q) broadcast over the 2-D tile `ir_name` as it is held."""
         return f"{vec}[None, :]" if self.tile(ir_name).t else f"{vec}[:, None]"
 
-    def tile(self, ir_name: str) -> Tile:
-        try:
-            return self.tiles[ir_name]
-        except KeyError:
-            raise KBError(f"kernel {self.k.name}: tile {ir_name!r} is used before it is defined") from None
-
     # -- addressing
     def address(self, tensor: str, index: tuple) -> tuple[str, str | None, tuple[str, ...]]:
         """(pointer expression, mask expression or None, tile shape) of `tensor[index]`."""
-        try:
-            prm = self.p.param(tensor)
-        except KeyError:
-            raise KBError(f"kernel {self.k.name}: unknown tensor {tensor!r}") from None
-        if len(index) != len(prm.shape):
-            raise KBError(f"kernel {self.k.name}: {tensor} has {len(prm.shape)} dims, indexed with {len(index)}")
+        prm = self.tensor_param(tensor, index)
         spans: list[tuple[str, str, str, bool]] = []  # (offs, size, extent, needs lower guard)
         even: list[str] = []  # head-dim bounds, dropped when EVEN_D (EVEN_DV over the value head dim)
         even_flag = "EVEN_D"
