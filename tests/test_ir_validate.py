@@ -13,7 +13,7 @@ from kb.ir.nodes import (
     Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn,
 )
 from kb.ir.text import parse_program, print_program
-from kb.ir.validate import PROGRAM_RULES, STMT_RULES, problems, validate
+from kb.ir.validate import PROGRAM_RULES, problems, validate
 from tests.ir_programs import FIXTURES, alibi, causal, decode_split_kv, plain
 
 
@@ -58,11 +58,8 @@ def test_fixtures_are_valid(name: str, dtype: Dtype) -> None:
     validate(parse_program(print_program(p)))
 
 
-def test_rule_tables_cover_every_statement_kind() -> None:
-    from kb.ir.nodes import StmtOp
-
-    assert {t.op for t in STMT_RULES} == set(StmtOp)
-    assert len(PROGRAM_RULES) >= 5
+def test_program_rules_table() -> None:
+    assert len(PROGRAM_RULES) >= 5  # statement rules cover every kind by construction (tests/test_ir_visit.py)
 
 
 def test_unknown_statement_node() -> None:

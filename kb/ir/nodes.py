@@ -63,7 +63,7 @@ from kb.ir.expr import Expr
 
 __all__ = [
     "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
-    "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
+    "StmtOp", "BACKWARD_OPS", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
     "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "is_backward",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
@@ -190,6 +190,9 @@ class StmtOp(Enum):
     SOFTMAX_GRAD = "softmax_grad"
     SCORE_MOD_GRAD = "score_mod_grad"
     AUX_GRAD = "aux_grad"
+
+
+BACKWARD_OPS = frozenset({StmtOp.PROBS, StmtOp.SOFTMAX_GRAD, StmtOp.SCORE_MOD_GRAD, StmtOp.AUX_GRAD})
 
 
 class BlockClass(Enum):

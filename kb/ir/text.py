@@ -20,8 +20,9 @@ from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
     Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule,
-    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, Store, VariantFn,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, StmtOp, Store, VariantFn,
 )
+from kb.ir.visit import StmtVisitor
 
 __all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "INDENT"]
 
@@ -65,50 +66,74 @@ def _at(st: ScoreMod | Mask | IfBlock | ScoreModGrad | AuxGrad) -> str:
     return ", ".join(print_expr(e) for e in (st.b, st.h, st.q_start, st.kv_start))
 
 
+class _Header(StmtVisitor[str]):
+    """Each statement's own line (for `for`/`if`, the header without the body)."""
+
+    def s_let(self, st: Let) -> str:
+        return f"let {st.name} = {print_expr(st.value)}"
+
+    def s_load(self, st: Load) -> str:
+        other = "" if st.other == 0.0 else f" other {_float(st.other)}"
+        return f"load {st.out} = {st.tensor}[{_indices(st.index)}]{other}"
+
+    def s_store(self, st: Store) -> str:
+        return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
+
+    def s_init(self, st: Init) -> str:
+        return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
+
+    def s_dot(self, st: Dot) -> str:
+        a = f"trans({st.a})" if st.trans_a else st.a
+        b = f"trans({st.b})" if st.trans_b else st.b
+        return f"dot {st.out} = {a} @ {b}"
+
+    def s_elementwise(self, st: Elementwise) -> str:
+        return f"elementwise {st.out} = {print_expr(st.value)}"
+
+    def s_reduce(self, st: Reduce) -> str:
+        return f"reduce {st.out} = {st.kind}({st.src}, {st.axis})"
+
+    def s_scoremod(self, st: ScoreMod) -> str:
+        return f"score_mod {st.tile} at ({_at(st)})"
+
+    def s_mask(self, st: Mask) -> str:
+        return f"mask {st.tile} at ({_at(st)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
+
+    def s_onlinesoftmax(self, st: OnlineSoftmax) -> str:
+        return f"online_softmax ({st.m}, {st.l}, {st.acc}) += {st.scores} @ {st.values}"
+
+    def s_finalize(self, st: Finalize) -> str:
+        return f"finalize {st.o}, {st.lse} = ({st.m}, {st.l}, {st.acc})"
+
+    def s_combine(self, st: Combine) -> str:
+        return f"combine {st.o}, {st.lse} = ({st.o_parts}, {st.lse_parts})"
+
+    def s_probs(self, st: Probs) -> str:
+        return f"probs {st.out} = exp({st.scores} - {st.lse})"
+
+    def s_softmaxgrad(self, st: SoftmaxGrad) -> str:
+        return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
+
+    def s_scoremodgrad(self, st: ScoreModGrad) -> str:
+        return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st)})"
+
+    def s_auxgrad(self, st: AuxGrad) -> str:
+        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st)})"
+
+    def s_for(self, st: For) -> str:
+        return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
+
+    def s_ifblock(self, st: IfBlock) -> str:
+        neg = "not " if st.negate else ""
+        return f"if block({_at(st)}) is {neg}{st.cls.value}:"
+
+
+_HEADER = _Header()
+
+
 def print_stmt_header(st: Stmt) -> str:
     """The statement's own line (for `for`/`if`, the header without the body)."""
-    match st:
-        case Let():
-            return f"let {st.name} = {print_expr(st.value)}"
-        case Load():
-            other = "" if st.other == 0.0 else f" other {_float(st.other)}"
-            return f"load {st.out} = {st.tensor}[{_indices(st.index)}]{other}"
-        case Store():
-            return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
-        case Init():
-            return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
-        case Dot():
-            a = f"trans({st.a})" if st.trans_a else st.a
-            b = f"trans({st.b})" if st.trans_b else st.b
-            return f"dot {st.out} = {a} @ {b}"
-        case Elementwise():
-            return f"elementwise {st.out} = {print_expr(st.value)}"
-        case Reduce():
-            return f"reduce {st.out} = {st.kind}({st.src}, {st.axis})"
-        case ScoreMod():
-            return f"score_mod {st.tile} at ({_at(st)})"
-        case Mask():
-            return f"mask {st.tile} at ({_at(st)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
-        case OnlineSoftmax():
-            return f"online_softmax ({st.m}, {st.l}, {st.acc}) += {st.scores} @ {st.values}"
-        case Finalize():
-            return f"finalize {st.o}, {st.lse} = ({st.m}, {st.l}, {st.acc})"
-        case Combine():
-            return f"combine {st.o}, {st.lse} = ({st.o_parts}, {st.lse_parts})"
-        case Probs():
-            return f"probs {st.out} = exp({st.scores} - {st.lse})"
-        case SoftmaxGrad():
-            return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
-        case ScoreModGrad():
-            return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st)})"
-        case AuxGrad():
-            return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st)})"
-        case For():
-            return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
-        case IfBlock():
-            neg = "not " if st.negate else ""
-            return f"if block({_at(st)}) is {neg}{st.cls.value}:"
-    raise KBError(f"cannot print {type(st).__name__}: not an IR statement")
+    return _HEADER.visit(st)
 
 
 def _print_block(stmts: tuple[Stmt, ...], depth: int, out: list[str]) -> None:
@@ -379,6 +404,10 @@ _STMT_FORM = {
     "for": "for VAR in range(LO, HI, STEP) forward|reverse:",
     "if": "if block(b, h, q_start, kv_start) is [not] full|partial|empty:",
 }
+
+
+# the parser dispatches on the statement's keyword (its `StmtOp` value), before any node exists
+assert set(_STMT_RE) == set(_STMT_FORM) == {op.value for op in StmtOp}, "one pattern and form per StmtOp"
 
 
 def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:

@@ -50,10 +50,11 @@ from typing import Iterator, Mapping
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
+    BACKWARD_OPS, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
     Stmt, Store, VALUE_DIM, walk_stmts,
 )
+from kb.ir.visit import StmtVisitor
 from kb.lower.cuda_expr import (
     EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
     lower_cexpr,
@@ -218,8 +219,11 @@ class _Buffer:
     bytes_expr: list[str] = field(default_factory=list)  # candidates; the max is allocated
 
 
-class _KernelGen:
+class _KernelGen(StmtVisitor[None]):
     """Generates one `__global__` kernel (body lines plus its shared-memory layout)."""
+
+    rejects = BACKWARD_OPS
+    rejects_why = "the CUDA lowerings are forward-only; lower a backward program with kb.lower.triton"
 
     def __init__(self, p: Program, k: Kernel, abi: LaunchAbi, plan: BlockMaskPlan) -> None:
         self.p, self.k, self.abi, self.plan = p, k, abi, plan
@@ -401,10 +405,7 @@ class _KernelGen:
     # -- statements
     def block(self, body: tuple[Stmt, ...]) -> None:
         for st in body:
-            self.stmt(st)
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
+            self.visit(st)
 
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)

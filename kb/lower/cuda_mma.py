@@ -737,7 +737,7 @@ class _MmaGen(_KernelGen):
         for st in self.k.body:
             if not isinstance(st, (Let, Load, Init, For, Finalize, Store, Elementwise)):
                 raise self.fail(f"a top-level {st.op.value}")
-            self.stmt(st)
+            self.visit(st)
         self.emit("kb_cp_wait<0>();")
         return self.lines
 

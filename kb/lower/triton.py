@@ -49,6 +49,7 @@ from kb.ir.nodes import (
     Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad,
     SoftmaxGrad, Span, Stmt, Store, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
 )
+from kb.ir.visit import StmtVisitor
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
@@ -506,7 +507,7 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
     return None
 
 
-class _KernelGen:
+class _KernelGen(StmtVisitor[None]):
     def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions,
                  pack: PackPlan | None = None) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
@@ -852,13 +853,10 @@ class _KernelGen:
                 self.dot_into(st, acc)  # type: ignore[arg-type]
                 fused.add(i + 1)
                 continue
-            self.stmt(st)
+            self.visit(st)
         if len(self.lines) == before:
             self.emit("pass")
         self.offs.pop()
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
 
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)
@@ -1402,7 +1400,7 @@ class _KernelGen:
                 self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
                 taken = st.then if holds != st.negate else st.orelse
                 for sub in taken:
-                    self.stmt(sub)
+                    self.visit(sub)
                 return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
