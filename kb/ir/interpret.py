@@ -315,9 +315,10 @@ class _Machine(StmtVisitor[None]):
     def _coords(self, st: ScoreMod | Mask | ScoreModGrad | AuxGrad, tile: torch.Tensor) -> tuple[TileCoords, int, int]:
         if tile.dim() != 2:
             raise KBError(f"{st.tile} must be a 2-D score tile, has shape {list(tile.shape)}")
-        coords = TileCoords(self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
+        at = st.at
+        coords = TileCoords(self._int(at.q_start, "q_start"), self._int(at.kv_start, "kv_start"),
                             tile.shape[0], tile.shape[1], self._bound("M"), self._bound("N"))
-        return coords, self._int(st.b, "b"), self._int(st.h, "h")
+        return coords, self._int(at.b, "b"), self._int(at.h, "h")
 
     # -- statements
 
@@ -436,8 +437,8 @@ class _Machine(StmtVisitor[None]):
 
     def s_ifblock(self, st: IfBlock) -> None:
         cls = classify_block(self.p.mask_mod, self.variant_env, self.aux,
-                             self._int(st.b, "b"), self._int(st.h, "h"),
-                             self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
+                             self._int(st.at.b, "b"), self._int(st.at.h, "h"),
+                             self._int(st.at.q_start, "q_start"), self._int(st.at.kv_start, "kv_start"),
                              self.dims["BLOCK_M"], self.dims["BLOCK_N"], self._bound("M"), self._bound("N"))
         self.c.classes[cls] += 1
         self._block(st.then if (cls is st.cls) != st.negate else st.orelse)

@@ -20,7 +20,7 @@ from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
     Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule,
-    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, StmtOp, Store, VariantFn,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, StmtOp, Store, TileAt, VariantFn,
 )
 from kb.ir.visit import StmtVisitor
 
@@ -62,8 +62,8 @@ def _indices(ixs: tuple[Index, ...]) -> str:
     return ", ".join(_index(i) for i in ixs)
 
 
-def _at(st: ScoreMod | Mask | IfBlock | ScoreModGrad | AuxGrad) -> str:
-    return ", ".join(print_expr(e) for e in (st.b, st.h, st.q_start, st.kv_start))
+def _at(at: TileAt) -> str:
+    return ", ".join(print_expr(e) for e in at)
 
 
 class _Header(StmtVisitor[str]):
@@ -94,10 +94,10 @@ class _Header(StmtVisitor[str]):
         return f"reduce {st.out} = {st.kind}({st.src}, {st.axis})"
 
     def s_scoremod(self, st: ScoreMod) -> str:
-        return f"score_mod {st.tile} at ({_at(st)})"
+        return f"score_mod {st.tile} at ({_at(st.at)})"
 
     def s_mask(self, st: Mask) -> str:
-        return f"mask {st.tile} at ({_at(st)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
+        return f"mask {st.tile} at ({_at(st.at)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> str:
         return f"online_softmax ({st.m}, {st.l}, {st.acc}) += {st.scores} @ {st.values}"
@@ -115,17 +115,17 @@ class _Header(StmtVisitor[str]):
         return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
 
     def s_scoremodgrad(self, st: ScoreModGrad) -> str:
-        return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st)})"
+        return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st.at)})"
 
     def s_auxgrad(self, st: AuxGrad) -> str:
-        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st)})"
+        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st.at)})"
 
     def s_for(self, st: For) -> str:
         return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
 
     def s_ifblock(self, st: IfBlock) -> str:
         neg = "not " if st.negate else ""
-        return f"if block({_at(st)}) is {neg}{st.cls.value}:"
+        return f"if block({_at(st.at)}) is {neg}{st.cls.value}:"
 
 
 _HEADER = _Header()
@@ -354,11 +354,11 @@ def _parse_indices(text: str, line: int, col: int) -> tuple[Index, ...]:
     return tuple(_parse_index(p, line, c) for p, c in items)
 
 
-def _parse_at(m: re.Match, group: str, line: int, col0: int) -> dict[str, Expr]:
+def _parse_at(m: re.Match, group: str, line: int, col0: int) -> TileAt:
     parts = _split_top(m.group(group), col0 + m.start(group), ",", line)
     if len(parts) != 4:
         raise _fail(line, col0 + m.start(group), f"expected 4 coordinates (b, h, q_start, kv_start), got {len(parts)}")
-    return {k: _expr(p, line, c) for k, (p, c) in zip(("b", "h", "q_start", "kv_start"), parts)}
+    return TileAt(*(_expr(p, line, c) for p, c in parts))
 
 
 # ---------------------------------------------------------------- statements
@@ -433,9 +433,9 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
         case "reduce":
             return Reduce(m["out"], m["kind"], m["src"], int(m["axis"]))
         case "score_mod":
-            return ScoreMod(m["tile"], **_parse_at(m, "at", L, ln.col))
+            return ScoreMod(m["tile"], _parse_at(m, "at", L, ln.col))
         case "mask":
-            return Mask(m["tile"], **_parse_at(m, "at", L, ln.col), use_mask_mod=m["which"] == "mask_mod")
+            return Mask(m["tile"], _parse_at(m, "at", L, ln.col), use_mask_mod=m["which"] == "mask_mod")
         case "online_softmax":
             return OnlineSoftmax(*m.groups())
         case "finalize":
@@ -447,9 +447,9 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
         case "softmax_grad":
             return SoftmaxGrad(*m.groups())
         case "score_mod_grad":
-            return ScoreModGrad(m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
+            return ScoreModGrad(m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
         case "aux_grad":
-            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
+            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
     raise AssertionError(kw)
 
 
@@ -492,7 +492,7 @@ def _parse_stmt(cur: _Cursor, indent: int) -> Stmt:
         if nxt is not None and nxt.indent == indent and re.match(r"^else\s*:$", nxt.text):
             cur.take()
             orelse = _parse_block(cur, indent + len(INDENT), nxt)
-        return IfBlock(BlockClass(m["cls"]), m["neg"] is not None, then=then, orelse=orelse, **at)
+        return IfBlock(BlockClass(m["cls"]), m["neg"] is not None, at, then=then, orelse=orelse)
     return _simple_stmt(kw, m, ln)
 
 

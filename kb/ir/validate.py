@@ -35,7 +35,7 @@ from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
     Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad,
-    SoftmaxGrad, Span, Stmt, Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
+    SoftmaxGrad, Span, Stmt, Store, TileAt, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
 )
 from kb.ir.text import print_stmt_header
 from kb.ir.visit import StmtVisitor, stmt_op
@@ -159,6 +159,13 @@ def _load_expr_problems(n: Expr, params: dict[str, Param], aux_only: bool) -> It
 def _scalar_exprs(env: _Env, *exprs: object) -> Iterator[str]:
     for e in exprs:
         yield from _expr_problems(e, env.scalars, env.tiles, env.program, allow_tiles=False)
+
+
+def _tile_at(env: _Env, at: object) -> Iterator[str]:
+    if not isinstance(at, TileAt):
+        yield f"tile coordinates must be a TileAt(b, h, q_start, kv_start), got {at!r}"
+        return
+    yield from _scalar_exprs(env, *at)
 
 
 def _need_tiles(env: _Env, **names: str) -> Iterator[str]:
@@ -328,7 +335,7 @@ def _grad_of_scores(st: ScoreModGrad | AuxGrad, env: _Env) -> Iterator[str]:
     known = _known(env, st.tile, st.scores)
     if known is not None and not _agree(known[0], known[1], env.program.schedule):
         yield f"shape mismatch: '{st.tile}' {_shape_str(known[0])} and '{st.scores}' {_shape_str(known[1])}"
-    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+    yield from _tile_at(env, st.at)
 
 
 class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
@@ -422,13 +429,13 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         if env.program.score_mod is None:
             yield "score_mod statement in a program without a score_mod function"
         yield from _scores_2d(env, st.tile)
-        yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+        yield from _tile_at(env, st.at)
 
     def s_mask(self, st: Mask, env: _Env) -> Iterator[str]:
         if st.use_mask_mod and env.program.mask_mod is None:
             yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
         yield from _scores_2d(env, st.tile)
-        yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+        yield from _tile_at(env, st.at)
 
     def s_onlinesoftmax(self, st: OnlineSoftmax, env: _Env) -> Iterator[str]:
         yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values)
@@ -488,7 +495,7 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
     def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str]:
         if not isinstance(st.cls, BlockClass):
             yield f"unknown block class {st.cls!r}; known: full, partial, empty"
-        yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+        yield from _tile_at(env, st.at)
         if not st.then:
             yield "empty 'if' body"
         then, orelse = env.child(), env.child()

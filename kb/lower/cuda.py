@@ -557,12 +557,12 @@ class _KernelGen(StmtVisitor[None]):
     def variant_names(self, st: ScoreMod | Mask, tile: _Tile, c: list[str]) -> dict[str, Sym]:
         names = {d: self.names[d] for d in self.abi.dims}
         names.update({s.name: self.names[s.name] for s in self.scalar_params})
-        names["b"] = Sym(f"({self.ex(st.b)})", Kind.INT, is_nonneg(st.b, self.ctx()))
-        names["h"] = Sym(f"({self.ex(st.h)})", Kind.INT, is_nonneg(st.h, self.ctx()))
-        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.q_start)} + {c[0]};")
-        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.kv_start)} + {c[1]};")
-        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.q_start, self.ctx()))
-        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["b"] = Sym(f"({self.ex(st.at.b)})", Kind.INT, is_nonneg(st.at.b, self.ctx()))
+        names["h"] = Sym(f"({self.ex(st.at.h)})", Kind.INT, is_nonneg(st.at.h, self.ctx()))
+        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.at.q_start)} + {c[0]};")
+        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.at.kv_start)} + {c[1]};")
+        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
+        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         return names
 
     def _score_tile(self, st: ScoreMod | Mask) -> _Tile:
@@ -720,9 +720,9 @@ class _KernelGen(StmtVisitor[None]):
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             cls = self.fresh("bclass")
-            qs, ks = self.ex(st.q_start), self.ex(st.kv_start)
-            bi = self.ex(st.b) if self.plan.per_b else "0LL"
-            hi = self.ex(st.h) if self.plan.per_h else "0LL"
+            qs, ks = self.ex(st.at.q_start), self.ex(st.at.kv_start)
+            bi = self.ex(st.at.b) if self.plan.per_b else "0LL"
+            hi = self.ex(st.at.h) if self.plan.per_h else "0LL"
             self.emit("// block class from the table (0 empty, 1 partial, 2 full); an unaligned tile is partial")
             self.emit(f"const int {cls} = kb_table_class(kb_a, {bi}, {hi}, {qs}, {ks});")
             return f"{cls} {op} {code}"
@@ -730,7 +730,7 @@ class _KernelGen(StmtVisitor[None]):
         test = full if st.cls is BlockClass.FULL else empty if st.cls is BlockClass.EMPTY \
             else Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
         name = self.fresh(f"is_{st.cls.value}")
-        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.q_start}, {st.kv_start})")
+        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.at.q_start}, {st.at.kv_start})")
         self.emit(f"const bool {name} = {self.ex(test)};")
         return f"!{name}" if st.negate else name
 

@@ -47,7 +47,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensor
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad,
-    SoftmaxGrad, Span, Stmt, Store, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
+    SoftmaxGrad, Span, Stmt, Store, TileAt, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
@@ -294,14 +294,14 @@ def _all(es: list[Expr]) -> Expr:
 
 
 def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
-    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
-    q0, k0 = st.q_start, st.kv_start
+    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at st.at as scalar Exprs."""
+    q0, k0 = st.at.q_start, st.at.kv_start
     q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
     k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
     empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
     full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
     if plan.kind is BlockMaskKind.ANALYTIC:
-        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
+        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.at.b, "h": st.at.h}) for d in plan.disjuncts]
         if len(tests) == 1:
             empty += tests[0][0]
             full += tests[0][1]
@@ -449,7 +449,7 @@ class _Region:
         return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
-        return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
+        return st.at.kv_start == var(self.var) and (st.at.b, st.at.h, st.at.q_start) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
@@ -471,6 +471,8 @@ def _reads(st: Stmt) -> set[str]:
         val = getattr(st, f)
         if isinstance(val, Expr):
             names |= free_vars(val)
+        elif isinstance(val, TileAt):
+            names |= {n for x in val for n in free_vars(x)}
         elif isinstance(val, tuple):
             names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
             names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
@@ -786,7 +788,7 @@ class _KernelGen(StmtVisitor[None]):
     def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
         """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
         `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
-        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.at.b, st.at.h, st.at.q_start)):
             return e, names
         q_offs = names["q_idx"].code.split("[")[0]
         if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
@@ -1018,20 +1020,20 @@ class _KernelGen(StmtVisitor[None]):
         tile = self.tile(st.tile)
         if len(tile.shape) != 2:
             raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
-        om = self.offsets(st.q_start, tile.shape[0])
-        on = self.offsets(st.kv_start, tile.shape[1])
+        om = self.offsets(st.at.q_start, tile.shape[0])
+        on = self.offsets(st.at.kv_start, tile.shape[1])
         names = {d: self.names[d] for d in self.sig.dims}
         names.update({s.name: self.names[s.name] for s in self.sig.scalars})
-        names["b"] = self.index_sym(st.b)
-        names["h"] = self.index_sym(st.h)
+        names["b"] = self.index_sym(st.at.b)
+        names["h"] = self.index_sym(st.at.h)
         q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
-        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
         if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
             head, qpos = self.pack_rows(om)
             names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
-            if st.h == var(self.pack.head):
+            if st.at.h == var(self.pack.head):
                 names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
-        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
         return names
@@ -1261,10 +1263,10 @@ class _KernelGen(StmtVisitor[None]):
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
-        at = (tests[0].b, tests[0].h, tests[0].q_start)
+        at = (tests[0].at.b, tests[0].at.h, tests[0].at.q_start)
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(x.kv_start != var(st.var) or (x.b, x.h, x.q_start) != at for x in tests):
+        if any(x.at.kv_start != var(st.var) or (x.at.b, x.at.h, x.at.q_start) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
@@ -1418,10 +1420,10 @@ class _KernelGen(StmtVisitor[None]):
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             bq, bk = var("BLOCK_M"), var("BLOCK_N")
-            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.q_start, bq)), const(0))),
-                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.kv_start, bk)), const(0)))))
-            cell = load("__bc", st.b if self.plan.per_b else const(0), st.h if self.plan.per_h else const(0),
-                        Expr(ExprOp.FLOORDIV, (st.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.kv_start, bk)))
+            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.q_start, bq)), const(0))),
+                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.kv_start, bk)), const(0)))))
+            cell = load("__bc", st.at.b if self.plan.per_b else const(0), st.at.h if self.plan.per_h else const(0),
+                        Expr(ExprOp.FLOORDIV, (st.at.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.at.kv_start, bk)))
             aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
                                               ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
             cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
@@ -1430,7 +1432,7 @@ class _KernelGen(StmtVisitor[None]):
             return f"_bclass {op} {code}"
         empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
         self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
-                  f"({_strip(self.ex(st.q_start))}, {_strip(self.ex(st.kv_start))})")
+                  f"({_strip(self.ex(st.at.q_start))}, {_strip(self.ex(st.at.kv_start))})")
         if st.cls is BlockClass.FULL:
             test = full
         elif st.cls is BlockClass.EMPTY:
