@@ -38,7 +38,7 @@ from kb.ir.expr import (Expr, ExprOp, call, conjunction, conjuncts, const, free_
                         walk as walk_expr)
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
-    OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
+    OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
@@ -644,9 +644,9 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
         Elementwise("qk", E("qk * sm_scale")),
     ]
     if score_terms:
-        body.append(ScoreMod("qk", var("b"), head, q_at, n))
+        body.append(ScoreMod("qk", TileAt(var("b"), head, q_at, n)))
     if masked:
-        body.append(Mask("qk", var("b"), head, q_at, n, use_mask_mod=uses_mod))
+        body.append(Mask("qk", TileAt(var("b"), head, q_at, n), use_mask_mod=uses_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
     first = min(e.line for e in lp.events if e.kind in ("rowmax",))
     last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
@@ -837,10 +837,12 @@ def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[P
 
 def _stmt_exprs(st) -> list[Expr]:
     out: list[Expr] = []
-    for f in ("value", "lo", "hi", "b", "h", "q_start", "kv_start"):
+    for f in ("value", "lo", "hi"):
         x = getattr(st, f, None)
         if isinstance(x, Expr):
             out.append(x)
+    if isinstance(getattr(st, "at", None), TileAt):
+        out += list(st.at)
     for ix in getattr(st, "index", ()) or ():
         if isinstance(ix, Span):
             out += [ix.start] + ([ix.until] if ix.until is not None else [])

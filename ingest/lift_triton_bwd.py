@@ -28,7 +28,7 @@ from kb.ir.expr import Expr, ExprOp, conjunction, const, free_vars, substitute, 
 from kb.ir.nodes import (
     Dot, Dtype, Elementwise, For, Full, GridAxis, Init, Kernel, Let, Load, Mask, Param, Probs as ProbsStmt,
     Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad, SoftmaxGrad as SoftmaxGradStmt, Span, Store,
-    VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+    TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 from kb.ir.text import print_stmt_header
 from ingest.model import LiftedSnippet, LiftedTunable, Provenance
@@ -48,7 +48,7 @@ __all__ = ["BackwardReport", "lift_backward", "BWD_LIFTER_VERSION"]
 log = logging.getLogger(__name__)
 BWD_LIFTER_VERSION = "triton-bwd-1"
 _BWD_POLICY = {"DEBUG": False}  # debug prints and dumps off (a prefix of the constexpr's name)
-_AT = (var("b"), var("h"), var("m_start"), var("n_start"))
+_AT = TileAt(var("b"), var("h"), var("m_start"), var("n_start"))
 _HEAD_LOOP = (Expr(ExprOp.MUL, (var("hk"), Expr(ExprOp.FLOORDIV, (var("Hq"), var("Hkv"))))),
               Expr(ExprOp.MUL, (Expr(ExprOp.ADD, (var("hk"), const(1))), Expr(ExprOp.FLOORDIV, (var("Hq"), var("Hkv"))))))
 
@@ -96,9 +96,9 @@ def _scores(mask: str | None, scored: bool) -> list:
     out: list = [Dot("s", "qt", "kt", trans_b=True), Elementwise("s", Expr(ExprOp.MUL, (var("s"), var("sm_scale"))))]
     s = "sm" if scored else "s"
     if scored:
-        out += [Elementwise("sm", var("s")), ScoreMod("sm", *_AT)]
+        out += [Elementwise("sm", var("s")), ScoreMod("sm", _AT)]
     if mask is not None:
-        out.append(Mask(s, *_AT, use_mask_mod=mask == "mask_mod"))
+        out.append(Mask(s, _AT, use_mask_mod=mask == "mask_mod"))
     return out + [ProbsStmt("p", s, "lt")]
 
 
@@ -106,7 +106,7 @@ def _grad(scored: bool) -> list:
     """dP = dO vᵀ, dS = P (dP - delta), score_mod's derivative, the scale."""
     out: list = [Dot("dp", "gt", "vt", trans_b=True), SoftmaxGradStmt("ds", "p", "dp", "dt")]
     if scored:
-        out.append(ScoreModGrad("ds", "s", *_AT))
+        out.append(ScoreModGrad("ds", "s", _AT))
     return out + [Elementwise("ds", Expr(ExprOp.MUL, (var("ds"), var("sm_scale"))))]
 
 

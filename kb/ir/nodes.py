@@ -62,8 +62,8 @@ from typing import ClassVar, Iterator, Union
 from kb.ir.expr import Expr
 
 __all__ = [
-    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
-    "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
+    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index", "TileAt",
+    "StmtOp", "BACKWARD_OPS", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
     "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "is_backward",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
@@ -170,6 +170,21 @@ class Gather:
 Index = Union[Expr, Span, Full, Gather]
 
 
+@dataclass(frozen=True)
+class TileAt:
+    """`(b, h, q_start, kv_start)` — where a BLOCK_M x BLOCK_N score tile sits: its batch and head and the
+    first query row and key column, so element (i, j) has q_idx = q_start + i and kv_idx = kv_start + j.
+    Carried by score_mod, mask, `if block(...)`, score_mod_grad and aux_grad; iterating gives the four in order."""
+
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+
+    def __iter__(self) -> Iterator[Expr]:
+        return iter((self.b, self.h, self.q_start, self.kv_start))
+
+
 class StmtOp(Enum):
     LET = "let"
     LOAD = "load"
@@ -190,6 +205,9 @@ class StmtOp(Enum):
     SOFTMAX_GRAD = "softmax_grad"
     SCORE_MOD_GRAD = "score_mod_grad"
     AUX_GRAD = "aux_grad"
+
+
+BACKWARD_OPS = frozenset({StmtOp.PROBS, StmtOp.SOFTMAX_GRAD, StmtOp.SCORE_MOD_GRAD, StmtOp.AUX_GRAD})
 
 
 class BlockClass(Enum):
@@ -281,10 +299,7 @@ class ScoreMod:
 
     op: ClassVar[StmtOp] = StmtOp.SCORE_MOD
     tile: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 @dataclass(frozen=True)
@@ -293,10 +308,7 @@ class Mask:
 
     op: ClassVar[StmtOp] = StmtOp.MASK
     tile: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
     use_mask_mod: bool
 
 
@@ -355,10 +367,7 @@ class IfBlock:
     op: ClassVar[StmtOp] = StmtOp.IF_BLOCK
     cls: BlockClass
     negate: bool
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
     then: tuple["Stmt", ...]
     orelse: tuple["Stmt", ...] = ()
 
@@ -393,10 +402,7 @@ class ScoreModGrad:
     op: ClassVar[StmtOp] = StmtOp.SCORE_MOD_GRAD
     tile: str
     scores: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 @dataclass(frozen=True)
@@ -411,10 +417,7 @@ class AuxGrad:
     aux: str
     tile: str
     scores: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock,

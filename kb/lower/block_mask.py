@@ -192,14 +192,14 @@ def _all(es: list[Expr]) -> Expr:
 
 
 def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
-    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
-    q0, k0 = st.q_start, st.kv_start
+    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at st.at as scalar Exprs."""
+    q0, k0 = st.at.q_start, st.at.kv_start
     q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
     k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
     empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
     full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
     if plan.kind is BlockMaskKind.ANALYTIC:
-        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
+        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.at.b, "h": st.at.h}) for d in plan.disjuncts]
         if len(tests) == 1:
             empty += tests[0][0]
             full += tests[0][1]
@@ -210,7 +210,7 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
 
 
 def block_class_test(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> Expr:
-    """`block(...) is st.cls` (before `st.negate`) of the tile at (st.q_start, st.kv_start), in closed form."""
+    """`block(...) is st.cls` (before `st.negate`) of the tile at st.at, in closed form."""
     empty, full = _block_tests(plan, st, m_dim, n_dim)
     if st.cls is BlockClass.FULL:
         return full

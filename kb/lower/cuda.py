@@ -50,15 +50,16 @@ from typing import Iterator, Mapping
 from kb.errors import KBError
 from kb.ir.expr import Expr, free_vars
 from kb.ir.nodes import (
-    Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
-    Stmt, Store, VALUE_DIM, walk_stmts,
+    BACKWARD_OPS, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Load, Mask, OnlineSoftmax,
+    Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span, Stmt, Store, VALUE_DIM, walk_stmts,
+)
+from kb.ir.visit import StmtVisitor
+from kb.lower.block_mask import (
+    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, block_class_test, plan_block_mask,
 )
 from kb.lower.cuda_expr import EXPR_HELPERS, cxx_type, float_literal, lower_cexpr
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.kernel_gen import KernelGenBase
-from kb.lower.block_mask import (
-    CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, block_class_test, plan_block_mask,
-)
 from kb.lower.triton import check_attention_params
 
 __all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
@@ -215,8 +216,11 @@ class _Buffer:
     bytes_expr: list[str] = field(default_factory=list)  # candidates; the max is allocated
 
 
-class _KernelGen(KernelGenBase[_Tile]):
+class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     """Generates one `__global__` kernel (body lines plus its shared-memory layout)."""
+
+    rejects = BACKWARD_OPS
+    rejects_why = "the CUDA lowerings are forward-only; lower a backward program with kb.lower.triton"
 
     INDENT = "  "
 
@@ -373,10 +377,7 @@ class _KernelGen(KernelGenBase[_Tile]):
     # -- statements
     def block(self, body: tuple[Stmt, ...]) -> None:
         for st in body:
-            self.stmt(st)
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
+            self.visit(st)
 
     def s_load(self, st: Load) -> None:
         dtype = self.p.param(st.tensor).dtype
@@ -524,12 +525,12 @@ class _KernelGen(KernelGenBase[_Tile]):
     def variant_names(self, st: ScoreMod | Mask, tile: _Tile, c: list[str]) -> dict[str, Sym]:
         names = {d: self.names[d] for d in self.abi.dims}
         names.update({s.name: self.names[s.name] for s in self.scalar_params})
-        names["b"] = Sym(f"({self.ex(st.b)})", Kind.INT, is_nonneg(st.b, self.ctx()))
-        names["h"] = Sym(f"({self.ex(st.h)})", Kind.INT, is_nonneg(st.h, self.ctx()))
-        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.q_start)} + {c[0]};")
-        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.kv_start)} + {c[1]};")
-        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.q_start, self.ctx()))
-        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["b"] = Sym(f"({self.ex(st.at.b)})", Kind.INT, is_nonneg(st.at.b, self.ctx()))
+        names["h"] = Sym(f"({self.ex(st.at.h)})", Kind.INT, is_nonneg(st.at.h, self.ctx()))
+        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.at.q_start)} + {c[0]};")
+        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.at.kv_start)} + {c[1]};")
+        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
+        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         return names
 
     def _score_tile(self, st: ScoreMod | Mask) -> _Tile:
@@ -683,15 +684,15 @@ class _KernelGen(KernelGenBase[_Tile]):
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             cls = self.fresh("bclass")
-            qs, ks = self.ex(st.q_start), self.ex(st.kv_start)
-            bi = self.ex(st.b) if self.plan.per_b else "0LL"
-            hi = self.ex(st.h) if self.plan.per_h else "0LL"
+            qs, ks = self.ex(st.at.q_start), self.ex(st.at.kv_start)
+            bi = self.ex(st.at.b) if self.plan.per_b else "0LL"
+            hi = self.ex(st.at.h) if self.plan.per_h else "0LL"
             self.emit("// block class from the table (0 empty, 1 partial, 2 full); an unaligned tile is partial")
             self.emit(f"const int {cls} = kb_table_class(kb_a, {bi}, {hi}, {qs}, {ks});")
             return f"{cls} {op} {code}"
         test = block_class_test(self.plan, st, self.m_dim, self.n_dim)
         name = self.fresh(f"is_{st.cls.value}")
-        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.q_start}, {st.kv_start})")
+        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.at.q_start}, {st.at.kv_start})")
         self.emit(f"const bool {name} = {self.ex(test)};")
         return f"!{name}" if st.negate else name
 

@@ -13,8 +13,9 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Let, Load, Mask,
     OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt,
-    Store, walk_stmts,
+    Store, TileAt, walk_stmts,
 )
+from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
     CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, _full_span, _max_all, _reach, _simplify, _union_span,
 )
@@ -38,6 +39,8 @@ def _reads(st: Stmt) -> set[str]:
         val = getattr(st, f)
         if isinstance(val, Expr):
             names |= free_vars(val)
+        elif isinstance(val, TileAt):
+            names |= {n for x in val for n in free_vars(x)}
         elif isinstance(val, tuple):
             names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
             names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
@@ -74,7 +77,7 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
     return None
 
 
-class TritonKernelGen(TritonTiles):
+class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     """The body lines of one `@triton.jit` function (`generate`), statement by statement."""
 
     # -- statements
@@ -96,13 +99,10 @@ class TritonKernelGen(TritonTiles):
                 self.dot_into(st, acc)  # type: ignore[arg-type]
                 fused.add(i + 1)
                 continue
-            self.stmt(st)
+            self.visit(st)
         if len(self.lines) == before:
             self.emit("pass")
         self.offs.pop()
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
 
     def split_dim(self, st: Load) -> int | None:
         """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
@@ -260,20 +260,20 @@ class TritonKernelGen(TritonTiles):
         tile = self.tile(st.tile)
         if len(tile.shape) != 2:
             raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
-        om = self.offsets(st.q_start, tile.shape[0])
-        on = self.offsets(st.kv_start, tile.shape[1])
+        om = self.offsets(st.at.q_start, tile.shape[0])
+        on = self.offsets(st.at.kv_start, tile.shape[1])
         names = {d: self.names[d] for d in self.sig.dims}
         names.update({s.name: self.names[s.name] for s in self.sig.scalars})
-        names["b"] = self.index_sym(st.b)
-        names["h"] = self.index_sym(st.h)
+        names["b"] = self.index_sym(st.at.b)
+        names["h"] = self.index_sym(st.at.h)
         q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
-        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
         if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
             head, qpos = self.pack_rows(om)
             names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
-            if st.h == var(self.pack.head):
+            if st.at.h == var(self.pack.head):
                 names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
-        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
         return names
@@ -500,10 +500,10 @@ class TritonKernelGen(TritonTiles):
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
-        at = (tests[0].b, tests[0].h, tests[0].q_start)
+        at = (tests[0].at.b, tests[0].at.h, tests[0].at.q_start)
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(x.kv_start != var(st.var) or (x.b, x.h, x.q_start) != at for x in tests):
+        if any(x.at.kv_start != var(st.var) or (x.at.b, x.at.h, x.at.q_start) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
@@ -638,7 +638,7 @@ class TritonKernelGen(TritonTiles):
                 self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
                 taken = st.then if holds != st.negate else st.orelse
                 for sub in taken:
-                    self.stmt(sub)
+                    self.visit(sub)
                 return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
@@ -656,10 +656,10 @@ class TritonKernelGen(TritonTiles):
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             bq, bk = var("BLOCK_M"), var("BLOCK_N")
-            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.q_start, bq)), const(0))),
-                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.kv_start, bk)), const(0)))))
-            cell = load("__bc", st.b if self.plan.per_b else const(0), st.h if self.plan.per_h else const(0),
-                        Expr(ExprOp.FLOORDIV, (st.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.kv_start, bk)))
+            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.q_start, bq)), const(0))),
+                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.kv_start, bk)), const(0)))))
+            cell = load("__bc", st.at.b if self.plan.per_b else const(0), st.at.h if self.plan.per_h else const(0),
+                        Expr(ExprOp.FLOORDIV, (st.at.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.at.kv_start, bk)))
             aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
                                               ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
             cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
@@ -668,7 +668,7 @@ class TritonKernelGen(TritonTiles):
             return f"_bclass {op} {code}"
         test = block_class_test(self.plan, st, self.m_dim, self.n_dim)
         self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
-                  f"({strip_parens(self.ex(st.q_start))}, {strip_parens(self.ex(st.kv_start))})")
+                  f"({strip_parens(self.ex(st.at.q_start))}, {strip_parens(self.ex(st.at.kv_start))})")
         self.emit(f"_is_{st.cls.value} = {self.ex(test)}")
         return f"not _is_{st.cls.value}" if st.negate else f"_is_{st.cls.value}"
 

@@ -88,7 +88,7 @@ class Region:
         return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
-        return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
+        return st.at.kv_start == var(self.var) and (st.at.b, st.at.h, st.at.q_start) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
@@ -353,7 +353,7 @@ class TritonTiles(KernelGenBase[Tile]):
     def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
         """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
         `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
-        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.at.b, st.at.h, st.at.q_start)):
             return e, names
         q_offs = names["q_idx"].code.split("[")[0]
         if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
