@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kb.errors import KBError
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
@@ -77,10 +78,6 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _params(p: Program) -> dict[str, Param]:
     return {prm.name: prm for prm in p.params}
 
@@ -97,7 +94,7 @@ def _reserved(p: Program) -> set[str]:
 
 def _const_value(name: str, s: Schedule) -> int | None:
     values = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits,
-              "HEAD_PAD": s.head_pad or None}
+              "HEAD_PAD": s.fixed_head_pad}
     return values.get(name)
 
 
@@ -183,11 +180,11 @@ def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
             out.append(ix.size)
         elif isinstance(ix, Full):
             if dim == "D":
-                out.append(s.head_pad or "HEAD_PAD")
+                out.append(s.fixed_head_pad or "HEAD_PAD")
             elif dim == VALUE_DIM:
                 out.append("HEAD_PAD_V")
             else:
-                out.append(_next_pow2(dim) if isinstance(dim, int) else dim)
+                out.append(next_pow2(dim) if isinstance(dim, int) else dim)
     return tuple(out)
 
 
