@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import functools
 import itertools
 import logging
 import re
@@ -50,7 +49,7 @@ from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stri
 from ingest.triton_source import (
     ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
 )
-from kb.ir.algebra import conjunction, conjuncts, from_poly, normal_compare, normal_form, scale_poly, to_poly
+from kb.ir.algebra import conjunction, conjuncts, from_poly, min_of, normal_compare, normal_form, scale_poly, to_poly
 
 __all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "verify_decode",
            "LIFTER_VERSION"]
@@ -444,7 +443,7 @@ def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
     rest = normal_form(Expr(ExprOp.SUB, (offset, Expr(ExprOp.MUL, (rows[0], E(strides[0] or "1"))))))
     if {"_r", "g"} & free_vars(rest) or normal_form(substitute(head0, {"g": const(0)})) != const(0):
         raise _Skip(f"line {q_load.line}: the q pointer does not step by the group's head rows {rows[0]}")
-    until = functools.reduce(lambda a, b: call("minimum", a, b), dict.fromkeys(c.args[1] for c in conds))
+    until = min_of(list(dict.fromkeys(c.args[1] for c in conds)))
     return replace(_decode_layout(walk, k_base), head0=head0, heads_until=until)
 
 

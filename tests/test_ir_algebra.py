@@ -7,7 +7,7 @@ import pytest
 
 from kb.ir.algebra import (
     FLIP, NEGATE, all_of, any_of, conjunction, conjuncts, disjuncts, from_poly, linear_form, max_of, min_of,
-    next_pow2, normal_compare, normal_form, simplify, tidy_int, to_poly,
+    is_pow2, next_pow2, normal_compare, normal_form, simplify, tidy_int, to_poly,
 )
 from kb.ir.expr import Expr, ExprOp, parse_expr as E
 from kb.ir.nodes import DOT_MIN_K, Schedule
@@ -144,7 +144,8 @@ def test_linear_form_refuses_nonlinear(text: str) -> None:
     assert linear_form(E(text)) is None
 
 
-def test_next_pow2() -> None:
+def test_powers_of_two() -> None:
+    assert [n for n in range(-1, 20) if is_pow2(n)] == [1, 2, 4, 8, 16]
     assert [next_pow2(n) for n in (0, 1, 2, 3, 4, 5, 64, 65, 96, 128)] == [1, 1, 2, 4, 4, 8, 64, 128, 128, 128]
 
 

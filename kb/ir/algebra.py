@@ -11,7 +11,7 @@ Three rewrites, each for one job, all value-preserving:
 
 Builders and queries: `conjuncts`/`disjuncts` split a nest of `&`/`|`; `all_of`, `any_of`,
 `min_of`, `max_of` fold a list to the left; `FLIP` swaps a comparison's sides and `NEGATE`
-negates it; `linear_form` reads `alpha*q_idx + beta*kv_idx + c`; `next_pow2`.
+negates it; `linear_form` reads `alpha*q_idx + beta*kv_idx + c`; `is_pow2`, `next_pow2`.
 
 Invariant: for every rewrite `r`, `r(e)` evaluates to the value of `e` wherever `e` is defined
 (`normal_form` on integer/real arithmetic; floor division, modulo and calls are its atoms).
@@ -25,7 +25,7 @@ from functools import reduce
 from kb.ir.expr import Expr, ExprOp, const, free_vars, print_expr
 
 __all__ = [
-    "FLIP", "NEGATE", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
+    "FLIP", "NEGATE", "is_pow2", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
     "conjunction", "min_of", "max_of", "linear_form", "simplify", "tidy_int", "Poly", "to_poly", "from_poly",
     "scale_poly", "normal_form", "normal_compare",
 ]
@@ -36,6 +36,10 @@ FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp
 # `~(a op b)` == `a NEGATE[op] b`
 NEGATE = {ExprOp.LT: ExprOp.GE, ExprOp.LE: ExprOp.GT, ExprOp.GT: ExprOp.LE, ExprOp.GE: ExprOp.LT,
           ExprOp.EQ: ExprOp.NE, ExprOp.NE: ExprOp.EQ}
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def next_pow2(n: int) -> int:
@@ -180,22 +184,15 @@ def simplify(e: Expr) -> Expr:
             return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
         if a.op is ExprOp.CONST:
             return const(not a.value)
-    if op is ExprOp.AND:
+    if op in (ExprOp.AND, ExprOp.OR):
         a, b = args
-        if _is_bool(a, True):
+        unit = op is ExprOp.AND  # x & True == x, x | False == x; the other constant absorbs
+        if _is_bool(a, unit):
             return b
-        if _is_bool(b, True) or a == b:
+        if _is_bool(b, unit) or a == b:
             return a
-        if _is_bool(a, False) or _is_bool(b, False):
-            return const(False)
-    if op is ExprOp.OR:
-        a, b = args
-        if _is_bool(a, False):
-            return b
-        if _is_bool(b, False) or a == b:
-            return a
-        if _is_bool(a, True) or _is_bool(b, True):
-            return const(True)
+        if _is_bool(a, not unit) or _is_bool(b, not unit):
+            return const(not unit)
     if op is ExprOp.WHERE:
         c, x, y = args
         if c.op is ExprOp.CONST:

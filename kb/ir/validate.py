@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kb.errors import KBError
-from kb.ir.algebra import next_pow2
+from kb.ir.algebra import is_pow2, next_pow2
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
@@ -72,10 +72,6 @@ class _Env:
 Rule = Callable[[Stmt, _Env], Iterator["str | Problem"]]
 
 # ================================================================ helpers
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _params(p: Program) -> dict[str, Param]:
@@ -613,9 +609,9 @@ def _schedule_rules(p: Program) -> Iterator[Problem]:
             yield Problem("schedule", f"{key}={value!r} must be a positive int")
     for key in ("block_m", "block_n", "num_warps"):
         value = getattr(s, key)
-        if isinstance(value, int) and value > 0 and not _is_pow2(value):
+        if isinstance(value, int) and value > 0 and not is_pow2(value):
             yield Problem("schedule", f"{key}={value} must be a power of two")
-    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not _is_pow2(s.head_pad)):
+    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not is_pow2(s.head_pad)):
         yield Problem("schedule", f"head_pad={s.head_pad!r} must be 0 (auto) or a power of two")
     if s.kv_order not in ("forward", "reverse"):
         yield Problem("schedule", f"kv_order={s.kv_order!r} must be forward or reverse")
