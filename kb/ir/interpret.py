@@ -36,7 +36,7 @@ from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
 from kb.ir.derive import aux_partials, score_grad
 from kb.ir.interp_softmax import probs, softmax_grad
-from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, scatter_add, tile_index
+from kb.ir.interp_tiles import TORCH_DTYPES, gather, resolve_dim, scatter, scatter_add, tile_index
 from kb.ir.interp_variants import (
     UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_over_tile, eval_variant, mask_tile,
 )
@@ -144,8 +144,8 @@ def bind_dims(p: Program, inputs: Inputs, shapes: Mapping[str, int] | None = Non
                     raise KBError(f"input {prm.name} has size {n} where the program declares {d}")
             else:
                 bind(d, int(n), f"{prm.name}.shape")
-    dims["HEAD_PAD"] = s.head_pad or next_pow2(dims.get("D", 0))
-    dims["HEAD_PAD_V"] = next_pow2(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
+    dims["HEAD_PAD"] = s.head_pad_for(dims.get("D", 0))
+    dims["HEAD_PAD_V"] = s.value_head_pad_for(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
     missing = sorted({d for prm in p.params for d in prm.shape if isinstance(d, str) and d not in dims})
     if missing:
         raise KBError(f"dims {', '.join(missing)} are not given by any input; pass them as shapes={{...}}")
