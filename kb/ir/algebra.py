@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from functools import reduce
 
-from kb.ir.expr import Expr, ExprOp, const, free_vars, print_expr
+from kb.ir.expr import Expr, ExprOp, const, free_vars, number, print_expr
 
 __all__ = [
     "FLIP", "NEGATE", "is_pow2", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
@@ -136,8 +136,8 @@ def linear_form(e: Expr, x: str = "q_idx", y: str = "kv_idx") -> tuple[int, int,
     if e.op is ExprOp.MUL:
         for k, rest in (e.args, e.args[::-1]):
             if is_int_const(k):
-                lin = linear_form(rest, x, y)
-                return None if lin is None else (k.value * lin[0], k.value * lin[1], Expr(ExprOp.MUL, (k, lin[2])))  # type: ignore[operator]
+                n, lin = int(number(k)), linear_form(rest, x, y)
+                return None if lin is None else (n * lin[0], n * lin[1], Expr(ExprOp.MUL, (k, lin[2])))
     return None
 
 
@@ -215,13 +215,13 @@ def simplify(e: Expr) -> Expr:
             return a
         if _is_const(a, 0):
             return b
-        if _is_num(b) and b.value < 0:  # type: ignore[operator]
-            return Expr(ExprOp.SUB, (a, const(-b.value)))  # type: ignore[operator]
+        if _is_num(b) and number(b) < 0:
+            return Expr(ExprOp.SUB, (a, const(-number(b))))
         if b.op is ExprOp.NEG:
             return Expr(ExprOp.SUB, (a, b.args[0]))
     if op in (ExprOp.ADD, ExprOp.SUB) and _is_num(args[1]) and args[0].op in (ExprOp.ADD, ExprOp.SUB) and _is_num(args[0].args[1]):
         inner, c1 = args[0].args
-        total = (c1.value if args[0].op is ExprOp.ADD else -c1.value) + (args[1].value if op is ExprOp.ADD else -args[1].value)  # type: ignore[operator]
+        total = (number(c1) if args[0].op is ExprOp.ADD else -number(c1)) + (number(args[1]) if op is ExprOp.ADD else -number(args[1]))
         return simplify(Expr(ExprOp.ADD, (inner, const(total))))
     if op is ExprOp.SUB:
         a, b = args
@@ -238,7 +238,7 @@ def simplify(e: Expr) -> Expr:
         if _is_const(a, -1):
             return Expr(ExprOp.NEG, (b,))
         if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
-            return simplify(Expr(ExprOp.MUL, (a.args[0], const(a.args[1].value * b.value))))  # type: ignore[operator]
+            return simplify(Expr(ExprOp.MUL, (a.args[0], const(number(a.args[1]) * number(b)))))
     if op is ExprOp.DIV:
         a, b = args
         if _is_const(b, 1):
@@ -264,7 +264,7 @@ def tidy_int(e: Expr) -> Expr:
     if e.op is ExprOp.NEG:
         (a,) = args
         if is_int_const(a):
-            return const(-a.value)  # type: ignore[operator]
+            return const(-number(a))
         if a.op is ExprOp.NEG:
             return a.args[0]
         if a.op is ExprOp.SUB:
@@ -272,19 +272,19 @@ def tidy_int(e: Expr) -> Expr:
     if e.op in (ExprOp.ADD, ExprOp.SUB):
         a, b = args
         if is_int_const(a) and is_int_const(b):
-            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
+            return const(number(a) + number(b) if e.op is ExprOp.ADD else number(a) - number(b))
         if is_int_const(b) and b.value == 0:
             return a
         if is_int_const(a) and a.value == 0:
             return b if e.op is ExprOp.ADD else tidy_int(Expr(ExprOp.NEG, (b,)))
         if b.op is ExprOp.NEG:
             return tidy_int(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
-        if is_int_const(b) and b.value < 0:  # type: ignore[operator]
-            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
+        if is_int_const(b) and number(b) < 0:
+            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-number(b))))
         if is_int_const(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and is_int_const(a.args[1]):
             # (x +- c1) +- c2 -> x + (+-c1 +- c2)
-            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
-                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
+            c = (number(a.args[1]) if a.op is ExprOp.ADD else -number(a.args[1])) \
+                + (number(b) if e.op is ExprOp.ADD else -number(b))
             return tidy_int(Expr(ExprOp.ADD, (a.args[0], const(c))))
     if e.op is ExprOp.MUL:
         a, b = args
@@ -341,7 +341,7 @@ def to_poly(e: Expr) -> Poly:
     """`e` expanded into monomials over atoms (variables and non-polynomial nodes such as `cdiv(...)`,
     `abs(...)`, loads, whose arguments are put in normal form)."""
     if _is_num(e):
-        return {(): e.value} if e.value != 0 else {}  # type: ignore[dict-item]
+        return {(): number(e)} if number(e) != 0 else {}
     if e.op is ExprOp.ADD:
         return _add(to_poly(e.args[0]), to_poly(e.args[1]))
     if e.op is ExprOp.SUB:

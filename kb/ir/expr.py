@@ -33,6 +33,7 @@ __all__ = [
     "ExprOp",
     "Expr",
     "const",
+    "number",
     "var",
     "load",
     "call",
@@ -140,6 +141,14 @@ def const(value: int | float | bool) -> Expr:
     return Expr(ExprOp.CONST, (), value)
 
 
+def number(e: Expr) -> int | float:
+    """The value of the numeric constant `e` (a bool constant counts as 0 or 1, as in Python
+    arithmetic); TypeError when `e` is no numeric constant. Callers check the kind first."""
+    if e.op is not ExprOp.CONST or not isinstance(e.value, (int, float)):
+        raise TypeError(f"not a numeric constant: {e!r}")
+    return e.value
+
+
 def var(name: str) -> Expr:
     return Expr(ExprOp.VAR, (), name)
 
@@ -241,7 +250,7 @@ def _from_ast(n: ast.AST, line: int, col: int) -> Expr:
         inner = _from_ast(n.operand, line, col)
         if isinstance(n.op, ast.USub):
             if inner.op is ExprOp.CONST and not isinstance(inner.value, bool) and isinstance(n.operand, ast.Constant | ast.Name):
-                return const(-inner.value)  # type: ignore[operator]
+                return const(-number(inner))
             return Expr(ExprOp.NEG, (inner,))
         if isinstance(n.op, ast.Invert):
             return Expr(ExprOp.NOT, (inner,))
