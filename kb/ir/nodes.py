@@ -488,7 +488,9 @@ def serving_constructs(p: Program) -> tuple[str, ...]:
     found: dict[str, dict[str, None]] = {}
     for k in p.kernels:
         for st in walk_stmts(k.body):
-            for ix in st.index if isinstance(st, (Load, Store)) else ():
+            if not isinstance(st, (Load, Store)):
+                continue
+            for ix in st.index:
                 if isinstance(ix, Span) and ix.until is not None:
                     found.setdefault("`until`", {})[st.tensor] = None
                 elif isinstance(ix, Gather):

@@ -293,8 +293,8 @@ def _define(env: _Env, name: str, shape: Shape | None, *, scalar: bool = False) 
 
 def _known(env: _Env, *names: str) -> list[Shape] | None:
     """Shapes of defined tiles, or None when any is undefined or of unknown shape."""
-    shapes = [env.tiles.get(n) for n in names]
-    return None if any(sh is None for sh in shapes) else shapes  # type: ignore[return-value]
+    shapes = [sh for sh in (env.tiles.get(n) for n in names) if sh is not None]
+    return shapes if len(shapes) == len(names) else None
 
 
 def _agree(a: Shape, b: Shape, s: Schedule) -> bool:
@@ -473,7 +473,7 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         yield from _define(env, st.o, o_shape)
         yield from _define(env, st.lse, lse_shape)
 
-    def s_for(self, st: For, env: _Env) -> Iterator[str]:
+    def s_for(self, st: For, env: _Env) -> Iterator[str | Problem]:
         yield from _scalar_exprs(env, st.lo, st.hi)
         if isinstance(st.step, bool) or not (st.step in ("BLOCK_N", "BLOCK_M") or isinstance(st.step, int) and st.step > 0):
             yield f"loop step {st.step!r} must be a block size (BLOCK_N, BLOCK_M) or a positive int"
@@ -485,7 +485,7 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         yield from _define(inner, st.var, None, scalar=True)
         yield from _walk_block(st.body, inner)
 
-    def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str]:
+    def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str | Problem]:
         if not isinstance(st.cls, BlockClass):
             yield f"unknown block class {st.cls!r}; known: full, partial, empty"
         yield from _tile_at(env, st.at)
@@ -580,8 +580,8 @@ def _param_rules(p: Program) -> Iterator[Problem]:
     if "q" in seen and _params(p)["q"].role is not Role.IN:
         yield Problem("param 'q'", "q must be an in param")
     for name in ("q", "k"):
-        prm = _params(p).get(name)
-        if isinstance(prm, Param) and prm.shape and prm.shape[-1] == VALUE_DIM:
+        qk = _params(p).get(name)
+        if isinstance(qk, Param) and qk.shape and qk.shape[-1] == VALUE_DIM:
             yield Problem(f"param '{name}'", f"{name} ends in the query/key head dim D; only values and outputs take {VALUE_DIM}")
 
 
