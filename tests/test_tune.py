@@ -8,8 +8,10 @@ os.environ["TRITON_INTERPRET"] = "1"  # the dry run interprets the candidate; se
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,8 @@ from generate.tune import make_plan
 from generate.tune_gpu import SCHEMA, run_plan
 from kb.errors import KBError
 from kb.ir.design import parse_design
-from kb.store import Lesson, PerfRecord
+from kb.settings import load_settings
+from kb.store import Lesson, PerfRecord, open_kb
 from tests.generate_fixtures import QUICK, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -31,14 +34,27 @@ ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04",
        "date": "2026-12-03T12:00:00+00:00"}
 
 
+@pytest.fixture(scope="module")
+def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
+    """Generate, plan and dry-run once per module (the slow part); tests get copies of the KB it leaves."""
+    base = tmp_path_factory.mktemp("tuned")
+    home, out = base / "kb", base / "out"
+    shutil.copytree(ingested_home, home)
+    with open_kb(load_settings(home=home), embedder=embedder) as kb:
+        r = generate(kb, SPEC, GenerateOptions(out_dir=out, **QUICK))
+        assert r.succeeded, r.error
+        plan = make_plan(kb, [str(SPEC)], out, "sm90", max_designs=1)
+        doc = run_plan(plan, base / "dry.json", device="cpu")
+    return home, r, plan, doc
+
+
 @pytest.fixture
-def tuned(ingested_kb, tmp_path: Path):  # noqa: ANN201
-    out = tmp_path / "out"
-    r = generate(ingested_kb, SPEC, GenerateOptions(out_dir=out, **QUICK))
-    assert r.succeeded, r.error
-    plan = make_plan(ingested_kb, [str(SPEC)], out, "sm90", max_designs=1)
-    doc = run_plan(plan, tmp_path / "dry.json", device="cpu")
-    return ingested_kb, r, plan, doc
+def tuned(_generated, embedder, tmp_path: Path) -> Iterator:  # noqa: ANN001
+    """A private copy of the generated KB, so each test's import starts from the same state."""
+    home, r, plan, doc = _generated
+    shutil.copytree(home, tmp_path / "kb")
+    with open_kb(load_settings(home=tmp_path / "kb"), embedder=embedder) as kb:
+        yield kb, r, plan, copy.deepcopy(doc)
 
 
 def test_plan_lists_designs_per_bench_shape_in_both_orders(tuned) -> None:
