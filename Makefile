@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 # multi-GB CUDA build; everything here runs on CPU. Elsewhere PyPI serves the CUDA build of 2.13.0,
 # which works too. On a GPU machine, choose your own build: make TORCH_SPEC='torch==X.Y.Z'.
 TORCH_SPEC ?= torch==2.13.0
+# pytest workers: most tests are single-threaded Python (the Triton interpreter), so one per core.
+TEST_WORKERS ?= 2
 DEMO_HOME ?= $(CURDIR)/.kb-demo
 DEMO_SPEC ?= examples/specs/sliding_window.py
 KB := KB_HOME=$(DEMO_HOME) $(VENV)/bin/kb
@@ -33,7 +35,7 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	bash tests/install_services.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME)
