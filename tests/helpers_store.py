@@ -28,6 +28,8 @@ from kb.store import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+# `kb` as a child process: the console script is `cli.main:app`; `-m` runs this checkout's code (cwd=REPO or PYTHONPATH=REPO)
+KB_CLI = (sys.executable, "-m", "cli.main")
 SNIPPETS_PER_KERNEL = 3
 MASKS = ("causal", "sliding_window", "none", "document")
 ARCHS = ("sm80", "sm90", "sm100")

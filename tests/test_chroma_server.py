@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import open_kb
@@ -104,7 +104,7 @@ def stop_chroma_then_embed(self, records, force=False):
     return embed(self, records, force)
 
 KnowledgeBase._embed = stop_chroma_then_embed
-from kb.cli import main
+from cli.main import main
 sys.argv[0] = "kb"
 main()
 """

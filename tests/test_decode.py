@@ -177,7 +177,7 @@ def _generate(home: Path, spec: Path, out: Path) -> tuple[float, dict]:
     env = {**os.environ, "KB_HOME": str(home)}
     env.pop("TRITON_INTERPRET", None)  # the CLI sets up its own verification processes
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kb.cli", "generate", str(spec), "--out", str(out), "--no-backward", "--target", "sm90",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "generate", str(spec), "--out", str(out), "--no-backward", "--target", "sm90",
                            "--no-memory"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2 * GENERATE_BOUND_S)
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.procs import Owner
 from kb.store import GenerationRun
 from kb.store.doctor import DriftKind, run_doctor

@@ -22,8 +22,8 @@ import pytest
 from kb.errors import KBError
 from kb.procs import Owner, start_ticks
 from kb.settings import load_settings
+from tests.helpers_store import KB_CLI, REPO
 
-KB = str(Path(sys.executable).parent / "kb")  # the console script, as a user runs it
 FIX = Path(__file__).parent / "verify_fixtures"
 SPEC = FIX / "attn_spec.py"
 HANGS_WITH_WORKER = FIX / "hangs_with_worker.py"
@@ -82,7 +82,8 @@ def sigint_default() -> None:
 def kb_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")}
     (tmp_path / "tmp").mkdir(exist_ok=True)
-    return env | {"KB_HOME": str(tmp_path / "kb"), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path / "tmp")} | extra
+    return env | {"KB_HOME": str(tmp_path / "kb"), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path / "tmp"),
+                  "PYTHONPATH": str(REPO)} | extra
 
 
 def verify_dirs(tmp_path: Path) -> list[Path]:
@@ -94,7 +95,7 @@ def verify_dirs(tmp_path: Path) -> list[Path]:
 def _start_hanging_verify(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     """`kb verify` on the hanging candidate; returns (kb, child pid, child's process group) once the worker runs."""
     marker = f"hang-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([KB, "verify", str(SPEC), str(HANGS_WITH_WORKER), "--timeout", "300"],
+    proc = subprocess.Popen([*KB_CLI, "verify", str(SPEC), str(HANGS_WITH_WORKER), "--timeout", "300"],
                             env=kb_env(tmp_path, HANG_MARKER=marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=sigint_default)
     worker = wait_for(lambda: [r for r in proc_table() if r[4].endswith(marker + " ") and "-c" in r[4]], 120, proc)
@@ -175,7 +176,7 @@ def test_sigkilled_verify_takes_the_candidate_with_it(tmp_path: Path, request: p
 
 def test_timeout_flag_gives_a_timeout_verdict_quickly(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    res = subprocess.run([KB, "verify", str(SPEC), str(FIX / "hangs.py"), "--timeout", "5", "--json"],
+    res = subprocess.run([*KB_CLI, "verify", str(SPEC), str(FIX / "hangs.py"), "--timeout", "5", "--json"],
                          env=kb_env(tmp_path), capture_output=True, text=True, timeout=120)
     report = json.loads(res.stdout)
     assert res.returncode == 1 and report["verdict"] == "timeout" and "within 5s" in report["message"], res.stderr

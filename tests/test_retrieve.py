@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.features import Features
 from kb.ir.features import derive_features
 from kb.ir.nodes import Dtype

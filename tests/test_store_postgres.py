@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.errors import KBError
 from kb.settings import Settings, load_settings
 from kb.store import SCHEMA_VERSION, Kernel, KnowledgeBase, PerfRecord, Snippet, open_kb

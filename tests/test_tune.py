@@ -9,7 +9,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # the dry run interprets the candidate; se
 import copy
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.store import Lesson, PerfRecord
 from tests.generate_fixtures import QUICK, REPO
+from tests.helpers_store import KB_CLI
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -96,7 +96,7 @@ def test_a_dry_run_is_never_imported(tuned) -> None:
 
 def test_kb_tune_says_it_needs_a_gpu(ingested_kb_settings, tmp_path: Path) -> None:
     env = {"KB_HOME": str(ingested_kb_settings.home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([str(Path(sys.executable).parent / "kb"), "tune", str(SPEC), "--from", str(tmp_path)], env=env,
+    res = subprocess.run([*KB_CLI, "tune", str(SPEC), "--from", str(tmp_path)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith("kb: error: kb tune needs a CUDA GPU") and "--plan" in res.stderr
