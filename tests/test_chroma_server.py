@@ -90,20 +90,20 @@ def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, t
 
 
 # A `kb` process whose Chroma server stops right after the SQL commit of its write, before any
-# embedding is written (the moment `KnowledgeBase._embed` starts): the real server, really stopped.
+# embedding is written (the moment `kb.store.writes.embed_rows` starts): the real server, really stopped.
 _KB_LOSING_CHROMA_AFTER_COMMIT = """
 import os, signal, sys
-from kb.store.kb import KnowledgeBase
+from kb.store import writes
 from tests.services import wait_port_closed
 
-embed = KnowledgeBase._embed
+embed = writes.embed_rows
 
-def stop_chroma_then_embed(self, records, force=False):
+def stop_chroma_then_embed(kb, records, force=False):
     os.killpg(int(os.environ["CHROMA_PID"]), signal.SIGTERM)
     wait_port_closed(int(os.environ["CHROMA_PORT"]))
-    return embed(self, records, force)
+    return embed(kb, records, force)
 
-KnowledgeBase._embed = stop_chroma_then_embed
+writes.embed_rows = stop_chroma_then_embed
 from cli.main import main
 sys.argv[0] = "kb"
 main()

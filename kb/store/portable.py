@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import SQLModel, select
 
 import kb as kb_pkg
 from kb.errors import KBError
-from kb.store import db
+from kb.store import writes
 from kb.store.models import SCHEMA_VERSION, TABLE_BY_NAME, TABLES, Kernel, utcnow
-from kb.store.records import COLLECTION_OF
 from kb.store.rules import check
 
 if TYPE_CHECKING:
@@ -143,22 +142,13 @@ def import_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
 
     Returns rows per table. Importing the same file twice changes nothing.
     """
-    from kb.store.kb import _upsert  # one upsert rule for every write path
-
     tables = _read(path)
     tables["kernels"] = parent_first(tables["kernels"])  # type: ignore[arg-type]
 
-    def txn() -> None:
-        with Session(kb.engines.write, expire_on_commit=False) as s:
-            for model in TABLES:
-                for row in tables[model.__tablename__]:  # type: ignore[attr-defined]
-                    _upsert(s, row)
-                    s.flush()
-            s.commit()
-
+    ordered = [row for model in TABLES for row in tables[model.__tablename__]]  # type: ignore[attr-defined]
     try:
-        db.retrying(txn)
+        writes.commit_rows(kb.engines, ordered)
     except IntegrityError as err:
         raise KBError(f"{path}: a record references a row that is neither in the file nor in the KB ({err.orig})") from err
-    kb._embed([r for model in COLLECTION_OF for r in tables[model.__tablename__]])  # type: ignore[attr-defined]
+    writes.embed_rows(kb, ordered)
     return {name: len(rows) for name, rows in tables.items()}
