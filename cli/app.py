@@ -16,9 +16,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import logging
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import click
 import typer
 from rich.console import Console
 from typer.core import TyperGroup
@@ -42,7 +41,8 @@ class _KBGroup(TyperGroup):
     says what it kept as the KeyboardInterrupt's message: `kb: interrupted: <message>`.
     """
 
-    def invoke(self, ctx: click.Context):  # noqa: ANN201
+    # the base names typer's private click Context; typer hands every command its public subclass
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
         caught: list[int] = []
 
         def on_sigterm(signum: int, frame: object) -> None:
@@ -53,10 +53,10 @@ class _KBGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except KBError as err:
-            click.echo(f"kb: error: {err}", err=True)
+            typer.echo(f"kb: error: {err}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt as err:
-            click.echo(f"kb: interrupted: {err}" if str(err) else "kb: interrupted", err=True)
+            typer.echo(f"kb: interrupted: {err}" if str(err) else "kb: interrupted", err=True)
             ctx.exit(128 + (caught[0] if caught else signal.SIGINT))
         finally:
             if previous is not None:

@@ -11,12 +11,16 @@ import functools
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
 from cli.app import app, open_kb_of, out, settings_of
 from kb.errors import KBError
+
+if TYPE_CHECKING:
+    from generate.pipeline import GenerateResult
 
 __all__ = ["ingest_cmd", "query_cmd", "generate_cmd"]
 
@@ -188,7 +192,7 @@ def generate_cmd(
     table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
     failed = 0
     made: list[str] = []
-    results = []
+    results: list[GenerateResult] = []
     for p in paths:
         with out.status(f"generating {p.name} …"):
             try:

@@ -225,7 +225,8 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
     """Classify a mask_mod; `dims` = (M, N) of the spec when known."""
     if expr is None:
         return MaskClass()
-    free, loaded = [], []
+    free: list[Expr] = []
+    loaded: list[Expr] = []
     for t in conjuncts(expr):
         (loaded if _has_load(t) else free).append(t)
     kinds: set[str] = set()

@@ -11,6 +11,7 @@ Chroma never holds an id before SQL does, so a crash cannot create orphans.
 
 from __future__ import annotations
 
+import builtins  # `list` below names the method KnowledgeBase.list
 import fcntl
 import logging
 import os
@@ -193,7 +194,7 @@ class KnowledgeBase:
 
     def list(self, table: type[R], **filters: object) -> list[R]:
         """All rows of `table` whose columns equal `filters`, ordered by id."""
-        cols = table.model_fields  # type: ignore[attr-defined]
+        cols = table.model_fields
         unknown = set(filters) - set(cols)
         if unknown:
             raise ValueError(f"{table.__name__} has no columns {sorted(unknown)}")
@@ -203,11 +204,11 @@ class KnowledgeBase:
         with self.read_session() as s:
             return list(s.exec(stmt.order_by(table.id)))  # type: ignore[attr-defined]
 
-    def list_kernels(self, **filters: object) -> list[Kernel]:
+    def list_kernels(self, **filters: object) -> builtins.list[Kernel]:
         """Kernels filtered by column equality, e.g. `list_kernels(arch="sm90", head_dim=128)`."""
         return self.list(Kernel, **filters)
 
-    def lineage(self, kernel_id: str) -> list[Kernel]:
+    def lineage(self, kernel_id: str) -> builtins.list[Kernel]:
         """The kernel followed by its parent, grandparent, ... (stops on a cycle)."""
         chain: list[Kernel] = []
         seen: set[str] = set()
@@ -229,7 +230,7 @@ class KnowledgeBase:
 
     def vector_query(
         self, collection: str, text: str, k: int = 10, where: Mapping[str, object] | None = None
-    ) -> list[tuple[str, float]]:
+    ) -> builtins.list[tuple[str, float]]:
         """The `k` rows of `collection` nearest to `text` as (id, cosine distance), nearest first.
 
         Ids Chroma returns without a SQL row (drift) are dropped with a warning.
@@ -237,9 +238,9 @@ class KnowledgeBase:
         if collection not in COLLECTIONS:
             raise KBError(f"unknown collection {collection!r}; one of {list(COLLECTIONS)}")
         hits = self.vectors.query(collection, self.embedder.embed([text])[0], k, where)
-        return [(row.id, dist) for row, dist in self.hit_rows(collection, hits)]
+        return [(row.id, dist) for row, dist in self.hit_rows(collection, hits)]  # type: ignore[attr-defined]
 
-    def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> list[tuple[SQLModel, float]]:
+    def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> builtins.list[tuple[SQLModel, float]]:
         """The SQL rows of vector `hits` (id, distance) in one SELECT, in hit order.
 
         Ids Chroma returns without a SQL row (drift) are dropped with a warning.

@@ -35,7 +35,7 @@ def upsert(s: Session, record: SQLModel) -> None:
     if isinstance(existing, Kernel):
         _update_kernel(existing, record)  # type: ignore[arg-type]
         return
-    for name in type(record).model_fields:  # type: ignore[attr-defined]
+    for name in type(record).model_fields:
         if name not in _KEEP_ON_UPDATE:
             setattr(existing, name, getattr(record, name))
 
