@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from generate.pipeline import GenerateOptions, generate
-from tests.generate_fixtures import REPO
-from tests.helpers_store import KB_CLI
-from tests.test_process_lifetime import group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
+from tests.support.repo import KB_CLI, REPO
+from tests.support.procs import group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
 
 pytestmark = pytest.mark.network
 SPEC = REPO / "examples/specs/alibi.py"

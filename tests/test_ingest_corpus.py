@@ -13,8 +13,8 @@ import pytest
 from kb.features import Features
 from kb.store import open_kb
 from kb.store.models import Kernel, Snippet
-from tests.generate_fixtures import INGEST_SUMMARY, REPO, TEST_CACHE
-from tests.helpers_store import KB_CLI
+from tests.support.generate_fixtures import INGEST_SUMMARY
+from tests.support.repo import KB_CLI, REPO, TEST_CACHE
 
 pytestmark = pytest.mark.network
 REQUIRED_KINDS = {"mask_causal", "mask_local", "alibi", "softcap", "dropout", "split_kv_combine", "paged_kv", "gqa", "varlen"}

@@ -20,8 +20,8 @@ from generate.tune_gpu import SCHEMA, run_plan
 from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.store import Lesson, PerfRecord
-from tests.generate_fixtures import QUICK, REPO
-from tests.helpers_store import KB_CLI
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

@@ -1,6 +1,6 @@
 """The KB on a real Chroma server (`KB_CHROMA_URL`): the embedded round trip, and the server going away mid-write.
 
-Each test starts its own `chroma run` (tests/services.py); the SQL side is the default SQLite under KB_HOME.
+Each test starts its own `chroma run` (tests/support/services.py); the SQL side is the default SQLite under KB_HOME.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from cli.main import app
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import open_kb
-from tests.generate_fixtures import TEST_CACHE
-from tests.helpers_store import REPO, SNIPPETS_PER_KERNEL, make_kernel, make_snippets, make_source, subprocess_env
-from tests.services import ChromaServer, chroma_server
+from tests.support.repo import REPO, TEST_CACHE, subprocess_env
+from tests.support.store import SNIPPETS_PER_KERNEL, make_kernel, make_snippets, make_source
+from tests.support.services import ChromaServer, chroma_server
 
 runner = CliRunner()
 SPEC = REPO / "examples" / "specs" / "sliding_window.py"
@@ -94,7 +94,7 @@ def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, t
 _KB_LOSING_CHROMA_AFTER_COMMIT = """
 import os, signal, sys
 from kb.store import writes
-from tests.services import wait_port_closed
+from tests.support.services import wait_port_closed
 
 embed = writes.embed_rows
 

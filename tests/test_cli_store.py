@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from cli.main import app
 from kb.settings import load_settings
 from kb.store import Snippet, open_kb
-from tests.helpers_store import KB_CLI, REPO, make_kernel, make_snippets, make_source, subprocess_env
+from tests.support.repo import KB_CLI, REPO, subprocess_env
+from tests.support.store import make_kernel, make_snippets, make_source
 
 runner = CliRunner()
 
