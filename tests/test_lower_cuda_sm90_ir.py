@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kb.errors import KBError
-from kb.ir.nodes import Dtype, For
+from kb.ir.nodes import Dtype, For, TileAt
 from kb.lower.cuda_sm90_ir import lower_program_sm90
 from tests.support.cuda import nvcc_or_skip
 from tests.support.ir_programs import FIXTURES
@@ -44,6 +44,8 @@ def _rename(st, old: str, new: str):  # noqa: ANN001, ANN202
         v = getattr(st, fld.name)
         if isinstance(v, Expr):
             changes[fld.name] = substitute(v, {old: var(new)})
+        elif isinstance(v, TileAt):
+            changes[fld.name] = TileAt(*(substitute(e, {old: var(new)}) for e in v))
         elif isinstance(v, tuple) and v and all(hasattr(x, "op") and not isinstance(x, Expr) for x in v):
             changes[fld.name] = tuple(_rename(x, old, new) for x in v)
         elif fld.name == "index":

@@ -30,7 +30,8 @@ import torch
 
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
-from kb.ir.expr import Expr, ExprOp, call, conjuncts, const, free_vars, loaded_tensors, var, walk
+from kb.ir.algebra import conjuncts
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, var, walk
 
 __all__ = [
     "MaskClass",

@@ -40,8 +40,6 @@ __all__ = [
     "print_expr",
     "free_vars",
     "loaded_tensors",
-    "conjuncts",
-    "conjunction",
     "walk",
     "substitute",
     "CALLS",
@@ -291,21 +289,6 @@ def free_vars(e: Expr) -> frozenset[str]:
 
 def loaded_tensors(e: Expr) -> frozenset[str]:
     return frozenset(str(n.value) for n in walk(e) if n.op is ExprOp.LOAD)
-
-
-def conjuncts(e: Expr) -> list[Expr]:
-    """Top-level `&` terms of `e` (a single term if `e` is not a conjunction)."""
-    if e.op is ExprOp.AND:
-        return conjuncts(e.args[0]) + conjuncts(e.args[1])
-    return [e]
-
-
-def conjunction(terms: list[Expr]) -> Expr | None:
-    """`t0 & t1 & ...` folded to the left; None for no terms."""
-    out: Expr | None = None
-    for t in terms:
-        out = t if out is None else Expr(ExprOp.AND, (out, t))
-    return out
 
 
 def substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:

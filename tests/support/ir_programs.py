@@ -10,7 +10,7 @@ from kb.ir.expr import Expr, parse_expr as E
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init,
     Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad,
-    SoftmaxGrad, Span, Store, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+    SoftmaxGrad, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 
 
@@ -28,7 +28,7 @@ def _params(dtype: Dtype, aux: tuple[Param, ...] = (), scalars: tuple[str, ...] 
 
 
 def _kv_loop_body(*, score_mod: bool, mask_mod: bool, block_classes: bool) -> tuple:
-    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    at = TileAt(E("b"), E("h"), E("m_start"), E("n_start"))
     body: list = [
         Load("kt", "k", (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())),
         Load("vt", "v", (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())),
@@ -36,12 +36,12 @@ def _kv_loop_body(*, score_mod: bool, mask_mod: bool, block_classes: bool) -> tu
         Elementwise("s", E("s * sm_scale")),
     ]
     if score_mod:
-        body.append(ScoreMod("s", **at))
+        body.append(ScoreMod("s", at))
     if block_classes:
         # full blocks skip masking entirely; partial ones apply bounds + mask_mod
-        body.append(IfBlock(BlockClass.FULL, True, then=(Mask("s", use_mask_mod=mask_mod, **at),), **at))
+        body.append(IfBlock(BlockClass.FULL, True, at, then=(Mask("s", at, use_mask_mod=mask_mod),)))
     else:
-        body.append(Mask("s", use_mask_mod=mask_mod, **at))
+        body.append(Mask("s", at, use_mask_mod=mask_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "s", "vt"))
     return tuple(body)
 
@@ -191,9 +191,9 @@ def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, au
                      dq_atomic: bool = True) -> tuple:
     """One (q block, KV block) step of the KV-outer backward: recompute P, accumulate dV, dK, and dQ by atomics
     (without `dq_atomic`, dQ is left to a separate pass)."""
-    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    at = TileAt(E("b"), E("h"), E("m_start"), E("n_start"))
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
-    mask = Mask("sm", use_mask_mod=mask_mod, **at)
+    mask = Mask("sm", at, use_mask_mod=mask_mod)
     body: list = [
         Load("qt", "q", (*rows, Full())),
         Load("gt", "dout", (*rows, Full())),
@@ -202,15 +202,15 @@ def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, au
         Dot("s", "qt", "kt", trans_b=True),
         Elementwise("s", E("s * sm_scale")),
         Elementwise("sm", E("s")),
-        *((ScoreMod("sm", **at),) if score_mod else ()),
-        IfBlock(BlockClass.FULL, True, then=(mask,), **at) if block_classes else mask,
+        *((ScoreMod("sm", at),) if score_mod else ()),
+        IfBlock(BlockClass.FULL, True, at, then=(mask,)) if block_classes else mask,
         Probs("p", "sm", "lt"),
         Dot("dvp", "p", "gt", trans_b=False, trans_a=True),
         Elementwise("dv_acc", E("dv_acc + dvp")),
         Dot("dp", "gt", "vt", trans_b=True),
         SoftmaxGrad("ds", "p", "dp", "dt"),
-        *(AuxGrad(grad, aux_name, "ds", "s", **at) for grad, aux_name in aux_grads),
-        ScoreModGrad("ds", "s", **at),
+        *(AuxGrad(grad, aux_name, "ds", "s", at) for grad, aux_name in aux_grads),
+        ScoreModGrad("ds", "s", at),
         Elementwise("ds", E("ds * sm_scale")),
         Dot("dkp", "ds", "qt", trans_b=False, trans_a=True),
         Elementwise("dk_acc", E("dk_acc + dkp")),
@@ -222,22 +222,22 @@ def _backward_m_body(*, score_mod: bool, mask_mod: bool, block_classes: bool, au
 
 def _dq_pass(lo: str, hi: str, *, score_mod: bool, mask_mod: bool, block_classes: bool) -> tuple:
     """A q-block program's dQ: loop over KV blocks in [lo, hi), recompute P and dS, accumulate dQ in registers."""
-    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    at = TileAt(E("b"), E("h"), E("m_start"), E("n_start"))
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
     kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
-    mask = Mask("sm", use_mask_mod=mask_mod, **at)
+    mask = Mask("sm", at, use_mask_mod=mask_mod)
     loop = For("n_start", E(lo), E(hi), "BLOCK_N", "forward", (
         Load("kt", "k", kv_tile),
         Load("vt", "v", kv_tile),
         Dot("s", "qt", "kt", trans_b=True),
         Elementwise("s", E("s * sm_scale")),
         Elementwise("sm", E("s")),
-        *((ScoreMod("sm", **at),) if score_mod else ()),
-        IfBlock(BlockClass.FULL, True, then=(mask,), **at) if block_classes else mask,
+        *((ScoreMod("sm", at),) if score_mod else ()),
+        IfBlock(BlockClass.FULL, True, at, then=(mask,)) if block_classes else mask,
         Probs("p", "sm", "lt"),
         Dot("dp", "gt", "vt", trans_b=True),
         SoftmaxGrad("ds", "p", "dp", "dt"),
-        ScoreModGrad("ds", "s", **at),
+        ScoreModGrad("ds", "s", at),
         Elementwise("ds", E("ds * sm_scale")),
         Dot("dqp", "ds", "kt", trans_b=False),
         Elementwise("dq_t", E("dq_t + dqp")),
@@ -277,7 +277,7 @@ def backward(
     `skip_empty` wraps the q-block step in `if block(...) is not empty`. `dq_pass` = (lo, hi): dq by a separate pass
     instead (kernel bwd_dq over q blocks loops over KV blocks in [lo, hi), recomputing P and dS; no atomics)."""
     rows = (E("b"), E("h"), Span(E("m_start"), "BLOCK_M"))
-    at = dict(b=E("b"), h=E("h"), q_start=E("m_start"), kv_start=E("n_start"))
+    at = TileAt(E("b"), E("h"), E("m_start"), E("n_start"))
     preprocess = Kernel("bwd_preprocess", (GridAxis("b", E("B")), GridAxis("h", E("Hq")), GridAxis("m", E("cdiv(M, BLOCK_M)"))), (
         Let("m_start", E("m * BLOCK_M")),
         Load("ot", "o", (*rows, Full())),
@@ -289,7 +289,7 @@ def backward(
     step = _backward_m_body(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
                             block_classes=block_classes, aux_grads=aux_grads, dq_atomic=dq_pass is None)
     if skip_empty:
-        step = (IfBlock(BlockClass.EMPTY, True, then=step, **at),)
+        step = (IfBlock(BlockClass.EMPTY, True, at, then=step),)
     kv_tile = (E("b"), E("hk"), Span(E("n_start"), "BLOCK_N"), Full())
     dkdv = Kernel("bwd_dkdv", (GridAxis("b", E("B")), GridAxis("hk", E("Hkv")), GridAxis("n", E("cdiv(N, BLOCK_N)"))), (
         Let("n_start", E("n * BLOCK_N")),
