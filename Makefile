@@ -32,8 +32,11 @@ demo: venv
 	$(KB) query $(DEMO_SPEC) -k 3
 	$(KB) generate $(DEMO_SPEC) --out $(DEMO_HOME)/out
 
+# lint, types (pyproject's [tool.mypy] files), the layer contract ([tool.importlinter]), then the suite
 test: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	bash tests/install_services.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 

@@ -1,10 +1,10 @@
-"""Constants shared by the tests that use the session KB (the fixtures themselves live in conftest.py)."""
+"""What the tests using the session KB share (the fixtures themselves live in conftest.py)."""
 
 from __future__ import annotations
 
-from tests.conftest import INGEST_SUMMARY, REPO, TEST_CACHE
+__all__ = ["INGEST_SUMMARY", "QUICK"]
 
-__all__ = ["INGEST_SUMMARY", "REPO", "TEST_CACHE"]
+INGEST_SUMMARY: dict = {}  # the IngestSummary of the session KB (filled by conftest's ingested_home), for coverage tests
 
 # quick verification in generation tests (one distribution, the spec's own shape), forward only: the backward
 # stage has its own tests (test_generate_backward.py); `kb generate` runs the full harness and the backward

@@ -22,10 +22,10 @@ from kb.ir.interpret import run_program
 from kb.ir.nodes import Program
 from kb.ir.text import print_program
 from kb.settings import Settings
-from tests.attn_reference import reference_attention
-from tests.fake_llm_server import FakeLLMServer, delayed, http_error
-from tests.fixtures_llm import fake_llm, llm_settings  # noqa: F401 - pytest fixtures
-from tests.ir_programs import alibi, causal, plain, sliding_window
+from tests.support.attn_reference import reference_attention
+from tests.support.fake_llm_server import FakeLLMServer, delayed, http_error
+from tests.support.fixtures_llm import fake_llm, llm_settings  # noqa: F401 - pytest fixtures
+from tests.support.ir_programs import alibi, causal, plain, sliding_window
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = "variant slots:\n  mask_mod(b, h, q_idx, kv_idx) = q_idx >= kv_idx\nshapes: B=1 Hq=2 Hkv=1 M=20 N=20 D=8"

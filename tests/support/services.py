@@ -28,10 +28,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.support.repo import TEST_CACHE
+
 __all__ = ["ServiceError", "INSTALL_LOG", "pg_bindir", "postgres_server", "create_database", "ChromaServer", "chroma_server"]
 
-REPO = Path(__file__).resolve().parents[1]
-INSTALL_LOG = REPO / ".kb-test-cache" / "install_services.log"  # written by tests/install_services.sh on failure
+INSTALL_LOG = TEST_CACHE / "install_services.log"  # written by tests/install_services.sh on failure
 START_TIMEOUT_S = 60.0
 
 

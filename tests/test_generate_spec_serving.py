@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from generate.spec import load_spec
-from kb.cli import app
+from cli.main import app
 from kb.errors import KBError
 
 REPO = Path(__file__).resolve().parents[1]

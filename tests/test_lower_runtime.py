@@ -16,8 +16,8 @@ from kb.ir.design import AUTO_SPLITS, Design
 from kb.ir.nodes import Dtype
 from kb.lower.runtime import load_module
 from kb.lower.triton import lower_program
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES
 
 TABLE = {"sm90": {64: (Design(128, 64, 4, 3), Design(64, 64, 4, 3))},
          "sm80": {64: (Design(64, 32, 4, 2),)}}

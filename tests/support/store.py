@@ -1,6 +1,6 @@
 """Synthetic records for store tests, and a writer process for crash/concurrency tests.
 
-    python -m tests.helpers_store HOME START COUNT [--kill-at-upsert N]
+    python -m tests.support.store HOME START COUNT [--kill-at-upsert N]
 
 writes kernels START..START+COUNT-1 one `write_kernel` at a time and prints
 `committed <kernel id>` after each returns; `--kill-at-upsert N` SIGKILLs itself
@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
 from kb.features import Features
 from kb.store import (
@@ -27,7 +26,6 @@ from kb.store import (
     Tunable,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 SNIPPETS_PER_KERNEL = 3
 MASKS = ("causal", "sliding_window", "none", "document")
 ARCHS = ("sm80", "sm90", "sm100")
@@ -82,13 +80,6 @@ def make_run_records(kernel_id: str) -> tuple[GenerationRun, Attempt, Lesson]:
     attempt = Attempt(run_id=run.id, n=1, reference_id=kernel_id, ir_text="program x", verdict="passed", feedback="", duration_s=0.5)
     lesson = Lesson(run_id=run.id, kind="fix", text="ALiBi slopes must be loaded per head, not per block")
     return run, attempt, lesson
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for child processes: no KB_* leakage, offline model, the repo importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO), **extra)
-    return env
 
 
 def _main(argv: list[str]) -> None:

@@ -15,9 +15,9 @@ from generate.transfer import Strategy, transfer
 from kb.ir.text import parse_program, print_program
 from kb.store import open_kb
 from kb.store.models import Attempt, GenerationRun
-from tests.fake_llm_server import answer, delayed, http_error
-from tests.fixtures_llm import fake_llm  # noqa: F401
-from tests.generate_fixtures import REPO
+from tests.support.fake_llm_server import answer, delayed, http_error
+from tests.support.fixtures_llm import fake_llm  # noqa: F401
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network
 

@@ -11,7 +11,7 @@ from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket, parse_design
 from kb.store import Kernel, PerfRecord, Tunable
-from tests.helpers_store import make_measured
+from tests.support.store import make_measured
 
 CAUSAL = Features(mask="causal", causal=True, head_dim=128)
 DOC = Features(mask="document", head_dim=128)

@@ -1,6 +1,6 @@
 """The KB on a real Chroma server (`KB_CHROMA_URL`): the embedded round trip, and the server going away mid-write.
 
-Each test starts its own `chroma run` (tests/services.py); the SQL side is the default SQLite under KB_HOME.
+Each test starts its own `chroma run` (tests/support/services.py); the SQL side is the default SQLite under KB_HOME.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import open_kb
-from tests.generate_fixtures import TEST_CACHE
-from tests.helpers_store import REPO, SNIPPETS_PER_KERNEL, make_kernel, make_snippets, make_source, subprocess_env
-from tests.services import ChromaServer, chroma_server
+from tests.support.repo import REPO, TEST_CACHE, subprocess_env
+from tests.support.store import SNIPPETS_PER_KERNEL, make_kernel, make_snippets, make_source
+from tests.support.services import ChromaServer, chroma_server
 
 runner = CliRunner()
 SPEC = REPO / "examples" / "specs" / "sliding_window.py"
@@ -90,21 +90,21 @@ def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, t
 
 
 # A `kb` process whose Chroma server stops right after the SQL commit of its write, before any
-# embedding is written (the moment `KnowledgeBase._embed` starts): the real server, really stopped.
+# embedding is written (the moment `kb.store.writes.embed_rows` starts): the real server, really stopped.
 _KB_LOSING_CHROMA_AFTER_COMMIT = """
 import os, signal, sys
-from kb.store.kb import KnowledgeBase
-from tests.services import wait_port_closed
+from kb.store import writes
+from tests.support.services import wait_port_closed
 
-embed = KnowledgeBase._embed
+embed = writes.embed_rows
 
-def stop_chroma_then_embed(self, records, force=False):
+def stop_chroma_then_embed(kb, records, force=False):
     os.killpg(int(os.environ["CHROMA_PID"]), signal.SIGTERM)
     wait_port_closed(int(os.environ["CHROMA_PORT"]))
-    return embed(self, records, force)
+    return embed(kb, records, force)
 
-KnowledgeBase._embed = stop_chroma_then_embed
-from kb.cli import main
+writes.embed_rows = stop_chroma_then_embed
+from cli.main import main
 sys.argv[0] = "kb"
 main()
 """

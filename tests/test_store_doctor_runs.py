@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.procs import Owner
 from kb.store import GenerationRun
 from kb.store.doctor import DriftKind, run_doctor
-from tests.helpers_store import make_kernel, make_source
+from tests.support.store import make_kernel, make_source
 
 
 def _dead_pid() -> int:

@@ -1,5 +1,5 @@
-"""The working commands of `kb`: ingest, query, verify, generate (registered on `kb.cli.app`; tune, bench
-and perf import live in kb.cli_tune).
+"""The working commands of `kb`: ingest, query, verify, generate (registered on `cli.app.app`; tune, bench
+and perf import live in cli.tune).
 
 Each is a thin shell over a plain function (`ingest.run.ingest`, `retrieve.hybrid.query`,
 `verify.cli.verify_command`, `generate.pipeline.generate`).
@@ -11,12 +11,16 @@ import functools
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.table import Table
 
-from kb.cli import _open, app, out, settings_of
+from cli.app import app, open_kb_of, out, settings_of
 from kb.errors import KBError
+
+if TYPE_CHECKING:
+    from generate.pipeline import GenerateResult
 
 __all__ = ["ingest_cmd", "query_cmd", "generate_cmd"]
 
@@ -37,7 +41,7 @@ def ingest_cmd(
     names = [m.name for m in list_manifests()] if all_ else list(sources or [])
     if not names:
         raise KBError("nothing to ingest: give SOURCE... or --all", hint="`kb ingest --all` ingests corpus/*.toml")
-    kb = _open(ctx, create=True)
+    kb = open_kb_of(ctx, create=True)
     summary = ingest(kb, names, progress=not as_json)
     measured = None
     if all_:  # and the designs measured on the GPUs we have (corpus/measured/*.json, with their provenance)
@@ -99,7 +103,7 @@ def query_cmd(
         spec = load_spec(path)
         target = spec.features
         text = describe_target(target, *spec.variant_strings())
-    kb = _open(ctx)
+    kb = open_kb_of(ctx)
     res = query(kb, text, target, k=k, mode=mode,  # type: ignore[arg-type]
                 filters=Filters(arch=arch, dtype=dtype, head_dim=head_dim, memory=not no_memory))
     if as_json:
@@ -178,7 +182,7 @@ def generate_cmd(
         if not p.is_file():
             raise KBError(f"spec file {p} does not exist")
     settings = settings_of(ctx) if timeout is None else replace(settings_of(ctx), verify_timeout=timeout)
-    kb = _open(ctx)
+    kb = open_kb_of(ctx)
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts, timeout_s=settings.verify_timeout,
                            target=resolve_target(target, settings.target_arch), backward=not no_backward)
@@ -188,12 +192,12 @@ def generate_cmd(
     table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
     failed = 0
     made: list[str] = []
-    results = []
+    results: list[GenerateResult] = []
     for p in paths:
         with out.status(f"generating {p.name} …"):
             try:
                 r = generate(kb, p, opts)
-            except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (kb.cli maps it): say what the earlier specs kept
+            except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
                 kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
                 raise KeyboardInterrupt(f"{err or 'stopped'}{kept}") from err
         results.append(r)

@@ -12,7 +12,7 @@ Invariants:
 - A delayed reply waits on the server's closing event, so `close()` never waits for a sleeper;
   after `close()` the port is released and no thread of the server is left serving.
 
-Run standalone (`python -m tests.fake_llm_server 'answer text' ...`) to serve fixed answers
+Run standalone (`python -m tests.support.fake_llm_server 'answer text' ...`) to serve fixed answers
 in order, the last one repeating, until interrupted, e.g. to try `kb generate --engine llm` by hand.
 """
 

@@ -6,7 +6,7 @@ import pytest
 
 from generate.spec import load_spec
 from kb.errors import KBError
-from tests.generate_fixtures import REPO
+from tests.support.repo import REPO
 
 BAD = REPO / "tests" / "data" / "specs_bad"
 

@@ -101,7 +101,7 @@ def test_a_wrong_sequence_start_fails_verification(tmp_path: Path) -> None:
 def test_sglang_prefill_lifts_from_the_pinned_wheel() -> None:
     from ingest.fetch import fetch
     from ingest.manifest import find_manifest
-    from tests.conftest import TEST_CACHE
+    from tests.support.repo import TEST_CACHE
 
     import os
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
@@ -245,7 +245,7 @@ def test_vllm_prefill_lifts_from_the_pinned_wheel() -> None:
 
     from ingest.fetch import fetch
     from ingest.manifest import find_manifest
-    from tests.conftest import TEST_CACHE
+    from tests.support.repo import TEST_CACHE
 
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     src = fetch(find_manifest("vllm"))
@@ -260,7 +260,7 @@ def _pinned(dist: str, rel: str, family: str):
 
     from ingest.fetch import fetch
     from ingest.manifest import find_manifest
-    from tests.conftest import TEST_CACHE
+    from tests.support.repo import TEST_CACHE
 
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     path = fetch(find_manifest(dist)).root / rel

@@ -10,7 +10,6 @@ import copy
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.settings import load_settings
 from kb.store import Lesson, PerfRecord, open_kb
-from tests.generate_fixtures import QUICK, REPO
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -112,7 +112,7 @@ def test_a_dry_run_is_never_imported(tuned) -> None:
 
 def test_kb_tune_says_it_needs_a_gpu(ingested_kb_settings, tmp_path: Path) -> None:
     env = {"KB_HOME": str(ingested_kb_settings.home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([str(Path(sys.executable).parent / "kb"), "tune", str(SPEC), "--from", str(tmp_path)], env=env,
+    res = subprocess.run([*KB_CLI, "tune", str(SPEC), "--from", str(tmp_path)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.strip().startswith("kb: error: kb tune needs a CUDA GPU") and "--plan" in res.stderr

@@ -74,7 +74,7 @@ def test_fa2_triton_forward_lifts_causal_and_noncausal(lifted):
     lets = {st.name: str(st.value) for st in body if hasattr(st, "name") and hasattr(st, "value")}
     assert len(loops) == 1 and str(loops[0].hi) == "end_n"
     assert lets["end_n"] == "minimum(BLOCK_M + BLOCK_M * m, N)"
-    assert any(p.features.backward for p in rep.programs)  # the backward kernels: tests/test_lift_triton_backward.py
+    assert any(p.features.backward for p in rep.programs)  # the backward kernels: tests/test_ingest_lift_triton_bwd.py
 
 
 def test_amd_prefill_flag_combinations_verified(lifted):

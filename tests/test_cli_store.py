@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sqlite3
 import subprocess
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.settings import load_settings
 from kb.store import Snippet, open_kb
-from tests.helpers_store import REPO, make_kernel, make_snippets, make_source, subprocess_env
+from tests.support.repo import KB_CLI, REPO, subprocess_env
+from tests.support.store import make_kernel, make_snippets, make_source
 
 runner = CliRunner()
 
@@ -105,11 +108,21 @@ def test_import_rejects_bad_file(tmp_path: Path) -> None:
     assert "schema version 99" in kb_cli(tmp_path / "kb", "import", str(bad)).output
 
 
-# -- bad input through the real console script: one line on stderr, exit 1, no traceback ---
+def test_console_script_is_the_app_with_every_command() -> None:
+    """pyproject's `kb` entry point names this app; a user's `kb` has the same commands as `python -m cli.main`."""
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["kb"]
+    module, attr = target.split(":")
+    assert getattr(importlib.import_module(module), attr) is app
+    names = {c.name for c in typer.main.get_command(app).commands.values()}
+    assert {"init", "stats", "show", "doctor", "export", "import", "ingest", "query", "verify", "generate",
+            "tune", "bench", "perf"} <= names
+
+
+# -- bad input through a real `kb` process: one line on stderr, exit 1, no traceback ---
 
 def _kb(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [str(Path(sys.executable).parent / "kb"), "--home", str(home), *args],
+        [*KB_CLI, "--home", str(home), *args],
         cwd=REPO, env=subprocess_env(**env), capture_output=True, text=True, timeout=120,
     )
 

@@ -1,120 +1,34 @@
-"""The `kb` command line: a thin shell over `kb.store` (and, later, ingest/query/verify/generate).
-
-Every command reads settings the same way (`kb.settings.load_settings`, with `--home`
-overriding KB_HOME). A `KBError` from any command, including ones registered later on
-`app`, prints one line on stderr and exits 1; anything else is a bug and keeps its traceback.
-"""
+"""The store's commands of `kb`: init, stats, show, doctor, export, import (thin shells over `kb.store`)."""
 
 from __future__ import annotations
 
-import os
-
-# OpenMP threads that spin after the embedding model's forward pass slow the vector query that
-# follows (11.5 vs 4.5 ms at 10k kernels on 2 cores); must be set before torch loads libgomp
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import json
-import logging
-import signal
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import click
 import typer
-from rich.console import Console
 from rich.table import Table
-from typer.core import TyperGroup
 
-from kb.errors import KBError
-from kb.settings import Settings, load_settings
+from cli.app import app, open_kb_of, out
 
 if TYPE_CHECKING:
     from sqlmodel import SQLModel
 
-__all__ = ["app", "main", "settings_of"]
-
-out = Console(highlight=False, soft_wrap=True)
-
-
-class _KBGroup(TyperGroup):
-    """Turns `KBError` into one line on stderr and exit status 1, and a stop into one line and 128 + signal.
-
-    SIGTERM raises KeyboardInterrupt like Ctrl-C, so both unwind through every `finally` (the
-    verify runner kills its candidate there, generate records its run as interrupted). A command
-    says what it kept as the KeyboardInterrupt's message: `kb: interrupted: <message>`.
-    """
-
-    def invoke(self, ctx: click.Context):  # noqa: ANN201
-        caught: list[int] = []
-
-        def on_sigterm(signum: int, frame: object) -> None:
-            caught.append(signum)
-            raise KeyboardInterrupt
-
-        previous = _set_handler(signal.SIGTERM, on_sigterm)
-        try:
-            return super().invoke(ctx)
-        except KBError as err:
-            click.echo(f"kb: error: {err}", err=True)
-            ctx.exit(1)
-        except KeyboardInterrupt as err:
-            click.echo(f"kb: interrupted: {err}" if str(err) else "kb: interrupted", err=True)
-            ctx.exit(128 + (caught[0] if caught else signal.SIGINT))
-        finally:
-            if previous is not None:
-                _set_handler(signal.SIGTERM, previous)
-
-
-def _set_handler(signum: int, handler):  # noqa: ANN001, ANN202
-    """signal.signal, or None where it cannot be set (not the main thread)."""
-    try:
-        return signal.signal(signum, handler)
-    except ValueError:
-        return None
-
-
-app = typer.Typer(
-    cls=_KBGroup,
-    help="kernel-kb: a knowledge base of expert GPU attention kernels.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
-)
-
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    home: Path | None = typer.Option(None, "--home", help="KB directory (overrides KB_HOME)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr."),
-) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ctx.obj = load_settings(home=home)
-
-
-def settings_of(ctx: typer.Context) -> Settings:
-    """The settings the root callback loaded (for commands registered elsewhere)."""
-    return ctx.find_root().obj
-
-
-def _open(ctx: typer.Context, create: bool = False):  # -> KnowledgeBase
-    from kb.store import open_kb
-
-    return open_kb(settings_of(ctx), create=create)
+__all__ = ["init", "stats", "show", "doctor", "export_", "import_"]
 
 
 @app.command()
 def init(ctx: typer.Context) -> None:
     """Create the knowledge base (SQL schema and Chroma collections); safe to re-run."""
-    with _open(ctx, create=True) as kb:
+    with open_kb_of(ctx, create=True) as kb:
         out.print(f"kernel-kb ready: database {kb.engines.target.display}, embeddings {kb.vectors.target.display}")
 
 
 @app.command()
 def stats(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Rows per table and embeddings per Chroma collection."""
-    with _open(ctx) as kb:
+    with open_kb_of(ctx) as kb:
         counts = kb.counts()
     if as_json:
         out.print_json(json.dumps({"rows": dict(counts.rows), "vectors": dict(counts.vectors)}))
@@ -135,7 +49,7 @@ def show(
     """Print one record; kernels with IR text, features and provenance."""
     from kb.store import Kernel
 
-    with _open(ctx) as kb:
+    with open_kb_of(ctx) as kb:
         rec = kb.get(record_id)
         if as_json:
             out.print_json(json.dumps(rec.model_dump(mode="json")))
@@ -186,7 +100,7 @@ def doctor(
     """Check the KB: SQL vs Chroma drift, hashes, lineage, runs whose process died, orphaned verify temp dirs; exit 1 if any remain unfixed."""
     from kb.store.doctor import run_doctor
 
-    with _open(ctx) as kb:
+    with open_kb_of(ctx) as kb:
         report = run_doctor(kb, fix=fix, temp_root=Path(tempfile.gettempdir()))
     if as_json:
         issues = [{"kind": d.kind.value, "table": d.table, "id": d.id, "detail": d.detail} for d in report.issues]
@@ -202,7 +116,7 @@ def doctor(
 @app.command("export")
 def export_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL file to write.")) -> None:
     """Dump every row to a portable JSONL file (one record per line)."""
-    with _open(ctx) as kb:
+    with open_kb_of(ctx) as kb:
         counts = kb.export_jsonl(file)
     out.print(f"exported {sum(counts.values())} records to {file}")
 
@@ -210,21 +124,6 @@ def export_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL fil
 @app.command("import")
 def import_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL file from `kb export`.")) -> None:
     """Load a JSONL dump (idempotent) and embed its kernels, snippets and lessons."""
-    with _open(ctx, create=True) as kb:
+    with open_kb_of(ctx, create=True) as kb:
         counts = kb.import_jsonl(file)
     out.print(f"imported {sum(counts.values())} records from {file}")
-
-
-# the working commands (ingest, query, verify, generate, bench) register themselves on `app`
-from kb import cli_tune, cli_work  # noqa: E402,F401
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":  # `python -m kb.cli`: run the imported module, whose app holds every command
-    from kb.cli import main as _main
-
-    _main()

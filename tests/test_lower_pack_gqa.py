@@ -22,8 +22,8 @@ from kb.ir.nodes import Dtype, Param, Role
 from kb.lower.pack_gqa import pack_plans
 from kb.lower.runtime import load_module
 from kb.lower.triton import lower_program
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, decode_split_kv
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, decode_split_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {Dtype.F32: 1e-4, Dtype.BF16: 2e-2}
@@ -161,7 +161,7 @@ def test_verifier_accepts_honest_split_kv(pack: bool, tmp_path: Path) -> None:
     # 5 splits: the partials (B x Hq x 5 x M x D fp32) are copied back by the interpreter through set_/copy_
     from verify import Verdict, VerifyOptions, verify
 
-    spec = ROOT / "tests" / "verify_fixtures" / "decode_gqa_spec.py"
+    spec = ROOT / "tests" / "support" / "verify_fixtures" / "decode_gqa_spec.py"
     opts = VerifyOptions(distributions=("normal",), max_cases=2, timeout_s=300)
     r = verify(spec, _candidate(tmp_path, (16, 16, 5, 4, 1, False, pack), f"honest_{pack}"), opts)
     assert r.verdict is Verdict.passed, r.message
@@ -177,7 +177,7 @@ def _generate(home: Path, spec: Path, out: Path) -> tuple[float, dict]:
     env = {**os.environ, "KB_HOME": str(home)}
     env.pop("TRITON_INTERPRET", None)  # the CLI sets up its own verification processes
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kb.cli", "generate", str(spec), "--out", str(out), "--no-backward", "--target", "sm90",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "generate", str(spec), "--out", str(out), "--no-backward", "--target", "sm90",
                            "--no-memory"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2 * GENERATE_BOUND_S)
     seconds = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-2000:]

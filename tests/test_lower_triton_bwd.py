@@ -28,7 +28,7 @@ from kb.ir.validate import problems
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import lower_program
 from kb.lower.triton_bwd import autograd_glue, aux_gradients, lower_autograd
-from tests.ir_programs import backward, causal_bwd, forward
+from tests.support.ir_programs import backward, causal_bwd, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -242,7 +242,7 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
     """kb generate's path: the rule engine's backward of a spec, lowered with its forward (lower_autograd), written as
     a KernelBench candidate whose ModelNew calls kb_attention; gradients (and the learnable table's) match the spec."""
     from generate.candidate import write_candidate
-    from tests.test_transfer_backward import CLASSES, SPECS, _programs
+    from tests.test_generate_transfer_bwd import CLASSES, SPECS, _programs
 
     spec, fwd, bwd, _ = _programs(CLASSES[cls])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
@@ -269,7 +269,7 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
 def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     """The four backward programs ingest lifts from FA2's Triton `_bwd_kernel` run lowered as they run interpreted."""
     from kb.ir.interpret import run_program
-    from tests.test_lift_triton_backward import CACHE, _fa2
+    from tests.test_ingest_lift_triton_bwd import CACHE, _fa2
 
     monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
     programs = [lp.program for lp in _fa2()[1].programs if lp.features.backward]

@@ -277,7 +277,7 @@ def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb,
     """The timer's contract with what `kb generate` emits: ModelNew's learnable table (registered under the spec
     Model's key) is made trainable and its gradient checked beside dq, dk, dv."""
     from generate.pipeline import GenerateOptions, generate
-    from tests.generate_fixtures import QUICK
+    from tests.support.generate_fixtures import QUICK
 
     spec = REPO / "examples" / "specs" / "relative_bias.py"
     # the timer checks the gradients itself; verify_kernel=False keeps this test off the verifier's backward mode

@@ -28,8 +28,8 @@ from kb.ir.text import parse_program, print_program
 from kb.ir.validate import problems, validate
 from kb.ir.value_dim import has_value_dim, with_value_dim, without_value_dim
 from kb.lower.runtime import TritonKernel
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, alibi, causal
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, alibi, causal
 from verify import VerifyOptions, verify
 
 D_QK, D_V = 64, 128

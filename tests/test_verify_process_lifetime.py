@@ -8,13 +8,11 @@ the candidate), signals `kb`, and then scans /proc for anything left in the chil
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,71 +20,12 @@ import pytest
 from kb.errors import KBError
 from kb.procs import Owner, start_ticks
 from kb.settings import load_settings
+from tests.support.procs import group_ends, kb_env, live_in_group, proc_table, sigint_default, verify_dirs, wait_for
+from tests.support.repo import KB_CLI
 
-KB = str(Path(sys.executable).parent / "kb")  # the console script, as a user runs it
-FIX = Path(__file__).parent / "verify_fixtures"
+FIX = Path(__file__).parent / "support" / "verify_fixtures"
 SPEC = FIX / "attn_spec.py"
 HANGS_WITH_WORKER = FIX / "hangs_with_worker.py"
-
-
-# ---- /proc helpers (shared with test_generate_kill)
-
-def proc_table() -> list[tuple[int, int, int, str, str]]:
-    """(pid, ppid, pgrp, state, cmdline) of every process now; zombies included (state Z)."""
-    rows = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_bytes()
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        rest = stat[stat.rindex(b")") + 2:].split()
-        rows.append((int(d.name), int(rest[1]), int(rest[2]), rest[0].decode(), cmd))
-    return rows
-
-
-def live_in_group(pgid: int) -> list[str]:
-    """Processes of group `pgid` that still run (a zombie has exited; only its parent's wait is missing)."""
-    return [f"{pid} {cmd}" for pid, _, pg, state, cmd in proc_table() if pg == pgid and state not in ("Z", "X")]
-
-
-def group_ends(pgid: int, timeout: float = 15.0) -> bool:
-    """True once no process of group `pgid` runs (the reaper acts in milliseconds; the margin is for a loaded machine)."""
-    deadline = time.monotonic() + timeout
-    while live_in_group(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not live_in_group(pgid)
-
-
-def wait_for(what: Callable[[], object], timeout: float, proc: subprocess.Popen | None = None) -> object:
-    """Poll `what` until it is truthy; fail if `proc` exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"kb exited early ({proc.returncode}): {(out or b'')[-1500:]!r} {(err or b'')[-1500:]!r}")
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
-def sigint_default() -> None:
-    """preexec_fn: a process started from a non-interactive shell inherits SIGINT ignored; a user's Ctrl-C is not."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def kb_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")}
-    (tmp_path / "tmp").mkdir(exist_ok=True)
-    return env | {"KB_HOME": str(tmp_path / "kb"), "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path / "tmp")} | extra
-
-
-def verify_dirs(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "tmp").glob("kb-verify-*"))
 
 
 # ---- kb verify stopped by each signal
@@ -94,7 +33,7 @@ def verify_dirs(tmp_path: Path) -> list[Path]:
 def _start_hanging_verify(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     """`kb verify` on the hanging candidate; returns (kb, child pid, child's process group) once the worker runs."""
     marker = f"hang-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([KB, "verify", str(SPEC), str(HANGS_WITH_WORKER), "--timeout", "300"],
+    proc = subprocess.Popen([*KB_CLI, "verify", str(SPEC), str(HANGS_WITH_WORKER), "--timeout", "300"],
                             env=kb_env(tmp_path, HANG_MARKER=marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=sigint_default)
     worker = wait_for(lambda: [r for r in proc_table() if r[4].endswith(marker + " ") and "-c" in r[4]], 120, proc)
@@ -175,7 +114,7 @@ def test_sigkilled_verify_takes_the_candidate_with_it(tmp_path: Path, request: p
 
 def test_timeout_flag_gives_a_timeout_verdict_quickly(tmp_path: Path) -> None:
     t0 = time.monotonic()
-    res = subprocess.run([KB, "verify", str(SPEC), str(FIX / "hangs.py"), "--timeout", "5", "--json"],
+    res = subprocess.run([*KB_CLI, "verify", str(SPEC), str(FIX / "hangs.py"), "--timeout", "5", "--json"],
                          env=kb_env(tmp_path), capture_output=True, text=True, timeout=120)
     report = json.loads(res.stdout)
     assert res.returncode == 1 and report["verdict"] == "timeout" and "within 5s" in report["message"], res.stderr

@@ -1,6 +1,6 @@
 """Pytest fixtures for the LLM engine: a live fake OpenAI-compatible server and settings pointing at it.
 
-Import them into a test module (`from tests.fixtures_llm import fake_llm, llm_settings`); the server
+Import them into a test module (`from tests.support.fixtures_llm import fake_llm, llm_settings`); the server
 serves only while the fixture lives and is shut down (port released) when the test ends.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kb.settings import Settings, load_settings
-from tests.fake_llm_server import FakeLLMServer
+from tests.support.fake_llm_server import FakeLLMServer
 
 __all__ = ["fake_llm", "llm_settings"]
 

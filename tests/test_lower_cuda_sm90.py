@@ -7,18 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kb.errors import KBError
-from kb.lower.cuda_build import BuildMode, arch_flag, build, find_nvcc, nvcc_command
+from kb.lower.cuda_build import BuildMode, arch_flag, build, nvcc_command
 from kb.lower.cuda_sm90 import (
     SM90_ARCH, Sm90Config, causal_hooks, plain_hooks, sm90_forward_source,
 )
-
-
-def _nvcc_or_skip() -> None:
-    try:
-        find_nvcc()
-    except KBError as err:
-        pytest.skip(f"nvcc is absent: {err}")
+from tests.support.cuda import nvcc_or_skip
 
 
 HOOKS = {"causal": causal_hooks, "plain": plain_hooks}
@@ -33,7 +26,7 @@ def _kernel_spills(log: str) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("mask", ["causal", "plain"])
 def test_sm90_builds_without_spills(tmp_path: Path, head_dim: int, mask: str) -> None:
-    _nvcc_or_skip()
+    nvcc_or_skip()
     src = sm90_forward_source(HOOKS[mask](), head_dim_pad=head_dim, block_m=128, block_n=128)
     res = build(src, tmp_path, BuildMode.SHARED, name=f"sm90_{mask}_{head_dim}", arch=SM90_ARCH,
                 extra_flags=("-Xptxas", "-v"))
@@ -54,7 +47,7 @@ def test_sm90_builds_without_spills(tmp_path: Path, head_dim: int, mask: str) ->
 
 @pytest.mark.parametrize(("overlap", "pingpong"), [(False, False), (False, True), (True, False)])
 def test_sm90_other_schedules_build(tmp_path: Path, overlap: bool, pingpong: bool) -> None:
-    _nvcc_or_skip()
+    nvcc_or_skip()
     src = sm90_forward_source(causal_hooks(), head_dim_pad=128, block_m=128, block_n=128,
                               overlap=overlap, pingpong=pingpong)
     res = build(src, tmp_path, BuildMode.OBJECT, name="sm90_sched", arch=SM90_ARCH, extra_flags=("-Xptxas", "-v"))

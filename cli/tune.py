@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from kb.cli import _open, app, out, settings_of
+from cli.app import app, open_kb_of, out, settings_of
 from kb.errors import KBError
 
 __all__ = ["tune_cmd", "perf_import_cmd", "bench_cmd"]
@@ -43,7 +43,7 @@ def tune_cmd(
     if max_designs < 1:
         raise KBError("--max-designs must be at least 1")
     targets = _spec_targets(targets)
-    kb = _open(ctx)
+    kb = open_kb_of(ctx)
     if plan is not None:
         arch = target if target != "auto" else settings_of(ctx).target_arch
         _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory), plan,
@@ -79,7 +79,7 @@ def bench_cmd(
     from generate.tune import make_plan, require_gpu
 
     specs = _spec_targets([str(p) for p in suite])
-    kb = _open(ctx)
+    kb = open_kb_of(ctx)
     if plan is not None:
         _write_plan(make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0), plan)
         return
@@ -104,7 +104,7 @@ def perf_import_cmd(
     Files that do not say where they were measured (GPU, driver, versions, command, date) are refused."""
     from generate.perf_import import import_results, load_results
 
-    kb = _open(ctx)
+    kb = open_kb_of(ctx)
     for f in files:
         s = import_results(kb, load_results(f), str(f))
         out.print(f"{f}: {s.entries} entries, {s.kernels_added} new kernels, {s.perf_records} measured records, "
