@@ -15,7 +15,7 @@ from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
 from kb.store import open_kb
 from kb.store.models import Attempt, Lesson
-from tests.generate_fixtures import REPO
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

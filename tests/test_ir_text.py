@@ -18,7 +18,7 @@ from kb.ir.nodes import (
     Program, Schedule, Span, TileAt, VariantFn,
 )
 from kb.ir.text import content_hash, parse_program, print_program
-from tests.ir_programs import FIXTURES, all_fixtures, causal
+from tests.support.ir_programs import FIXTURES, all_fixtures, causal
 
 GOLDEN = Path(__file__).parent / "golden" / "ir"
 DOC = Path(__file__).parents[1] / "docs" / "ir.md"

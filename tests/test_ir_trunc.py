@@ -16,7 +16,7 @@ from kb.ir.nodes import Load, Span
 from kb.ir.validate import problems
 from kb.lower.expr_context import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_expr import lower_expr
-from tests.ir_programs import plain
+from tests.support.ir_programs import plain
 
 
 @pytest.mark.parametrize("text", [

@@ -14,7 +14,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import PROGRAM_RULES, problems, validate
-from tests.ir_programs import FIXTURES, alibi, causal, decode_split_kv, plain
+from tests.support.ir_programs import FIXTURES, alibi, causal, decode_split_kv, plain
 
 
 def _msg(p: Program) -> str:

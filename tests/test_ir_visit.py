@@ -12,7 +12,7 @@ from kb.ir.validate import StmtRules
 from kb.ir.visit import STMT_CLASSES, StmtVisitor, handler_name, stmt_op
 from kb.lower import cuda, cuda_mma, cuda_sm90_ir
 from kb.lower.triton_kernel import TritonKernelGen
-from tests.ir_programs import causal_bwd
+from tests.support.ir_programs import causal_bwd
 
 PRODUCTION = (_Header, StmtRules, _Machine, TritonKernelGen, cuda._KernelGen, cuda_mma._MmaGen, cuda_sm90_ir._HookGen)
 

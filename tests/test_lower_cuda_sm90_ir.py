@@ -16,16 +16,9 @@ import pytest
 
 from kb.errors import KBError
 from kb.ir.nodes import Dtype, For, TileAt
-from kb.lower.cuda_build import find_nvcc
 from kb.lower.cuda_sm90_ir import lower_program_sm90
-from tests.ir_programs import FIXTURES
-
-
-def _nvcc_or_skip() -> str:
-    try:
-        return find_nvcc()
-    except KBError as err:
-        pytest.skip(str(err))
+from tests.support.cuda import nvcc_or_skip
+from tests.support.ir_programs import FIXTURES
 
 
 def _two_loops(name: str):  # noqa: ANN202
@@ -67,7 +60,7 @@ HOOK_CASES = [("causal", 128), ("causal", 64), ("document", 128), ("alibi", 128)
 @pytest.fixture(scope="module")
 def hook_builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Each case's (source, PTX text, ptxas log of the object build), built once and in parallel."""
-    nvcc = _nvcc_or_skip()
+    nvcc = nvcc_or_skip()
     root = tmp_path_factory.mktemp("sm90")
     flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
 

@@ -26,8 +26,8 @@ from kb.ir.nodes import Dtype, For, IfBlock, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.block_mask import BlockMaskKind, _block_tests, plan_block_mask
 from kb.lower.triton import LowerOptions, lower_program
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, forward
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -268,7 +268,7 @@ def test_module_imports_under_real_jit(tmp_path: Path) -> None:
         "import sys; from pathlib import Path\n"
         "from triton.runtime.jit import JITFunction\n"
         "from kb.lower.runtime import TritonKernel\n"
-        "from tests.ir_programs import FIXTURES\n"
+        "from tests.support.ir_programs import FIXTURES\n"
         "for name, build in FIXTURES.items():\n"
         "    k = TritonKernel.from_program(build(), Path(sys.argv[1]))\n"
         "    fns = k.jit_functions\n"

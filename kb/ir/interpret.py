@@ -36,12 +36,12 @@ from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
 from kb.ir.derive import aux_partials, score_grad
 from kb.ir.interp_softmax import probs, softmax_grad
-from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, scatter_add, tile_index
+from kb.ir.interp_tiles import TORCH_DTYPES, TileIndex, gather, resolve_dim, scatter, scatter_add, tile_index
 from kb.ir.interp_variants import (
     UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_over_tile, eval_variant, mask_tile,
 )
 from kb.ir.nodes import (
-    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Init, Kernel, Let, Load,
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Index, Init, Kernel, Let, Load,
     Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt,
     Store, SCHEDULE_CONSTANTS, VALUE_DIM, accumulated_tensors,
 )
@@ -144,8 +144,8 @@ def bind_dims(p: Program, inputs: Inputs, shapes: Mapping[str, int] | None = Non
                     raise KBError(f"input {prm.name} has size {n} where the program declares {d}")
             else:
                 bind(d, int(n), f"{prm.name}.shape")
-    dims["HEAD_PAD"] = s.head_pad or next_pow2(dims.get("D", 0))
-    dims["HEAD_PAD_V"] = next_pow2(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
+    dims["HEAD_PAD"] = s.head_pad_for(dims.get("D", 0))
+    dims["HEAD_PAD_V"] = s.value_head_pad_for(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
     missing = sorted({d for prm in p.params for d in prm.shape if isinstance(d, str) and d not in dims})
     if missing:
         raise KBError(f"dims {', '.join(missing)} are not given by any input; pass them as shapes={{...}}")
@@ -161,7 +161,9 @@ def _take_inputs(p: Program, inputs: Inputs) -> tuple[dict[str, torch.Tensor], d
     scalars: dict[str, Value] = {}
     for prm in p.params:
         if prm.role in (Role.IN, Role.AUX):
-            tensors[prm.name] = _checked_tensor(prm, inputs[prm.name])  # type: ignore[arg-type]
+            t = inputs[prm.name]
+            assert isinstance(t, torch.Tensor), "bind_dims checks every IN/AUX input is a tensor"
+            tensors[prm.name] = _checked_tensor(prm, t)
         elif prm.role is Role.SCALAR:
             scalars[prm.name] = _checked_scalar(prm, inputs.get(prm.name))
     return tensors, scalars
@@ -295,7 +297,7 @@ class _Machine(StmtVisitor[None]):
         except KeyError:
             raise KBError(f"{name!r} is not a tensor param of program {self.p.name}") from None
 
-    def _ixs(self, name: str, index: tuple) -> tuple[torch.Tensor, object]:
+    def _ixs(self, name: str, index: tuple[Index, ...]) -> tuple[torch.Tensor, TileIndex]:
         prm, t = self._param_tensor(name)
         ix = tile_index(t.shape, prm.shape, index, self.env, lambda e: self._int(e, "index"), self._lanes)
         return t, ix
@@ -307,7 +309,7 @@ class _Machine(StmtVisitor[None]):
         ok = torch.ones(size, dtype=torch.bool) if g.valid is None else \
             torch.as_tensor(eval_expr(g.valid, env, self.aux)).bool().expand(size)
         tables = {n: ClampedAux(n, t, ok, "gathered index", "a valid lane") for n, t in self.aux.items()}
-        pos = torch.as_tensor(eval_expr(g.index, env, tables))  # type: ignore[arg-type]
+        pos = torch.as_tensor(eval_expr(g.index, env, tables))
         if pos.is_floating_point() or pos.dtype == torch.bool:
             raise KBError(f"gathered index {g.index} must be an integer, got {pos.dtype}")
         return pos.long().expand(size).clone(), ok.clone()
@@ -327,12 +329,12 @@ class _Machine(StmtVisitor[None]):
 
     def s_load(self, st: Load) -> None:
         t, ix = self._ixs(st.tensor, st.index)
-        self.env[st.out] = gather(t, ix, st.other)  # type: ignore[arg-type]
+        self.env[st.out] = gather(t, ix, st.other)
 
     def s_store(self, st: Store) -> None:
         t, ix = self._ixs(st.tensor, st.index)
         write = scatter_add if st.accumulate else scatter
-        self.c.elements_stored += write(t, ix, self._tile(st.value))  # type: ignore[arg-type]
+        self.c.elements_stored += write(t, ix, self._tile(st.value))
 
     def s_init(self, st: Init) -> None:
         shape = [resolve_dim(d, self.env) for d in st.shape]

@@ -15,6 +15,9 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, fields
+from enum import Enum
+from typing import TypeVar
+
 from kb.errors import KBError
 from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
@@ -27,6 +30,8 @@ from kb.ir.visit import StmtVisitor
 __all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "INDENT"]
 
 INDENT = "  "  # one block level
+
+E = TypeVar("E", bound=Enum)
 
 # ================================================================ printing
 
@@ -297,7 +302,7 @@ def _parse_float(text: str, line: int, col: int) -> float:
     return value
 
 
-def _enum(cls: type, text: str, line: int, col: int, what: str):  # -> cls member
+def _enum(cls: type[E], text: str, line: int, col: int, what: str) -> E:
     try:
         return cls(text)
     except ValueError:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kb.errors import KBError
+from kb.ir.algebra import is_pow2, next_pow2
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
@@ -72,14 +73,6 @@ class _Env:
 # ================================================================ helpers
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _params(p: Program) -> dict[str, Param]:
     return {prm.name: prm for prm in p.params}
 
@@ -96,7 +89,7 @@ def _reserved(p: Program) -> set[str]:
 
 def _const_value(name: str, s: Schedule) -> int | None:
     values = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits,
-              "HEAD_PAD": s.head_pad or None}
+              "HEAD_PAD": s.fixed_head_pad}
     return values.get(name)
 
 
@@ -189,11 +182,11 @@ def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
             out.append(ix.size)
         elif isinstance(ix, Full):
             if dim == "D":
-                out.append(s.head_pad or "HEAD_PAD")
+                out.append(s.fixed_head_pad or "HEAD_PAD")
             elif dim == VALUE_DIM:
                 out.append("HEAD_PAD_V")
             else:
-                out.append(_next_pow2(dim) if isinstance(dim, int) else dim)
+                out.append(next_pow2(dim) if isinstance(dim, int) else dim)
     return tuple(out)
 
 
@@ -300,8 +293,8 @@ def _define(env: _Env, name: str, shape: Shape | None, *, scalar: bool = False) 
 
 def _known(env: _Env, *names: str) -> list[Shape] | None:
     """Shapes of defined tiles, or None when any is undefined or of unknown shape."""
-    shapes = [env.tiles.get(n) for n in names]
-    return None if any(sh is None for sh in shapes) else shapes  # type: ignore[return-value]
+    shapes = [sh for sh in (env.tiles.get(n) for n in names) if sh is not None]
+    return shapes if len(shapes) == len(names) else None
 
 
 def _agree(a: Shape, b: Shape, s: Schedule) -> bool:
@@ -480,7 +473,7 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         yield from _define(env, st.o, o_shape)
         yield from _define(env, st.lse, lse_shape)
 
-    def s_for(self, st: For, env: _Env) -> Iterator[str]:
+    def s_for(self, st: For, env: _Env) -> Iterator[str | Problem]:
         yield from _scalar_exprs(env, st.lo, st.hi)
         if isinstance(st.step, bool) or not (st.step in ("BLOCK_N", "BLOCK_M") or isinstance(st.step, int) and st.step > 0):
             yield f"loop step {st.step!r} must be a block size (BLOCK_N, BLOCK_M) or a positive int"
@@ -492,7 +485,7 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         yield from _define(inner, st.var, None, scalar=True)
         yield from _walk_block(st.body, inner)
 
-    def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str]:
+    def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str | Problem]:
         if not isinstance(st.cls, BlockClass):
             yield f"unknown block class {st.cls!r}; known: full, partial, empty"
         yield from _tile_at(env, st.at)
@@ -587,8 +580,8 @@ def _param_rules(p: Program) -> Iterator[Problem]:
     if "q" in seen and _params(p)["q"].role is not Role.IN:
         yield Problem("param 'q'", "q must be an in param")
     for name in ("q", "k"):
-        prm = _params(p).get(name)
-        if isinstance(prm, Param) and prm.shape and prm.shape[-1] == VALUE_DIM:
+        qk = _params(p).get(name)
+        if isinstance(qk, Param) and qk.shape and qk.shape[-1] == VALUE_DIM:
             yield Problem(f"param '{name}'", f"{name} ends in the query/key head dim D; only values and outputs take {VALUE_DIM}")
 
 
@@ -603,9 +596,9 @@ def _schedule_rules(p: Program) -> Iterator[Problem]:
             yield Problem("schedule", f"{key}={value!r} must be a positive int")
     for key in ("block_m", "block_n", "num_warps"):
         value = getattr(s, key)
-        if isinstance(value, int) and value > 0 and not _is_pow2(value):
+        if isinstance(value, int) and value > 0 and not is_pow2(value):
             yield Problem("schedule", f"{key}={value} must be a power of two")
-    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not _is_pow2(s.head_pad)):
+    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not is_pow2(s.head_pad)):
         yield Problem("schedule", f"head_pad={s.head_pad!r} must be 0 (auto) or a power of two")
     if s.kv_order not in ("forward", "reverse"):
         yield Problem("schedule", f"kv_order={s.kv_order!r} must be forward or reverse")

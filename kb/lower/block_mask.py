@@ -11,11 +11,10 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterator
 
+from kb.ir.algebra import FLIP, all_of, any_of, conjuncts, disjuncts, linear_form, min_of, tidy_int
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import BlockClass, IfBlock, Program, Role
 from kb.lower.expr_context import DTYPE_KIND, Kind
@@ -55,39 +54,7 @@ class BlockMaskPlan:
     per_h: bool = False
 
 
-def _linear(e: Expr) -> tuple[int, int, Expr] | None:
-    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
-    if not ({"q_idx", "kv_idx"} & free_vars(e)):
-        return (0, 0, e)
-    if e.op is ExprOp.VAR:
-        return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = _linear(e.args[0]), _linear(e.args[1])
-        if a is None or b is None:
-            return None
-        sign = 1 if e.op is ExprOp.ADD else -1
-        return a[0] + sign * b[0], a[1] + sign * b[1], Expr(e.op, (a[2], b[2]))
-    if e.op is ExprOp.NEG:
-        a = _linear(e.args[0])
-        return None if a is None else (-a[0], -a[1], Expr(ExprOp.NEG, (a[2],)))
-    if e.op is ExprOp.MUL:
-        for x, y in (e.args, e.args[::-1]):
-            if x.op is ExprOp.CONST and isinstance(x.value, int) and not isinstance(x.value, bool):
-                lin = _linear(y)
-                return None if lin is None else (x.value * lin[0], x.value * lin[1], Expr(ExprOp.MUL, (x, lin[2])))
-    return None
-
-
-_FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
-
-
-def _operands(e: Expr, op: ExprOp) -> Iterator[Expr]:
-    """The terms of a nest of `op` (AND: conjuncts, OR: disjuncts)."""
-    if e.op is op:
-        for a in e.args:
-            yield from _operands(a, op)
-    else:
-        yield e
+_BOUNDS = FLIP.keys() - {ExprOp.NE}  # the comparisons a bound can be read from
 
 
 def _int_expr(e: Expr) -> bool:
@@ -100,10 +67,10 @@ def plan_block_mask(p: Program) -> BlockMaskPlan:
     if p.mask_mod is None:
         return BlockMaskPlan(BlockMaskKind.NO_MASK)
     not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and DTYPE_KIND[q.dtype] is not Kind.INT}
-    disjuncts = [_linear_bounds(d, not_int) for d in _operands(p.mask_mod.body, ExprOp.OR)]
-    if any(d is None for d in disjuncts):
+    bounds = [_linear_bounds(d, not_int) for d in disjuncts(p.mask_mod.body)]
+    if any(d is None for d in bounds):
         return _table_plan(p)
-    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
+    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in bounds if d is not None))
 
 
 def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
@@ -111,15 +78,15 @@ def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
     direction: tuple[int, int] | None = None
     lower: list[Expr] = []
     upper: list[Expr] = []
-    for atom in _operands(e, ExprOp.AND):
-        lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
+    for atom in conjuncts(e):
+        lin = linear_form(Expr(ExprOp.SUB, atom.args)) if atom.op in _BOUNDS else None
         if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
                 or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
             return None
         a, b, c = lin
         op = atom.op
         if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
-            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
+            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), FLIP[op]
         if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
             return None
         direction = (a, b)
@@ -141,56 +108,6 @@ def _table_plan(p: Program) -> BlockMaskPlan:
     return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
 
 
-def _is_int(e: Expr) -> bool:
-    return e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
-
-
-def _simplify(e: Expr) -> Expr:
-    """Fold integer constants and drop +0/-0/double negation (keeps generated conditions readable)."""
-    args = tuple(_simplify(a) for a in e.args)
-    e = Expr(e.op, args, e.value) if args else e
-    if e.op is ExprOp.NEG:
-        (a,) = args
-        if _is_int(a):
-            return const(-a.value)  # type: ignore[operator]
-        if a.op is ExprOp.NEG:
-            return a.args[0]
-        if a.op is ExprOp.SUB:
-            return _simplify(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = args
-        if _is_int(a) and _is_int(b):
-            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
-        if _is_int(b) and b.value == 0:
-            return a
-        if _is_int(a) and a.value == 0:
-            return b if e.op is ExprOp.ADD else _simplify(Expr(ExprOp.NEG, (b,)))
-        if b.op is ExprOp.NEG:
-            return _simplify(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
-        if _is_int(b) and b.value < 0:  # type: ignore[operator]
-            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
-        if _is_int(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and _is_int(a.args[1]):
-            # (x +- c1) +- c2 -> x + (+-c1 +- c2)
-            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
-                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
-            return _simplify(Expr(ExprOp.ADD, (a.args[0], const(c))))
-    if e.op is ExprOp.MUL:
-        a, b = args
-        if _is_int(a) and a.value == 1:
-            return b
-        if _is_int(b) and b.value == 1:
-            return a
-    return e
-
-
-def _any(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.OR, (a, b)), es)
-
-
-def _all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.AND, (a, b)), es)
-
-
 def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
     """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at st.at as scalar Exprs."""
     q0, k0 = st.at.q_start, st.at.kv_start
@@ -204,9 +121,9 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
             empty += tests[0][0]
             full += tests[0][1]
         else:
-            empty.append(_all([_any(e) for e, _ in tests]))
-            full.append(_any([_all(f) for _, f in tests]))
-    return _simplify(_any(empty)), _simplify(_all(full))
+            empty.append(all_of([any_of(e) for e, _ in tests]))
+            full.append(any_of([all_of(f) for _, f in tests]))
+    return tidy_int(any_of(empty)), tidy_int(all_of(full))
 
 
 def block_class_test(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> Expr:
@@ -268,7 +185,7 @@ def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dic
         elif d.beta == 1:
             last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
     if d.beta == 0:  # the rows alone decide: every block or none
-        rows = _all([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
+        rows = all_of([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
                     + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
         first = call("where", rows, first, n)
     return first, last
@@ -289,15 +206,7 @@ def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) 
     """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
     a_min, a_max = _part_range(d.alpha, *q)
     if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L
-        return _min_all([a_max - substitute(x, at) + 1 for x in d.lower])
+        return min_of([a_max - substitute(x, at) + 1 for x in d.lower])
     if d.beta == 1 and d.upper:  # g_min = a_min + kv_start <= U
-        return _min_all([substitute(x, at) - a_min + 1 for x in d.upper])
+        return min_of([substitute(x, at) - a_min + 1 for x in d.upper])
     return n
-
-
-def _min_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("minimum", a, b), es)
-
-
-def _max_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("maximum", a, b), es)

@@ -48,9 +48,10 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from kb.errors import KBError
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr, free_vars
 from kb.ir.nodes import (
-    BACKWARD_OPS, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Load, Mask, OnlineSoftmax,
+    BACKWARD_OPS, DOT_MIN_K, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Load, Mask, OnlineSoftmax,
     Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span, Stmt, Store, VALUE_DIM, walk_stmts,
 )
 from kb.ir.visit import StmtVisitor
@@ -88,10 +89,6 @@ _CXX_RESERVED = {
 def _size_code(d: object) -> str:
     """A tensor dim as C++ code: an int literal or the dim's local name."""
     return str(d) if isinstance(d, int) else _local(str(d))
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def kernel_symbol(k: Kernel) -> str:
@@ -164,7 +161,7 @@ def launch_abi(p: Program) -> LaunchAbi:
         dims=tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS),
         scalars=tuple(q.name for q in p.params if q.role is Role.SCALAR),
         table=table,
-        head_pad=p.schedule.head_pad,
+        head_pad=p.schedule.fixed_head_pad or 0,
         value_dim=VALUE_DIM in p.dims(),
     )
 
@@ -299,9 +296,9 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         if d == VALUE_DIM or d == "HEAD_PAD_V":
             return "HEAD_PAD_V"
         if isinstance(d, int):
-            return str(_next_pow2(d))
+            return str(next_pow2(d))
         if d in SCHEDULE_CONSTANTS:
-            return str(_next_pow2(self._const_size(d)))
+            return str(next_pow2(self._const_size(d)))
         raise KBError(f"kernel {self.k.name}: the CUDA lowering cannot load `:` over the runtime dim {d!r} "
                       "(its padded size must be known at compile time); use a span `start:+BLOCK` instead")
 
@@ -920,14 +917,14 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
     run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
     if abi.value_dim:
-        L.append("  long long kb_hpv = 16;")
+        L.append(f"  long long kb_hpv = {DOT_MIN_K};")
         L.append(f"  while (kb_hpv < kb_a.{_local(VALUE_DIM)}) kb_hpv *= 2;")
     if abi.head_pad:
         L.append(f"  return {run(abi.head_pad)};")
     else:
         if "D" not in abi.dims:
             raise KBError(f"program {p.name}: head_pad=0 needs a dim named D to dispatch on; set schedule head_pad")
-        L.append("  long long kb_hp = 16;")
+        L.append(f"  long long kb_hp = {DOT_MIN_K};")
         L.append("  while (kb_hp < kb_a.D) kb_hp *= 2;")
         L.append("#ifdef KB_HEAD_PAD_ONLY  // a faster build with one instantiation (-DKB_HEAD_PAD_ONLY=64)")
         L.append(f"  return kb_hp == KB_HEAD_PAD_ONLY ? {run('KB_HEAD_PAD_ONLY')} : {_err_name()};")

@@ -19,7 +19,7 @@ from typing import Iterable
 
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import free_vars, loaded_tensors
-from kb.ir.nodes import Kernel, Param, Program, Role, SCHEDULE_CONSTANTS, VALUE_DIM
+from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, SCHEDULE_CONSTANTS, VALUE_DIM
 from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
@@ -298,7 +298,7 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
         pack = _PACK.substitute(hq=pk.hq, hkv=pk.hkv, m=pk.m)
     return _LAUNCH.substitute(
         pack=pack, num_splits=_num_splits(p, hctx, packs, device),
-        head_pad=str(p.schedule.head_pad) if p.schedule.head_pad else "max(16, triton.next_power_of_2(D))",
+        head_pad=str(p.schedule.fixed_head_pad) if p.schedule.fixed_head_pad else f"max({DOT_MIN_K}, triton.next_power_of_2(D))",
         constexprs=_constexpr_values(sig), table=_table_build(p, sig, plan, entry, device) if sig.table else "",
         allocate=_block(_allocations(p, entry, device)), tma=_tma_choice(p, sig), launches=_launches(p, sig, hctx, packs),
         returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)))
@@ -319,7 +319,7 @@ def _constexpr_values(sig: Signature) -> str:
     """The head-pad check and the constexprs derived from the shapes and scalars (PAD_*, HEAD_PAD_V, EVEN_*, POS_*)."""
     lines = [f"        {pad} = triton.next_power_of_2({pad[4:]})" for pad in sig.pads]
     if VALUE_DIM in sig.dims:
-        lines.append(f"        HEAD_PAD_V = max(16, triton.next_power_of_2({VALUE_DIM}))")
+        lines.append(f"        HEAD_PAD_V = max({DOT_MIN_K}, triton.next_power_of_2({VALUE_DIM}))")
     if sig.even_d:
         lines.append("        EVEN_D = HEAD_PAD == D")
     if sig.even_dv:

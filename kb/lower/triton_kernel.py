@@ -9,6 +9,7 @@ partials into a combine, and splits a KV loop by block class (closed form or the
 from __future__ import annotations
 
 from kb.errors import KBError
+from kb.ir.algebra import max_of, tidy_int
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Let, Load, Mask,
@@ -17,7 +18,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
-    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, _full_span, _max_all, _reach, _simplify, _union_span,
+    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, _full_span, _reach, _union_span,
 )
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
@@ -568,14 +569,14 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             first, last = _union_span((first, last), (f, l))
         hi_expr = st.hi
         if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, _max_all([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
+            hi_expr = call("minimum", hi_expr, max_of([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
         self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.position(st.lo)}")
-        self.emit(f"{hi} = {self.position(_simplify(hi_expr))}")
+        self.emit(f"{hi} = {self.position(tidy_int(hi_expr))}")
         self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
-        self.emit(f"_full_first_{v} = {self.position(_simplify(first))}")
-        self.emit(f"_full_last_{v} = {self.position(_simplify(last))}")
+        self.emit(f"_full_first_{v} = {self.position(tidy_int(first))}")
+        self.emit(f"_full_last_{v} = {self.position(tidy_int(last))}")
         self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
                   f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")

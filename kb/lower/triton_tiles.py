@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
 from kb.ir.nodes import (
     BlockClass, Dtype, For, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["Tile", "Signature", "Region", "TritonTiles"]
 
 _RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,7 @@ class TritonTiles(KernelGenBase[Tile]):
         if d == VALUE_DIM:
             return "HEAD_PAD_V"
         if isinstance(d, int):
-            return str(_next_pow2(d))
+            return str(next_pow2(d))
         if d in ("HEAD_PAD", "HEAD_PAD_V"):
             return str(d)
         pad = f"PAD_{d}"
