@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from generate.spec import Spec, spec_inputs
+from generate.stages import Stage
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
 from kb.features import Features
@@ -15,18 +16,12 @@ from kb.ir.expr import loaded_tensors
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program, Role
 from kb.store.models import Lesson
+from verify.result import Verdict
 
-__all__ = ["Stage", "Cause", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
+__all__ = ["Cause", "Failure", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
 
 # max |o - ref| allowed in the IR check: the interpreter computes in fp32 from the same inputs
 IR_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
-
-
-class Stage(Enum):
-    TRANSFER = "transfer"
-    IR_CHECK = "ir_check"
-    LOWER = "lower"
-    VERIFY = "verify"
 
 
 class Cause(Enum):
@@ -38,12 +33,22 @@ class Cause(Enum):
 
 
 @dataclass(frozen=True)
+class Failure:
+    """Where a candidate stopped and why."""
+
+    stage: Stage
+    verdict: Verdict
+    detail: str
+    cause: Cause = Cause.KERNEL
+
+
+@dataclass(frozen=True)
 class AttemptOutcome:
     n: int
     reference_id: str | None
     strategy: str  # rule strategy, or "llm"
     stage: Stage  # the last stage reached
-    verdict: str  # a verify.Verdict value, or "passed"
+    verdict: Verdict  # passed, or why the stage failed
     feedback: str
     seconds: float
     ir_text: str
@@ -51,11 +56,12 @@ class AttemptOutcome:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "passed"
+        return self.verdict is Verdict.passed
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["stage"] = self.stage.value
+        d["verdict"] = self.verdict.value
         d["cause"] = self.cause.value
         d.pop("ir_text")
         return d

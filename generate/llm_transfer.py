@@ -4,21 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from generate.attempts import AttemptOutcome, Cause, Stage
+from generate.attempts import AttemptOutcome, Cause
 from generate.llm import LLMAttempt, LLMEngine, LLMServiceError
 from generate.llm import Stage as LLMStage
 from generate.prompts import snippet_text, spec_summary
 from generate.spec import Spec
+from generate.stages import Stage
 from kb.ir.nodes import Program
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import QueryResult, RankedKernel
+from verify.result import Verdict
 
 __all__ = ["llm_transfer"]
 
 _STAGE = {LLMStage.PARSE: Stage.TRANSFER, LLMStage.VALIDATE: Stage.TRANSFER, LLMStage.CHECK: Stage.IR_CHECK,
           LLMStage.PASSED: Stage.IR_CHECK}
-_VERDICT = {LLMStage.PARSE: "compile_error", LLMStage.VALIDATE: "compile_error", LLMStage.CHECK: "numeric_mismatch",
-            LLMStage.PASSED: "passed"}
+_VERDICT = {LLMStage.PARSE: Verdict.compile_error, LLMStage.VALIDATE: Verdict.compile_error,
+            LLMStage.CHECK: Verdict.numeric_mismatch, LLMStage.PASSED: Verdict.passed}
 
 
 def _outcome(a: LLMAttempt, ref: RankedKernel) -> AttemptOutcome:
@@ -39,7 +41,7 @@ def llm_transfer(kb: KnowledgeBase, spec: Spec, ref: RankedKernel, found: QueryR
                               found.lessons, check, max_attempts=max_attempts)
     except LLMServiceError as err:
         outcomes = [_outcome(a, ref) for a in err.attempts]
-        outcomes.append(AttemptOutcome(len(outcomes) + 1, ref.id, "llm", Stage.TRANSFER, "runtime_error", str(err), 0.0, "",
+        outcomes.append(AttemptOutcome(len(outcomes) + 1, ref.id, "llm", Stage.TRANSFER, Verdict.runtime_error, str(err), 0.0, "",
                                        Cause.ENVIRONMENT))
         return outcomes, None, None
     outcomes = [_outcome(a, ref) for a in res.attempts]
