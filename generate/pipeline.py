@@ -1,7 +1,8 @@
 """`generate(kb, spec_path, options)`: spec -> retrieve -> transfer -> check IR -> lower -> verify -> write back.
 
-Attempts are (reference, strategy) pairs for the rule engine, or LLM rounds for the LLM
-engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
+Attempts are the candidates of one engine (generate.engines): (reference, strategy) pairs for the
+rule engine, LLM rounds for the LLM engine; each is judged the same way and its outcome sent back to
+the engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
 On success the kernel (with lineage: parent = reference), its sources, the attempts, the
 run and the lessons are written in ONE transaction; on failure the run, attempts and lessons
 are written, and no kernel. Lineage is append-only: a run whose program is already in the KB
@@ -19,29 +20,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from generate.attempts import AttemptOutcome, Failure, check_program, plan_strategies
+from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
 from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
 from generate.designs import design_table
+from generate.engines import llm_candidates, rule_candidates
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
-from generate.target import target_for
-from generate.transfer import Strategy, transfer
 from kb.errors import KBError
 from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
-from kb.ir.text import content_hash, parse_program, print_program
-from kb.ir.validate import validate
+from kb.ir.text import content_hash, print_program
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, RunStatus, Tunable
 from kb.store.records import assign_id
-from retrieve.hybrid import Filters, RankedKernel, describe_target, query
+from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
 __all__ = ["GenerateOptions", "GenerateResult", "generate"]
@@ -182,69 +181,64 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
 
 
 def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
-              stage: Path) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
+              stage: Path) -> tuple[list[AttemptOutcome], _Built | None, str | None]:
+    """Judge the engine's candidates in turn; (every outcome, what passed, the id of its reference)."""
     text = describe_target(spec.features, *spec.variant_strings())
     found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
     if not found.kernels:
         raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
     if options.engine == "llm":
-        return _llm_attempts(kb, spec, found, options, stage)
-    lessons = _strategy_lessons(kb) if options.memory else []
+        proposals = llm_candidates(kb, spec, found, options.max_attempts)
+    else:
+        proposals = rule_candidates(kb, spec, found, _strategy_lessons(kb) if options.memory else [], _name(spec))
     outcomes: list[AttemptOutcome] = []
-    for ref in found.kernels:
-        ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
-        for strategy in plan_strategies(spec, ref, lessons):
-            if len(outcomes) >= options.max_attempts:
-                return outcomes, None, None
-            if outcomes and _budget_left(options) <= 0:
-                return _budget_spent(outcomes, options), None, None
-            outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options, stage)
-            outcomes.append(outcome)
-            if built is not None:
-                return outcomes, built, ref
+    while len(outcomes) < options.max_attempts:
+        if outcomes and _budget_left(options) <= 0:
+            return _budget_spent(outcomes, options), None, None
+        cand = _next(proposals, outcomes[-1] if outcomes else None)
+        if cand is None:
+            break
+        outcome, built = _try(spec, cand, len(outcomes) + 1, options, stage)
+        outcomes.append(outcome)
+        if built is not None:
+            return outcomes, built, cand.reference_id
     return outcomes, None, None
 
 
-def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, n: int,
-         options: GenerateOptions, stage: Path) -> tuple[AttemptOutcome, _Built | None]:
-    t0 = time.perf_counter()
-
-    def outcome(stage: Stage, verdict: Verdict, detail: str, text: str = "") -> AttemptOutcome:
-        return AttemptOutcome(n, ref.id, strategy.value, stage, verdict, detail, time.perf_counter() - t0, text)
-
+def _next(proposals: Proposals, last: AttemptOutcome | None) -> Candidate | None:
+    """The engine's next candidate, told how its last one did; None when it has no more."""
     try:
-        program = transfer(ref_program, target_for(spec), strategy, name=_name(spec))
-        validate(program)
-    except KBError as err:
-        return outcome(Stage.TRANSFER, Verdict.compile_error, str(err)), None
-    text = print_program(program)
-    failure = check_program(program, spec)
-    if failure:
-        return outcome(Stage.IR_CHECK, Verdict.numeric_mismatch, failure, text), None
-    built = _realise(spec, program, options, stage)
-    if isinstance(built, Failure):
-        return outcome(built.stage, built.verdict, built.detail, text), None
-    return outcome(Stage.VERIFY if options.verify_kernel else Stage.LOWER, Verdict.passed, built.detail, text), built
-
-
-def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions, stage: Path):  # noqa: ANN001
-    """LLM rounds; the check is the whole chain (IR check, lowering, verification), so any failure is feedback."""
-    from generate.llm_transfer import llm_transfer
-
-    holder: list[_Built] = []
-
-    def check(program: Program) -> str | None:
-        failure = check_program(program, spec)
-        if failure:
-            return failure
-        built = _realise(spec, replace(program, name=_name(spec)), options, stage)
-        if isinstance(built, Failure):
-            return f"{built.stage.value} failed ({built.verdict.value}): {built.detail}"
-        holder.append(built)
+        return next(proposals) if last is None else proposals.send(last)
+    except StopIteration:
         return None
 
-    outcomes, program, ref = llm_transfer(kb, spec, found.kernels[0], found, options.max_attempts, check)
-    return outcomes, (holder[-1] if program is not None and holder else None), ref
+
+def _try(spec: Spec, cand: Candidate, n: int, options: GenerateOptions,
+         stage: Path) -> tuple[AttemptOutcome, _Built | None]:
+    t0 = time.perf_counter()
+    result = cand.failure if cand.program is None else _judge(spec, cand.program, cand.untrusted, options, stage)
+    assert result is not None, "a candidate without a program carries its failure"
+    seconds = cand.seconds + time.perf_counter() - t0
+    if isinstance(result, Failure):
+        return AttemptOutcome(n, cand.reference_id, cand.strategy, result.stage, result.verdict, result.detail, seconds,
+                              cand.ir_text, result.cause), None
+    return AttemptOutcome(n, cand.reference_id, cand.strategy, Stage.VERIFY if options.verify_kernel else Stage.LOWER,
+                          Verdict.passed, result.detail, seconds, cand.ir_text), result
+
+
+def _judge(spec: Spec, program: Program, untrusted: bool, options: GenerateOptions, stage: Path) -> _Built | Failure:
+    """The IR check, then lowering and verification; what an untrusted program raises is its failure."""
+    program = replace(program, name=_name(spec))
+    try:
+        failure = check_program(program, spec)
+        if failure:
+            return Failure(Stage.IR_CHECK, Verdict.numeric_mismatch, failure)
+        return _realise(spec, program, options, stage)
+    except Exception as err:  # noqa: BLE001 - an LLM's program may break the interpreter in any way
+        if not untrusted:
+            raise
+        log.debug("judging an untrusted program raised", exc_info=True)
+        return Failure(Stage.IR_CHECK, Verdict.runtime_error, f"running the program raised {type(err).__name__}: {err}")
 
 
 def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
@@ -256,7 +250,7 @@ def _name(spec: Spec) -> str:
 
 
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
-            ref: RankedKernel | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
+            ref: str | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
             options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
     kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
     succeeded = kernel is not None
@@ -315,7 +309,7 @@ def _stage_text(path: Path, text: str) -> Path:
 
 
 def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: object, built: _Built | None,
-            ref: RankedKernel | None, outcomes: list[AttemptOutcome], options: GenerateOptions) -> dict:
+            ref: str | None, outcomes: list[AttemptOutcome], options: GenerateOptions) -> dict:
     """What this run produced, in words a user reads first: `status` is the truth about the files beside it."""
     if built is None:
         status = ReportStatus.FAILED
@@ -324,7 +318,7 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
     else:
         status = ReportStatus.UNVERIFIED
     report = {"status": status.value, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
-              "kernel_was_in_kb": existing is not None, "reference_id": ref.id if ref else None,
+              "kernel_was_in_kb": existing is not None, "reference_id": ref,
               "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),
               "attempts": [o.as_dict() for o in outcomes], "error": run.error or None,
               "designs": {arch: {str(b): [str(d) for d in ds] for b, ds in by.items()}
@@ -363,12 +357,12 @@ def _backward_row(spec: Spec, built: BackwardBuilt, forward: Kernel) -> Kernel:
                   file=str(spec.path), parent_id=built.reference_id)
 
 
-def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
+def _kernel_row(spec: Spec, built: _Built, ref: str) -> Kernel:
     feats = derive_features(built.program, shapes=_shape_dict(spec))
     return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
                   features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
                   verified=built.verdict is Verdict.passed, verify_note=f"verify: {built.verdict.value}", spec_hash=spec.source_hash,
-                  triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref.id)
+                  triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref)
 
 
 def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path) -> _Built | Failure:
