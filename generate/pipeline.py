@@ -23,6 +23,7 @@ from typing import Literal
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
+from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
 from generate.designs import design_table
 from generate.engines import llm_candidates, rule_candidates
@@ -131,6 +132,8 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
             outcomes, built, ref = _attempts(kb, spec, options, stage)
             if built is not None and options.backward:
                 bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
+            if built is not None:  # after the backward, whose verification shares the spec's budget
+                built = _compile_cuda(spec, built, options)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
             outcomes, built, ref = [], None, None
             run.error = str(err)
@@ -141,7 +144,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
         return _finish(kb, spec, run, outcomes, built, ref, bwd, options, t0, out_dir)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Built:
     """A program that passed every stage, with what was written for it."""
 
@@ -152,6 +155,16 @@ class _Built:
     verdict: Verdict  # passed, or not_run (--no-verify)
     detail: str
     cuda_report: dict = field(default_factory=dict)  # which CUDA lowering, its traits, the role of the `.cu`
+    cuda_build: CudaCompile = NOT_COMPILED  # nvcc on the `.cu`, before the write-back
+
+
+def _compile_cuda(spec: Spec, built: _Built, options: GenerateOptions) -> _Built:
+    if not (built.cuda_src and options.compile_cuda):
+        return built
+    log.info("%s: %s", Stage.COMPILE_CUDA.value, spec.path)
+    return replace(built, cuda_build=compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
+                                                  spec.shapes.Dv if spec.shapes.value_dim else None,
+                                                  arch=built.cuda_report.get("arch", "sm_90")))
 
 
 @dataclass
@@ -326,11 +339,7 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
     if built is not None:
         report["verify"] = {"verdict": built.verdict.value, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)
-        report["cuda"] = {**built.cuda_report,
-                          **(compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
-                                          spec.shapes.Dv if spec.shapes.value_dim else None,
-                                          arch=built.cuda_report.get("arch", "sm_90"))
-                             if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})}
+        report["cuda"] = {**built.cuda_report, **built.cuda_build.as_dict()}
     return report
 
 
@@ -361,8 +370,14 @@ def _kernel_row(spec: Spec, built: _Built, ref: str) -> Kernel:
     feats = derive_features(built.program, shapes=_shape_dict(spec))
     return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
                   features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
-                  verified=built.verdict is Verdict.passed, verify_note=f"verify: {built.verdict.value}", spec_hash=spec.source_hash,
+                  verified=built.verdict is Verdict.passed, verify_note=_verify_note(built), spec_hash=spec.source_hash,
                   triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref)
+
+
+def _verify_note(built: _Built) -> str:
+    """`verify: passed`, and what nvcc said when there is a `.cu` (`compile_cuda: ok`)."""
+    note = f"{Stage.VERIFY.value}: {built.verdict.value}"
+    return f"{note}; {Stage.COMPILE_CUDA.value}: {built.cuda_build.status}" if built.cuda_src else note
 
 
 def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path) -> _Built | Failure:
@@ -392,24 +407,6 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
 def _shape_dict(spec: Spec) -> dict[str, int]:
     s = spec.shapes
     return {"B": s.B, "Hq": s.Hq, "Hkv": s.Hkv, "M": s.M, "N": s.N, "D": s.D}
-
-
-def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None, *,
-                 arch: str = "sm_90") -> dict:
-    """Compile the CUDA source with nvcc (object only: no GPU here) for the spec's head dims (`head_dim_v`: a
-    value head dim of its own); a typed summary for the report."""
-    from kb.lower.cuda_build import BuildMode, build
-
-    defines = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
-    if head_dim_v is not None:
-        defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)
-    try:
-        res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1", arch=arch,
-                    defines=defines, timeout_s=300)
-    except KBError as err:  # no nvcc on this machine
-        return {"compiled": False, "status": "not_run", "log": str(err)}
-    return {"compiled": res.ok, "status": res.status.value, "seconds": round(res.seconds, 1),
-            "command": " ".join(res.command), "log": res.log[-2000:]}
 
 
 def resolve_target(target: str, default: str) -> str:
