@@ -37,7 +37,7 @@ from kb.errors import KBError
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
-__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name"]
+__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer"]
 
 log = logging.getLogger(__name__)
 
@@ -817,6 +817,25 @@ def _offsets_input(inputs: Sequence[Any], names: Sequence[str]) -> str | None:
 def aux_name(key: str) -> str:
     """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`)."""
     return re.sub(r"\W", "_", key)
+
+
+def tensor_namer(named: list[tuple[str, torch.Tensor]]) -> NameOf:
+    """Find a captured tensor's name by identity, else by storage (views of a buffer)."""
+
+    def name_of(t: torch.Tensor) -> str | None:
+        for n, x in named:
+            if x is t:
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and x.shape == t.shape \
+                    and x.stride() == t.stride() and x.storage_offset() == t.storage_offset():
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return n
+        return None
+
+    return name_of
 
 
 def _runtime_leaf(name: str, t: torch.Tensor, st: _State) -> Sym:
