@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 # multi-GB CUDA build; everything here runs on CPU. Elsewhere PyPI serves the CUDA build of 2.13.0,
 # which works too. On a GPU machine, choose your own build: make TORCH_SPEC='torch==X.Y.Z'.
 TORCH_SPEC ?= torch==2.13.0
+# pytest workers: most tests are single-threaded Python (the Triton interpreter), so one per core.
+TEST_WORKERS ?= 2
 DEMO_HOME ?= $(CURDIR)/.kb-demo
 DEMO_SPEC ?= examples/specs/sliding_window.py
 KB := KB_HOME=$(DEMO_HOME) $(VENV)/bin/kb
@@ -30,10 +32,13 @@ demo: venv
 	$(KB) query $(DEMO_SPEC) -k 3
 	$(KB) generate $(DEMO_SPEC) --out $(DEMO_HOME)/out
 
+# lint, types (pyproject's [tool.mypy] files), the layer contract ([tool.importlinter]), then the suite
 test: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	bash tests/install_services.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 clean:
 	rm -rf $(VENV) $(DEMO_HOME)

@@ -11,7 +11,7 @@ causal/plain/alibi/sliding_window/document fixtures at S = 2048 and 8192, D = 64
 beside SDPA's flash and cuDNN backends (causal, or none for plain) in one process.
 
 For each fixture x dtype x shape it prints the max |error| of o and lse against
-`tests/attn_reference.py` (computed on CPU in fp32), NaN counts, and PASS/FAIL at the
+`tests/support/attn_reference.py` (computed on CPU in fp32), NaN counts, and PASS/FAIL at the
 dtype's tolerance; `--time` adds the median runtime of a larger bf16 causal/plain case next to
 torch SDPA, for each `--schedules` entry (BLOCK_M x BLOCK_N x num_warps). Exit status 0 only when every case passes.
 """
@@ -38,8 +38,8 @@ from kb.ir.nodes import Dtype, Program, Role  # noqa: E402
 from kb.errors import KBError  # noqa: E402
 from kb.lower.cuda_mma import MmaTraits, with_traits  # noqa: E402
 from kb.lower.cuda_runtime import CudaKernel  # noqa: E402
-from tests.attn_reference import reference_attention  # noqa: E402
-from tests.ir_programs import FIXTURES  # noqa: E402
+from tests.support.attn_reference import reference_attention  # noqa: E402
+from tests.support.ir_programs import FIXTURES  # noqa: E402
 
 TORCH = {Dtype.F32: torch.float32, Dtype.BF16: torch.bfloat16, Dtype.F16: torch.float16}
 TOL = {Dtype.F32: 1e-4, Dtype.BF16: 2e-2, Dtype.F16: 5e-3}

@@ -22,7 +22,7 @@ from pathlib import Path
 from kb.ir.nodes import Dtype
 from kb.lower.cuda_build import find_nvcc
 from kb.lower.cuda_mma import MmaTraits, lower_program_mma, with_traits
-from tests.ir_programs import FIXTURES
+from tests.support.ir_programs import FIXTURES
 
 ARCHS = {"sm_80": ["-arch=sm_80"], "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
 _FWD = re.compile(r"Compiling entry function '(_Z\w*kb_fwd_kernel\w*)'.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "

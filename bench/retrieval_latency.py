@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `kb` CLI sets it (kb/cli.py), before torch loads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the `kb` CLI sets it (cli/app.py), before torch loads
 
 import numpy as np
 import torch

@@ -5,7 +5,7 @@ must respect) and one user message (target spec, reference IR, snippets, lessons
 format); each failed attempt appends the model's answer and a feedback message.
 
 Invariants:
-- `GRAMMAR` is the grammar block of docs/ir.md verbatim (tests/test_llm_engine.py checks it), so
+- `GRAMMAR` is the grammar block of docs/ir.md verbatim (tests/test_generate_llm_engine.py checks it), so
   the model reads the grammar the parser implements.
 - Every prompt asks for exactly one ```kbir fenced block holding the whole program; that is the
   format `generate.llm.extract_ir` reads.

@@ -29,7 +29,8 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, conjunction, conjuncts, var
+from kb.ir.algebra import conjunction, conjuncts
+from kb.ir.expr import Expr, ExprOp, var
 
 __all__ = ["ServingLayout", "layout_of", "dense_shapes", "serving_reference", "feature_mask", "GENERATION_REFUSED"]
 

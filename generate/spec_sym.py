@@ -25,7 +25,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, wa
 
 __all__ = ["Sym", "dvar", "scalar_sym", "full", "arange", "load_leaf", "broadcast_to", "broadcast_shapes",
            "binary", "unary", "where", "permute", "unsqueeze", "squeeze", "expand", "view", "slice_", "select",
-           "index", "tril", "triu", "simplify", "NEG_INF_THRESHOLD", "is_neg_inf"]
+           "index", "tril", "triu", "NEG_INF_THRESHOLD", "is_neg_inf"]
 
 # Additive fills at or below this value are treated as -inf (masking), e.g. -1e4, -1e9, finfo.min.
 NEG_INF_THRESHOLD = -1.0e4
@@ -281,142 +281,11 @@ def _zero(dtype: torch.dtype) -> int | float | bool:
     return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
 
 
-# ---------------------------------------------------------------- simplification
-
-_NEGATE = {ExprOp.LT: ExprOp.GE, ExprOp.LE: ExprOp.GT, ExprOp.GT: ExprOp.LE, ExprOp.GE: ExprOp.LT,
-           ExprOp.EQ: ExprOp.NE, ExprOp.NE: ExprOp.EQ}
+# ---------------------------------------------------------------- -inf fills
 
 
 def is_neg_inf(e: Expr) -> bool:
     return e.op is ExprOp.CONST and isinstance(e.value, float) and e.value <= NEG_INF_THRESHOLD
-
-
-def _is_const(e: Expr, *values: object) -> bool:
-    return e.op is ExprOp.CONST and not isinstance(e.value, bool) and any(e.value == v for v in values)
-
-
-def _num(e: Expr) -> bool:
-    return e.op is ExprOp.CONST and isinstance(e.value, (int, float)) and not isinstance(e.value, bool)
-
-
-def _fold(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
-    if not all(a.op is ExprOp.CONST for a in args):
-        return None
-    from kb.ir.evaluate import eval_expr  # local: only constant folding needs it
-
-    try:
-        v = eval_expr(Expr(op, args), {})
-    except Exception:  # noqa: BLE001 - leave unfoldable constants (e.g. division by zero) alone
-        return None
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    return const(v)
-
-
-def _b(e: Expr, v: bool) -> bool:
-    """e is the boolean constant v (not merely == v: 1.0 == True in Python)."""
-    return e.op is ExprOp.CONST and isinstance(e.value, bool) and e.value is v
-
-
-def simplify(e: Expr) -> Expr:
-    """Local rewrites that keep the value exactly: constant folding, identities, boolean
-    normal forms (`~(a > b)` -> `a <= b`, `where(c, 1, 0) == 0` -> `~c`)."""
-    if not e.args:
-        return e
-    args = tuple(simplify(a) for a in e.args)
-    e = Expr(e.op, args, e.value)
-    folded = _fold(e.op, args) if e.op is not ExprOp.LOAD else None
-    if folded is not None:
-        return folded
-    op = e.op
-    if op is ExprOp.NOT:
-        (a,) = args
-        if a.op is ExprOp.NOT:
-            return a.args[0]
-        if a.op in _NEGATE:
-            return Expr(_NEGATE[a.op], a.args)
-        if a.op in (ExprOp.AND, ExprOp.OR):  # De Morgan: keeps masks as & of simple terms
-            inv = ExprOp.OR if a.op is ExprOp.AND else ExprOp.AND
-            return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
-        if a.op is ExprOp.CONST:
-            return const(not a.value)
-    if op is ExprOp.AND:
-        a, b = args
-        if _b(a, True):
-            return b
-        if _b(b, True) or a == b:
-            return a
-        if _b(a, False) or _b(b, False):
-            return const(False)
-    if op is ExprOp.OR:
-        a, b = args
-        if _b(a, False):
-            return b
-        if _b(b, False) or a == b:
-            return a
-        if _b(a, True) or _b(b, True):
-            return const(True)
-    if op is ExprOp.WHERE:
-        c, x, y = args
-        if c.op is ExprOp.CONST:
-            return x if c.value else y
-        if x == y:
-            return x
-        if _b(x, True) and _b(y, False):
-            return c
-        if _b(x, False) and _b(y, True):
-            return simplify(Expr(ExprOp.NOT, (c,)))
-    if op in (ExprOp.EQ, ExprOp.NE) and args[0].op is ExprOp.WHERE and args[1].op is ExprOp.CONST:
-        c, x, y = args[0].args
-        if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
-            return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
-    if op in (ExprOp.EQ, ExprOp.NE) and _same_int_offset(*args):  # (x - 1) == (y - 1) -> x == y (ids from offsets)
-        return simplify(Expr(op, (args[0].args[0], args[1].args[0])))
-    if op is ExprOp.ADD:
-        a, b = args
-        if _is_const(b, 0):
-            return a
-        if _is_const(a, 0):
-            return b
-        if b.op is ExprOp.CONST and isinstance(b.value, (int, float)) and not isinstance(b.value, bool) and b.value < 0:
-            return Expr(ExprOp.SUB, (a, const(-b.value)))
-        if b.op is ExprOp.NEG:
-            return Expr(ExprOp.SUB, (a, b.args[0]))
-    if op in (ExprOp.ADD, ExprOp.SUB) and _num(args[1]) and args[0].op in (ExprOp.ADD, ExprOp.SUB) and _num(args[0].args[1]):
-        inner, c1 = args[0].args
-        total = (c1.value if args[0].op is ExprOp.ADD else -c1.value) + (args[1].value if op is ExprOp.ADD else -args[1].value)  # type: ignore[operator]
-        return simplify(Expr(ExprOp.ADD, (inner, const(total))))
-    if op is ExprOp.SUB:
-        a, b = args
-        if _is_const(b, 0):
-            return a
-        if _is_const(a, 0):
-            return simplify(Expr(ExprOp.NEG, (b,)))
-    if op is ExprOp.MUL:
-        a, b = args
-        if _is_const(b, 1):
-            return a
-        if _is_const(a, 1):
-            return b
-        if _is_const(a, -1):
-            return Expr(ExprOp.NEG, (b,))
-        if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
-            return simplify(Expr(ExprOp.MUL, (a.args[0], const(a.args[1].value * b.value))))  # type: ignore[operator]
-    if op is ExprOp.DIV:
-        a, b = args
-        if _is_const(b, 1):
-            return a
-    if op is ExprOp.NEG and args[0].op is ExprOp.NEG:
-        return args[0].args[0]
-    return e
-
-
-def _same_int_offset(a: Expr, b: Expr) -> bool:
-    """`a` and `b` add (or subtract) the same integer constant."""
-    return (a.op is b.op and a.op in (ExprOp.ADD, ExprOp.SUB) and a.args[1] == b.args[1]
-            and a.args[1].op is ExprOp.CONST and type(a.args[1].value) is int)
 
 
 def uses_only(e: Expr, names: set[str]) -> bool:

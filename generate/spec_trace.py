@@ -37,6 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from generate import spec_sym as S
 from generate.spec_sym import Sym
 from kb.errors import KBError
+from kb.ir.algebra import simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
@@ -783,13 +784,13 @@ def _normalize_scale(e: Expr) -> Expr:
 
 def _variants(logits: Sym, node: torch.fx.Node, st: _State) -> tuple[Expr | None, Expr | None, float]:
     named = substitute(logits.expr, {f"_d{k}": var(n) for k, n in enumerate(_IDX)})
-    named = S.simplify(named)
+    named = simplify(named)
     score, mask = _split_mask(named)
-    score = S.simplify(_normalize_scale(S.simplify(score)))
+    score = simplify(_normalize_scale(simplify(score)))
     score, c = _extract_scale(score)
-    score = S.simplify(score)
+    score = simplify(score)
     if mask is not None:
-        mask = S.simplify(mask)
+        mask = simplify(mask)
         if "score" in free_vars(mask):
             raise _err(node, st, "the mask depends on score values")
         if mask == const(True):
@@ -1226,6 +1227,6 @@ def trace_mod(
     e = substitute(out.expr, {"_d0": const(0)})
     if boolean and not out.is_bool:
         e = Expr(ExprOp.NE, (e, const(0)))
-    e = S.simplify(e)
+    e = simplify(e)
     used = {str(n.value) for n in walk(e) if n.op is ExprOp.LOAD}
     return e, {k: v for k, v in st.aux.items() if k in used}

@@ -23,7 +23,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr, substitute, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
-    Role, ScoreMod, Span, Stmt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
+    Role, ScoreMod, Span, Stmt, TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.value_dim import with_value_dim, without_value_dim
 
@@ -157,14 +157,14 @@ def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kerne
     return replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
 
 
-def _mask_at(loop: For, q_start: Expr) -> dict[str, Expr]:
+def _mask_at(loop: For, q_start: Expr) -> TileAt:
     for st in walk_stmts(loop.body):
         if isinstance(st, (Mask, ScoreMod, IfBlock)):
-            return dict(b=st.b, h=st.h, q_start=st.q_start, kv_start=st.kv_start)
-    return dict(b=var("b"), h=var("h"), q_start=q_start, kv_start=var(loop.var))
+            return st.at
+    return TileAt(var("b"), var("h"), q_start, var(loop.var))
 
 
-def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strategy, at: dict[str, Expr]) -> tuple[Stmt, ...]:
+def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strategy, at: TileAt) -> tuple[Stmt, ...]:
     out: list[Stmt] = []
     scale_done = False
     for st in _strip(body):
@@ -174,11 +174,11 @@ def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strateg
         if isinstance(st, Elementwise) and not scale_done and any(isinstance(s, Dot) for s in out):
             scale_done = True
             if target.score_mod is not None:
-                out.append(ScoreMod(st.out, **at))
+                out.append(ScoreMod(st.out, at))
     if target.score_mod is not None and not scale_done:
         raise KBError("reference KV loop has no scale step after its QK^T dot: cannot place score_mod")
     if strategy is Strategy.BLOCK_MASK and target.mask_mod is not None:
-        return (IfBlock(BlockClass.EMPTY, True, then=tuple(out), **at),)
+        return (IfBlock(BlockClass.EMPTY, True, at, then=tuple(out)),)
     return tuple(out)
 
 
@@ -195,13 +195,13 @@ def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
     return tuple(out)
 
 
-def _masking(target: Target, strategy: Strategy, at: dict[str, Expr], scores: str) -> list[Stmt]:
+def _masking(target: Target, strategy: Strategy, at: TileAt, scores: str) -> list[Stmt]:
     if target.mask_mod is None:
-        return [Mask(scores, use_mask_mod=False, **at)]
-    mask = Mask(scores, use_mask_mod=True, **at)
+        return [Mask(scores, at, use_mask_mod=False)]
+    mask = Mask(scores, at, use_mask_mod=True)
     if strategy is Strategy.REUSE:
         return [mask]
-    return [IfBlock(BlockClass.FULL, True, then=(mask,), **at)]
+    return [IfBlock(BlockClass.FULL, True, at, then=(mask,))]
 
 
 def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_axes: frozenset[str]) -> tuple[Expr, Expr]:
@@ -227,7 +227,7 @@ def band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] |
     `doc[b, q_idx] == doc[b, kv_idx] & (kv_idx <= q_idx)` keeps the causal bound of its second term;
     data-dependent terms are left to runtime block classes."""
     from kb.ir.classify import mask_kv_bounds
-    from kb.ir.expr import conjuncts
+    from kb.ir.algebra import conjuncts
 
     static = [t for t in conjuncts(mask) if not loaded_tensors(t)]
     if not static:

@@ -23,7 +23,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, call, const, loaded_tensors, substitute, var
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, Param, Probs, Program, Role,
-    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, VALUE_DIM, walk_stmts,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, TileAt, VALUE_DIM, walk_stmts,
 )
 
 __all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_name"]
@@ -119,7 +119,7 @@ def _rewrite_tile_loop(loop: For, kernel_body: tuple[Stmt, ...], target: Backwar
     at = _coords(flat, kernel_body)
     tile = _tile_body(flat, at, target)
     if fwd.mask_mod is not None:
-        tile = (IfBlock(BlockClass.EMPTY, True, then=tile, **at),)
+        tile = (IfBlock(BlockClass.EMPTY, True, at, then=tile),)
     lo, hi = _loop_bounds(loop, at, fwd.mask_mod.body if fwd.mask_mod else None, target.dims)
     return replace(loop, lo=lo, hi=hi, body=tile)
 
@@ -137,7 +137,7 @@ def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
     return tuple(out)
 
 
-def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> dict[str, Expr]:
+def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> TileAt:
     """(b, h, q_start, kv_start) of the tile, read off its q and k loads."""
     q = next((st for st in walk_stmts(flat) if isinstance(st, Load) and st.tensor == "q"), None) or \
         next((st for st in walk_stmts(kernel_body) if isinstance(st, Load) and st.tensor == "q"), None)
@@ -151,10 +151,10 @@ def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> dict[str, 
     b, h = q.index[0], q.index[1]
     if not isinstance(b, Expr) or not isinstance(h, Expr):
         raise KBError("backward reference's q load has no scalar batch/head index")
-    return dict(b=b, h=h, q_start=q_span.start, kv_start=k_span.start)
+    return TileAt(b, h, q_span.start, k_span.start)
 
 
-def _tile_body(flat: tuple[Stmt, ...], at: dict[str, Expr], target: BackwardTarget) -> tuple[Stmt, ...]:
+def _tile_body(flat: tuple[Stmt, ...], at: TileAt, target: BackwardTarget) -> tuple[Stmt, ...]:
     fwd = target.forward
     probs = next(st for st in flat if isinstance(st, Probs))
     scores = _scaled_scores(flat)
@@ -169,13 +169,13 @@ def _tile_body(flat: tuple[Stmt, ...], at: dict[str, Expr], target: BackwardTarg
         if isinstance(st, Elementwise) and st.out == scores and _is_scale(st, scores):
             out.append(Elementwise(copy, var(scores)))
             if fwd.score_mod is not None:
-                out.append(ScoreMod(copy, **at))
-            mask = Mask(copy, use_mask_mod=fwd.mask_mod is not None, **at)
-            out.append(IfBlock(BlockClass.FULL, True, then=(mask,), **at) if fwd.mask_mod is not None else mask)
+                out.append(ScoreMod(copy, at))
+            mask = Mask(copy, at, use_mask_mod=fwd.mask_mod is not None)
+            out.append(IfBlock(BlockClass.FULL, True, at, then=(mask,)) if fwd.mask_mod is not None else mask)
         if isinstance(st, SoftmaxGrad):
-            out += [AuxGrad(grad_name(a), a, st.out, scores, **at) for a in target.learnable]
+            out += [AuxGrad(grad_name(a), a, st.out, scores, at) for a in target.learnable]
             if fwd.score_mod is not None:
-                out.append(ScoreModGrad(st.out, scores, **at))
+                out.append(ScoreModGrad(st.out, scores, at))
     return tuple(out)
 
 
@@ -194,7 +194,7 @@ def _is_scale(st: Elementwise, scores: str) -> bool:
 # ---------------------------------------------------------------- loop bounds
 
 
-def _loop_bounds(loop: For, at: dict[str, Expr], mask: Expr | None, dims: tuple[int, int] | None) -> tuple[Expr, Expr]:
+def _loop_bounds(loop: For, at: TileAt, mask: Expr | None, dims: tuple[int, int] | None) -> tuple[Expr, Expr]:
     """[lo, hi) of the loop over q blocks (step BLOCK_M, KV-outer) or kv blocks (step BLOCK_N, Q-outer)."""
     kv_outer = loop.step == "BLOCK_M"
     full = (const(0), var("M" if kv_outer else "N"))
@@ -202,12 +202,12 @@ def _loop_bounds(loop: For, at: dict[str, Expr], mask: Expr | None, dims: tuple[
         return full
     if not kv_outer:
         band = band_bounds(mask, dims)
-        return full if band is None else _aligned(*(substitute(e, {"m_start": at["q_start"]}) for e in band), "BLOCK_N")
+        return full if band is None else _aligned(*(substitute(e, {"m_start": at.q_start}) for e in band), "BLOCK_N")
     swapped = substitute(mask, {"q_idx": var("kv_idx"), "kv_idx": var("q_idx")})
     band = band_bounds(swapped, dims[::-1] if dims else None)
     if band is None:
         return full
-    roles = {"m_start": at["kv_start"], "BLOCK_M": var("BLOCK_N"), "M": var("N"), "N": var("M")}
+    roles = {"m_start": at.kv_start, "BLOCK_M": var("BLOCK_N"), "M": var("N"), "N": var("M")}
     return _aligned(*(substitute(e, roles) for e in band), "BLOCK_M")
 
 

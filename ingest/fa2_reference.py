@@ -40,7 +40,7 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.expr import Expr, ExprOp, const, free_vars, parse_expr, substitute, var
 from kb.ir.nodes import (
     MASK_MOD_PARAMS, BlockClass, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init, Kernel,
-    Let, Load, Mask, OnlineSoftmax, Param, Program, Role, Schedule, Span, Store, VariantFn,
+    Let, Load, Mask, OnlineSoftmax, Param, Program, Role, Schedule, Span, Store, TileAt, VariantFn,
 )
 
 __all__ = ["build_fa2_reference", "build_fa2_references", "masking_steps_cover", "LIFTER", "LIFTER_VERSION"]
@@ -174,13 +174,13 @@ def _drop_zero_terms(e: Expr) -> Expr:
 
 def _kv_loop(parts: _Parts, causal: bool) -> For:
     m, l, acc, s, vt = _ONLINE.match(parts.online.ir_text).groups()  # type: ignore[union-attr]
-    at = dict(b=var("b"), h=var("h"), q_start=var("m_start"), kv_start=var("n_start"))
+    at = TileAt(var("b"), var("h"), var("m_start"), var("n_start"))
     body = (
         Load("kt", "k", (var("b"), var("hk"), Span(var("n_start"), "BLOCK_N"), Full())),
         Load(vt, "v", (var("b"), var("hk"), Span(var("n_start"), "BLOCK_N"), Full())),
         Dot(s, "qt", "kt", trans_b=True),
         Elementwise(s, Expr(ExprOp.MUL, (var(s), var("sm_scale")))),
-        IfBlock(BlockClass.FULL, True, then=(Mask(s, use_mask_mod=causal, **at),), **at),
+        IfBlock(BlockClass.FULL, True, at, then=(Mask(s, at, use_mask_mod=causal),)),
         OnlineSoftmax(m, l, acc, s, vt),
     )
     return For("n_start", const(0), Expr(ExprOp.MUL, (var("n_block_max"), var("BLOCK_N"))), "BLOCK_N", "reverse", body)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import functools
 import itertools
 import logging
 import re
@@ -34,11 +33,11 @@ from pathlib import Path
 
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.expr import (Expr, ExprOp, call, conjunction, conjuncts, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
+from kb.ir.expr import (Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
                         walk as walk_expr)
 from kb.ir.nodes import (
     Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
-    OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, VariantFn, MASK_MOD_PARAMS,
+    OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
@@ -50,7 +49,7 @@ from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stri
 from ingest.triton_source import (
     ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
 )
-from ingest.triton_sym import compare, normalize, scale_poly, simplify, to_expr
+from kb.ir.algebra import conjunction, conjuncts, from_poly, min_of, normal_compare, normal_form, scale_poly, to_poly
 
 __all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "verify_decode",
            "LIFTER_VERSION"]
@@ -245,7 +244,7 @@ def _resolve(e: Expr, walk: KernelWalk) -> Expr:
     for item in walk.lets:
         if item[0] == "let":
             env[item[1]] = substitute(item[2], env)
-    return simplify(substitute(e, env))
+    return normal_form(substitute(e, env))
 
 
 def _terms(walk: KernelWalk, base: str) -> list[tuple[str, Expr]]:
@@ -342,7 +341,7 @@ def _roles(walk: KernelWalk, q_base: str, k_base: str) -> _Roles:
     missing = ({"b", "h"} | (set() if decode else {"m"})) - set(roles.found)
     if missing:
         raise _Skip(f"grid roles {sorted(missing)} not found in the q pointer (terms: {_terms(walk, q_base)})")
-    roles.values = {simplify(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
+    roles.values = {normal_form(substitute(k, roles.overrides)): v for k, v in roles.values.items()}
     return roles
 
 
@@ -376,7 +375,7 @@ def _kv_roles(walk: KernelWalk, k_base: str, roles: _Roles) -> None:
     """The KV head count from the KV head index: `h // (X // Y)` makes X Hq and Y Hkv; `h // G` makes G Hq // Hkv."""
     heads = [var("h")] + [k for k, v in roles.values.items() if v == var("h")]
     for _, idx in _terms(walk, k_base):
-        for sub in walk_expr(simplify(substitute(idx, roles.overrides))):
+        for sub in walk_expr(normal_form(substitute(idx, roles.overrides))):
             if sub.op is not ExprOp.FLOORDIV or sub.args[0] not in heads:
                 continue
             ratio = sub.args[1]
@@ -390,7 +389,7 @@ def _kv_roles(walk: KernelWalk, k_base: str, roles: _Roles) -> None:
 
 def _row_term(offset: Expr) -> tuple[Expr | None, Expr | None]:
     """(sequence start, row index) of a pointer offset's row term; (None, None) without one row term."""
-    rows = [idx for _, idx in stride_indices(simplify(offset)) or () if {"_r", "_c"} & free_vars(idx)]
+    rows = [idx for _, idx in stride_indices(normal_form(offset)) or () if {"_r", "_c"} & free_vars(idx)]
     return split_start(rows[0]) if len(rows) == 1 else (None, None)
 
 
@@ -423,7 +422,7 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
                 continue
             for c in conjuncts(lane_to_idx(e.payload, lp.var)):
                 if c.op is ExprOp.LT:
-                    c = compare(c.op, c.args[0], c.args[1])
+                    c = normal_compare(c.op, c.args[0], c.args[1])
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
                         return Layout(start, c.args[1])
     raise _Skip(f"packed rows from {start}, but no per-sequence length bounds the keys (kv_idx < length[b])")
@@ -440,11 +439,11 @@ def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
     rows = list(dict.fromkeys(c.args[0] for c in conds))
     if len(strides) != 1 or len(rows) != 1:
         raise _Skip(f"line {q_load.line}: no single bound head-row term in a grouped q tile (rows {[str(r) for r in rows]})")
-    head0 = simplify(substitute(rows[0], {"_r": const(0)}))
-    rest = simplify(Expr(ExprOp.SUB, (offset, Expr(ExprOp.MUL, (rows[0], E(strides[0] or "1"))))))
-    if {"_r", "g"} & free_vars(rest) or simplify(substitute(head0, {"g": const(0)})) != const(0):
+    head0 = normal_form(substitute(rows[0], {"_r": const(0)}))
+    rest = normal_form(Expr(ExprOp.SUB, (offset, Expr(ExprOp.MUL, (rows[0], E(strides[0] or "1"))))))
+    if {"_r", "g"} & free_vars(rest) or normal_form(substitute(head0, {"g": const(0)})) != const(0):
         raise _Skip(f"line {q_load.line}: the q pointer does not step by the group's head rows {rows[0]}")
-    until = functools.reduce(lambda a, b: call("minimum", a, b), dict.fromkeys(c.args[1] for c in conds))
+    until = min_of(list(dict.fromkeys(c.args[1] for c in conds)))
     return replace(_decode_layout(walk, k_base), head0=head0, heads_until=until)
 
 
@@ -458,7 +457,7 @@ def _kv_row(e: Event, lp: Loop, walk: KernelWalk) -> Expr:
         rows = [Expr(ExprOp.ADD, (Expr(ExprOp.MUL, (page, tok[0].args[1])), tok[0]))]
     if len(rows) != 1 or not any(x.op is ExprOp.LOAD for x in walk_expr(rows[0])):
         raise _Skip(f"line {e.line}: {e.payload[0]} rows {[str(r) for r in rows]} are not one table lookup per KV lane")
-    return simplify(substitute(rows[0], {"_c": var("j")}))
+    return normal_form(substitute(rows[0], {"_c": var("j")}))
 
 
 def _split_free(bound: Expr) -> Expr:
@@ -481,7 +480,7 @@ def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
                 rows[e.payload[0]] = _kv_row(e, lp, walk)
             if e.kind == "mask" and length is None:
                 for c in conjuncts(lane_to_idx(e.payload, lp.var)):
-                    c = compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
+                    c = normal_compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
                     if c.op is ExprOp.LT and c.args[0] == var("kv_idx"):
                         length = _split_free(c.args[1])
     if len(set(rows.values())) != 1:
@@ -516,7 +515,7 @@ def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
     if not loads:
         raise _Skip("k pointer offset not understood")
     lets = {str(it[1]) for it in walk.lets if it[0] == "let"}
-    heads = [idx for _, idx in stride_indices(simplify(loads[0].payload[1]), lets)
+    heads = [idx for _, idx in stride_indices(normal_form(loads[0].payload[1]), lets)
              if {"h", "g"} & free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) == 1:
         return heads[0]
@@ -568,7 +567,7 @@ def _launched_in_log2(ctx: _Ctx, fn: JitFn, walk: KernelWalk, overrides: dict[st
 
 def _log2_units(walk: KernelWalk) -> bool:
     for e in _events(walk, "scale"):
-        for mono, c in normalize(e.payload).items():
+        for mono, c in to_poly(e.payload).items():
             if var("sm_scale") in mono and abs(abs(c) - LOG2E) < 1e-6:
                 return True
     return False
@@ -600,7 +599,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
         if e.kind == "mask":
             cond = lane_to_idx(e.payload, lp.var)
             if cond.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE):
-                cond = compare(cond.op, cond.args[0], cond.args[1])
+                cond = normal_compare(cond.op, cond.args[0], cond.args[1])
             fv = free_vars(cond)
             if "q_idx" in fv:
                 _check_names(cond, {"q_idx", "kv_idx", "b", "h"} | _DIMS, "mask")
@@ -612,14 +611,14 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                 spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
             elif "kv_idx" in fv and (layout.packed or layout.decode):  # no dim N: the sequence's length bounds kv
                 if layout.decode:  # a split's end: the length here, the split's range in the loop bounds
-                    cond = compare(ExprOp.LT, var("kv_idx"), layout.length)
+                    cond = normal_compare(ExprOp.LT, var("kv_idx"), layout.length)
                 _check_names(cond, {"kv_idx", "b", "h"} | _DIMS, "mask")
                 if cond not in mask_terms:
                     mask_terms.append(cond)
                 uses_mod = True
                 spans.append(("mask_bounds", str(cond), e.line, e.line, e.file))
             elif "kv_idx" in fv:
-                if cond != compare(ExprOp.LT, var("kv_idx"), var("N")):
+                if cond != normal_compare(ExprOp.LT, var("kv_idx"), var("N")):
                     notes.append(f"line {e.line}: kv range mask {cond} is covered by the IR's kv_idx < N mask and "
                                  f"the loop bounds (per-split ends rounded to BLOCK_N)")
                 spans.append(("mask_bounds", str(cond), e.line, e.line, e.file))
@@ -629,7 +628,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
         elif e.kind == "score_term":
             term = lane_to_idx(e.payload, lp.var)
             if log2:
-                term = to_expr(scale_poly(normalize(term), 1 / LOG2E))
+                term = from_poly(scale_poly(to_poly(term), 1 / LOG2E))
             _check_names(term, {"q_idx", "kv_idx", "b", "h"} | _DIMS, "score term")
             if term not in score_terms:
                 score_terms.append(term)
@@ -644,9 +643,9 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
         Elementwise("qk", E("qk * sm_scale")),
     ]
     if score_terms:
-        body.append(ScoreMod("qk", var("b"), head, q_at, n))
+        body.append(ScoreMod("qk", TileAt(var("b"), head, q_at, n)))
     if masked:
-        body.append(Mask("qk", var("b"), head, q_at, n, use_mask_mod=uses_mod))
+        body.append(Mask("qk", TileAt(var("b"), head, q_at, n), use_mask_mod=uses_mod))
     body.append(OnlineSoftmax("m_i", "l_i", "acc", "qk", "vt"))
     first = min(e.line for e in lp.events if e.kind in ("rowmax",))
     last = max(e.line for e in lp.events if e.kind in ("pv_dot",))
@@ -711,7 +710,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         lets += [Let("q0", layout.start), Let("q_len", layout.length)]
     rows: int | str = 1 if layout.decode and not layout.grouped else "BLOCK_M"
     prologue = [
-        Let("hk", simplify(hk)),
+        Let("hk", normal_form(hk)),
         Load("qt", "q", layout.rows("h", var("m_start"), "BLOCK_M")),
         Init("m_i", (rows,), float("-inf"), Dtype.F32),
         Init("l_i", (rows,), 0.0, Dtype.F32),
@@ -819,7 +818,7 @@ def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[P
     split_grid = grid
     if layout.grouped:  # group g holds heads h0 = g * C ..: the grid covers Hq in steps of C
         o_row = (var("b"), var("s"), layout.rows("h", var("h0"), "BLOCK_M", head_dim=False)[1])
-        step = simplify(substitute(layout.head0, {"g": const(1)}))
+        step = normal_form(substitute(layout.head0, {"g": const(1)}))
         split_grid = (grid[0], GridAxis("g", call("cdiv", var("Hq"), step)))
     part = Kernel("split", split_grid + (GridAxis("s", E("NUM_SPLITS")),), tuple(_prune(body + [
         Store("o_part", o_row + (Full(),), "ot"), Store("lse_part", o_row, "lt")])))
@@ -837,10 +836,12 @@ def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[P
 
 def _stmt_exprs(st) -> list[Expr]:
     out: list[Expr] = []
-    for f in ("value", "lo", "hi", "b", "h", "q_start", "kv_start"):
+    for f in ("value", "lo", "hi"):
         x = getattr(st, f, None)
         if isinstance(x, Expr):
             out.append(x)
+    if isinstance(getattr(st, "at", None), TileAt):
+        out += list(st.at)
     for ix in getattr(st, "index", ()) or ():
         if isinstance(ix, Span):
             out += [ix.start] + ([ix.until] if ix.until is not None else [])
@@ -1045,7 +1046,7 @@ def _without_length(p: Program, layout: Layout) -> Program:
     the ragged-KV bound a dense program has built in, not a variant mask (for classification only)."""
     if layout.length is None or p.mask_mod is None:
         return p
-    bound = compare(ExprOp.LT, var("kv_idx"), layout.length)
+    bound = normal_compare(ExprOp.LT, var("kv_idx"), layout.length)
     rest = [c for c in conjuncts(p.mask_mod.body) if c != bound]
     body = conjunction(rest)
     return replace(p, mask_mod=replace(p.mask_mod, body=body) if body is not None else None)

@@ -24,11 +24,11 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, conjunction, const, free_vars, substitute, var
+from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, var
 from kb.ir.nodes import (
     Dot, Dtype, Elementwise, For, Full, GridAxis, Init, Kernel, Let, Load, Mask, Param, Probs as ProbsStmt,
     Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad, SoftmaxGrad as SoftmaxGradStmt, Span, Store,
-    VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
+    TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 from kb.ir.text import print_stmt_header
 from ingest.model import LiftedSnippet, LiftedTunable, Provenance
@@ -40,7 +40,7 @@ from ingest.triton_bwd_names import (
 )
 from ingest.triton_grad import Probs, Refuse
 from ingest.triton_source import JitFn, TritonModule, Unknown, specialize
-from ingest.triton_sym import compare, simplify
+from kb.ir.algebra import conjunction, conjuncts, normal_compare, normal_form
 from ingest.triton_tiles import TV, LoopNode, TileWalk, walk_tiles
 
 __all__ = ["BackwardReport", "lift_backward", "BWD_LIFTER_VERSION"]
@@ -48,7 +48,7 @@ __all__ = ["BackwardReport", "lift_backward", "BWD_LIFTER_VERSION"]
 log = logging.getLogger(__name__)
 BWD_LIFTER_VERSION = "triton-bwd-1"
 _BWD_POLICY = {"DEBUG": False}  # debug prints and dumps off (a prefix of the constexpr's name)
-_AT = (var("b"), var("h"), var("m_start"), var("n_start"))
+_AT = TileAt(var("b"), var("h"), var("m_start"), var("n_start"))
 _HEAD_LOOP = (Expr(ExprOp.MUL, (var("hk"), Expr(ExprOp.FLOORDIV, (var("Hq"), var("Hkv"))))),
               Expr(ExprOp.MUL, (Expr(ExprOp.ADD, (var("hk"), const(1))), Expr(ExprOp.FLOORDIV, (var("Hq"), var("Hkv"))))))
 
@@ -96,9 +96,9 @@ def _scores(mask: str | None, scored: bool) -> list:
     out: list = [Dot("s", "qt", "kt", trans_b=True), Elementwise("s", Expr(ExprOp.MUL, (var("s"), var("sm_scale"))))]
     s = "sm" if scored else "s"
     if scored:
-        out += [Elementwise("sm", var("s")), ScoreMod("sm", *_AT)]
+        out += [Elementwise("sm", var("s")), ScoreMod("sm", _AT)]
     if mask is not None:
-        out.append(Mask(s, *_AT, use_mask_mod=mask == "mask_mod"))
+        out.append(Mask(s, _AT, use_mask_mod=mask == "mask_mod"))
     return out + [ProbsStmt("p", s, "lt")]
 
 
@@ -106,7 +106,7 @@ def _grad(scored: bool) -> list:
     """dP = dO vᵀ, dS = P (dP - delta), score_mod's derivative, the scale."""
     out: list = [Dot("dp", "gt", "vt", trans_b=True), SoftmaxGradStmt("ds", "p", "dp", "dt")]
     if scored:
-        out.append(ScoreModGrad("ds", "s", *_AT))
+        out.append(ScoreModGrad("ds", "s", _AT))
     return out + [Elementwise("ds", Expr(ExprOp.MUL, (var("ds"), var("sm_scale"))))]
 
 
@@ -142,10 +142,10 @@ def _enter(names: Names, loop: LoopNode, p: Probs, kind: str) -> tuple[str, list
     names.names[loop.var] = var(counter)
     start = names.ir(src)
     names.starts[start_name] = start  # tiles at this start are indexed by `m_start` / `n_start`
-    base = simplify(substitute(start, {counter: const(0)}))
-    if names.ir(loop.step) == const(1) and simplify(Expr(ExprOp.SUB, (start, base))) == \
-            simplify(Expr(ExprOp.MUL, (var(counter), var(block)))):
-        at = lambda i: simplify(substitute(start, {counter: names.ir(i)}))  # noqa: E731
+    base = normal_form(substitute(start, {counter: const(0)}))
+    if names.ir(loop.step) == const(1) and normal_form(Expr(ExprOp.SUB, (start, base))) == \
+            normal_form(Expr(ExprOp.MUL, (var(counter), var(block)))):
+        at = lambda i: normal_form(substitute(start, {counter: names.ir(i)}))  # noqa: E731
         return start_name, [], (at(loop.lo), at(loop.hi))
     return counter, [Let(start_name, start)], None
 
@@ -167,9 +167,9 @@ def _mask_kind(names: Names, p: Probs) -> tuple[str | None, list[Expr]]:
     terms: list[Expr] = []
     bounded = False
     for cond in p.masks:
-        for c in _conjuncts(positions(names, p, cond)):
-            c = compare(c.op, c.args[0], c.args[1]) if c.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE) else c
-            if c == compare(ExprOp.LT, var("kv_idx"), var("N")):
+        for c in conjuncts(positions(names, p, cond)):
+            c = normal_compare(c.op, c.args[0], c.args[1]) if c.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE) else c
+            if c == normal_compare(ExprOp.LT, var("kv_idx"), var("N")):
                 bounded = True
             elif "q_idx" in (fv := _vars(c)) and fv <= {"q_idx", "kv_idx", "b", "h", "M", "N", "D", "Hq", "Hkv"}:
                 terms += [c] if c not in terms else []
@@ -181,10 +181,6 @@ def _mask_kind(names: Names, p: Probs) -> tuple[str | None, list[Expr]]:
 
 def _vars(e: Expr) -> set[str]:
     return set(free_vars(e))
-
-
-def _conjuncts(e: Expr) -> list[Expr]:
-    return _conjuncts(e.args[0]) + _conjuncts(e.args[1]) if e.op is ExprOp.AND else [e]
 
 
 def _score_terms(names: Names, p: Probs) -> list[Expr]:
@@ -225,7 +221,7 @@ def _kv_axis(names: Names, g: KVOuter) -> tuple[tuple[GridAxis, ...], LoopNode |
     start, _ = row_start(names, g.p.k)
     pids = sorted(v for v in _vars(start) if v.startswith("pid") and v not in names.names)
     serial = [lp for lp in g.outer if lp.var in _vars(start)]
-    n_start = simplify(Expr(ExprOp.MUL, (var("n"), var("BLOCK_N"))))
+    n_start = normal_form(Expr(ExprOp.MUL, (var("n"), var("BLOCK_N"))))
     if len(pids) == 1 and not serial:
         names.names[pids[0]] = var("n")
         axis: tuple[GridAxis, ...] = (GridAxis("n", Expr(ExprOp.CDIV, (var("N"), var("BLOCK_N")))),)
@@ -247,7 +243,7 @@ def _kv_outer(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
     g = recognise_kv_outer(walk)
     names, group = _names(walk, g.p, g.p.q, g.p.k)
     axis, serial = _kv_axis(names, g)
-    names.starts["n_start"] = simplify(Expr(ExprOp.MUL, (var("n"), var("BLOCK_N"))))
+    names.starts["n_start"] = normal_form(Expr(ExprOp.MUL, (var("n"), var("BLOCK_N"))))
     notes: list[str] = []
     variants, loops = [], []
     for ml in g.loops:
@@ -348,7 +344,7 @@ def _dq_pass(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
     if len(pids) != 1:
         raise Refuse(f"the q block start {start} of the dQ pass is not one program id")
     names.names[pids[0]] = var("m")
-    names.starts["m_start"] = simplify(Expr(ExprOp.MUL, (var("m"), var("BLOCK_M"))))
+    names.starts["m_start"] = normal_form(Expr(ExprOp.MUL, (var("m"), var("BLOCK_M"))))
     if names.ir(start) != names.starts["m_start"]:
         raise Refuse(f"the q block start {names.ir(start)} is not m * BLOCK_M")
     variants, loops = [], []
@@ -408,7 +404,7 @@ def _delta(walk: TileWalk, fn: JitFn) -> tuple[Kernel, Delta, list]:
     idx = index(names, a.info[0].offset, "o", "h", "q")  # type: ignore[index]
     if index(names, d.g.info[0].offset, "dout", "h", "q") != idx:  # type: ignore[index]
         raise Refuse("o and dO tiles are read at different offsets")
-    if idx[2] != Span(simplify(Expr(ExprOp.MUL, (var("m"), var("BLOCK_M")))), "BLOCK_M"):
+    if idx[2] != Span(normal_form(Expr(ExprOp.MUL, (var("m"), var("BLOCK_M")))), "BLOCK_M"):
         raise Refuse(f"the delta kernel's rows {idx[2]} are not m * BLOCK_M + lane")
     if index(names, d.store.ptr.offset, "delta", "h", "q", d=False) != idx[:3]:
         raise Refuse("delta is stored at other rows than o is read")

@@ -16,7 +16,7 @@ from kb.ir.expr import Expr, const
 from ingest.triton_grad import (
     Probs, Refuse, SoftmaxGrad, Term, accumulation, contraction, linear, probs, product, same_load, softmax_grad,
 )
-from ingest.triton_sym import simplify
+from kb.ir.algebra import normal_form
 from ingest.triton_tiles import TV, EarlyExit, Effect, LoopNode, TileWalk
 
 __all__ = ["QBlockLoop", "KVOuter", "KVBlockLoop", "DQPass", "Delta", "kind_of", "recognise_kv_outer",
@@ -158,7 +158,7 @@ def recognise_delta(walk: TileWalk) -> Delta:
 
 
 def _check_scale(got: Expr, want: Expr, what: str, line: int) -> None:
-    if simplify(got) != simplify(want):
+    if normal_form(got) != normal_form(want):
         raise Refuse(f"line {line}: {what} is scaled by {got}, the scores by {want}")
 
 
@@ -246,7 +246,7 @@ def _dq_update(loop: LoopNode, ds: SoftmaxGrad, p: Probs, walk: TileWalk) -> tup
         if eff.kind == "store":
             parts = linear(eff.value)
             own = [t for c, t in parts if isinstance(t, TV) and t.op == "load" and t.info[0].base == eff.ptr.base  # type: ignore[index]
-                   and simplify(t.info[0].offset) == simplify(eff.ptr.offset) and simplify(c) == const(1)]  # type: ignore[index]
+                   and normal_form(t.info[0].offset) == normal_form(eff.ptr.offset) and normal_form(c) == const(1)]  # type: ignore[index]
             rest = [(c, t) for c, t in parts if not any(t is o for o in own)]
             if len(own) != 1 or len(rest) != 1 or not isinstance(rest[0][1], TV):
                 continue

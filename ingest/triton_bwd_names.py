@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kb.ir.expr import Expr, ExprOp, free_vars, substitute, var
 from ingest.triton_exec import stride_indices
 from ingest.triton_grad import Probs, Refuse
-from ingest.triton_sym import simplify
+from kb.ir.algebra import normal_form
 from ingest.triton_tiles import TV, LoopNode, TileWalk, lanes_of, strip_tags
 from kb.ir.nodes import Full, Span
 
@@ -41,7 +41,7 @@ class Names:
     aux: dict[str, tuple[str, ...]] = field(default_factory=dict)  # aux tables variant functions read -> dims
 
     def ir(self, e: Expr) -> Expr:
-        return simplify(substitute(_replace(simplify(e), self.values), self.names))
+        return normal_form(substitute(_replace(normal_form(e), self.values), self.names))
 
 
 def _replace(e: Expr, table: dict[Expr, Expr]) -> Expr:
@@ -76,7 +76,7 @@ def lane_roles(names: Names, walk: TileWalk, p: Probs) -> None:
 
 def _heads(names: Names, t: TV) -> list[Expr]:
     """The source index terms of a tile's offset that are not rows or the head dim (batch, head)."""
-    off = simplify(t.info[0].offset)  # type: ignore[index]
+    off = normal_form(t.info[0].offset)  # type: ignore[index]
     return [idx for _, idx in stride_indices(off, names.src_index) if not lanes_of(strip_tags(idx))
             and idx.op is not ExprOp.CONST]
 
@@ -114,7 +114,7 @@ def head_roles(names: Names, walk: TileWalk, q: TV, k: TV, strides: dict[str, st
 
 
 def _stride_names(names: Names, t: TV) -> dict[Expr, str]:
-    off = simplify(t.info[0].offset)  # type: ignore[index]
+    off = normal_form(t.info[0].offset)  # type: ignore[index]
     return {idx: stride for stride, idx in stride_indices(off, names.src_index)}
 
 
@@ -140,8 +140,8 @@ def _group_loop(names: Names, walk: TileWalk, q_head: Expr, k_head: Expr) -> Loo
     if len(loops) != 1 or k_head.op is not ExprOp.VAR:
         raise Refuse(f"the q head {q_head} is not a loop over the q heads of KV head {k_head}")
     loop = loops[0]
-    group = simplify(Expr(ExprOp.SUB, (loop.hi, loop.lo)))
-    if simplify(loop.lo) != simplify(Expr(ExprOp.MUL, (k_head, group))) or simplify(loop.step).value != 1:
+    group = normal_form(Expr(ExprOp.SUB, (loop.hi, loop.lo)))
+    if normal_form(loop.lo) != normal_form(Expr(ExprOp.MUL, (k_head, group))) or normal_form(loop.step).value != 1:
         raise Refuse(f"line {loop.line}: the q-head loop range({loop.lo}, {loop.hi}) is not hk * G .. hk * G + G")
     if group.op is ExprOp.FLOORDIV and all(a.op is ExprOp.VAR for a in group.args):
         names.names[str(group.args[0].value)] = var("Hq")
@@ -182,7 +182,7 @@ def sizes(names: Names, walk: TileWalk) -> None:
 
 
 def scale_param(names: Names, walk: TileWalk, p: Probs) -> None:
-    s = simplify(p.scale)
+    s = normal_form(p.scale)
     if s.op is not ExprOp.VAR or str(s.value) not in walk.scalars:
         raise Refuse(f"the scores are scaled by {p.scale}, not by one scalar parameter")
     names.names[str(s.value)] = var("sm_scale")
@@ -200,7 +200,7 @@ def index(names: Names, off: Expr, tensor: str, head: str, rows: str, d: bool = 
             found["d"] = Full()
         elif len(kinds) == 1 and kinds <= {"q", "kv"}:
             (kind,) = kinds
-            start = simplify(Expr(ExprOp.SUB, (plain, var(next(iter(lanes_of(plain)))))))
+            start = normal_form(Expr(ExprOp.SUB, (plain, var(next(iter(lanes_of(plain)))))))
             if lanes_of(start):
                 raise Refuse(f"{tensor}: row index {plain} is not a start plus one lane")
             at = "m_start" if kind == "q" else "n_start"
@@ -225,12 +225,12 @@ def index(names: Names, off: Expr, tensor: str, head: str, rows: str, d: bool = 
 
 def row_start(names: Names, t: TV) -> tuple[Expr, str]:
     """(start, lane) of the row term of a tile's source offset (its q-row or kv-row lane)."""
-    off = simplify(t.info[0].offset)  # type: ignore[index]
+    off = normal_form(t.info[0].offset)  # type: ignore[index]
     for _, idx in stride_indices(off, names.src_index):
         plain = strip_tags(idx)
         rows = [lane for lane in lanes_of(plain) if names.lanes.get(lane) in ("q", "kv")]
         if rows:
-            return simplify(Expr(ExprOp.SUB, (plain, var(rows[0])))), rows[0]
+            return normal_form(Expr(ExprOp.SUB, (plain, var(rows[0])))), rows[0]
     raise Refuse(f"line {t.line}: the tile has no row term")
 
 
@@ -241,7 +241,7 @@ def positions(names: Names, p: Probs, e: Expr) -> Expr:
     for t, pos in ((p.q, "q_idx"), (p.k, "kv_idx")):
         start, lane = row_start(names, t)
         at[lane] = Expr(ExprOp.SUB, (var(pos), start))
-    return _canonical(names, names.ir(simplify(substitute(strip_tags(e), at))))
+    return _canonical(names, names.ir(normal_form(substitute(strip_tags(e), at))))
 
 
 def _canonical(names: Names, e: Expr) -> Expr:
@@ -249,7 +249,7 @@ def _canonical(names: Names, e: Expr) -> Expr:
     if e.op is ExprOp.LOAD:
         return _aux_load(names, e)
     if e.op is ExprOp.ABS:
-        pos, neg = simplify(args[0]), simplify(Expr(ExprOp.NEG, (args[0],)))
+        pos, neg = normal_form(args[0]), normal_form(Expr(ExprOp.NEG, (args[0],)))
         return Expr(ExprOp.ABS, (min(pos, neg, key=str),))
     return Expr(e.op, args, e.value) if args else e
 
@@ -258,7 +258,7 @@ def _aux_load(names: Names, e: Expr) -> Expr:
     """`T[b * s_b + h * s_h]` (a flat scalar load) -> `t[b, h]`, recording the aux param t: [B, Hq]."""
     if len(e.args) != 1:
         return e
-    idx = {str(i) for _, i in stride_indices(simplify(e.args[0]), {"b", "h"}) if i.op is not ExprOp.CONST}
+    idx = {str(i) for _, i in stride_indices(normal_form(e.args[0]), {"b", "h"}) if i.op is not ExprOp.CONST}
     if not idx or not idx <= {"b", "h"}:
         raise Refuse(f"table load {e} is not indexed by the batch and head")
     dims = [d for d in ("b", "h") if d in idx]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
 from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
-from ingest.triton_sym import compare, simplify
+from kb.ir.algebra import from_poly, normal_form, to_poly
 
 __all__ = ["MASK_FILL", "Tile", "Ptr", "BlockPtr", "TensorDesc", "Opaque", "Event", "Loop", "KernelWalk", "walk_kernel", "LANES", "LOG2E", "lane_to_idx",
            "DIM_PATTERNS"]
@@ -139,7 +139,7 @@ def _as_bool(e: Expr) -> Expr:
 def lane_to_idx(e: Expr, loop_var: str = "n_start") -> Expr:
     """Lanes to absolute indices: `_r = q_idx - m * BLOCK_M`, `_c = kv_idx - loop_var` (then simplified)."""
     m_start = Expr(ExprOp.MUL, (var("m"), var("BLOCK_M")))
-    return simplify(substitute(e, {"_r": Expr(ExprOp.SUB, (var("q_idx"), m_start)),
+    return normal_form(substitute(e, {"_r": Expr(ExprOp.SUB, (var("q_idx"), m_start)),
                                    "_c": Expr(ExprOp.SUB, (var("kv_idx"), var(loop_var)))}))
 
 
@@ -509,7 +509,7 @@ class _Walker:
     def _load_ptr(self, n: ast.Call, ptr: Sym) -> Sym:
         if not isinstance(ptr, Ptr):
             return self._unknown(n, "tl.load of a non-pointer")
-        off = simplify(ptr.offset)
+        off = normal_form(ptr.offset)
         if (ptr.base, str(ptr.offset)) in self.stored:  # store-then-load round trip (compiler workaround)
             self._event("reload", n, ptr.base)
             return self.stored[(ptr.base, str(ptr.offset))]
@@ -570,7 +570,7 @@ class _Walker:
             self.env[name] = self.overrides[name]
             return
         val = self.ev(value)
-        if isinstance(val, Expr) and self.loop is None and (role := self.value_roles.get(simplify(val))) is not None:
+        if isinstance(val, Expr) and self.loop is None and (role := self.value_roles.get(normal_form(val))) is not None:
             self.env[name] = role  # a grid role found by use (e.g. `bh // n_heads` is the batch index)
             return
         if isinstance(val, Expr) and self.loop is None and self.collect is None and not _has_lanes(val) \
@@ -578,7 +578,7 @@ class _Walker:
                 and "sm_scale" not in free_vars(val) and not any(x.op is ExprOp.LOAD for x in walk(val)) \
                 and not any(x.op is ExprOp.CONST and isinstance(x.value, float) for x in walk(val)):
             let = self._fresh(name)
-            self.out.lets.append(("let", let, simplify(val), st.lineno))
+            self.out.lets.append(("let", let, normal_form(val), st.lineno))
             val = var(let)
         self.env[name] = val
 
@@ -610,7 +610,7 @@ class _Walker:
             self._unknown(st, "nested loop")
             return
         lv = self._fresh("n_start")
-        loop = Loop(lv, simplify(args[0]), simplify(args[1]), st.lineno, st.end_lineno or st.lineno)  # type: ignore[arg-type]
+        loop = Loop(lv, normal_form(args[0]), normal_form(args[1]), st.lineno, st.end_lineno or st.lineno)  # type: ignore[arg-type]
         saved_cond = self.cond
         self.loop, self.cond = loop, None
         self.env[st.target.id] = var(lv)
@@ -647,7 +647,7 @@ class _Walker:
             if tv == ev_:
                 continue
             if isinstance(tv, Expr) and isinstance(ev_, Expr):
-                w = simplify(call("where", cond, tv, ev_))
+                w = normal_form(call("where", cond, tv, ev_))
                 if self.loop is None and not _has_lanes(w):
                     let = self._fresh(k)
                     self.out.lets.append(("let", let, w, st.lineno))
@@ -707,18 +707,16 @@ def _stride_indices(off: Expr, index_names: set[str] = frozenset()) -> list[tupl
     or a product such as `H * N * D` in a flattened view). Monomials sharing a stride are summed
     (`(m * BLOCK_M + _r) * s_q2`); the stride "" is the contiguous last dim.
     """
-    from ingest.triton_sym import normalize, to_expr
-
     def is_index(a: Expr) -> bool:
         return any(v in _INDEX_VARS or v in index_names or v.startswith("n_start") for v in free_vars(a))
 
     groups: dict[str, dict] = {}
-    for mono, c in normalize(off).items():
+    for mono, c in to_poly(off).items():
         key = "*".join(sorted(str(a) for a in mono if not is_index(a)))
         rest = tuple(a for a in mono if is_index(a))
         groups.setdefault(key, {})
         groups[key][rest] = groups[key].get(rest, 0) + c
-    return [(k, to_expr(p)) for k, p in groups.items()]
+    return [(k, from_poly(p)) for k, p in groups.items()]
 
 
 def walk_kernel(mod: TritonModule, fn: ast.FunctionDef, body: list[ast.stmt], consts: dict[str, object],
@@ -739,4 +737,4 @@ def uses(e: Expr) -> set[str]:
     return {str(n.value) for n in walk(e) if n.op in (ExprOp.VAR, ExprOp.LOAD)}
 
 
-__all__ += ["stride_indices", "uses", "compare"]
+__all__ += ["stride_indices", "uses"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kb.ir.expr import Expr, ExprOp, const
 from ingest.triton_exec import LOG2E, MASK_FILL
-from ingest.triton_sym import normalize, scale_poly, simplify, to_expr
+from kb.ir.algebra import from_poly, normal_form, scale_poly, to_poly
 from ingest.triton_tiles import TV, LoopNode
 
 __all__ = ["Refuse", "Contraction", "Probs", "SoftmaxGrad", "Term", "contraction", "probs", "softmax_grad",
@@ -86,7 +86,7 @@ class Term:
 
 
 def _mul(a: Expr, b: Expr) -> Expr:
-    return simplify(Expr(ExprOp.MUL, (a, b)))
+    return normal_form(Expr(ExprOp.MUL, (a, b)))
 
 
 def product(scalars: list[Expr]) -> Expr:
@@ -165,7 +165,7 @@ def same_load(a: TV, b: TV) -> bool:
     if a is b:
         return True
     return is_load(a) and is_load(b) and a.info[0].base == b.info[0].base \
-        and simplify(a.info[0].offset) == simplify(b.info[0].offset)  # type: ignore[index]
+        and normal_form(a.info[0].offset) == normal_form(b.info[0].offset)  # type: ignore[index]
 
 
 def _row_vector(x: object) -> bool:
@@ -184,11 +184,11 @@ def probs(x: TV) -> Probs:
     masks: list[Expr] = []
     terms = linear(x.args[0], masks)
     if x.op == "exp2":
-        terms = [(simplify(to_expr(scale_poly(normalize(c), 1 / LOG2E))), t) for c, t in terms]
+        terms = [(normal_form(from_poly(scale_poly(to_poly(c), 1 / LOG2E))), t) for c, t in terms]
     lse = [(c, t) for c, t in terms if _row_vector(t)]
     scores = [(c, t) for c, t in terms if isinstance(t, TV) and not _row_vector(t)]
     extra = [(c, t) for c, t in terms if isinstance(t, Expr)]
-    if len(lse) != 1 or simplify(lse[0][0]) != const(-1):
+    if len(lse) != 1 or normal_form(lse[0][0]) != const(-1):
         raise Refuse(f"line {x.line}: the exponent does not subtract one loaded row vector (the log-sum-exp) "
                      f"in natural units: {[(str(c), getattr(t, 'op', str(t))) for c, t in lse]}")
     if len(scores) != 1:
@@ -209,7 +209,7 @@ def probs(x: TV) -> Probs:
     total = _mul(_mul(scale, dots[0][0]), c.scale)
     extra += [(_mul(scale, cc), t) for cc, t in s_terms if isinstance(t, Expr)]
     return Probs(node, q, k, c.lane, lse[0][1], total, tuple(masks + inner + after),  # type: ignore[arg-type]
-                 tuple(simplify(_mul(cc, t)) for cc, t in extra), x.op == "exp2", x.line)
+                 tuple(normal_form(_mul(cc, t)) for cc, t in extra), x.op == "exp2", x.line)
 
 
 def softmax_grad(x: TV, p_of: "callable") -> SoftmaxGrad:  # type: ignore[valid-type]
@@ -229,7 +229,7 @@ def softmax_grad(x: TV, p_of: "callable") -> SoftmaxGrad:  # type: ignore[valid-
         terms = linear(diff)
         rows = [(c, t) for c, t in terms if _row_vector(t)]
         dots = [(c, t) for c, t in terms if isinstance(t, TV) and not _row_vector(t)]
-        if len(rows) != 1 or len(dots) != 1 or simplify(rows[0][0]) != const(-1) or len(terms) != 2:
+        if len(rows) != 1 or len(dots) != 1 or normal_form(rows[0][0]) != const(-1) or len(terms) != 2:
             raise Refuse(f"line {x.line}: dS multiplies P by something other than (dP - delta) with delta a "
                          f"loaded row vector")
         dp = contraction(dots[0][1])
@@ -282,7 +282,7 @@ def _grown(v: TV, base: TV | None, loop: LoopNode | None) -> list[Term]:
     if len(parts) == 1 and parts[0][1] is v:
         raise Refuse(f"line {v.line}: {v.op} is not the loop's carried value plus tiles")
     own = [(c, t) for c, t in parts if isinstance(t, TV) and _grows(t, base, loop)]
-    if len(own) != 1 or simplify(own[0][0]) != const(1) or any(isinstance(t, Expr) for _, t in parts):
+    if len(own) != 1 or normal_form(own[0][0]) != const(1) or any(isinstance(t, Expr) for _, t in parts):
         raise Refuse(f"line {loop.line}: the loop does not add tiles to its carried value")
     terms = [Term(t, loop, c) for c, t in parts if t is not own[0][1]]  # type: ignore[arg-type]
     return _grown(own[0][1], base, loop) + terms  # type: ignore[arg-type]

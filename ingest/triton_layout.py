@@ -19,18 +19,18 @@ from dataclasses import dataclass
 
 from kb.ir.expr import Expr, ExprOp, call, var, walk
 from kb.ir.nodes import Dtype, Full, Gather, Index, Param, Role, Span
-from ingest.triton_sym import normalize, to_expr
+from kb.ir.algebra import from_poly, to_poly
 
 __all__ = ["Layout", "DENSE", "split_start"]
 
 
 def split_start(idx: Expr) -> tuple[Expr | None, Expr]:
     """`load(t, b) + m * BLOCK_M + _r` -> (`load(t, b)`, `m * BLOCK_M + _r`); (None, idx) without a load."""
-    poly = normalize(idx)
+    poly = to_poly(idx)
     loaded = {m: c for m, c in poly.items() if any(x.op is ExprOp.LOAD for a in m for x in walk(a))}
     if not loaded:
         return None, idx
-    return to_expr(loaded), to_expr({m: c for m, c in poly.items() if m not in loaded})
+    return from_poly(loaded), from_poly({m: c for m, c in poly.items() if m not in loaded})
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 from ingest.triton_exec import Opaque, Ptr
 from ingest.triton_source import JitFn, TritonModule, Unknown, const_eval, node_file
-from ingest.triton_sym import normalize, simplify, to_expr
+from kb.ir.algebra import from_poly, normal_form, to_poly
 
 __all__ = ["TV", "Ptr", "Effect", "LoopNode", "EarlyExit", "TileWalk", "walk_tiles", "strip_tags", "lanes_of",
            "AXIS_TAG", "NO_OPS"]
@@ -365,7 +365,7 @@ class _TileWalker:
             axis = const_eval(n.args[0] if n.args else kw["axis"], {})
             return var(f"pid{axis}")
         if name == "arange":
-            return var(self._lane(simplify(self._expr(n.args[1], n))))
+            return var(self._lane(normal_form(self._expr(n.args[1], n))))
         if name == "float" and n.args:
             try:
                 return const(float(const_eval(n.args[0], {})))  # type: ignore[arg-type]
@@ -414,7 +414,7 @@ class _TileWalker:
         if not elts or (len(n.args) > 1 and n.func and ast.unparse(n.func).endswith("full")
                         and self.ev(n.args[1]) != const(0.0) and self.ev(n.args[1]) != const(0)):
             return self._unknown(n, f"tile constant {ast.unparse(n)}")
-        return TV("zeros", (), tuple(self._lane(simplify(self._expr(e, n))) for e in elts), n.lineno)
+        return TV("zeros", (), tuple(self._lane(normal_form(self._expr(e, n))) for e in elts), n.lineno)
 
     def _load(self, n: ast.Call, kw: dict) -> Sym:
         ptr = self.ev(n.args[0])
@@ -424,7 +424,7 @@ class _TileWalker:
         if isinstance(mask, Expr):
             self._compare(mask)
         other = self.ev(kw["other"]) if "other" in kw else const(0.0)
-        off = simplify(ptr.offset)
+        off = normal_form(ptr.offset)
         lanes = _axes(off)
         if not lanes:  # a scalar (a table or aux value): an index expression
             return Expr(ExprOp.LOAD, (off,), ptr.base)
@@ -437,7 +437,7 @@ class _TileWalker:
             self._compare(mask)
         if not isinstance(ptr, Ptr) or not isinstance(val, (TV, Expr)):
             return self._unknown(n, f"tl.{kind} of {type(val).__name__} through {type(ptr).__name__}")
-        self.scope.append(Effect(kind, Ptr(ptr.base, simplify(ptr.offset)), val, mask if isinstance(mask, Expr) else None,
+        self.scope.append(Effect(kind, Ptr(ptr.base, normal_form(ptr.offset)), val, mask if isinstance(mask, Expr) else None,
                                  n.lineno, self._file(n), self.cond))
         return Opaque(kind)
 
@@ -519,7 +519,7 @@ class _TileWalker:
             return None
         lo, hi, step = (const(0), args[0], const(1)) if len(args) == 1 else \
             (args[0], args[1], args[2] if len(args) == 3 else const(1))
-        return simplify(lo), simplify(hi), simplify(step)  # type: ignore[arg-type]
+        return normal_form(lo), normal_form(hi), normal_form(step)  # type: ignore[arg-type]
 
     def _for(self, st: ast.For) -> None:
         bounds = self._range(st)
@@ -610,7 +610,7 @@ def _tile_lanes(x: Sym) -> tuple:
 
 def _merge(cond: Expr, a: Sym, b: Sym | None, line: int) -> Sym:
     if isinstance(a, Expr) and isinstance(b, Expr):
-        return simplify(call("where", cond, a, b))
+        return normal_form(call("where", cond, a, b))
     if isinstance(a, TV) and isinstance(b, TV) and a.lanes == b.lanes:
         return TV("select", (a, b), a.lanes, line, cond)
     return Opaque(f"differs by branch at line {line}")
@@ -634,15 +634,15 @@ def _trip_scaled(d: Expr, i: Expr, lo: Expr, step: Expr) -> Expr:
     """(i - lo) / step * d, exactly: step divides every monomial of d (`BLOCK_M * stride`) or is 1."""
     span = Expr(ExprOp.SUB, (i, lo))
     if step == const(1):
-        return simplify(Expr(ExprOp.MUL, (span, d)))
-    poly = normalize(d)
+        return normal_form(Expr(ExprOp.MUL, (span, d)))
+    poly = to_poly(d)
     if step.op is ExprOp.VAR and poly and all(step in mono for mono in poly):
         per = {}
         for mono, c in poly.items():
             rest = list(mono)
             rest.remove(step)
             per[tuple(rest)] = c
-        return simplify(Expr(ExprOp.MUL, (span, to_expr(per))))
+        return normal_form(Expr(ExprOp.MUL, (span, from_poly(per))))
     return Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (span, step)), d))
 
 

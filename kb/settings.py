@@ -9,6 +9,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from kb.errors import KBError
 
@@ -57,15 +58,15 @@ class Settings:
 _ENV = {f.name: "KB_" + f.name.upper() for f in fields(Settings)}
 
 
-def _coerce(name: str, raw: object) -> object:
+def _coerce(name: str, raw: Any) -> Path | int | float | str:  # raw: what TOML, the env or a caller gave
     typ = {f.name: f.type for f in fields(Settings)}[name]
     try:
         if typ in ("Path", Path):
             return Path(str(raw)).expanduser()
         if typ in ("int", int):
-            return int(raw)  # type: ignore[arg-type]
+            return int(raw)
         if typ in ("float", float):
-            return float(raw)  # type: ignore[arg-type]
+            return float(raw)
     except ValueError as err:
         raise KBError(f"setting {name}={raw!r} is not a valid {typ}") from err
     return str(raw)
@@ -90,4 +91,5 @@ def load_settings(**overrides: object) -> Settings:
             values[name] = os.environ[env]
     values.update({k: v for k, v in overrides.items() if v is not None})
     values["home"] = home
-    return replace(Settings(), **{k: _coerce(k, v) for k, v in values.items()})
+    coerced: dict[str, Any] = {k: _coerce(k, v) for k, v in values.items()}  # each of its field's type
+    return replace(Settings(), **coerced)

@@ -12,6 +12,8 @@ import pytest
 
 from kb.embed import SentenceEmbedder, get_embedder
 from kb.settings import Settings, load_settings
+from tests.support.generate_fixtures import INGEST_SUMMARY
+from tests.support.repo import TEST_CACHE
 
 # ---- hermetic caches: a warm machine must not hide a failure (a kernel that only "compiles"
 # because ~/.triton/cache already holds it). Every compiler cache of this run, and of every
@@ -55,12 +57,6 @@ def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
 
 
 # ---- a KB holding the real ingested corpus, built once per session (generate/ingest tests)
-
-REPO = Path(__file__).resolve().parents[1]
-TEST_CACHE = REPO / ".kb-test-cache"
-
-
-INGEST_SUMMARY: dict = {}  # the IngestSummary of the session KB, for coverage tests
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the service tests start themselves (tests/services.py): PostgreSQL's server
+# Installs what the service tests start themselves (tests/support/services.py): PostgreSQL's server
 # binaries (initdb, pg_ctl) from the Debian `postgresql` package. Chroma comes with the venv.
 # Never fails `make test`: when it cannot install, it prints why and records the reason in
 # .kb-test-cache/install_services.log, and the PostgreSQL tests then fail with that reason.

@@ -10,7 +10,8 @@ import pytest
 from generate.pipeline import GenerateOptions, generate
 from kb.ir.text import parse_program
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
-from tests.generate_fixtures import QUICK, REPO
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

@@ -19,7 +19,8 @@ from kb.features import Features  # noqa: E402
 from kb.ir.nodes import is_backward  # noqa: E402
 from kb.ir.text import parse_program  # noqa: E402
 from kb.store.models import Kernel  # noqa: E402
-from tests.generate_fixtures import QUICK, REPO  # noqa: E402
+from tests.support.generate_fixtures import QUICK  # noqa: E402
+from tests.support.repo import REPO  # noqa: E402
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

@@ -12,7 +12,7 @@ import pytest
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
-from tests.generate_fixtures import REPO
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

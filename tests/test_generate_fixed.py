@@ -15,7 +15,8 @@ import torch
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
-from tests.generate_fixtures import QUICK, REPO
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

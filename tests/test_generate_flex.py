@@ -11,7 +11,8 @@ import torch
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec, spec_inputs
-from tests.generate_fixtures import QUICK, REPO
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import REPO
 from verify.load import load_spec as load_verify_spec
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release

@@ -12,8 +12,9 @@ from generate.pipeline import GenerateOptions, generate
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import Kernel, open_kb
-from tests.generate_fixtures import QUICK, REPO
-from tests.helpers_store import make_kernel, make_source
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import REPO
+from tests.support.store import make_kernel, make_source
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

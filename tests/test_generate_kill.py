@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from generate.pipeline import GenerateOptions, generate
-from tests.generate_fixtures import REPO
-from tests.test_process_lifetime import KB, group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
+from tests.support.repo import KB_CLI, REPO
+from tests.support.procs import group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
 
 pytestmark = pytest.mark.network
 SPEC = REPO / "examples/specs/alibi.py"
@@ -31,7 +31,7 @@ def _rows(db: Path, sql: str) -> list[tuple]:
 
 
 def _doctor(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([KB, "doctor", "--json", *flags], env=env, cwd=REPO, capture_output=True, text=True)
+    return subprocess.run([*KB_CLI, "doctor", "--json", *flags], env=env, cwd=REPO, capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -40,7 +40,7 @@ def test_stopped_generate_leaves_no_half_written_kernel_and_no_process(ingested_
     db = tmp_path / "kb" / "kb.sqlite"
     kernels_before = _rows(db, "select count(*) from kernels")[0][0]
     env = kb_env(tmp_path)
-    proc = subprocess.Popen([KB, "generate", str(SPEC), "--out", str(tmp_path / "out")], env=env, cwd=REPO,
+    proc = subprocess.Popen([*KB_CLI, "generate", str(SPEC), "--out", str(tmp_path / "out")], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default)
     child = wait_for(lambda: [r for r in proc_table() if r[1] == proc.pid and "verify.child" in r[4]], 300, proc)
     pgid = child[0][2]  # type: ignore[index]

@@ -16,7 +16,7 @@ from generate.spec import load_spec
 from generate.stages import Stage
 from kb.store import open_kb
 from kb.store.models import Attempt, Lesson
-from tests.generate_fixtures import REPO
+from tests.support.repo import REPO
 from verify.result import Verdict
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release

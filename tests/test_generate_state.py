@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from generate.pipeline import GenerateOptions, generate  # noqa: E402
-from tests.generate_fixtures import REPO  # noqa: E402
+from tests.support.repo import REPO  # noqa: E402
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 

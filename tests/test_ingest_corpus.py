@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,10 @@ import pytest
 from kb.features import Features
 from kb.store import open_kb
 from kb.store.models import Kernel, Snippet
-from tests.generate_fixtures import INGEST_SUMMARY, REPO, TEST_CACHE
+from tests.support.generate_fixtures import INGEST_SUMMARY
+from tests.support.repo import KB_CLI, REPO, TEST_CACHE
 
 pytestmark = pytest.mark.network
-KB = str(Path(sys.executable).parent / "kb")
 REQUIRED_KINDS = {"mask_causal", "mask_local", "alibi", "softcap", "dropout", "split_kv_combine", "paged_kv", "gqa", "varlen"}
 
 
@@ -43,7 +42,7 @@ def test_corpus_coverage(ingested_home: Path, embedder) -> None:
 def _run(args: list[str], home: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")} | {
         "KB_HOME": str(home), "KB_CACHE_DIR": str(TEST_CACHE), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([KB, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run([*KB_CLI, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def test_reingest_is_a_noop_and_bad_sources_change_nothing(ingested_home: Path, tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_cli_nothing_found_is_one_line_and_exit_1(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")} | {"KB_HOME": str(tmp_path / "kb")}
-    res = subprocess.run([sys.executable, "-m", "kb.cli", "ingest", str(empty)], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "cli.main", "ingest", str(empty)], env=env, capture_output=True,
                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 1 and res.stderr.count("\n") == 1 and "no kernels found" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr

@@ -11,7 +11,7 @@ from kb.ir.expr import parse_expr as E
 from kb.ir.features import derive_features
 from kb.ir.nodes import Dtype, For, Full, Load, Param, Program, Role, Span
 from kb.ir.text import parse_program, print_program
-from tests.ir_programs import FIXTURES, alibi, causal, decode_split_kv, forward, plain, softcap
+from tests.support.ir_programs import FIXTURES, alibi, causal, decode_split_kv, forward, plain, softcap
 
 # name -> (mask kind, causal, sliding window, score kind, split_kv/decode)
 EXPECTED = {

@@ -19,8 +19,8 @@ from kb.ir.interp_softmax import combine, online_softmax_step
 from kb.ir.interpret import interpret, run_program
 from kb.ir.nodes import Dtype, For, GridAxis, Program, Role, Schedule
 from kb.ir.text import parse_program
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, decode_split_kv, document, forward, sliding_window
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, decode_split_kv, document, forward, sliding_window
 
 SM_SCALE = 0.3
 SOFTCAP = 4.0

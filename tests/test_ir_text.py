@@ -15,10 +15,10 @@ from kb.errors import KBError
 from kb.ir.expr import CALLS, Expr, ExprOp, const, load, var
 from kb.ir.nodes import (
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, BlockClass, Dot, Dtype, For, IfBlock, Init, Let, Load, Mask,
-    Program, Schedule, Span, VariantFn,
+    Program, Schedule, Span, TileAt, VariantFn,
 )
 from kb.ir.text import content_hash, parse_program, print_program
-from tests.ir_programs import FIXTURES, all_fixtures, causal
+from tests.support.ir_programs import FIXTURES, all_fixtures, causal
 
 GOLDEN = Path(__file__).parent / "golden" / "ir"
 DOC = Path(__file__).parents[1] / "docs" / "ir.md"
@@ -120,7 +120,7 @@ def _rand_stmt_change(st, rng: random.Random):  # noqa: ANN001, ANN202 - any sta
         case Dot():
             return replace(st, trans_b=not st.trans_b)
         case Mask():
-            return replace(st, use_mask_mod=not st.use_mask_mod, kv_start=e())
+            return replace(st, use_mask_mod=not st.use_mask_mod, at=replace(st.at, kv_start=e()))
         case For():
             return replace(st, order=rng.choice(("forward", "reverse")), step=rng.choice(("BLOCK_N", 8)), lo=e(), hi=e(),
                            body=_perturb_block(st.body, rng))
@@ -134,7 +134,7 @@ def _perturb_block(body: tuple, rng: random.Random) -> tuple:
     out = [(_rand_stmt_change(st, rng) if rng.random() < 0.5 else st) for st in body]
     if rng.random() < 0.3:
         out.insert(rng.randrange(len(out) + 1), IfBlock(rng.choice(list(BlockClass)), rng.random() < 0.5,
-                                                         var("b"), var("h"), _rand_expr(rng, 2), var("n_start"),
+                                                         TileAt(var("b"), var("h"), _rand_expr(rng, 2), var("n_start")),
                                                          then=tuple(out[:2]), orelse=tuple(out[-1:])))
     return tuple(out)
 

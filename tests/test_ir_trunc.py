@@ -15,7 +15,7 @@ from kb.ir.expr import CALLS, Expr, ExprOp, call, const, parse_expr, print_expr,
 from kb.ir.nodes import Load, Span
 from kb.ir.validate import problems
 from kb.lower.triton_expr import ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
-from tests.ir_programs import plain
+from tests.support.ir_programs import plain
 
 
 @pytest.mark.parametrize("text", [

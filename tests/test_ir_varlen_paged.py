@@ -20,7 +20,7 @@ from kb.ir.interpret import interpret
 from kb.ir.nodes import Gather, Load, Span, serving_constructs, walk_stmts
 from kb.ir.text import parse_program, print_program, print_stmt_header
 from kb.ir.validate import problems, validate
-from tests.ir_programs import FIXTURES, SERVING_TEXTS
+from tests.support.ir_programs import FIXTURES, SERVING_TEXTS
 
 HQ, HKV, D = 4, 2, 12  # GQA 2:1, a head dim that is not a power of two
 SCALE = 0.3

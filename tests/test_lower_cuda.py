@@ -26,20 +26,14 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.expr import parse_expr
 from kb.ir.nodes import Dtype, For, Full, Kernel, Load, Program, Role
 from kb.lower.cuda import HEAD_PADS, launch_abi, lower_program
-from kb.lower.cuda_build import BuildMode, BuildStatus, build, find_nvcc
+from kb.lower.cuda_build import BuildMode, BuildStatus, build
 from kb.lower.cuda_expr import EXPR_HELPERS, ExprContext, ExprTarget, Kind, Sym, lower_cexpr
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, causal
+from tests.support.cuda import nvcc_or_skip
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, causal
 
 GOLDEN = Path(__file__).parent / "golden" / "cuda"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
-
-
-def _nvcc_or_skip() -> str:
-    try:
-        return find_nvcc()
-    except KBError as err:
-        pytest.skip(str(err))
 
 
 def _reverse(p: Program) -> Program:
@@ -83,7 +77,7 @@ def test_lowering_is_deterministic() -> None:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    _nvcc_or_skip()
+    nvcc_or_skip()
     out = tmp_path_factory.mktemp("cuda_objects")
     progs = _compile_set()
 
@@ -119,7 +113,7 @@ def test_object_holds_every_head_pad_instantiation(compiled: dict) -> None:
 
 
 def test_build_reports_compile_errors(tmp_path: Path) -> None:
-    _nvcc_or_skip()
+    nvcc_or_skip()
     result = build("__global__ void broken() { undeclared_name = 1; }\n", tmp_path, BuildMode.OBJECT, name="broken")
     assert result.status is BuildStatus.COMPILE_ERROR and not result.ok
     assert "undeclared_name" in result.log and result.artefact is None
@@ -127,7 +121,7 @@ def test_build_reports_compile_errors(tmp_path: Path) -> None:
 
 
 def test_build_is_cached_by_content(tmp_path: Path) -> None:
-    _nvcc_or_skip()
+    nvcc_or_skip()
     src = "__global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n"
     first = build(src, tmp_path, BuildMode.OBJECT, name="tiny")
     again = build(src, tmp_path, BuildMode.OBJECT, name="tiny")
@@ -147,7 +141,7 @@ _VALUES = [(7, 2, 1.5), (-7, 2, -1.25), (7, -2, 0.5), (-7, -2, -2.0), (0, 3, 0.0
 
 
 def test_expressions_keep_python_semantics(tmp_path: Path) -> None:
-    nvcc = _nvcc_or_skip()
+    nvcc = nvcc_or_skip()
     ctx = ExprContext(ExprTarget.HOST, {"a": Sym("a", Kind.INT), "b": Sym("b", Kind.INT), "x": Sym("x", Kind.FLOAT)})
     exprs = [parse_expr(t) for t in _EXPRS]
     body = [f'      printf("%.9g\\n", (double)({lower_cexpr(e, ctx)}));' for e in exprs]

@@ -19,23 +19,16 @@ import pytest
 
 from kb.errors import KBError
 from kb.ir.nodes import Dtype
-from kb.lower.cuda_build import find_nvcc
 from kb.lower.cuda_mma import MmaTraits, lower_program_mma, with_traits
 from generate.cuda_design import MAX_ACC_REGS, CudaPlan, choose_cuda, fa2_traits, fit_registers
-from tests.ir_programs import FIXTURES
+from tests.support.cuda import nvcc_or_skip
+from tests.support.ir_programs import FIXTURES
 
 ARCHS = {"sm_80": ["-arch=sm_80"], "sm_90a": ["-gencode=arch=compute_90a,code=sm_90a"]}
 # ptxas registers of the forward kernel with the default traits (128x64 w8 at head dims 64 and 128): a regression
 # guard, measured 124-194 after the address/hoisting/32-bit-index work (bench/mma_regs.py prints the table);
 # the goal is <= 128 (two 256-thread CTAs per SM at <= 168, so 168 is the next step down)
 MAX_DEFAULT_REGS = 200
-
-
-def _nvcc_or_skip() -> str:
-    try:
-        return find_nvcc()
-    except KBError as err:
-        pytest.skip(str(err))
 
 
 def _ptxas(nvcc: str) -> str:
@@ -56,7 +49,7 @@ CASES = [(n, d, a) for n in ("causal", "plain", "alibi", "sliding_window", "docu
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every case built once, in parallel (nvcc and ptxas run outside the GIL): (PTX text, ptxas log, rc, cubin)."""
-    nvcc = _nvcc_or_skip()
+    nvcc = nvcc_or_skip()
     ptxas = _ptxas(nvcc)
     root = tmp_path_factory.mktemp("mma")
 
@@ -88,7 +81,7 @@ def test_default_designs_use_tensor_cores_without_spills(builds: dict, name: str
     assert (fwd.group(2), fwd.group(3)) == ("0", "0"), f"{name} D={head_dim} {arch} spills: {info}"
     regs = re.search(r"Used (\d+) registers", info[fwd.end():])
     assert regs and int(regs.group(1)) <= MAX_DEFAULT_REGS, f"{name} D={head_dim} {arch} registers: {info}"
-    nvcc = _nvcc_or_skip()
+    nvcc = nvcc_or_skip()
     cuobjdump = shutil.which("cuobjdump") or str(Path(nvcc).parent / "cuobjdump")
     if Path(cuobjdump).is_file():  # the SASS itself, where the toolkit ships cuobjdump
         sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout

@@ -15,17 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kb.errors import KBError
-from kb.ir.nodes import Dtype, For
-from kb.lower.cuda_build import find_nvcc
+from kb.ir.nodes import Dtype, For, TileAt
 from kb.lower.cuda_sm90_ir import lower_program_sm90
-from tests.ir_programs import FIXTURES
-
-
-def _nvcc_or_skip() -> str:
-    try:
-        return find_nvcc()
-    except KBError as err:
-        pytest.skip(str(err))
+from tests.support.cuda import nvcc_or_skip
+from tests.support.ir_programs import FIXTURES
 
 
 def _two_loops(name: str):  # noqa: ANN202
@@ -51,6 +44,8 @@ def _rename(st, old: str, new: str):  # noqa: ANN001, ANN202
         v = getattr(st, fld.name)
         if isinstance(v, Expr):
             changes[fld.name] = substitute(v, {old: var(new)})
+        elif isinstance(v, TileAt):
+            changes[fld.name] = TileAt(*(substitute(e, {old: var(new)}) for e in v))
         elif isinstance(v, tuple) and v and all(hasattr(x, "op") and not isinstance(x, Expr) for x in v):
             changes[fld.name] = tuple(_rename(x, old, new) for x in v)
         elif fld.name == "index":
@@ -65,7 +60,7 @@ HOOK_CASES = [("causal", 128), ("causal", 64), ("document", 128), ("alibi", 128)
 @pytest.fixture(scope="module")
 def hook_builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Each case's (source, PTX text, ptxas log of the object build), built once and in parallel."""
-    nvcc = _nvcc_or_skip()
+    nvcc = nvcc_or_skip()
     root = tmp_path_factory.mktemp("sm90")
     flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
 

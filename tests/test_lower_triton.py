@@ -25,8 +25,8 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.nodes import Dtype, For, IfBlock, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import BlockMaskKind, LowerOptions, _block_tests, lower_program, plan_block_mask
-from tests.attn_reference import reference_attention
-from tests.ir_programs import FIXTURES, forward
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -267,7 +267,7 @@ def test_module_imports_under_real_jit(tmp_path: Path) -> None:
         "import sys; from pathlib import Path\n"
         "from triton.runtime.jit import JITFunction\n"
         "from kb.lower.runtime import TritonKernel\n"
-        "from tests.ir_programs import FIXTURES\n"
+        "from tests.support.ir_programs import FIXTURES\n"
         "for name, build in FIXTURES.items():\n"
         "    k = TritonKernel.from_program(build(), Path(sys.argv[1]))\n"
         "    fns = k.jit_functions\n"

@@ -28,9 +28,9 @@ from kb.ir.evaluate import eval_expr
 from kb.ir.nodes import Dtype, Param, Role
 from kb.lower.runtime import TritonKernel
 from kb.lower.triton import BlockMaskKind, lower_program, plan_block_mask
-from tests.attn_reference import reference_attention
-from tests.ir_programs import forward
-from tests.generate_fixtures import QUICK
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import forward
+from tests.support.generate_fixtures import QUICK
 from tests.test_lower_triton import dense_block_classes
 
 

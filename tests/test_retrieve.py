@@ -1,6 +1,6 @@
 """Retrieval: filters, structural ranking, explained scores, the weight table, `kb query`.
 
-A tiny KB of real IR programs (tests/ir_programs.py, printed by the IR printer, features
+A tiny KB of real IR programs (tests/support/ir_programs.py, printed by the IR printer, features
 derived from the programs) with the real embedding model.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.features import Features
 from kb.ir.features import derive_features
 from kb.ir.nodes import Dtype
@@ -25,7 +25,7 @@ from kb.store import Kernel, KernelBundle, Snippet, open_kb
 from retrieve.families import FAMILY_TABLE, label_family
 from retrieve.hybrid import Filters, query
 from retrieve.structural import TERMS, WEIGHTS_PATH, load_weights
-from tests import ir_programs
+from tests.support import ir_programs
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "tests/data/specs"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from generate.spec import load_spec
-from kb.cli import app
+from cli.main import app
 from retrieve.families import label_family
 from retrieve.hybrid import Filters, describe_target, query
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kb.settings import load_settings
 from kb.store import Kernel, Snippet, open_kb
-from tests.helpers_store import SNIPPETS_PER_KERNEL, REPO, subprocess_env
+from tests.support.repo import REPO, subprocess_env
+from tests.support.store import SNIPPETS_PER_KERNEL
 
 
 def test_two_writers_lose_nothing(tmp_path: Path, embedder) -> None:  # noqa: ANN001
@@ -16,7 +17,7 @@ def test_two_writers_lose_nothing(tmp_path: Path, embedder) -> None:  # noqa: AN
     # Overlapping ranges: kernels 6..11 are written by both processes.
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers_store", str(tmp_path), str(start), "12"],
+            [sys.executable, "-m", "tests.support.store", str(tmp_path), str(start), "12"],
             cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for start in (0, 6)

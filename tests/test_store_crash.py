@@ -10,12 +10,13 @@ from pathlib import Path
 
 from kb.settings import load_settings
 from kb.store import Kernel, Snippet, Tunable, open_kb
-from tests.helpers_store import SNIPPETS_PER_KERNEL, REPO, subprocess_env
+from tests.support.repo import REPO, subprocess_env
+from tests.support.store import SNIPPETS_PER_KERNEL
 
 
 def _writer(home: Path, start: int, count: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers_store", str(home), str(start), str(count), *extra],
+        [sys.executable, "-m", "tests.support.store", str(home), str(start), str(count), *extra],
         cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 

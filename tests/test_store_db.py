@@ -109,4 +109,4 @@ def test_other_embedding_model_is_refused(tmp_path: Path, embedder) -> None:  # 
         open_kb(load_settings(home=tmp_path, embed_model="/models/other"))
 
 
-# (a real PostgreSQL server: tests/test_store_postgres.py; a Chroma server: tests/test_chroma_server.py)
+# (a real PostgreSQL server: tests/test_store_postgres.py; a Chroma server: tests/test_store_chroma_server.py)

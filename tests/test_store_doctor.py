@@ -6,7 +6,7 @@ from sqlalchemy import text
 
 from kb.store import DriftKind
 from kb.store.doctor import HASH_NOTE
-from tests.helpers_store import make_kernel, make_snippets
+from tests.support.store import make_kernel, make_snippets
 
 
 def test_detects_and_repairs_each_kind_of_drift(kb, embedder) -> None:  # noqa: ANN001

@@ -10,7 +10,7 @@ from sqlalchemy import text
 from kb.settings import load_settings
 from kb.store import PerfRecord, open_kb
 from kb.store.models import SCHEMA_VERSION
-from tests.helpers_store import make_kernel, make_measured, make_source
+from tests.support.store import make_kernel, make_measured, make_source
 
 
 def _make_v1(home: Path, embedder) -> str:  # noqa: ANN001

@@ -16,14 +16,14 @@ import pytest
 from sqlalchemy import text
 from typer.testing import CliRunner
 
-from kb.cli import app
+from cli.main import app
 from kb.errors import KBError
 from kb.settings import Settings, load_settings
 from kb.store import SCHEMA_VERSION, Kernel, KnowledgeBase, PerfRecord, Snippet, open_kb
 from kb.store.db import Dialect
 from kb.store.doctor import DriftKind
-from tests.helpers_store import (
-    REPO,
+from tests.support.repo import REPO, subprocess_env
+from tests.support.store import (
     SNIPPETS_PER_KERNEL,
     make_kernel,
     make_measured,
@@ -32,9 +32,8 @@ from tests.helpers_store import (
     make_snippets,
     make_source,
     make_tunable,
-    subprocess_env,
 )
-from tests.services import create_database, postgres_server
+from tests.support.services import create_database, postgres_server
 
 _names = itertools.count()
 
@@ -110,7 +109,7 @@ def test_concurrent_writers_lose_nothing(pg_url: str, tmp_path: Path, embedder) 
     # three real processes; overlapping ranges: 4..7 and 8..11 are each written by two of them
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers_store", str(home), str(start), "8"],
+            [sys.executable, "-m", "tests.support.store", str(home), str(start), "8"],
             cwd=REPO, env=subprocess_env(KB_DB_URL=pg_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for start in (0, 4, 8)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kb.settings import load_settings
 from kb.store import Kernel, open_kb
-from tests.helpers_store import (
+from tests.support.store import (
     make_kernel,
     make_measured,
     make_reported,

@@ -9,7 +9,7 @@ import pytest
 from kb.errors import KBError
 from kb.store import Kernel, PerfRecord, Snippet
 from kb.store.rules import violations
-from tests.helpers_store import make_kernel, make_measured, make_reported, make_snippets
+from tests.support.store import make_kernel, make_measured, make_reported, make_snippets
 
 
 def test_measured_needs_provenance() -> None:

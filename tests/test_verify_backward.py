@@ -18,7 +18,7 @@ from verify.guard import CallGuard
 from verify.static import scan_candidate
 
 HERE = Path(__file__).parent
-FIX = HERE / "verify_fixtures"
+FIX = HERE / "support" / "verify_fixtures"
 CHEATS = HERE / "cheats"
 SPEC = FIX / "bwd_attn_spec.py"  # causal fp32, B1 H2 S24 D16
 BF16_SPEC = FIX / "gqa_causal_bf16_spec.py"

@@ -11,7 +11,7 @@ import torch
 from verify import Verdict, VerifyOptions, VerifyResult, verify
 
 HERE = Path(__file__).parent
-SPEC = HERE / "verify_fixtures" / "attn_spec.py"
+SPEC = HERE / "support" / "verify_fixtures" / "attn_spec.py"
 CHEATS = HERE / "cheats"
 
 # cheat file -> (expected verdict, run in torch-baseline mode?). Baseline mode lets cheats use

@@ -12,7 +12,7 @@ from verify import Verdict, VerifyOptions, VerifyResult, verify
 from verify.cli import verify_command
 from verify.timing import attention_flops, composite_score, perf_term, roofline_ms
 
-FIX = Path(__file__).parent / "verify_fixtures"
+FIX = Path(__file__).parent / "support" / "verify_fixtures"
 SPEC = FIX / "attn_spec.py"
 FAST = dict(distributions=("normal", "adversarial"), max_cases=2, timeout_s=300)
 

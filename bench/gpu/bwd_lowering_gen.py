@@ -6,7 +6,7 @@ from pathlib import Path
 from kb.ir.design import Design
 from kb.ir.nodes import Dtype, Param, Role, Schedule
 from kb.lower.triton_bwd import lower_autograd
-from tests.ir_programs import backward, forward
+from tests.support.ir_programs import backward, forward
 
 OUT = Path(sys.argv[1])
 OUT.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kb.ir.design import head_bucket
+
 log = logging.getLogger(__name__)
 
 # (label, LowerOptions.tma, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)
@@ -53,7 +55,7 @@ def _ragged_checks(results: list[dict]) -> None:
             try:
                 o_old = _module(variant, False, 128, 64, 8, 3, False).forward(q, k, v)[0].float()
                 mod = _module(variant, True, 128, 64, 8, 3, False)
-                rec["use_tma"] = bool(mod._use_tma((q, k, v), (128, 64, triton_next_pow2(D))))
+                rec["use_tma"] = bool(mod._use_tma((q, k, v), (128, 64, head_bucket(D))))
                 o_new = mod.forward(q, k, v)[0].float()
                 ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal).float()
                 rec.update(err_tma_vs_old=(o_new - o_old).abs().max().item(), err_tma_vs_sdpa=(o_new - ref).abs().max().item(),
@@ -63,10 +65,6 @@ def _ragged_checks(results: list[dict]) -> None:
             log.info("%s", rec)
             print(rec, flush=True)
             results.append(rec)
-
-
-def triton_next_pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def main(out: Path, deadline_s: float) -> None:

@@ -108,12 +108,12 @@ def load_program(variant: str) -> tuple[Program, str]:
         from kb.ir.text import parse_program
 
         return parse_program(path.read_text()), f"kbir:{path.name}"
-    from tests.ir_programs import forward
+    from tests.support.ir_programs import forward
 
     v = VARIANTS[variant]
     p = forward(variant, score_mod=v.score_mod, mask_mod=v.mask_mod, lo=v.lo, hi=v.hi, dtype=Dtype.BF16,
                 aux=v.aux, scalars=v.scalars, block_classes=v.mask_mod is not None)
-    return p, "builder:tests/ir_programs.forward"
+    return p, "builder:tests/support/ir_programs.forward"
 
 
 def declared_aux(p: Program, aux: dict) -> dict:

@@ -30,7 +30,8 @@ import torch
 
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
-from kb.ir.expr import Expr, ExprOp, call, conjuncts, const, free_vars, loaded_tensors, var, walk
+from kb.ir.algebra import conjuncts
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, number, var, walk
 
 __all__ = [
     "MaskClass",
@@ -225,7 +226,8 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
     """Classify a mask_mod; `dims` = (M, N) of the spec when known."""
     if expr is None:
         return MaskClass()
-    free, loaded = [], []
+    free: list[Expr] = []
+    loaded: list[Expr] = []
     for t in conjuncts(expr):
         (loaded if _has_load(t) else free).append(t)
     kinds: set[str] = set()
@@ -447,11 +449,11 @@ def _softcap_inner(e: Expr) -> tuple[float, Expr] | None:
     tanhs = [f for f in factors if f.op is ExprOp.TANH]
     if len(consts) != 1 or len(tanhs) != 1 or len(factors) != 2:
         return None
-    c = float(consts[0].value)  # type: ignore[arg-type]
+    c = float(number(consts[0]))
     x = tanhs[0].args[0]
-    if x.op is ExprOp.DIV and x.args[1].op is ExprOp.CONST and math.isclose(float(x.args[1].value), c, rel_tol=1e-6):  # type: ignore[arg-type]
+    if x.op is ExprOp.DIV and x.args[1].op is ExprOp.CONST and math.isclose(float(number(x.args[1])), c, rel_tol=1e-6):
         return c, x.args[0]
-    if x.op is ExprOp.MUL and x.args[1].op is ExprOp.CONST and math.isclose(float(x.args[1].value) * c, 1.0, rel_tol=1e-6):  # type: ignore[arg-type]
+    if x.op is ExprOp.MUL and x.args[1].op is ExprOp.CONST and math.isclose(float(number(x.args[1])) * c, 1.0, rel_tol=1e-6):
         return c, x.args[0]
     return None
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from kb.errors import KBError
-from kb.ir.nodes import Program, Schedule
+from kb.ir.algebra import is_pow2, next_pow2
+from kb.ir.nodes import DOT_MIN_K, Program, Schedule
 
 __all__ = ["AUTO_SPLITS", "Design", "DesignTable", "head_bucket", "parse_design", "arch_of_capability",
            "SHARED_MEMORY_BYTES"]
@@ -29,10 +30,6 @@ AUTO_SPLITS = 0  # num_splits chosen at launch from the grid size and the SM cou
 SHARED_MEMORY_BYTES = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024, "sm90": 227 * 1024,
                        "sm100": 227 * 1024, "sm120": 99 * 1024}
 _TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)((?: pack)?)")
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True, order=True)
@@ -48,7 +45,7 @@ class Design:
     pack_gqa: bool = False
 
     def __post_init__(self) -> None:
-        bad = [f for f in ("block_m", "block_n", "num_warps") if not _pow2(getattr(self, f))]
+        bad = [f for f in ("block_m", "block_n", "num_warps") if not is_pow2(getattr(self, f))]
         if bad or not 16 <= self.block_m <= 256 or not 16 <= self.block_n <= 256 or self.num_warps > 16:
             raise KBError(f"invalid design {self!r}: blocks are powers of two in [16, 256], warps a power of two <= 16")
         if not 1 <= self.num_stages <= 8 or self.num_splits < 0:
@@ -111,7 +108,7 @@ def parse_design(text: str) -> Design:
 
 def head_bucket(head_dim: int) -> int:
     """The padded head dim a design is chosen for: the next power of two >= D, at least 16."""
-    return max(16, 1 << max(0, head_dim - 1).bit_length())
+    return max(DOT_MIN_K, next_pow2(head_dim))
 
 
 def arch_of_capability(capability: tuple[int, int]) -> str:

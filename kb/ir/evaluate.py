@@ -11,16 +11,24 @@ lowerings: `//` and `%` are floor division/modulo, `trunc` rounds toward zero to
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import torch
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp
+from kb.ir.expr import Expr, ExprOp, number
 
-__all__ = ["eval_expr", "dense_scores_mask", "Value", "varlen_attention", "paged_to_token_major", "pool_to_token_major"]
+__all__ = ["eval_expr", "dense_scores_mask", "Value", "AuxTable", "varlen_attention", "paged_to_token_major", "pool_to_token_major"]
 
 Value = torch.Tensor | int | float | bool
+
+
+class AuxTable(Protocol):
+    """What a LOAD reads: a tensor, or a wrapper that checks its indices (interp_variants.ClampedAux)."""
+
+    def dim(self) -> int: ...
+
+    def __getitem__(self, idx: tuple[torch.Tensor, ...], /) -> torch.Tensor: ...
 
 
 def _t(x: Value) -> torch.Tensor:
@@ -77,11 +85,11 @@ _UNARY_S = {
 }
 
 
-def eval_expr(e: Expr, env: Mapping[str, Value], tensors: Mapping[str, torch.Tensor] | None = None) -> Value:
+def eval_expr(e: Expr, env: Mapping[str, Value], tensors: Mapping[str, AuxTable] | None = None) -> Value:
     """Evaluate `e`; VARs come from `env`, LOADs index `tensors` (out-of-range loads raise)."""
     op = e.op
     if op is ExprOp.CONST:
-        return e.value  # type: ignore[return-value]
+        return number(e)
     if op is ExprOp.VAR:
         try:
             return env[str(e.value)]

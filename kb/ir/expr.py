@@ -33,6 +33,7 @@ __all__ = [
     "ExprOp",
     "Expr",
     "const",
+    "number",
     "var",
     "load",
     "call",
@@ -40,8 +41,6 @@ __all__ = [
     "print_expr",
     "free_vars",
     "loaded_tensors",
-    "conjuncts",
-    "conjunction",
     "walk",
     "substitute",
     "CALLS",
@@ -140,6 +139,14 @@ def _lift(x: "Expr | int | float | bool") -> Expr:
 
 def const(value: int | float | bool) -> Expr:
     return Expr(ExprOp.CONST, (), value)
+
+
+def number(e: Expr) -> int | float:
+    """The value of the numeric constant `e` (a bool constant counts as 0 or 1, as in Python
+    arithmetic); TypeError when `e` is no numeric constant. Callers check the kind first."""
+    if e.op is not ExprOp.CONST or not isinstance(e.value, (int, float)):
+        raise TypeError(f"not a numeric constant: {e!r}")
+    return e.value
 
 
 def var(name: str) -> Expr:
@@ -243,7 +250,7 @@ def _from_ast(n: ast.AST, line: int, col: int) -> Expr:
         inner = _from_ast(n.operand, line, col)
         if isinstance(n.op, ast.USub):
             if inner.op is ExprOp.CONST and not isinstance(inner.value, bool) and isinstance(n.operand, ast.Constant | ast.Name):
-                return const(-inner.value)  # type: ignore[operator]
+                return const(-number(inner))
             return Expr(ExprOp.NEG, (inner,))
         if isinstance(n.op, ast.Invert):
             return Expr(ExprOp.NOT, (inner,))
@@ -291,21 +298,6 @@ def free_vars(e: Expr) -> frozenset[str]:
 
 def loaded_tensors(e: Expr) -> frozenset[str]:
     return frozenset(str(n.value) for n in walk(e) if n.op is ExprOp.LOAD)
-
-
-def conjuncts(e: Expr) -> list[Expr]:
-    """Top-level `&` terms of `e` (a single term if `e` is not a conjunction)."""
-    if e.op is ExprOp.AND:
-        return conjuncts(e.args[0]) + conjuncts(e.args[1])
-    return [e]
-
-
-def conjunction(terms: list[Expr]) -> Expr | None:
-    """`t0 & t1 & ...` folded to the left; None for no terms."""
-    out: Expr | None = None
-    for t in terms:
-        out = t if out is None else Expr(ExprOp.AND, (out, t))
-    return out
 
 
 def substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:

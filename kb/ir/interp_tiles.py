@@ -21,10 +21,11 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from kb.errors import KBError
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr
 from kb.ir.nodes import Dim, Dtype, Full, Gather, Index, Span, VALUE_DIM
 
-__all__ = ["TORCH_DTYPES", "next_pow2", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter", "scatter_add"]
+__all__ = ["TORCH_DTYPES", "resolve_dim", "TileIndex", "tile_index", "gather", "scatter", "scatter_add"]
 
 TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     Dtype.F32: torch.float32,
@@ -37,11 +38,6 @@ TORCH_DTYPES: dict[Dtype, torch.dtype] = {
 
 
 _HEAD_PADS = {"D": "HEAD_PAD", VALUE_DIM: "HEAD_PAD_V"}  # head dims and the constants their `:` tiles are padded to
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (1 for n <= 1)."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def resolve_dim(d: Dim, env: Mapping[str, object]) -> int:

@@ -79,7 +79,7 @@ def eval_over_tile(
     if score is not None:
         local["score"] = score
     tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}
-    out = eval_expr(e, local, tensors)  # type: ignore[arg-type]
+    out = eval_expr(e, local, tensors)
     return torch.as_tensor(out).expand(coords.shape)
 
 

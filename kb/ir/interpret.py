@@ -26,7 +26,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -36,16 +36,17 @@ from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
 from kb.ir.derive import aux_partials, score_grad
 from kb.ir.interp_softmax import probs, softmax_grad
-from kb.ir.interp_tiles import TORCH_DTYPES, gather, next_pow2, resolve_dim, scatter, scatter_add, tile_index
+from kb.ir.interp_tiles import TORCH_DTYPES, TileIndex, gather, resolve_dim, scatter, scatter_add, tile_index
 from kb.ir.interp_variants import (
     UNBOUNDED, ClampedAux, TileCoords, classify_block, eval_over_tile, eval_variant, mask_tile,
 )
 from kb.ir.nodes import (
-    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Init, Kernel, Let, Load,
-    Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt, StmtOp,
+    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Gather, IfBlock, Index, Init, Kernel, Let, Load,
+    Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt,
     Store, SCHEDULE_CONSTANTS, VALUE_DIM, accumulated_tensors,
 )
 from kb.ir.text import print_stmt_header
+from kb.ir.visit import StmtVisitor
 
 __all__ = ["KernelStats", "RunStats", "RunResult", "bind_dims", "interpret", "run_program"]
 
@@ -143,8 +144,8 @@ def bind_dims(p: Program, inputs: Inputs, shapes: Mapping[str, int] | None = Non
                     raise KBError(f"input {prm.name} has size {n} where the program declares {d}")
             else:
                 bind(d, int(n), f"{prm.name}.shape")
-    dims["HEAD_PAD"] = s.head_pad or next_pow2(dims.get("D", 0))
-    dims["HEAD_PAD_V"] = next_pow2(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
+    dims["HEAD_PAD"] = s.head_pad_for(dims.get("D", 0))
+    dims["HEAD_PAD_V"] = s.value_head_pad_for(dims[VALUE_DIM]) if VALUE_DIM in dims else dims["HEAD_PAD"]
     missing = sorted({d for prm in p.params for d in prm.shape if isinstance(d, str) and d not in dims})
     if missing:
         raise KBError(f"dims {', '.join(missing)} are not given by any input; pass them as shapes={{...}}")
@@ -160,7 +161,9 @@ def _take_inputs(p: Program, inputs: Inputs) -> tuple[dict[str, torch.Tensor], d
     scalars: dict[str, Value] = {}
     for prm in p.params:
         if prm.role in (Role.IN, Role.AUX):
-            tensors[prm.name] = _checked_tensor(prm, inputs[prm.name])  # type: ignore[arg-type]
+            t = inputs[prm.name]
+            assert isinstance(t, torch.Tensor), "bind_dims checks every IN/AUX input is a tensor"
+            tensors[prm.name] = _checked_tensor(prm, t)
         elif prm.role is Role.SCALAR:
             scalars[prm.name] = _checked_scalar(prm, inputs.get(prm.name))
     return tensors, scalars
@@ -223,7 +226,7 @@ class _Counters:
     elements_stored: int = 0
 
 
-class _Machine:
+class _Machine(StmtVisitor[None]):
     """Runs one kernel over its grid; `env` is the flat namespace of the current grid point."""
 
     def __init__(self, p: Program, k: Kernel, dims: dict[str, int], scalars: dict[str, Value],
@@ -236,15 +239,6 @@ class _Machine:
         self.env: dict[str, Value] = {}
         self.point: dict[str, int] = {}
         self.c = _Counters()
-        self.handlers: dict[StmtOp, Callable[[Stmt], None]] = {
-            StmtOp.LET: self._let, StmtOp.LOAD: self._load, StmtOp.STORE: self._store, StmtOp.INIT: self._init,
-            StmtOp.DOT: self._dot, StmtOp.ELEMENTWISE: self._elementwise, StmtOp.REDUCE: self._reduce,
-            StmtOp.SCORE_MOD: self._score_mod, StmtOp.MASK: self._mask,
-            StmtOp.ONLINE_SOFTMAX: self._online_softmax, StmtOp.FINALIZE: self._finalize,
-            StmtOp.COMBINE: self._combine, StmtOp.FOR: self._for, StmtOp.IF_BLOCK: self._if,
-            StmtOp.PROBS: self._probs, StmtOp.SOFTMAX_GRAD: self._softmax_grad,
-            StmtOp.SCORE_MOD_GRAD: self._score_mod_grad, StmtOp.AUX_GRAD: self._aux_grad,
-        }
 
     def run(self) -> KernelStats:
         self.env = dict(self.base)
@@ -264,7 +258,7 @@ class _Machine:
     def _block(self, body: tuple[Stmt, ...]) -> None:
         for st in body:
             try:
-                self.handlers[st.op](st)
+                self.visit(st)
             except _LocatedError:
                 raise
             except (KBError, RuntimeError, IndexError, ZeroDivisionError, ValueError) as err:
@@ -303,7 +297,7 @@ class _Machine:
         except KeyError:
             raise KBError(f"{name!r} is not a tensor param of program {self.p.name}") from None
 
-    def _ixs(self, name: str, index: tuple) -> tuple[torch.Tensor, object]:
+    def _ixs(self, name: str, index: tuple[Index, ...]) -> tuple[torch.Tensor, TileIndex]:
         prm, t = self._param_tensor(name)
         ix = tile_index(t.shape, prm.shape, index, self.env, lambda e: self._int(e, "index"), self._lanes)
         return t, ix
@@ -315,7 +309,7 @@ class _Machine:
         ok = torch.ones(size, dtype=torch.bool) if g.valid is None else \
             torch.as_tensor(eval_expr(g.valid, env, self.aux)).bool().expand(size)
         tables = {n: ClampedAux(n, t, ok, "gathered index", "a valid lane") for n, t in self.aux.items()}
-        pos = torch.as_tensor(eval_expr(g.index, env, tables))  # type: ignore[arg-type]
+        pos = torch.as_tensor(eval_expr(g.index, env, tables))
         if pos.is_floating_point() or pos.dtype == torch.bool:
             raise KBError(f"gathered index {g.index} must be an integer, got {pos.dtype}")
         return pos.long().expand(size).clone(), ok.clone()
@@ -323,29 +317,30 @@ class _Machine:
     def _coords(self, st: ScoreMod | Mask | ScoreModGrad | AuxGrad, tile: torch.Tensor) -> tuple[TileCoords, int, int]:
         if tile.dim() != 2:
             raise KBError(f"{st.tile} must be a 2-D score tile, has shape {list(tile.shape)}")
-        coords = TileCoords(self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
+        at = st.at
+        coords = TileCoords(self._int(at.q_start, "q_start"), self._int(at.kv_start, "kv_start"),
                             tile.shape[0], tile.shape[1], self._bound("M"), self._bound("N"))
-        return coords, self._int(st.b, "b"), self._int(st.h, "h")
+        return coords, self._int(at.b, "b"), self._int(at.h, "h")
 
     # -- statements
 
-    def _let(self, st: Let) -> None:
+    def s_let(self, st: Let) -> None:
         self.env[st.name] = self._eval(st.value)
 
-    def _load(self, st: Load) -> None:
+    def s_load(self, st: Load) -> None:
         t, ix = self._ixs(st.tensor, st.index)
-        self.env[st.out] = gather(t, ix, st.other)  # type: ignore[arg-type]
+        self.env[st.out] = gather(t, ix, st.other)
 
-    def _store(self, st: Store) -> None:
+    def s_store(self, st: Store) -> None:
         t, ix = self._ixs(st.tensor, st.index)
         write = scatter_add if st.accumulate else scatter
-        self.c.elements_stored += write(t, ix, self._tile(st.value))  # type: ignore[arg-type]
+        self.c.elements_stored += write(t, ix, self._tile(st.value))
 
-    def _init(self, st: Init) -> None:
+    def s_init(self, st: Init) -> None:
         shape = [resolve_dim(d, self.env) for d in st.shape]
         self.env[st.out] = torch.full(shape, st.fill, dtype=TORCH_DTYPES[st.dtype])
 
-    def _dot(self, st: Dot) -> None:
+    def s_dot(self, st: Dot) -> None:
         a, b = self._tile(st.a).float(), self._tile(st.b).float()
         if a.dim() != 2 or b.dim() != 2:
             raise KBError(f"dot needs 2-D tiles, got {st.a} {list(a.shape)} and {st.b} {list(b.shape)}")
@@ -356,11 +351,11 @@ class _Machine:
                           f"{'trans(' + st.b + ')' if st.trans_b else st.b} {list(b.shape)}: inner dims differ")
         self.env[st.out] = a @ b
 
-    def _elementwise(self, st: Elementwise) -> None:
+    def s_elementwise(self, st: Elementwise) -> None:
         v = self._eval(st.value)
         self.env[st.out] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
 
-    def _reduce(self, st: Reduce) -> None:
+    def s_reduce(self, st: Reduce) -> None:
         src = self._tile(st.src)
         if not -src.dim() <= st.axis < src.dim():
             raise KBError(f"reduce axis {st.axis} out of range for {st.src} of shape {list(src.shape)}")
@@ -371,14 +366,14 @@ class _Machine:
         else:
             raise KBError(f"unknown reduction {st.kind!r}; use max or sum")
 
-    def _score_mod(self, st: ScoreMod) -> None:
+    def s_scoremod(self, st: ScoreMod) -> None:
         if self.p.score_mod is None:
             raise KBError(f"program {self.p.name} applies score_mod but defines none")
         tile = self._tile(st.tile)
         coords, b, h = self._coords(st, tile)
         self.env[st.tile] = eval_variant(self.p.score_mod, coords, self.variant_env, self.aux, b, h, score=tile)
 
-    def _mask(self, st: Mask) -> None:
+    def s_mask(self, st: Mask) -> None:
         if st.use_mask_mod and self.p.mask_mod is None:
             raise KBError(f"program {self.p.name} masks with mask_mod but defines none")
         tile = self._tile(st.tile)
@@ -388,13 +383,13 @@ class _Machine:
         self.env[st.tile] = tile.masked_fill(~allowed, float("-inf"))
         self.c.masks_applied += 1
 
-    def _probs(self, st: Probs) -> None:
+    def s_probs(self, st: Probs) -> None:
         self.env[st.out] = probs(self._tile(st.scores), self._tile(st.lse))
 
-    def _softmax_grad(self, st: SoftmaxGrad) -> None:
+    def s_softmaxgrad(self, st: SoftmaxGrad) -> None:
         self.env[st.out] = softmax_grad(self._tile(st.p), self._tile(st.dp), self._tile(st.delta))
 
-    def _score_mod_grad(self, st: ScoreModGrad) -> None:
+    def s_scoremodgrad(self, st: ScoreModGrad) -> None:
         if self.p.score_mod is None:
             return  # the identity's derivative
         s = self._tile(st.scores).float()
@@ -402,7 +397,7 @@ class _Machine:
         g = eval_over_tile(score_grad(self.p.score_mod.body), coords, self.variant_env, self.aux, b, h, s)
         self.env[st.tile] = self._tile(st.tile) * g
 
-    def _aux_grad(self, st: AuxGrad) -> None:
+    def s_auxgrad(self, st: AuxGrad) -> None:
         if self.p.score_mod is None:
             raise KBError(f"program {self.p.name} takes the gradient of {st.aux} but defines no score_mod")
         s, ds = self._tile(st.scores).float(), self._tile(st.tile).float()
@@ -414,18 +409,18 @@ class _Machine:
             pos = [eval_over_tile(i, coords, self.variant_env, self.aux, b, h, s).long()[where] for i in index]
             grad.index_put_(tuple(pos), value[where].to(grad.dtype), accumulate=True)
 
-    def _online_softmax(self, st: OnlineSoftmax) -> None:
+    def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
         m, l, acc = online_softmax_step(self._tile(st.m), self._tile(st.l), self._tile(st.acc),
                                         self._tile(st.scores), self._tile(st.values))
         self.env[st.m], self.env[st.l], self.env[st.acc] = m, l, acc
 
-    def _finalize(self, st: Finalize) -> None:
+    def s_finalize(self, st: Finalize) -> None:
         self.env[st.o], self.env[st.lse] = finalize(self._tile(st.m), self._tile(st.l), self._tile(st.acc))
 
-    def _combine(self, st: Combine) -> None:
+    def s_combine(self, st: Combine) -> None:
         self.env[st.o], self.env[st.lse] = combine(self._tile(st.o_parts), self._tile(st.lse_parts))
 
-    def _for(self, st: For) -> None:
+    def s_for(self, st: For) -> None:
         lo, hi = self._int(st.lo, f"{st.var} lower bound"), self._int(st.hi, f"{st.var} upper bound")
         step = resolve_dim(st.step, self.env)
         if step <= 0:
@@ -442,10 +437,10 @@ class _Machine:
             self.env[st.var] = i
             self._block(st.body)
 
-    def _if(self, st: IfBlock) -> None:
+    def s_ifblock(self, st: IfBlock) -> None:
         cls = classify_block(self.p.mask_mod, self.variant_env, self.aux,
-                             self._int(st.b, "b"), self._int(st.h, "h"),
-                             self._int(st.q_start, "q_start"), self._int(st.kv_start, "kv_start"),
+                             self._int(st.at.b, "b"), self._int(st.at.h, "h"),
+                             self._int(st.at.q_start, "q_start"), self._int(st.at.kv_start, "kv_start"),
                              self.dims["BLOCK_M"], self.dims["BLOCK_N"], self._bound("M"), self._bound("N"))
         self.c.classes[cls] += 1
         self._block(st.then if (cls is st.cls) != st.negate else st.orelse)

@@ -59,14 +59,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, Iterator, Union
 
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr
 
 __all__ = [
-    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index",
-    "StmtOp", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
+    "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index", "TileAt",
+    "StmtOp", "BACKWARD_OPS", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
     "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "is_backward",
-    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "VALUE_DIM", "walk_stmts",
+    "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "DOT_MIN_K", "VALUE_DIM", "walk_stmts",
     "launch_constants", "serving_constructs",
 ]
 
@@ -107,13 +108,28 @@ class Schedule:
     block_n: int = 64  # BLOCK_N
     num_warps: int = 4
     num_stages: int = 2
-    head_pad: int = 0  # HEAD_PAD: padded head dim (power of two); 0 = next power of two >= D
+    head_pad: int = 0  # HEAD_PAD: padded head dim (power of two); 0 = chosen per launch (head_pad_for)
     kv_order: str = "forward"  # "forward" | "reverse" iteration over KV blocks
     num_splits: int = 1  # NUM_SPLITS for split-KV programs
     warp_specialize: bool = False  # hint carried from Hopper/Blackwell references
 
+    @property
+    def fixed_head_pad(self) -> int | None:
+        """HEAD_PAD when the schedule fixes it; None when each launch picks it from D (`head_pad_for`)."""
+        return self.head_pad or None
+
+    def head_pad_for(self, d: int, floor: int = 1) -> int:
+        """HEAD_PAD at head dim `d`: the schedule's head_pad, else the next power of two >= d, at least `floor`
+        (the interpreter pads to 1, the lowerings to DOT_MIN_K)."""
+        return self.head_pad or max(floor, next_pow2(d))
+
+    def value_head_pad_for(self, dv: int, floor: int = 1) -> int:
+        """HEAD_PAD_V at value head dim `dv` (no schedule field fixes it): the next power of two >= dv, at least `floor`."""
+        return max(floor, next_pow2(dv))
+
 
 SCHEDULE_CONSTANTS = ("BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD", "HEAD_PAD_V")
+DOT_MIN_K = 16  # the lowerings pad head dims to at least this: `tl.dot` and mma tiles need K >= 16
 VALUE_DIM = "Dv"  # the value head dim of v and o when it differs from q/k's D; padded to HEAD_PAD_V
 SCORE_MOD_PARAMS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_MOD_PARAMS = ("b", "h", "q_idx", "kv_idx")
@@ -170,6 +186,21 @@ class Gather:
 Index = Union[Expr, Span, Full, Gather]
 
 
+@dataclass(frozen=True)
+class TileAt:
+    """`(b, h, q_start, kv_start)` — where a BLOCK_M x BLOCK_N score tile sits: its batch and head and the
+    first query row and key column, so element (i, j) has q_idx = q_start + i and kv_idx = kv_start + j.
+    Carried by score_mod, mask, `if block(...)`, score_mod_grad and aux_grad; iterating gives the four in order."""
+
+    b: Expr
+    h: Expr
+    q_start: Expr
+    kv_start: Expr
+
+    def __iter__(self) -> Iterator[Expr]:
+        return iter((self.b, self.h, self.q_start, self.kv_start))
+
+
 class StmtOp(Enum):
     LET = "let"
     LOAD = "load"
@@ -190,6 +221,9 @@ class StmtOp(Enum):
     SOFTMAX_GRAD = "softmax_grad"
     SCORE_MOD_GRAD = "score_mod_grad"
     AUX_GRAD = "aux_grad"
+
+
+BACKWARD_OPS = frozenset({StmtOp.PROBS, StmtOp.SOFTMAX_GRAD, StmtOp.SCORE_MOD_GRAD, StmtOp.AUX_GRAD})
 
 
 class BlockClass(Enum):
@@ -281,10 +315,7 @@ class ScoreMod:
 
     op: ClassVar[StmtOp] = StmtOp.SCORE_MOD
     tile: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 @dataclass(frozen=True)
@@ -293,10 +324,7 @@ class Mask:
 
     op: ClassVar[StmtOp] = StmtOp.MASK
     tile: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
     use_mask_mod: bool
 
 
@@ -355,10 +383,7 @@ class IfBlock:
     op: ClassVar[StmtOp] = StmtOp.IF_BLOCK
     cls: BlockClass
     negate: bool
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
     then: tuple["Stmt", ...]
     orelse: tuple["Stmt", ...] = ()
 
@@ -393,10 +418,7 @@ class ScoreModGrad:
     op: ClassVar[StmtOp] = StmtOp.SCORE_MOD_GRAD
     tile: str
     scores: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 @dataclass(frozen=True)
@@ -411,10 +433,7 @@ class AuxGrad:
     aux: str
     tile: str
     scores: str
-    b: Expr
-    h: Expr
-    q_start: Expr
-    kv_start: Expr
+    at: TileAt
 
 
 Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock,
@@ -469,7 +488,9 @@ def serving_constructs(p: Program) -> tuple[str, ...]:
     found: dict[str, dict[str, None]] = {}
     for k in p.kernels:
         for st in walk_stmts(k.body):
-            for ix in st.index if isinstance(st, (Load, Store)) else ():
+            if not isinstance(st, (Load, Store)):
+                continue
+            for ix in st.index:
                 if isinstance(ix, Span) and ix.until is not None:
                     found.setdefault("`until`", {})[st.tensor] = None
                 elif isinstance(ix, Gather):

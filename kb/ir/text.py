@@ -15,17 +15,23 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, fields
+from enum import Enum
+from typing import TypeVar
+
 from kb.errors import KBError
 from kb.ir.expr import Expr, parse_expr, print_expr
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, IfBlock,
     Index, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule,
-    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, Store, VariantFn,
+    ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, StmtOp, Store, TileAt, VariantFn,
 )
+from kb.ir.visit import StmtVisitor
 
 __all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "INDENT"]
 
 INDENT = "  "  # one block level
+
+E = TypeVar("E", bound=Enum)
 
 # ================================================================ printing
 
@@ -61,54 +67,78 @@ def _indices(ixs: tuple[Index, ...]) -> str:
     return ", ".join(_index(i) for i in ixs)
 
 
-def _at(st: ScoreMod | Mask | IfBlock | ScoreModGrad | AuxGrad) -> str:
-    return ", ".join(print_expr(e) for e in (st.b, st.h, st.q_start, st.kv_start))
+def _at(at: TileAt) -> str:
+    return ", ".join(print_expr(e) for e in at)
+
+
+class _Header(StmtVisitor[str]):
+    """Each statement's own line (for `for`/`if`, the header without the body)."""
+
+    def s_let(self, st: Let) -> str:
+        return f"let {st.name} = {print_expr(st.value)}"
+
+    def s_load(self, st: Load) -> str:
+        other = "" if st.other == 0.0 else f" other {_float(st.other)}"
+        return f"load {st.out} = {st.tensor}[{_indices(st.index)}]{other}"
+
+    def s_store(self, st: Store) -> str:
+        return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
+
+    def s_init(self, st: Init) -> str:
+        return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
+
+    def s_dot(self, st: Dot) -> str:
+        a = f"trans({st.a})" if st.trans_a else st.a
+        b = f"trans({st.b})" if st.trans_b else st.b
+        return f"dot {st.out} = {a} @ {b}"
+
+    def s_elementwise(self, st: Elementwise) -> str:
+        return f"elementwise {st.out} = {print_expr(st.value)}"
+
+    def s_reduce(self, st: Reduce) -> str:
+        return f"reduce {st.out} = {st.kind}({st.src}, {st.axis})"
+
+    def s_scoremod(self, st: ScoreMod) -> str:
+        return f"score_mod {st.tile} at ({_at(st.at)})"
+
+    def s_mask(self, st: Mask) -> str:
+        return f"mask {st.tile} at ({_at(st.at)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
+
+    def s_onlinesoftmax(self, st: OnlineSoftmax) -> str:
+        return f"online_softmax ({st.m}, {st.l}, {st.acc}) += {st.scores} @ {st.values}"
+
+    def s_finalize(self, st: Finalize) -> str:
+        return f"finalize {st.o}, {st.lse} = ({st.m}, {st.l}, {st.acc})"
+
+    def s_combine(self, st: Combine) -> str:
+        return f"combine {st.o}, {st.lse} = ({st.o_parts}, {st.lse_parts})"
+
+    def s_probs(self, st: Probs) -> str:
+        return f"probs {st.out} = exp({st.scores} - {st.lse})"
+
+    def s_softmaxgrad(self, st: SoftmaxGrad) -> str:
+        return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
+
+    def s_scoremodgrad(self, st: ScoreModGrad) -> str:
+        return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st.at)})"
+
+    def s_auxgrad(self, st: AuxGrad) -> str:
+        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st.at)})"
+
+    def s_for(self, st: For) -> str:
+        return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
+
+    def s_ifblock(self, st: IfBlock) -> str:
+        neg = "not " if st.negate else ""
+        return f"if block({_at(st.at)}) is {neg}{st.cls.value}:"
+
+
+_HEADER = _Header()
 
 
 def print_stmt_header(st: Stmt) -> str:
     """The statement's own line (for `for`/`if`, the header without the body)."""
-    match st:
-        case Let():
-            return f"let {st.name} = {print_expr(st.value)}"
-        case Load():
-            other = "" if st.other == 0.0 else f" other {_float(st.other)}"
-            return f"load {st.out} = {st.tensor}[{_indices(st.index)}]{other}"
-        case Store():
-            return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
-        case Init():
-            return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
-        case Dot():
-            a = f"trans({st.a})" if st.trans_a else st.a
-            b = f"trans({st.b})" if st.trans_b else st.b
-            return f"dot {st.out} = {a} @ {b}"
-        case Elementwise():
-            return f"elementwise {st.out} = {print_expr(st.value)}"
-        case Reduce():
-            return f"reduce {st.out} = {st.kind}({st.src}, {st.axis})"
-        case ScoreMod():
-            return f"score_mod {st.tile} at ({_at(st)})"
-        case Mask():
-            return f"mask {st.tile} at ({_at(st)}) {'mask_mod' if st.use_mask_mod else 'bounds'}"
-        case OnlineSoftmax():
-            return f"online_softmax ({st.m}, {st.l}, {st.acc}) += {st.scores} @ {st.values}"
-        case Finalize():
-            return f"finalize {st.o}, {st.lse} = ({st.m}, {st.l}, {st.acc})"
-        case Combine():
-            return f"combine {st.o}, {st.lse} = ({st.o_parts}, {st.lse_parts})"
-        case Probs():
-            return f"probs {st.out} = exp({st.scores} - {st.lse})"
-        case SoftmaxGrad():
-            return f"softmax_grad {st.out} = {st.p} * ({st.dp} - {st.delta})"
-        case ScoreModGrad():
-            return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st)})"
-        case AuxGrad():
-            return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st)})"
-        case For():
-            return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
-        case IfBlock():
-            neg = "not " if st.negate else ""
-            return f"if block({_at(st)}) is {neg}{st.cls.value}:"
-    raise KBError(f"cannot print {type(st).__name__}: not an IR statement")
+    return _HEADER.visit(st)
 
 
 def _print_block(stmts: tuple[Stmt, ...], depth: int, out: list[str]) -> None:
@@ -272,7 +302,7 @@ def _parse_float(text: str, line: int, col: int) -> float:
     return value
 
 
-def _enum(cls: type, text: str, line: int, col: int, what: str):  # -> cls member
+def _enum(cls: type[E], text: str, line: int, col: int, what: str) -> E:
     try:
         return cls(text)
     except ValueError:
@@ -329,11 +359,11 @@ def _parse_indices(text: str, line: int, col: int) -> tuple[Index, ...]:
     return tuple(_parse_index(p, line, c) for p, c in items)
 
 
-def _parse_at(m: re.Match, group: str, line: int, col0: int) -> dict[str, Expr]:
+def _parse_at(m: re.Match, group: str, line: int, col0: int) -> TileAt:
     parts = _split_top(m.group(group), col0 + m.start(group), ",", line)
     if len(parts) != 4:
         raise _fail(line, col0 + m.start(group), f"expected 4 coordinates (b, h, q_start, kv_start), got {len(parts)}")
-    return {k: _expr(p, line, c) for k, (p, c) in zip(("b", "h", "q_start", "kv_start"), parts)}
+    return TileAt(*(_expr(p, line, c) for p, c in parts))
 
 
 # ---------------------------------------------------------------- statements
@@ -381,6 +411,10 @@ _STMT_FORM = {
 }
 
 
+# the parser dispatches on the statement's keyword (its `StmtOp` value), before any node exists
+assert set(_STMT_RE) == set(_STMT_FORM) == {op.value for op in StmtOp}, "one pattern and form per StmtOp"
+
+
 def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
     L = ln.no
     match kw:
@@ -404,9 +438,9 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
         case "reduce":
             return Reduce(m["out"], m["kind"], m["src"], int(m["axis"]))
         case "score_mod":
-            return ScoreMod(m["tile"], **_parse_at(m, "at", L, ln.col))
+            return ScoreMod(m["tile"], _parse_at(m, "at", L, ln.col))
         case "mask":
-            return Mask(m["tile"], **_parse_at(m, "at", L, ln.col), use_mask_mod=m["which"] == "mask_mod")
+            return Mask(m["tile"], _parse_at(m, "at", L, ln.col), use_mask_mod=m["which"] == "mask_mod")
         case "online_softmax":
             return OnlineSoftmax(*m.groups())
         case "finalize":
@@ -418,9 +452,9 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
         case "softmax_grad":
             return SoftmaxGrad(*m.groups())
         case "score_mod_grad":
-            return ScoreModGrad(m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
+            return ScoreModGrad(m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
         case "aux_grad":
-            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], **_parse_at(m, "at", L, ln.col))
+            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
     raise AssertionError(kw)
 
 
@@ -463,7 +497,7 @@ def _parse_stmt(cur: _Cursor, indent: int) -> Stmt:
         if nxt is not None and nxt.indent == indent and re.match(r"^else\s*:$", nxt.text):
             cur.take()
             orelse = _parse_block(cur, indent + len(INDENT), nxt)
-        return IfBlock(BlockClass(m["cls"]), m["neg"] is not None, then=then, orelse=orelse, **at)
+        return IfBlock(BlockClass(m["cls"]), m["neg"] is not None, at, then=then, orelse=orelse)
     return _simple_stmt(kw, m, ln)
 
 

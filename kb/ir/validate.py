@@ -1,8 +1,9 @@
 """Static checks of a Program, kept apart from construction (tinygrad `uop/spec.py` style).
 
 `validate(p)` raises one `KBError` listing every problem; `problems(p)` returns them.
-The rules are tables: `PROGRAM_RULES` (whole-program checks) and `STMT_RULES` (per statement
-kind, run while walking each kernel body with the names in scope). Invariants the rules state:
+The rules are kept apart: `PROGRAM_RULES` (a table of whole-program checks) and `StmtRules` (one method
+per statement kind, a `kb.ir.visit.StmtVisitor`, run while walking each kernel body with the names in
+scope). Invariants the rules state:
 - Scope: scalars are the program's symbolic dims, scalar params, schedule constants, grid axes,
   `let` names and loop variables; tiles are the outputs of load/init/dot/elementwise/reduce/
   online_softmax/finalize/combine. One namespace: a name is never both a tile and a scalar,
@@ -30,15 +31,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kb.errors import KBError
+from kb.ir.algebra import is_pow2, next_pow2
 from kb.ir.expr import CALLS, Expr, ExprOp, walk
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dim, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Kernel,
     Let, Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad,
-    SoftmaxGrad, Span, Stmt, Store, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
+    SoftmaxGrad, Span, Stmt, Store, TileAt, VariantFn, MASK_MOD_PARAMS, SCHEDULE_CONSTANTS, SCORE_MOD_PARAMS, VALUE_DIM,
 )
 from kb.ir.text import print_stmt_header
+from kb.ir.visit import StmtVisitor, stmt_op
 
-__all__ = ["validate", "problems", "Problem", "PROGRAM_RULES", "STMT_RULES"]
+__all__ = ["validate", "problems", "Problem", "PROGRAM_RULES", "StmtRules"]
 
 SymDim = Dim | None  # None: unknown
 Shape = tuple[SymDim, ...]
@@ -67,18 +70,7 @@ class _Env:
         return _Env(self.program, self.kernel, set(self.scalars), dict(self.tiles), self.counter)
 
 
-# A rule yields messages about its statement; nested bodies yield already-located Problems.
-Rule = Callable[[Stmt, _Env], Iterator["str | Problem"]]
-
 # ================================================================ helpers
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _params(p: Program) -> dict[str, Param]:
@@ -97,7 +89,7 @@ def _reserved(p: Program) -> set[str]:
 
 def _const_value(name: str, s: Schedule) -> int | None:
     values = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits,
-              "HEAD_PAD": s.head_pad or None}
+              "HEAD_PAD": s.fixed_head_pad}
     return values.get(name)
 
 
@@ -162,6 +154,13 @@ def _scalar_exprs(env: _Env, *exprs: object) -> Iterator[str]:
         yield from _expr_problems(e, env.scalars, env.tiles, env.program, allow_tiles=False)
 
 
+def _tile_at(env: _Env, at: object) -> Iterator[str]:
+    if not isinstance(at, TileAt):
+        yield f"tile coordinates must be a TileAt(b, h, q_start, kv_start), got {at!r}"
+        return
+    yield from _scalar_exprs(env, *at)
+
+
 def _need_tiles(env: _Env, **names: str) -> Iterator[str]:
     for role, name in names.items():
         if name not in env.tiles:
@@ -183,11 +182,11 @@ def _index_shape(prm: Param, index: tuple, s: Schedule) -> Shape:
             out.append(ix.size)
         elif isinstance(ix, Full):
             if dim == "D":
-                out.append(s.head_pad or "HEAD_PAD")
+                out.append(s.fixed_head_pad or "HEAD_PAD")
             elif dim == VALUE_DIM:
                 out.append("HEAD_PAD_V")
             else:
-                out.append(_next_pow2(dim) if isinstance(dim, int) else dim)
+                out.append(next_pow2(dim) if isinstance(dim, int) else dim)
     return tuple(out)
 
 
@@ -294,8 +293,8 @@ def _define(env: _Env, name: str, shape: Shape | None, *, scalar: bool = False) 
 
 def _known(env: _Env, *names: str) -> list[Shape] | None:
     """Shapes of defined tiles, or None when any is undefined or of unknown shape."""
-    shapes = [env.tiles.get(n) for n in names]
-    return None if any(sh is None for sh in shapes) else shapes  # type: ignore[return-value]
+    shapes = [sh for sh in (env.tiles.get(n) for n in names) if sh is not None]
+    return shapes if len(shapes) == len(names) else None
 
 
 def _agree(a: Shape, b: Shape, s: Schedule) -> bool:
@@ -305,99 +304,8 @@ def _agree(a: Shape, b: Shape, s: Schedule) -> bool:
 # ================================================================ statement rules
 
 
-def _let(st: Let, env: _Env) -> Iterator[str]:
-    yield from _scalar_exprs(env, st.value)
-    yield from _define(env, st.name, None, scalar=True)
-
-
-def _load(st: Load, env: _Env) -> Iterator[str]:
-    bad = list(_access_problems(st, env))
-    yield from bad
-    if isinstance(st.other, bool) or not isinstance(st.other, (int, float)) or math.isnan(st.other):
-        yield f"other={st.other!r} must be a number"
-    prm = _params(env.program).get(st.tensor)
-    shape = _index_shape(prm, st.index, env.program.schedule) if prm and not bad else None
-    yield from _define(env, st.out, shape)
-
-
-def _store(st: Store, env: _Env) -> Iterator[str]:
-    bad = list(_access_problems(st, env))
-    yield from bad
-    prm = _params(env.program).get(st.tensor)
-    if prm is not None and prm.role not in (Role.OUT, Role.SCRATCH):
-        yield f"'{st.tensor}' is an {prm.role.value} param; only out and scratch params are stored"
-    if st.accumulate and prm is not None and prm.dtype is not Dtype.F32:
-        yield f"'{st.tensor}' is {prm.dtype.value}; an accumulating store (+=) needs an f32 tensor"
-    yield from _need_tiles(env, value=st.value)
-    shape = env.tiles.get(st.value)
-    if bad or prm is None or shape is None:
-        return
-    target = _index_shape(prm, st.index, env.program.schedule)
-    if len(shape) != len(target):
-        yield f"tile '{st.value}' has rank {len(shape)} but the store target {_shape_str(target)} has rank {len(target)}"
-    elif not _agree(shape, target, env.program.schedule):
-        yield f"shape mismatch: tile '{st.value}' is {_shape_str(shape)}, store target is {_shape_str(target)}"
-
-
-def _init(st: Init, env: _Env) -> Iterator[str]:
-    allowed = set(SCHEDULE_CONSTANTS) | set(env.program.dims())
-    for d in st.shape:
-        if not (isinstance(d, str) and d in allowed or isinstance(d, int) and not isinstance(d, bool) and d > 0):
-            yield f"init dim {d!r} must be a schedule constant, a dim or a positive int"
-    if not isinstance(st.dtype, Dtype):
-        yield f"unknown dtype {st.dtype!r}"
-    if isinstance(st.fill, bool) or not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
-        yield f"fill {st.fill!r} must be a number"
-    yield from _define(env, st.out, tuple(st.shape))
-
-
-def _dot(st: Dot, env: _Env) -> Iterator[str]:
-    yield from _need_tiles(env, a=st.a, b=st.b)
-    out: Shape | None = None
-    if (known := _known(env, st.a, st.b)) is not None:
-        a, b = known
-        if len(a) != 2 or len(b) != 2:
-            yield f"dot needs 2-D tiles, got '{st.a}' {_shape_str(a)} and '{st.b}' {_shape_str(b)}"
-        else:
-            outer_a, inner_a = (a[1], a[0]) if st.trans_a else (a[0], a[1])
-            inner_b, outer_b = (b[1], b[0]) if st.trans_b else (b[0], b[1])
-            if not _same(inner_a, inner_b, env.program.schedule):
-                yield (f"shape mismatch: inner dims of {'trans(' + st.a + ')' if st.trans_a else repr(st.a)} {_shape_str(a)} and "
-                       f"{'trans(' + st.b + ')' if st.trans_b else repr(st.b)} {_shape_str(b)} disagree")
-            out = (outer_a, outer_b)
-    yield from _define(env, st.out, out)
-
-
-def _elementwise(st: Elementwise, env: _Env) -> Iterator[str]:
-    yield from _expr_problems(st.value, env.scalars, env.tiles, env.program, allow_tiles=True)
-    names = [n for n in sorted(_vars(st.value)) if n in env.tiles]
-    known = _known(env, *names)
-    out: Shape | None = None if known is None else ()
-    for shape in known or ():
-        if out and not _agree(out, shape, env.program.schedule):
-            listed = ", ".join(f"{n} {_shape_str(sh)}" for n, sh in zip(names, known or ()))
-            yield f"shape mismatch: elementwise operands have shapes {listed}"
-            break
-        out = out or shape
-    yield from _define(env, st.out, out)
-
-
 def _vars(e: object) -> set[str]:
     return {str(n.value) for n in walk(e) if isinstance(n, Expr) and n.op is ExprOp.VAR} if isinstance(e, Expr) else set()
-
-
-def _reduce(st: Reduce, env: _Env) -> Iterator[str]:
-    if st.kind not in ("max", "sum"):
-        yield f"reduce kind {st.kind!r} must be max or sum"
-    yield from _need_tiles(env, src=st.src)
-    out: Shape | None = None
-    if (known := _known(env, st.src)) is not None:
-        (src,) = known
-        if isinstance(st.axis, bool) or not isinstance(st.axis, int) or not 0 <= st.axis < len(src):
-            yield f"axis {st.axis!r} out of range for '{st.src}' {_shape_str(src)}"
-        else:
-            out = src[:st.axis] + src[st.axis + 1:]
-    yield from _define(env, st.out, out)
 
 
 def _scores_2d(env: _Env, name: str) -> Iterator[str]:
@@ -407,42 +315,11 @@ def _scores_2d(env: _Env, name: str) -> Iterator[str]:
         yield f"'{name}' must be a 2-D score tile, got {_shape_str(shape)}"
 
 
-def _score_mod(st: ScoreMod, env: _Env) -> Iterator[str]:
-    if env.program.score_mod is None:
-        yield "score_mod statement in a program without a score_mod function"
-    yield from _scores_2d(env, st.tile)
-    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
-
-
-def _mask(st: Mask, env: _Env) -> Iterator[str]:
-    if st.use_mask_mod and env.program.mask_mod is None:
-        yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
-    yield from _scores_2d(env, st.tile)
-    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
-
-
 def _row_stat(env: _Env, tile: str, rows: str) -> Iterator[str]:
     """`rows` must be the [R] row vector of the 2-D tile `tile` [R, C]."""
     known = _known(env, tile, rows)
     if known is not None and len(known[0]) == 2 and not _agree(known[1], known[0][:1], env.program.schedule):
         yield f"shape mismatch: '{rows}' {_shape_str(known[1])} is not a row vector of '{tile}' {_shape_str(known[0])}"
-
-
-def _probs(st: Probs, env: _Env) -> Iterator[str]:
-    yield from _scores_2d(env, st.scores)
-    yield from _need_tiles(env, lse=st.lse)
-    yield from _row_stat(env, st.scores, st.lse)
-    yield from _define(env, st.out, env.tiles.get(st.scores))
-
-
-def _softmax_grad(st: SoftmaxGrad, env: _Env) -> Iterator[str]:
-    yield from _scores_2d(env, st.p)
-    yield from _need_tiles(env, dp=st.dp, delta=st.delta)
-    known = _known(env, st.p, st.dp)
-    if known is not None and not _agree(known[0], known[1], env.program.schedule):
-        yield f"shape mismatch: '{st.p}' {_shape_str(known[0])} and '{st.dp}' {_shape_str(known[1])}"
-    yield from _row_stat(env, st.p, st.delta)
-    yield from _define(env, st.out, env.tiles.get(st.p))
 
 
 def _grad_of_scores(st: ScoreModGrad | AuxGrad, env: _Env) -> Iterator[str]:
@@ -451,108 +328,211 @@ def _grad_of_scores(st: ScoreModGrad | AuxGrad, env: _Env) -> Iterator[str]:
     known = _known(env, st.tile, st.scores)
     if known is not None and not _agree(known[0], known[1], env.program.schedule):
         yield f"shape mismatch: '{st.tile}' {_shape_str(known[0])} and '{st.scores}' {_shape_str(known[1])}"
-    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
+    yield from _tile_at(env, st.at)
 
 
-def _score_mod_grad(st: ScoreModGrad, env: _Env) -> Iterator[str]:
-    yield from _grad_of_scores(st, env)
+class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
+    """The per-statement rules: each yields messages about its statement (nested bodies yield located Problems)."""
+
+    def s_let(self, st: Let, env: _Env) -> Iterator[str]:
+        yield from _scalar_exprs(env, st.value)
+        yield from _define(env, st.name, None, scalar=True)
+
+    def s_load(self, st: Load, env: _Env) -> Iterator[str]:
+        bad = list(_access_problems(st, env))
+        yield from bad
+        if isinstance(st.other, bool) or not isinstance(st.other, (int, float)) or math.isnan(st.other):
+            yield f"other={st.other!r} must be a number"
+        prm = _params(env.program).get(st.tensor)
+        shape = _index_shape(prm, st.index, env.program.schedule) if prm and not bad else None
+        yield from _define(env, st.out, shape)
+
+    def s_store(self, st: Store, env: _Env) -> Iterator[str]:
+        bad = list(_access_problems(st, env))
+        yield from bad
+        prm = _params(env.program).get(st.tensor)
+        if prm is not None and prm.role not in (Role.OUT, Role.SCRATCH):
+            yield f"'{st.tensor}' is an {prm.role.value} param; only out and scratch params are stored"
+        if st.accumulate and prm is not None and prm.dtype is not Dtype.F32:
+            yield f"'{st.tensor}' is {prm.dtype.value}; an accumulating store (+=) needs an f32 tensor"
+        yield from _need_tiles(env, value=st.value)
+        shape = env.tiles.get(st.value)
+        if bad or prm is None or shape is None:
+            return
+        target = _index_shape(prm, st.index, env.program.schedule)
+        if len(shape) != len(target):
+            yield f"tile '{st.value}' has rank {len(shape)} but the store target {_shape_str(target)} has rank {len(target)}"
+        elif not _agree(shape, target, env.program.schedule):
+            yield f"shape mismatch: tile '{st.value}' is {_shape_str(shape)}, store target is {_shape_str(target)}"
+
+    def s_init(self, st: Init, env: _Env) -> Iterator[str]:
+        allowed = set(SCHEDULE_CONSTANTS) | set(env.program.dims())
+        for d in st.shape:
+            if not (isinstance(d, str) and d in allowed or isinstance(d, int) and not isinstance(d, bool) and d > 0):
+                yield f"init dim {d!r} must be a schedule constant, a dim or a positive int"
+        if not isinstance(st.dtype, Dtype):
+            yield f"unknown dtype {st.dtype!r}"
+        if isinstance(st.fill, bool) or not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
+            yield f"fill {st.fill!r} must be a number"
+        yield from _define(env, st.out, tuple(st.shape))
+
+    def s_dot(self, st: Dot, env: _Env) -> Iterator[str]:
+        yield from _need_tiles(env, a=st.a, b=st.b)
+        out: Shape | None = None
+        if (known := _known(env, st.a, st.b)) is not None:
+            a, b = known
+            if len(a) != 2 or len(b) != 2:
+                yield f"dot needs 2-D tiles, got '{st.a}' {_shape_str(a)} and '{st.b}' {_shape_str(b)}"
+            else:
+                outer_a, inner_a = (a[1], a[0]) if st.trans_a else (a[0], a[1])
+                inner_b, outer_b = (b[1], b[0]) if st.trans_b else (b[0], b[1])
+                if not _same(inner_a, inner_b, env.program.schedule):
+                    yield (f"shape mismatch: inner dims of {'trans(' + st.a + ')' if st.trans_a else repr(st.a)} {_shape_str(a)} and "
+                           f"{'trans(' + st.b + ')' if st.trans_b else repr(st.b)} {_shape_str(b)} disagree")
+                out = (outer_a, outer_b)
+        yield from _define(env, st.out, out)
+
+    def s_elementwise(self, st: Elementwise, env: _Env) -> Iterator[str]:
+        yield from _expr_problems(st.value, env.scalars, env.tiles, env.program, allow_tiles=True)
+        names = [n for n in sorted(_vars(st.value)) if n in env.tiles]
+        known = _known(env, *names)
+        out: Shape | None = None if known is None else ()
+        for shape in known or ():
+            if out and not _agree(out, shape, env.program.schedule):
+                listed = ", ".join(f"{n} {_shape_str(sh)}" for n, sh in zip(names, known or ()))
+                yield f"shape mismatch: elementwise operands have shapes {listed}"
+                break
+            out = out or shape
+        yield from _define(env, st.out, out)
+
+    def s_reduce(self, st: Reduce, env: _Env) -> Iterator[str]:
+        if st.kind not in ("max", "sum"):
+            yield f"reduce kind {st.kind!r} must be max or sum"
+        yield from _need_tiles(env, src=st.src)
+        out: Shape | None = None
+        if (known := _known(env, st.src)) is not None:
+            (src,) = known
+            if isinstance(st.axis, bool) or not isinstance(st.axis, int) or not 0 <= st.axis < len(src):
+                yield f"axis {st.axis!r} out of range for '{st.src}' {_shape_str(src)}"
+            else:
+                out = src[:st.axis] + src[st.axis + 1:]
+        yield from _define(env, st.out, out)
+
+    def s_scoremod(self, st: ScoreMod, env: _Env) -> Iterator[str]:
+        if env.program.score_mod is None:
+            yield "score_mod statement in a program without a score_mod function"
+        yield from _scores_2d(env, st.tile)
+        yield from _tile_at(env, st.at)
+
+    def s_mask(self, st: Mask, env: _Env) -> Iterator[str]:
+        if st.use_mask_mod and env.program.mask_mod is None:
+            yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
+        yield from _scores_2d(env, st.tile)
+        yield from _tile_at(env, st.at)
+
+    def s_onlinesoftmax(self, st: OnlineSoftmax, env: _Env) -> Iterator[str]:
+        yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values)
+        known = _known(env, st.scores, st.values, st.m, st.l, st.acc)
+        if known is None:
+            return
+        s, v = known[:2]
+        if len(s) != 2 or len(v) != 2:
+            yield f"online_softmax needs 2-D scores and values, got {_shape_str(s)} and {_shape_str(v)}"
+            return
+        sched = env.program.schedule
+        if not _same(s[1], v[0], sched):
+            yield f"shape mismatch: scores '{st.scores}' {_shape_str(s)} and values '{st.values}' {_shape_str(v)} disagree on the kv dim"
+        want = {st.m: (s[0],), st.l: (s[0],), st.acc: (s[0], v[1])}
+        for (name, shape), got in zip(want.items(), known[2:]):
+            if not _agree(got, shape, sched):
+                yield f"shape mismatch: '{name}' is {_shape_str(got)}, the softmax state needs {_shape_str(shape)}"
+
+    def s_finalize(self, st: Finalize, env: _Env) -> Iterator[str]:
+        yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc)
+        o_shape: Shape | None = None
+        lse_shape: Shape | None = None
+        if (known := _known(env, st.m, st.acc)) is not None:
+            m, acc = known
+            if len(m) != 1 or len(acc) != 2 or not _same(m[0], acc[0], env.program.schedule):
+                yield f"shape mismatch: finalize needs m [R] and acc [R, D], got {_shape_str(m)} and {_shape_str(acc)}"
+            else:
+                o_shape, lse_shape = acc, m
+        yield from _define(env, st.o, o_shape)
+        yield from _define(env, st.lse, lse_shape)
+
+    def s_combine(self, st: Combine, env: _Env) -> Iterator[str]:
+        yield from _need_tiles(env, o_parts=st.o_parts, lse_parts=st.lse_parts)
+        o_shape: Shape | None = None
+        lse_shape: Shape | None = None
+        if (known := _known(env, st.o_parts, st.lse_parts)) is not None:
+            op, lp = known
+            if len(op) != 3 or len(lp) != 2 or not _agree(op[:2], lp, env.program.schedule):
+                yield f"shape mismatch: combine needs o_parts [S, R, D] and lse_parts [S, R], got {_shape_str(op)} and {_shape_str(lp)}"
+            else:
+                o_shape, lse_shape = op[1:], lp[1:]
+        yield from _define(env, st.o, o_shape)
+        yield from _define(env, st.lse, lse_shape)
+
+    def s_for(self, st: For, env: _Env) -> Iterator[str | Problem]:
+        yield from _scalar_exprs(env, st.lo, st.hi)
+        if isinstance(st.step, bool) or not (st.step in ("BLOCK_N", "BLOCK_M") or isinstance(st.step, int) and st.step > 0):
+            yield f"loop step {st.step!r} must be a block size (BLOCK_N, BLOCK_M) or a positive int"
+        if st.order not in ("forward", "reverse"):
+            yield f"loop order {st.order!r} must be forward or reverse"
+        if not st.body:
+            yield "empty loop body"
+        inner = env.child()
+        yield from _define(inner, st.var, None, scalar=True)
+        yield from _walk_block(st.body, inner)
+
+    def s_ifblock(self, st: IfBlock, env: _Env) -> Iterator[str | Problem]:
+        if not isinstance(st.cls, BlockClass):
+            yield f"unknown block class {st.cls!r}; known: full, partial, empty"
+        yield from _tile_at(env, st.at)
+        if not st.then:
+            yield "empty 'if' body"
+        then, orelse = env.child(), env.child()
+        yield from _walk_block(st.then, then)
+        yield from _walk_block(st.orelse, orelse)
+        if st.orelse:
+            for name in then.tiles.keys() & orelse.tiles.keys() - env.tiles.keys():
+                env.tiles[name] = then.tiles[name]
+            env.scalars |= (then.scalars & orelse.scalars) - env.scalars
+
+    def s_probs(self, st: Probs, env: _Env) -> Iterator[str]:
+        yield from _scores_2d(env, st.scores)
+        yield from _need_tiles(env, lse=st.lse)
+        yield from _row_stat(env, st.scores, st.lse)
+        yield from _define(env, st.out, env.tiles.get(st.scores))
+
+    def s_softmaxgrad(self, st: SoftmaxGrad, env: _Env) -> Iterator[str]:
+        yield from _scores_2d(env, st.p)
+        yield from _need_tiles(env, dp=st.dp, delta=st.delta)
+        known = _known(env, st.p, st.dp)
+        if known is not None and not _agree(known[0], known[1], env.program.schedule):
+            yield f"shape mismatch: '{st.p}' {_shape_str(known[0])} and '{st.dp}' {_shape_str(known[1])}"
+        yield from _row_stat(env, st.p, st.delta)
+        yield from _define(env, st.out, env.tiles.get(st.p))
+
+    def s_scoremodgrad(self, st: ScoreModGrad, env: _Env) -> Iterator[str]:
+        yield from _grad_of_scores(st, env)
+
+    def s_auxgrad(self, st: AuxGrad, env: _Env) -> Iterator[str]:
+        yield from _grad_of_scores(st, env)
+        prms = _params(env.program)
+        aux, grad = prms.get(st.aux), prms.get(st.grad)
+        fn = env.program.score_mod
+        if aux is None or aux.role is not Role.AUX:
+            yield f"'{st.aux}' must be an aux param"
+        elif fn is None or st.aux not in {str(n.value) for n in walk(fn.body) if n.op is ExprOp.LOAD}:
+            yield f"score_mod does not read '{st.aux}', so it has no gradient here"
+        if grad is None or grad.role is not Role.OUT or grad.dtype is not Dtype.F32:
+            yield f"'{st.grad}' must be an f32 out param"
+        elif aux is not None and grad.shape != aux.shape:
+            yield f"'{st.grad}' {list(grad.shape)} must have the shape of '{st.aux}' {list(aux.shape)}"
 
 
-def _aux_grad(st: AuxGrad, env: _Env) -> Iterator[str]:
-    yield from _grad_of_scores(st, env)
-    prms = _params(env.program)
-    aux, grad = prms.get(st.aux), prms.get(st.grad)
-    fn = env.program.score_mod
-    if aux is None or aux.role is not Role.AUX:
-        yield f"'{st.aux}' must be an aux param"
-    elif fn is None or st.aux not in {str(n.value) for n in walk(fn.body) if n.op is ExprOp.LOAD}:
-        yield f"score_mod does not read '{st.aux}', so it has no gradient here"
-    if grad is None or grad.role is not Role.OUT or grad.dtype is not Dtype.F32:
-        yield f"'{st.grad}' must be an f32 out param"
-    elif aux is not None and grad.shape != aux.shape:
-        yield f"'{st.grad}' {list(grad.shape)} must have the shape of '{st.aux}' {list(aux.shape)}"
-
-
-def _online_softmax(st: OnlineSoftmax, env: _Env) -> Iterator[str]:
-    yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values)
-    known = _known(env, st.scores, st.values, st.m, st.l, st.acc)
-    if known is None:
-        return
-    s, v = known[:2]
-    if len(s) != 2 or len(v) != 2:
-        yield f"online_softmax needs 2-D scores and values, got {_shape_str(s)} and {_shape_str(v)}"
-        return
-    sched = env.program.schedule
-    if not _same(s[1], v[0], sched):
-        yield f"shape mismatch: scores '{st.scores}' {_shape_str(s)} and values '{st.values}' {_shape_str(v)} disagree on the kv dim"
-    want = {st.m: (s[0],), st.l: (s[0],), st.acc: (s[0], v[1])}
-    for (name, shape), got in zip(want.items(), known[2:]):
-        if not _agree(got, shape, sched):
-            yield f"shape mismatch: '{name}' is {_shape_str(got)}, the softmax state needs {_shape_str(shape)}"
-
-
-def _finalize(st: Finalize, env: _Env) -> Iterator[str]:
-    yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc)
-    o_shape: Shape | None = None
-    lse_shape: Shape | None = None
-    if (known := _known(env, st.m, st.acc)) is not None:
-        m, acc = known
-        if len(m) != 1 or len(acc) != 2 or not _same(m[0], acc[0], env.program.schedule):
-            yield f"shape mismatch: finalize needs m [R] and acc [R, D], got {_shape_str(m)} and {_shape_str(acc)}"
-        else:
-            o_shape, lse_shape = acc, m
-    yield from _define(env, st.o, o_shape)
-    yield from _define(env, st.lse, lse_shape)
-
-
-def _combine(st: Combine, env: _Env) -> Iterator[str]:
-    yield from _need_tiles(env, o_parts=st.o_parts, lse_parts=st.lse_parts)
-    o_shape: Shape | None = None
-    lse_shape: Shape | None = None
-    if (known := _known(env, st.o_parts, st.lse_parts)) is not None:
-        op, lp = known
-        if len(op) != 3 or len(lp) != 2 or not _agree(op[:2], lp, env.program.schedule):
-            yield f"shape mismatch: combine needs o_parts [S, R, D] and lse_parts [S, R], got {_shape_str(op)} and {_shape_str(lp)}"
-        else:
-            o_shape, lse_shape = op[1:], lp[1:]
-    yield from _define(env, st.o, o_shape)
-    yield from _define(env, st.lse, lse_shape)
-
-
-def _for(st: For, env: _Env) -> Iterator[str]:
-    yield from _scalar_exprs(env, st.lo, st.hi)
-    if isinstance(st.step, bool) or not (st.step in ("BLOCK_N", "BLOCK_M") or isinstance(st.step, int) and st.step > 0):
-        yield f"loop step {st.step!r} must be a block size (BLOCK_N, BLOCK_M) or a positive int"
-    if st.order not in ("forward", "reverse"):
-        yield f"loop order {st.order!r} must be forward or reverse"
-    if not st.body:
-        yield "empty loop body"
-    inner = env.child()
-    yield from _define(inner, st.var, None, scalar=True)
-    yield from _walk_block(st.body, inner)
-
-
-def _if(st: IfBlock, env: _Env) -> Iterator[str]:
-    if not isinstance(st.cls, BlockClass):
-        yield f"unknown block class {st.cls!r}; known: full, partial, empty"
-    yield from _scalar_exprs(env, st.b, st.h, st.q_start, st.kv_start)
-    if not st.then:
-        yield "empty 'if' body"
-    then, orelse = env.child(), env.child()
-    yield from _walk_block(st.then, then)
-    yield from _walk_block(st.orelse, orelse)
-    if st.orelse:
-        for name in then.tiles.keys() & orelse.tiles.keys() - env.tiles.keys():
-            env.tiles[name] = then.tiles[name]
-        env.scalars |= (then.scalars & orelse.scalars) - env.scalars
-
-
-STMT_RULES: dict[type, Rule] = {
-    Let: _let, Load: _load, Store: _store, Init: _init, Dot: _dot, Elementwise: _elementwise,
-    Reduce: _reduce, ScoreMod: _score_mod, Mask: _mask, OnlineSoftmax: _online_softmax,
-    Finalize: _finalize, Combine: _combine, For: _for, IfBlock: _if, Probs: _probs,
-    SoftmaxGrad: _softmax_grad, ScoreModGrad: _score_mod_grad, AuxGrad: _aux_grad,
-}  # type: ignore[dict-item]
+_RULES = StmtRules()
 
 
 def _header(st: Stmt) -> str:
@@ -565,13 +545,13 @@ def _header(st: Stmt) -> str:
 def _walk_block(stmts: tuple[Stmt, ...], env: _Env) -> Iterator[Problem]:
     for st in stmts:
         env.counter[0] += 1
-        rule = STMT_RULES.get(type(st))
-        if rule is None:
-            yield Problem(f"kernel {env.kernel}, statement {env.counter[0]} ({st!r})",
-                          f"unknown statement kind {type(st).__name__}; known: {', '.join(t.__name__ for t in STMT_RULES)}")
+        try:
+            stmt_op(st)
+        except KBError as err:
+            yield Problem(f"kernel {env.kernel}, statement {env.counter[0]} ({st!r})", str(err))
             continue
         where = f"kernel {env.kernel}, statement {env.counter[0]} ({_header(st)})"
-        for msg in rule(st, env):
+        for msg in _RULES.visit(st, env):
             yield msg if isinstance(msg, Problem) else Problem(where, msg)
 
 
@@ -600,8 +580,8 @@ def _param_rules(p: Program) -> Iterator[Problem]:
     if "q" in seen and _params(p)["q"].role is not Role.IN:
         yield Problem("param 'q'", "q must be an in param")
     for name in ("q", "k"):
-        prm = _params(p).get(name)
-        if isinstance(prm, Param) and prm.shape and prm.shape[-1] == VALUE_DIM:
+        qk = _params(p).get(name)
+        if isinstance(qk, Param) and qk.shape and qk.shape[-1] == VALUE_DIM:
             yield Problem(f"param '{name}'", f"{name} ends in the query/key head dim D; only values and outputs take {VALUE_DIM}")
 
 
@@ -616,9 +596,9 @@ def _schedule_rules(p: Program) -> Iterator[Problem]:
             yield Problem("schedule", f"{key}={value!r} must be a positive int")
     for key in ("block_m", "block_n", "num_warps"):
         value = getattr(s, key)
-        if isinstance(value, int) and value > 0 and not _is_pow2(value):
+        if isinstance(value, int) and value > 0 and not is_pow2(value):
             yield Problem("schedule", f"{key}={value} must be a power of two")
-    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not _is_pow2(s.head_pad)):
+    if not isinstance(s.head_pad, int) or s.head_pad < 0 or (s.head_pad and not is_pow2(s.head_pad)):
         yield Problem("schedule", f"head_pad={s.head_pad!r} must be 0 (auto) or a power of two")
     if s.kv_order not in ("forward", "reverse"):
         yield Problem("schedule", f"kv_order={s.kv_order!r} must be forward or reverse")

@@ -48,12 +48,14 @@ from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
 from kb.errors import KBError
+from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
-    BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
+    BACKWARD_OPS, DOT_MIN_K, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Program, Reduce, Role, SCHEDULE_CONSTANTS, Schedule, ScoreMod, Span,
     Stmt, Store, VALUE_DIM, walk_stmts,
 )
+from kb.ir.visit import StmtVisitor
 from kb.lower.cuda_expr import (
     EXPR_HELPERS, AuxRef, ExprContext, ExprTarget, Kind, Sym, cxx_type, expr_kind, float_literal, is_nonneg,
     lower_cexpr,
@@ -90,10 +92,6 @@ _CXX_RESERVED = {
 def _size_code(d: object) -> str:
     """A tensor dim as C++ code: an int literal or the dim's local name."""
     return str(d) if isinstance(d, int) else _local(str(d))
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def kernel_symbol(k: Kernel) -> str:
@@ -166,7 +164,7 @@ def launch_abi(p: Program) -> LaunchAbi:
         dims=tuple(d for d in p.dims() if d not in SCHEDULE_CONSTANTS),
         scalars=tuple(q.name for q in p.params if q.role is Role.SCALAR),
         table=table,
-        head_pad=p.schedule.head_pad,
+        head_pad=p.schedule.fixed_head_pad or 0,
         value_dim=VALUE_DIM in p.dims(),
     )
 
@@ -218,8 +216,11 @@ class _Buffer:
     bytes_expr: list[str] = field(default_factory=list)  # candidates; the max is allocated
 
 
-class _KernelGen:
+class _KernelGen(StmtVisitor[None]):
     """Generates one `__global__` kernel (body lines plus its shared-memory layout)."""
+
+    rejects = BACKWARD_OPS
+    rejects_why = "the CUDA lowerings are forward-only; lower a backward program with kb.lower.triton"
 
     def __init__(self, p: Program, k: Kernel, abi: LaunchAbi, plan: BlockMaskPlan) -> None:
         self.p, self.k, self.abi, self.plan = p, k, abi, plan
@@ -312,9 +313,9 @@ class _KernelGen:
         if d == VALUE_DIM or d == "HEAD_PAD_V":
             return "HEAD_PAD_V"
         if isinstance(d, int):
-            return str(_next_pow2(d))
+            return str(next_pow2(d))
         if d in SCHEDULE_CONSTANTS:
-            return str(_next_pow2(self._const_size(d)))
+            return str(next_pow2(self._const_size(d)))
         raise KBError(f"kernel {self.k.name}: the CUDA lowering cannot load `:` over the runtime dim {d!r} "
                       "(its padded size must be known at compile time); use a span `start:+BLOCK` instead")
 
@@ -401,10 +402,7 @@ class _KernelGen:
     # -- statements
     def block(self, body: tuple[Stmt, ...]) -> None:
         for st in body:
-            self.stmt(st)
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
+            self.visit(st)
 
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)
@@ -556,12 +554,12 @@ class _KernelGen:
     def variant_names(self, st: ScoreMod | Mask, tile: _Tile, c: list[str]) -> dict[str, Sym]:
         names = {d: self.names[d] for d in self.abi.dims}
         names.update({s.name: self.names[s.name] for s in self.scalar_params})
-        names["b"] = Sym(f"({self.ex(st.b)})", Kind.INT, is_nonneg(st.b, self.ctx()))
-        names["h"] = Sym(f"({self.ex(st.h)})", Kind.INT, is_nonneg(st.h, self.ctx()))
-        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.q_start)} + {c[0]};")
-        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.kv_start)} + {c[1]};")
-        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.q_start, self.ctx()))
-        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["b"] = Sym(f"({self.ex(st.at.b)})", Kind.INT, is_nonneg(st.at.b, self.ctx()))
+        names["h"] = Sym(f"({self.ex(st.at.h)})", Kind.INT, is_nonneg(st.at.h, self.ctx()))
+        self.emit(f"[[maybe_unused]] const long long kb_qi = {self.ex(st.at.q_start)} + {c[0]};")
+        self.emit(f"[[maybe_unused]] const long long kb_ki = {self.ex(st.at.kv_start)} + {c[1]};")
+        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
+        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         return names
 
     def _score_tile(self, st: ScoreMod | Mask) -> _Tile:
@@ -719,9 +717,9 @@ class _KernelGen:
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             cls = self.fresh("bclass")
-            qs, ks = self.ex(st.q_start), self.ex(st.kv_start)
-            bi = self.ex(st.b) if self.plan.per_b else "0LL"
-            hi = self.ex(st.h) if self.plan.per_h else "0LL"
+            qs, ks = self.ex(st.at.q_start), self.ex(st.at.kv_start)
+            bi = self.ex(st.at.b) if self.plan.per_b else "0LL"
+            hi = self.ex(st.at.h) if self.plan.per_h else "0LL"
             self.emit("// block class from the table (0 empty, 1 partial, 2 full); an unaligned tile is partial")
             self.emit(f"const int {cls} = kb_table_class(kb_a, {bi}, {hi}, {qs}, {ks});")
             return f"{cls} {op} {code}"
@@ -729,7 +727,7 @@ class _KernelGen:
         test = full if st.cls is BlockClass.FULL else empty if st.cls is BlockClass.EMPTY \
             else Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
         name = self.fresh(f"is_{st.cls.value}")
-        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.q_start}, {st.kv_start})")
+        self.emit(f"// block class in closed form ({self.plan.kind.value}) of the tile at ({st.at.q_start}, {st.at.kv_start})")
         self.emit(f"const bool {name} = {self.ex(test)};")
         return f"!{name}" if st.negate else name
 
@@ -957,14 +955,14 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
     run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
     if abi.value_dim:
-        L.append("  long long kb_hpv = 16;")
+        L.append(f"  long long kb_hpv = {DOT_MIN_K};")
         L.append(f"  while (kb_hpv < kb_a.{_local(VALUE_DIM)}) kb_hpv *= 2;")
     if abi.head_pad:
         L.append(f"  return {run(abi.head_pad)};")
     else:
         if "D" not in abi.dims:
             raise KBError(f"program {p.name}: head_pad=0 needs a dim named D to dispatch on; set schedule head_pad")
-        L.append("  long long kb_hp = 16;")
+        L.append(f"  long long kb_hp = {DOT_MIN_K};")
         L.append("  while (kb_hp < kb_a.D) kb_hp *= 2;")
         L.append("#ifdef KB_HEAD_PAD_ONLY  // a faster build with one instantiation (-DKB_HEAD_PAD_ONLY=64)")
         L.append(f"  return kb_hp == KB_HEAD_PAD_ONLY ? {run('KB_HEAD_PAD_ONLY')} : {_err_name()};")

@@ -397,14 +397,14 @@ class _MmaGen(_KernelGen):
         names.update({q.name: self.names[q.name] for q in self.scalar_params})
         env = {d: self.ivals[d] for d in self.abi.dims}
         for v in ("b", "h"):
-            e = getattr(st, v)
+            e = getattr(st.at, v)
             names[v] = Sym(f"({self.ex(e)})", Kind.INT, is_nonneg(e, self.ctx()))
             env[v] = self.ival(e)
-        qs, ks = self.ival(st.q_start), self.ival(st.kv_start)
+        qs, ks = self.ival(st.at.q_start), self.ival(st.at.kv_start)
         env["q_idx"], env["kv_idx"] = _shift(qs, 0, self.p.schedule.block_m - 1), _shift(ks, 0, self.p.schedule.block_n - 1)
         q32, k32 = _fits32(qs) and _fits32(env["q_idx"]), _fits32(ks) and _fits32(env["kv_idx"])
-        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.q_start, self.ctx()))
-        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
+        names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         names["score"] = Sym("kb_sv", Kind.FLOAT)
         int_codes = {c for c, ok in (("kb_qi", q32), ("kb_ki", k32)) if ok}
         memo: dict[Expr, bool] = {}
@@ -431,7 +431,7 @@ class _MmaGen(_KernelGen):
 
         elem = hoist(body)
         ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}
-        coord = {"kb_qi": (st.q_start, q32), "kb_ki": (st.kv_start, k32)}
+        coord = {"kb_qi": (st.at.q_start, q32), "kb_ki": (st.at.kv_start, k32)}
 
         def decl(var: str, offset: str) -> str:
             start, small = coord[var]
@@ -737,7 +737,7 @@ class _MmaGen(_KernelGen):
         for st in self.k.body:
             if not isinstance(st, (Let, Load, Init, For, Finalize, Store, Elementwise)):
                 raise self.fail(f"a top-level {st.op.value}")
-            self.stmt(st)
+            self.visit(st)
         self.emit("kb_cp_wait<0>();")
         return self.lines
 

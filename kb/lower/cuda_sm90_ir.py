@@ -136,8 +136,8 @@ def _check_addresses(p: Program, shape: _Shape) -> None:
                 want = {"q": (b, h, m * SM90_BLOCK_M), "k": (b, h // (Hq // Hkv), n), "v": (b, h // (Hq // Hkv), n)}
                 env[lp.loop.var] = n
                 for st in _element_stmts(lp.scores):  # the kernel's q_idx/kv_idx are the tile's rows and columns
-                    if (int(eval_expr(st.q_start, env)), int(eval_expr(st.kv_start, env))) != (m * SM90_BLOCK_M, n):
-                        raise _fail(p, f"{st.op.value} at ({st.q_start}, {st.kv_start})")
+                    if (int(eval_expr(st.at.q_start, env)), int(eval_expr(st.at.kv_start, env))) != (m * SM90_BLOCK_M, n):
+                        raise _fail(p, f"{st.op.value} at ({st.at.q_start}, {st.at.kv_start})")
                 for ld, _ in loads:
                     got = tuple(int(eval_expr(e, env)) for e in (ld.index[0], ld.index[1], ld.index[2].start))
                     if got != want[ld.tensor]:
@@ -179,7 +179,7 @@ class _HookGen(_KernelGen):
         """C++ bool: this mask can drop a score of the tile at n_start (False only where the tile is provably full)."""
         if not st.use_mask_mod or (self.plan.kind is BlockMaskKind.TABLE and self.abi.table is None):
             return "true" if st.use_mask_mod else "false"
-        guard = IfBlock(BlockClass.FULL, True, st.b, st.h, st.q_start, st.kv_start, ())
+        guard = IfBlock(BlockClass.FULL, True, st.at, ())
         return self.block_condition(guard)
 
     def score_stmt(self, st: Stmt, s: str) -> None:
@@ -208,8 +208,8 @@ class _HookGen(_KernelGen):
     def element(self, e: Expr, st: ScoreMod | Mask) -> tuple[str, Kind]:
         """`e` for kb_score, with its pieces that do not depend on kv_idx or the score moved into kb_row (computed
         once per CTA and thread row: the template's rows never change); (C++ code, kind)."""
-        if str(st.b) != "b" or str(st.h) != "h":
-            raise _fail(self.p, f"{st.op.value} at ({st.b}, {st.h}, ..) (b and h are accepted)")
+        if str(st.at.b) != "b" or str(st.at.h) != "h":
+            raise _fail(self.p, f"{st.op.value} at ({st.at.b}, {st.at.h}, ..) (b and h are accepted)")
         row = {**self.names, **{n: Sym(n, Kind.INT, True) for n in (*_ROW_ARGS, "kv_idx")},
                "score": Sym("kb_s", Kind.FLOAT)}
         rctx = self.ctx(row)

@@ -137,12 +137,12 @@ def _check_body(kern: Kernel, plan: PackPlan, p: Program, has_mask: bool) -> str
         elif isinstance(st, (Mask, ScoreMod, IfBlock)):
             if isinstance(st, IfBlock) and has_mask:
                 why = "a block test under a mask_mod (the class of a packed tile would mix query positions)"
-            elif not (st.q_start.op is ExprOp.VAR and st.q_start.value in plan.starts):
-                why = f"a {st.op.value} at q_start {st.q_start} that is not the query-block start"
-            elif st.h != var(plan.head) and _uses(st.h, plan):
-                why = f"a {st.op.value} whose head {st.h} depends on the query head"
+            elif not (st.at.q_start.op is ExprOp.VAR and st.at.q_start.value in plan.starts):
+                why = f"a {st.op.value} at q_start {st.at.q_start} that is not the query-block start"
+            elif st.at.h != var(plan.head) and _uses(st.at.h, plan):
+                why = f"a {st.op.value} whose head {st.at.h} depends on the query head"
             else:
-                why = _uses(st.b, plan) or _uses(st.kv_start, plan)
+                why = _uses(st.at.b, plan) or _uses(st.at.kv_start, plan)
                 why = why and f"a {st.op.value} whose batch / kv_start depends on {why}"
         elif not isinstance(st, (For, IfBlock)):
             names = {n for f in ("value",) if isinstance(getattr(st, f, None), Expr) for n in free_vars(getattr(st, f))}

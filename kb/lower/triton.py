@@ -34,21 +34,21 @@ Invariants of the generated module:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import keyword
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterator
 
 from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
+from kb.ir.algebra import FLIP, all_of, any_of, conjuncts, disjuncts, linear_form, max_of, min_of, next_pow2, tidy_int
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var, walk
 from kb.ir.nodes import (
-    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
+    DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let,
     Load, Mask, OnlineSoftmax, Param, Probs, Program, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad,
-    SoftmaxGrad, Span, Stmt, Store, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
+    SoftmaxGrad, Span, Stmt, Store, TileAt, VALUE_DIM, is_backward, launch_constants, serving_constructs, walk_stmts,
 )
+from kb.ir.visit import StmtVisitor
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, pack_plans, row_span
 from kb.lower.triton_expr import AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, lower_expr
 
@@ -121,10 +121,6 @@ def kernel_fn_name(k: Kernel) -> str:
     return f"_{k.name}_kernel"
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 # ------------------------------------------------------------------ block classes
 
 
@@ -156,39 +152,7 @@ class BlockMaskPlan:
     per_h: bool = False
 
 
-def _linear(e: Expr) -> tuple[int, int, Expr] | None:
-    """e == alpha*q_idx + beta*kv_idx + c with integer alpha/beta and c free of q_idx/kv_idx (c may load)."""
-    if not ({"q_idx", "kv_idx"} & free_vars(e)):
-        return (0, 0, e)
-    if e.op is ExprOp.VAR:
-        return (1, 0, const(0)) if e.value == "q_idx" else (0, 1, const(0))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = _linear(e.args[0]), _linear(e.args[1])
-        if a is None or b is None:
-            return None
-        sign = 1 if e.op is ExprOp.ADD else -1
-        return a[0] + sign * b[0], a[1] + sign * b[1], Expr(e.op, (a[2], b[2]))
-    if e.op is ExprOp.NEG:
-        a = _linear(e.args[0])
-        return None if a is None else (-a[0], -a[1], Expr(ExprOp.NEG, (a[2],)))
-    if e.op is ExprOp.MUL:
-        for x, y in (e.args, e.args[::-1]):
-            if x.op is ExprOp.CONST and isinstance(x.value, int) and not isinstance(x.value, bool):
-                lin = _linear(y)
-                return None if lin is None else (x.value * lin[0], x.value * lin[1], Expr(ExprOp.MUL, (x, lin[2])))
-    return None
-
-
-_FLIP = {ExprOp.LT: ExprOp.GT, ExprOp.LE: ExprOp.GE, ExprOp.GT: ExprOp.LT, ExprOp.GE: ExprOp.LE, ExprOp.EQ: ExprOp.EQ}
-
-
-def _operands(e: Expr, op: ExprOp) -> Iterator[Expr]:
-    """The terms of a nest of `op` (AND: conjuncts, OR: disjuncts)."""
-    if e.op is op:
-        for a in e.args:
-            yield from _operands(a, op)
-    else:
-        yield e
+_BOUNDS = FLIP.keys() - {ExprOp.NE}  # the comparisons a bound can be read from
 
 
 def _int_expr(e: Expr) -> bool:
@@ -201,10 +165,10 @@ def plan_block_mask(p: Program) -> BlockMaskPlan:
     if p.mask_mod is None:
         return BlockMaskPlan(BlockMaskKind.NO_MASK)
     not_int = {q.name for q in p.params if q.role in (Role.SCALAR, Role.AUX) and _KIND[q.dtype] is not Kind.INT}
-    disjuncts = [_linear_bounds(d, not_int) for d in _operands(p.mask_mod.body, ExprOp.OR)]
-    if any(d is None for d in disjuncts):
+    bounds = [_linear_bounds(d, not_int) for d in disjuncts(p.mask_mod.body)]
+    if any(d is None for d in bounds):
         return _table_plan(p)
-    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in disjuncts if d is not None))
+    return BlockMaskPlan(BlockMaskKind.ANALYTIC, tuple(d for d in bounds if d is not None))
 
 
 def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
@@ -212,15 +176,15 @@ def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
     direction: tuple[int, int] | None = None
     lower: list[Expr] = []
     upper: list[Expr] = []
-    for atom in _operands(e, ExprOp.AND):
-        lin = _linear(Expr(ExprOp.SUB, atom.args)) if atom.op in _FLIP else None
+    for atom in conjuncts(e):
+        lin = linear_form(Expr(ExprOp.SUB, atom.args)) if atom.op in _BOUNDS else None
         if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
                 or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
             return None
         a, b, c = lin
         op = atom.op
         if (a, b) < (0, 0) or (a == 0 and b < 0):  # canonical sign: first nonzero coefficient positive
-            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), _FLIP[op]
+            a, b, c, op = -a, -b, Expr(ExprOp.NEG, (c,)), FLIP[op]
         if abs(a) > 1 or abs(b) > 1 or direction not in (None, (a, b)):
             return None
         direction = (a, b)
@@ -242,72 +206,22 @@ def _table_plan(p: Program) -> BlockMaskPlan:
     return BlockMaskPlan(BlockMaskKind.TABLE, per_b="b" in fv, per_h="h" in fv)
 
 
-def _is_int(e: Expr) -> bool:
-    return e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
-
-
-def _simplify(e: Expr) -> Expr:
-    """Fold integer constants and drop +0/-0/double negation (keeps generated conditions readable)."""
-    args = tuple(_simplify(a) for a in e.args)
-    e = Expr(e.op, args, e.value) if args else e
-    if e.op is ExprOp.NEG:
-        (a,) = args
-        if _is_int(a):
-            return const(-a.value)  # type: ignore[operator]
-        if a.op is ExprOp.NEG:
-            return a.args[0]
-        if a.op is ExprOp.SUB:
-            return _simplify(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
-    if e.op in (ExprOp.ADD, ExprOp.SUB):
-        a, b = args
-        if _is_int(a) and _is_int(b):
-            return const(a.value + b.value if e.op is ExprOp.ADD else a.value - b.value)  # type: ignore[operator]
-        if _is_int(b) and b.value == 0:
-            return a
-        if _is_int(a) and a.value == 0:
-            return b if e.op is ExprOp.ADD else _simplify(Expr(ExprOp.NEG, (b,)))
-        if b.op is ExprOp.NEG:
-            return _simplify(Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, b.args[0])))
-        if _is_int(b) and b.value < 0:  # type: ignore[operator]
-            return Expr(ExprOp.SUB if e.op is ExprOp.ADD else ExprOp.ADD, (a, const(-b.value)))  # type: ignore[operator]
-        if _is_int(b) and a.op in (ExprOp.ADD, ExprOp.SUB) and _is_int(a.args[1]):
-            # (x +- c1) +- c2 -> x + (+-c1 +- c2)
-            c = (a.args[1].value if a.op is ExprOp.ADD else -a.args[1].value) \
-                + (b.value if e.op is ExprOp.ADD else -b.value)  # type: ignore[operator]
-            return _simplify(Expr(ExprOp.ADD, (a.args[0], const(c))))
-    if e.op is ExprOp.MUL:
-        a, b = args
-        if _is_int(a) and a.value == 1:
-            return b
-        if _is_int(b) and b.value == 1:
-            return a
-    return e
-
-
-def _any(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.OR, (a, b)), es)
-
-
-def _all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: Expr(ExprOp.AND, (a, b)), es)
-
-
 def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tuple[Expr, Expr]:
-    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at (st.q_start, st.kv_start) as scalar Exprs."""
-    q0, k0 = st.q_start, st.kv_start
+    """(is_empty, is_full) of the BLOCK_M x BLOCK_N tile at st.at as scalar Exprs."""
+    q0, k0 = st.at.q_start, st.at.kv_start
     q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
     k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
     empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
     full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
     if plan.kind is BlockMaskKind.ANALYTIC:
-        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.b, "h": st.h}) for d in plan.disjuncts]
+        tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.at.b, "h": st.at.h}) for d in plan.disjuncts]
         if len(tests) == 1:
             empty += tests[0][0]
             full += tests[0][1]
         else:
-            empty.append(_all([_any(e) for e, _ in tests]))
-            full.append(_any([_all(f) for _, f in tests]))
-    return _simplify(_any(empty)), _simplify(_all(full))
+            empty.append(all_of([any_of(e) for e, _ in tests]))
+            full.append(any_of([all_of(f) for _, f in tests]))
+    return tidy_int(any_of(empty)), tidy_int(all_of(full))
 
 
 def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
@@ -359,7 +273,7 @@ def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dic
         elif d.beta == 1:
             last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
     if d.beta == 0:  # the rows alone decide: every block or none
-        rows = _all([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
+        rows = all_of([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
                     + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
         first = call("where", rows, first, n)
     return first, last
@@ -380,18 +294,10 @@ def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) 
     """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
     a_min, a_max = _part_range(d.alpha, *q)
     if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L
-        return _min_all([a_max - substitute(x, at) + 1 for x in d.lower])
+        return min_of([a_max - substitute(x, at) + 1 for x in d.lower])
     if d.beta == 1 and d.upper:  # g_min = a_min + kv_start <= U
-        return _min_all([substitute(x, at) - a_min + 1 for x in d.upper])
+        return min_of([substitute(x, at) - a_min + 1 for x in d.upper])
     return n
-
-
-def _min_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("minimum", a, b), es)
-
-
-def _max_all(es: list[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: call("maximum", a, b), es)
 
 
 # ------------------------------------------------------------------ kernels
@@ -448,7 +354,7 @@ class _Region:
         return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
-        return st.kv_start == var(self.var) and (st.b, st.h, st.q_start) == self.at
+        return st.at.kv_start == var(self.var) and (st.at.b, st.at.h, st.at.q_start) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
@@ -470,6 +376,8 @@ def _reads(st: Stmt) -> set[str]:
         val = getattr(st, f)
         if isinstance(val, Expr):
             names |= free_vars(val)
+        elif isinstance(val, TileAt):
+            names |= {n for x in val for n in free_vars(x)}
         elif isinstance(val, tuple):
             names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
             names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
@@ -506,7 +414,7 @@ def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | N
     return None
 
 
-class _KernelGen:
+class _KernelGen(StmtVisitor[None]):
     def __init__(self, p: Program, k: Kernel, sig: _Signature, plan: BlockMaskPlan, opts: LowerOptions,
                  pack: PackPlan | None = None) -> None:
         self.p, self.k, self.sig, self.plan, self.opts = p, k, sig, plan, opts
@@ -589,7 +497,7 @@ class _KernelGen:
         if d == VALUE_DIM:
             return "HEAD_PAD_V"
         if isinstance(d, int):
-            return str(_next_pow2(d))
+            return str(next_pow2(d))
         if d in ("HEAD_PAD", "HEAD_PAD_V"):
             return str(d)
         pad = f"PAD_{d}"
@@ -785,7 +693,7 @@ class _KernelGen:
     def invariant_terms(self, e: Expr, st: ScoreMod | Mask, names: dict[str, Sym]) -> tuple[Expr, dict[str, Sym]]:
         """`e` with its loads that do not move along the KV loop (free of kv_idx and score, e.g. `doc[b, q_idx]`,
         `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
-        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.b, st.h, st.q_start)):
+        if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.at.b, st.at.h, st.at.q_start)):
             return e, names
         q_offs = names["q_idx"].code.split("[")[0]
         if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
@@ -852,13 +760,10 @@ class _KernelGen:
                 self.dot_into(st, acc)  # type: ignore[arg-type]
                 fused.add(i + 1)
                 continue
-            self.stmt(st)
+            self.visit(st)
         if len(self.lines) == before:
             self.emit("pass")
         self.offs.pop()
-
-    def stmt(self, st: Stmt) -> None:
-        getattr(self, "s_" + type(st).__name__.lower())(st)
 
     def s_let(self, st: Let) -> None:
         self.bind_scalar(st.name, st.value)
@@ -1020,20 +925,20 @@ class _KernelGen:
         tile = self.tile(st.tile)
         if len(tile.shape) != 2:
             raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
-        om = self.offsets(st.q_start, tile.shape[0])
-        on = self.offsets(st.kv_start, tile.shape[1])
+        om = self.offsets(st.at.q_start, tile.shape[0])
+        on = self.offsets(st.at.kv_start, tile.shape[1])
         names = {d: self.names[d] for d in self.sig.dims}
         names.update({s.name: self.names[s.name] for s in self.sig.scalars})
-        names["b"] = self.index_sym(st.b)
-        names["h"] = self.index_sym(st.h)
+        names["b"] = self.index_sym(st.at.b)
+        names["h"] = self.index_sym(st.at.h)
         q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
-        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.q_start, self.ctx()))
+        names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
         if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
             head, qpos = self.pack_rows(om)
             names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)
-            if st.h == var(self.pack.head):
+            if st.at.h == var(self.pack.head):
                 names["h"] = Sym(f"{head}[:, None]", Kind.INT, True)  # no `below`: rows past G * M exceed Hq
-        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.kv_start, self.ctx()))
+        names["kv_idx"] = Sym(f"{on}{kv_bc}", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         if score is not None:
             names["score"] = Sym(score, Kind.FLOAT)
         return names
@@ -1263,10 +1168,10 @@ class _KernelGen:
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
-        at = (tests[0].b, tests[0].h, tests[0].q_start)
+        at = (tests[0].at.b, tests[0].at.h, tests[0].at.q_start)
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(x.kv_start != var(st.var) or (x.b, x.h, x.q_start) != at for x in tests):
+        if any(x.at.kv_start != var(st.var) or (x.at.b, x.at.h, x.at.q_start) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
@@ -1332,14 +1237,14 @@ class _KernelGen:
             first, last = _union_span((first, last), (f, l))
         hi_expr = st.hi
         if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, _max_all([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
+            hi_expr = call("minimum", hi_expr, max_of([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
         self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.position(st.lo)}")
-        self.emit(f"{hi} = {self.position(_simplify(hi_expr))}")
+        self.emit(f"{hi} = {self.position(tidy_int(hi_expr))}")
         self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
-        self.emit(f"_full_first_{v} = {self.position(_simplify(first))}")
-        self.emit(f"_full_last_{v} = {self.position(_simplify(last))}")
+        self.emit(f"_full_first_{v} = {self.position(tidy_int(first))}")
+        self.emit(f"_full_last_{v} = {self.position(tidy_int(last))}")
         self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
                   f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
@@ -1402,7 +1307,7 @@ class _KernelGen:
                 self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
                 taken = st.then if holds != st.negate else st.orelse
                 for sub in taken:
-                    self.stmt(sub)
+                    self.visit(sub)
                 return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
@@ -1420,10 +1325,10 @@ class _KernelGen:
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             bq, bk = var("BLOCK_M"), var("BLOCK_N")
-            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.q_start, bq)), const(0))),
-                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.kv_start, bk)), const(0)))))
-            cell = load("__bc", st.b if self.plan.per_b else const(0), st.h if self.plan.per_h else const(0),
-                        Expr(ExprOp.FLOORDIV, (st.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.kv_start, bk)))
+            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.q_start, bq)), const(0))),
+                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.kv_start, bk)), const(0)))))
+            cell = load("__bc", st.at.b if self.plan.per_b else const(0), st.at.h if self.plan.per_h else const(0),
+                        Expr(ExprOp.FLOORDIV, (st.at.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.at.kv_start, bk)))
             aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
                                               ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
             cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
@@ -1432,7 +1337,7 @@ class _KernelGen:
             return f"_bclass {op} {code}"
         empty, full = _block_tests(self.plan, st, self.m_dim, self.n_dim)
         self.emit(f"# block class in closed form ({self.plan.kind.value}) for the tile at "
-                  f"({_strip(self.ex(st.q_start))}, {_strip(self.ex(st.kv_start))})")
+                  f"({_strip(self.ex(st.at.q_start))}, {_strip(self.ex(st.at.kv_start))})")
         if st.cls is BlockClass.FULL:
             test = full
         elif st.cls is BlockClass.EMPTY:
@@ -2095,7 +2000,7 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
         L.append(f"    NUM_SPLITS = NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {ins[0].name}.device)")
     else:
         L.append("    NUM_SPLITS = max(1, NUM_SPLITS)")
-    head_pad = str(s.head_pad) if s.head_pad else "max(16, triton.next_power_of_2(D))"
+    head_pad = str(s.fixed_head_pad) if s.fixed_head_pad else f"max({DOT_MIN_K}, triton.next_power_of_2(D))"
     L.append(f"    HEAD_PAD = {head_pad}")
     if "D" in sig.dims:
         L.append("    if HEAD_PAD < D:")
@@ -2103,7 +2008,7 @@ def _launch_body(p: Program, sig: _Signature, plan: BlockMaskPlan, hctx: ExprCon
     for pad in sig.pads:
         L.append(f"    {pad} = triton.next_power_of_2({pad[4:]})")
     if VALUE_DIM in sig.dims:
-        L.append(f"    HEAD_PAD_V = max(16, triton.next_power_of_2({VALUE_DIM}))")
+        L.append(f"    HEAD_PAD_V = max({DOT_MIN_K}, triton.next_power_of_2({VALUE_DIM}))")
     if sig.even_d:
         L.append("    EVEN_D = HEAD_PAD == D")
     if sig.even_dv:

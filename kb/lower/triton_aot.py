@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 
 from kb.errors import KBError
-from kb.ir.nodes import Dtype, Program, Role
+from kb.ir.nodes import DOT_MIN_K, Dtype, Program, Role
 from kb.lower.triton import LowerOptions
 
 __all__ = ["AotKernel", "compile_for_arch"]
@@ -82,8 +82,8 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR}
     scalars = {q.name for q in p.params if q.role is Role.SCALAR}
     s = p.schedule
-    head_pad = s.head_pad or max(16, triton.next_power_of_2(head_dim))
-    head_pad_v = max(16, triton.next_power_of_2(head_dim_v))
+    head_pad = s.head_pad_for(head_dim, DOT_MIN_K)
+    head_pad_v = s.value_head_pad_for(head_dim_v, DOT_MIN_K)
     consts = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits, "HEAD_PAD": head_pad,
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
               "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v}

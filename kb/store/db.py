@@ -139,7 +139,7 @@ def _stored_version(engines: Engines) -> int | None:
     """The schema version in the database; None when it has no kernel-kb tables at all."""
     names = set(inspect(engines.read).get_table_names())
     if "kb_meta" not in names:
-        if names & {m.__tablename__ for m in TABLES}:  # type: ignore[attr-defined]
+        if names & {m.__tablename__ for m in TABLES}:
             return 0  # kernel-kb tables from before versioning
         if names:
             raise KBError(f"{engines.target.display} holds other tables, not a kernel-kb database", hint="point KB_DB_URL or KB_HOME elsewhere")

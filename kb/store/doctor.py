@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from sqlmodel import Session, select
 
 from kb.procs import VERIFY_TEMP, Owner, owner_of_temp
-from kb.store import db
+from kb.store import db, writes
 from kb.store.ids import sha256_text
 from kb.store.models import GenerationRun, Kernel, RunStatus
 from kb.store.records import EMBEDDED, embedding_doc
@@ -233,7 +233,7 @@ def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = No
             if redo:
                 with kb.read_session() as s:
                     rows = list(s.exec(select(table).where(table.id.in_(redo))))  # type: ignore[attr-defined]
-                kb._embed(rows, force=True)
+                writes.embed_rows(kb, rows, force=True)
     found = issues + lineage + runs + temps + vec
     if fix and found:
         log.info("doctor repaired %d issues", len(found))

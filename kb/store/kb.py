@@ -11,6 +11,7 @@ Chroma never holds an id before SQL does, so a crash cannot create orphans.
 
 from __future__ import annotations
 
+import builtins  # `list` below names the method KnowledgeBase.list
 import fcntl
 import logging
 import os
@@ -27,7 +28,7 @@ from sqlmodel import Session, SQLModel, select
 from kb.embed import Embedder, get_embedder
 from kb.errors import KBError
 from kb.settings import Settings
-from kb.store import db
+from kb.store import db, writes
 from kb.store.ids import PREFIXES
 from kb.store.models import (
     TABLE_BY_NAME,
@@ -40,7 +41,7 @@ from kb.store.models import (
     Source,
     Tunable,
 )
-from kb.store.records import COLLECTION_OF, EMBEDDED, assign_id, embedding_doc
+from kb.store.records import EMBEDDED, assign_id
 from kb.store.rules import check
 from kb.store.vectors import COLLECTIONS, VectorStore, open_vectors
 
@@ -48,10 +49,6 @@ __all__ = ["KernelBundle", "Counts", "KnowledgeBase", "open_kb"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=SQLModel)
-
-# Columns an upsert never overwrites: the first write's timestamp stays.
-_KEEP_ON_UPDATE = frozenset({"id", "created_at", "fetched_at", "started_at"})
-
 
 @dataclass(frozen=True)
 class KernelBundle:
@@ -172,45 +169,12 @@ class KnowledgeBase:
         for r in records:
             check(r)
 
-        def txn() -> None:
-            with Session(self.engines.write, expire_on_commit=False) as s:
-                for r in records:
-                    _upsert(s, r)
-                    s.flush()  # rows in order, so parents precede children under foreign keys
-                s.commit()
-
         try:
-            db.retrying(txn)
+            writes.commit_rows(self.engines, records)
         except IntegrityError as err:
             raise KBError(f"write rejected by the database: {err.orig}", hint="a referenced source/kernel/run id must be written first") from err
-        self._embed([r for r in records if type(r) in COLLECTION_OF])
+        writes.embed_rows(self, records)
         return [r.id for r in records]  # type: ignore[attr-defined]
-
-    def _embed(self, records: Sequence[SQLModel], force: bool = False) -> int:
-        """Embed and upsert `records` whose document Chroma does not already hold; returns how many.
-
-        One model call per chunk across all collections (the model call dominates the cost).
-        """
-        docs = [embedding_doc(r) for r in records]
-        if not force:
-            todo = []
-            for col in COLLECTIONS:
-                mine = [d for d in docs if d.collection == col]
-                have = self.vectors.doc_hashes(col, [d.id for d in mine]) if mine else {}
-                todo += [d for d in mine if have.get(d.id) != d.metadata["doc_hash"]]
-            docs = todo
-        step = max(1, self.settings.embed_batch * 4)
-        for i in range(0, len(docs), step):
-            chunk = docs[i : i + step]
-            vecs = self.embedder.embed([d.document for d in chunk])
-            for col in COLLECTIONS:
-                idx = [j for j, d in enumerate(chunk) if d.collection == col]
-                if idx:
-                    self.vectors.upsert(
-                        col, [chunk[j].id for j in idx], [vecs[j] for j in idx],
-                        [chunk[j].document for j in idx], [chunk[j].metadata for j in idx],
-                    )
-        return len(docs)
 
     # -- reads -----------------------------------------------------------------
     def find(self, id_: str) -> SQLModel | None:
@@ -230,7 +194,7 @@ class KnowledgeBase:
 
     def list(self, table: type[R], **filters: object) -> list[R]:
         """All rows of `table` whose columns equal `filters`, ordered by id."""
-        cols = table.model_fields  # type: ignore[attr-defined]
+        cols = table.model_fields
         unknown = set(filters) - set(cols)
         if unknown:
             raise ValueError(f"{table.__name__} has no columns {sorted(unknown)}")
@@ -240,11 +204,11 @@ class KnowledgeBase:
         with self.read_session() as s:
             return list(s.exec(stmt.order_by(table.id)))  # type: ignore[attr-defined]
 
-    def list_kernels(self, **filters: object) -> list[Kernel]:
+    def list_kernels(self, **filters: object) -> builtins.list[Kernel]:
         """Kernels filtered by column equality, e.g. `list_kernels(arch="sm90", head_dim=128)`."""
         return self.list(Kernel, **filters)
 
-    def lineage(self, kernel_id: str) -> list[Kernel]:
+    def lineage(self, kernel_id: str) -> builtins.list[Kernel]:
         """The kernel followed by its parent, grandparent, ... (stops on a cycle)."""
         chain: list[Kernel] = []
         seen: set[str] = set()
@@ -266,7 +230,7 @@ class KnowledgeBase:
 
     def vector_query(
         self, collection: str, text: str, k: int = 10, where: Mapping[str, object] | None = None
-    ) -> list[tuple[str, float]]:
+    ) -> builtins.list[tuple[str, float]]:
         """The `k` rows of `collection` nearest to `text` as (id, cosine distance), nearest first.
 
         Ids Chroma returns without a SQL row (drift) are dropped with a warning.
@@ -274,9 +238,9 @@ class KnowledgeBase:
         if collection not in COLLECTIONS:
             raise KBError(f"unknown collection {collection!r}; one of {list(COLLECTIONS)}")
         hits = self.vectors.query(collection, self.embedder.embed([text])[0], k, where)
-        return [(row.id, dist) for row, dist in self.hit_rows(collection, hits)]
+        return [(row.id, dist) for row, dist in self.hit_rows(collection, hits)]  # type: ignore[attr-defined]
 
-    def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> list[tuple[SQLModel, float]]:
+    def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> builtins.list[tuple[SQLModel, float]]:
         """The SQL rows of vector `hits` (id, distance) in one SELECT, in hit order.
 
         Ids Chroma returns without a SQL row (drift) are dropped with a warning.
@@ -305,27 +269,6 @@ class KnowledgeBase:
         from kb.store.portable import import_jsonl
 
         return import_jsonl(self, Path(path))
-
-
-def _upsert(s: Session, record: SQLModel) -> None:
-    existing = s.get(type(record), record.id)  # type: ignore[attr-defined]
-    if existing is None:
-        s.add(record)
-        return
-    if isinstance(existing, Kernel):
-        _update_kernel(existing, record)  # type: ignore[arg-type]
-        return
-    for name in type(record).model_fields:  # type: ignore[attr-defined]
-        if name not in _KEEP_ON_UPDATE:
-            setattr(existing, name, getattr(record, name))
-
-
-def _update_kernel(existing: Kernel, record: Kernel) -> None:
-    """Kernels are append-only history: the first write of an IR program fixes its provenance and lineage
-    (parent, source, file, spec, code). Writing the same program again (a re-generation, a re-ingest, an
-    import) changes nothing, except that a kernel stored unverified may be upgraded by a verified write."""
-    if record.verified and not existing.verified:
-        existing.verified, existing.verify_note = True, record.verify_note
 
 
 @contextmanager

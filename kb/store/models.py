@@ -233,4 +233,5 @@ TABLES: tuple[type[SQLModel], ...] = (
     Attempt,
     Lesson,
 )
+# name -> table, in TABLES' order
 TABLE_BY_NAME: dict[str, type[SQLModel]] = {m.__tablename__: m for m in TABLES}  # type: ignore[misc]

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, SQLModel, select
+from sqlmodel import SQLModel, select
 
 import kb as kb_pkg
 from kb.errors import KBError
-from kb.store import db
-from kb.store.models import SCHEMA_VERSION, TABLE_BY_NAME, TABLES, Kernel, utcnow
-from kb.store.records import COLLECTION_OF
+from kb.store import writes
+from kb.store.models import SCHEMA_VERSION, TABLE_BY_NAME, Kernel, utcnow
 from kb.store.rules import check
 
 if TYPE_CHECKING:
@@ -34,7 +33,7 @@ __all__ = ["FORMAT", "export_jsonl", "import_jsonl", "parent_first"]
 FORMAT = "kernel-kb-export"
 
 
-def parent_first(kernels: list[Kernel]) -> list[Kernel]:
+def parent_first(kernels: Sequence[Kernel]) -> list[Kernel]:
     """Kernels ordered so that a parent present in the list precedes its children."""
     by_id = {k.id: k for k in kernels}
     done: set[str] = set()
@@ -64,13 +63,13 @@ def _check_lineage(kernels: list[Kernel]) -> None:
 
 def _rows(kb: KnowledgeBase) -> Iterator[tuple[str, SQLModel]]:
     with kb.read_session() as s:
-        for model in TABLES:
-            rows = list(s.exec(select(model).order_by(model.id)))  # type: ignore[attr-defined]
+        for name, model in TABLE_BY_NAME.items():  # in TABLES' dependency order
             if model is Kernel:
-                rows = parent_first(rows)
-                _check_lineage(rows)
-            for r in rows:
-                yield model.__tablename__, r  # type: ignore[attr-defined]
+                kernels = parent_first(list(s.exec(select(Kernel))))
+                _check_lineage(kernels)
+                yield from ((name, k) for k in kernels)
+            else:
+                yield from ((name, r) for r in s.exec(select(model).order_by(model.id)))  # type: ignore[attr-defined]
 
 
 def export_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
@@ -143,22 +142,12 @@ def import_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
 
     Returns rows per table. Importing the same file twice changes nothing.
     """
-    from kb.store.kb import _upsert  # one upsert rule for every write path
-
     tables = _read(path)
-    tables["kernels"] = parent_first(tables["kernels"])  # type: ignore[arg-type]
-
-    def txn() -> None:
-        with Session(kb.engines.write, expire_on_commit=False) as s:
-            for model in TABLES:
-                for row in tables[model.__tablename__]:  # type: ignore[attr-defined]
-                    _upsert(s, row)
-                    s.flush()
-            s.commit()
-
+    kernels = parent_first([k for k in tables["kernels"] if isinstance(k, Kernel)])  # every row of that table
+    ordered = [row for name in TABLE_BY_NAME for row in (kernels if name == "kernels" else tables[name])]
     try:
-        db.retrying(txn)
+        writes.commit_rows(kb.engines, ordered)
     except IntegrityError as err:
         raise KBError(f"{path}: a record references a row that is neither in the file nor in the KB ({err.orig})") from err
-    kb._embed([r for model in COLLECTION_OF for r in tables[model.__tablename__]])  # type: ignore[attr-defined]
+    writes.embed_rows(kb, ordered)
     return {name: len(rows) for name, rows in tables.items()}

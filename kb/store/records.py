@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sqlmodel import SQLModel
 
@@ -19,18 +20,20 @@ from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, PerfRecord, 
 
 __all__ = ["assign_id", "EmbeddingDoc", "embedding_doc", "COLLECTION_OF", "EMBEDDED"]
 
+R = TypeVar("R", bound=SQLModel)
+
 # Embedded table -> Chroma collection name.
 COLLECTION_OF: dict[type[SQLModel], str] = {Kernel: "kernels", Snippet: "snippets", Lesson: "lessons"}
 EMBEDDED: dict[str, type[SQLModel]] = {v: k for k, v in COLLECTION_OF.items()}
 
 
-def assign_id(record: SQLModel) -> SQLModel:
+def assign_id(record: R) -> R:
     """Fill `record.id` (and `Kernel.content_hash`) in place when empty; returns `record`."""
     if isinstance(record, Kernel) and not record.content_hash:
         record.content_hash = ids.sha256_text(record.ir_text)
     if record.id:  # type: ignore[attr-defined]
         return record
-    record.id = _derive_id(record)  # type: ignore[attr-defined]
+    record.id = _derive_id(record)
     return record
 
 
@@ -108,7 +111,7 @@ def embedding_doc(r: SQLModel) -> EmbeddingDoc:
         case Kernel():
             feats = _features(r.features_json)
             doc = f"{r.family} {r.name}\n{feats.describe()}\n{r.ir_text}"
-            meta = {
+            meta: dict[str, object] = {
                 "arch": r.arch, "dtype": r.dtype, "head_dim": r.head_dim, "family": r.family,
                 "origin": r.origin, "verified": r.verified,
             }
@@ -122,7 +125,7 @@ def embedding_doc(r: SQLModel) -> EmbeddingDoc:
             meta = {"kind": r.kind, "run_id": r.run_id}
         case _:
             raise TypeError(f"{type(r).__name__} is not embedded")
-    meta = _clean(meta)
+    clean = _clean(meta)
     # Covers the metadata too: a changed filter field (e.g. verified) must reach Chroma.
-    meta["doc_hash"] = ids.sha256_text(doc + "\0" + json.dumps(meta, sort_keys=True))[:16]
-    return EmbeddingDoc(COLLECTION_OF[type(r)], r.id, doc, meta)  # type: ignore[attr-defined]
+    clean["doc_hash"] = ids.sha256_text(doc + "\0" + json.dumps(clean, sort_keys=True))[:16]
+    return EmbeddingDoc(COLLECTION_OF[type(r)], r.id, doc, clean)

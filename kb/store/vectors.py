@@ -136,7 +136,8 @@ class VectorStore:
 
     def doc_hashes(self, collection: str, ids: Sequence[str] | None = None) -> dict[str, str]:
         """Ids in `collection` (all, or those of `ids` present) with the `doc_hash` in their metadata."""
-        col, out = self._cols[collection], {}
+        col = self._cols[collection]
+        out: dict[str, str] = {}
         with self._served():
             if ids is not None:
                 for i in range(0, len(ids), _PAGE):

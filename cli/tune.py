@@ -1,0 +1,149 @@
+"""`kb tune` and `kb perf import`: designs measured on a GPU, written back as performance memory.
+
+Both are thin shells over `generate.tune` (plans, the design order), `generate.tune_gpu` (the timing)
+and `generate.perf_import` (the one-transaction write-back).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from cli.app import app, open_kb_of, out, settings_of
+from kb.errors import KBError
+
+__all__ = ["tune_cmd", "perf_import_cmd", "bench_cmd"]
+
+perf_app = typer.Typer(help="Measured performance records: import what a GPU machine measured.", no_args_is_help=True)
+app.add_typer(perf_app, name="perf")
+
+
+@app.command("tune")
+def tune_cmd(
+    ctx: typer.Context,
+    targets: list[str] = typer.Argument(..., help="Spec files or directories of specs (tuned at their BENCH shapes), "
+                                                  "or generated kernel ids (k-…)."),
+    from_dir: Path = typer.Option(Path("out"), "--from", help="The --out directory `kb generate` wrote the candidates to."),
+    plan: Path = typer.Option(None, "--plan", help="Write the work to this plan file instead of timing (no GPU needed)."),
+    target: str = typer.Option("auto", "--target", metavar="ARCH", help="Arch whose memory orders the designs (plans only; "
+                                                                       "on a GPU, the GPU's own). auto: KB_TARGET_ARCH."),
+    max_designs: int = typer.Option(10, "--max-designs", help="Designs timed per spec and shape, most promising first."),
+    no_memory: bool = typer.Option(False, "--no-memory", help="Order designs by expert tunables and the default grid only."),
+    results: Path = typer.Option(None, "--results", help="Also keep the raw results document here (JSON)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results document as JSON."),
+) -> None:
+    """Time candidate designs of generated kernels on this GPU beside FlexAttention and SDPA; keep the fastest correct
+    one as measured records and a performance lesson (one transaction). Without a GPU, --plan writes the work for one."""
+    from generate.tune import make_plan, require_gpu
+
+    if max_designs < 1:
+        raise KBError("--max-designs must be at least 1")
+    targets = _spec_targets(targets)
+    kb = open_kb_of(ctx)
+    if plan is not None:
+        arch = target if target != "auto" else settings_of(ctx).target_arch
+        _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory), plan,
+                    then="kb perf import RESULTS.json")
+        return
+    arch = require_gpu()
+    from generate.perf_import import import_results
+    from generate.tune_gpu import run_plan
+
+    doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory)
+    raw = results or (kb.settings.home / "tune-last.json")
+    with out.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {arch} …"):
+        doc = run_plan(doc_plan, raw, command="kb tune " + " ".join(targets))
+    summary = import_results(kb, doc, str(raw))
+    if as_json:
+        out.print_json(json.dumps(doc))
+        return
+    out.print(results_table(doc))
+    out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}")
+
+
+@app.command("bench")
+def bench_cmd(
+    ctx: typer.Context,
+    suite: list[Path] = typer.Argument(..., help="Spec files or directories of specs (e.g. bench/heldout), timed at their BENCH shapes."),
+    from_dir: Path = typer.Option(Path("out"), "--from", help="The --out directory `kb generate` wrote the candidates to."),
+    out_dir: Path = typer.Option(Path("bench/results"), "--out", help="Where the results JSON goes."),
+    plan: Path = typer.Option(None, "--plan", help="Write the work to this plan file instead of timing (no GPU needed)."),
+) -> None:
+    """Time what `kb generate` emitted (ModelNew as a user calls it; the module with its block table kept) beside
+    compiled FlexAttention (block mask built once) and SDPA, on this GPU; every output checked against a dense
+    fp32 reference first. Without a GPU, --plan writes the work for one (`python -m generate.tune_gpu`)."""
+    from generate.tune import make_plan, require_gpu
+
+    specs = _spec_targets([str(p) for p in suite])
+    kb = open_kb_of(ctx)
+    if plan is not None:
+        _write_plan(make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0), plan)
+        return
+    arch = require_gpu()
+    from generate.tune_gpu import run_plan
+
+    doc_plan = make_plan(kb, specs, from_dir, arch, max_designs=0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"bench_{suite[0].stem}.json"
+    with out.status(f"timing {len(doc_plan['entries'])} generated kernels on {arch} …"):
+        doc = run_plan(doc_plan, path, command="kb bench " + " ".join(map(str, suite)))
+    out.print(results_table(doc))
+    out.print(f"results in {path}")
+
+
+@perf_app.command("import")
+def perf_import_cmd(
+    ctx: typer.Context,
+    files: list[Path] = typer.Argument(..., help="Results files written by `python -m generate.tune_gpu` or `kb tune --results`."),
+) -> None:
+    """Store measured designs from a GPU machine: kernels, `measured` perf records and lessons, one transaction per file.
+    Files that do not say where they were measured (GPU, driver, versions, command, date) are refused."""
+    from generate.perf_import import import_results, load_results
+
+    kb = open_kb_of(ctx)
+    for f in files:
+        s = import_results(kb, load_results(f), str(f))
+        out.print(f"{f}: {s.entries} entries, {s.kernels_added} new kernels, {s.perf_records} measured records, "
+                  f"{s.lessons} lessons")
+
+
+def _spec_targets(targets: list[str]) -> list[str]:
+    """Directories become the spec files in them (files starting with `_` are helpers, not specs)."""
+    out_ = [str(p) for t in targets
+            for p in (sorted(x for x in Path(t).glob("*.py") if not x.name.startswith("_")) if Path(t).is_dir() else [t])]
+    if not out_:
+        raise KBError(f"no spec files in {', '.join(targets)}")
+    return out_
+
+
+def _write_plan(doc: dict, path: Path, then: str = "") -> None:
+    path.write_text(json.dumps(doc, indent=1))
+    out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {path}; on a GPU machine run\n"
+              f"  python -m generate.tune_gpu {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""))
+
+
+def results_table(doc: dict) -> Table:
+    """Per spec and shape: the emitted design, the best design, and both against FlexAttention and SDPA."""
+    t = Table(title=f"kb tune on {doc['env']['gpu']} ({doc['env']['arch']})")
+    for col in ("spec", "shape", "emitted (ms)", "best design (ms)", "emitted/best", "x flex", "x sdpa"):
+        t.add_column(col)
+    for e in doc["entries"]:
+        for s in e.get("shapes", []):
+            recs = {r["impl"]: r for r in s.get("records", [])}
+            ok = [r for r in s.get("records", []) if r["impl"].startswith("design ") and r.get("status") == "ok"]
+            best = min(ok, key=lambda r: r["ms"], default=None)
+            em = recs.get("emitted", {}).get("ms", math.nan)
+            dims = s.get("shape", {})
+
+            def speed(impl: str, em: float = em) -> str:
+                base = recs.get(impl, {}).get("ms")
+                return f"{base / em:.2f}" if base and em == em else "-"
+
+            t.add_row(e["name"], f"B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} {dims.get('M')}x{dims.get('N')} D{dims.get('D')}",
+                      f"{em:.3f} ({s.get('emitted_design')})", f"{best['ms']:.3f} ({best['design']})" if best else "-",
+                      f"{em / best['ms']:.2f}" if best else "-", speed("flex"), speed("sdpa"))
+    return t

@@ -1,0 +1,226 @@
+"""The working commands of `kb`: ingest, query, verify, generate (registered on `cli.app.app`; tune, bench
+and perf import live in cli.tune).
+
+Each is a thin shell over a plain function (`ingest.run.ingest`, `retrieve.hybrid.query`,
+`verify.cli.verify_command`, `generate.pipeline.generate`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.table import Table
+
+from cli.app import app, open_kb_of, out, settings_of
+from kb.errors import KBError
+
+if TYPE_CHECKING:
+    from generate.pipeline import GenerateResult
+
+__all__ = ["ingest_cmd", "query_cmd", "generate_cmd"]
+
+
+@app.command("ingest")
+def ingest_cmd(
+    ctx: typer.Context,
+    sources: list[str] = typer.Argument(None, help="Corpus manifest names (see corpus/), pypi:DIST==VER, or local paths."),
+    all_: bool = typer.Option(False, "--all", help="Ingest every manifest in corpus/."),
+    as_json: bool = typer.Option(False, "--json", help="Print the coverage as JSON."),
+) -> None:
+    """Download pinned expert releases (or read local kernels), lift them into IR programs, snippets and tunables, and store them.
+
+    Re-ingesting the same release is a no-op; ends with a coverage table per file."""
+    from ingest.manifest import list_manifests
+    from ingest.run import ingest
+
+    names = [m.name for m in list_manifests()] if all_ else list(sources or [])
+    if not names:
+        raise KBError("nothing to ingest: give SOURCE... or --all", hint="`kb ingest --all` ingests corpus/*.toml")
+    kb = open_kb_of(ctx, create=True)
+    summary = ingest(kb, names, progress=not as_json)
+    measured = None
+    if all_:  # and the designs measured on the GPUs we have (corpus/measured/*.json, with their provenance)
+        from generate.perf_import import import_corpus
+
+        measured = import_corpus(kb)
+    if as_json:
+        out.print_json(json.dumps({"seconds": summary.seconds, "totals": summary.totals(),
+                                   "files": [{"source": s.source, **f.__dict__} for s in summary.sources for f in s.files],
+                                   "measured": measured.__dict__ if measured is not None else None}))
+        return
+    table = Table(title="ingest coverage", show_lines=False)
+    for col in ("source", "file", "programs (verified)", "snippets", "tunables", "new rows", "skipped (reason)"):
+        table.add_column(col)
+    for s in summary.sources:
+        for f in s.files:
+            skipped = "; ".join(f"{w}: {r}" for w, r in f.skipped[:2]) + (" …" if len(f.skipped) > 2 else "")
+            table.add_row(s.source, _short(f.file), f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
+                          str(f.new_rows), skipped)
+    out.print(table)
+    for s in summary.sources:  # the backward pass: kernels lifted into programs, regions into snippets, or why not
+        for f in s.files:
+            for what, status in f.backward:
+                out.print(f"backward {_short(f.file, 40)} {what}: {status}", markup=False)
+    t = summary.totals()
+    out.print(f"{t['programs']} programs ({t['verified']} verified by the interpreter), {t['snippets']} snippets, "
+              f"{t['tunables']} tunables, {t['new_rows']} new rows, {t['skipped']} skipped items in {summary.seconds:.1f}s")
+    if measured is not None:
+        out.print(f"measured designs from corpus/measured: {measured.perf_records} records, {measured.lessons} lessons, "
+                  f"{measured.kernels_added} new kernels")
+
+
+def _short(path: str, width: int = 60) -> str:
+    return path if len(path) <= width else "…" + path[-width + 1:]
+
+
+@app.command("query")
+def query_cmd(
+    ctx: typer.Context,
+    spec_or_text: str = typer.Argument(..., help="A spec file (KernelBench Model or score_mod/mask_mod) or free text."),
+    k: int = typer.Option(5, "-k", help="How many kernels to list."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    mode: str = typer.Option("hybrid", help="hybrid | embedding | structural."),
+    arch: str = typer.Option(None, help="Only kernels for this arch (sm80, sm90, ...) or arch-neutral ones."),
+    dtype: str = typer.Option(None, help="Only kernels of this dtype."),
+    head_dim: int = typer.Option(None, "--head-dim", help="Only kernels for this head dim."),
+    no_memory: bool = typer.Option(False, "--no-memory", help="Ignore generated kernels and lessons."),
+) -> None:
+    """Find the nearest reference kernels and the snippets a transfer would need, with each ranking term."""
+    from retrieve.hybrid import Filters, describe_target, query
+
+    if mode not in ("hybrid", "embedding", "structural"):
+        raise KBError(f"unknown --mode {mode!r}; use hybrid, embedding or structural")
+    target, text = None, spec_or_text
+    path = Path(spec_or_text)
+    if path.suffix == ".py" or path.is_file():
+        from generate.spec import load_spec
+
+        spec = load_spec(path)
+        target = spec.features
+        text = describe_target(target, *spec.variant_strings())
+    kb = open_kb_of(ctx)
+    res = query(kb, text, target, k=k, mode=mode,  # type: ignore[arg-type]
+                filters=Filters(arch=arch, dtype=dtype, head_dim=head_dim, memory=not no_memory))
+    if as_json:
+        out.print_json(json.dumps({
+            "query": text, "target": json.loads(target.to_json()) if target else None,
+            "kernels": [{"id": r.id, "name": r.name, "family": r.family, "origin": r.origin, "score": r.score,
+                         "terms": r.terms} for r in res.kernels],
+            "snippets": [s.__dict__ for s in res.snippets], "lessons": res.lessons}))
+        return
+    out.print(f"query: {text}")
+    table = Table(title=f"top {k} kernels ({mode})")
+    for col in ("#", "id", "name", "family", "score", "terms"):
+        table.add_column(col)
+    for i, r in enumerate(res.kernels, 1):
+        top = sorted(r.terms.items(), key=lambda kv: -abs(kv[1]))
+        terms = ", ".join(f"{t} {v:+.2f}" for t, v in top[:4]) + (f" (+{len(top) - 4} more; --json)" if len(top) > 4 else "")
+        table.add_row(str(i), r.id, r.name, f"{r.family} ({r.origin})", f"{r.score:.2f}", terms)
+    out.print(table)
+    if res.snippets:
+        st = Table(title="snippets a transfer needs")
+        for col in ("kind", "title", "IR meaning", "from"):
+            st.add_column(col)
+        for s in res.snippets:
+            st.add_row(s.kind, s.title, s.ir_text[:70], s.where)
+        out.print(st)
+    for les in res.lessons:
+        out.print(f"lesson: {les}")
+
+
+def _verify_cmd() -> None:
+    from verify.cli import verify_command
+
+    @functools.wraps(verify_command)
+    def verify_cmd(*args, **kwargs) -> None:  # noqa: ANN002, ANN003 - typer reads verify_command's signature
+        code = verify_command(*args, **kwargs)
+        if code:
+            raise typer.Exit(code)
+
+    app.command("verify", help="Verify a KernelBench candidate (ModelNew) against a spec (Model); exit 0 only on a pass.")(verify_cmd)
+
+
+_verify_cmd()
+
+
+@app.command("generate")
+def generate_cmd(
+    ctx: typer.Context,
+    specs: list[Path] = typer.Argument(None, help="Spec files."),
+    all_dir: Path = typer.Option(None, "--all", help="Generate for every *.py spec in this directory."),
+    out_dir: Path = typer.Option(Path("out"), "--out", help="Where candidate, Triton, CUDA, IR and report files go."),
+    engine: str = typer.Option("rule", help="rule (offline, default) or llm (KB_LLM_BASE_URL / KB_LLM_MODEL)."),
+    no_memory: bool = typer.Option(False, "--no-memory", help="Ignore written-back kernels and lessons."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the verify harness on the lowered kernel."),
+    no_backward: bool = typer.Option(False, "--no-backward",
+                                     help="Forward only: no backward kernels; ModelNew is then not differentiable."),
+    max_attempts: int = typer.Option(6, help="Attempts per spec."),
+    timeout: float = typer.Option(None, "--timeout", metavar="SECONDS",
+                                  help="Budget per spec for all its attempts; each verify gets what is left [default: KB_VERIFY_TIMEOUT, 600]."),
+    target: str = typer.Option("auto", "--target", metavar="ARCH",
+                               help="GPU arch the emitted designs are chosen for: sm90, sm80, ... or auto "
+                                    "(this machine's GPU, else KB_TARGET_ARCH, default sm90)."),
+) -> None:
+    """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back."""
+    from generate.pipeline import GenerateOptions, generate, resolve_target
+
+    if engine not in ("rule", "llm"):
+        raise KBError(f"unknown --engine {engine!r}; use rule or llm")
+    paths = list(specs or [])
+    if all_dir is not None:
+        if not all_dir.is_dir():
+            raise KBError(f"--all {all_dir}: not a directory")
+        paths += sorted(p for p in all_dir.glob("*.py") if not p.name.startswith("_"))
+    if not paths:
+        raise KBError("nothing to generate: give SPEC... or --all DIR")
+    for p in paths:
+        if not p.is_file():
+            raise KBError(f"spec file {p} does not exist")
+    settings = settings_of(ctx) if timeout is None else replace(settings_of(ctx), verify_timeout=timeout)
+    kb = open_kb_of(ctx)
+    opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
+                           max_attempts=max_attempts, timeout_s=settings.verify_timeout,
+                           target=resolve_target(target, settings.target_arch), backward=not no_backward)
+    table = Table(title="generate")
+    for col in ("spec", "result", "backward", "attempts", "kernel", "seconds"):
+        table.add_column(col)
+    table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
+    failed = 0
+    made: list[str] = []
+    results: list[GenerateResult] = []
+    for p in paths:
+        with out.status(f"generating {p.name} …"):
+            try:
+                r = generate(kb, p, opts)
+            except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
+                kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
+                raise KeyboardInterrupt(f"{err or 'stopped'}{kept}") from err
+        results.append(r)
+        failed += not r.succeeded
+        if r.succeeded:
+            made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
+        elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
+            made.append(f"{p.name}: {r.error}")
+        detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
+        if r.succeeded and r.backward == "none" and not no_backward:
+            made.append(f"{p.name}: no backward ({r.backward_reason}); ModelNew is forward-only")
+        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status),
+                      _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
+                      r.kernel_id or "-", f"{r.seconds:.1f}", detail)
+    out.print(table)
+    for line in made:
+        out.print(line, soft_wrap=True)
+    written = sorted({str(f.parent) for r in results for f in r.files.values()})
+    if written:
+        out.print(f"outputs in {', '.join(written)} (each spec's .report.json says what its files are)")
+    if failed:
+        raise typer.Exit(1)
+
+
+_STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]",
+                 "none": "[yellow]{}[/]"}

@@ -1,0 +1,80 @@
+"""Designs for a target GPU come from the KB: measured sweeps of similar kernels first, then expert tunables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from generate.designs import Sweep, default_designs, design_table, expert_designs, perf_similarity, rank_designs
+from kb.errors import KBError
+from kb.features import Features
+from kb.ir.design import AUTO_SPLITS, Design, head_bucket, parse_design
+from kb.store import Kernel, PerfRecord, Tunable
+from tests.support.store import make_measured
+
+CAUSAL = Features(mask="causal", causal=True, head_dim=128)
+DOC = Features(mask="document", head_dim=128)
+DECODE = Features(mask="none", decode=True, split_kv=True, gqa_ratio=4, head_dim=128)
+A, B, C = Design(128, 64, 4, 3), Design(128, 128, 8, 3), Design(64, 64, 4, 3)
+FA2 = [("sm80", 128, {"block_m": 128, "block_n": 64, "num_warps": 4}),
+       ("sm90", 128, {"block_m": 128, "block_n": 128, "kernel": "KernelCooperative"}),
+       ("sm80", 128, {"block_m": 64, "block_n": 128, "num_warps": 4, "split_kv": True}),
+       ("any", 0, {"block_m": 128, "block_n": 128, "num_warps": "num_warps"})]
+
+
+def test_design_text_round_trips_and_bad_designs_are_refused() -> None:
+    for d in (A, Design(16, 64, 4, 2, AUTO_SPLITS), Design(16, 128, 4, 2, 16, tma=False)):
+        assert parse_design(str(d)) == d and Design.from_dict(d.to_dict()) == d
+    assert str(Design(16, 64, 4, 2, AUTO_SPLITS)) == "16x64 w4 s2 split-auto"
+    with pytest.raises(KBError, match="invalid design"):
+        Design(96, 64, 4, 3)
+    with pytest.raises(KBError, match="not a design"):
+        parse_design("big and fast")
+    assert head_bucket(64) == 64 and head_bucket(80) == 128 and head_bucket(8) == 16
+    assert B.fits("sm90", 128) and not Design(128, 128, 8, 4).fits("sm80", 128)
+
+
+def test_similarity_weighs_what_changes_the_best_design() -> None:
+    assert perf_similarity(CAUSAL, CAUSAL) == pytest.approx(1.0)
+    alibi = Features(mask="causal", causal=True, score_mod="alibi", alibi=True)
+    assert perf_similarity(CAUSAL, alibi) > perf_similarity(CAUSAL, DOC) > perf_similarity(CAUSAL, DECODE)
+
+
+def test_expert_tunables_map_onto_triton_designs() -> None:
+    sm90 = expert_designs(FA2, "sm90", 128, decode=False)
+    assert sm90[:2] == [Design(128, 128, 8, 3), Design(128, 64, 4, 3)]  # exact arch first; cooperative = 8 warps
+    assert expert_designs(FA2, "sm80", 128, decode=False)[0] == Design(128, 64, 4, 2)
+    assert expert_designs(FA2, "sm90", 128, decode=True) == [Design(16, 128, 4, 3, AUTO_SPLITS)]
+    assert expert_designs(FA2, "sm90", 64, decode=False) == []
+
+
+def test_measured_sweeps_of_the_nearest_class_lead() -> None:
+    causal = Sweep("k1", CAUSAL, "sm90", 128, ((A, 1.0), (B, 0.8), (C, 1.2)))
+    doc = Sweep("k2", DOC, "sm90", 128, ((A, 2.0), (C, 1.5)))
+    other_arch = Sweep("k3", CAUSAL, "sm80", 128, ((C, 0.5),))
+    ranked = rank_designs(CAUSAL, "sm90", 128, [causal, doc, other_arch], FA2)
+    assert ranked[:3] == [B, A, C]
+    assert rank_designs(DOC, "sm90", 128, [causal, doc], FA2)[0] == C
+    off = rank_designs(CAUSAL, "sm90", 128, [causal, doc], FA2, memory=False)
+    assert off[:2] == expert_designs(FA2, "sm90", 128, decode=False)[:2]  # memory off: expert order
+    assert set(default_designs(False)) <= set(off)
+    assert all(d.num_splits == AUTO_SPLITS or d.num_splits > 1 for d in rank_designs(DECODE, "sm90", 128, [], FA2))
+
+
+def test_design_table_reads_measured_records_and_tunables(kb) -> None:
+    kid = kb.write_kernel(Kernel(name="c", family="generated", origin="generated", ir_text="program c\n",
+                                 features_json=CAUSAL.to_json(), head_dim=128))
+    records = []
+    for d, ms in ((A, 1.0), (B, 0.7)):
+        r = make_measured(kid)
+        r.arch, r.design_json, r.ms, r.shape_json = "sm90", json.dumps(d.to_dict()), ms, json.dumps({"D": 128})
+        records.append(r)
+    kb.write_perf(records)
+    kb.write_tunables([Tunable(family="fa2_cuda", arch="sm80", head_dim=128, dtype="bf16",
+                               params_json=json.dumps(FA2[0][2]))])
+    table = design_table(kb, CAUSAL, ["sm90", "sm80"], [64, 128])
+    assert table["sm90"][128][:2] == (B, A)
+    assert table["sm80"][128][0] == Design(128, 64, 4, 2)
+    assert design_table(kb, CAUSAL, ["sm90"], [128], memory=False)["sm90"][128][0] != B
+    assert len(kb.list(PerfRecord)) == 2

@@ -1,0 +1,110 @@
+"""Serving specs: paged-KV decode and packed varlen prefill trace into plain features plus
+paged_kv / varlen, their reference is the user's Model on its own paged or packed inputs, the
+constructs not supported are named, and `kb generate` refuses them with one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from generate.spec import load_spec
+from cli.main import app
+from kb.errors import KBError
+
+REPO = Path(__file__).resolve().parents[1]
+SPECS = REPO / "tests/data/specs"
+SERVING = REPO / "tests/data/specs_serving"
+runner = CliRunner()
+
+
+def test_paged_decode_reads_as_plain_decode_with_paged_kv() -> None:
+    spec = load_spec(SPECS / "decode_paged_gqa.py")  # load_spec's self check ran the Model on paged inputs
+    f = spec.features
+    assert (f.mask, f.score_mod, f.decode, f.split_kv, f.paged_kv, f.varlen) == ("none", "none", True, True, True, False)
+    assert (f.gqa_ratio, f.head_dim, f.dtype) == (4, 64, "bf16")
+    assert spec.variants_text() == "mask_mod(b, h, q_idx, kv_idx) = kv_idx < seq_lens[b]"  # the bound is kept
+    assert (spec.layout.kind, spec.layout.table, spec.layout.lengths) == ("paged", "block_table", "seq_lens")
+    s = spec.shapes
+    assert (s.B, s.Hq, s.Hkv, s.M, s.N, s.D) == (3, 8, 2, 1, 8 * 16, 64)  # N = MAX_PAGES * PAGE
+
+
+def test_token_pool_decode_is_paged() -> None:
+    spec = load_spec(SERVING / "decode_token_pool.py")
+    assert (spec.layout.kind, spec.layout.table) == ("pool", "req_to_token")
+    assert (spec.features.paged_kv, spec.features.decode, spec.features.mask, spec.features.gqa_ratio) == (True, True, "none", 4)
+    assert spec.shapes.N == 96 and spec.shapes.dtype == "fp16"
+
+
+def test_packed_varlen_reads_as_causal_varlen() -> None:
+    spec = load_spec(SPECS / "varlen_prefill_causal.py")
+    f = spec.features
+    assert (f.mask, f.causal, f.varlen, f.paged_kv, f.decode, f.cross) == ("causal", True, True, False, False, False)
+    assert (spec.layout.kind, spec.layout.table) == ("varlen", "cu_seqlens")
+    assert "cu_seqlens_right_ids[q_idx] == cu_seqlens_right_ids[kv_idx]" in spec.variants_text()
+    assert spec.derived_aux == {"cu_seqlens_right_ids": ("cu_seqlens", True)}
+    assert (spec.shapes.B, spec.shapes.M, spec.shapes.N) == (1, 128, 128)  # the packed tokens as one row
+
+
+@pytest.mark.parametrize("name,says,line", [
+    ("varlen_loop", "a Python loop over sequences reading cu_seqlens values", "a, b = int(cu_seqlens[i])"),
+    ("paged_index_select", "gathering k_cache with index_select: read a paged cache as k_cache[block_table]",
+     "torch.index_select(k_cache, 0"),
+])
+def test_unsupported_serving_forms_are_named(name: str, says: str, line: str) -> None:
+    with pytest.raises(KBError) as err:
+        load_spec(SERVING / f"{name}.py")
+    msg = str(err.value)
+    assert says in msg and f"{name}.py:" in msg and line in msg and "\n" not in msg
+
+
+def _variant(tmp_path: Path, src: Path, old: str, new: str) -> Path:
+    text = src.read_text()
+    assert old in text
+    p = tmp_path / src.name
+    p.write_text(text.replace(old, new))
+    return p
+
+
+def test_packed_tokens_without_unsqueeze_are_named(tmp_path: Path) -> None:
+    p = _variant(tmp_path, SPECS / "varlen_prefill_causal.py", "qh = q.transpose(0, 1).unsqueeze(0)", "qh = q.transpose(0, 1)")
+    with pytest.raises(KBError, match=r"q is a 3-D input .*q.transpose\(0, 1\).unsqueeze\(0\) for packed tokens"):
+        load_spec(p)
+
+
+def test_packed_tokens_without_block_diagonal_mask_are_refused(tmp_path: Path) -> None:
+    p = _variant(tmp_path, SPECS / "varlen_prefill_causal.py", "visible = (seq[:, None] == seq[None, :]) & ", "visible = ")
+    with pytest.raises(KBError, match="packed .* without a block-diagonal mask from cu_seqlens"):
+        load_spec(p)
+
+
+def test_page_table_listing_a_page_twice_is_refused(tmp_path: Path) -> None:
+    p = _variant(tmp_path, SPECS / "decode_paged_gqa.py", ".reshape(B, MAX_PAGES).to(torch.int32)",
+                 ".reshape(B, MAX_PAGES).to(torch.int32)\n    block_table[1, 0] = block_table[0, 0]")
+    with pytest.raises(KBError, match="block_table maps two valid keys to one cache slot"):
+        load_spec(p)
+
+
+def test_a_wrong_page_read_fails_the_self_check(tmp_path: Path) -> None:
+    # v read through k's cache: traced, but what the spec computes is not attention over its v
+    p = _variant(tmp_path, SPECS / "decode_paged_gqa.py", "v = v_cache[block_table]", "v = k_cache[block_table]")
+    with pytest.raises(KBError, match="k and v must both be read through one table|differs from what the spec computes"):
+        load_spec(p)
+
+
+@pytest.mark.parametrize("name,kind", [("decode_paged_gqa", "paged-KV"), ("varlen_prefill_causal", "packed varlen")])
+def test_generate_refuses_serving_specs_with_one_line(kb, tmp_path: Path, name: str, kind: str) -> None:  # noqa: ANN001
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["--home", str(kb.settings.home), "generate", str(SPECS / f"{name}.py"), "--out", str(out)],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 1 and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
+    assert "Traceback" not in res.output
+    line = f"{name}.py: generation for {kind} specs is not supported yet: the Triton and CUDA lowerings refuse"
+    assert any(ln.startswith(line) for ln in res.output.splitlines()), res.output
+    report = json.loads((out / f"gen_{name}.report.json").read_text())
+    assert report["status"] == "failed" and report["attempts"] == [] and kind in report["error"]
+    assert not [p for p in out.iterdir() if not p.name.endswith(".report.json")]  # no candidate pretends
+    rows = kb.counts().rows
+    assert (rows["generation_runs"], rows["attempts"], rows["lessons"], rows["kernels"]) == (1, 0, 0, 0)

@@ -1,0 +1,140 @@
+"""`kb tune` without a GPU: the plan, the dry run of the GPU half, and the write-back of measurements."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # the dry run interprets the candidate; set before triton is imported
+
+import copy
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from generate.perf_import import import_results, load_results
+from generate.pipeline import GenerateOptions, generate
+from generate.tune import make_plan
+from generate.tune_gpu import SCHEMA, run_plan
+from kb.errors import KBError
+from kb.ir.design import parse_design
+from kb.settings import load_settings
+from kb.store import Lesson, PerfRecord, open_kb
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import KB_CLI, REPO
+
+pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
+
+SPEC = REPO / "bench" / "tuning" / "causal.py"
+ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04", "torch_version": "2.11.0+cu130",
+       "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m generate.tune_gpu plan.json r.json",
+       "date": "2026-12-03T12:00:00+00:00"}
+
+
+@pytest.fixture(scope="module")
+def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
+    """Generate, plan and dry-run once per module (the slow part); tests get copies of the KB it leaves."""
+    base = tmp_path_factory.mktemp("tuned")
+    home, out = base / "kb", base / "out"
+    shutil.copytree(ingested_home, home)
+    with open_kb(load_settings(home=home), embedder=embedder) as kb:
+        r = generate(kb, SPEC, GenerateOptions(out_dir=out, **QUICK))
+        assert r.succeeded, r.error
+        plan = make_plan(kb, [str(SPEC)], out, "sm90", max_designs=1)
+        doc = run_plan(plan, base / "dry.json", device="cpu")
+    return home, r, plan, doc
+
+
+@pytest.fixture
+def tuned(_generated, embedder, tmp_path: Path) -> Iterator:  # noqa: ANN001
+    """A private copy of the generated KB, so each test's import starts from the same state."""
+    home, r, plan, doc = _generated
+    shutil.copytree(home, tmp_path / "kb")
+    with open_kb(load_settings(home=tmp_path / "kb"), embedder=embedder) as kb:
+        yield kb, r, plan, copy.deepcopy(doc)
+
+
+def test_plan_lists_designs_per_bench_shape_in_both_orders(tuned) -> None:
+    _, r, plan, doc = tuned
+    assert [e["name"] for e in plan["entries"]] == ["causal_d64", "causal_d128"]
+    for e in plan["entries"]:
+        assert e["kernel"]["id"] == r.kernel_id and e["candidate"].endswith("gen_causal.py")
+        assert e["designs"] and all(parse_design(d) for d in e["designs"])
+        assert e["order_memory"] and e["order_no_memory"]
+    recs = {rec["impl"]: rec for rec in doc["entries"][0]["shapes"][0]["records"]}
+    assert recs["emitted"]["status"] == "ok" and recs["emitted"]["max_abs_err"] < 2e-2
+    assert all(rec["status"] == "ok" for name, rec in recs.items() if name.startswith("design "))
+
+
+def test_measurements_import_as_records_and_a_lesson_once(tuned, tmp_path: Path) -> None:
+    kb, r, _, doc = tuned
+    measured = dict(doc, env=ENV)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(measured))
+    s = import_results(kb, load_results(path), str(path))
+    assert s.kernels_added == 0 and s.perf_records >= 2 and s.lessons == 2
+    rows = kb.list(PerfRecord, kernel_id=r.kernel_id)
+    designed = [p for p in rows if p.design_json != "{}"]
+    assert designed and all(p.arch == "sm90" and p.kind == "measured" and p.gpu == "NVIDIA H200" for p in rows)
+    assert any("as emitted by kb generate" in p.notes for p in rows)
+    assert any(les.kind == "perf_design" and "NVIDIA H200 (sm90)" in les.text for les in kb.list(Lesson))
+    again = import_results(kb, load_results(path), str(path))
+    assert len(kb.list(PerfRecord, kernel_id=r.kernel_id)) == len(rows) and again.perf_records == s.perf_records
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: d["env"].pop("gpu"), "unattributed measurements: env lacks gpu"),
+    (lambda d: d["env"].update(date="yesterday"), "is not an ISO date"),
+    (lambda d: d.update(schema="other"), "not a kernel-kb tune results file"),
+    (lambda d: d["entries"][0]["shapes"][0]["records"][-1].update(impl="design huge", design="huge"), "bad design"),
+    (lambda d: d["entries"][0].pop("kernel"), "no kernel record"),
+])
+def test_malformed_or_unattributed_results_are_refused_whole(tuned, damage, message) -> None:  # noqa: ANN001
+    kb, r, _, doc = tuned
+    bad = copy.deepcopy(dict(doc, env=dict(ENV)))
+    bad["entries"][0]["shapes"][0]["records"][-1].update(status="ok", ms=1.0)
+    damage(bad)
+    before = len(kb.list(PerfRecord))
+    with pytest.raises(KBError, match=message):
+        import_results(kb, bad)
+    assert len(kb.list(PerfRecord)) == before
+
+
+def test_a_dry_run_is_never_imported(tuned) -> None:
+    kb, _, _, doc = tuned
+    assert doc["schema"] == SCHEMA
+    with pytest.raises(KBError, match="unattributed"):
+        import_results(kb, doc)
+
+
+def test_kb_tune_says_it_needs_a_gpu(ingested_kb_settings, tmp_path: Path) -> None:
+    env = {"KB_HOME": str(ingested_kb_settings.home), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([*KB_CLI, "tune", str(SPEC), "--from", str(tmp_path)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().startswith("kb: error: kb tune needs a CUDA GPU") and "--plan" in res.stderr
+
+
+def test_a_measured_cu_sets_its_role_in_the_report(tuned, tmp_path: Path) -> None:
+    """kb tune's `emitted-cuda` timing imports as a `.cu` record (never a Triton design); the report calls the `.cu`
+    an alternative only where it was measured within 10% of the Triton module, for the same lowering."""
+    from generate.cuda_design import cuda_role
+    from generate.designs import sweeps_from_kb
+
+    kb, r, _, doc = tuned
+    measured = json.loads(json.dumps(dict(doc, env={**ENV, "date": "2026-12-04T12:00:00+00:00"})))  # a run of its own
+    measured["entries"] = measured["entries"][:1]  # the CPU dry run times both entries at one small shape
+    shape = measured["entries"][0]["shapes"][0]
+    triton_ms = next(rec["ms"] for rec in shape["records"] if rec["impl"] == "emitted")
+    shape["records"].append({"impl": "emitted-cuda", "status": "ok", "ms": triton_ms * 1.05, "tflops": 1.0,
+                             "lowering": "sm90_wgmma"})
+    import_results(kb, measured, "synthetic")
+    assert all(s.times for s in sweeps_from_kb(kb, "sm90"))  # the .cu record is not read as a design
+    near = cuda_role(kb, r.kernel_id, "sm90", "sm90_wgmma")
+    assert near["role"].startswith("alternative: measured") and "the Triton module on NVIDIA H200" in near["role"]
+    assert near["measured_vs_triton"] == pytest.approx(1 / 1.05)  # Triton ms / .cu ms of the same run and shape
+    assert cuda_role(kb, r.kernel_id, "sm90", "tensor_cores")["role"].startswith("portable reference: not measured")
+    assert cuda_role(kb, r.kernel_id, "sm80", "sm90_wgmma")["role"].startswith("portable reference: not measured")

@@ -1,0 +1,127 @@
+"""The emitted module behaves like a library kernel: it picks a design per GPU and shape, survives a design
+that does not fit, times its designs once on a GPU it has no entry for, and answers in the input dtype."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import pytest
+import torch
+import triton
+
+from kb.ir.design import AUTO_SPLITS, Design
+from kb.ir.nodes import Dtype
+from kb.lower.runtime import load_module
+from kb.lower.triton import lower_program
+from tests.support.attn_reference import reference_attention
+from tests.support.ir_programs import FIXTURES
+
+TABLE = {"sm90": {64: (Design(128, 64, 4, 3), Design(64, 64, 4, 3))},
+         "sm80": {64: (Design(64, 32, 4, 2),)}}
+
+
+def _module(name: str = "causal", dtype: Dtype = Dtype.F32, tag: str = ""):  # noqa: ANN202
+    p = FIXTURES[name](dtype=dtype)
+    return p, load_module(lower_program(p, designs=TABLE), f"designs_{name}{tag}")[0]
+
+
+def _qkv(dtype: torch.dtype, M: int = 37, N: int = 37, D: int = 24, Hkv: int = 2):  # noqa: ANN202
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, s, n, D, generator=g).to(dtype) for s, n in ((2, M), (Hkv, N), (Hkv, N))]
+
+
+def test_every_design_computes_the_same_attention() -> None:
+    p, mod = _module()
+    q, k, v = _qkv(torch.float32)
+    ref, lse_ref = reference_attention(p, q, k, v)
+    for design in (mod.PROGRAM_DESIGN, (32, 16, 1, 4, 1, False), (16, 32, 1, 2, 3, True)):
+        o, lse = mod.forward(q, k, v, _design=design)
+        torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_split_count_chosen_at_launch_is_correct() -> None:
+    p, mod = _module("decode_split_kv")
+    q, k, v = _qkv(torch.float32, M=3, N=45, D=16)
+    ref, _ = reference_attention(p, q, k, v)
+    for splits in (AUTO_SPLITS, 2, 5):
+        o, _ = mod.forward(q, k, v, _design=(16, 16, splits, 4, 1, False))
+        torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outputs_follow_the_input_dtype(dtype: torch.dtype) -> None:
+    p, mod = _module(dtype=Dtype.F32, tag="_dt")  # one module, called with either dtype
+    q, k, v = _qkv(dtype)
+    o, lse = mod.forward(q, k, v)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    ref, _ = reference_attention(p, q.float(), k.float(), v.float())
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+class _FakeGPU:
+    """A launch that records designs and refuses the ones a test says do not fit."""
+
+    def __init__(self, too_big: set) -> None:
+        self.too_big, self.calls = too_big, []
+
+    def __call__(self, design):  # noqa: ANN001, ANN204
+        self.calls.append(design)
+        if design in self.too_big:
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+        return "outputs"
+
+
+def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:  # noqa: ANN001
+    monkeypatch.setattr(mod, "_interpreting", lambda t: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_listed_gpu_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, mod = _module(tag="_fit")
+    _as_gpu(mod, monkeypatch, (9, 0))
+    first, second = TABLE["sm90"][64][0].as_tuple(), TABLE["sm90"][64][1].as_tuple()
+    gpu = _FakeGPU({first})
+    t = torch.zeros(1)
+    assert mod._choose_design(t, 64, ("k1",), gpu) == second
+    assert mod._choose_design(t, 64, ("k1",), gpu) == second and gpu.calls == [first, second]  # chosen once per key
+    assert mod._choose_design(t, 48, ("k2",), _FakeGPU(set())) == first  # D=48 pads to the 64 bucket
+
+
+def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    _, mod = _module(tag="_tune")
+    _as_gpu(mod, monkeypatch, (8, 9))
+    fake_ms = {TABLE["sm90"][64][0].as_tuple(): 2.0, TABLE["sm90"][64][1].as_tuple(): 1.5,
+               TABLE["sm80"][64][0].as_tuple(): 1.0, mod.PROGRAM_DESIGN: 3.0}
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fake_ms[fn.__defaults__[0]])
+    gpu = _FakeGPU({TABLE["sm80"][64][0].as_tuple()})  # the fastest on paper does not fit
+    with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
+        choice = mod._choose_design(torch.zeros(1), 64, ("shape",), gpu)
+    assert choice == TABLE["sm90"][64][1].as_tuple()
+    assert "no design measured for sm89 at head dim 64 fits; timed 3 designs" in caplog.text
+    assert mod._choose_design(torch.zeros(1), 64, ("shape",), gpu) == choice
+
+
+def test_interpreter_runs_the_verified_schedule() -> None:
+    _, mod = _module(tag="_cpu")
+    assert mod._choose_design(torch.zeros(1), 64, ("cpu",), _FakeGPU(set())) == mod.PROGRAM_DESIGN
+
+
+def test_block_table_is_reused_only_while_the_mask_inputs_are_unchanged() -> None:
+    p, mod = _module("document", tag="_table")
+    q, k, v = _qkv(torch.float32, M=29, N=29)
+    doc = torch.tensor([[0] * 10 + [1] * 19, [0] * 20 + [1] * 9], dtype=torch.int32)
+    o1, _ = mod.forward(q, k, v, doc_ids=doc)
+    assert len(mod._TABLES) == 1
+    mod.forward(q, k, v, doc_ids=doc.clone())  # same contents, another tensor: the table is reused
+    assert len(mod._TABLES) == 1
+    doc[:, 5:] = 2  # changed in place: same address, same shape, other documents
+    o2, _ = mod.forward(q, k, v, doc_ids=doc)
+    ref, _ = reference_attention(p, q, k, v, aux={"doc_ids": doc})
+    torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(o1, o2)

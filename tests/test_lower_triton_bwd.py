@@ -1,0 +1,357 @@
+"""Triton lowering of backward programs: dq, dk, dv (and a learnable table's gradient) under the Triton interpreter
+against torch autograd of a dense fp32 reference, for each variant class; the autograd glue end to end; the
+golden source of the canonical causal program; an sm90 compile of the backward kernels (no GPU needed).
+
+Shapes are ragged (M = N = 40 with 16 x 16 blocks), and one case has fully masked rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from kb.errors import KBError
+from kb.ir.expr import parse_expr as E
+from kb.ir.nodes import Dtype, Param, Program, Role, Store, walk_stmts
+from kb.ir.validate import problems
+from kb.lower.runtime import TritonKernel, load_module
+from kb.lower.triton import lower_program
+from kb.lower.triton_bwd import autograd_glue, aux_gradients, lower_autograd
+from tests.support.ir_programs import backward, causal_bwd, forward
+
+GOLDEN = Path(__file__).parent / "golden" / "triton"
+UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
+SLIDE = "n_start // BLOCK_M * BLOCK_M"  # causal-like: no q block above the KV block's diagonal
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("triton_bwd_cache")
+
+
+@dataclass(frozen=True)
+class Case:
+    program: Callable[[], Program]
+    score: Callable | None = None  # (s, b, h, q_idx, kv_idx, aux, scalars) -> s' (torch, differentiable)
+    mask: Callable | None = None  # (b, h, q_idx, kv_idx, aux) -> bool tensor
+    aux: dict[str, Callable[[int, int, int], torch.Tensor]] = field(default_factory=dict)  # name -> f(B, Hq, N)
+    scalars: dict[str, float] = field(default_factory=dict)
+    hq: int = 2
+    hkv: int = 2
+
+
+def _causal(b, h, q, k, aux):
+    return q >= k
+
+
+def _docs(B: int, Hq: int, N: int) -> torch.Tensor:
+    ids = torch.tensor([0] * 11 + [1] * 17 + [2] * (N - 28))
+    return torch.stack([ids, torch.roll(ids, 5).sort().values])[:B].to(torch.int32)
+
+
+REL = "score + rel[h, q_idx - kv_idx + N - 1]"
+CASES = {
+    "plain": Case(lambda: backward("plain_bwd")),
+    "causal": Case(causal_bwd, mask=_causal),
+    "sliding_window": Case(
+        lambda: backward("sliding_bwd", mask_mod="(q_idx >= kv_idx) & (q_idx - kv_idx < 20)", m_lo=SLIDE,
+                         m_hi="minimum(M, n_start + BLOCK_N + 19)", block_classes=True),
+        mask=lambda b, h, q, k, aux: (q >= k) & (q - k < 20)),
+    "alibi": Case(
+        lambda: backward("alibi_bwd", score_mod="score + slopes[h] * (kv_idx - q_idx)", mask_mod="q_idx >= kv_idx",
+                         m_lo=SLIDE, aux=(Param("slopes", ("Hq",), Dtype.F32, Role.AUX),)),
+        score=lambda s, b, h, q, k, aux, sc: s + aux["slopes"][h] * (k - q), mask=_causal,
+        aux={"slopes": lambda B, Hq, N: torch.tensor([0.5, 0.25])}),
+    "softcap": Case(
+        lambda: backward("softcap_bwd", score_mod="softcap * tanh(score / softcap)", scalars=("softcap",)),
+        score=lambda s, b, h, q, k, aux, sc: sc["softcap"] * torch.tanh(s / sc["softcap"]), scalars={"softcap": 1.5}),
+    "document": Case(
+        lambda: backward("document_bwd", mask_mod="(doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)",
+                         m_lo=SLIDE, aux=(Param("doc_ids", ("B", "N"), Dtype.I32, Role.AUX),), block_classes=True,
+                         skip_empty=True),
+        mask=lambda b, h, q, k, aux: (aux["doc_ids"][b, q] == aux["doc_ids"][b, k]) & (q >= k),
+        aux={"doc_ids": _docs}),
+    "gqa": Case(lambda: backward("gqa_bwd", mask_mod="q_idx >= kv_idx", m_lo=SLIDE, block_classes=True),
+                mask=_causal, hq=4, hkv=2),
+    "rel_bias": Case(  # a learnable table: drel by atomic scatter (the index moves with q_idx - kv_idx)
+        lambda: backward("rel_bwd", score_mod=REL, mask_mod="q_idx >= kv_idx", m_lo=SLIDE,
+                         aux=(Param("rel", ("Hq", "R"), Dtype.F32, Role.AUX),), aux_grads=(("drel", "rel"),)),
+        score=lambda s, b, h, q, k, aux, sc: s + aux["rel"][h, q - k + s.shape[-1] - 1], mask=_causal,
+        aux={"rel": lambda B, Hq, N: 0.3 * torch.randn(Hq, 2 * N - 1)}),
+    "learnable_terms": Case(  # gradients reduced over the tile before the atomic: per head, per query row, per key
+        lambda: backward("terms_bwd", score_mod="score * temp[h] + qb[b, q_idx] + kb[kv_idx]",
+                         aux=(Param("temp", ("Hq",), Dtype.F32, Role.AUX), Param("qb", ("B", "M"), Dtype.F32, Role.AUX),
+                              Param("kb", ("N",), Dtype.F32, Role.AUX)),
+                         aux_grads=(("dtemp", "temp"), ("dqb", "qb"), ("dkb", "kb"))),
+        score=lambda s, b, h, q, k, aux, sc: s * aux["temp"][h] + aux["qb"][b, q] + aux["kb"][k],
+        aux={"temp": lambda B, Hq, N: torch.tensor([0.7, 1.3]), "qb": lambda B, Hq, N: torch.randn(B, N),
+             "kb": lambda B, Hq, N: torch.randn(N)}),
+    "causal_dq_pass": Case(  # dq by a separate pass over KV blocks (no atomics; its KV loop split by block class)
+        lambda: backward("causal_dq_pass_bwd", mask_mod="q_idx >= kv_idx", m_lo=SLIDE, block_classes=True,
+                         dq_pass=("0", "minimum(N, m_start + BLOCK_M)")), mask=_causal),
+    "softcap_gqa_dq_pass": Case(
+        lambda: backward("softcap_dq_pass_bwd", score_mod="softcap * tanh(score / softcap)", scalars=("softcap",),
+                         dq_pass=("0", "N")),
+        score=lambda s, b, h, q, k, aux, sc: sc["softcap"] * torch.tanh(s / sc["softcap"]), scalars={"softcap": 1.5},
+        hq=4, hkv=2),
+    "empty_rows": Case(  # rows 0..2 attend to nothing: lse = -inf there, their gradients 0
+        lambda: backward("empty_rows_bwd", mask_mod="kv_idx + 3 <= q_idx", block_classes=True, skip_empty=True),
+        mask=lambda b, h, q, k, aux: k + 3 <= q),
+}
+
+
+def _reference(case: Case, q, k, v, aux: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense fp32 attention with torch ops (differentiable in q, k, v and the float aux tensors)."""
+    B, Hq, M, _ = q.shape
+    N = k.shape[2]
+    rep = Hq // k.shape[1]
+    s = scale * q @ k.repeat_interleave(rep, 1).transpose(-1, -2)
+    b, h = torch.arange(B).view(B, 1, 1, 1), torch.arange(Hq).view(1, Hq, 1, 1)
+    qi, ki = torch.arange(M).view(1, 1, M, 1), torch.arange(N).view(1, 1, 1, N)
+    if case.score is not None:
+        s = case.score(s, b, h, qi, ki, aux, case.scalars)
+    if case.mask is not None:
+        s = s.masked_fill(~case.mask(b, h, qi, ki, aux).expand(s.shape), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return p @ v.repeat_interleave(rep, 1), lse
+
+
+def _tensors(case: Case, B: int, M: int, N: int, D: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, case.hq, M, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, case.hkv, N, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, case.hkv, N, D, generator=g).to(dtype).requires_grad_()
+    torch.manual_seed(seed)
+    aux = {n: make(B, case.hq, N) for n, make in case.aux.items()}
+    aux = {n: t.requires_grad_() if t.is_floating_point() else t for n, t in aux.items()}
+    return q, k, v, aux
+
+
+def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, D: int = 16,
+           dtype: Dtype = Dtype.F32, tol: float = 2e-4, seed: int = 0) -> dict[str, torch.Tensor]:
+    case = CASES[name]
+    torch_dtype = torch.float32 if dtype is Dtype.F32 else torch.bfloat16
+    p = case.program() if dtype is Dtype.F32 else dataclasses.replace(
+        case.program(), params=tuple(dataclasses.replace(x, dtype=dtype) if x.name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv")
+                                     else x for x in case.program().params))
+    assert problems(p) == (), problems(p)
+    q, k, v, aux = _tensors(case, B, M, N, D, torch_dtype, seed)
+    scale = 1 / math.sqrt(D)
+    o, lse = _reference(case, q.float(), k.float(), v.float(), aux, scale)
+    dout = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1))
+    o.backward(dout)
+    run = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o.detach().to(torch_dtype),
+           "dout": dout.to(torch_dtype), "lse": lse.detach(), **case.scalars, **{n: t.detach() for n, t in aux.items()}}
+    out = TritonKernel.from_program(p, cache_dir).run(run)
+    want = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{g: aux[n].grad for g, n in aux_gradients(p).items()}}
+    assert set(out) == set(want), (sorted(out), sorted(want))
+    for g, ref in want.items():
+        assert out[g].dtype == (torch_dtype if g in ("dq", "dk", "dv") else torch.float32)
+        assert torch.isfinite(out[g]).all(), g
+        torch.testing.assert_close(out[g].float(), ref.float(), atol=tol, rtol=tol, msg=lambda m: f"{name} {g}: {m}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gradients_match_autograd(name: str, cache_dir: Path) -> None:
+    _check(name, cache_dir)
+
+
+def test_fully_masked_rows_get_zero_gradients(cache_dir: Path) -> None:
+    out = _check("empty_rows", cache_dir)
+    assert torch.all(out["dq"][:, :, :3] == 0)  # lse = -inf rows: p = 0, never NaN
+
+
+def test_bf16_inputs_give_bf16_gradients(cache_dir: Path) -> None:
+    # P and dS enter the dots in bf16 (as in FlashAttention): bf16 tolerance against the fp32 reference
+    _check("causal", cache_dir, dtype=Dtype.BF16, tol=3e-2)
+
+
+def test_other_sizes(cache_dir: Path) -> None:
+    # lengths that differ and head dim below the 16-wide padding; a q length not multiple of BLOCK_M
+    _check("gqa", cache_dir, B=1, M=21, N=35, D=12, seed=3)
+
+
+def test_scalar_bound_in_a_tile_mask(cache_dir: Path) -> None:
+    # `rel[h % Hq, q_idx - kv_idx + ...]` puts a scalar bound (h % Hq < Hq) into a tile's load mask (the module's
+    # interpreter fix) and guards the atomic scatter of drel with a scalar test
+    base = CASES["rel_bias"]
+    p = base.program()
+    body = E("score + rel[h % Hq, q_idx - kv_idx + N - 1]")
+    CASES["rel_mod"] = dataclasses.replace(base, program=lambda: dataclasses.replace(
+        p, name="rel_mod_bwd", score_mod=dataclasses.replace(p.score_mod, body=body)))
+    try:
+        src = lower_program(CASES["rel_mod"].program())
+        assert "mask=((h % Hq) < Hq) & (" in src and "if ((h % Hq) < Hq):" in src
+        _check("rel_mod", cache_dir)
+    finally:
+        del CASES["rel_mod"]
+
+
+# ------------------------------------------------------------------ autograd glue
+
+
+def _forward_of(case: str) -> Program:
+    if case == "rel_bias":
+        return forward("rel_fwd", score_mod=REL, mask_mod="q_idx >= kv_idx", hi="minimum(N, m_start + BLOCK_M)",
+                       aux=(Param("rel", ("Hq", "R"), Dtype.F32, Role.AUX),))
+    return forward("causal_fwd", mask_mod="q_idx >= kv_idx", hi="minimum(N, m_start + BLOCK_M)", block_classes=True)
+
+
+@pytest.mark.parametrize("name", ["causal", "rel_bias"])
+def test_autograd_function_end_to_end(name: str, cache_dir: Path) -> None:
+    """kb_attention's forward saves lse, its backward runs the backward kernels; a learnable table gets its grad."""
+    case = CASES[name]
+    mod, _ = load_module(lower_autograd(_forward_of(name), case.program()), f"glue_{name}", cache_dir)
+    q, k, v, aux = _tensors(case, 2, 40, 40, 16, torch.float32, 5)
+    o_ref, _ = _reference(case, q, k, v, aux, 0.25)
+    dout = torch.randn_like(o_ref)
+    o_ref.backward(dout)
+    want = [t.grad.clone() for t in (q, k, v, *aux.values())]
+    for t in (q, k, v, *aux.values()):
+        t.grad = None
+    o = mod.kb_attention(q, k, v, **aux)
+    torch.testing.assert_close(o, o_ref.detach(), atol=1e-4, rtol=1e-4)
+    o.backward(dout)
+    for got, ref in zip((q.grad, k.grad, v.grad, *(t.grad for t in aux.values())), want):
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+
+
+def _import(path: Path):  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.mark.parametrize("cls", ["alibi", "causal", "document", "gqa", "prefix_lm", "relative_bias_learnable",
+                                 "sliding_window", "softcap_gqa"])
+def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: Path) -> None:
+    """kb generate's path: the rule engine's backward of a spec, lowered with its forward (lower_autograd), written as
+    a KernelBench candidate whose ModelNew calls kb_attention; gradients (and the learnable table's) match the spec."""
+    from generate.candidate import write_candidate
+    from tests.test_generate_transfer_bwd import CLASSES, SPECS, _programs
+
+    spec, fwd, bwd, _ = _programs(CLASSES[cls])
+    aux = [q.name for q in fwd.params if q.role is Role.AUX]
+    files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls, entry="kb_attention")
+    spec_mod, cand = _import(SPECS / CLASSES[cls]), _import(files.candidate)
+    torch.manual_seed(0)
+    model, new = spec_mod.Model(*spec_mod.get_init_inputs()), cand.ModelNew(*spec_mod.get_init_inputs())
+    new.load_state_dict(model.state_dict())
+    ins = [t.float().requires_grad_() if t.is_floating_point() else t for t in spec_mod.get_inputs()]
+    ref = [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in ins]
+    out = new(*ins)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    model(*ref).backward(dout)
+    for got, want in zip(ins, ref):
+        if got.is_floating_point():
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+    for (name, got), (_, want) in zip(sorted(new.named_parameters()), sorted(model.named_parameters())):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.network
+def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
+    """The four backward programs ingest lifts from FA2's Triton `_bwd_kernel` run lowered as they run interpreted."""
+    from kb.ir.interpret import run_program
+    from tests.test_ingest_lift_triton_bwd import CACHE, _fa2
+
+    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    programs = [lp.program for lp in _fa2()[1].programs if lp.features.backward]
+    assert len(programs) == 4
+    B, H, M, N, D = 1, 2, 40, 40, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(n)) for n in (M, N, N + 1))
+    v = v[:, :, :N]
+    for p in programs:
+        p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=16, block_n=16, num_warps=4))
+        s = q @ k.transpose(-1, -2) / math.sqrt(D)
+        if p.mask_mod is not None:
+            s = s.masked_fill(torch.arange(M)[:, None] < torch.arange(N)[None, :], float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        o = torch.softmax(s, -1) @ v
+        half = {"q": q, "k": k, "v": v, "o": o, "dout": torch.randn(o.shape, generator=torch.Generator().manual_seed(7))}
+        ins = {**{n: t.to(torch.float16) for n, t in half.items()}, "lse": lse, "sm_scale": 1 / math.sqrt(D)}
+        want, got = run_program(p, ins), TritonKernel.from_program(p, cache_dir).run(ins)
+        for g in ("dq", "dk", "dv"):  # P and dS enter the lowered dots in fp16, the interpreter's in fp32
+            torch.testing.assert_close(got[g].float(), want[g].float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{p.name} {g}: {m}")
+
+
+def test_autograd_glue_checks_the_pair() -> None:
+    with pytest.raises(KBError, match="backward program"):
+        autograd_glue(causal_bwd(), causal_bwd())
+    no_lse = forward("x")
+    no_lse = dataclasses.replace(no_lse, params=tuple(x for x in no_lse.params if x.name != "lse"))
+    with pytest.raises(KBError, match="must write o and lse"):
+        autograd_glue(no_lse, causal_bwd())
+    with pytest.raises(KBError, match="needs softcap"):
+        autograd_glue(forward("x"), CASES["softcap"].program())
+
+
+# ------------------------------------------------------------------ refusals, source, compile
+
+
+def test_unsupported_constructs_are_one_line_errors() -> None:
+    p = causal_bwd()
+    bf16_acc = dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.BF16) if x.name == "dq_acc" else x
+                                                   for x in p.params))
+    with pytest.raises(KBError, match="fp32 atomics") as err:
+        lower_program(bf16_acc)
+    assert "\n" not in str(err.value)
+    reordered = dataclasses.replace(p, params=(p.params[1], p.params[0], *p.params[2:]))
+    with pytest.raises(KBError, match="must be q, k, v, o, dout, lse"):
+        lower_program(reordered)
+
+
+def test_golden_source() -> None:
+    src = lower_program(causal_bwd())
+    path = GOLDEN / "causal_bwd.py"
+    if UPDATE_GOLDEN:
+        path.write_text(src)
+    assert path.exists(), f"missing golden file {path}; run with KB_UPDATE_GOLDEN=1"
+    assert src == path.read_text(), "generated source for causal_bwd changed; review and run with KB_UPDATE_GOLDEN=1"
+
+
+def test_generated_code_shape_follows_fa2() -> None:
+    src = lower_program(causal_bwd(dtype=Dtype.BF16))
+    dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
+    head, loop = dkdv.split("for h in range(", 1)
+    assert "kt = " in head and "vt = " in head  # k, v loaded once per program, dk, dv accumulated in registers
+    # score tiles held transposed (kv rows, q columns): P^T and dS^T enter the dV, dK dots as they are, in the
+    # inputs' dtype, accumulating in fp32 registers
+    assert "s = tl.dot(kt, tl.trans(qt))" in loop and "p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])" in loop
+    assert "dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc)" in loop
+    assert "dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc)" in loop
+    assert 'tl.atomic_add(dq_acc_ptr + ' in loop and 'sem="relaxed")' in loop
+    own = src.split("_BWD_PICKED = {}", 1)[1]  # what follows the shared preamble
+    assert 'input_precision="ieee"' not in own and "USE_TMA" not in own  # descriptors measured slower here
+    assert "dq_acc = torch.zeros(" in src and "delta = torch.empty(" in src  # accumulated tensors start at 0
+    assert not any(isinstance(st, Store) and st.accumulate and st.tensor != "dq_acc"
+                   for k in causal_bwd().kernels for st in walk_stmts(k.body))
+
+
+def test_compiles_for_sm90() -> None:
+    """The real Triton compiler (no GPU): every backward kernel compiles for sm_90 at D = 128 with bf16 inputs."""
+    from kb.lower.triton_aot import compile_for_arch
+
+    p = dataclasses.replace(CASES["rel_bias"].program(), schedule=dataclasses.replace(
+        causal_bwd().schedule, block_m=64, block_n=64, num_warps=4, num_stages=2))
+    p = dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.BF16)
+                                            if x.name in ("q", "k", "v", "o", "dout", "dq", "dk", "dv") else x for x in p.params))
+    kernels = {k.name: k for k in compile_for_arch(p, arch=90, head_dim=128, timeout_s=240)}
+    assert set(kernels) == {"bwd_preprocess", "bwd_dkdv", "bwd_dq"}
+    assert kernels["bwd_dkdv"].wgmma > 0  # the five dots run on Hopper tensor cores
