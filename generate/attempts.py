@@ -1,13 +1,23 @@
-"""One generation attempt: its typed outcome, the IR check against the spec, strategy planning."""
+"""One generation attempt: the candidate an engine proposes, its typed outcome, the IR check against the spec,
+the rule engine's strategy planning.
+
+An engine (generate.engines) is a generator of candidates, `Proposals`: it yields a `Candidate`, the pipeline
+judges it (IR check, lowering, verification) and sends the attempt's `AttemptOutcome` back, which the engine
+may use (the LLM engine returns it to the model as feedback) or not (the rule engine plans its order before
+the first attempt). The pipeline stops asking at the first pass, at --max-attempts or when the spec's budget
+is spent.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from enum import Enum
 
 import torch
 
 from generate.spec import Spec, spec_inputs
+from generate.stages import Stage
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
 from kb.features import Features
@@ -15,18 +25,13 @@ from kb.ir.expr import loaded_tensors
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program, Role
 from kb.store.models import Lesson
+from verify.result import Verdict
 
-__all__ = ["Stage", "Cause", "AttemptOutcome", "check_program", "default_order", "plan_strategies", "IR_CHECK_TOL"]
+__all__ = ["Cause", "Failure", "Candidate", "AttemptOutcome", "Proposals", "check_program", "default_order",
+           "plan_strategies", "IR_CHECK_TOL"]
 
 # max |o - ref| allowed in the IR check: the interpreter computes in fp32 from the same inputs
 IR_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.6e-2}
-
-
-class Stage(Enum):
-    TRANSFER = "transfer"
-    IR_CHECK = "ir_check"
-    LOWER = "lower"
-    VERIFY = "verify"
 
 
 class Cause(Enum):
@@ -38,12 +43,35 @@ class Cause(Enum):
 
 
 @dataclass(frozen=True)
+class Failure:
+    """Where a candidate stopped and why."""
+
+    stage: Stage
+    verdict: Verdict
+    detail: str
+    cause: Cause = Cause.KERNEL
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A target program an engine proposes for one attempt, or why it could not make one."""
+
+    reference_id: str  # the reference it was made from: the kernel's lineage parent
+    strategy: str  # the rule strategy's value, or "llm"
+    program: Program | None  # validated; None when `failure` says why there is none
+    ir_text: str  # the program as proposed ("" when there is none)
+    seconds: float  # spent making it (a transfer, an LLM request)
+    failure: Failure | None = None
+    untrusted: bool = False  # an LLM's program may break the interpreter in any way: what it raises is a failure
+
+
+@dataclass(frozen=True)
 class AttemptOutcome:
     n: int
     reference_id: str | None
     strategy: str  # rule strategy, or "llm"
     stage: Stage  # the last stage reached
-    verdict: str  # a verify.Verdict value, or "passed"
+    verdict: Verdict  # passed, or why the stage failed
     feedback: str
     seconds: float
     ir_text: str
@@ -51,14 +79,18 @@ class AttemptOutcome:
 
     @property
     def passed(self) -> bool:
-        return self.verdict == "passed"
+        return self.verdict is Verdict.passed
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["stage"] = self.stage.value
+        d["verdict"] = self.verdict.value
         d["cause"] = self.cause.value
         d.pop("ir_text")
         return d
+
+
+Proposals = Generator[Candidate, AttemptOutcome, None]  # an engine: yields candidates, is sent each one's outcome
 
 
 def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:

@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from generate.attempts import AttemptOutcome, Stage
+from generate.attempts import AttemptOutcome, Failure
 from generate.candidate import CandidateFiles, write_candidate
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
+from generate.stages import Stage
 from kb.errors import KBError
 from kb.ir.expr import free_vars, var
 from kb.ir.nodes import Probs, Program, Role, Store, walk_stmts
@@ -27,6 +28,7 @@ from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import Filters, describe_target, query
+from verify.result import Verdict
 
 __all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "BACKWARD_STRATEGY"]
 
@@ -42,7 +44,7 @@ class BackwardBuilt:
     reference_id: str
     module_src: str  # the whole Triton module: forward, backward, autograd glue
     files: CandidateFiles
-    verdict: str
+    verdict: Verdict  # passed, or not_run (--no-verify)
     detail: str
 
 
@@ -78,7 +80,7 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     for ref in ranked:
         t0 = time.perf_counter()
 
-        def outcome(stage_: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
+        def outcome(stage_: Stage, verdict: Verdict, detail: str, text: str = "") -> AttemptOutcome:
             return AttemptOutcome(first_n + len(outcomes), ref.id, BACKWARD_STRATEGY, stage_, verdict, detail,
                                   time.perf_counter() - t0, text)
 
@@ -86,18 +88,19 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
             program = transfer_backward(programs[ref.id], target, name=f"{stem}_bwd")
             validate(program)
         except KBError as err:
-            outcomes.append(outcome(Stage.TRANSFER, "compile_error", str(err)))
+            outcomes.append(outcome(Stage.TRANSFER, Verdict.compile_error, str(err)))
             continue
         text = print_program(program)
         failure = check_backward_program(program, forward, spec, target.learnable)
         if failure:
-            outcomes.append(outcome(Stage.IR_CHECK, "numeric_mismatch", failure, text))
+            outcomes.append(outcome(Stage.IR_CHECK, Verdict.numeric_mismatch, failure, text))
             continue
         built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem)
-        if isinstance(built, tuple):
-            outcomes.append(outcome(*built, text))
+        if isinstance(built, Failure):
+            outcomes.append(outcome(built.stage, built.verdict, built.detail, text))
             continue
-        outcomes.append(outcome(Stage.VERIFY if built.verdict == "passed" else Stage.LOWER, "passed", built.detail, text))
+        outcomes.append(outcome(Stage.VERIFY if built.verdict is Verdict.passed else Stage.LOWER, Verdict.passed,
+                                built.detail, text))
         return built, outcomes
     return None, outcomes
 
@@ -115,7 +118,7 @@ def per_kv_head(p: Program) -> bool:
 
 
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001
-             stage: Path, stem: str) -> BackwardBuilt | tuple[Stage, str, str]:
+             stage: Path, stem: str) -> BackwardBuilt | Failure:
     from kb.lower.triton_bwd import lower_autograd
 
     try:
@@ -123,8 +126,8 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem, entry="kb_attention")
     except KBError as err:
-        return Stage.LOWER, "compile_error", str(err)
+        return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     verdict, detail = verify_fn(files.candidate)
-    if verdict not in ("passed", "not_run"):
-        return Stage.VERIFY, verdict, detail
+    if verdict not in (Verdict.passed, Verdict.not_run):
+        return Failure(Stage.VERIFY, verdict, detail)
     return BackwardBuilt(program, ref_id, src, files, verdict, detail)

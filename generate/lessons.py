@@ -15,11 +15,12 @@ from __future__ import annotations
 from generate.attempts import AttemptOutcome, Cause
 from generate.spec import Spec
 from kb.store.models import Lesson
+from verify.result import Verdict
 
 __all__ = ["lessons_for_run", "failure_cause"]
 
 # verify verdicts that are the harness process's fate, not a property of the kernel
-_ENVIRONMENT_VERDICTS = {"timeout"}
+_ENVIRONMENT_VERDICTS = {Verdict.timeout}
 
 
 def failure_cause(o: AttemptOutcome) -> Cause:
@@ -28,7 +29,7 @@ def failure_cause(o: AttemptOutcome) -> Cause:
         return o.cause
     if o.verdict in _ENVIRONMENT_VERDICTS:
         return Cause.ENVIRONMENT
-    if o.verdict == "runtime_error" and "(memory limit" in o.feedback:
+    if o.verdict is Verdict.runtime_error and "(memory limit" in o.feedback:
         return Cause.ENVIRONMENT
     return Cause.KERNEL
 
@@ -46,7 +47,7 @@ def lessons_for_run(run_id: str, spec: Spec, outcomes: list[AttemptOutcome] | tu
         seen.add(o.strategy)
         out.append(Lesson(run_id=run_id, kind=f"strategy_failed:{o.strategy}", features_json=f.to_json(),
                            text=f"For {what}: transfer strategy '{o.strategy}' from {o.reference_id} failed at "
-                                f"{o.stage.value} ({o.verdict}): {o.feedback[:300]}"))
+                                f"{o.stage.value} ({o.verdict.value}): {o.feedback[:300]}"))
     if succeeded and outcomes:
         last = outcomes[-1]
         fixed = f" after {', '.join(sorted(seen))} failed" if seen else ""

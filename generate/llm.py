@@ -1,16 +1,18 @@
 """The LLM transfer engine: an OpenAI-compatible chat model writes the target program in kbir.
 
-`LLMEngine(settings).transfer(...)` runs the bounded loop of design step 3: ask, extract the
-```kbir block, parse (`kb.ir.text.parse_program`), validate (`kb.ir.validate.validate`), then
-the caller's `check(program)` (the interpreter against the spec). Any failure is sent back as
-feedback in the same conversation, up to `settings.llm_max_attempts` answers.
+`LLMEngine(settings).candidates(...)` is the LLM engine of `kb generate` (a `generate.attempts.Proposals`,
+design step 3): ask, extract the ```kbir block, parse (`kb.ir.text.parse_program`), validate
+(`kb.ir.validate.validate`) and yield the program as a candidate; the pipeline judges it (the interpreter
+against the spec, lowering, verification) and sends the outcome back. Any failure goes back to the model
+as feedback in the same conversation, up to `max_attempts` answers.
 
 Invariants:
-- One request per attempt; the conversation grows by (answer, feedback) per failed attempt.
-- `LLMResult.program` is set only when the last attempt parsed, validated and passed `check`.
-- Service failures (missing settings, connection refused, timeout, HTTP errors, empty answers)
-  raise `LLMServiceError`, a `KBError` whose message says what to set or check and which
-  carries the attempts made so far; the client never retries on its own (max_retries=0).
+- One request per candidate; the conversation grows by (answer, feedback) per failed attempt.
+- A candidate has a program only when the answer parsed and validated; its program is `untrusted`.
+- Service failures (connection refused, timeout, HTTP errors, empty answers) end the proposals with a
+  candidate without a program whose cause is the environment; its message says what to set or check.
+  Missing settings raise `LLMServiceError`, a `KBError`, when the engine is made. The client never
+  retries on its own (max_retries=0).
 """
 
 from __future__ import annotations
@@ -18,72 +20,29 @@ from __future__ import annotations
 import logging
 import re
 import time
-from dataclasses import dataclass
-from enum import Enum
-from typing import Callable, Sequence
+from typing import Sequence
 
 import openai
 
+from generate.attempts import AttemptOutcome, Candidate, Cause, Failure, Proposals
 from generate.prompts import Message, feedback_prompt, initial_messages
+from generate.stages import Stage
 from kb.errors import KBError
 from kb.ir.nodes import Program
 from kb.ir.text import parse_program
 from kb.ir.validate import validate
 from kb.settings import Settings
+from verify.result import Verdict
 
-__all__ = ["Stage", "LLMAttempt", "LLMResult", "LLMServiceError", "LLMEngine", "Check", "extract_ir"]
+__all__ = ["LLM_STRATEGY", "LLMServiceError", "LLMEngine", "extract_ir"]
 
 log = logging.getLogger(__name__)
 
-Check = Callable[[Program], "str | None"]  # None = the program passed; else the failure text
-
-
-class Stage(Enum):
-    """How far an attempt got."""
-
-    PARSE = "parse"  # the answer is not kbir
-    VALIDATE = "validate"  # parsed, but breaks a validation rule
-    CHECK = "check"  # valid, but the caller's check (interpreter vs spec) failed
-    PASSED = "passed"
-
-
-@dataclass(frozen=True)
-class LLMAttempt:
-    n: int  # 1-based
-    raw_answer: str
-    error: str | None  # None only when stage is PASSED
-    stage: Stage
-    ir_text: str  # what extract_ir took from the answer
-    seconds: float  # request latency
-    prompt_tokens: int = 0  # as the server reports them (0 when it does not)
-    completion_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class LLMResult:
-    program: Program | None
-    attempts: tuple[LLMAttempt, ...]
-    model: str
-
-    @property
-    def ok(self) -> bool:
-        return self.program is not None
-
-    @property
-    def ir_text(self) -> str | None:
-        return self.attempts[-1].ir_text if self.ok else None
-
-    @property
-    def tokens(self) -> int:
-        return sum(a.prompt_tokens + a.completion_tokens for a in self.attempts)
+LLM_STRATEGY = "llm"  # the strategy name of the LLM's attempts (their rows, lessons and the report)
 
 
 class LLMServiceError(KBError):
-    """The LLM service could not be used; `attempts` holds the answers received before it failed."""
-
-    def __init__(self, message: str, attempts: tuple[LLMAttempt, ...] = ()) -> None:
-        super().__init__(message)
-        self.attempts = attempts
+    """The LLM service could not be used."""
 
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
@@ -157,59 +116,66 @@ class LLMEngine:
         return (resp.choices[0].message.content, seconds,
                 usage.prompt_tokens if usage else 0, usage.completion_tokens if usage else 0)
 
-    def _ask(self, messages: Sequence[Message], attempts: tuple[LLMAttempt, ...]) -> tuple[str, float, int, int]:
+    def _ask(self, messages: Sequence[Message]) -> tuple[str, float, int, int]:
         try:
             return self._chat(messages)
-        except LLMServiceError as err:
-            raise LLMServiceError(str(err), attempts) from None
         except openai.OpenAIError as err:
             log.debug("LLM request failed", exc_info=True)
-            raise LLMServiceError(self._service_error(err), attempts) from None
+            raise LLMServiceError(self._service_error(err)) from None
 
     def propose(self, spec_summary: str, reference_ir: str, snippets: list[str], lessons: list[str],
                 feedback: str | None = None) -> str:
         """One request without history: the IR text of the model's answer (not yet parsed)."""
-        answer, *_ = self._ask(initial_messages(spec_summary, reference_ir, snippets, lessons, feedback), ())
+        answer, *_ = self._ask(initial_messages(spec_summary, reference_ir, snippets, lessons, feedback))
         return extract_ir(answer)
 
-    # ------------------------------------------------------------ the loop
+    # ------------------------------------------------------------ the engine
 
-    def transfer(self, spec_summary: str, reference_ir: str, snippets: list[str], lessons: list[str],
-                 check: Check, *, max_attempts: int | None = None) -> LLMResult:
-        """Ask, parse, validate, check; feed each failure back; stop at the first pass or the bound."""
+    def candidates(self, spec_summary: str, reference_ir: str, snippets: list[str], lessons: list[str],
+                   reference_id: str, *, max_attempts: int | None = None) -> Proposals:
+        """Ask, parse, validate, yield; feed each outcome that did not pass back; stop at the bound."""
         limit = max_attempts or self.settings.llm_max_attempts
         messages = initial_messages(spec_summary, reference_ir, snippets, lessons)
-        attempts: list[LLMAttempt] = []
         for n in range(1, limit + 1):
-            answer, seconds, p_tok, c_tok = self._ask(messages, tuple(attempts))
+            try:
+                answer, seconds, p_tok, c_tok = self._ask(messages)
+            except LLMServiceError as err:
+                yield Candidate(reference_id, LLM_STRATEGY, None, "", 0.0,
+                                Failure(Stage.TRANSFER, Verdict.runtime_error, str(err), Cause.ENVIRONMENT))
+                return
             ir_text = extract_ir(answer)
-            program, stage, error = _judge(ir_text, check)
-            attempts.append(LLMAttempt(n, answer, error, stage, ir_text, seconds, p_tok, c_tok))
-            log.info("LLM attempt %d/%d: %s%s", n, limit, stage.value, f": {error.splitlines()[0]}" if error else "")
-            if program is not None:
-                return LLMResult(program, tuple(attempts), self.settings.llm_model)
+            program, refused = _parse(ir_text)
+            failure = Failure(Stage.TRANSFER, Verdict.compile_error, refused[1]) if refused else None
+            outcome = yield Candidate(reference_id, LLM_STRATEGY, program, ir_text, seconds, failure, untrusted=True)
+            log.info("LLM attempt %d/%d: %s %s (%d + %d tokens)", n, limit, outcome.stage.value, outcome.verdict.value,
+                     p_tok, c_tok)
+            if outcome.passed:
+                return
             messages += [{"role": "assistant", "content": answer},
-                         {"role": "user", "content": feedback_prompt(f"[{stage.value} error] {error}")}]
-        return LLMResult(None, tuple(attempts), self.settings.llm_model)
+                         {"role": "user", "content": feedback_prompt(_feedback(outcome, refused))}]
 
 
-def _judge(ir_text: str, check: Check) -> tuple[Program | None, Stage, str | None]:
+def _parse(ir_text: str) -> tuple[Program | None, tuple[str, str] | None]:
+    """(the validated program, None), or (None, ("parse" | "validate", why not))."""
     try:
         program = parse_program(ir_text)
     except KBError as err:
-        return None, Stage.PARSE, str(err)
+        return None, ("parse", str(err))
     try:
         validate(program)
     except KBError as err:
-        return None, Stage.VALIDATE, str(err)
-    try:
-        failure = check(program)
-    except Exception as err:  # noqa: BLE001 - an untrusted program may break the interpreter in any way
-        log.debug("check raised on an LLM program", exc_info=True)
-        failure = f"running the program raised {type(err).__name__}: {err}"
-    if failure is not None:
-        return None, Stage.CHECK, failure
-    return program, Stage.PASSED, None
+        return None, ("validate", str(err))
+    return program, None
+
+
+def _feedback(outcome: AttemptOutcome, refused: tuple[str, str] | None) -> str:
+    """What the model reads about its last answer: `[parse error] ...`, `[validate error] ...` or `[check error] ...`
+    (the IR check's finding, or the later stage that failed and its verdict)."""
+    if refused is not None:
+        return f"[{refused[0]} error] {refused[1]}"
+    if outcome.stage is Stage.IR_CHECK:
+        return f"[check error] {outcome.feedback}"
+    return f"[check error] {outcome.stage.value} failed ({outcome.verdict.value}): {outcome.feedback}"
 
 
 def _detail(err: openai.APIStatusError) -> str:

@@ -1,7 +1,8 @@
 """`generate(kb, spec_path, options)`: spec -> retrieve -> transfer -> check IR -> lower -> verify -> write back.
 
-Attempts are (reference, strategy) pairs for the rule engine, or LLM rounds for the LLM
-engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
+Attempts are the candidates of one engine (generate.engines): (reference, strategy) pairs for the
+rule engine, LLM rounds for the LLM engine; each is judged the same way and its outcome sent back to
+the engine. Each attempt stops at the first failing stage; its verdict and feedback are kept.
 On success the kernel (with lineage: parent = reference), its sources, the attempts, the
 run and the lessons are written in ONE transaction; on failure the run, attempts and lessons
 are written, and no kernel. Lineage is append-only: a run whose program is already in the KB
@@ -19,28 +20,29 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from generate.attempts import AttemptOutcome, Stage, check_program, plan_strategies
+from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
 from generate.backward import BackwardBuilt, build_backward
 from generate.candidate import write_candidate
+from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
 from generate.designs import design_table
+from generate.engines import llm_candidates, rule_candidates
 from generate.outputs import output_stem, publish, staging_dir
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_serving import GENERATION_REFUSED
-from generate.target import target_for
-from generate.transfer import Strategy, transfer
+from generate.stages import ReportStatus, Stage
 from kb.errors import KBError
 from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
-from kb.ir.text import content_hash, parse_program, print_program
-from kb.ir.validate import validate
+from kb.ir.text import content_hash, print_program
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
-from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, Tunable
+from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, RunStatus, Tunable
 from kb.store.records import assign_id
-from retrieve.hybrid import Filters, RankedKernel, describe_target, query
+from retrieve.hybrid import Filters, describe_target, query
+from verify.result import Verdict
 
 __all__ = ["GenerateOptions", "GenerateResult", "generate"]
 
@@ -77,8 +79,8 @@ class GenerateResult:
     files: dict[str, Path] = field(default_factory=dict)
     error: str = ""
     seconds: float = 0.0
-    status: str = "failed"  # "verified", "generated, not verified" or "failed": the report's status
-    backward: str = "none"  # the report's backward status: "verified", "generated, not verified" or "none"
+    status: ReportStatus = ReportStatus.FAILED  # the report's status
+    backward: ReportStatus = ReportStatus.NONE  # the report's backward status: verified, generated, not verified or none
     backward_reason: str = ""  # why there is no backward, when there is none
 
     @property
@@ -90,9 +92,9 @@ def _refused(kb: KnowledgeBase, run: GenerationRun, out_dir: Path, error: str, m
     """A run that stops before any attempt (a spec error, a spec generation does not support yet): recorded
     as failed, no lesson (nothing about kernels was learnt); the spec's earlier files go and a report says why."""
     spec_path = Path(run.spec_path)
-    run.status, run.error, run.finished_at = "failed", error, _now()
+    run.status, run.error, run.finished_at = RunStatus.FAILED.value, error, _now()
     run_id = kb.write_run(run)
-    files = publish(out_dir, output_stem(spec_path), {}, {"status": "failed", "spec": str(spec_path), "run_id": run_id,
+    files = publish(out_dir, output_stem(spec_path), {}, {"status": ReportStatus.FAILED.value, "spec": str(spec_path), "run_id": run_id,
                                                          "kernel_id": None, "error": run.error, "attempts": []})
     return GenerateResult(spec_path, run_id, False, None, (), files, message, time.perf_counter() - t0)
 
@@ -110,7 +112,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     try:
         spec = load_spec(spec_path)
     except KBError as err:
-        return _refused(kb, run, out_dir, f"spec: {err}", str(err), t0)
+        return _refused(kb, run, out_dir, f"{Stage.SPEC.value}: {err}", str(err), t0)
     if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
         run.spec_hash = spec.source_hash
         why = GENERATION_REFUSED.format(kind=spec.layout.describe)
@@ -130,17 +132,19 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
             outcomes, built, ref = _attempts(kb, spec, options, stage)
             if built is not None and options.backward:
                 bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
+            if built is not None:  # after the backward, whose verification shares the spec's budget
+                built = _compile_cuda(spec, built, options)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
             outcomes, built, ref = [], None, None
             run.error = str(err)
         except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (the CLI maps it): record the run, write no kernel
-            run.status, run.error, run.finished_at = "interrupted", "interrupted (Ctrl-C or SIGTERM) before a kernel was verified", _now()
+            run.status, run.error, run.finished_at = RunStatus.INTERRUPTED.value, "interrupted (Ctrl-C or SIGTERM) before a kernel was verified", _now()
             kb.write_run(run)
             raise KeyboardInterrupt(f"run {run.id} recorded as interrupted; no kernel written") from err
         return _finish(kb, spec, run, outcomes, built, ref, bwd, options, t0, out_dir)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Built:
     """A program that passed every stage, with what was written for it."""
 
@@ -148,12 +152,19 @@ class _Built:
     triton_src: str
     cuda_src: str | None
     files: dict[str, Path]
-    verdict: str
+    verdict: Verdict  # passed, or not_run (--no-verify)
     detail: str
     cuda_report: dict = field(default_factory=dict)  # which CUDA lowering, its traits, the role of the `.cu`
+    cuda_build: CudaCompile = NOT_COMPILED  # nvcc on the `.cu`, before the write-back
 
 
-Failure = tuple[Stage, str, str]  # (stage, verdict, detail)
+def _compile_cuda(spec: Spec, built: _Built, options: GenerateOptions) -> _Built:
+    if not (built.cuda_src and options.compile_cuda):
+        return built
+    log.info("%s: %s", Stage.COMPILE_CUDA.value, spec.path)
+    return replace(built, cuda_build=compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
+                                                  spec.shapes.Dv if spec.shapes.value_dim else None,
+                                                  arch=built.cuda_report.get("arch", "sm_90")))
 
 
 @dataclass
@@ -170,83 +181,77 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
         found, outcomes = build_backward(
             kb, spec, built.program, memory=options.memory, references=options.references,
             verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
-            ("not_run", "kernel verification skipped (--no-verify)"),
+            (Verdict.not_run, "kernel verification skipped (--no-verify)"),
             designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
             first_n=first_n)
     except KBError as err:
         return _NoBackward(str(err))
     if found is None:
         last = outcomes[-1] if outcomes else None
-        return _NoBackward(f"no backward passed: {last.stage.value} {last.verdict}: {last.feedback[:300]}" if last
+        return _NoBackward(f"no backward passed: {last.stage.value} {last.verdict.value}: {last.feedback[:300]}" if last
                            else "no backward reference could be tried", outcomes)
     return found, outcomes
 
 
 def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
-              stage: Path) -> tuple[list[AttemptOutcome], _Built | None, RankedKernel | None]:
+              stage: Path) -> tuple[list[AttemptOutcome], _Built | None, str | None]:
+    """Judge the engine's candidates in turn; (every outcome, what passed, the id of its reference)."""
     text = describe_target(spec.features, *spec.variant_strings())
     found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
     if not found.kernels:
         raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
     if options.engine == "llm":
-        return _llm_attempts(kb, spec, found, options, stage)
-    lessons = _strategy_lessons(kb) if options.memory else []
+        proposals = llm_candidates(kb, spec, found, options.max_attempts)
+    else:
+        proposals = rule_candidates(kb, spec, found, _strategy_lessons(kb) if options.memory else [], _name(spec))
     outcomes: list[AttemptOutcome] = []
-    for ref in found.kernels:
-        ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
-        for strategy in plan_strategies(spec, ref, lessons):
-            if len(outcomes) >= options.max_attempts:
-                return outcomes, None, None
-            if outcomes and _budget_left(options) <= 0:
-                return _budget_spent(outcomes, options), None, None
-            outcome, built = _try(spec, ref, ref_program, strategy, len(outcomes) + 1, options, stage)
-            outcomes.append(outcome)
-            if built is not None:
-                return outcomes, built, ref
+    while len(outcomes) < options.max_attempts:
+        if outcomes and _budget_left(options) <= 0:
+            return _budget_spent(outcomes, options), None, None
+        cand = _next(proposals, outcomes[-1] if outcomes else None)
+        if cand is None:
+            break
+        outcome, built = _try(spec, cand, len(outcomes) + 1, options, stage)
+        outcomes.append(outcome)
+        if built is not None:
+            return outcomes, built, cand.reference_id
     return outcomes, None, None
 
 
-def _try(spec: Spec, ref: RankedKernel, ref_program: Program, strategy: Strategy, n: int,
-         options: GenerateOptions, stage: Path) -> tuple[AttemptOutcome, _Built | None]:
-    t0 = time.perf_counter()
-
-    def outcome(stage: Stage, verdict: str, detail: str, text: str = "") -> AttemptOutcome:
-        return AttemptOutcome(n, ref.id, strategy.value, stage, verdict, detail, time.perf_counter() - t0, text)
-
+def _next(proposals: Proposals, last: AttemptOutcome | None) -> Candidate | None:
+    """The engine's next candidate, told how its last one did; None when it has no more."""
     try:
-        program = transfer(ref_program, target_for(spec), strategy, name=_name(spec))
-        validate(program)
-    except KBError as err:
-        return outcome(Stage.TRANSFER, "compile_error", str(err)), None
-    text = print_program(program)
-    failure = check_program(program, spec)
-    if failure:
-        return outcome(Stage.IR_CHECK, "numeric_mismatch", failure, text), None
-    built = _realise(spec, program, options, stage)
-    if isinstance(built, tuple):
-        return outcome(*built, text), None
-    return outcome(Stage.VERIFY if options.verify_kernel else Stage.LOWER, "passed", built.detail, text), built
-
-
-def _llm_attempts(kb: KnowledgeBase, spec: Spec, found, options: GenerateOptions, stage: Path):  # noqa: ANN001
-    """LLM rounds; the check is the whole chain (IR check, lowering, verification), so any failure is feedback."""
-    from generate.llm_transfer import llm_transfer
-
-    holder: list[_Built] = []
-
-    def check(program: Program) -> str | None:
-        failure = check_program(program, spec)
-        if failure:
-            return failure
-        built = _realise(spec, replace(program, name=_name(spec)), options, stage)
-        if isinstance(built, tuple):
-            failed_stage, verdict, detail = built
-            return f"{failed_stage.value} failed ({verdict}): {detail}"
-        holder.append(built)
+        return next(proposals) if last is None else proposals.send(last)
+    except StopIteration:
         return None
 
-    outcomes, program, ref = llm_transfer(kb, spec, found.kernels[0], found, options.max_attempts, check)
-    return outcomes, (holder[-1] if program is not None and holder else None), ref
+
+def _try(spec: Spec, cand: Candidate, n: int, options: GenerateOptions,
+         stage: Path) -> tuple[AttemptOutcome, _Built | None]:
+    t0 = time.perf_counter()
+    result = cand.failure if cand.program is None else _judge(spec, cand.program, cand.untrusted, options, stage)
+    assert result is not None, "a candidate without a program carries its failure"
+    seconds = cand.seconds + time.perf_counter() - t0
+    if isinstance(result, Failure):
+        return AttemptOutcome(n, cand.reference_id, cand.strategy, result.stage, result.verdict, result.detail, seconds,
+                              cand.ir_text, result.cause), None
+    return AttemptOutcome(n, cand.reference_id, cand.strategy, Stage.VERIFY if options.verify_kernel else Stage.LOWER,
+                          Verdict.passed, result.detail, seconds, cand.ir_text), result
+
+
+def _judge(spec: Spec, program: Program, untrusted: bool, options: GenerateOptions, stage: Path) -> _Built | Failure:
+    """The IR check, then lowering and verification; what an untrusted program raises is its failure."""
+    program = replace(program, name=_name(spec))
+    try:
+        failure = check_program(program, spec)
+        if failure:
+            return Failure(Stage.IR_CHECK, Verdict.numeric_mismatch, failure)
+        return _realise(spec, program, options, stage)
+    except Exception as err:  # noqa: BLE001 - an LLM's program may break the interpreter in any way
+        if not untrusted:
+            raise
+        log.debug("judging an untrusted program raised", exc_info=True)
+        return Failure(Stage.IR_CHECK, Verdict.runtime_error, f"running the program raised {type(err).__name__}: {err}")
 
 
 def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
@@ -258,11 +263,11 @@ def _name(spec: Spec) -> str:
 
 
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
-            ref: RankedKernel | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
+            ref: str | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
             options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
     kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
     succeeded = kernel is not None
-    run.status = "succeeded" if succeeded else "failed"
+    run.status = (RunStatus.SUCCEEDED if succeeded else RunStatus.FAILED).value
     run.finished_at = _now()
     if not succeeded and not run.error:
         run.error = outcomes[-1].feedback[:2000] if outcomes else "no attempt was possible"
@@ -276,7 +281,7 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
         run.kernel_id = kernel.id
     records.append(run)
     bwd_outcomes = bwd.outcomes if isinstance(bwd, _NoBackward) else bwd[1]
-    records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict,
+    records += [Attempt(run_id=run.id, n=o.n, reference_id=o.reference_id, ir_text=o.ir_text, verdict=o.verdict.value,
                         feedback=f"[{o.stage.value}/{o.strategy}] {o.feedback}"[:4000], duration_s=o.seconds)
                 for o in outcomes + bwd_outcomes]
     records += lessons_for_run(run.id, spec, outcomes, succeeded)
@@ -306,7 +311,8 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
     published = publish(out_dir, _name(spec), files, report)
     back = report.get("backward", {})
     return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), published,
-                          run.error, time.perf_counter() - t0, report["status"], back.get("status", "none"),
+                          run.error, time.perf_counter() - t0, ReportStatus(report["status"]),
+                          ReportStatus(back.get("status", ReportStatus.NONE)),
                           back.get("reason", ""))
 
 
@@ -316,28 +322,24 @@ def _stage_text(path: Path, text: str) -> Path:
 
 
 def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: object, built: _Built | None,
-            ref: RankedKernel | None, outcomes: list[AttemptOutcome], options: GenerateOptions) -> dict:
+            ref: str | None, outcomes: list[AttemptOutcome], options: GenerateOptions) -> dict:
     """What this run produced, in words a user reads first: `status` is the truth about the files beside it."""
     if built is None:
-        status = "failed"
-    elif built.verdict == "passed":
-        status = "verified"
+        status = ReportStatus.FAILED
+    elif built.verdict is Verdict.passed:
+        status = ReportStatus.VERIFIED
     else:
-        status = "generated, not verified"
-    report = {"status": status, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
-              "kernel_was_in_kb": existing is not None, "reference_id": ref.id if ref else None,
+        status = ReportStatus.UNVERIFIED
+    report = {"status": status.value, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
+              "kernel_was_in_kb": existing is not None, "reference_id": ref,
               "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),
               "attempts": [o.as_dict() for o in outcomes], "error": run.error or None,
               "designs": {arch: {str(b): [str(d) for d in ds] for b, ds in by.items()}
                           for arch, by in (options.designs or {}).items()}}
     if built is not None:
-        report["verify"] = {"verdict": built.verdict, "detail": built.detail}
+        report["verify"] = {"verdict": built.verdict.value, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)
-        report["cuda"] = {**built.cuda_report,
-                          **(compile_cuda(built.cuda_src, built.files["candidate"].parent, spec.shapes.D,
-                                          spec.shapes.Dv if spec.shapes.value_dim else None,
-                                          arch=built.cuda_report.get("arch", "sm_90"))
-                             if built.cuda_src and options.compile_cuda else {"compiled": False, "status": "not_run"})}
+        report["cuda"] = {**built.cuda_report, **built.cuda_build.as_dict()}
     return report
 
 
@@ -345,12 +347,13 @@ def _backward_report(bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackwa
                      existing: object) -> dict:
     """The report's `backward` section: whether ModelNew is differentiable, and why (not)."""
     if isinstance(bwd, _NoBackward):
-        return {"status": "none", "reason": bwd.reason, "attempts": [o.as_dict() for o in bwd.outcomes]}
+        return {"status": ReportStatus.NONE.value, "reason": bwd.reason, "attempts": [o.as_dict() for o in bwd.outcomes]}
     built, outcomes = bwd
-    return {"status": "verified" if built.verdict == "passed" else "generated, not verified",
+    status = ReportStatus.VERIFIED if built.verdict is Verdict.passed else ReportStatus.UNVERIFIED
+    return {"status": status.value,
             "kernel_id": row.id if row else None, "kernel_was_in_kb": existing is not None,
             "reference_id": built.reference_id, "ir_hash": content_hash(built.program),
-            "verify": {"verdict": built.verdict, "detail": built.detail}, "attempts": [o.as_dict() for o in outcomes]}
+            "verify": {"verdict": built.verdict.value, "detail": built.detail}, "attempts": [o.as_dict() for o in outcomes]}
 
 
 def _backward_row(spec: Spec, built: BackwardBuilt, forward: Kernel) -> Kernel:
@@ -358,17 +361,23 @@ def _backward_row(spec: Spec, built: BackwardBuilt, forward: Kernel) -> Kernel:
     feats = derive_features(built.program, shapes=_shape_dict(spec))
     return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
                   features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
-                  verified=built.verdict == "passed", verify_note=f"verify (with gradients): {built.verdict}; "
+                  verified=built.verdict is Verdict.passed, verify_note=f"verify (with gradients): {built.verdict.value}; "
                   f"forward kernel {forward.id}", spec_hash=spec.source_hash, triton_src=built.module_src, cuda_src="",
                   file=str(spec.path), parent_id=built.reference_id)
 
 
-def _kernel_row(spec: Spec, built: _Built, ref: RankedKernel) -> Kernel:
+def _kernel_row(spec: Spec, built: _Built, ref: str) -> Kernel:
     feats = derive_features(built.program, shapes=_shape_dict(spec))
     return Kernel(name=built.program.name, family="generated", origin="generated", ir_text=print_program(built.program),
                   features_json=feats.to_json(), arch="any", dtype=spec.shapes.dtype, head_dim=spec.shapes.D,
-                  verified=built.verdict == "passed", verify_note=f"verify: {built.verdict}", spec_hash=spec.source_hash,
-                  triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref.id)
+                  verified=built.verdict is Verdict.passed, verify_note=_verify_note(built), spec_hash=spec.source_hash,
+                  triton_src=built.triton_src, cuda_src=built.cuda_src or "", file=str(spec.path), parent_id=ref)
+
+
+def _verify_note(built: _Built) -> str:
+    """`verify: passed`, and what nvcc said when there is a `.cu` (`compile_cuda: ok`)."""
+    note = f"{Stage.VERIFY.value}: {built.verdict.value}"
+    return f"{note}; {Stage.COMPILE_CUDA.value}: {built.cuda_build.status}" if built.cuda_src else note
 
 
 def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path) -> _Built | Failure:
@@ -378,18 +387,18 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     try:
         triton_src = lower_program(program, designs=options.designs)
     except KBError as err:
-        return Stage.LOWER, "compile_error", str(err)
+        return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     cuda = choose_cuda(program, options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, []))
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
         cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
     except KBError as err:
-        return Stage.LOWER, "compile_error", str(err)
-    verdict, detail = "not_run", "kernel verification skipped (--no-verify)"
+        return Failure(Stage.LOWER, Verdict.compile_error, str(err))
+    verdict, detail = Verdict.not_run, "kernel verification skipped (--no-verify)"
     if options.verify_kernel:
         verdict, detail = _verify(spec, cand.candidate, options)
-        if verdict != "passed":
-            return Stage.VERIFY, verdict, detail
+        if verdict is not Verdict.passed:
+            return Failure(Stage.VERIFY, verdict, detail)
     files = {"candidate": cand.candidate, "triton": cand.triton, **({"aux": cand.aux} if cand.aux else {})}
     return _Built(program, triton_src, cuda.source if cuda else None, files, verdict, detail,
                   cuda.report if cuda else {})
@@ -398,24 +407,6 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
 def _shape_dict(spec: Spec) -> dict[str, int]:
     s = spec.shapes
     return {"B": s.B, "Hq": s.Hq, "Hkv": s.Hkv, "M": s.M, "N": s.N, "D": s.D}
-
-
-def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None, *,
-                 arch: str = "sm_90") -> dict:
-    """Compile the CUDA source with nvcc (object only: no GPU here) for the spec's head dims (`head_dim_v`: a
-    value head dim of its own); a typed summary for the report."""
-    from kb.lower.cuda_build import BuildMode, build
-
-    defines = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
-    if head_dim_v is not None:
-        defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)
-    try:
-        res = build(source, out_dir / "cuda-build", BuildMode.OBJECT, name="kernel", opt="-O1", arch=arch,
-                    defines=defines, timeout_s=300)
-    except KBError as err:  # no nvcc on this machine
-        return {"compiled": False, "status": "not_run", "log": str(err)}
-    return {"compiled": res.ok, "status": res.status.value, "seconds": round(res.seconds, 1),
-            "command": " ".join(res.command), "log": res.log[-2000:]}
 
 
 def resolve_target(target: str, default: str) -> str:
@@ -454,16 +445,16 @@ def _budget_spent(outcomes: list[AttemptOutcome], options: GenerateOptions) -> l
     return outcomes[:-1] + [replace(outcomes[-1], feedback=outcomes[-1].feedback + note)]
 
 
-def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: bool = False) -> tuple[str, str]:
+def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: bool = False) -> tuple[Verdict, str]:
     from verify import VerifyOptions, verify
 
     left = _budget_left(options)
     if left <= 0:
-        return "timeout", f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
+        return Verdict.timeout, f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
                                                      max_cases=options.verify_max_cases, determinism=True, timeout_s=left,
                                                      backward=backward))
-    return res.verdict.value, _verify_detail(res)
+    return res.verdict, _verify_detail(res)
 
 
 def _verify_detail(res) -> str:  # noqa: ANN001 - verify.VerifyResult

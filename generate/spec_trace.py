@@ -16,7 +16,10 @@ and interprets the graph abstractly:
   such a spec may reshape the attention output into its own layout.
 
 `trace_mod(fn, params, ...)` traces a FlexAttention-style score_mod/mask_mod the same way.
-Unsupported constructs raise `KBError` naming the aten op and the spec source line.
+Unsupported constructs raise `KBError` naming the aten op and the spec source line. The ops read on the
+score/mask side are a registry, `SCORE_OPS` (aten op -> handler, added with `@_score_op(...)`); an op
+missing there is refused with the list of those supported; `supported_ops()` lists every op tracing
+reads, for docs/specs.md.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from kb.ir.algebra import simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
-__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name"]
+__all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
+           "SCORE_OPS", "supported_ops"]
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +133,9 @@ def _where(node: torch.fx.Node, source: str | None) -> str:
     return f"at {f}:{line}: {code.strip()}"
 
 
-def _err(node: torch.fx.Node, st: _State, msg: str) -> KBError:
-    return KBError(f"{msg} (aten op {_op_name(node)}, {_where(node, st.source)})",
-                   hint="see docs/specs.md for the supported attention patterns")
+def _err(node: torch.fx.Node, st: _State, msg: str,
+         hint: str = "see docs/specs.md for the supported attention patterns") -> KBError:
+    return KBError(f"{msg} (aten op {_op_name(node)}, {_where(node, st.source)})", hint=hint)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -465,7 +469,221 @@ def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
     return replace(x, dtype=dtype)
 
 
-def _embedding(node: torch.fx.Node, args: list[Any], st: _State) -> Sym:
+# ---------------------------------------------------------------- the registry of score/mask ops
+
+ScoreOp = Callable[[str, torch.fx.Node, list[Any], dict[str, Any], _State], Sym]  # (aten op, node, args, kwargs, state)
+SCORE_OPS: dict[str, ScoreOp] = {}  # aten op name (overload packet) -> its handler on the score/mask side
+
+
+def _score_op(*names: str) -> Callable[[ScoreOp], ScoreOp]:
+    """Register the decorated handler for the aten ops `names`."""
+
+    def register(fn: ScoreOp) -> ScoreOp:
+        for name in names:
+            assert name not in SCORE_OPS, f"two handlers for aten op {name}"
+            SCORE_OPS[name] = fn
+        return fn
+
+    return register
+
+
+def supported_ops() -> dict[str, tuple[str, ...]]:
+    """The aten ops tracing reads, by where they may appear (docs/specs.md lists them; a test keeps the two equal)."""
+    return {"score and mask": tuple(sorted(SCORE_OPS)), "q, k, v": tuple(sorted(_LAYOUT | {"index"})),
+            "attention": tuple(sorted(_ATTENTION_OPS))}
+
+
+_REFUSED = {"empty": "uninitialised tensor (torch.empty)"}  # ops named with a reason of their own
+
+
+def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    if pk in _REFUSED:
+        raise _err(node, st, _REFUSED[pk])
+    handler = SCORE_OPS.get(pk)
+    if handler is None:
+        raise _unsupported(node, st)
+    return handler(pk, node, args, kw, st)
+
+
+def _unsupported(node: torch.fx.Node, st: _State) -> KBError:
+    return _err(node, st, "unsupported op in the score/mask computation",
+                hint=f"supported there: {', '.join(sorted(SCORE_OPS))}; see docs/specs.md for the supported attention patterns")
+
+
+def _out_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    return tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
+
+
+@_score_op(*_IDENTITY)
+def _identity(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return _sym(args[0], node, st)
+
+
+@_score_op(*_CASTS)
+def _cast_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return _cast(_sym(args[0], node, st), _dtype_of(node), node, st)
+
+
+@_score_op(*_BIN)
+def _binary(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    dt = _dtype_of(node)
+    if pk == "div" and kw.get("rounding_mode") == "floor":
+        return S.binary(ExprOp.FLOORDIV, _sym(args[0], node, st), _sym(args[1], node, st), dt)
+    if pk == "div" and kw.get("rounding_mode") == "trunc":
+        raise _err(node, st, "truncating division")
+    a, b = _sym(args[0], node, st), _sym(args[1], node, st)
+    if pk == "rsub":
+        a, b = b, a
+    alpha = kw.get("alpha", args[2] if len(args) > 2 else 1)
+    if pk in ("add", "sub", "rsub") and alpha != 1:
+        b = S.binary(ExprOp.MUL, b, S.scalar_sym(alpha))
+    return S.binary(_BIN[pk], a, b, dt)
+
+
+@_score_op("pow")
+def _pow(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    dt = _dtype_of(node)
+    a, b = args[0], args[1]
+    if isinstance(b, (int, float)) and b in (2, 0.5, -0.5):
+        x = _sym(a, node, st)
+        if b == 2:
+            return S.binary(ExprOp.MUL, x, x, dt)
+        r = S.unary(ExprOp.SQRT, x, dt)
+        return r if b == 0.5 else S.binary(ExprOp.DIV, S.scalar_sym(1.0), r, dt)
+    if isinstance(a, (int, float)) and a == 2:
+        return S.unary(ExprOp.EXP2, _sym(b, node, st), dt)
+    raise _err(node, st, "power other than x**2, x**0.5, 2**x")
+
+
+@_score_op("rsqrt")
+def _rsqrt(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.binary(ExprOp.DIV, S.scalar_sym(1.0), S.unary(ExprOp.SQRT, _sym(args[0], node, st)), _dtype_of(node))
+
+
+@_score_op(*_UN)
+def _unary(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.unary(_UN[pk], _sym(args[0], node, st), _dtype_of(node))
+
+
+@_score_op("min", "max")
+def _min_max(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    if len(args) != 2 or not isinstance(args[1], Sym):
+        raise _err(node, st, f"torch.{pk} as a reduction (only the elementwise torch.{pk}(a, b) of two tensors)")
+    return S.binary(ExprOp.MINIMUM if pk == "min" else ExprOp.MAXIMUM, args[0], args[1], _dtype_of(node))
+
+
+@_score_op("where", "masked_fill")
+def _where_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    if pk == "where":
+        c, x, y = (_sym(a, node, st) for a in args)
+    else:
+        y, c, x = (_sym(a, node, st) for a in args)
+    return S.where(c, x, y, _dtype_of(node))
+
+
+@_score_op("clamp")
+def _clamp(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    dt = _dtype_of(node)
+    x = _sym(args[0], node, st)
+    lo = args[1] if len(args) > 1 else kw.get("min")
+    hi = args[2] if len(args) > 2 else kw.get("max")
+    if lo is not None:
+        x = S.binary(ExprOp.MAXIMUM, x, _sym(lo, node, st), dt)
+    if hi is not None:
+        x = S.binary(ExprOp.MINIMUM, x, _sym(hi, node, st), dt)
+    return x
+
+
+@_score_op("view", "reshape", "_unsafe_view")
+def _view(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.view(_sym(args[0], node, st), args[1])
+
+
+@_score_op("flatten")
+def _flatten(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    shape = _out_shape(node)
+    if shape is None:
+        raise _unsupported(node, st)
+    return S.view(_sym(args[0], node, st), shape)
+
+
+@_score_op("unsqueeze")
+def _unsqueeze(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.unsqueeze(_sym(args[0], node, st), args[1])
+
+
+@_score_op("squeeze")
+def _squeeze(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    dims = args[1] if len(args) > 1 else None
+    return S.squeeze(_sym(args[0], node, st), [dims] if isinstance(dims, int) else dims)
+
+
+@_score_op("expand")
+def _expand(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.expand(_sym(args[0], node, st), args[1])
+
+
+@_score_op("permute", "transpose", "t", "mT")
+def _permute(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    n = len(x.shape)
+    if pk == "permute":
+        perm = list(args[1])
+    else:
+        a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (n - 2, n - 1) if pk == "mT" else (0, 1)
+        perm = list(range(n))
+        perm[a], perm[b] = perm[b], perm[a]
+    return S.permute(x, perm)
+
+
+@_score_op("slice")
+def _slice(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    dim = args[1] if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    return S.slice_(x, dim, start, end if end is None or end < 2**62 else None, step)
+
+
+@_score_op("select")
+def _select(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.select(_sym(args[0], node, st), args[1], args[2])
+
+
+@_score_op("index")
+def _index(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    return S.index(_sym(args[0], node, st), [None if i is None else _sym(i, node, st) for i in args[1]])
+
+
+@_score_op("tril", "triu")
+def _tril(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    diag = args[1] if len(args) > 1 else kw.get("diagonal", 0)
+    return S.tril(x, diag) if pk == "tril" else S.triu(x, diag)
+
+
+@_score_op("arange")
+def _arange(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
+    return S.arange(start, end, step, _dtype_of(node))
+
+
+@_score_op("ones", "zeros", "full", "scalar_tensor")
+def _full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    value = {"ones": 1, "zeros": 0}.get(pk, args[1] if pk == "full" else args[0])
+    return S.full(_out_shape(node) or (), value, _dtype_of(node))
+
+
+@_score_op("ones_like", "zeros_like", "full_like")
+def _full_like(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
+    return S.full(_out_shape(node) or (), value, _dtype_of(node))
+
+
+@_score_op("embedding")
+def _embedding(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`F.embedding(indices, weight)` / `nn.Embedding(...)(indices)`: rows of a [num, dim] table, `weight[indices, :]`
     (aten's argument order is (weight, indices, ...); padding_idx only changes the gradient)."""
     weight, ix = _sym(args[0], node, st), _sym(args[1], node, st)
@@ -476,115 +694,8 @@ def _embedding(node: torch.fx.Node, args: list[Any], st: _State) -> Sym:
     return S.index(weight, [ix, None], wrap=False)
 
 
-def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
-    dt = _dtype_of(node)
-    shape = tuple(node.meta["val"].shape) if isinstance(node.meta.get("val"), torch.Tensor) else None
-    if pk in _IDENTITY:
-        return _sym(args[0], node, st)
-    if pk in _CASTS:
-        return _cast(_sym(args[0], node, st), dt, node, st)
-    if pk == "div" and kw.get("rounding_mode") == "floor":
-        return S.binary(ExprOp.FLOORDIV, _sym(args[0], node, st), _sym(args[1], node, st), dt)
-    if pk == "div" and kw.get("rounding_mode") == "trunc":
-        raise _err(node, st, "truncating division")
-    if pk in _BIN:
-        a, b = _sym(args[0], node, st), _sym(args[1], node, st)
-        if pk == "rsub":
-            a, b = b, a
-        alpha = kw.get("alpha", args[2] if len(args) > 2 else 1)
-        if pk in ("add", "sub", "rsub") and alpha != 1:
-            b = S.binary(ExprOp.MUL, b, S.scalar_sym(alpha))
-        return S.binary(_BIN[pk], a, b, dt)
-    if pk == "pow":
-        a, b = args[0], args[1]
-        if isinstance(b, (int, float)) and b in (2, 0.5, -0.5):
-            x = _sym(a, node, st)
-            if b == 2:
-                return S.binary(ExprOp.MUL, x, x, dt)
-            r = S.unary(ExprOp.SQRT, x, dt)
-            return r if b == 0.5 else S.binary(ExprOp.DIV, S.scalar_sym(1.0), r, dt)
-        if isinstance(a, (int, float)) and a == 2:
-            return S.unary(ExprOp.EXP2, _sym(b, node, st), dt)
-        raise _err(node, st, "power other than x**2, x**0.5, 2**x")
-    if pk == "rsqrt":
-        return S.binary(ExprOp.DIV, S.scalar_sym(1.0), S.unary(ExprOp.SQRT, _sym(args[0], node, st)), dt)
-    if pk in _UN:
-        return S.unary(_UN[pk], _sym(args[0], node, st), dt)
-    if pk in ("min", "max"):
-        if len(args) != 2 or not isinstance(args[1], Sym):
-            raise _err(node, st, f"torch.{pk} as a reduction (only the elementwise torch.{pk}(a, b) of two tensors)")
-        return S.binary(ExprOp.MINIMUM if pk == "min" else ExprOp.MAXIMUM, args[0], args[1], dt)
-    if pk in ("where", "masked_fill"):
-        if pk == "where":
-            c, x, y = (_sym(a, node, st) for a in args)
-        else:
-            y, c, x = (_sym(a, node, st) for a in args)
-        return S.where(c, x, y, dt)
-    if pk == "clamp":
-        x = _sym(args[0], node, st)
-        lo = args[1] if len(args) > 1 else kw.get("min")
-        hi = args[2] if len(args) > 2 else kw.get("max")
-        if lo is not None:
-            x = S.binary(ExprOp.MAXIMUM, x, _sym(lo, node, st), dt)
-        if hi is not None:
-            x = S.binary(ExprOp.MINIMUM, x, _sym(hi, node, st), dt)
-        return x
-    if pk in ("view", "reshape", "_unsafe_view"):
-        return S.view(_sym(args[0], node, st), args[1])
-    if pk == "flatten" and shape is not None:
-        return S.view(_sym(args[0], node, st), shape)
-    if pk == "unsqueeze":
-        return S.unsqueeze(_sym(args[0], node, st), args[1])
-    if pk == "squeeze":
-        dims = args[1] if len(args) > 1 else None
-        return S.squeeze(_sym(args[0], node, st), [dims] if isinstance(dims, int) else dims)
-    if pk == "expand":
-        return S.expand(_sym(args[0], node, st), args[1])
-    if pk in ("permute", "transpose", "t", "mT"):
-        x = _sym(args[0], node, st)
-        n = len(x.shape)
-        if pk == "permute":
-            perm = list(args[1])
-        else:
-            a, b = (args[1] % n, args[2] % n) if pk == "transpose" else (n - 2, n - 1) if pk == "mT" else (0, 1)
-            perm = list(range(n))
-            perm[a], perm[b] = perm[b], perm[a]
-        return S.permute(x, perm)
-    if pk == "slice":
-        x = _sym(args[0], node, st)
-        dim = args[1] if len(args) > 1 else 0
-        start = args[2] if len(args) > 2 else None
-        end = args[3] if len(args) > 3 else None
-        step = args[4] if len(args) > 4 else 1
-        return S.slice_(x, dim, start, end if end is None or end < 2**62 else None, step)
-    if pk == "select":
-        return S.select(_sym(args[0], node, st), args[1], args[2])
-    if pk == "index":
-        return S.index(_sym(args[0], node, st), [None if i is None else _sym(i, node, st) for i in args[1]])
-    if pk in ("tril", "triu"):
-        x = _sym(args[0], node, st)
-        diag = args[1] if len(args) > 1 else kw.get("diagonal", 0)
-        return S.tril(x, diag) if pk == "tril" else S.triu(x, diag)
-    if pk == "arange":
-        nums = [a for a in args if isinstance(a, (int, float))]
-        start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
-        return S.arange(start, end, step, dt)
-    if pk in ("ones", "zeros", "full", "scalar_tensor", "empty"):
-        if pk == "empty":
-            raise _err(node, st, "uninitialised tensor (torch.empty)")
-        value = {"ones": 1, "zeros": 0}.get(pk, args[1] if pk == "full" else args[0])
-        return S.full(shape or (), value, dt)
-    if pk in ("ones_like", "zeros_like", "full_like"):
-        value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
-        return S.full(shape or (), value, dt)
-    if pk == "searchsorted":
-        return _searchsorted(node, args, kw, st)
-    if pk == "embedding":
-        return _embedding(node, args, st)
-    raise _err(node, st, "unsupported op in the score/mask computation")
-
-
-def _searchsorted(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+@_score_op("searchsorted")
+def _searchsorted(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`torch.searchsorted(offsets, arange(S), right=...)`: per-position ids from a 1-D forward input (document
     ids from cu_seqlens). The kernel reads them as a derived aux tensor that the candidate computes from the
     offsets before each launch (one small op; the block table is then built once per id tensor)."""
@@ -820,6 +931,25 @@ def aux_name(key: str) -> str:
     return re.sub(r"\W", "_", key)
 
 
+def tensor_namer(named: list[tuple[str, torch.Tensor]]) -> NameOf:
+    """Find a captured tensor's name by identity, else by storage (views of a buffer)."""
+
+    def name_of(t: torch.Tensor) -> str | None:
+        for n, x in named:
+            if x is t:
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() and x.shape == t.shape \
+                    and x.stride() == t.stride() and x.storage_offset() == t.storage_offset():
+                return n
+        for n, x in named:
+            if x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                return n
+        return None
+
+    return name_of
+
+
 def _runtime_leaf(name: str, t: torch.Tensor, st: _State) -> Sym:
     """A tensor the kernel reads at run time: a load, never a constant. A 0-dim tensor is read
     as `name[0]` of a [1]-shaped aux tensor (the candidate passes `x.reshape(1)`)."""
@@ -889,19 +1019,8 @@ def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
     if node.target is operator.getitem:
         return args[0][args[1]]
     first = args[0] if args else None
-    if pk in ("matmul", "bmm"):
-        return _matmul(node, args[0], args[1], st)
-    if pk == "einsum":
-        return _einsum(node, args[0], list(args[1]), st)
-    if pk == "scaled_dot_product_attention":
-        return _sdpa(node, args, kw, st)
-    if pk in ("softmax", "_softmax", "_safe_softmax"):
-        return _softmax(node, args, st)
-    if pk in ("dropout", "native_dropout", "feature_dropout"):
-        p, train = args[1], args[2] if len(args) > 2 else kw.get("train", True)
-        if train and p > 0:
-            raise _err(node, st, f"dropout(p={p}) in training mode (call model.eval() or drop it)")
-        return (first, None) if pk == "native_dropout" else first
+    if pk in _ATTENTION_OPS:
+        return _ATTENTION_OPS[pk](pk, node, args, kw, st)
     if isinstance(first, Operand):
         return _operand_op(pk, node, first, args, st)
     if pk in ("mul", "div") and len(args) > 1 and isinstance(args[1], Operand):
@@ -993,6 +1112,24 @@ def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
     st.logits = sc
     st.softmax_node = node
     return _finish(node, _Probs(), v, st)
+
+
+def _dropout(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Any:
+    p, train = args[1], args[2] if len(args) > 2 else kw.get("train", True)
+    if train and p > 0:
+        raise _err(node, st, f"dropout(p={p}) in training mode (call model.eval() or drop it)")
+    return (args[0], None) if pk == "native_dropout" else args[0]
+
+
+# the attention's own ops, whatever their operands: the two products, softmax, (eval-mode) dropout
+_ATTENTION_OPS: dict[str, Callable[[str, torch.fx.Node, list[Any], dict[str, Any], _State], Any]] = {
+    "matmul": lambda pk, node, args, kw, st: _matmul(node, args[0], args[1], st),
+    "bmm": lambda pk, node, args, kw, st: _matmul(node, args[0], args[1], st),
+    "einsum": lambda pk, node, args, kw, st: _einsum(node, args[0], list(args[1]), st),
+    "scaled_dot_product_attention": lambda pk, node, args, kw, st: _sdpa(node, args, kw, st),
+    **dict.fromkeys(("softmax", "_softmax", "_safe_softmax"), lambda pk, node, args, kw, st: _softmax(node, args, st)),
+    **dict.fromkeys(("dropout", "native_dropout", "feature_dropout"), _dropout),
+}
 
 
 def trace_attention(

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from generate.attempts import AttemptOutcome, Cause, Stage
+from generate.attempts import AttemptOutcome, Cause
 from generate.lessons import lessons_for_run
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
+from generate.stages import Stage
 from kb.store import open_kb
 from kb.store.models import Attempt, Lesson
 from tests.support.repo import REPO
+from verify.result import Verdict
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -48,7 +50,7 @@ def test_spec_error_writes_no_lesson(ingested_kb, tmp_path: Path) -> None:
 
 
 def _outcome(n: int, strategy: str, verdict: str, feedback: str = "", cause: Cause = Cause.KERNEL) -> AttemptOutcome:
-    return AttemptOutcome(n, "k-ref", strategy, Stage.VERIFY, verdict, feedback, 1.0, "", cause)
+    return AttemptOutcome(n, "k-ref", strategy, Stage.VERIFY, Verdict(verdict), feedback, 1.0, "", cause)
 
 
 def test_only_kernel_failures_become_lessons() -> None:

@@ -1,7 +1,7 @@
 """The LLM transfer engine, driven over real HTTP through a fake OpenAI-compatible server:
 a good answer passes at once; parse, validation and numeric failures go back as feedback in the
 same conversation and a fixed answer then passes; attempts are bounded; server errors, timeouts,
-refused connections and missing settings are KBErrors that say what to set."""
+refused connections and missing settings say what to set."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import openai
 import pytest
 import torch
 
-from generate.llm import LLMEngine, LLMServiceError, Stage, extract_ir
+from generate.attempts import AttemptOutcome, Candidate, Cause
+from generate.llm import LLMEngine, extract_ir
 from generate.prompts import GRAMMAR, MAX_SNIPPETS, SYSTEM_PROMPT, snippet_text, spec_summary, user_prompt
+from generate.stages import Stage
 from kb.errors import KBError
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program
@@ -26,6 +29,7 @@ from tests.support.attn_reference import reference_attention
 from tests.support.fake_llm_server import FakeLLMServer, delayed, http_error
 from tests.support.fixtures_llm import fake_llm, llm_settings  # noqa: F401 - pytest fixtures
 from tests.support.ir_programs import alibi, causal, plain, sliding_window
+from verify.result import Verdict
 
 REPO = Path(__file__).resolve().parents[1]
 SUMMARY = "variant slots:\n  mask_mod(b, h, q_idx, kv_idx) = q_idx >= kv_idx\nshapes: B=1 Hq=2 Hkv=1 M=20 N=20 D=8"
@@ -33,12 +37,15 @@ SNIPPETS = ["[mask] causal mask (from flash-attn==2.8.3 mask.h:10-20)\n"
             "```kbir\nmask s at (b, h, m_start, n_start) mask_mod\n```"]
 LESSONS = ["causal masks: bound the KV loop by minimum(N, m_start + BLOCK_M)"]
 
+Check = Callable[[Program], "str | None"]  # None = the program passed; else the failure text
+Round = tuple[Candidate, AttemptOutcome]
+
 
 def fenced(p: Program, chatter: str = "Here is the program.") -> str:
     return f"{chatter}\n\n```kbir\n{print_program(p)}```\nDone."
 
 
-def numeric_check(target: Program, seed: int = 0):
+def numeric_check(target: Program, seed: int = 0) -> Check:
     """The caller's check: interpret the candidate and compare with dense attention for `target`."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, 2, 20, 8, generator=g)  # [B, Hq, M, D]; GQA 2:1, ragged vs BLOCK 16
@@ -53,6 +60,32 @@ def numeric_check(target: Program, seed: int = 0):
     return check
 
 
+def run(engine: LLMEngine, check: Check, summary: str = SUMMARY, reference: str = "", snippets: list[str] = [],  # noqa: B006
+        lessons: list[str] = [], max_attempts: int | None = None) -> list[Round]:  # noqa: B006
+    """The pipeline's part reduced to `check` (the IR check): judge each candidate, send its outcome back."""
+    proposals = engine.candidates(summary, reference, snippets, lessons, "k-ref", max_attempts=max_attempts)
+    rounds: list[Round] = []
+    while not rounds or not rounds[-1][1].passed:
+        try:
+            cand = next(proposals) if not rounds else proposals.send(rounds[-1][1])
+        except StopIteration:
+            break
+        if cand.failure is not None:
+            f = cand.failure
+            stage, verdict, detail, cause = f.stage, f.verdict, f.detail, f.cause
+        else:
+            assert cand.program is not None and cand.untrusted
+            try:
+                problem = check(cand.program)
+                verdict = Verdict.numeric_mismatch if problem else Verdict.passed
+            except Exception as err:  # noqa: BLE001 - what an untrusted program raises is its failure, as in the pipeline
+                problem, verdict = f"running the program raised {type(err).__name__}: {err}", Verdict.runtime_error
+            stage, detail, cause = Stage.IR_CHECK, problem or "", Cause.KERNEL
+        rounds.append((cand, AttemptOutcome(len(rounds) + 1, cand.reference_id, cand.strategy, stage, verdict, detail,
+                                            cand.seconds, cand.ir_text, cause)))
+    return rounds
+
+
 def last_user(request: dict) -> str:
     return request["messages"][-1]["content"]
 
@@ -62,11 +95,11 @@ def last_user(request: dict) -> str:
 
 def test_good_answer_passes_at_first_attempt(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(fenced(causal()))
-    result = LLMEngine(llm_settings).transfer(SUMMARY, print_program(plain()), SNIPPETS, LESSONS, numeric_check(causal()))
-    assert result.ok and result.program == causal()
-    assert [(a.n, a.stage, a.error) for a in result.attempts] == [(1, Stage.PASSED, None)]
-    assert result.ir_text == print_program(causal()).rstrip("\n")
-    assert result.tokens > 0 and result.model == "fake-model"
+    rounds = run(LLMEngine(llm_settings), numeric_check(causal()), reference=print_program(plain()), snippets=SNIPPETS,
+                 lessons=LESSONS)
+    ((cand, outcome),) = rounds
+    assert outcome.passed and cand.program == causal() and cand.strategy == "llm" and cand.reference_id == "k-ref"
+    assert cand.ir_text == print_program(causal()).rstrip("\n")
     (req,) = fake_llm.requests
     assert req["model"] == "fake-model" and req["temperature"] == 0.0
     assert [m["role"] for m in req["messages"]] == ["system", "user"]
@@ -78,56 +111,53 @@ def test_good_answer_passes_at_first_attempt(fake_llm: FakeLLMServer, llm_settin
 def test_unparsable_answer_gets_parse_error_as_feedback(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     bad = "```kbir\nprogram causal\nparam q: [B, Hq, M, D] f32 sideways\n```"
     fake_llm.script(bad, fenced(causal()))
-    result = LLMEngine(llm_settings).transfer(SUMMARY, print_program(plain()), [], [], numeric_check(causal()))
-    assert result.ok and result.program == causal()
-    first, second = result.attempts
-    assert first.stage is Stage.PARSE and first.error.startswith("line 2, column")
-    assert second.stage is Stage.PASSED
+    (first, _), (second, passed) = run(LLMEngine(llm_settings), numeric_check(causal()), reference=print_program(plain()))
+    assert passed.passed and second.program == causal()
+    assert first.program is None and first.failure.stage is Stage.TRANSFER
+    assert first.failure.verdict is Verdict.compile_error and first.failure.detail.startswith("line 2, column")
     req1, req2 = fake_llm.requests
     # conversation history kept: system, user, the bad answer, the feedback
     assert [m["role"] for m in req2["messages"]] == ["system", "user", "assistant", "user"]
     assert req2["messages"][:2] == req1["messages"] and req2["messages"][2]["content"] == bad
-    assert "[parse error]" in last_user(req2) and first.error in last_user(req2)
+    assert "[parse error]" in last_user(req2) and first.failure.detail in last_user(req2)
 
 
 def test_invalid_program_gets_validation_problems_as_feedback(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     broken = print_program(causal()).replace("store o[", "store oo[")  # parses, but o is never stored
     fake_llm.script(f"```kbir\n{broken}```", fenced(causal()))
-    result = LLMEngine(llm_settings).transfer(SUMMARY, print_program(plain()), [], [], numeric_check(causal()))
-    assert result.ok
-    assert result.attempts[0].stage is Stage.VALIDATE and "'oo'" in result.attempts[0].error
+    (first, _), (_, passed) = run(LLMEngine(llm_settings), numeric_check(causal()), reference=print_program(plain()))
+    assert passed.passed
+    assert first.failure.stage is Stage.TRANSFER and "'oo'" in first.failure.detail
     assert "[validate error]" in last_user(fake_llm.requests[1]) and "'oo'" in last_user(fake_llm.requests[1])
 
 
 def test_numerically_wrong_program_then_fixed(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(fenced(plain(), "The causal mask is not needed."), fenced(causal(), "Added the causal mask."))
-    result = LLMEngine(llm_settings).transfer(SUMMARY, print_program(plain()), SNIPPETS, LESSONS, numeric_check(causal()))
-    assert result.ok and result.program == causal()
-    wrong = result.attempts[0]
-    assert wrong.stage is Stage.CHECK and wrong.error.startswith("numeric mismatch")
-    assert wrong.raw_answer.startswith("The causal mask is not needed.")
+    (_, wrong), (second, passed) = run(LLMEngine(llm_settings), numeric_check(causal()),
+                                       reference=print_program(plain()), snippets=SNIPPETS, lessons=LESSONS)
+    assert passed.passed and second.program == causal()
+    assert wrong.stage is Stage.IR_CHECK and wrong.feedback.startswith("numeric mismatch")
+    assert fake_llm.requests[1]["messages"][2]["content"].startswith("The causal mask is not needed.")
     assert "[check error] numeric mismatch" in last_user(fake_llm.requests[1])
+
+
+def test_a_later_stage_failure_is_named_in_the_feedback(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
+    fake_llm.script(fenced(causal()), fenced(causal()))
+    proposals = LLMEngine(llm_settings).candidates(SUMMARY, "", [], [], "k-ref")
+    cand = next(proposals)
+    lowered = AttemptOutcome(1, "k-ref", "llm", Stage.LOWER, Verdict.compile_error, "no lowering for it", 0.1,
+                             cand.ir_text)
+    proposals.send(lowered)
+    assert "[check error] lower failed (compile_error): no lowering for it" in last_user(fake_llm.requests[1])
 
 
 def test_attempts_are_bounded(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(*[fenced(plain())] * 3, fenced(causal()))  # the fix would come too late
-    result = LLMEngine(replace(llm_settings, llm_max_attempts=2)).transfer(
-        SUMMARY, print_program(plain()), [], [], numeric_check(causal()))
-    assert not result.ok and result.program is None and result.ir_text is None
-    assert [a.stage for a in result.attempts] == [Stage.CHECK, Stage.CHECK]
+    rounds = run(LLMEngine(replace(llm_settings, llm_max_attempts=2)), numeric_check(causal()))
+    assert [o.stage for _, o in rounds] == [Stage.IR_CHECK, Stage.IR_CHECK] and not rounds[-1][1].passed
     assert len(fake_llm.requests) == 2 and fake_llm.pending == 2
     # the conversation grows by (answer, feedback) per failed attempt
     assert [len(r["messages"]) for r in fake_llm.requests] == [2, 4]
-
-
-def test_check_that_raises_is_a_failed_attempt(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
-    def check(p: Program) -> str | None:
-        raise RuntimeError("shape mismatch in dot")
-
-    fake_llm.script(fenced(causal()))
-    result = LLMEngine(replace(llm_settings, llm_max_attempts=1)).transfer(SUMMARY, "", [], [], check)
-    assert not result.ok and result.attempts[0].stage is Stage.CHECK
-    assert "RuntimeError: shape mismatch in dot" in result.attempts[0].error
 
 
 def test_propose_extracts_ir_and_sends_feedback(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
@@ -141,22 +171,21 @@ def test_propose_extracts_ir_and_sends_feedback(fake_llm: FakeLLMServer, llm_set
 # ---------------------------------------------------------------- service failures
 
 
-def test_server_error_is_a_clear_kberror(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
+def test_server_error_ends_the_proposals_with_what_to_check(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(fenced(plain()), http_error(500, "model crashed"))
-    with pytest.raises(LLMServiceError) as info:
-        LLMEngine(llm_settings).transfer(SUMMARY, "", [], [], numeric_check(causal()))
-    msg = str(info.value)
-    assert isinstance(info.value, KBError)
+    (first, wrong), (last, _) = run(LLMEngine(llm_settings), numeric_check(causal()))
+    assert wrong.stage is Stage.IR_CHECK  # the answer before the failure is kept for the run record
+    msg = last.failure.detail
+    assert last.program is None and last.failure.cause is Cause.ENVIRONMENT and last.failure.verdict is Verdict.runtime_error
     assert "HTTP 500" in msg and "model crashed" in msg and fake_llm.base_url in msg
-    assert len(info.value.attempts) == 1 and info.value.attempts[0].stage is Stage.CHECK  # kept for the run record
 
 
-def test_timeout_is_a_clear_kberror(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
+def test_timeout_says_what_to_raise(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(delayed(3.0, fenced(causal())))
     engine = LLMEngine(replace(llm_settings, llm_timeout_s=1.0))
     t0 = time.perf_counter()
-    with pytest.raises(KBError, match=r"did not answer within 1 s; raise KB_LLM_TIMEOUT_S"):
-        engine.transfer(SUMMARY, "", [], [], numeric_check(causal()))
+    ((cand, _),) = run(engine, numeric_check(causal()))
+    assert re.search(r"did not answer within 1 s; raise KB_LLM_TIMEOUT_S", cand.failure.detail)
     assert time.perf_counter() - t0 < 2.5  # max_retries=0: one request, cut at the timeout
 
 
@@ -271,9 +300,11 @@ def test_transfer_for_a_real_spec_checked_against_its_own_reference(
 
     fixed = print_program(alibi()).replace("slopes", "SLOPES")
     fake_llm.script(fenced(causal(), "Kept the causal mask."), f"```kbir\n{fixed}```")
-    result = LLMEngine(llm_settings).transfer(spec_summary(spec), print_program(causal()), [], [], check)
-    assert result.ok and result.program.score_mod is not None
-    assert [a.stage for a in result.attempts] == [Stage.CHECK, Stage.PASSED]
+    rounds = run(LLMEngine(llm_settings), check, spec_summary(spec), print_program(causal()))
+    assert rounds[-1][0].program.score_mod is not None
+    assert [(o.stage, o.verdict) for _, o in rounds] == [(Stage.IR_CHECK, Verdict.runtime_error),  # SLOPES unused
+                                                          (Stage.IR_CHECK, Verdict.passed)]
+    assert "[check error] running the program raised KBError" in last_user(fake_llm.requests[1])
     first_user = fake_llm.requests[0]["messages"][1]["content"]
     assert "score + SLOPES[h] * (kv_idx - q_idx)" in first_user and "param SLOPES: [8] f32 aux" in first_user
 

@@ -67,6 +67,28 @@ def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: P
     assert llm_kb.get(r.kernel_id).parent_id
 
 
+def test_what_an_llm_program_raises_is_a_failed_attempt(llm_kb, fake_llm, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    import generate.pipeline as pipeline
+
+    good, _ = _programs(llm_kb)
+    real, calls = pipeline.check_program, []
+
+    def breaks_once(program, spec):  # noqa: ANN001, ANN202 - the interpreter failing on an untrusted program
+        calls.append(program)
+        if len(calls) == 1:
+            raise RuntimeError("shape mismatch in dot")
+        return real(program, spec)
+
+    monkeypatch.setattr(pipeline, "check_program", breaks_once)
+    fake_llm.script(answer(f"```kbir\n{good}\n```"), answer(f"```kbir\n{good}\n```"))
+    r = generate(llm_kb, SPEC, GenerateOptions(engine="llm", out_dir=tmp_path / "out", **QUICK))
+    assert r.succeeded, r.error
+    first = r.attempts[0]
+    assert (first.stage.value, first.verdict) == ("ir_check", "runtime_error")
+    assert "RuntimeError: shape mismatch in dot" in first.feedback
+    assert "[check error] running the program raised RuntimeError" in fake_llm.requests[1]["messages"][-1]["content"]
+
+
 @pytest.mark.parametrize("reply,needle", [(http_error(500, "model overloaded"), "overloaded"),
                                            (delayed(5.0, "late"), "did not answer")])
 def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path: Path, reply, needle: str) -> None:  # noqa: ANN001, F811

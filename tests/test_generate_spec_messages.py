@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from generate.spec import load_spec
+from generate.spec_trace import SCORE_OPS, supported_ops
 from kb.errors import KBError
 from tests.support.repo import REPO
 
@@ -24,16 +27,21 @@ def test_tracing_names_the_construct(name: str, says: str, line: str) -> None:
     assert "second matmul" not in msg
 
 
-def test_two_attentions_are_named(tmp_path) -> None:  # noqa: ANN001
-    p = tmp_path / "two.py"
-    p.write_text(
+def _model_spec(path, *forward: str):  # noqa: ANN001, ANN202
+    """A KernelBench spec at `path` whose Model.forward(q, k, v) is the lines `forward` (line 4 is the first)."""
+    path.write_text(
         "import torch, torch.nn as nn\n"
         "class Model(nn.Module):\n"
         "    def forward(self, q, k, v):\n"
-        "        a = torch.softmax(q @ k.transpose(-2, -1), -1) @ v\n"
-        "        return torch.softmax(a @ k.transpose(-2, -1), -1) @ v\n"
+        + "".join(f"        {line}\n" for line in forward) +
         "def get_inputs():\n    return [torch.randn(1, 2, 8, 16) for _ in range(3)]\n"
         "def get_init_inputs():\n    return []\n")
+    return path
+
+
+def test_two_attentions_are_named(tmp_path) -> None:  # noqa: ANN001
+    p = _model_spec(tmp_path / "two.py", "a = torch.softmax(q @ k.transpose(-2, -1), -1) @ v",
+                    "return torch.softmax(a @ k.transpose(-2, -1), -1) @ v")
     with pytest.raises(KBError, match=r"several attentions in one spec \(torch.fx saw 4 matmuls\).*two.py:5"):
         load_spec(p)
 
@@ -41,3 +49,20 @@ def test_two_attentions_are_named(tmp_path) -> None:  # noqa: ANN001
 def test_random_unregistered_tensor_is_named() -> None:
     with pytest.raises(KBError, match=r"Model tensor\(s\) bias take a new random value .*register_buffer"):
         load_spec(REPO / "tests" / "data" / "specs_state" / "random_attribute.py")
+
+
+def test_an_unsupported_op_lists_the_supported_ones(tmp_path) -> None:  # noqa: ANN001
+    p = _model_spec(tmp_path / "sin.py", "s = torch.sin(q @ k.transpose(-2, -1))", "return torch.softmax(s, -1) @ v")
+    with pytest.raises(KBError) as err:
+        load_spec(p)
+    msg = str(err.value)
+    assert "unsupported op in the score/mask computation (aten op sin.default" in msg and "sin.py:4" in msg
+    assert f"supported there: {', '.join(sorted(SCORE_OPS))}" in msg
+
+
+def test_docs_list_the_supported_ops() -> None:
+    doc = (REPO / "docs" / "specs.md").read_text()
+    section = doc.split("## Supported ops", 1)[1].split("\n## ", 1)[0]
+    listed = {m.group(1): tuple(re.findall(r"`([^`]+)`", m.group(2)))
+              for m in re.finditer(r"^- ([^:]+): (.*)$", section, re.M)}
+    assert listed == supported_ops(), "docs/specs.md's list of supported ops drifted from generate.spec_trace"

@@ -27,6 +27,7 @@ class Verdict(str, Enum):
     hack_suspected = "hack_suspected"
     no_backward = "no_backward"  # backward runs only: output detached from autograd, backward not implemented, a gradient missing
     passed = "passed"
+    not_run = "not_run"  # never a verify result: `kb generate --no-verify` records a kernel it did not verify
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,55 @@
+"""The two engines of `kb generate`, both `Proposals` (generate.attempts): the rule engine's transfers and the LLM's answers.
+
+- rule: each retrieved reference in rank order, each transfer strategy in `plan_strategies` order (lessons of
+  earlier runs reorder it); the outcomes sent back change nothing.
+- llm: rounds of one conversation with the configured model (generate.llm); each outcome goes back to the
+  model as feedback. The prompt holds the spec, the top reference's IR, retrieved snippets and lessons.
+"""
+
+from __future__ import annotations
+
+import time
+
+from generate.attempts import Candidate, Failure, Proposals, plan_strategies
+from generate.prompts import snippet_text, spec_summary
+from generate.spec import Spec
+from generate.stages import Stage
+from generate.target import target_for
+from generate.transfer import transfer
+from kb.errors import KBError
+from kb.ir.text import parse_program, print_program
+from kb.ir.validate import validate
+from kb.store.kb import KnowledgeBase
+from kb.store.models import Lesson
+from retrieve.hybrid import QueryResult
+from verify.result import Verdict
+
+__all__ = ["rule_candidates", "llm_candidates"]
+
+
+def rule_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, lessons: list[Lesson], name: str) -> Proposals:
+    """Every (reference, strategy) pair in order; a transfer that fails is a candidate without a program."""
+    target = target_for(spec)
+    for ref in found.kernels:
+        ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
+        for strategy in plan_strategies(spec, ref, lessons):
+            t0 = time.perf_counter()
+            try:
+                program = transfer(ref_program, target, strategy, name=name)
+                validate(program)
+            except KBError as err:
+                yield Candidate(ref.id, strategy.value, None, "", time.perf_counter() - t0,
+                                Failure(Stage.TRANSFER, Verdict.compile_error, str(err)))
+                continue
+            yield Candidate(ref.id, strategy.value, program, print_program(program), time.perf_counter() - t0)
+
+
+def llm_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, max_attempts: int) -> Proposals:
+    """The LLM's answers for the spec; raises KBError at once when the LLM is not configured."""
+    from generate.llm import LLMEngine
+
+    engine = LLMEngine(kb.settings)
+    ref = found.kernels[0]
+    reference_ir = kb.get(ref.id).ir_text  # type: ignore[union-attr]
+    return engine.candidates(spec_summary(spec), reference_ir, [snippet_text(s) for s in found.snippets],
+                             found.lessons, ref.id, max_attempts=max_attempts)

@@ -1,0 +1,281 @@
+"""KernelBench-style specs: `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()` (docs/specs.md, style 1).
+
+`load_model(module, path)` builds the Model (seed 0, eval mode), traces its forward with torch.fx
+(generate.spec_trace) and reads off what a `Spec` takes from it: the variant expressions (shape-derived
+constants written in M and N), shapes, the Model as the reference, the call a candidate must accept,
+and the Model's state. Serving specs (paged-KV decode, packed varlen) are read as their dense view
+(generate.spec_serving).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from generate.spec import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
+from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference
+from generate.spec_trace import aux_name, tensor_namer, trace_attention
+from kb.errors import KBError
+from kb.ir.expr import Expr, print_expr
+
+__all__ = ["ModelSpec", "load_model"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a KernelBench-style spec's Model gives a `Spec` (see its fields)."""
+
+    score_mod: Expr | None
+    mask_mod: Expr | None
+    aux: dict[str, torch.Tensor]
+    scale: float
+    shapes: Shapes
+    reference: Reference
+    forward_names: tuple[str, ...]
+    qkv_names: tuple[str, str, str]
+    init_params: tuple[str, ...]
+    out_dtype: str
+    state: tuple[StateTensor, ...]
+    state_values: dict[str, torch.Tensor]
+    heads_fixed: int | None
+    init_fixed: tuple[tuple[int, str, object], ...]
+    derived_aux: dict[str, tuple[str, bool]]
+    layout: ServingLayout | None
+
+
+def load_model(module: Any, path: Path) -> ModelSpec:
+    """Build, trace and read the spec's Model; KBError on anything unsupported."""
+    model, inputs = _instantiate(module, path)
+    names = _forward_names(model, len(inputs))
+    kinds = _state_kinds(model)
+    traced = _trace_model(model, inputs, names, kinds, path)
+    qi, ki, vi = names.index(traced.q), names.index(traced.k), names.index(traced.v)
+    layout = layout_of(traced, dict(zip(names, inputs)), path)
+    heads_fixed: int | None = None
+    init_fixed: tuple[tuple[int, str, object], ...] = ()
+    if layout is None:
+        shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
+        reference = _model_reference(model, inputs, qi, ki, vi)
+        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
+    else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
+        shapes = _serving_shapes(layout, dict(zip(names, inputs)), path)
+        reference = serving_reference(model, inputs, names, layout, path)
+        score, mask = traced.score_mod, traced.mask_mod
+    out_dtype = _dtype_name(traced.out_dtype, "output", path)
+    state, state_values = _state_of(model, kinds, traced.state, traced.baked)
+    aux = dict(traced.aux)
+    _check_constants(module, model, set(aux) - set(traced.state) - set(names) - set(traced.derived), path)
+    return ModelSpec(score, mask, aux, traced.scale, shapes, reference, tuple(names), (traced.q, traced.k, traced.v),
+                     _init_names(module.Model), out_dtype, state, state_values, heads_fixed, init_fixed,
+                     dict(traced.derived), layout)
+
+
+def _model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [(n, b) for n, b in model.named_buffers()] + [(n, p) for n, p in model.named_parameters()]
+    for mod_name, sub in model.named_modules():
+        for k, v in vars(sub).items():
+            if isinstance(v, torch.Tensor) and not k.startswith("_"):
+                named.append((f"{mod_name}.{k}" if mod_name else k, v))
+    return named
+
+
+def _forward_names(model: torch.nn.Module, n: int) -> list[str]:
+    params = [p for p in inspect.signature(model.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = [p.name for p in params][:n]
+    return names + [f"arg{i}" for i in range(len(names), n)]
+
+
+def _trace_model(model: torch.nn.Module, inputs: list[Any], names: list[str], kinds: Mapping[str, str], path: Path) -> Any:
+    """The traced attention of the spec's Model; a failure that k and v's shapes explain says so instead."""
+    try:
+        return trace_attention(model, inputs, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+    except KBError:
+        qkv = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point()][:3]
+        if len(qkv) == 3:
+            _check_values(qkv[1], qkv[2], path)
+        raise
+
+
+def _check_values(k: torch.Tensor, v: torch.Tensor, path: Path) -> None:
+    """v must have k's batch, heads and length; only its head dim may differ (D_v != D_qk)."""
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise KBError(f"{path}: v {tuple(v.shape)} must match k {tuple(k.shape)} in batch, heads and length "
+                      "(only the head dim may differ)")
+
+
+def _shapes_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, path: Path) -> Shapes:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise KBError(f"{path}: q, k and v must be [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.dtype not in DTYPE_NAMES:
+        raise KBError(f"{path}: unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+    B, Hq, M, D = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise KBError(f"{path}: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    _check_values(k, v, path)
+    return Shapes(B, Hq, Hkv, M, N, D, DTYPE_NAMES[q.dtype], v.shape[3])
+
+
+def _serving_shapes(layout: ServingLayout, inputs: Mapping[str, torch.Tensor], path: Path) -> Shapes:
+    """The dense view's shapes (generate.spec_serving.dense_shapes), checked like a dense spec's."""
+    B, Hq, Hkv, M, N, D, Dv = dense_shapes(layout, inputs)
+    q = inputs[layout.q]
+    if q.dtype not in DTYPE_NAMES:
+        raise KBError(f"{path}: unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+    if Hq % Hkv:
+        raise KBError(f"{path}: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    return Shapes(B, Hq, Hkv, M, N, D, DTYPE_NAMES[q.dtype], Dv)
+
+
+def _dtype_name(dtype: torch.dtype, what: str, path: Path) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise KBError(f"{path}: the spec's {what} dtype {dtype} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPE_NAMES[dtype]
+
+
+def _state_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """state_dict key -> "parameter" | "buffer" (persistent buffers only: the others are not state)."""
+    params = {n for n, _ in model.named_parameters()}
+    return {k: "parameter" if k in params else "buffer" for k in model.state_dict()}
+
+
+def _state_of(model: torch.nn.Module, kinds: Mapping[str, str], read: Mapping[str, str],
+              baked: frozenset[str]) -> tuple[tuple[StateTensor, ...], dict[str, torch.Tensor]]:
+    """Every state_dict entry with how the kernel uses it; `read` maps aux names to the keys they read."""
+    aux_of = {key: name for name, key in read.items()}
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    entries = tuple(StateTensor(k, kinds[k] == "parameter", aux_of.get(k), k in baked and k not in aux_of)
+                    for k in values)
+    return entries, values
+
+
+def _check_constants(module: Any, model: torch.nn.Module, names: set[str], path: Path) -> None:
+    """Refuse tensors the kernel would hold as constants although every Model(*get_init_inputs())
+    draws them anew (plain tensor attributes or non-persistent buffers with random values): the
+    kernel keeps the generation-time value, the Model another one, and no state_dict carries it."""
+    if not names:
+        return
+    torch.manual_seed(1)
+    try:
+        again = module.Model(*module.get_init_inputs())
+    except Exception:  # noqa: BLE001 - it constructed once with seed 0; nothing to compare
+        return
+    first, second = dict(_model_tensors(model)), dict(_model_tensors(again))
+    random = sorted(k for k, t in first.items() if aux_name(k) in names and k in second
+                    and (t.shape != second[k].shape or not torch.equal(t, second[k])))
+    if random:
+        raise KBError(f"{path}: Model tensor(s) {', '.join(random)} take a new random value in every "
+                      "Model(*get_init_inputs()) but are not in its state_dict, so a kernel cannot receive them; "
+                      "make them nn.Parameter or persistent buffers (register_buffer(name, t))")
+
+
+def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
+                       traced: Any, kinds: Mapping[str, str], path: Path) -> tuple[Expr | None, Expr | None]:
+    """Variant expressions with shape-derived constants written in M and N (see spec_generalize)."""
+    from generate.spec_generalize import DELTA, generalize
+
+    qi, ki, vi = qkv
+    q, k = inputs[qi], inputs[ki]
+    m, n = q.shape[2], k.shape[2]
+    for dm, dn in (DELTA, (DELTA[0], DELTA[0])):
+        args = list(inputs)
+        args[qi] = torch.randn(*q.shape[:2], m + dm, q.shape[3], dtype=q.dtype)
+        args[ki] = torch.randn(*k.shape[:2], n + dn, k.shape[3], dtype=k.dtype)
+        args[vi] = torch.randn(*inputs[vi].shape[:2], n + dn, inputs[vi].shape[3], dtype=inputs[vi].dtype)
+        try:
+            again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+        except Exception:  # noqa: BLE001 - the spec only works at its own shapes (or M == N): try the next delta
+            continue
+        dims1, dims2 = (m, n), (m + dm, n + dn)
+        return (generalize(traced.score_mod, again.score_mod, dims1, dims2),
+                generalize(traced.mask_mod, again.mask_mod, dims1, dims2))
+    log.info("%s: variant constants kept as traced (the spec does not run at other sequence lengths)", path)
+    return traced.score_mod, traced.mask_mod
+
+
+def _same_variants(a: Any, b: Any) -> bool:
+    """Two traces of a spec read the same score_mod and mask_mod."""
+    return all((x is None) == (y is None) and (x is None or print_expr(x) == print_expr(y))
+               for x, y in ((a.score_mod, b.score_mod), (a.mask_mod, b.mask_mod)))
+
+
+def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
+                 traced: Any, kinds: Mapping[str, str], path: Path) -> int | None:
+    """The spec's Hq if its variant expressions change with the head count (constants computed from
+    q.shape[1] in forward, such as ALiBi slopes built there): traced again with twice the heads (same GQA
+    ratio), different expressions mean the kernel is right only at this Hq, and the candidate refuses others.
+    A spec that does not run at twice the heads says nothing (None)."""
+    args = list(inputs)
+    for i in qkv:
+        t = inputs[i]
+        args[i] = torch.randn(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype)
+    try:
+        again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+    except Exception:  # noqa: BLE001 - e.g. a per-head buffer sized for the spec's heads: the kernel reads it at run time
+        return None
+    return None if _same_variants(traced, again) else int(inputs[qkv[0]].shape[1])
+
+
+def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, kinds: Mapping[str, str],
+                path: Path) -> tuple[tuple[int, str, object], ...]:
+    """Numeric constructor arguments whose value the kernel holds as a constant (a window size, a maximum
+    length used as an offset): the Model built with that argument changed must trace to other expressions.
+    The candidate's ModelNew then refuses other values with a clear error instead of computing the old ones."""
+    args = list(module.get_init_inputs())
+    params = [p for p in list(inspect.signature(module.Model.__init__).parameters.values())[1:]
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    fixed = []
+    for i, (value, param) in enumerate(zip(args, params)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        changed = list(args)
+        changed[i] = value + 1 if isinstance(value, int) else value * 1.5 + 1.0
+        try:
+            torch.manual_seed(0)
+            other = module.Model(*changed).eval()
+            again = trace_attention(other, inputs, names, tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
+        except Exception:  # noqa: BLE001 - the Model does not build or run with that value: nothing to say
+            continue
+        if not _same_variants(traced, again):
+            fixed.append((i, param.name, value))
+    return tuple(fixed)
+
+
+def _init_names(cls: type) -> tuple[str, ...]:
+    """Model.__init__'s parameters as source text (`n_heads`, `window=64`, `*args`, `**kwargs`), self excluded."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return tuple(prefix.get(p.kind, "") + (p.name if p.default is p.empty else f"{p.name}={p.default!r}") for p in params)
+
+
+def _instantiate(module: Any, path: Path) -> tuple[torch.nn.Module, list[Any]]:
+    try:
+        torch.manual_seed(0)
+        model = module.Model(*module.get_init_inputs())
+        model.eval()
+        inputs = list(module.get_inputs())
+    except Exception as err:  # noqa: BLE001 - the user's code failed
+        raise KBError(f"{path}: building Model(*get_init_inputs()) / get_inputs() failed: {type(err).__name__}: {err}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise KBError(f"{path}: Model is not a torch.nn.Module")
+    return model, inputs
+
+
+def _model_reference(model: torch.nn.Module, inputs: list[Any], qi: int, ki: int, vi: int) -> Reference:
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        args = list(inputs)
+        args[qi], args[ki], args[vi] = q, k, v
+        with torch.no_grad():
+            return model(*args)
+
+    return reference
