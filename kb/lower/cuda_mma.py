@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, free_vars, walk
+from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax,
     Program, Role, ScoreMod, Span, Stmt, Store, VALUE_DIM,
@@ -52,16 +52,13 @@ from kb.lower.cuda import (
     _locals, _table_helpers, kernel_symbol, launch_abi, schedule_constants,
 )
 from kb.lower.cuda_expr import IntWidth, lower_cexpr
+from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, UNBOUNDED, Ival, fits32, hoistable, ival, narrow_ints, shift
 from kb.lower.expr_context import Kind, Sym, expr_kind, is_nonneg
 from kb.lower.block_mask import plan_block_mask
 
-__all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "KB_ERR_RANGE", "KB_DIM_LIMIT", "FA2_TRAITS"]
+__all__ = ["MmaTraits", "lower_program_mma", "with_traits", "KB_ERR_LAYOUT", "FA2_TRAITS"]
 
 KB_ERR_LAYOUT = -2
-KB_ERR_RANGE = -3
-# The launcher refuses runtime dims above this (KB_ERR_RANGE), so that q_idx, kv_idx and the variant arithmetic
-# on them provably fit 32-bit ints in the score-fragment loops (`_ival`); 64-bit integer ops are emulated on the GPU.
-KB_DIM_LIMIT = 2**30 - 1
 _LOG2E = "1.4426950408889634f"
 _MMA_TYPE = {Dtype.BF16: "bf16", Dtype.F16: "f16"}
 
@@ -95,75 +92,6 @@ def with_traits(p: Program, traits: MmaTraits) -> Program:
     traits.check()
     s = dataclasses.replace(p.schedule, block_m=traits.block_m, block_n=traits.block_n, num_warps=traits.num_warps)
     return dataclasses.replace(p, schedule=s)
-
-
-# ------------------------------------------------------------------ integer ranges (for 32-bit fragment math)
-
-Ival = tuple[int | None, int | None]  # inclusive bounds; None: unbounded on that side
-_I32: Ival = (-(2**31), 2**31 - 1)
-_CMP = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
-_ANY: Ival = (None, None)
-
-
-def _fits32(r: Ival) -> bool:
-    return r[0] is not None and r[1] is not None and _I32[0] <= r[0] and r[1] <= _I32[1]
-
-
-def _shift(r: Ival, lo: int, hi: int) -> Ival:
-    return (None if r[0] is None else r[0] + lo, None if r[1] is None else r[1] + hi)
-
-
-def _ival(e: Expr, env: Mapping[str, Ival], aux: Mapping[str, Dtype]) -> Ival:
-    """Conservative bounds of an integer expression (Python semantics) given bounds of its names."""
-    op = e.op
-    if op is ExprOp.CONST:
-        v = e.value
-        return (int(v), int(v)) if isinstance(v, (bool, int)) else _ANY
-    if op is ExprOp.VAR:
-        return env.get(str(e.value), _ANY)
-    if op is ExprOp.LOAD:
-        return {Dtype.I32: _I32, Dtype.BOOL: (0, 1)}.get(aux.get(str(e.value)), _ANY)  # type: ignore[arg-type]
-    if op in _CMP or op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
-        return (0, 1)
-    a = [_ival(x, env, aux) for x in e.args]
-    known = all(v is not None for r in a for v in r)
-    if op is ExprOp.ADD:
-        return (None if a[0][0] is None or a[1][0] is None else a[0][0] + a[1][0],
-                None if a[0][1] is None or a[1][1] is None else a[0][1] + a[1][1])
-    if op is ExprOp.SUB:
-        return (None if a[0][0] is None or a[1][1] is None else a[0][0] - a[1][1],
-                None if a[0][1] is None or a[1][0] is None else a[0][1] - a[1][0])
-    if op is ExprOp.NEG:
-        return (None if a[0][1] is None else -a[0][1], None if a[0][0] is None else -a[0][0])
-    if op is ExprOp.MUL and known:
-        prods = [x * y for x in a[0] for y in a[1]]  # type: ignore[operator]
-        return (min(prods), max(prods))
-    if op in (ExprOp.FLOORDIV, ExprOp.CDIV) and known and a[1][0] > 0:  # type: ignore[operator]
-        # floor(x / d) with d > 0 is monotone in x, and in d for x of one sign: the corners bound it
-        num = a[0] if op is ExprOp.FLOORDIV else (-a[0][1], -a[0][0])  # type: ignore[operator]
-        q = [x // d for x in num for d in a[1]]  # type: ignore[operator]
-        return (min(q), max(q)) if op is ExprOp.FLOORDIV else (-max(q), -min(q))
-    if op is ExprOp.MOD and a[1][0] is not None and a[1][0] > 0 and a[1][1] is not None:
-        return (0, a[1][1] - 1)
-    if op is ExprOp.MAXIMUM:
-        los = [r[0] for r in a if r[0] is not None]
-        return (max(los) if los else None, None if any(r[1] is None for r in a) else max(r[1] for r in a))  # type: ignore[type-var]
-    if op is ExprOp.MINIMUM:
-        his = [r[1] for r in a if r[1] is not None]
-        return (None if any(r[0] is None for r in a) else min(r[0] for r in a), min(his) if his else None)  # type: ignore[type-var]
-    if op is ExprOp.ABS and known:
-        lo, hi = a[0]
-        return (lo, hi) if lo >= 0 else (-hi, -lo) if hi <= 0 else (0, max(-lo, hi))  # type: ignore[operator,type-var]
-    if op is ExprOp.WHERE and all(v is not None for r in a[1:] for v in r):
-        return (min(r[0] for r in a[1:]), max(r[1] for r in a[1:]))  # type: ignore[type-var]
-    return _ANY
-
-
-def _hoistable(e: Expr, kind: Callable[[Expr], Kind]) -> bool:
-    """Evaluating `e` where the per-element code might not have (a lazy `&&`/`?:` operand) is harmless: pure,
-    loads guarded, and no integer division by a value that might be 0."""
-    return not any(n.op in (ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV) and kind(n) is Kind.INT
-                   and not (n.args[1].op is ExprOp.CONST and n.args[1].value) for n in walk(e))
 
 
 # ------------------------------------------------------------------ device building blocks
@@ -297,7 +225,7 @@ class _MmaGen(_KernelGen):
 
     # -- integer ranges of the uniform scalars
     def ival(self, e: Expr, env: Mapping[str, Ival] | None = None) -> Ival:
-        return _ival(e, self.ivals if env is None else env, self.aux_dtype)
+        return ival(e, self.ivals if env is None else env, self.aux_dtype)
 
     def decode_grid(self) -> None:
         super().decode_grid()
@@ -309,7 +237,7 @@ class _MmaGen(_KernelGen):
         # a reassigned or loop-carried scalar could leave the first value's range: unbounded then
         again = self.declared(_local(name)) or name in self.ivals or self.in_scores
         super().bind_scalar(name, e)
-        self.ivals[name] = _ANY if again else self.ival(e)
+        self.ivals[name] = UNBOUNDED if again else self.ival(e)
 
     # -- fragments
     def frag_elems(self) -> Iterator[None]:
@@ -402,28 +330,23 @@ class _MmaGen(_KernelGen):
             names[v] = Sym(f"({self.ex(e)})", Kind.INT, is_nonneg(e, self.ctx()))
             env[v] = self.ival(e)
         qs, ks = self.ival(st.at.q_start), self.ival(st.at.kv_start)
-        env["q_idx"], env["kv_idx"] = _shift(qs, 0, self.p.schedule.block_m - 1), _shift(ks, 0, self.p.schedule.block_n - 1)
-        q32, k32 = _fits32(qs) and _fits32(env["q_idx"]), _fits32(ks) and _fits32(env["kv_idx"])
+        env["q_idx"], env["kv_idx"] = shift(qs, 0, self.p.schedule.block_m - 1), shift(ks, 0, self.p.schedule.block_n - 1)
+        q32, k32 = fits32(qs) and fits32(env["q_idx"]), fits32(ks) and fits32(env["kv_idx"])
         names["q_idx"] = Sym("kb_qi", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
         names["kv_idx"] = Sym("kb_ki", Kind.INT, is_nonneg(st.at.kv_start, self.ctx()))
         names["score"] = Sym("kb_sv", Kind.FLOAT)
         int_codes = {c for c, ok in (("kb_qi", q32), ("kb_ki", k32)) if ok}
-        memo: dict[Expr, bool] = {}
 
         def kind(e: Expr) -> Kind:
             return expr_kind(e, self.ctx(names))
 
-        def narrow(e: Expr) -> bool:  # `int` when its range fits and so do its integer operands'
-            if e not in memo:
-                memo[e] = _fits32(self.ival(e, env)) and (e.op is ExprOp.LOAD or all(
-                    narrow(a) for a in e.args if kind(a) is Kind.INT))
-            return memo[e]
+        narrow = narrow_ints(env, self.aux_dtype, kind)  # reads env and names as define() extends them
 
         levels: dict[str, list[tuple[str, Expr]]] = {"uniform": [], "row": [], "col": []}
 
         def hoist(e: Expr) -> Expr:
             dep = free_vars(e) & {"q_idx", "kv_idx", "score"}
-            if e.op not in (ExprOp.CONST, ExprOp.VAR) and len(dep) <= 1 and "score" not in dep and _hoistable(e, kind):
+            if e.op not in (ExprOp.CONST, ExprOp.VAR) and len(dep) <= 1 and "score" not in dep and hoistable(e, kind):
                 self.hoisted += 1
                 name = f"kb_h{self.hoisted}"
                 levels["uniform" if not dep else "row" if "q_idx" in dep else "col"].append((name, e))

@@ -37,7 +37,7 @@ from kb.lower.cuda import (
 )
 from kb.lower.cuda_expr import IntWidth, lower_cexpr
 from kb.lower.expr_context import ExprContext, Kind, Sym, expr_kind, is_nonneg
-from kb.lower.cuda_mma import KB_DIM_LIMIT, KB_ERR_RANGE, _fits32, _hoistable, _ival
+from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, fits32, hoistable, ival, narrow_ints
 from kb.ir.text import _print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.block_mask import BlockMaskKind, plan_block_mask
@@ -224,10 +224,10 @@ class _HookGen(_KernelGen):
         """`e` with each largest piece free of kv_idx and the score (and safe to evaluate eagerly) replaced by a
         KbRow field; the fields' code is lowered for kb_row."""
         if e.op not in (ExprOp.CONST, ExprOp.VAR) and not free_vars(e) & {"kv_idx", "score"} \
-                and _hoistable(e, lambda x: expr_kind(x, ctx)):
+                and hoistable(e, lambda x: expr_kind(x, ctx)):
             kind = expr_kind(e, ctx)
-            rng = _ival(e, self.env(), self.aux_types()) if kind is Kind.INT else None
-            ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if _fits32(rng) else "long long")
+            rng = ival(e, self.env(), self.aux_types()) if kind is Kind.INT else None
+            ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if fits32(rng) else "long long")
             name = f"kb_r{len(self.fields)}"
             code = lower_cexpr(e, ctx, self.width(ctx, set(_ROW_ARGS)))
             self.fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng))
@@ -246,16 +246,8 @@ class _HookGen(_KernelGen):
     def width(self, ctx: ExprContext, int_codes: set[str]) -> IntWidth:
         """32-bit integers wherever the value provably fits: the launcher refuses dims above KB_DIM_LIMIT
         (64-bit integer ops are emulated on the GPU); `int_codes`: the names already `int`."""
-        env, aux = self.env(), self.aux_types()
         ints = int_codes | {f"r.{f.name}" for f in self.fields if f.ctype == "int"}
-        memo: dict[Expr, bool] = {}
-
-        def narrow(e: Expr) -> bool:  # `int` when its range fits and so do its integer operands'
-            if e not in memo:
-                memo[e] = _fits32(_ival(e, env, aux)) and (e.op is ExprOp.LOAD or all(
-                    narrow(a) for a in e.args if expr_kind(a, ctx) is Kind.INT))
-            return memo[e]
-        return IntWidth(narrow, frozenset(ints))
+        return IntWidth(narrow_ints(self.env(), self.aux_types(), lambda a: expr_kind(a, ctx)), frozenset(ints))
 
     def row_hook(self) -> list[str]:
         """struct KbRow and kb_row: b, h, q_idx and the hoisted pieces of one query row."""
