@@ -14,7 +14,7 @@ from kb.lower import cuda, cuda_mma, cuda_sm90_ir
 from kb.lower.triton_kernel import TritonKernelGen
 from tests.support.ir_programs import causal_bwd
 
-PRODUCTION = (_Header, StmtRules, _Machine, TritonKernelGen, cuda._KernelGen, cuda_mma._MmaGen, cuda_sm90_ir._HookGen)
+PRODUCTION = (_Header, StmtRules, _Machine, TritonKernelGen, cuda.CudaKernelGen, cuda_mma._MmaGen, cuda_sm90_ir._HookGen)
 
 
 def _handlers(skip: StmtOp | None = None) -> dict[str, object]:

@@ -27,7 +27,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.visit import StmtVisitor
 
-__all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "INDENT"]
+__all__ = ["print_program", "parse_program", "content_hash", "print_stmt_header", "print_block", "INDENT"]
 
 INDENT = "  "  # one block level
 
@@ -141,17 +141,18 @@ def print_stmt_header(st: Stmt) -> str:
     return _HEADER.visit(st)
 
 
-def _print_block(stmts: tuple[Stmt, ...], depth: int, out: list[str]) -> None:
+def print_block(stmts: tuple[Stmt, ...], depth: int, out: list[str]) -> None:
+    """Append the text of `stmts`, nested blocks included, at block depth `depth` to `out`."""
     pad = INDENT * depth
     for st in stmts:
         out.append(pad + print_stmt_header(st))
         if isinstance(st, For):
-            _print_block(st.body, depth + 1, out)
+            print_block(st.body, depth + 1, out)
         elif isinstance(st, IfBlock):
-            _print_block(st.then, depth + 1, out)
+            print_block(st.then, depth + 1, out)
             if st.orelse:
                 out.append(pad + "else:")
-                _print_block(st.orelse, depth + 1, out)
+                print_block(st.orelse, depth + 1, out)
 
 
 def _schedule(s: Schedule) -> str:
@@ -170,7 +171,7 @@ def print_program(p: Program) -> str:
     for k in p.kernels:
         axes = ", ".join(f"{a.name}: {print_expr(a.extent)}" for a in k.grid)
         out.append(f"kernel {k.name} grid({axes}):")
-        _print_block(k.body, 1, out)
+        print_block(k.body, 1, out)
     return "\n".join(out) + "\n"
 
 

@@ -4,7 +4,7 @@
 - ANALYTIC: mask_mod is an `|` of conjunctions of bounds, each on one linear form in q_idx/kv_idx with unit
   coefficients (causal, sliding window, offsets; prefix-LM with a constant, 0-d or per-batch prefix). A tile's
   class is then decided in closed form on its corners (`_block_tests`), and a forward KV loop can be split into
-  partial / full / partial parts (`_full_span`, `_union_span`, `_reach`).
+  partial / full / partial parts (`full_span`, `union_span`, `kv_reach`).
 - TABLE: anything else; the host fills a block-class table [B|1, H|1, n_m_blocks, n_n_blocks] int8 with the codes
   below (0 empty, 1 partial, 2 full) that the kernels read.
 """
@@ -20,7 +20,7 @@ from kb.ir.nodes import BlockClass, IfBlock, Program, Role
 from kb.lower.expr_context import DTYPE_KIND, Kind
 
 __all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "block_class_test", "EMPTY", "PARTIAL",
-           "FULL", "CLASS_CODE"]
+           "FULL", "CLASS_CODE", "full_span", "union_span", "kv_reach"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
@@ -170,7 +170,7 @@ def _part_range(coef: int, lo: Expr, hi: Expr) -> tuple[Expr, Expr]:
     return (lo, hi) if coef == 1 else (Expr(ExprOp.NEG, (hi,)), Expr(ExprOp.NEG, (lo,)))
 
 
-def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
+def full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
     """[first, last]: the kv_start values whose whole BLOCK_N tile (rows q) satisfies `d`, within [lo, n - BLOCK_N]."""
     a_min, a_max = _part_range(d.alpha, *q)
     first, last = lo, n - var("BLOCK_N")
@@ -191,7 +191,7 @@ def _full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dic
     return first, last
 
 
-def _union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
+def union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
     """One interval of full blocks inside the union of two: both when they overlap or touch, else the longer."""
     (f1, l1), (f2, l2) = a, b
     if f1 == f2:
@@ -202,7 +202,7 @@ def _union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]
             call("where", meet, call("maximum", l1, l2), call("where", longer, l1, l2)))
 
 
-def _reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) -> Expr:
+def kv_reach(d: LinearBounds, q: tuple[Expr, Expr], n: Expr, at: dict[str, Expr]) -> Expr:
     """An exclusive bound on kv_start past which every tile of rows q misses `d`."""
     a_min, a_max = _part_range(d.alpha, *q)
     if d.beta == -1 and d.lower:  # g_max = a_max - kv_start >= L

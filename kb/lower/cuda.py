@@ -17,7 +17,7 @@ Code shape (plain SIMT, every tile in dynamic shared memory):
   stores are coalesced along the head dim. Row statistics (reduce over the last axis and the
   online-softmax row max/sum) use one warp per row with shuffles. Dots (S = Q K^T and the
   P V update) read only shared memory, with register micro-tiles of up to 16 x 4 outputs per
-  thread where the tile shape allows (`_KernelGen.matmul`); fp32 SIMT FMAs, no tensor cores.
+  thread where the tile shape allows (`CudaKernelGen.matmul`); fp32 SIMT FMAs, no tensor cores.
 - A `__syncthreads()` follows every tile-producing statement (tile statements are barriers);
   scalars (grid axes, `let`, loop variables) are uniform across the CTA, so every loop and `if`
   is uniform and the barriers inside them are legal.
@@ -64,14 +64,15 @@ from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.triton import check_attention_params
 
 __all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
-           "LAUNCH_SYMBOL", "ERROR_SYMBOL", "KB_ERR_HEAD_DIM"]
+           "LAUNCH_SYMBOL", "ERROR_SYMBOL", "KB_ERR_HEAD_DIM", "CTYPE", "PREAMBLE", "KERNEL_HELPERS", "CudaKernelGen",
+           "cxx_name", "args_struct", "arg_locals", "table_helpers", "fill_args", "host_entry", "schedule_constants"]
 
 HEAD_PADS = (16, 32, 64, 128, 256)
 LAUNCH_SYMBOL = "kb_launch"
 ERROR_SYMBOL = "kb_error_string"
 KB_ERR_HEAD_DIM = -1
 _LOG2E = "1.4426950408889634f"
-_CTYPE = {Dtype.F32: "float", Dtype.BF16: "__nv_bfloat16", Dtype.F16: "__half", Dtype.I32: "int",
+CTYPE = {Dtype.F32: "float", Dtype.BF16: "__nv_bfloat16", Dtype.F16: "__half", Dtype.I32: "int",
           Dtype.I64: "long long", Dtype.BOOL: "bool"}
 _BYTES = {Dtype.F32: 4, Dtype.BF16: 2, Dtype.F16: 2, Dtype.I32: 4, Dtype.I64: 8, Dtype.BOOL: 1}
 _CXX_RESERVED = {
@@ -88,14 +89,14 @@ _CXX_RESERVED = {
 
 def _size_code(d: object) -> str:
     """A tensor dim as C++ code: an int literal or the dim's local name."""
-    return str(d) if isinstance(d, int) else _local(str(d))
+    return str(d) if isinstance(d, int) else cxx_name(str(d))
 
 
 def kernel_symbol(k: Kernel) -> str:
     return f"kb_{k.name}_kernel"
 
 
-def _local(ir_name: str) -> str:
+def cxx_name(ir_name: str) -> str:
     """The C++ spelling of an IR name (IR names never start with `kb_` in generated code)."""
     return f"v_{ir_name}" if ir_name in _CXX_RESERVED or ir_name.startswith(("kb_", "_", "v_")) else ir_name
 
@@ -213,7 +214,7 @@ class _Buffer:
     bytes_expr: list[str] = field(default_factory=list)  # candidates; the max is allocated
 
 
-class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
+class CudaKernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     """Generates one `__global__` kernel (body lines plus its shared-memory layout)."""
 
     rejects = BACKWARD_OPS
@@ -223,12 +224,12 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
 
     def __init__(self, p: Program, k: Kernel, abi: LaunchAbi, plan: BlockMaskPlan) -> None:
         self.scalar_params = [q for q in p.params if q.role is Role.SCALAR]
-        super().__init__(p, k, plan, abi.dims, self.scalar_params, _local)
+        super().__init__(p, k, plan, abi.dims, self.scalar_params, cxx_name)
         self.abi = abi
         self.buffers: dict[str, _Buffer] = {}
         self.scopes: list[set[str]] = [set()]
         self.counter = 0
-        self.aux = {t.name: AuxRef(f"kb_a.{_local(t.name)}", tuple(f"kb_a.{_local(t.name)}_stride[{i}]" for i in range(len(t.shape))),
+        self.aux = {t.name: AuxRef(f"kb_a.{cxx_name(t.name)}", tuple(f"kb_a.{cxx_name(t.name)}_stride[{i}]" for i in range(len(t.shape))),
                                    tuple(_size_code(d) for d in t.shape), DTYPE_KIND[t.dtype])
                     for t in abi.tensors if t.role is Role.AUX}
 
@@ -276,7 +277,7 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     def bind_scalar(self, name: str, e: Expr) -> None:
         kind = expr_kind(e, self.ctx())
         value = self.ex(e)
-        code = _local(name)
+        code = cxx_name(name)
         if name in self.tiles:
             raise KBError(f"kernel {self.k.name}: {name!r} is a tile and cannot become a scalar")
         if self.declared(code):
@@ -314,8 +315,8 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         raise KBError(f"kernel {self.k.name}: tile size {d!r} must be a schedule constant or an int")
 
     def new_tile(self, ir_name: str, shape: tuple[str, ...], dtype: Dtype, internal: bool = False) -> _Tile:
-        base = ir_name if internal else _local(ir_name)
-        ctype = _CTYPE[dtype]
+        base = ir_name if internal else cxx_name(ir_name)
+        ctype = CTYPE[dtype]
         code = base
         buf = self.buffers.get(code)
         if buf is not None and buf.ctype != ctype:
@@ -347,7 +348,7 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         terms, guards, shape = [], [], []
         pos = 0
         for i, (d, item) in enumerate(zip(prm.shape, index)):
-            stride = f"kb_a.{_local(tensor)}_stride[{i}]"
+            stride = f"kb_a.{cxx_name(tensor)}_stride[{i}]"
             if isinstance(item, Expr):
                 terms.append(f"({self.ex(item)}) * {stride}")
                 continue
@@ -382,11 +383,11 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         if not shape:
             raise KBError(f"load {st.out}: loads of single elements are not tiles; use a span or `:`")
         out = self.new_tile(st.out, shape, dtype)
-        other = f"kb_cvt<{_CTYPE[dtype]}>({float_literal(st.other)})"
+        other = f"kb_cvt<{CTYPE[dtype]}>({float_literal(st.other)})"
         self.emit(f"// load {st.out} = {st.tensor}[...]: [{', '.join(shape)}] {dtype.value}")
         with self.elements(shape) as c:
             off, ok, _ = self.address(st.tensor, st.index, c)
-            value = f"kb_a.{_local(st.tensor)}[{off}]"
+            value = f"kb_a.{cxx_name(st.tensor)}[{off}]"
             self.emit(f"{out.code}[{out.addr(c)}] = " + (f"({ok}) ? {value} : {other};" if ok else f"{value};"))
         self.sync()
 
@@ -400,9 +401,9 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         with self.elements(tile.shape) as c:
             off, ok, _ = self.address(st.tensor, st.index, c)
             x = tile.read(c)
-            value = f"kb_cvt<{_CTYPE[prm.dtype]}>(kb_f({x}))" if DTYPE_KIND[prm.dtype] is Kind.FLOAT \
-                else f"({_CTYPE[prm.dtype]})({x})"
-            assign = f"kb_a.{_local(st.tensor)}[{off}] = {value};"
+            value = f"kb_cvt<{CTYPE[prm.dtype]}>(kb_f({x}))" if DTYPE_KIND[prm.dtype] is Kind.FLOAT \
+                else f"({CTYPE[prm.dtype]})({x})"
+            assign = f"kb_a.{cxx_name(st.tensor)}[{off}] = {value};"
             self.emit(f"if ({ok}) {assign}" if ok else assign)
         self.sync()  # a later statement (say, the next loop iteration) may overwrite the stored tile
 
@@ -411,7 +412,7 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         out = self.new_tile(st.out, shape, st.dtype)
         fill = float_literal(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else str(int(st.fill))
         with self.elements(shape) as c:
-            self.emit(f"{out.code}[{out.addr(c)}] = kb_cvt<{_CTYPE[st.dtype]}>({fill});"
+            self.emit(f"{out.code}[{out.addr(c)}] = kb_cvt<{CTYPE[st.dtype]}>({fill});"
                       if st.dtype in (Dtype.BF16, Dtype.F16) else f"{out.code}[{out.addr(c)}] = {fill};")
         self.sync()
 
@@ -556,7 +557,7 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         self.emit(f"// mask {st.tile}: kv_idx < {self.n_dim}" + (f" & ({self.p.mask_mod.body})" if st.use_mask_mod and self.p.mask_mod else ""))
         with self.elements(tile.shape) as c:
             names = self.variant_names(st, tile, c)
-            keep = f"(kb_ki < {_local(self.n_dim)})"
+            keep = f"(kb_ki < {cxx_name(self.n_dim)})"
             if st.use_mask_mod:
                 keep += f" && {lower_cexpr(self.mask_mod_body(st), self.ctx(names))}"
             self.emit(f"if (!({keep})) {tile.code}[{tile.addr(c)}] = -INFINITY;")
@@ -643,7 +644,7 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     def s_for(self, st: For) -> None:
         lo, hi = self.ex(st.lo), self.ex(st.hi)
         step = str(self._const_size(st.step))
-        var = _local(st.var)
+        var = cxx_name(st.var)
         before = dict(self.tiles)
         self.check_order(st)
         self.emit(f"// for {st.var} in range({st.lo}, {st.hi}, {st.step}) {st.order}")
@@ -701,12 +702,12 @@ class _KernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         self.emit("long long kb_pid = blockIdx.x;")
         for a in reversed(axes[1:]):
             ext = self.ex(a.extent)
-            self.emit(f"const long long {_local(a.name)} = kb_pid % ({ext});")
+            self.emit(f"const long long {cxx_name(a.name)} = kb_pid % ({ext});")
             self.emit(f"kb_pid = kb_pid / ({ext});")
-        self.emit(f"const long long {_local(axes[0].name)} = kb_pid;")
+        self.emit(f"const long long {cxx_name(axes[0].name)} = kb_pid;")
         for a in axes:
-            self.names[a.name] = Sym(_local(a.name), Kind.INT, True)
-            self.scopes[-1].add(_local(a.name))
+            self.names[a.name] = Sym(cxx_name(a.name), Kind.INT, True)
+            self.scopes[-1].add(cxx_name(a.name))
 
     def generate(self) -> list[str]:
         self.decode_grid()
@@ -746,14 +747,14 @@ def _nested_max(xs: list[str]) -> str:
 # ------------------------------------------------------------------ source
 
 
-_PREAMBLE = r"""
+PREAMBLE = r"""
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
 """
 
-_KERNEL_HELPERS = r"""
+KERNEL_HELPERS = r"""
 constexpr int kb_align16(int x) { return (x + 15) / 16 * 16; }
 constexpr int kb_cmax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ float kb_add(float a, float b) { return a + b; }
@@ -768,16 +769,16 @@ __device__ __forceinline__ float kb_warp_sum(float x) {
 """.strip("\n")
 
 
-def _args_struct(abi: LaunchAbi) -> list[str]:
+def args_struct(abi: LaunchAbi) -> list[str]:
     out = ["// every kernel receives the same arguments by value (pointers, strides, dims, scalars)", "struct KbArgs {"]
     for t in abi.tensors:
         const = "const " if t.role in (Role.IN, Role.AUX) else ""
-        out.append(f"  {const}{_CTYPE[t.dtype]}* {_local(t.name)};  // [{', '.join(map(str, t.shape))}] {t.dtype.value} {t.role.value}")
-        out.append(f"  long long {_local(t.name)}_stride[{max(1, len(t.shape))}];")
+        out.append(f"  {const}{CTYPE[t.dtype]}* {cxx_name(t.name)};  // [{', '.join(map(str, t.shape))}] {t.dtype.value} {t.role.value}")
+        out.append(f"  long long {cxx_name(t.name)}_stride[{max(1, len(t.shape))}];")
     for d in abi.dims:
-        out.append(f"  long long {_local(d)};")
+        out.append(f"  long long {cxx_name(d)};")
     for s in abi.scalars:
-        out.append(f"  float {_local(s)};")
+        out.append(f"  float {cxx_name(s)};")
     if abi.table:
         out.append("  const signed char* bc;  // block classes [nb, nh, nm, nn], contiguous")
         out.append("  long long bc_size[4];")
@@ -785,27 +786,27 @@ def _args_struct(abi: LaunchAbi) -> list[str]:
     return out
 
 
-def _locals(abi: LaunchAbi, scalars: list[Param], indent: str = "  ") -> list[str]:
-    out = [f"{indent}[[maybe_unused]] const long long {_local(d)} = kb_a.{_local(d)};" for d in abi.dims]
-    out += [f"{indent}[[maybe_unused]] const float {_local(s.name)} = kb_a.{_local(s.name)};" for s in scalars]
+def arg_locals(abi: LaunchAbi, scalars: list[Param], indent: str = "  ") -> list[str]:
+    out = [f"{indent}[[maybe_unused]] const long long {cxx_name(d)} = kb_a.{cxx_name(d)};" for d in abi.dims]
+    out += [f"{indent}[[maybe_unused]] const float {cxx_name(s.name)} = kb_a.{cxx_name(s.name)};" for s in scalars]
     return out
 
 
-def _table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
+def table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
     assert abi.table is not None and p.mask_mod is not None
     t = abi.table
     scalars = [q for q in p.params if q.role is Role.SCALAR]
-    names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(_local(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
+    names = {d: Sym(cxx_name(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(cxx_name(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
     names.update({n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")})
-    aux = {q.name: AuxRef(f"kb_a.{_local(q.name)}", tuple(f"kb_a.{_local(q.name)}_stride[{i}]" for i in range(len(q.shape))),
+    aux = {q.name: AuxRef(f"kb_a.{cxx_name(q.name)}", tuple(f"kb_a.{cxx_name(q.name)}_stride[{i}]" for i in range(len(q.shape))),
                           tuple(_size_code(d) for d in q.shape), DTYPE_KIND[q.dtype]) for q in abi.tensors if q.role is Role.AUX}
     ctx = ExprContext(ExprTarget.DEVICE, names, aux)
     attend = lower_cexpr(p.mask_mod.body, ctx)
     return [
         "// block classes of mask_mod, one CTA per (b|0, h|0, query block, key block): 0 empty, 1 partial, 2 full",
         f"__global__ void __launch_bounds__({threads}) kb_block_class_kernel(const KbArgs kb_a, signed char* kb_out) {{",
-        *_locals(abi, scalars),
+        *arg_locals(abi, scalars),
         "  long long kb_pid = blockIdx.x;",
         "  const long long kb_nb = kb_pid % kb_a.bc_size[3]; kb_pid /= kb_a.bc_size[3];",
         "  const long long kb_mb = kb_pid % kb_a.bc_size[2]; kb_pid /= kb_a.bc_size[2];",
@@ -815,7 +816,7 @@ def _table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
         "  bool kb_any = false, kb_all = true;",
         "  for (int kb_e = threadIdx.x; kb_e < BLOCK_M * BLOCK_N; kb_e += KB_THREADS) {",
         "    const long long q_idx = kb_q0 + kb_e / BLOCK_N, kv_idx = kb_k0 + kb_e % BLOCK_N;",
-        f"    if (q_idx < {_local(t.m_dim)} && kv_idx < {_local(t.n_dim)}) {{",
+        f"    if (q_idx < {cxx_name(t.m_dim)} && kv_idx < {cxx_name(t.n_dim)}) {{",
         f"      const bool kb_att = {attend};",
         "      kb_any = kb_any || kb_att;",
         "      kb_all = kb_all && kb_att;",
@@ -824,7 +825,7 @@ def _table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
         "  kb_any = __syncthreads_or(kb_any);",
         "  kb_all = __syncthreads_and(kb_all);",
         "  if (threadIdx.x == 0) {",
-        f"    const bool kb_ragged = kb_k0 + BLOCK_N > {_local(t.n_dim)};",
+        f"    const bool kb_ragged = kb_k0 + BLOCK_N > {cxx_name(t.n_dim)};",
         f"    kb_out[blockIdx.x] = !kb_any ? {EMPTY} : (kb_all && !kb_ragged) ? {FULL} : {PARTIAL};",
         "  }",
         "}",
@@ -846,24 +847,24 @@ def lower_program(p: Program) -> str:
     plan = plan_block_mask(p)
     s = p.schedule
     threads = s.num_warps * 32
-    gens = [(k, _KernelGen(p, k, abi, plan)) for k in p.kernels]
+    gens = [(k, CudaKernelGen(p, k, abi, plan)) for k in p.kernels]
     bodies = [(k, g, g.generate()) for k, g in gens]
     scalars = [q for q in p.params if q.role is Role.SCALAR]
     out = [f"// CUDA kernels for IR program `{p.name}`: generated by kb.lower.cuda, do not edit.",
            f'// Host entry: extern "C" int {LAUNCH_SYMBOL}(ptrs, strides, dims, scalars, stream); see kb/lower/cuda.py.',
-           _PREAMBLE.strip("\n"), "", EXPR_HELPERS, _KERNEL_HELPERS, "",
+           PREAMBLE.strip("\n"), "", EXPR_HELPERS, KERNEL_HELPERS, "",
            *schedule_constants(s), f"constexpr int {_err_name()} = {KB_ERR_HEAD_DIM};", "",
-           *_args_struct(abi), ""]
+           *args_struct(abi), ""]
     if abi.table:
-        out += [*_table_helpers(p, abi, threads), ""]
+        out += [*table_helpers(p, abi, threads), ""]
     for k, g, lines in bodies:
         out += g.smem_struct()
         out += ["", abi.template,
                 f"__global__ void __launch_bounds__({threads}) {kernel_symbol(k)}(const KbArgs kb_a) {{",
                 "  extern __shared__ __align__(16) unsigned char kb_smem[];",
                 "  [[maybe_unused]] const int kb_warp = threadIdx.x / 32, kb_lane = threadIdx.x % 32;",
-                *_locals(abi, scalars), *g.pointer_decls(), *lines, "}", ""]
-    out += _host(p, abi, [k for k, _ in gens], scalars)
+                *arg_locals(abi, scalars), *g.pointer_decls(), *lines, "}", ""]
+    out += host_entry(p, abi, [k for k, _ in gens], scalars)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -881,15 +882,15 @@ def _err_name() -> str:
     return "KB_ERR_HEAD_DIM"
 
 
-def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param], *,
+def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param], *,
           pre_launch: list[str] | None = None, errors: Mapping[int, str] | None = None) -> list[str]:
     """The runner per HEAD_PAD, `kb_launch` and `kb_error_string`; `pre_launch` lines check the filled `kb_a`
     (returning an error code), `errors` names those codes."""
-    names = {d: Sym(_local(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(_local(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
+    names = {d: Sym(cxx_name(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
+    names.update({q.name: Sym(cxx_name(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
     hctx = ExprContext(ExprTarget.HOST, names)
     L = [abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
-         *_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]
+         *arg_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]
     if abi.table:
         L += ["  {  // block classes first: the kernels read them",
               "    const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
@@ -912,13 +913,13 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     L += [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
           "const double* scalars, void* stream) {",
           "  KbArgs kb_a;"]
-    L += _fill_args(abi)
+    L += fill_args(abi)
     L += pre_launch or []
     L.append("  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);")
     run = (lambda hp: f"kb_run_v<{hp}>(kb_a, kb_stream, kb_hpv)") if abi.value_dim else (lambda hp: f"kb_run<{hp}>(kb_a, kb_stream)")
     if abi.value_dim:
         L.append(f"  long long kb_hpv = {DOT_MIN_K};")
-        L.append(f"  while (kb_hpv < kb_a.{_local(VALUE_DIM)}) kb_hpv *= 2;")
+        L.append(f"  while (kb_hpv < kb_a.{cxx_name(VALUE_DIM)}) kb_hpv *= 2;")
     if abi.head_pad:
         L.append(f"  return {run(abi.head_pad)};")
     else:
@@ -944,27 +945,27 @@ def _host(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[Param
     return L
 
 
-def _fill_args(abi: LaunchAbi) -> list[str]:
+def fill_args(abi: LaunchAbi) -> list[str]:
     """`kb_launch`'s lines filling `KbArgs kb_a` from (ptrs, strides, dims, scalars) in `LaunchAbi` order."""
     L: list[str] = []
     off = 0
     for i, t in enumerate(abi.tensors):
         const = "const " if t.role in (Role.IN, Role.AUX) else ""
-        L.append(f"  kb_a.{_local(t.name)} = static_cast<{const}{_CTYPE[t.dtype]}*>(ptrs[{i}]);")
+        L.append(f"  kb_a.{cxx_name(t.name)} = static_cast<{const}{CTYPE[t.dtype]}*>(ptrs[{i}]);")
         for j in range(len(t.shape)):
-            L.append(f"  kb_a.{_local(t.name)}_stride[{j}] = strides[{off + j}];")
+            L.append(f"  kb_a.{cxx_name(t.name)}_stride[{j}] = strides[{off + j}];")
         off += len(t.shape)
     for i, d in enumerate(abi.dims):
-        L.append(f"  kb_a.{_local(d)} = dims[{i}];")
+        L.append(f"  kb_a.{cxx_name(d)} = dims[{i}];")
     for i, s in enumerate(abi.scalars):
-        L.append(f"  kb_a.{_local(s)} = (float)scalars[{i}];")
+        L.append(f"  kb_a.{cxx_name(s)} = (float)scalars[{i}];")
     if abi.table:
         t = abi.table
         L.append(f"  kb_a.bc = static_cast<const signed char*>(ptrs[{len(abi.tensors)}]);")
-        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + _local(t.b_dim) if t.per_b else '1'};")
-        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + _local(t.h_dim) if t.per_h else '1'};")
-        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{_local(t.m_dim)}, BLOCK_M);")
-        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{_local(t.n_dim)}, BLOCK_N);")
+        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + cxx_name(t.b_dim) if t.per_b else '1'};")
+        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + cxx_name(t.h_dim) if t.per_h else '1'};")
+        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{cxx_name(t.m_dim)}, BLOCK_M);")
+        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{cxx_name(t.n_dim)}, BLOCK_N);")
     return L
 
 

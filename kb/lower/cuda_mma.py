@@ -48,8 +48,8 @@ from kb.ir.nodes import (
     Program, Role, ScoreMod, Span, Stmt, Store, VALUE_DIM,
 )
 from kb.lower.cuda import (
-    _CTYPE, EXPR_HELPERS, _KERNEL_HELPERS, _PREAMBLE, LAUNCH_SYMBOL, _args_struct, _host, _KernelGen, _local,
-    _locals, _table_helpers, kernel_symbol, launch_abi, schedule_constants,
+    CTYPE, EXPR_HELPERS, KERNEL_HELPERS, LAUNCH_SYMBOL, PREAMBLE, CudaKernelGen, arg_locals, args_struct, cxx_name,
+    host_entry, kernel_symbol, launch_abi, schedule_constants, table_helpers,
 )
 from kb.lower.cuda_expr import IntWidth, lower_cexpr
 from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, UNBOUNDED, Ival, fits32, hoistable, ival, narrow_ints, shift
@@ -186,7 +186,7 @@ class _TileRef:
     col_stride: str
 
 
-class _MmaGen(_KernelGen):
+class _MmaGen(CudaKernelGen):
     """FA2-shaped kernel body: see the module docstring for what it accepts."""
 
     def __init__(self, p: Program, k: Kernel, abi, plan) -> None:  # noqa: ANN001
@@ -218,10 +218,10 @@ class _MmaGen(_KernelGen):
         r, last = spans[0], len(index) - 1
         if role is Role.IN:
             self.tensors_read.add(tensor)
-        stride = f"kb_a.{_local(tensor)}_stride"
+        stride = f"kb_a.{cxx_name(tensor)}_stride"
         terms = [f"({self.ex(it)}) * {stride}[{i}]" for i, it in enumerate(index[:-1]) if i != r]
         return _TileRef(tensor, " + ".join(terms) or "0LL", f"({self.ex(index[r].start)})",
-                        _local(str(prm.shape[r])), f"{stride}[{r}]", f"{stride}[{last}]")
+                        cxx_name(str(prm.shape[r])), f"{stride}[{r}]", f"{stride}[{last}]")
 
     # -- integer ranges of the uniform scalars
     def ival(self, e: Expr, env: Mapping[str, Ival] | None = None) -> Ival:
@@ -235,7 +235,7 @@ class _MmaGen(_KernelGen):
 
     def bind_scalar(self, name: str, e: Expr) -> None:
         # a reassigned or loop-carried scalar could leave the first value's range: unbounded then
-        again = self.declared(_local(name)) or name in self.ivals or self.in_scores
+        again = self.declared(cxx_name(name)) or name in self.ivals or self.in_scores
         super().bind_scalar(name, e)
         self.ivals[name] = UNBOUNDED if again else self.ival(e)
 
@@ -266,7 +266,7 @@ class _MmaGen(_KernelGen):
         self.q_tile = st.out
         self.role[st.out] = "q"
         self.emit(f"// load {st.out} = {st.tensor}[...]: cp.async into swizzled shared memory (waited on in the KV loop)")
-        self.emit(f"kb_load_tile<BLOCK_M, HEAD_PAD>(kb_sQ, kb_a.{_local(st.tensor)}, {ref.off}, {ref.row0}, {ref.nrows}, "
+        self.emit(f"kb_load_tile<BLOCK_M, HEAD_PAD>(kb_sQ, kb_a.{cxx_name(st.tensor)}, {ref.off}, {ref.row0}, {ref.nrows}, "
                   f"{ref.row_stride}, D);")
         self.emit("kb_cp_commit();")
 
@@ -466,9 +466,9 @@ class _MmaGen(_KernelGen):
 
     def store_o(self, st: Store) -> None:
         ref = self.tile_ref(st.tensor, st.index, "BLOCK_M", Role.OUT)
-        ctype = _CTYPE[self.p.param(st.tensor).dtype]
+        ctype = CTYPE[self.p.param(st.tensor).dtype]
         self.emit(f"// store {st.tensor}[...] = {st.value}: straight from the fragments")
-        self.emit(f"{ctype}* kb_op = kb_a.{_local(st.tensor)} + {ref.off};")
+        self.emit(f"{ctype}* kb_op = kb_a.{cxx_name(st.tensor)} + {ref.off};")
         self.emit("#pragma unroll")
         with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
             self.emit("#pragma unroll")
@@ -490,7 +490,7 @@ class _MmaGen(_KernelGen):
                 or str(st.index[-1].size) != "BLOCK_M":
             raise self.fail(f"store {st.tensor} = {st.value}")
         r = spans[0]
-        off = " + ".join(f"({self.ex(it)}) * kb_a.{_local(st.tensor)}_stride[{i}]" for i, it in enumerate(st.index[:-1])) or "0LL"
+        off = " + ".join(f"({self.ex(it)}) * kb_a.{cxx_name(st.tensor)}_stride[{i}]" for i, it in enumerate(st.index[:-1])) or "0LL"
         self.emit(f"// store {st.tensor}[...] = {st.value}: one lane of each quad writes its rows")
         with self.indent("if (kb_lane % 4 == 0)"):
             self.emit("#pragma unroll")
@@ -498,8 +498,8 @@ class _MmaGen(_KernelGen):
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_hf = 0; kb_hf < 2; ++kb_hf)"):
                     self.emit(f"const long long kb_gr = ({self.ex(st.index[r].start)}) + kb_row0 + kb_mi * 16 + kb_lane / 4 + kb_hf * 8;")
-                    self.emit(f"if (kb_gr >= 0 && kb_gr < {_local(str(prm.shape[r]))}) "
-                              f"kb_a.{_local(st.tensor)}[{off} + kb_gr * kb_a.{_local(st.tensor)}_stride[{r}]] = kb_lse[kb_mi][kb_hf];")
+                    self.emit(f"if (kb_gr >= 0 && kb_gr < {cxx_name(str(prm.shape[r]))}) "
+                              f"kb_a.{cxx_name(st.tensor)}[{off} + kb_gr * kb_a.{cxx_name(st.tensor)}_stride[{r}]] = kb_lse[kb_mi][kb_hf];")
 
     # -- the KV loop
     def s_for(self, st: For) -> None:
@@ -519,7 +519,7 @@ class _MmaGen(_KernelGen):
             raise self.fail(f"`for {st.var}` with step {st.step} / order {st.order}")
         self.s_name = dot.out
         self.role[dot.out] = "s"
-        n = _local(st.var)
+        n = cxx_name(st.var)
         self.names[st.var] = Sym(n, Kind.INT)
         lo, hi = self.ival(st.lo)[0], self.ival(st.hi)[1]
         self.ivals[st.var] = (lo, None if hi is None else hi - 1)
@@ -532,9 +532,9 @@ class _MmaGen(_KernelGen):
             self.emit("const long long kb_n_iter = kb_hi > kb_lo ? kb_cdiv(kb_hi - kb_lo, BLOCK_N) : 0;")
             at = "kb_lo + kb_i * BLOCK_N" if st.order == "forward" else "kb_lo + (kb_n_iter - 1 - kb_i) * BLOCK_N"
             self.emit(f"auto kb_n_at = [&](long long kb_i) -> long long {{ return {at}; }};")
-            self.emit(f"auto kb_load_k = [&](long long {n}) {{ kb_load_tile<BLOCK_N, HEAD_PAD>(kb_sK, kb_a.{_local(kref.tensor)}, "
+            self.emit(f"auto kb_load_k = [&](long long {n}) {{ kb_load_tile<BLOCK_N, HEAD_PAD>(kb_sK, kb_a.{cxx_name(kref.tensor)}, "
                       f"{kref.off}, {kref.row0}, {kref.nrows}, {kref.row_stride}, D); kb_cp_commit(); }};")
-            self.emit(f"auto kb_load_v = [&](long long {n}) {{ kb_load_tile<BLOCK_N, HEAD_PAD>(kb_sV, kb_a.{_local(vref.tensor)}, "
+            self.emit(f"auto kb_load_v = [&](long long {n}) {{ kb_load_tile<BLOCK_N, HEAD_PAD>(kb_sV, kb_a.{cxx_name(vref.tensor)}, "
                       f"{vref.off}, {vref.row0}, {vref.nrows}, {vref.row_stride}, D); kb_cp_commit(); }};")
             if skip is not None:
                 self.emit("// iterations whose block is empty are skipped, prefetch included")
@@ -675,7 +675,7 @@ def _walk(body: tuple[Stmt, ...]) -> Iterator[Stmt]:
 
 def _aligned(p: Program, tensor: str) -> str:
     """C++ test: 16-byte aligned base, unit last stride, every other stride a multiple of 8 elements."""
-    n, t = len(p.param(tensor).shape), f"kb_a.{_local(tensor)}"
+    n, t = len(p.param(tensor).shape), f"kb_a.{cxx_name(tensor)}"
     return " && ".join([f"((unsigned long long){t} & 15) == 0", f"{t}_stride[{n - 1}] == 1",
                         *(f"{t}_stride[{i}] % 8 == 0" for i in range(n - 1))])
 
@@ -700,14 +700,14 @@ def lower_program_mma(p: Program) -> str:
     body = gen.generate()
     scalars = [x for x in p.params if x.role is Role.SCALAR]
     threads = s.num_warps * 32
-    ctype = _CTYPE[q.dtype]
+    ctype = CTYPE[q.dtype]
     pack = "__floats2bfloat162_rn" if q.dtype is Dtype.BF16 else "__floats2half2_rn"
     t2 = "__nv_bfloat162" if q.dtype is Dtype.BF16 else "__half2"
     helpers = (_MMA_HELPERS.replace("KB_MMA_T", _MMA_TYPE[q.dtype]).replace("sizeof(KB_T)", f"sizeof({ctype})").replace("KB_T2", t2).replace("KB_PACK2", pack)
                .replace("KB_T*", f"{ctype}*"))
     out = [f"// Tensor-core CUDA kernel for IR program `{p.name}` (FA2 structure, sm80+): generated by kb.lower.cuda_mma, do not edit.",
            f'// Host entry: extern "C" int {LAUNCH_SYMBOL}(ptrs, strides, dims, scalars, stream); see kb/lower/cuda.py.',
-           _PREAMBLE.strip("\n"), "", EXPR_HELPERS, _KERNEL_HELPERS, "",
+           PREAMBLE.strip("\n"), "", EXPR_HELPERS, KERNEL_HELPERS, "",
            *schedule_constants(s),
            f"constexpr int KB_MT = {s.block_m // s.num_warps // 16};  // m16 tiles per warp",
            f"constexpr int KB_NT = {s.block_n // 8};  // n8 tiles of a score row block",
@@ -715,9 +715,9 @@ def lower_program_mma(p: Program) -> str:
            f"constexpr int KB_ERR_LAYOUT = {KB_ERR_LAYOUT};",
            f"constexpr int KB_ERR_RANGE = {KB_ERR_RANGE};",
            f"constexpr long long KB_DIM_LIMIT = {KB_DIM_LIMIT};  // 32-bit index math in the score-fragment loops", "",
-           helpers, "", *_args_struct(abi), ""]
+           helpers, "", *args_struct(abi), ""]
     if abi.table:
-        out += [*_table_helpers(p, abi, threads), ""]
+        out += [*table_helpers(p, abi, threads), ""]
     elem = f"sizeof({ctype})"
     out += [abi.template, f"struct kb_{k.name}_smem {{",
             f"  static constexpr int q = 0, k = BLOCK_M * HEAD_PAD * {elem}, v = k + BLOCK_N * HEAD_PAD * {elem};",
@@ -730,13 +730,13 @@ def lower_program_mma(p: Program) -> str:
             f"  {ctype}* kb_sK = reinterpret_cast<{ctype}*>(kb_smem + kb_{k.name}_smem{abi.targs}::k);",
             f"  {ctype}* kb_sV = reinterpret_cast<{ctype}*>(kb_smem + kb_{k.name}_smem{abi.targs}::v);",
             "  [[maybe_unused]] const int kb_warp = threadIdx.x / 32, kb_lane = threadIdx.x % 32;",
-            *_locals(abi, scalars), *body, "}", ""]
+            *arg_locals(abi, scalars), *body, "}", ""]
     checks = [_aligned(p, t) for t in sorted(gen.tensors_read)]
     layout = [f"  if (kb_a.D % 8 != 0 || !({' && '.join(checks)})) return KB_ERR_LAYOUT;"]
-    dims = " || ".join(f"kb_a.{_local(d)} < 0 || kb_a.{_local(d)} > KB_DIM_LIMIT" for d in abi.dims)
+    dims = " || ".join(f"kb_a.{cxx_name(d)} < 0 || kb_a.{cxx_name(d)} > KB_DIM_LIMIT" for d in abi.dims)
     if dims:
         layout.append(f"  if ({dims}) return KB_ERR_RANGE;")
-    out += _host(p, abi, [k], scalars, pre_launch=layout,
+    out += host_entry(p, abi, [k], scalars, pre_launch=layout,
                  errors={KB_ERR_LAYOUT: "the tensor-core kernel needs D % 8 == 0 and q/k/v with a unit last stride, "
                                         "16-byte aligned rows and strides that are multiples of 8 (call .contiguous())",
                          KB_ERR_RANGE: f"the tensor-core kernel needs every dim <= {KB_DIM_LIMIT} (its score-fragment "

@@ -32,13 +32,13 @@ from kb.ir.nodes import (
     ScoreMod, Span, Stmt,
 )
 from kb.lower.cuda import (
-    EXPR_HELPERS, LAUNCH_SYMBOL, ERROR_SYMBOL, _args_struct, _fill_args, _KernelGen, _local, _locals,
-    _table_helpers, launch_abi, schedule_constants,
+    ERROR_SYMBOL, EXPR_HELPERS, LAUNCH_SYMBOL, CudaKernelGen, arg_locals, args_struct, cxx_name, fill_args,
+    launch_abi, schedule_constants, table_helpers,
 )
 from kb.lower.cuda_expr import IntWidth, lower_cexpr
 from kb.lower.expr_context import ExprContext, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, fits32, hoistable, ival, narrow_ints
-from kb.ir.text import _print_block
+from kb.ir.text import print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.block_mask import BlockMaskKind, plan_block_mask
 
@@ -86,7 +86,7 @@ def _parse_loop(p: Program, f: For) -> _Loop:
 def _scores_text(lp: _Loop) -> str:
     """The loop's score statements as IR text, the loop variable written `@n` (equal text = equal statements)."""
     lines: list[str] = []
-    _print_block(lp.scores, 0, lines)
+    print_block(lp.scores, 0, lines)
     return re.sub(rf"\b{re.escape(lp.loop.var)}\b", "@n", "\n".join(lines))
 
 
@@ -156,8 +156,8 @@ def _element_stmts(stmts: tuple[Stmt, ...]) -> list[ScoreMod | Mask]:
     return out
 
 
-class _HookGen(_KernelGen):
-    """Emits the three hook functions with `_KernelGen`'s expression, let and block-class machinery."""
+class _HookGen(CudaKernelGen):
+    """Emits the three hook functions with `CudaKernelGen`'s expression, let and block-class machinery."""
 
     def body(self, lines_from) -> list[str]:  # noqa: ANN001 - a callable filling self.lines
         """One hook's lines: names start again from the dims, schedule constants and scalars."""
@@ -278,7 +278,7 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
     g = _HookGen(p, p.kernels[0], abi, plan)
     g.tiles[shape.s] = None  # type: ignore[assignment]  # the score is a tile name, never a scalar
     head = "(const KbArgs& kb_a, long long b, long long h, long long kb_m_start"
-    locs = _locals(abi, scalars)
+    locs = arg_locals(abi, scalars)
     bounds = [(f"kb_lo{i}", f"kb_hi{i}") for i in range(len(shape.loops))]
 
     def kv_range() -> None:
@@ -372,7 +372,7 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
     scalars = [x for x in p.params if x.role is Role.SCALAR]
     dtype = "bf16" if q.dtype is Dtype.BF16 else "fp16"
     consts = schedule_constants(p.schedule)  # KB_THREADS: the block-class kernel's
-    hooks = "\n".join([EXPR_HELPERS, *consts, *_args_struct(abi), *(_table_helpers(p, abi, 128) if abi.table else []),
+    hooks = "\n".join([EXPR_HELPERS, *consts, *args_struct(abi), *(table_helpers(p, abi, 128) if abi.table else []),
                        _hooks(p, shape, abi, scalars)])
     src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
     out = [f"// Hopper (sm_90a) kernel for IR program `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
@@ -384,7 +384,7 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
 def _host(abi) -> list[str]:  # noqa: ANN001
     """`kb_launch` with the portable ABI: fill KbArgs, block classes first when there is a table, then the kernel."""
     L = [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
-         "const double* scalars, void* stream) {", "  KbArgs kb_a;", *_fill_args(abi),
+         "const double* scalars, void* stream) {", "  KbArgs kb_a;", *fill_args(abi),
          "  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);"]
     if abi.table:
         L += ["  const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
@@ -392,7 +392,7 @@ def _host(abi) -> list[str]:  # noqa: ANN001
               "const_cast<signed char*>(kb_a.bc));",
               "  cudaError_t kb_err = cudaGetLastError();",
               "  if (kb_err != cudaSuccess) return (int)kb_err;"]
-    too_big = " || ".join(f"kb_a.{_local(d)} > {KB_DIM_LIMIT}LL" for d in abi.dims) or "false"
+    too_big = " || ".join(f"kb_a.{cxx_name(d)} > {KB_DIM_LIMIT}LL" for d in abi.dims) or "false"
     L += [f"  if ({too_big}) return {KB_ERR_RANGE};  // the hooks' 32-bit index math needs dims <= {KB_DIM_LIMIT}",
           "  return kb_sm90_launch(&kb_a, stream);", "}", "",
           f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',

@@ -18,7 +18,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
-    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, _full_span, _reach, _union_span,
+    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, full_span, kv_reach, union_span,
 )
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
@@ -562,14 +562,14 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         q0 = at[2]
         q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
-        spans = [_full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
+        spans = [full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
             or [(st.lo, var(self.n_dim) - var("BLOCK_N"))]
         first, last = spans[0]
         for f, l in spans[1:]:
-            first, last = _union_span((first, last), (f, l))
+            first, last = union_span((first, last), (f, l))
         hi_expr = st.hi
         if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, max_of([_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
+            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
         self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.position(st.lo)}")
