@@ -138,12 +138,15 @@ def block_class_test(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -
 
 def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
     """(min, max) of alpha*q_idx + beta*kv_idx over q_idx in [q0, q1], kv_idx in [k0, k1]."""
-    lo_terms, hi_terms = [], []
+    lo_terms: list[Expr] = []
+    hi_terms: list[Expr] = []
     for coef, (lo, hi) in ((d.alpha, q), (d.beta, k)):
         if coef == 1:
-            lo_terms.append(lo), hi_terms.append(hi)
+            lo_terms.append(lo)
+            hi_terms.append(hi)
         elif coef == -1:
-            lo_terms.append(Expr(ExprOp.NEG, (hi,))), hi_terms.append(Expr(ExprOp.NEG, (lo,)))
+            lo_terms.append(Expr(ExprOp.NEG, (hi,)))
+            hi_terms.append(Expr(ExprOp.NEG, (lo,)))
     g_min, g_max = lo_terms[0], hi_terms[0]
     for a, b in zip(lo_terms[1:], hi_terms[1:]):
         g_min, g_max = g_min + a, g_max + b

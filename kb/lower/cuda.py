@@ -298,18 +298,23 @@ class CudaKernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
             return "HEAD_PAD_V"
         if isinstance(d, int):
             return str(next_pow2(d))
-        if d in SCHEDULE_CONSTANTS:
-            return str(next_pow2(self._const_size(d)))
+        n = self._schedule_int(d)
+        if n is not None:
+            return str(next_pow2(n))
         raise KBError(f"kernel {self.k.name}: the CUDA lowering cannot load `:` over the runtime dim {d!r} "
                       "(its padded size must be known at compile time); use a span `start:+BLOCK` instead")
 
-    def _const_size(self, d: object) -> int | str:
+    def _schedule_int(self, d: object) -> int | None:
+        """The value of BLOCK_M, BLOCK_N or NUM_SPLITS; None for anything else."""
         s = self.p.schedule
-        table = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits}
+        return {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits}.get(d) if isinstance(d, str) else None
+
+    def _const_size(self, d: object) -> int | str:
         if isinstance(d, int):
             return d
-        if d in table:
-            return table[str(d)]
+        n = self._schedule_int(d)
+        if n is not None:
+            return n
         if d in ("HEAD_PAD", "HEAD_PAD_V"):
             return str(d)
         raise KBError(f"kernel {self.k.name}: tile size {d!r} must be a schedule constant or an int")
@@ -960,12 +965,12 @@ def fill_args(abi: LaunchAbi) -> list[str]:
     for i, s in enumerate(abi.scalars):
         L.append(f"  kb_a.{cxx_name(s)} = (float)scalars[{i}];")
     if abi.table:
-        t = abi.table
+        table = abi.table
         L.append(f"  kb_a.bc = static_cast<const signed char*>(ptrs[{len(abi.tensors)}]);")
-        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + cxx_name(t.b_dim) if t.per_b else '1'};")
-        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + cxx_name(t.h_dim) if t.per_h else '1'};")
-        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{cxx_name(t.m_dim)}, BLOCK_M);")
-        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{cxx_name(t.n_dim)}, BLOCK_N);")
+        L.append(f"  kb_a.bc_size[0] = {'kb_a.' + cxx_name(table.b_dim) if table.per_b else '1'};")
+        L.append(f"  kb_a.bc_size[1] = {'kb_a.' + cxx_name(table.h_dim) if table.per_h else '1'};")
+        L.append(f"  kb_a.bc_size[2] = kb_cdiv(kb_a.{cxx_name(table.m_dim)}, BLOCK_M);")
+        L.append(f"  kb_a.bc_size[3] = kb_cdiv(kb_a.{cxx_name(table.n_dim)}, BLOCK_N);")
     return L
 
 

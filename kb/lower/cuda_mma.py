@@ -308,13 +308,14 @@ class _MmaGen(CudaKernelGen):
         self.variant(st, self.p.score_mod.body, lambda v, kind: f"kb_sv = {v if kind is Kind.FLOAT else f'((float)({v}))'};")
 
     def s_mask(self, st: Mask) -> None:
-        if st.tile != self.s_name or (st.use_mask_mod and self.p.mask_mod is None):
+        mask_mod = self.p.mask_mod if st.use_mask_mod else None
+        if st.tile != self.s_name or (st.use_mask_mod and mask_mod is None):
             raise self.fail(f"mask {st.tile}")
-        self.emit(f"// mask {st.tile}: kv_idx < {self.n_dim}" + (f" & ({self.p.mask_mod.body})" if st.use_mask_mod else ""))
+        self.emit(f"// mask {st.tile}: kv_idx < {self.n_dim}" + (f" & ({mask_mod.body})" if mask_mod is not None else ""))
         n = Expr(ExprOp.CONST, value=int(self.n_dim)) if self.n_dim.isdigit() else Expr(ExprOp.VAR, value=self.n_dim)
         keep = Expr(ExprOp.LT, (Expr(ExprOp.VAR, value="kv_idx"), n))
-        if st.use_mask_mod:
-            keep = Expr(ExprOp.AND, (keep, self.p.mask_mod.body))  # type: ignore[union-attr]
+        if mask_mod is not None:
+            keep = Expr(ExprOp.AND, (keep, mask_mod.body))
         self.variant(st, keep, lambda v, kind: f"if (!{v}) kb_sv = -INFINITY;")
 
     def variant(self, st: ScoreMod | Mask, body: Expr, assign: Callable[[str, Kind], str]) -> None:
@@ -485,19 +486,19 @@ class _MmaGen(CudaKernelGen):
 
     def store_lse(self, st: Store) -> None:
         prm = self.p.param(st.tensor)
-        spans = [i for i, it in enumerate(st.index) if isinstance(it, Span)]
-        if prm.role is not Role.OUT or prm.dtype is not Dtype.F32 or len(spans) != 1 or spans[0] != len(st.index) - 1 \
-                or str(st.index[-1].size) != "BLOCK_M":
+        scalars, rows = [it for it in st.index[:-1] if isinstance(it, Expr)], st.index[-1]
+        if prm.role is not Role.OUT or prm.dtype is not Dtype.F32 or len(scalars) != len(st.index) - 1 \
+                or not isinstance(rows, Span) or str(rows.size) != "BLOCK_M":
             raise self.fail(f"store {st.tensor} = {st.value}")
-        r = spans[0]
-        off = " + ".join(f"({self.ex(it)}) * kb_a.{cxx_name(st.tensor)}_stride[{i}]" for i, it in enumerate(st.index[:-1])) or "0LL"
+        r = len(scalars)
+        off = " + ".join(f"({self.ex(it)}) * kb_a.{cxx_name(st.tensor)}_stride[{i}]" for i, it in enumerate(scalars)) or "0LL"
         self.emit(f"// store {st.tensor}[...] = {st.value}: one lane of each quad writes its rows")
         with self.indent("if (kb_lane % 4 == 0)"):
             self.emit("#pragma unroll")
             with self.indent("for (int kb_mi = 0; kb_mi < KB_MT; ++kb_mi)"):
                 self.emit("#pragma unroll")
                 with self.indent("for (int kb_hf = 0; kb_hf < 2; ++kb_hf)"):
-                    self.emit(f"const long long kb_gr = ({self.ex(st.index[r].start)}) + kb_row0 + kb_mi * 16 + kb_lane / 4 + kb_hf * 8;")
+                    self.emit(f"const long long kb_gr = ({self.ex(rows.start)}) + kb_row0 + kb_mi * 16 + kb_lane / 4 + kb_hf * 8;")
                     self.emit(f"if (kb_gr >= 0 && kb_gr < {cxx_name(str(prm.shape[r]))}) "
                               f"kb_a.{cxx_name(st.tensor)}[{off} + kb_gr * kb_a.{cxx_name(st.tensor)}_stride[{r}]] = kb_lse[kb_mi][kb_hf];")
 

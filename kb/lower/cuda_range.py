@@ -92,11 +92,11 @@ def ival(e: Expr, env: Mapping[str, Ival], aux: Mapping[str, Dtype]) -> Ival:
     if op is ExprOp.MOD and a[1][0] is not None and a[1][0] > 0 and a[1][1] is not None:
         return (0, a[1][1] - 1)
     if op is ExprOp.MAXIMUM:
-        los, his = [r[0] for r in a if r[0] is not None], _known(r[1] for r in a)
-        return (max(los) if los else None, None if his is None else max(his))
+        some_lo, all_hi = [r[0] for r in a if r[0] is not None], _known(r[1] for r in a)
+        return (max(some_lo) if some_lo else None, None if all_hi is None else max(all_hi))
     if op is ExprOp.MINIMUM:
-        los, his = _known(r[0] for r in a), [r[1] for r in a if r[1] is not None]
-        return (None if los is None else min(los), min(his) if his else None)
+        all_lo, some_hi = _known(r[0] for r in a), [r[1] for r in a if r[1] is not None]
+        return (None if all_lo is None else min(all_lo), min(some_hi) if some_hi else None)
     if op is ExprOp.ABS and closed is not None:
         lo, hi = closed[0]
         return (lo, hi) if lo >= 0 else (-hi, -lo) if hi <= 0 else (0, max(-lo, hi))

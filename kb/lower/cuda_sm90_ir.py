@@ -23,24 +23,25 @@ import dataclasses
 import itertools
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from kb.errors import KBError
-from kb.ir.evaluate import eval_expr
+from kb.ir.evaluate import Value, eval_expr
 from kb.ir.expr import Expr, ExprOp, free_vars
 from kb.ir.nodes import (
-    BlockClass, Dot, Dtype, Elementwise, For, Full, IfBlock, Init, Let, Load, Mask, OnlineSoftmax, Program, Role,
-    ScoreMod, Span, Stmt,
+    BlockClass, Dot, Dtype, Elementwise, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param,
+    Program, Role, ScoreMod, Span, Stmt,
 )
 from kb.lower.cuda import (
-    ERROR_SYMBOL, EXPR_HELPERS, LAUNCH_SYMBOL, CudaKernelGen, arg_locals, args_struct, cxx_name, fill_args,
+    ERROR_SYMBOL, EXPR_HELPERS, LAUNCH_SYMBOL, CudaKernelGen, LaunchAbi, arg_locals, args_struct, cxx_name, fill_args,
     launch_abi, schedule_constants, table_helpers,
 )
 from kb.lower.cuda_expr import IntWidth, lower_cexpr
 from kb.lower.expr_context import ExprContext, Kind, Sym, expr_kind, is_nonneg
-from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, fits32, hoistable, ival, narrow_ints
+from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, Ival, fits32, hoistable, ival, narrow_ints
 from kb.ir.text import print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
-from kb.lower.block_mask import BlockMaskKind, plan_block_mask
+from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
 
 __all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
 
@@ -77,10 +78,12 @@ def _parse_loop(p: Program, f: For) -> _Loop:
     if len(body) == 1 and isinstance(body[0], IfBlock) and body[0].cls is BlockClass.EMPTY and body[0].negate \
             and not body[0].orelse:
         skip, body = body[0], body[0].then
-    if len(body) < 4 or not all(isinstance(s, Load) for s in body[:2]) or not isinstance(body[2], Dot) \
-            or not isinstance(body[-1], OnlineSoftmax) or str(f.step) != "BLOCK_N":
+    if len(body) < 4 or str(f.step) != "BLOCK_N":
         raise _fail(p, f"the body of `for {f.var}`")
-    return _Loop(f, skip, body[:2], body[2], body[3:-1])
+    loads, dot = tuple(s for s in body[:2] if isinstance(s, Load)), body[2]
+    if len(loads) != 2 or not isinstance(dot, Dot) or not isinstance(body[-1], OnlineSoftmax):
+        raise _fail(p, f"the body of `for {f.var}`")
+    return _Loop(f, skip, loads, dot, body[3:-1])
 
 
 def _scores_text(lp: _Loop) -> str:
@@ -106,7 +109,7 @@ class _Shape:
         if tail != ["Finalize", "Store", "Store"] or any(not isinstance(s, (Let, Load, Init, For)) for s in k.body[:fors[-1]]):
             raise _fail(p, "the statements around the KV loops")
         self.lets = [s for s in k.body if isinstance(s, Let)]
-        self.loops = [_parse_loop(p, k.body[i]) for i in fors]
+        self.loops = [_parse_loop(p, s) for s in k.body if isinstance(s, For)]
         first = self.loops[0]
         if any(_scores_text(lp) != _scores_text(first) or lp.dot.out != first.dot.out for lp in self.loops[1:]):
             raise _fail(p, "KV loops with different score statements")
@@ -123,15 +126,11 @@ def _check_addresses(p: Program, shape: _Shape) -> None:
         loads = [(shape.q_load, "BLOCK_M")] + [(ld, "BLOCK_N") for ld in lp.loads]
         if {ld.tensor for ld in lp.loads} != {"k", "v"}:
             raise _fail(p, "KV loads of tensors other than k and v")
-        for ld, rows in loads:
-            idx = ld.index
-            if len(idx) != 4 or not isinstance(idx[2], Span) or str(idx[2].size) != rows or not isinstance(idx[3], Full) \
-                    or isinstance(idx[0], (Span, Full)) or isinstance(idx[1], (Span, Full)):
-                raise _fail(p, f"the index of {ld.tensor}[...]")
+        addresses = [(ld.tensor, _row_address(p, ld, rows)) for ld, rows in loads]
         for Hq, Hkv in ((8, 8), (8, 2), (8, 1), (6, 3)):
             for b, h, m, n in itertools.product((0, 1), range(Hq), (0, 3), (0, 256)):
-                env = {"B": 2, "Hq": Hq, "Hkv": Hkv, "M": 1000, "N": 1000, "D": 64, "BLOCK_M": SM90_BLOCK_M,
-                       "BLOCK_N": SM90_BLOCK_N, "b": b, "h": h, "m": m}
+                env: dict[str, Value] = {"B": 2, "Hq": Hq, "Hkv": Hkv, "M": 1000, "N": 1000, "D": 64,
+                                         "BLOCK_M": SM90_BLOCK_M, "BLOCK_N": SM90_BLOCK_N, "b": b, "h": h, "m": m}
                 for let in shape.lets:
                     env[let.name] = eval_expr(let.value, env)
                 want = {"q": (b, h, m * SM90_BLOCK_M), "k": (b, h // (Hq // Hkv), n), "v": (b, h // (Hq // Hkv), n)}
@@ -139,11 +138,19 @@ def _check_addresses(p: Program, shape: _Shape) -> None:
                 for st in _element_stmts(lp.scores):  # the kernel's q_idx/kv_idx are the tile's rows and columns
                     if (int(eval_expr(st.at.q_start, env)), int(eval_expr(st.at.kv_start, env))) != (m * SM90_BLOCK_M, n):
                         raise _fail(p, f"{st.op.value} at ({st.at.q_start}, {st.at.kv_start})")
-                for ld, _ in loads:
-                    got = tuple(int(eval_expr(e, env)) for e in (ld.index[0], ld.index[1], ld.index[2].start))
-                    if got != want[ld.tensor]:
-                        raise _fail(p, f"the rows/heads {ld.tensor}[...] addresses (expected b, h // (Hq // Hkv), "
+                for tensor, address in addresses:
+                    if tuple(int(eval_expr(e, env)) for e in address) != want[tensor]:
+                        raise _fail(p, f"the rows/heads {tensor}[...] addresses (expected b, h // (Hq // Hkv), "
                                        "m * BLOCK_M or the loop variable)")
+
+
+def _row_address(p: Program, ld: Load, rows: str) -> tuple[Expr, Expr, Expr]:
+    """(batch, head, first row) of `ld`, which must read `t[b, h, start:+rows, :]`."""
+    b, h, span, full = ld.index if len(ld.index) == 4 else (None,) * 4
+    if not isinstance(b, Expr) or not isinstance(h, Expr) or not isinstance(span, Span) or str(span.size) != rows \
+            or not isinstance(full, Full):
+        raise _fail(p, f"the index of {ld.tensor}[...]")
+    return b, h, span.start
 
 
 def _element_stmts(stmts: tuple[Stmt, ...]) -> list[ScoreMod | Mask]:
@@ -159,9 +166,13 @@ def _element_stmts(stmts: tuple[Stmt, ...]) -> list[ScoreMod | Mask]:
 class _HookGen(CudaKernelGen):
     """Emits the three hook functions with `CudaKernelGen`'s expression, let and block-class machinery."""
 
-    def body(self, lines_from) -> list[str]:  # noqa: ANN001 - a callable filling self.lines
-        """One hook's lines: names start again from the dims, schedule constants and scalars."""
-        self.base_names = getattr(self, "base_names", dict(self.names))
+    def __init__(self, p: Program, k: Kernel, abi: LaunchAbi, plan: BlockMaskPlan) -> None:
+        super().__init__(p, k, abi, plan)
+        self.base_names = dict(self.names)  # the dims, schedule constants and scalars: what every hook starts from
+        self.fields: list[_Field] = []  # KbRow's pieces, hoisted while kb_score's statements are emitted
+
+    def body(self, lines_from: Callable[[], None]) -> list[str]:
+        """One hook's lines (`lines_from` emits them): names start again from the dims, schedule constants and scalars."""
         self.names = dict(self.base_names)
         self.lines, self.depth, self.scopes = [], 1, [set()]
         lines_from()
@@ -200,9 +211,10 @@ class _HookGen(CudaKernelGen):
         elif isinstance(st, ScoreMod) and self.p.score_mod is not None and st.tile == s:
             value, kind = self.element(self.p.score_mod.body, st)
             self.emit(f"kb_s = {value if kind is Kind.FLOAT else f'(float)({value})'};")
-        elif isinstance(st, Mask) and st.tile == s and (not st.use_mask_mod or self.p.mask_mod is not None):
-            if st.use_mask_mod:  # kv_idx < N: the kernel masks it itself
-                self.emit(f"if (!({self.element(self.p.mask_mod.body, st)[0]})) kb_s = -INFINITY;")
+        elif isinstance(st, Mask) and st.tile == s and not st.use_mask_mod:
+            pass  # kv_idx < N: the kernel masks it itself
+        elif isinstance(st, Mask) and st.tile == s and self.p.mask_mod is not None:
+            self.emit(f"if (!({self.element(self.p.mask_mod.body, st)[0]})) kb_s = -INFINITY;")
         else:
             raise _fail(self.p, f"the score statement {type(st).__name__}")
 
@@ -227,15 +239,16 @@ class _HookGen(CudaKernelGen):
                 and hoistable(e, lambda x: expr_kind(x, ctx)):
             kind = expr_kind(e, ctx)
             rng = ival(e, self.env(), self.aux_types()) if kind is Kind.INT else None
-            ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if fits32(rng) else "long long")
+            ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if rng is not None and fits32(rng) else "long long")
             name = f"kb_r{len(self.fields)}"
             code = lower_cexpr(e, ctx, self.width(ctx, set(_ROW_ARGS)))
             self.fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng))
             return Expr(ExprOp.VAR, value=name)
         return Expr(e.op, tuple(self.hoist(a, ctx) for a in e.args), e.value) if e.args else e
 
-    def env(self) -> dict[str, tuple]:
-        env = {d: (0, KB_DIM_LIMIT) for d in self.abi.dims}
+    def env(self) -> dict[str, Ival]:
+        """Bounds of the names the hooks' integers are built from: dims, KbRow's ints and kv_idx, the hoisted fields."""
+        env: dict[str, Ival] = {d: (0, KB_DIM_LIMIT) for d in self.abi.dims}
         env.update({n: (0, KB_DIM_LIMIT) for n in (*_ROW_ARGS, "kv_idx")})
         env.update({f.name: f.range for f in self.fields if f.range is not None})
         return env
@@ -249,14 +262,15 @@ class _HookGen(CudaKernelGen):
         ints = int_codes | {f"r.{f.name}" for f in self.fields if f.ctype == "int"}
         return IntWidth(narrow_ints(self.env(), self.aux_types(), lambda a: expr_kind(a, ctx)), frozenset(ints))
 
-    def row_hook(self) -> list[str]:
-        """struct KbRow and kb_row: b, h, q_idx and the hoisted pieces of one query row."""
+    def row_hook(self, locs: list[str]) -> list[str]:
+        """struct KbRow and kb_row: b, h, q_idx and the hoisted pieces of one query row; `locs` declare the dims and
+        scalars."""
         struct = ["struct KbRow {", "  int b, h, q_idx;", *(f"  {f.ctype} {f.name};" for f in self.fields), "};"]
         body = ["__device__ __forceinline__ KbRow kb_row(const KbArgs& kb_a, long long kb_b, long long kb_h, "
                 "long long kb_q) {",
                 "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT",
                 "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, q_idx = (int)kb_q;",
-                *self.locals_, "  KbRow r;", "  r.b = b; r.h = h; r.q_idx = q_idx;",
+                *locs, "  KbRow r;", "  r.b = b; r.h = h; r.q_idx = q_idx;",
                 *(f"  r.{f.name} = {f.code};" for f in self.fields), "  return r;", "}"]
         return struct + body
 
@@ -270,10 +284,10 @@ class _Field:
     ctype: str
     code: str  # C++ in kb_row's scope
     nonneg: bool
-    range: tuple | None
+    range: Ival | None
 
 
-def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN001
+def _hooks(p: Program, shape: _Shape, abi: LaunchAbi, scalars: list[Param]) -> str:
     plan = plan_block_mask(p)
     g = _HookGen(p, p.kernels[0], abi, plan)
     g.tiles[shape.s] = None  # type: ignore[assignment]  # the score is a tile name, never a scalar
@@ -294,16 +308,19 @@ def _hooks(p: Program, shape: _Shape, abi, scalars: list) -> str:  # noqa: ANN00
         for lo, hi in bounds:
             g.emit(f"if ({lo} < {hi} && ({lo} < 0 || kb_floormod({lo} - kb_lo, BLOCK_N) != 0)) __trap();")
 
+    def scores() -> None:
+        for st in shape.scores:
+            g.score_stmt(st, shape.s)
+
     kv = g.body(kv_range)
-    g.fields, g.locals_ = [], locs
-    score_lines = g.body(lambda: [g.score_stmt(st, shape.s) for st in shape.scores])
+    score_lines = g.body(scores)
     kind_lines = g.body(lambda: _kind_lines(g, shape, bounds))
     return "\n".join([
         f"__device__ __forceinline__ void kb_kv_range{head}, long long& kb_lo, long long& kb_hi) {{",
         *locs, *kv, "}",
         f"__device__ __forceinline__ int kb_block_kind{head}, long long kb_n_start) {{",
         *locs, *kind_lines, "}",
-        *g.row_hook(),
+        *g.row_hook(locs),
         "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, const KbRow& r, long long kb_kv, float kb_s) {",
         "  [[maybe_unused]] const int kv_idx = (int)kb_kv;  // the launcher refuses dims above KB_DIM_LIMIT",
         *locs, *score_lines, "  return kb_s;", "}"])
@@ -381,7 +398,7 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def _host(abi) -> list[str]:  # noqa: ANN001
+def _host(abi: LaunchAbi) -> list[str]:
     """`kb_launch` with the portable ABI: fill KbArgs, block classes first when there is a table, then the kernel."""
     L = [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
          "const double* scalars, void* stream) {", "  KbArgs kb_a;", *fill_args(abi),

@@ -128,7 +128,7 @@ def _check_body(kern: Kernel, plan: PackPlan, p: Program, has_mask: bool) -> str
     for st in walk_stmts(kern.body):
         why: str | None = None
         if isinstance(st, Let):
-            why = st.name not in plan.starts and _uses(st.value, plan)
+            why = None if st.name in plan.starts else _uses(st.value, plan)
             why = why and f"let {st.name} depends on {why}"
         elif isinstance(st, For):
             why = (_uses(st.lo, plan) or _uses(st.hi, plan)) and f"the bounds of loop {st.var} depend on the query block or head"

@@ -257,7 +257,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         out = self.set_tile(st.out, tuple(s for i, s in enumerate(src.shape) if i != st.axis), src.dtype)
         self.emit(f"{out} = tl.{st.kind}({self.local(st.src)}, {1 - st.axis if src.t else st.axis})")
 
-    def variant_names(self, st: ScoreMod | Mask, score: str | None) -> dict[str, Sym]:
+    def variant_names(self, st: ScoreMod | Mask | ScoreModGrad | AuxGrad, score: str | None) -> dict[str, Sym]:
         tile = self.tile(st.tile)
         if len(tile.shape) != 2:
             raise KBError(f"{st.op.value} {st.tile}: expects a 2-D score tile, got shape {tile.shape}")
