@@ -10,8 +10,9 @@ dq, dk, dv (+ the gradient of each learnable aux tensor an `aux_grad` targets). 
   binds dims, zero-fills the accumulated tensors (`accumulated_tensors`), allocates scratch, launches the kernels
   in order with the IR's grids; dq, dk, dv come back in the inputs' dtype, each aux gradient in its aux tensor's
   dtype, in the order `BWD_OUTPUTS` names;
-- its own design table and chooser (`BWD_DESIGNS`, `BWD_PROGRAM_DESIGN`, `_choose_bwd_design`) and block-class
-  kernel (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
+- its own design table and chooser (`BWD_DESIGNS`, `BWD_PROGRAM_DESIGN`, `_choose_bwd_design`: the runtime text of
+  kb/lower/triton_bwd_preamble.py, pasted after the forward preamble) and block-class kernel
+  (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
   appended to a forward module without clashing with its `forward`, `DESIGNS` or `_block_class_kernel`.
 
 `lower_autograd(fwd, bwd)` is that combined module plus `KBAttentionFunction` (a `torch.autograd.Function`)
@@ -29,7 +30,7 @@ from kb.ir.design import Design, DesignTable
 from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
-    _PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, program_signature,
+    PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, preamble_text, program_signature,
 )
 from kb.lower.triton_host import HostEntry, class_kernel, host_function, kernel_fn_name
 
@@ -41,71 +42,7 @@ BACKWARD_INPUTS = ("q", "k", "v", "o", "dout", "lse")  # the `in` params of a ba
 _GRADS = ("dq", "dk", "dv")
 _CLASS_KERNEL = "_bwd_block_class_kernel"
 
-_BWD_HELPERS = '''\
-def _bwd_interpreter_compat():
-    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
-    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
-    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kb_bwd_compat", False):
-        return
-    splat = interpreter.InterpreterBuilder.create_splat
-
-    def bool_splat(self, ret_ty, arg):
-        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
-            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
-        return splat(self, ret_ty, arg)
-
-    interpreter.InterpreterBuilder.create_splat = bool_splat
-    interpreter._kb_bwd_compat = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _bwd_interpreter_compat()
-
-
-_BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
-
-
-def _bwd_fits(design, launch):
-    """Run the backward at `design`; False when the GPU cannot run it (shared memory or registers)."""
-    try:
-        launch(design)
-        return True
-    except triton.runtime.errors.OutOfResources as err:
-        _log.info("%s: design %s does not fit this GPU (%s)", BWD_PROGRAM, design, err)
-        return False
-
-
-def _choose_bwd_design(t, D, key, launch):
-    """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
-    that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
-    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
-    if key in _BWD_PICKED:
-        return _BWD_PICKED[key]
-    if _interpreting(t):
-        _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
-        return BWD_PROGRAM_DESIGN
-    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
-    bucket = max(16, triton.next_power_of_2(D))
-    listed = BWD_DESIGNS.get(arch, {}).get(bucket, ())
-    choice = next((d for d in listed if _bwd_fits(d, launch)), None)
-    if choice is None:
-        pool = [d for table in BWD_DESIGNS.values() for d in table.get(bucket, ())]
-        pool = list(dict.fromkeys(pool + [BWD_PROGRAM_DESIGN]))
-        from triton.testing import do_bench
-
-        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in pool if _bwd_fits(d, launch)]
-        if not timed:
-            raise RuntimeError(f"{BWD_PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
-        ms, choice = min(timed)
-        _log.warning("%s: no listed backward design for %s at head dim %d fits; timed %d for shape %s, running %s "
-                     "(%.3f ms)", BWD_PROGRAM, arch, D, len(timed), key[2:], choice, ms)
-    _BWD_PICKED[key] = choice
-    return choice
-'''
+_BWD_PREAMBLE = preamble_text("triton_bwd_preamble.py")  # after the forward preamble, before the kernels
 
 
 def aux_gradients(p: Program) -> dict[str, str]:
@@ -161,7 +98,7 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     packs = "backward programs do not pack"
     entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
                       zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False)
-    out = ["", "", _BWD_HELPERS, *kernel_sources(p, sig, plan, opts, packs)]
+    out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
     out += ["", *_design_lines(p, designs), *host_function(p, sig, plan, packs, entry)]
@@ -171,7 +108,7 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
 def lower_backward(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
     """The source of a standalone module running backward program `p` (host function `backward`)."""
     head = f'"""Triton backward kernels for IR program `{p.name}`: generated by kb.lower.triton_bwd, do not edit."""'
-    return "\n".join([head, "", _PREAMBLE.rstrip(), backward_part(p, options, designs)]).rstrip() + "\n"
+    return "\n".join([head, "", PREAMBLE.rstrip(), backward_part(p, options, designs)]).rstrip() + "\n"
 
 
 # ------------------------------------------------------------------ autograd
