@@ -26,13 +26,13 @@ import dataclasses
 import logging
 
 from kb.errors import KBError
-from kb.ir.design import Design, DesignTable
+from kb.ir.design import DesignTable
 from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
     PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, preamble_text, program_signature,
 )
-from kb.lower.triton_host import HostEntry, class_kernel, host_function, kernel_fn_name
+from kb.lower.triton_host import HostEntry, backward_design_lines, class_kernel, host_function, kernel_fn_name
 
 __all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]
 
@@ -72,21 +72,6 @@ def _returns(p: Program) -> tuple[str, ...]:
     return (*_GRADS, *(f"{g}.to({a}.dtype)" for g, a in aux_gradients(p).items()))
 
 
-def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
-    table = {arch: {bucket: list(dict.fromkeys(d.as_tuple() for d in ds)) for bucket, ds in sorted(by.items())}
-             for arch, by in sorted((designs or {}).items())}
-    own = Design.of_schedule(p.schedule, tma=False, pack_gqa=False).as_tuple()
-    names = (*_GRADS, *aux_gradients(p))
-    return [f"BWD_PROGRAM = {p.name!r}",
-            "# Backward designs per GPU arch and head-dim bucket, best first: (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps,",
-            "# num_stages, tma, pack_gqa); backward programs do not pack GQA heads (their KV-outer loop walks the group)",
-            f"BWD_DESIGNS = {table!r}",
-            "# the backward program's own schedule: run by the interpreter (and verified there)",
-            f"BWD_PROGRAM_DESIGN = {own!r}",
-            f"BWD_OUTPUTS = {names!r}  # what backward() returns, in order",
-            "", ""]
-
-
 def backward_part(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
     """Everything of `p`'s module after the shared preamble: appendable to a forward module's source."""
     check_backward_params(p)
@@ -101,7 +86,8 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
-    out += ["", *_design_lines(p, designs), *host_function(p, sig, plan, packs, entry)]
+    outputs = (*_GRADS, *aux_gradients(p))
+    out += ["", *backward_design_lines(p, designs, outputs), *host_function(p, sig, plan, packs, entry)]
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -9,7 +9,7 @@ code. It holds:
   apart from the forward's `_choose_design` so that a module can hold both (kb.lower.triton_bwd.lower_autograd).
 
 The helpers read `BWD_PROGRAM`, `BWD_DESIGNS` and `BWD_PROGRAM_DESIGN`, which each generated backward module defines
-after its kernels (kb.lower.triton_bwd writes them); the placeholders at the end of this file
+after its kernels (kb.lower.triton_host.backward_design_lines writes them); the placeholders at the end of this file
 stand in for them here.
 """
 
