@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from string import Template
 
 from kb.errors import KBError
 from kb.ir.design import DesignTable
@@ -117,24 +118,14 @@ def _check_pair(fwd: Program, bwd: Program) -> None:
         raise KBError(f"backward {bwd.name} needs {', '.join(missing)}, which forward {fwd.name} does not take")
 
 
-def autograd_glue(fwd: Program, bwd: Program) -> str:
-    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
-    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
-    _check_pair(fwd, bwd)
-    outs = [q.name for q in fwd.params if q.role is Role.OUT]
-    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
-    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
-    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    learnable = tuple(aux_gradients(bwd).values())
-    return f'''
+_AUTOGRAD_GLUE = Template('''
 
-# ---- autograd: forward `{fwd.name}` saves lse, backward `{bwd.name}` computes the gradients ----
-_KB_AUX = {aux!r}  # aux tensors of kb_attention, in this order after the scalars
-_KB_BWD_AUX = {bwd_aux!r}  # the ones backward() reads
-_KB_SCALARS = {scalars!r}
-_KB_BWD_SCALARS = {bwd_scalars!r}
-_KB_LEARNABLE = {learnable!r}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
+# ---- autograd: forward `${fwd}` saves lse, backward `${bwd}` computes the gradients ----
+_KB_AUX = ${aux}  # aux tensors of kb_attention, in this order after the scalars
+_KB_BWD_AUX = ${bwd_aux}  # the ones backward() reads
+_KB_SCALARS = ${scalars}
+_KB_BWD_SCALARS = ${bwd_scalars}
+_KB_LEARNABLE = ${learnable}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
 
 
 class KBAttentionFunction(torch.autograd.Function):
@@ -143,7 +134,7 @@ class KBAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, scalars, *aux):
         outs = forward(q, k, v, sm_scale=sm_scale, **scalars, **dict(zip(_KB_AUX, aux)))
-        o, lse = outs[{outs.index("o")}], outs[{outs.index("lse")}]
+        o, lse = outs[${o_index}], outs[${lse_index}]
         ctx.save_for_backward(q, k, v, o, lse, *aux)
         ctx.sm_scale, ctx.scalars = sm_scale, scalars
         ctx.mark_non_differentiable(lse)
@@ -154,24 +145,40 @@ class KBAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *aux = ctx.saved_tensors
         named = dict(zip(_KB_AUX, aux))
         grads = backward(q, k, v, o, dout.to(q.dtype).contiguous(), lse, sm_scale=ctx.sm_scale,
-                         **{{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}}, **{{n: named[n] for n in _KB_BWD_AUX}})
+                         **{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}, **{n: named[n] for n in _KB_BWD_AUX})
         aux_grads = dict(zip(_KB_LEARNABLE, grads[3:]))
         wanted = ctx.needs_input_grad[5:]
         return (*grads[:3], None, None, *(aux_grads.get(n) if w else None for n, w in zip(_KB_AUX, wanted)))
 
 
 def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
-    """Attention of `{fwd.name}`, differentiable in q, k, v{" and " + ", ".join(learnable) if learnable else ""}."""
+    """Attention of `${fwd}`, differentiable in q, k, v${and_learnable}."""
     kw = dict(aux_and_scalars)
     missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
     if missing:
-        raise ForwardArgumentError(f"kb_attention() needs {{missing}}")
+        raise ForwardArgumentError(f"kb_attention() needs {missing}")
     aux = tuple(kw.pop(n) for n in _KB_AUX)
-    scalars = {{n: kw.pop(n) for n in _KB_SCALARS}}
+    scalars = {n: kw.pop(n) for n in _KB_SCALARS}
     if kw:
-        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {{sorted(kw)}}")
+        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
     return KBAttentionFunction.apply(q, k, v, sm_scale, scalars, *aux)
-'''
+''')
+
+
+def autograd_glue(fwd: Program, bwd: Program) -> str:
+    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
+    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
+    _check_pair(fwd, bwd)
+    outs = [q.name for q in fwd.params if q.role is Role.OUT]
+    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
+    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
+    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    learnable = tuple(aux_gradients(bwd).values())
+    return _AUTOGRAD_GLUE.substitute(
+        fwd=fwd.name, bwd=bwd.name, aux=repr(aux), bwd_aux=repr(bwd_aux), scalars=repr(scalars),
+        bwd_scalars=repr(bwd_scalars), learnable=repr(learnable), o_index=outs.index("o"), lse_index=outs.index("lse"),
+        and_learnable=" and " + ", ".join(learnable) if learnable else "")
 
 
 def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = None,
