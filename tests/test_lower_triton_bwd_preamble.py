@@ -3,6 +3,10 @@ module, and pasted byte for byte after the forward preamble into what kb.lower.t
 
 from __future__ import annotations
 
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below (as the lowering tests run)
+
 from pathlib import Path
 
 import pytest
