@@ -3,6 +3,10 @@ and pasted byte for byte into what kb.lower.triton generates."""
 
 from __future__ import annotations
 
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below (as the lowering tests run)
+
 from pathlib import Path
 
 import pytest

@@ -30,7 +30,7 @@ import torch
 
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
-from kb.ir.algebra import conjuncts
+from kb.ir.algebra import conjuncts, disjuncts
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, number, var, walk
 
 __all__ = [
@@ -90,12 +90,6 @@ class ScoreClass:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _disjuncts(e: Expr) -> list[Expr]:
-    if e.op is ExprOp.OR:
-        return _disjuncts(e.args[0]) + _disjuncts(e.args[1])
-    return [e]
 
 
 def _has_load(e: Expr) -> bool:
@@ -253,7 +247,7 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
             kinds.add("block_sparse")
             tensors.append(name)
             continue
-        parts = _disjuncts(t)
+        parts = disjuncts(t)
         pre = [p for p in parts if _prefix_load_term(p)]
         others = [p for p in parts if not _prefix_load_term(p)]
         if len(pre) == 1 and len(others) == 1 and not _has_load(others[0]):

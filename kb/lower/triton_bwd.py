@@ -10,8 +10,9 @@ dq, dk, dv (+ the gradient of each learnable aux tensor an `aux_grad` targets). 
   binds dims, zero-fills the accumulated tensors (`accumulated_tensors`), allocates scratch, launches the kernels
   in order with the IR's grids; dq, dk, dv come back in the inputs' dtype, each aux gradient in its aux tensor's
   dtype, in the order `BWD_OUTPUTS` names;
-- its own design table and chooser (`BWD_DESIGNS`, `BWD_PROGRAM_DESIGN`, `_choose_bwd_design`) and block-class
-  kernel (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
+- its own design table and chooser (`BWD_DESIGNS`, `BWD_PROGRAM_DESIGN`, `_choose_bwd_design`: the runtime text of
+  kb/lower/triton_bwd_preamble.py, pasted after the forward preamble) and block-class kernel
+  (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
   appended to a forward module without clashing with its `forward`, `DESIGNS` or `_block_class_kernel`.
 
 `lower_autograd(fwd, bwd)` is that combined module plus `KBAttentionFunction` (a `torch.autograd.Function`)
@@ -23,15 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from string import Template
 
 from kb.errors import KBError
-from kb.ir.design import Design, DesignTable
+from kb.ir.design import DesignTable
 from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
-    _PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, program_signature,
+    PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, preamble_text, program_signature,
 )
-from kb.lower.triton_host import HostEntry, class_kernel, host_function, kernel_fn_name
+from kb.lower.triton_host import HostEntry, backward_design_lines, class_kernel, host_function, kernel_fn_name
 
 __all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]
 
@@ -41,71 +43,7 @@ BACKWARD_INPUTS = ("q", "k", "v", "o", "dout", "lse")  # the `in` params of a ba
 _GRADS = ("dq", "dk", "dv")
 _CLASS_KERNEL = "_bwd_block_class_kernel"
 
-_BWD_HELPERS = '''\
-def _bwd_interpreter_compat():
-    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
-    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
-    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kb_bwd_compat", False):
-        return
-    splat = interpreter.InterpreterBuilder.create_splat
-
-    def bool_splat(self, ret_ty, arg):
-        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
-            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
-        return splat(self, ret_ty, arg)
-
-    interpreter.InterpreterBuilder.create_splat = bool_splat
-    interpreter._kb_bwd_compat = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _bwd_interpreter_compat()
-
-
-_BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
-
-
-def _bwd_fits(design, launch):
-    """Run the backward at `design`; False when the GPU cannot run it (shared memory or registers)."""
-    try:
-        launch(design)
-        return True
-    except triton.runtime.errors.OutOfResources as err:
-        _log.info("%s: design %s does not fit this GPU (%s)", BWD_PROGRAM, design, err)
-        return False
-
-
-def _choose_bwd_design(t, D, key, launch):
-    """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
-    that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
-    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
-    if key in _BWD_PICKED:
-        return _BWD_PICKED[key]
-    if _interpreting(t):
-        _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
-        return BWD_PROGRAM_DESIGN
-    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
-    bucket = max(16, triton.next_power_of_2(D))
-    listed = BWD_DESIGNS.get(arch, {}).get(bucket, ())
-    choice = next((d for d in listed if _bwd_fits(d, launch)), None)
-    if choice is None:
-        pool = [d for table in BWD_DESIGNS.values() for d in table.get(bucket, ())]
-        pool = list(dict.fromkeys(pool + [BWD_PROGRAM_DESIGN]))
-        from triton.testing import do_bench
-
-        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in pool if _bwd_fits(d, launch)]
-        if not timed:
-            raise RuntimeError(f"{BWD_PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
-        ms, choice = min(timed)
-        _log.warning("%s: no listed backward design for %s at head dim %d fits; timed %d for shape %s, running %s "
-                     "(%.3f ms)", BWD_PROGRAM, arch, D, len(timed), key[2:], choice, ms)
-    _BWD_PICKED[key] = choice
-    return choice
-'''
+_BWD_PREAMBLE = preamble_text("triton_bwd_preamble.py")  # after the forward preamble, before the kernels
 
 
 def aux_gradients(p: Program) -> dict[str, str]:
@@ -135,21 +73,6 @@ def _returns(p: Program) -> tuple[str, ...]:
     return (*_GRADS, *(f"{g}.to({a}.dtype)" for g, a in aux_gradients(p).items()))
 
 
-def _design_lines(p: Program, designs: DesignTable | None) -> list[str]:
-    table = {arch: {bucket: list(dict.fromkeys(d.as_tuple() for d in ds)) for bucket, ds in sorted(by.items())}
-             for arch, by in sorted((designs or {}).items())}
-    own = Design.of_schedule(p.schedule, tma=False, pack_gqa=False).as_tuple()
-    names = (*_GRADS, *aux_gradients(p))
-    return [f"BWD_PROGRAM = {p.name!r}",
-            "# Backward designs per GPU arch and head-dim bucket, best first: (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps,",
-            "# num_stages, tma, pack_gqa); backward programs do not pack GQA heads (their KV-outer loop walks the group)",
-            f"BWD_DESIGNS = {table!r}",
-            "# the backward program's own schedule: run by the interpreter (and verified there)",
-            f"BWD_PROGRAM_DESIGN = {own!r}",
-            f"BWD_OUTPUTS = {names!r}  # what backward() returns, in order",
-            "", ""]
-
-
 def backward_part(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
     """Everything of `p`'s module after the shared preamble: appendable to a forward module's source."""
     check_backward_params(p)
@@ -161,17 +84,18 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     packs = "backward programs do not pack"
     entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
                       zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False)
-    out = ["", "", _BWD_HELPERS, *kernel_sources(p, sig, plan, opts, packs)]
+    out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
-    out += ["", *_design_lines(p, designs), *host_function(p, sig, plan, packs, entry)]
+    outputs = (*_GRADS, *aux_gradients(p))
+    out += ["", *backward_design_lines(p, designs, outputs), *host_function(p, sig, plan, packs, entry)]
     return "\n".join(out).rstrip() + "\n"
 
 
 def lower_backward(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
     """The source of a standalone module running backward program `p` (host function `backward`)."""
     head = f'"""Triton backward kernels for IR program `{p.name}`: generated by kb.lower.triton_bwd, do not edit."""'
-    return "\n".join([head, "", _PREAMBLE.rstrip(), backward_part(p, options, designs)]).rstrip() + "\n"
+    return "\n".join([head, "", PREAMBLE.rstrip(), backward_part(p, options, designs)]).rstrip() + "\n"
 
 
 # ------------------------------------------------------------------ autograd
@@ -194,24 +118,14 @@ def _check_pair(fwd: Program, bwd: Program) -> None:
         raise KBError(f"backward {bwd.name} needs {', '.join(missing)}, which forward {fwd.name} does not take")
 
 
-def autograd_glue(fwd: Program, bwd: Program) -> str:
-    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
-    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
-    _check_pair(fwd, bwd)
-    outs = [q.name for q in fwd.params if q.role is Role.OUT]
-    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
-    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
-    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    learnable = tuple(aux_gradients(bwd).values())
-    return f'''
+_AUTOGRAD_GLUE = Template('''
 
-# ---- autograd: forward `{fwd.name}` saves lse, backward `{bwd.name}` computes the gradients ----
-_KB_AUX = {aux!r}  # aux tensors of kb_attention, in this order after the scalars
-_KB_BWD_AUX = {bwd_aux!r}  # the ones backward() reads
-_KB_SCALARS = {scalars!r}
-_KB_BWD_SCALARS = {bwd_scalars!r}
-_KB_LEARNABLE = {learnable!r}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
+# ---- autograd: forward `${fwd}` saves lse, backward `${bwd}` computes the gradients ----
+_KB_AUX = ${aux}  # aux tensors of kb_attention, in this order after the scalars
+_KB_BWD_AUX = ${bwd_aux}  # the ones backward() reads
+_KB_SCALARS = ${scalars}
+_KB_BWD_SCALARS = ${bwd_scalars}
+_KB_LEARNABLE = ${learnable}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
 
 
 class KBAttentionFunction(torch.autograd.Function):
@@ -220,7 +134,7 @@ class KBAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sm_scale, scalars, *aux):
         outs = forward(q, k, v, sm_scale=sm_scale, **scalars, **dict(zip(_KB_AUX, aux)))
-        o, lse = outs[{outs.index("o")}], outs[{outs.index("lse")}]
+        o, lse = outs[${o_index}], outs[${lse_index}]
         ctx.save_for_backward(q, k, v, o, lse, *aux)
         ctx.sm_scale, ctx.scalars = sm_scale, scalars
         ctx.mark_non_differentiable(lse)
@@ -231,24 +145,40 @@ class KBAttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *aux = ctx.saved_tensors
         named = dict(zip(_KB_AUX, aux))
         grads = backward(q, k, v, o, dout.to(q.dtype).contiguous(), lse, sm_scale=ctx.sm_scale,
-                         **{{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}}, **{{n: named[n] for n in _KB_BWD_AUX}})
+                         **{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}, **{n: named[n] for n in _KB_BWD_AUX})
         aux_grads = dict(zip(_KB_LEARNABLE, grads[3:]))
         wanted = ctx.needs_input_grad[5:]
         return (*grads[:3], None, None, *(aux_grads.get(n) if w else None for n, w in zip(_KB_AUX, wanted)))
 
 
 def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
-    """Attention of `{fwd.name}`, differentiable in q, k, v{" and " + ", ".join(learnable) if learnable else ""}."""
+    """Attention of `${fwd}`, differentiable in q, k, v${and_learnable}."""
     kw = dict(aux_and_scalars)
     missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
     if missing:
-        raise ForwardArgumentError(f"kb_attention() needs {{missing}}")
+        raise ForwardArgumentError(f"kb_attention() needs {missing}")
     aux = tuple(kw.pop(n) for n in _KB_AUX)
-    scalars = {{n: kw.pop(n) for n in _KB_SCALARS}}
+    scalars = {n: kw.pop(n) for n in _KB_SCALARS}
     if kw:
-        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {{sorted(kw)}}")
+        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
     return KBAttentionFunction.apply(q, k, v, sm_scale, scalars, *aux)
-'''
+''')
+
+
+def autograd_glue(fwd: Program, bwd: Program) -> str:
+    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
+    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
+    _check_pair(fwd, bwd)
+    outs = [q.name for q in fwd.params if q.role is Role.OUT]
+    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
+    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
+    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
+    learnable = tuple(aux_gradients(bwd).values())
+    return _AUTOGRAD_GLUE.substitute(
+        fwd=fwd.name, bwd=bwd.name, aux=repr(aux), bwd_aux=repr(bwd_aux), scalars=repr(scalars),
+        bwd_scalars=repr(bwd_scalars), learnable=repr(learnable), o_index=outs.index("o"), lse_index=outs.index("lse"),
+        and_learnable=" and " + ", ".join(learnable) if learnable else "")
 
 
 def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = None,

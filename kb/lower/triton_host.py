@@ -3,7 +3,8 @@
 As Inductor keeps FlexAttention's algorithm in one template and injects score_mod/mask_mod into it, the code a
 module runs around its kernels is written out here once, as it appears in the generated file, and only the
 program-specific pieces are filled in (`string.Template` holes, `${name}`):
-- `design_lines`: the module's constants (PROGRAM, the design table DESIGNS, PROGRAM_DESIGN);
+- `design_lines`: the module's constants (PROGRAM, the design table DESIGNS, PROGRAM_DESIGN); a backward's
+  (`backward_design_lines`) are BWD_PROGRAM, BWD_DESIGNS, BWD_PROGRAM_DESIGN and BWD_OUTPUTS;
 - `class_kernel`: the block-class kernel that fills the host table, with the program's mask_mod injected;
 - `host_function`: the host `forward` (or a backward's `backward`): argument checks, then `launch(design)`,
   which allocates the outputs, builds or reuses the block table and launches every kernel.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from string import Template
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import free_vars, loaded_tensors
@@ -27,8 +28,8 @@ from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
 
-__all__ = ["HostEntry", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "class_kernel",
-           "host_function"]
+__all__ = ["HostEntry", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "backward_design_lines",
+           "class_kernel", "host_function"]
 
 
 def kernel_fn_name(k: Kernel) -> str:
@@ -74,20 +75,42 @@ PROGRAM_DESIGN = ${own}
 ''')
 
 
+_BWD_DESIGNS = Template('''\
+BWD_PROGRAM = ${program}
+# Backward designs per GPU arch and head-dim bucket, best first: (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps,
+# num_stages, tma, pack_gqa); backward programs do not pack GQA heads (their KV-outer loop walks the group)
+BWD_DESIGNS = ${designs}
+# the backward program's own schedule: run by the interpreter (and verified there)
+BWD_PROGRAM_DESIGN = ${own}
+BWD_OUTPUTS = ${outputs}  # what backward() returns, in order
+
+''')
+
+
+def _design_table(designs: DesignTable | None, spell: Callable[[Design], tuple]) -> dict[str, dict[int, list[tuple]]]:
+    """{arch: {head-dim bucket: design tuples, best first, deduplicated}}, sorted, each design spelled by `spell`."""
+    return {arch: {bucket: list(dict.fromkeys(spell(d) for d in ds)) for bucket, ds in sorted(by.items())}
+            for arch, by in sorted((designs or {}).items())}
+
+
 def design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> list[str]:
     """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule.
 
     A program that cannot pack lists its designs unpacked (deduplicated), so the table says what runs; a split-KV
     program that can pack verifies its packed form (its own schedule packs)."""
     packable = isinstance(packs, dict)
-
-    def tuples(ds: tuple[Design, ...]) -> list[tuple]:
-        return list(dict.fromkeys(d.as_tuple() if packable else dataclasses.replace(d, pack_gqa=False).as_tuple() for d in ds))
-
-    table = {arch: {bucket: tuples(ds) for bucket, ds in sorted(by.items())} for arch, by in sorted((designs or {}).items())}
+    table = _design_table(designs, Design.as_tuple if packable else lambda d: dataclasses.replace(d, pack_gqa=False).as_tuple())
     own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and bool(split_kernels(p))).as_tuple()
     packing = "available (designs with pack_gqa run the packed kernels)" if packable else f"not used, {packs}"
     return _lines(_DESIGNS.substitute(program=repr(p.name), packing=packing, designs=repr(table), own=repr(own)))
+
+
+def backward_design_lines(p: Program, designs: DesignTable | None, outputs: tuple[str, ...]) -> list[str]:
+    """A backward module's constants (BWD_*, beside a forward's in one module): its design table, its own schedule
+    (no tensor descriptors, no packing) and the names `backward` returns (`outputs`)."""
+    own = Design.of_schedule(p.schedule, tma=False, pack_gqa=False).as_tuple()
+    return _lines(_BWD_DESIGNS.substitute(program=repr(p.name), designs=repr(_design_table(designs, Design.as_tuple)),
+                                          own=repr(own), outputs=repr(outputs)))
 
 
 # ------------------------------------------------------------------ block-class kernel

@@ -1,0 +1,93 @@
+"""The runtime of generated Triton backward modules (after the forward preamble), as a module of its own.
+
+The text between the two marker lines below is pasted, byte for byte, into each module kb.lower.triton_bwd generates,
+right after the forward preamble (kb/lower/triton_preamble.py), whose names (os, torch, triton, tl, `_log`,
+`_interpreting`) it uses; here they are imported from there, so the text is linted and imported by tests like any other
+code. It holds:
+- an interpreter fix (`_bwd_interpreter_compat`), applied only when TRITON_INTERPRET=1;
+- the backward's own design choice per GPU and shape (`_choose_bwd_design`, `_bwd_fits`, cache `_BWD_PICKED`),
+  apart from the forward's `_choose_design` so that a module can hold both (kb.lower.triton_bwd.lower_autograd).
+
+The helpers read `BWD_PROGRAM`, `BWD_DESIGNS` and `BWD_PROGRAM_DESIGN`, which each generated backward module defines
+after its kernels (kb.lower.triton_host.backward_design_lines writes them); the placeholders at the end of this file
+stand in for them here.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kb.lower.triton_preamble import _interpreting, _log  # one namespace with the forward preamble when pasted
+
+# ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
+def _bwd_interpreter_compat():
+    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
+    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
+    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kb_bwd_compat", False):
+        return
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def bool_splat(self, ret_ty, arg):
+        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
+            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
+        return splat(self, ret_ty, arg)
+
+    interpreter.InterpreterBuilder.create_splat = bool_splat
+    interpreter._kb_bwd_compat = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _bwd_interpreter_compat()
+
+
+_BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
+
+
+def _bwd_fits(design, launch):
+    """Run the backward at `design`; False when the GPU cannot run it (shared memory or registers)."""
+    try:
+        launch(design)
+        return True
+    except triton.runtime.errors.OutOfResources as err:
+        _log.info("%s: design %s does not fit this GPU (%s)", BWD_PROGRAM, design, err)
+        return False
+
+
+def _choose_bwd_design(t, D, key, launch):
+    """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
+    that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
+    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    if key in _BWD_PICKED:
+        return _BWD_PICKED[key]
+    if _interpreting(t):
+        _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
+        return BWD_PROGRAM_DESIGN
+    arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
+    bucket = max(16, triton.next_power_of_2(D))
+    listed = BWD_DESIGNS.get(arch, {}).get(bucket, ())
+    choice = next((d for d in listed if _bwd_fits(d, launch)), None)
+    if choice is None:
+        pool = [d for table in BWD_DESIGNS.values() for d in table.get(bucket, ())]
+        pool = list(dict.fromkeys(pool + [BWD_PROGRAM_DESIGN]))
+        from triton.testing import do_bench
+
+        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in pool if _bwd_fits(d, launch)]
+        if not timed:
+            raise RuntimeError(f"{BWD_PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
+        ms, choice = min(timed)
+        _log.warning("%s: no listed backward design for %s at head dim %d fits; timed %d for shape %s, running %s "
+                     "(%.3f ms)", BWD_PROGRAM, arch, D, len(timed), key[2:], choice, ms)
+    _BWD_PICKED[key] = choice
+    return choice
+# ---- generated modules: preamble ends ----
+
+# placeholders for the generated module's own constants (see the module docstring)
+BWD_PROGRAM = "triton_bwd_preamble"
+BWD_DESIGNS: dict = {}
+BWD_PROGRAM_DESIGN = (64, 64, 1, 4, 2, False, False)

@@ -1,0 +1,47 @@
+"""The backward runtime of generated Triton backward modules (kb/lower/triton_bwd_preamble.py): imported and run as a
+module, and pasted byte for byte after the forward preamble into what kb.lower.triton_bwd generates."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below (as the lowering tests run)
+
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from kb.lower import triton_bwd_preamble as pre
+from kb.lower.triton import PREAMBLE
+from kb.lower.triton_bwd import lower_backward
+from tests.support.ir_programs import causal_bwd
+
+
+def test_generated_backward_modules_carry_the_text_after_the_forward_preamble() -> None:
+    text = Path(pre.__file__).read_text()
+    body = text.split("preamble begins", 1)[1].split("\n", 1)[1].split("# ---- generated modules: preamble ends")[0]
+    assert body.startswith("def _bwd_interpreter_compat():\n") and body.endswith("\n")
+    after = lower_backward(causal_bwd()).split(PREAMBLE.rstrip(), 1)[1]
+    assert after.startswith("\n\n\n" + body + "\n\n@triton.jit\n")
+
+
+def test_interpreter_runs_the_programs_own_schedule_once_per_shape() -> None:
+    launched: list[tuple] = []
+    key = ("test_bwd_preamble", torch.float32, 1, 2)
+    t = torch.empty(1)  # a CPU tensor: the interpreter's case
+    assert pre._choose_bwd_design(t, 16, key, launched.append) == pre.BWD_PROGRAM_DESIGN
+    pre._BWD_PICKED[key] = (32, 32, 1, 4, 1, False, False)
+    assert pre._choose_bwd_design(t, 16, key, launched.append) == (32, 32, 1, 4, 1, False, False)  # cached per key
+    assert launched == []  # nothing is timed under the interpreter
+
+
+def test_a_design_that_does_not_fit_is_skipped() -> None:
+    def too_big(design: tuple) -> None:
+        raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    assert pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, lambda design: None)
+    assert not pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, too_big)
+    with pytest.raises(ValueError):  # anything else is not a fit test's business
+        pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, lambda design: int("x"))
