@@ -70,7 +70,7 @@ def test_extra_inputs_without_get_inputs_for_only_vary_batch() -> None:
 
 def test_cli_writes_json_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "report.json"
-    code = verify_command(SPEC, FIX / "../cheats/calls_sdpa.py", out, as_json=True, torch_baseline=False)
+    code = verify_command(SPEC, Path(__file__).parent / "cheats" / "calls_sdpa.py", out, as_json=True, torch_baseline=False)
     assert code == 1
     report = VerifyResult.from_json(out.read_text())
     assert report.verdict is Verdict.forbidden_call and report.finding and report.finding.op
