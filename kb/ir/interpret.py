@@ -118,7 +118,7 @@ def interpret(p: Program, inputs: Inputs, *, shapes: Mapping[str, int] | None = 
 def bind_dims(p: Program, inputs: Inputs, shapes: Mapping[str, int] | None = None) -> dict[str, int]:
     """Dims and schedule constants; KBError when inputs disagree or a needed dim is unknown."""
     s = p.schedule
-    dims: dict[str, int] = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits}
+    dims: dict[str, int] = s.tile_constants()
     source: dict[str, str] = {k: "the schedule" for k in dims}
 
     def bind(name: str, value: int, where: str) -> None:

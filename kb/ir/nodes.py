@@ -113,6 +113,10 @@ class Schedule:
     num_splits: int = 1  # NUM_SPLITS for split-KV programs
     warp_specialize: bool = False  # hint carried from Hopper/Blackwell references
 
+    def tile_constants(self) -> dict[str, int]:
+        """BLOCK_M, BLOCK_N and NUM_SPLITS: the schedule constants every launch fixes (the head pads may not be)."""
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "NUM_SPLITS": self.num_splits}
+
     @property
     def fixed_head_pad(self) -> int | None:
         """HEAD_PAD when the schedule fixes it; None when each launch picks it from D (`head_pad_for`)."""

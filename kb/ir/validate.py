@@ -88,8 +88,7 @@ def _reserved(p: Program) -> set[str]:
 
 
 def _const_value(name: str, s: Schedule) -> int | None:
-    values = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits,
-              "HEAD_PAD": s.fixed_head_pad}
+    values = {**s.tile_constants(), "HEAD_PAD": s.fixed_head_pad}
     return values.get(name)
 
 

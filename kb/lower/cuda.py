@@ -307,7 +307,7 @@ class CudaKernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     def _schedule_int(self, d: object) -> int | None:
         """The value of BLOCK_M, BLOCK_N or NUM_SPLITS; None for anything else."""
         s = self.p.schedule
-        return {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits}.get(d) if isinstance(d, str) else None
+        return s.tile_constants().get(d) if isinstance(d, str) else None
 
     def _const_size(self, d: object) -> int | str:
         if isinstance(d, int):

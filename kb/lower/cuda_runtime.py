@@ -155,7 +155,7 @@ class CudaKernel:
 
     def _dims(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
         s = self.program.schedule
-        dims: dict[str, int] = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits}
+        dims: dict[str, int] = s.tile_constants()
         for t in self.abi.tensors:
             if t.name not in tensors:
                 continue

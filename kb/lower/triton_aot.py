@@ -85,7 +85,7 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     s = p.schedule
     head_pad = s.head_pad_for(head_dim, DOT_MIN_K)
     head_pad_v = s.value_head_pad_for(head_dim_v, DOT_MIN_K)
-    consts = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "NUM_SPLITS": s.num_splits, "HEAD_PAD": head_pad,
+    consts = {**s.tile_constants(), "HEAD_PAD": head_pad,
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
               "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v}
     out = []
