@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -61,26 +63,37 @@ def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
 
 @pytest.fixture(scope="session")
 def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  # noqa: ANN001
-    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache)."""
-    import os
+    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache).
 
+    Built once per run: pytest-xdist workers share the run's base temp directory, and the first worker to take
+    the lock builds the home there while the others wait and read it (tests copy it before writing)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    home, summary = shared / "kb-ingested", shared / "kb-ingested.summary.pickle"
+    with open(shared / "kb-ingested.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not summary.exists():
+            shutil.rmtree(home, ignore_errors=True)  # a worker that died mid-build left no summary
+            summary.write_bytes(pickle.dumps(_ingest_all(home, embedder)))
+    INGEST_SUMMARY["all"] = pickle.loads(summary.read_bytes())
+    return home
+
+
+def _ingest_all(home: Path, embedder: SentenceEmbedder):  # noqa: ANN202
+    from ingest.manifest import list_manifests
     from ingest.run import ingest
     from kb.store import open_kb
 
-    home = tmp_path_factory.mktemp("kb-ingested")
     old = os.environ.get("KB_CACHE_DIR")
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     try:
-        from ingest.manifest import list_manifests
-
         with open_kb(load_settings(home=home), embedder=embedder) as kb:
-            INGEST_SUMMARY["all"] = ingest(kb, [m.name for m in list_manifests()], progress=False)
+            return ingest(kb, [m.name for m in list_manifests()], progress=False)
     finally:
         if old is None:
             os.environ.pop("KB_CACHE_DIR", None)
         else:
             os.environ["KB_CACHE_DIR"] = old
-    return home
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from kb.features import Features
-from kb.store import open_kb
 from kb.store.models import Kernel, Snippet
 from tests.support.generate_fixtures import INGEST_SUMMARY
 from tests.support.repo import KB_CLI, REPO, TEST_CACHE
@@ -20,12 +19,9 @@ pytestmark = pytest.mark.network
 REQUIRED_KINDS = {"mask_causal", "mask_local", "alibi", "softcap", "dropout", "split_kv_combine", "paged_kv", "gqa", "varlen"}
 
 
-def test_corpus_coverage(ingested_home: Path, embedder) -> None:
-    from kb.settings import load_settings
-
-    with open_kb(load_settings(home=ingested_home), embedder=embedder) as kb:
-        kernels = kb.list(Kernel)
-        snippets = kb.list(Snippet)
+def test_corpus_coverage(ingested_kb) -> None:  # noqa: ANN001
+    kernels = ingested_kb.list(Kernel)
+    snippets = ingested_kb.list(Snippet)
     triton = [k for k in kernels if k.family.startswith("fa2_triton") and k.verified]
     assert len(triton) >= 3, [k.name for k in kernels]
     fa2 = [k for k in kernels if k.family == "fa2_cuda" and k.ir_text.startswith("program ")]

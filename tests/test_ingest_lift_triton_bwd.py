@@ -15,26 +15,13 @@ from ingest.manifest import find_manifest
 from ingest.model import LiftReport, Provenance
 from kb.ir.nodes import For, Probs, Store, is_backward, walk_stmts
 from kb.ir.text import parse_program, print_program
-
-CACHE = Path(__file__).resolve().parent.parent / ".kb-test-cache"
-FA2 = "flash_attn/flash_attn_triton.py"
-
-
-def _base(rel: str) -> Provenance:
-    return Provenance("flash-attn", "2.8.3.post2", rel, 1, 1, "triton", "")
-
-
-@lru_cache(maxsize=None)
-def _fa2() -> tuple[Path, LiftReport]:
-    src = fetch(find_manifest("flash-attn-2"))
-    (top,) = [p for p in src.root.iterdir() if p.is_dir()]
-    return top / FA2, lift_file(top / FA2, _base(f"{top.name}/{FA2}"), "fa2_triton")
-
+from tests.support.backward import fa2_provenance, fa2_triton_lift
+from tests.support.repo import TEST_CACHE
 
 @pytest.fixture
 def fa2(monkeypatch):
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
-    return _fa2()
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
+    return fa2_triton_lift()
 
 
 def _backward(rep: LiftReport) -> dict[str, object]:
@@ -103,12 +90,12 @@ AMD = "flash_attn/flash_attn_triton_amd/bwd_prefill_split.py"
 def _amd() -> LiftReport:
     src = fetch(find_manifest("flash-attn-2"))
     (top,) = [p for p in src.root.iterdir() if p.is_dir()]
-    return lift_file(top / AMD, _base(f"{top.name}/{AMD}"), "fa2_triton_amd")
+    return lift_file(top / AMD, fa2_provenance(f"{top.name}/{AMD}"), "fa2_triton_amd")
 
 
 @pytest.mark.network
 def test_amd_split_backward_pairs_dkdv_with_its_dq_pass(monkeypatch):
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
     rep = _amd()
     progs = _backward(rep)
     assert sorted(progs) == ["fa2_triton_amd_bwd_kernel_dkdv_noncausal", "fa2_triton_amd_bwd_kernel_dkdv_noncausal_use_alibi"]

@@ -26,7 +26,7 @@ from kb.ir.nodes import Dtype, For, IfBlock, Param, Program, Role
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.block_mask import BlockMaskKind, _block_tests, plan_block_mask
 from kb.lower.triton import LowerOptions, lower_program
-from tests.support.attn_reference import reference_attention
+from tests.support.attn_reference import dense_block_classes, reference_attention
 from tests.support.ir_programs import FIXTURES, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
@@ -163,19 +163,6 @@ BLOCK_MASKS = [
     "kv_idx <= 17",
     "q_idx == kv_idx",
 ]
-
-
-def dense_block_classes(mask_mod, M: int, N: int, BLOCK_M: int, BLOCK_N: int) -> torch.Tensor:
-    """[cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)] IR block classes (0 empty, 1 partial, 2 full) of `mask_mod(q_idx, kv_idx)`
-    evaluated on every pair: the oracle of the closed-form tests and of the module's block-class kernel."""
-    nm, nn = -(-M // BLOCK_M), -(-N // BLOCK_N)
-    q_idx, kv_idx = torch.arange(nm * BLOCK_M).view(-1, 1), torch.arange(nn * BLOCK_N).view(1, -1)
-    in_range = (q_idx < M) & (kv_idx < N)
-    attend = torch.as_tensor(mask_mod(q_idx, kv_idx)).bool().expand_as(in_range) & in_range
-    n_in = in_range.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    n_att = attend.view(nm, BLOCK_M, nn, BLOCK_N).sum((1, 3))
-    ragged = (torch.arange(1, nn + 1) * BLOCK_N > N).view(1, nn)
-    return torch.where(n_att == 0, 0, torch.where((n_att == n_in) & ~ragged, 2, 1))
 
 
 @pytest.mark.parametrize("mask", BLOCK_MASKS)

@@ -242,9 +242,9 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
     """kb generate's path: the rule engine's backward of a spec, lowered with its forward (lower_autograd), written as
     a KernelBench candidate whose ModelNew calls kb_attention; gradients (and the learnable table's) match the spec."""
     from generate.candidate import write_candidate
-    from tests.test_generate_transfer_bwd import CLASSES, SPECS, _programs
+    from tests.support.backward import CLASSES, SPECS, transferred_programs
 
-    spec, fwd, bwd, _ = _programs(CLASSES[cls])
+    spec, fwd, bwd, _ = transferred_programs(CLASSES[cls])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
     files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls, entry="kb_attention")
     spec_mod, cand = _import(SPECS / CLASSES[cls]), _import(files.candidate)
@@ -269,10 +269,11 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
 def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     """The four backward programs ingest lifts from FA2's Triton `_bwd_kernel` run lowered as they run interpreted."""
     from kb.ir.interpret import run_program
-    from tests.test_ingest_lift_triton_bwd import CACHE, _fa2
+    from tests.support.backward import fa2_triton_lift
+    from tests.support.repo import TEST_CACHE
 
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
-    programs = [lp.program for lp in _fa2()[1].programs if lp.features.backward]
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
+    programs = [lp.program for lp in fa2_triton_lift()[1].programs if lp.features.backward]
     assert len(programs) == 4
     B, H, M, N, D = 1, 2, 40, 40, 16
     q, k, v = (torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(n)) for n in (M, N, N + 1))

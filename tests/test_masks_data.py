@@ -29,10 +29,9 @@ from kb.ir.nodes import Dtype, Param, Role
 from kb.lower.runtime import TritonKernel
 from kb.lower.block_mask import BlockMaskKind, plan_block_mask
 from kb.lower.triton import lower_program
-from tests.support.attn_reference import reference_attention
+from tests.support.attn_reference import dense_block_classes, reference_attention
 from tests.support.ir_programs import forward
 from tests.support.generate_fixtures import QUICK
-from tests.test_lower_triton import dense_block_classes
 
 
 _HEAD = '''import math

@@ -452,3 +452,76 @@ SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE,
 
 
 __all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "backward", "causal_bwd", "Expr"]
+
+
+# ---- backward programs as IR text (the FA2 structure: KV-outer, dq accumulated in fp32 scratch)
+
+_BWD_HEADER = """program {name}
+param q: [B, Hq, M, D] f32 in
+param k: [B, Hkv, N, D] f32 in
+param v: [B, Hkv, N, D] f32 in
+param o: [B, Hq, M, D] f32 in
+param dout: [B, Hq, M, D] f32 in
+param lse: [B, Hq, M] f32 in
+param dq: [B, Hq, M, D] f32 out
+param dk: [B, Hkv, N, D] f32 out
+param dv: [B, Hkv, N, D] f32 out
+param delta: [B, Hq, M] f32 scratch
+param dq_acc: [B, Hq, M, D] f32 scratch
+param sm_scale: [] f32 scalar
+{extra}schedule block_m=16 block_n=16 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+{variants}"""
+
+_BWD_KERNELS = """kernel bwd_preprocess grid(b: B, h: Hq, m: cdiv(M, BLOCK_M)):
+  let m_start = m * BLOCK_M
+  load ot = o[b, h, m_start:+BLOCK_M, :]
+  load gt = dout[b, h, m_start:+BLOCK_M, :]
+  elementwise og = ot * gt
+  reduce dt = sum(og, 1)
+  store delta[b, h, m_start:+BLOCK_M] = dt
+kernel bwd_dkdv grid(b: B, hk: Hkv, n: cdiv(N, BLOCK_N)):
+  let n_start = n * BLOCK_N
+  load kt = k[b, hk, n_start:+BLOCK_N, :]
+  load vt = v[b, hk, n_start:+BLOCK_N, :]
+  init dk_acc = full(BLOCK_N, HEAD_PAD; 0.0) f32
+  init dv_acc = full(BLOCK_N, HEAD_PAD; 0.0) f32
+  for h in range(hk * (Hq // Hkv), (hk + 1) * (Hq // Hkv), 1) forward:
+    for m_start in range({m_lo}, M, BLOCK_M) forward:
+      if block(b, h, m_start, n_start) is not empty:
+        load qt = q[b, h, m_start:+BLOCK_M, :]
+        load gt = dout[b, h, m_start:+BLOCK_M, :]
+        load lt = lse[b, h, m_start:+BLOCK_M] other inf
+        load dt = delta[b, h, m_start:+BLOCK_M]
+        dot s = qt @ trans(kt)
+        elementwise s = s * sm_scale
+        elementwise sm = s
+{score_mod}        mask sm at (b, h, m_start, n_start) {mask}
+        probs p = exp(sm - lt)
+        dot dvp = trans(p) @ gt
+        elementwise dv_acc = dv_acc + dvp
+        dot dp = gt @ trans(vt)
+        softmax_grad ds = p * (dp - dt)
+{aux_grad}        score_mod_grad ds wrt s at (b, h, m_start, n_start)
+        elementwise ds = ds * sm_scale
+        dot dkp = trans(ds) @ qt
+        elementwise dk_acc = dk_acc + dkp
+        dot dqp = ds @ kt
+        store dq_acc[b, h, m_start:+BLOCK_M, :] += dqp
+  store dk[b, hk, n_start:+BLOCK_N, :] = dk_acc
+  store dv[b, hk, n_start:+BLOCK_N, :] = dv_acc
+kernel bwd_dq grid(b: B, h: Hq, m: cdiv(M, BLOCK_M)):
+  let m_start = m * BLOCK_M
+  load dqt = dq_acc[b, h, m_start:+BLOCK_M, :]
+  store dq[b, h, m_start:+BLOCK_M, :] = dqt
+"""
+
+
+def backward_text(name: str, *, score_mod: str | None = None, mask_mod: str | None = None,
+                  extra: str = "", aux_grad: str | None = None, m_lo: str = "0") -> str:
+    variants = (f"score_mod(score, b, h, q_idx, kv_idx) = {score_mod}\n" if score_mod else "") + \
+        (f"mask_mod(b, h, q_idx, kv_idx) = {mask_mod}\n" if mask_mod else "")
+    at = "(b, h, m_start, n_start)"
+    return _BWD_HEADER.format(name=name, extra=extra, variants=variants) + _BWD_KERNELS.format(
+        m_lo=m_lo, mask="mask_mod" if mask_mod else "bounds",
+        score_mod=f"        score_mod sm at {at}\n" if score_mod else "",
+        aux_grad=f"        aux_grad {aux_grad} += ds wrt s at {at}\n" if aux_grad else "")
