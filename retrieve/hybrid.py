@@ -22,7 +22,7 @@ from sqlmodel import Session, func, select
 
 from kb.features import Features
 from kb.store.kb import KnowledgeBase
-from kb.store.models import Kernel, PerfRecord, Snippet
+from kb.store.models import Kernel, Lesson, PerfRecord, Snippet
 from retrieve.structural import CandidateColumns, Coded, candidate_columns, coded, load_weights, term_columns
 
 __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
@@ -309,7 +309,7 @@ _TABLES: dict[str, _Table] = {}
 def _marker(s: Session) -> tuple:
     """Changes whenever kernels are added or their ranking columns change (ids are content hashes)."""
     # verified cast: a sum typed Boolean comes back as True for any count (and PostgreSQL has no sum(boolean))
-    stmt = select(func.count(Kernel.id), func.max(Kernel.created_at), func.sum(func.length(Kernel.features_json)),
+    stmt = select(func.count(), func.max(Kernel.created_at), func.sum(func.length(Kernel.features_json)),
                   func.sum(cast(Kernel.verified, Integer)))
     return tuple(s.execute(stmt).one())
 
@@ -371,7 +371,7 @@ def _candidates(kb: KnowledgeBase) -> list[_Row]:
     cols = (Kernel.id, Kernel.name, Kernel.family, Kernel.origin, Kernel.features_json, Kernel.arch,
             Kernel.dtype, Kernel.head_dim, Kernel.verified, prefix)
     with kb.read_session() as s:
-        return [_Row(*r[:9], bool(r[9])) for r in s.execute(select(*cols))]  # type: ignore[call-overload]
+        return [_Row._make((*r[:9], bool(r[9]))) for r in s.execute(select(*cols))]  # type: ignore[call-overload]
 
 
 @functools.lru_cache(maxsize=65536)
@@ -390,8 +390,8 @@ def _kernel_sims(kb: KnowledgeBase, table: _Table, vec: list[float]) -> dict[str
 
 def _snippets(kb: KnowledgeBase, kinds: list[str], vec: list[float], per_kind: int) -> list[RankedSnippet]:
     hits = [h for kind in kinds for h in kb.vectors.query("snippets", vec, per_kind, {"kind": kind})]
-    return [RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist)
-            for sn, dist in kb.hit_rows("snippets", hits)]
+    rows = [(sn, dist) for sn, dist in kb.hit_rows("snippets", hits) if isinstance(sn, Snippet)]  # all are: narrows the type
+    return [RankedSnippet(sn.id, sn.kind, sn.title, sn.ir_text, _where(kb, sn), 1.0 - dist) for sn, dist in rows]
 
 
 def _where(kb: KnowledgeBase, sn: Snippet) -> str:
@@ -403,6 +403,7 @@ def _where(kb: KnowledgeBase, sn: Snippet) -> str:
 def _lessons(kb: KnowledgeBase, qvec: list[float], target: Features | None, k: int = 5) -> list[str]:
     out = []
     for les, _ in kb.hit_rows("lessons", kb.vectors.query("lessons", qvec, k)):
+        assert isinstance(les, Lesson)  # hit_rows reads the table it is named
         if target is not None:
             lf = Features.from_json(les.features_json or "{}")
             if lf.mask != target.mask and lf.score_mod != target.score_mod:
