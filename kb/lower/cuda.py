@@ -59,7 +59,7 @@ from kb.lower.block_mask import (
     CLASS_CODE, EMPTY, FULL, PARTIAL, BlockMaskKind, BlockMaskPlan, block_class_test, plan_block_mask,
 )
 from kb.lower.cuda_expr import EXPR_HELPERS, cxx_type, float_literal, lower_cexpr
-from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, visible_names
 from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.triton import check_attention_params
 
@@ -801,8 +801,7 @@ def table_helpers(p: Program, abi: LaunchAbi, threads: int) -> list[str]:
     assert abi.table is not None and p.mask_mod is not None
     t = abi.table
     scalars = [q for q in p.params if q.role is Role.SCALAR]
-    names = {d: Sym(cxx_name(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(cxx_name(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
+    names = visible_names(abi.dims, scalars, cxx_name)
     names.update({n: Sym(n, Kind.INT, True) for n in ("b", "h", "q_idx", "kv_idx")})
     aux = {q.name: AuxRef(f"kb_a.{cxx_name(q.name)}", tuple(f"kb_a.{cxx_name(q.name)}_stride[{i}]" for i in range(len(q.shape))),
                           tuple(_size_code(d) for d in q.shape), DTYPE_KIND[q.dtype]) for q in abi.tensors if q.role is Role.AUX}
@@ -891,8 +890,7 @@ def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[
           pre_launch: list[str] | None = None, errors: Mapping[int, str] | None = None) -> list[str]:
     """The runner per HEAD_PAD, `kb_launch` and `kb_error_string`; `pre_launch` lines check the filled `kb_a`
     (returning an error code), `errors` names those codes."""
-    names = {d: Sym(cxx_name(d) if d in abi.dims else d, Kind.INT, True) for d in (*abi.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(cxx_name(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
+    names = visible_names(abi.dims, scalars, cxx_name)
     hctx = ExprContext(ExprTarget.HOST, names)
     L = [abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
          *arg_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Callable, Iterable, Mapping
 
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp
-from kb.ir.nodes import Dtype
+from kb.ir.nodes import SCHEDULE_CONSTANTS, Dtype, Param
 
-__all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "CMP_OPS", "FLOAT_CALLS", "lookup",
+__all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "visible_names", "CMP_OPS", "FLOAT_CALLS", "lookup",
            "aux_ref", "expr_kind", "is_nonneg", "index_guards"]
 
 
@@ -68,6 +68,15 @@ class ExprContext:
 
 CMP_OPS = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
 FLOAT_CALLS = {ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT}
+
+
+def visible_names(dims: Iterable[str], scalars: Iterable[Param], local: Callable[[str], str] = str) -> dict[str, Sym]:
+    """What every kernel or host expression sees from the start: the dims and schedule constants (non-negative
+    ints) and the scalar params; `local` spells a dim or scalar as the generated code names it."""
+    names = {d: Sym(local(d), Kind.INT, True) for d in dims}
+    names.update({c: Sym(c, Kind.INT, True) for c in SCHEDULE_CONSTANTS})
+    names.update({q.name: Sym(local(q.name), DTYPE_KIND[q.dtype]) for q in scalars})
+    return names
 
 
 def lookup(e: Expr, ctx: ExprContext) -> Sym:

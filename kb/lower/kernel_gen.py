@@ -12,9 +12,9 @@ from typing import Callable, ClassVar, Generic, Iterable, Mapping, TypeVar
 
 from kb.errors import KBError
 from kb.ir.expr import Expr
-from kb.ir.nodes import For, Kernel, Let, Mask, Param, Program, Reduce, SCHEDULE_CONSTANTS, ScoreMod
+from kb.ir.nodes import For, Kernel, Let, Mask, Param, Program, Reduce, ScoreMod
 from kb.lower.block_mask import BlockMaskPlan
-from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, is_nonneg
+from kb.lower.expr_context import AuxRef, ExprContext, ExprTarget, Kind, Sym, is_nonneg, visible_names
 
 __all__ = ["KernelGenBase"]
 
@@ -31,9 +31,7 @@ class KernelGenBase(Generic[TileT]):
         self.p, self.k, self.plan = p, k, plan
         self.lines: list[str] = []
         self.depth = 1
-        self.names: dict[str, Sym] = {d: Sym(local(d), Kind.INT, True) for d in dims}
-        self.names.update({c: Sym(c, Kind.INT, True) for c in SCHEDULE_CONSTANTS})
-        self.names.update({s.name: Sym(local(s.name), DTYPE_KIND[s.dtype]) for s in scalars})
+        self.names: dict[str, Sym] = visible_names(dims, scalars, local)
         self.aux: dict[str, AuxRef] = {}
         self.tiles: dict[str, TileT] = {}
         self.m_dim, self.n_dim = str(p.param("q").shape[2]), str(p.param("k").shape[2])

@@ -20,9 +20,9 @@ from typing import Callable, Iterable
 
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import free_vars, loaded_tensors
-from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, SCHEDULE_CONSTANTS, VALUE_DIM
+from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, VALUE_DIM
 from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
-from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym
+from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
@@ -145,8 +145,7 @@ def class_kernel(p: Program, sig: Signature, plan: BlockMaskPlan, name: str = "_
     assert p.mask_mod is not None
     aux = [q for q in p.params if q.role is Role.AUX]
     q_shape, m_dim, n_dim = p.param("q").shape, str(p.param("q").shape[2]), str(p.param("k").shape[2])
-    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in sig.scalars})
+    names = visible_names(sig.dims, sig.scalars)
     for n, dim, used in (("b", q_shape[0], plan.per_b), ("h", q_shape[1], plan.per_h)):
         names[n] = Sym(n, Kind.INT, True, str(dim) if used and isinstance(dim, str) else None)
     names["q_idx"] = Sym("offs_q[:, None]", Kind.INT, True)
@@ -229,8 +228,7 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
     ins = [q for q in p.params if q.role is Role.IN]
     aux = [q for q in p.params if q.role is Role.AUX]
     scalars = [q for q in p.params if q.role is Role.SCALAR]
-    names = {d: Sym(d, Kind.INT, True) for d in (*sig.dims, *SCHEDULE_CONSTANTS)}
-    names.update({q.name: Sym(q.name, DTYPE_KIND[q.dtype]) for q in scalars})
+    names = visible_names(sig.dims, scalars)
     hctx = ExprContext(ExprTarget.HOST, names)
     first = ins[0].name
     take_scalars = "".join(_SM_SCALE.substitute(first=first) if q.name == "sm_scale"
