@@ -37,7 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from generate import spec_sym as S
 from generate.spec_sym import Sym
 from kb.errors import KBError
-from kb.ir.algebra import simplify
+from kb.ir.algebra import all_of, simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
@@ -195,9 +195,7 @@ def _band_expr(i: Expr, j: Expr, lo: int | None, hi: int | None, prefix: int | N
         parts.append(Expr(ExprOp.LE, (j, i if hi == 0 else Expr(ExprOp.ADD, (i, const(hi))))))
     if lo is not None:
         parts.append(Expr(ExprOp.LT, (Expr(ExprOp.SUB, (i, j)), const(1 - lo))))
-    cond = const(True)
-    for p in parts:
-        cond = p if cond == const(True) else Expr(ExprOp.AND, (cond, p))
+    cond = all_of(parts) if parts else const(True)
     if prefix:
         cond = Expr(ExprOp.OR, (Expr(ExprOp.LT, (j, const(prefix))), cond))
     return cond
