@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,8 @@ from kb.ir.expr import free_vars, parse_expr
 from kb.ir.nodes import For, IfBlock, Let, Mask
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
+from tests.support.repo import TEST_CACHE
 
-CACHE = Path(__file__).resolve().parent.parent / ".kb-test-cache"
 pytestmark = pytest.mark.network
 
 
@@ -42,7 +41,7 @@ def _built() -> tuple[LiftedProgram, LiftedProgram]:
 
 @pytest.fixture
 def fa2(monkeypatch):
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
     return _lifted()
 
 

@@ -16,15 +16,15 @@ from ingest.corpus import expand_braces, lift_source, select_files
 from ingest.fetch import fetch, fetch_local, fetch_pypi, sha256_file
 from ingest.manifest import find_manifest, list_manifests
 from ingest.model import SourceKind
+from tests.support.repo import TEST_CACHE
 
-CACHE = Path(__file__).resolve().parent.parent / ".kb-test-cache"
 
 
 @pytest.fixture
 def cache_env(monkeypatch):
     # Function-scoped: conftest's autouse fixture clears KB_* before every test.
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
-    return CACHE
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
+    return TEST_CACHE
 
 
 def test_manifests_pin_real_releases():
@@ -48,7 +48,7 @@ def test_expand_braces():
 def test_fetch_verifies_and_every_manifest_path_exists(cache_env, name):
     m = find_manifest(name)
     src = fetch(m)
-    assert src.sha256 == m.sha256 == sha256_file(CACHE / "downloads" / f"{m.distribution}-{m.version}" / m.filename)
+    assert src.sha256 == m.sha256 == sha256_file(TEST_CACHE / "downloads" / f"{m.distribution}-{m.version}" / m.filename)
     assert (src.root / STAMP).read_text().split()[0] == m.sha256
     targets, missing = select_files(m, src)
     assert missing == [] and targets
@@ -68,7 +68,7 @@ def test_hash_mismatch_removes_cached_file(cache_env, tmp_path, monkeypatch):
     monkeypatch.setenv("KB_CACHE_DIR", str(tmp_path))
     dl = tmp_path / "downloads" / f"{m.distribution}-{m.version}"
     dl.mkdir(parents=True)
-    (dl / m.filename).write_bytes((CACHE / "downloads" / f"{m.distribution}-{m.version}" / m.filename).read_bytes() + b"x")
+    (dl / m.filename).write_bytes((TEST_CACHE / "downloads" / f"{m.distribution}-{m.version}" / m.filename).read_bytes() + b"x")
     with pytest.raises(KBError) as err:
         fetch(m)
     assert m.sha256 in str(err.value) and m.filename in str(err.value) and "got" in str(err.value)

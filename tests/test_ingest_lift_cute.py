@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
@@ -15,14 +14,14 @@ from ingest.fetch import fetch
 from ingest.lift_cute import lift_file
 from ingest.manifest import find_manifest
 from ingest.model import LiftReport, ir_is_statement
+from tests.support.repo import TEST_CACHE
 
-CACHE = Path(__file__).resolve().parent.parent / ".kb-test-cache"
 pytestmark = pytest.mark.network
 
 
 @pytest.fixture(autouse=True)
 def _cache(monkeypatch):
-    monkeypatch.setenv("KB_CACHE_DIR", str(CACHE))
+    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
 
 
 @lru_cache(maxsize=None)

@@ -17,9 +17,10 @@ from ingest.model import LiftReport, Provenance
 from kb.ir.text import parse_program
 from kb.ir.validate import validate
 from tests.support.ir_programs import backward_text
+from tests.support.repo import REPO
 
-SPECS = Path(__file__).resolve().parents[1] / "data" / "specs"
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "ir"
+SPECS = REPO / "tests" / "data" / "specs"
+GOLDEN = REPO / "tests" / "golden" / "ir"
 # the causal FA2 backward structure (what ingest lifts from flash_attn_triton.py's _bwd_kernel)
 REFERENCE = parse_program(backward_text("fa2_bwd_causal", mask_mod="q_idx >= kv_idx", m_lo="n_start // BLOCK_M * BLOCK_M"))
 
