@@ -17,6 +17,7 @@ import typer
 from rich.table import Table
 
 from cli.app import app, open_kb_of, out, settings_of
+from generate.stages import ReportStatus
 from kb.errors import KBError
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def generate_cmd(
         elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
             made.append(f"{p.name}: {r.error}")
         detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
-        if r.succeeded and r.backward == "none" and not no_backward:
+        if r.succeeded and r.backward == ReportStatus.NONE and not no_backward:
             made.append(f"{p.name}: no backward ({r.backward_reason}); ModelNew is forward-only")
         table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status),
                       _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
@@ -222,5 +223,5 @@ def generate_cmd(
         raise typer.Exit(1)
 
 
-_STATUS_STYLE = {"verified": "[green]{}[/]", "generated, not verified": "[yellow]{}[/]", "failed": "[red]{}[/]",
-                 "none": "[yellow]{}[/]"}
+_STATUS_STYLE = {ReportStatus.VERIFIED: "[green]{}[/]", ReportStatus.UNVERIFIED: "[yellow]{}[/]",
+                 ReportStatus.FAILED: "[red]{}[/]", ReportStatus.NONE: "[yellow]{}[/]"}

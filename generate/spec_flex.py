@@ -19,12 +19,10 @@ from generate.spec import Reference, Shapes
 from generate.spec_trace import tensor_namer, trace_mod
 from kb.errors import KBError
 from kb.ir.expr import Expr, print_expr
+from kb.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS
 from verify.flex import dense_attention, parse_shapes
 
-__all__ = ["FlexMods", "trace_mods", "SCORE_PARAMS", "MASK_PARAMS"]
-
-SCORE_PARAMS = ("score", "b", "h", "q_idx", "kv_idx")
-MASK_PARAMS = ("b", "h", "q_idx", "kv_idx")
+__all__ = ["FlexMods", "trace_mods"]
 
 
 @dataclass(frozen=True)
@@ -69,11 +67,11 @@ def trace_mods(module: Any, mods: Mapping[str, Callable[..., Any]], path: Path) 
     aux: dict[str, torch.Tensor] = {}
     score = mask = None
     if "score_mod" in mods:
-        score, a = trace_mod(mods["score_mod"], SCORE_PARAMS, name_of, src)
+        score, a = trace_mod(mods["score_mod"], SCORE_MOD_PARAMS, name_of, src)
         aux.update(a)
         score = None if print_expr(score) == "score" else score
     if "mask_mod" in mods:
-        mask, a = trace_mod(mods["mask_mod"], MASK_PARAMS, name_of, src, boolean=True)
+        mask, a = trace_mod(mods["mask_mod"], MASK_MOD_PARAMS, name_of, src, boolean=True)
         aux.update(a)
     return FlexMods(score, mask, aux, mods, getattr(module, "SHAPES", None))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from generate.designs import rank_designs, sweeps_from_kb, tunable_rows
 from generate.outputs import output_stem
 from generate.spec import import_spec_file
+from generate.stages import ReportStatus
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import arch_of_capability, head_bucket
@@ -48,7 +49,7 @@ def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # n
         raise KBError(f"no generated candidate for {spec_path} in {from_dir}",
                       hint=f"run `kb generate {spec_path} --out {from_dir}` first, or pass --from DIR")
     report = json.loads(report_path.read_text())
-    if report.get("status") not in ("verified", "generated, not verified"):
+    if report.get("status") not in (ReportStatus.VERIFIED, ReportStatus.UNVERIFIED):
         raise KBError(f"{report_path} says {report.get('status')!r}: nothing to tune")
     if kernel is None:
         kernel = kb.get(report["kernel_id"])

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from generate import tune_gpu as fwd
+from generate.stages import ReportStatus
 
 __all__ = ["SCHEMA", "GRAD_TOL", "FLOP_CONVENTION", "SuiteRow", "Impl", "Reference", "fwd_bwd_flops", "rel_fro",
            "read_suite", "suite_plan", "reference_grads", "bwd_record", "run_plan_backward", "summarize",
@@ -408,7 +409,7 @@ def _ratios(res: dict) -> None:
             res[key] = ms[base] / em
 
 
-_GENERATED = ("verified", "generated, not verified")  # report statuses that leave a candidate (as `kb tune` reads them)
+_GENERATED = (ReportStatus.VERIFIED, ReportStatus.UNVERIFIED)  # report statuses that leave a candidate (as `kb tune` reads them)
 
 
 def _generate_report(candidate: str) -> dict | None:
