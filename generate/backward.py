@@ -124,7 +124,7 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
     try:
         src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1])
         aux = [p.name for p in forward.params if p.role is Role.AUX]
-        files = write_candidate(spec, src, aux, stage, stem, entry="kb_attention")
+        files = write_candidate(spec, src, aux, stage, stem)
     except KBError as err:
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     verdict, detail = verify_fn(files.candidate)

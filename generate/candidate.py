@@ -87,7 +87,11 @@ def _kb_register(module, key, value, parameter):
 
 def _kb_searchsorted(module, name, offsets, n, right, out_int32):
     """Ids of positions 0..n-1 from sorted offsets, computed once per offsets tensor (the same object, unmodified
-    since: torch's version counter) and length, so the kernel's block table is found again without a compare."""
+    since: torch's version counter) and length, so the kernel's block table is found again without a compare.
+    Under torch.compile or CUDA-graph capture they are computed every call (a graph replays with new contents)."""
+    if _torch.compiler.is_compiling() or (offsets.is_cuda and _torch.cuda.is_current_stream_capturing()):
+        return _torch.searchsorted(offsets, _torch.arange(n, device=offsets.device, dtype=offsets.dtype), right=right,
+                                   out_int32=out_int32)
     cache = module.__dict__.setdefault("_kb_derived", {})
     hit = cache.get(name)
     if hit is not None and hit[0]() is offsets and hit[1] == (offsets._version, n):
@@ -108,14 +112,11 @@ def _kb_check_baked(module, incompatible_keys):
 '''
 
 
-def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str,
-                    entry: str = "forward") -> CandidateFiles:
+def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str) -> CandidateFiles:
     """Write the candidate and the plain Triton module; returns their paths.
 
-    `entry`: the module function ModelNew calls: "forward" (returns (o, lse), no autograd) or
-    "kb_attention" (differentiable: the module holds a backward and its autograd glue)."""
-    if entry not in ("forward", "kb_attention"):
-        raise KBError(f"unknown candidate entry {entry!r}; use forward or kb_attention")
+    ModelNew calls the module's `kb_attention`, the registered operator (kb.lower.triton_op): differentiable when the
+    module holds a backward, raising NO_BACKWARD on backward when it does not."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names, (qn, kn, vn) = forward_signature(spec)
     missing = [a for a in program_aux if a not in spec.aux]
@@ -171,8 +172,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
            f"            raise ValueError(f'this kernel was generated for {spec.heads_fixed} query heads (the spec computes "
            f"its score/mask constants from the head count), not {{{qn}.shape[1]}}: run kb generate for that head count')"]
           if spec.heads_fixed else []),
-        (f"        _o, _lse = forward({qkv}, sm_scale={scale}{aux_kwargs})" if entry == "forward" else
-         f"        _o = kb_attention({qkv}, sm_scale={scale}{aux_kwargs})  # differentiable: the generated backward"),
+        f"        _o = kb_attention({qkv}, sm_scale={scale}{aux_kwargs})  # the operator torch.ops.kernel_kb.<OP_NAME>",
         # the output follows the inputs' dtype (as the spec's torch ops would), unless the spec returns another
         *([f"        return _o if _o.dtype == {out} else _o.to({out})"] if spec.output_dtype != spec.shapes.dtype
           else ["        return _o"]),

@@ -37,6 +37,7 @@ from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash, print_program
+from kb.lower.triton_op import with_backward_reason
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, RunStatus, Tunable
@@ -299,6 +300,9 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
     if built is not None:
         report["backward"] = _backward_report(bwd, bwd_kernel, bwd_existing)
     files = dict(built.files) if built is not None else {}
+    if built is not None and isinstance(bwd, _NoBackward):  # the forward-only kernel's backward says why there is none
+        for kind in ("candidate", "triton"):
+            files[kind].write_text(with_backward_reason(files[kind].read_text(), f"kb generate built none: {bwd.reason}"))
     if built is not None and not isinstance(bwd, _NoBackward):
         bf = bwd[0].files  # the differentiable candidate replaces the forward-only one
         files.update({"candidate": bf.candidate, "triton": bf.triton, **({"aux": bf.aux} if bf.aux else {})})

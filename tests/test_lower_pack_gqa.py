@@ -11,7 +11,6 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -167,29 +166,27 @@ def test_verifier_accepts_honest_split_kv(pack: bool, tmp_path: Path) -> None:
     assert r.verdict is Verdict.passed, r.message
 
 
-# ------------------------------------------------------------------ kb generate on a decode spec, in time
+# ------------------------------------------------------------------ kb generate on a decode spec
 
-GENERATE_BOUND_S = 120  # generous: measured 59 s for the spec (67 s wall) on a loaded 2-core machine, was 204 s
+# a hang guard, not a time bound (CI machines are loaded; bench/generate_time.py times generation)
+_HANG_GUARD_S = 1800
 
 
-def _generate(home: Path, spec: Path, out: Path) -> tuple[float, dict]:
-    """(wall seconds, report) of `kb generate SPEC` run as a user runs it (a fresh process, the full harness)."""
+def _generate(home: Path, spec: Path, out: Path) -> dict:
+    """The report of `kb generate SPEC` run as a user runs it (a fresh process, the full harness)."""
     env = {**os.environ, "KB_HOME": str(home)}
     env.pop("TRITON_INTERPRET", None)  # the CLI sets up its own verification processes
-    t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "cli.main", "generate", str(spec), "--out", str(out), "--no-backward", "--target", "sm90",
-                           "--no-memory"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=2 * GENERATE_BOUND_S)
-    seconds = time.monotonic() - t0
+                           "--no-memory"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=_HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return seconds, json.loads((out / f"gen_{spec.stem}.report.json").read_text())
+    return json.loads((out / f"gen_{spec.stem}.report.json").read_text())
 
 
 @pytest.mark.network  # the session KB ingests the real flash-attn release
-def test_generate_decode_spec_within_time_bound(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
+def test_generate_decode_spec_packs_gqa(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
     # 32 query heads on 8 KV heads, 2048 keys, D = 128, bf16: 12 interpreter calls over 3 shapes
     spec = ROOT / "examples" / "specs" / "decode_gqa_splitkv.py"
-    seconds, report = _generate(ingested_kb_settings.home, spec, tmp_path / "out")
+    report = _generate(ingested_kb_settings.home, spec, tmp_path / "out")
     assert report["status"] == "verified", report.get("error")
-    assert seconds < GENERATE_BOUND_S, f"kb generate took {seconds:.0f} s"
     mod = (tmp_path / "out" / f"gen_{spec.stem}_triton.py").read_text()
     assert "_split_packed_kernel" in mod and all(d.endswith(" pack") for d in report["designs"]["sm90"]["128"])

@@ -23,11 +23,11 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.expr import parse_expr as E
-from kb.ir.nodes import Dtype, Param, Program, Role, Store, walk_stmts
+from kb.ir.nodes import Dtype, Param, Program, Role, Store, aux_gradients, walk_stmts
 from kb.ir.validate import problems
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import lower_program
-from kb.lower.triton_bwd import autograd_glue, aux_gradients, lower_autograd
+from kb.lower.triton_bwd import check_pair, lower_autograd
 from tests.support.ir_programs import backward, causal_bwd, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
@@ -246,7 +246,7 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
 
     spec, fwd, bwd, _ = transferred_programs(CLASSES[cls])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
-    files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls, entry="kb_attention")
+    files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls)
     spec_mod, cand = _import(SPECS / CLASSES[cls]), _import(files.candidate)
     torch.manual_seed(0)
     model, new = spec_mod.Model(*spec_mod.get_init_inputs()), cand.ModelNew(*spec_mod.get_init_inputs())
@@ -292,15 +292,15 @@ def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cac
             torch.testing.assert_close(got[g].float(), want[g].float(), atol=1e-2, rtol=1e-2, msg=lambda m: f"{p.name} {g}: {m}")
 
 
-def test_autograd_glue_checks_the_pair() -> None:
+def test_autograd_modules_check_the_pair() -> None:
     with pytest.raises(KBError, match="backward program"):
-        autograd_glue(causal_bwd(), causal_bwd())
+        check_pair(causal_bwd(), causal_bwd())
     no_lse = forward("x")
     no_lse = dataclasses.replace(no_lse, params=tuple(x for x in no_lse.params if x.name != "lse"))
     with pytest.raises(KBError, match="must write o and lse"):
-        autograd_glue(no_lse, causal_bwd())
+        check_pair(no_lse, causal_bwd())
     with pytest.raises(KBError, match="needs softcap"):
-        autograd_glue(forward("x"), CASES["softcap"].program())
+        check_pair(forward("x"), CASES["softcap"].program())
 
 
 # ------------------------------------------------------------------ refusals, source, compile
@@ -340,7 +340,7 @@ def test_generated_code_shape_follows_fa2() -> None:
     assert 'tl.atomic_add(dq_acc_ptr + ' in loop and 'sem="relaxed")' in loop
     own = src.split("_BWD_PICKED = {}", 1)[1]  # what follows the shared preamble
     assert 'input_precision="ieee"' not in own and "USE_TMA" not in own  # descriptors measured slower here
-    assert "dq_acc = torch.zeros(" in src and "delta = torch.empty(" in src  # accumulated tensors start at 0
+    assert "dq_acc = _kb_alloc(rec, torch.zeros, " in src and "delta = _kb_alloc(rec, torch.empty, " in src  # accumulated: 0
     assert not any(isinstance(st, Store) and st.accumulate and st.tensor != "dq_acc"
                    for k in causal_bwd().kernels for st in walk_stmts(k.body))
 

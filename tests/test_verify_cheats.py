@@ -19,6 +19,8 @@ CHEATS = HERE / "cheats"
 EXPECTED: dict[str, tuple[Verdict, bool]] = {
     "calls_sdpa": (Verdict.forbidden_call, False),
     "calls_sdpa_hidden": (Verdict.forbidden_call, False),
+    "custom_op_hidden": (Verdict.forbidden_call, False),
+    "opaque_op": (Verdict.forbidden_call, False),
     "matmul_softmax": (Verdict.forbidden_call, False),
     "emulated_matmul": (Verdict.forbidden_call, False),
     "scores_in_scratch": (Verdict.forbidden_call, False),

@@ -7,6 +7,9 @@
   output is `MATERIALISE_FACTOR` times larger than every input and the expected output
   (e.g. `(q[..., None, :] * k[..., None, :, :]).sum(-1)`), data movement excepted
   (`DATA_MOVEMENT_OPS`). Skipped in torch-baseline mode.
+- operators outside aten: a `torch.library.custom_op` (as every generated kernel is) is run by the guard inside
+  its mode, so the torch ops of its Python implementation are judged like the candidate's own; an operator of any
+  other namespace with no Python implementation is forbidden_call "opaque_op" (strict mode).
 - hack_suspected "side_stream" (CUDA): a torch op ran on a stream other than the caller's.
 - hack_suspected: a module whose forward is defined in the spec file was called (the
   reference Model, in either mode), or a thread was started.
@@ -38,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from verify.result import Verdict
 
-__all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES", "PHASES"]
+__all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES", "PHASES", "TRANSPARENT_NAMESPACES"]
 
 PHASES = ("forward", "backward")
 
@@ -50,6 +53,10 @@ FORBIDDEN_OPS = frozenset({
 FORBIDDEN_PREFIXES = ("_scaled_dot_product", "scaled_dot_product", "_flash_attention", "_efficient_attention",
                       "_cudnn_attention", "_fused_sdp")
 MATERIALISE_FACTOR = 4
+# operator namespaces whose ops the guard judges by name (aten, prims) or that compute nothing (profiler's markers);
+# an op of any other namespace runs code the harness must see: a Python custom_op is watched inside, any other op is
+# forbidden (strict mode), since its C++ or foreign implementation could compute attention out of sight
+TRANSPARENT_NAMESPACES = frozenset({"aten", "prims", "profiler"})
 # Ops that move or fill memory without computing from it: the Triton interpreter copies every kernel
 # argument back through them (a split-KV kernel's partial outputs are NUM_SPLITS times the output), and
 # none of them can produce a score matrix without a compute op that the size check still sees.
@@ -89,7 +96,16 @@ class _OpWatch(TorchDispatchMode):
                 Verdict.forbidden_call, "autograd_in_backward",
                 f"{func} recorded an autograd graph inside the candidate's backward (torch ops under enable_grad): "
                 "gradients must come from the candidate's own kernels, not from torch autograd on a re-computation")
-        out = func(*args, **(kwargs or {}))
+        impl = _python_impl(func, args)
+        if impl is not None:  # an operator defined in Python (torch.library.custom_op): watch what it runs
+            with self:
+                out = impl(*args, **(kwargs or {}))
+        else:
+            if g.strict and g.violation is None and getattr(func, "namespace", "aten") not in TRANSPARENT_NAMESPACES:
+                g.violation = Violation(Verdict.forbidden_call, "opaque_op",
+                                        f"candidate called {func}, an operator whose implementation the harness cannot "
+                                        "watch; register kernels with torch.library.custom_op (Python) so it can")
+            out = func(*args, **(kwargs or {}))
         if g.stream is not None and g.violation is None and torch.cuda.current_stream() != g.stream:
             g.violation = Violation(Verdict.hack_suspected, "side_stream",
                                     f"{func} ran on a side stream; work must run on the caller's stream")
@@ -104,6 +120,22 @@ class _OpWatch(TorchDispatchMode):
                     f"{func} produced a tensor of {out.numel()} elements, over {MATERIALISE_FACTOR}x any input or "
                     "the output: a torch op emulating matmul/softmax (score matrix materialised in torch)")
         return out
+
+
+def _python_impl(func: Any, args: Any) -> Any:
+    """The Python function a `torch.library.custom_op` runs for these arguments' device, or None (an aten op, or an
+    operator with no Python implementation). A dispatch mode sees such an operator as one call and is left while it
+    runs, so the guard runs this function itself, inside the mode, to see the torch ops it calls."""
+    if getattr(func, "namespace", "aten") in TRANSPARENT_NAMESPACES:
+        return None
+    from torch._library.custom_ops import _maybe_get_opdef  # the registry custom_op keeps (no public accessor)
+
+    opdef = _maybe_get_opdef(func)
+    if opdef is None:
+        return None
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    fns = opdef._backend_fns
+    return fns.get(device) or fns.get(None)
 
 
 def _has_tensor(args: Any) -> bool:

@@ -66,7 +66,7 @@ __all__ = [
     "Dtype", "Role", "Param", "Schedule", "GridAxis", "VariantFn", "Span", "Full", "Gather", "Index", "TileAt",
     "StmtOp", "BACKWARD_OPS", "BlockClass", "Let", "Load", "Store", "Init", "Dot", "Elementwise", "Reduce",
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
-    "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "is_backward",
+    "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "aux_gradients", "is_backward",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "DOT_MIN_K", "VALUE_DIM", "walk_stmts",
     "launch_constants", "serving_constructs",
 ]
@@ -512,6 +512,12 @@ def accumulated_tensors(p: Program) -> tuple[str, ...]:
             elif isinstance(st, AuxGrad):
                 found[st.grad] = None
     return tuple(found)
+
+
+def aux_gradients(p: Program) -> dict[str, str]:
+    """{gradient param: aux tensor} of a backward program's `aux_grad` statements, in the program's param order."""
+    pairs = {st.grad: st.aux for k in p.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
+    return {q.name: pairs[q.name] for q in p.params if q.name in pairs}
 
 
 def is_backward(p: Program) -> bool:

@@ -52,7 +52,7 @@ from kb.lower.triton_host import class_kernel, design_lines, host_function, kern
 from kb.lower.triton_kernel import TritonKernelGen
 from kb.lower.triton_tiles import Signature
 
-__all__ = ["lower_program", "LowerOptions", "program_signature", "kernel_sources", "check_attention_params", "PREAMBLE",
+__all__ = ["lower_program", "forward_module", "LowerOptions", "program_signature", "kernel_sources", "check_attention_params", "PREAMBLE",
            "preamble_text"]
 
 
@@ -123,12 +123,22 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
     """The source text of a standalone Python module running `p` with Triton.
 
     `designs` ({arch: {head-dim bucket: designs best first}}) are the launch parameters the module picks from on a
-    GPU; without them (or for a GPU they miss) it times what it has once per shape, including the program's schedule."""
-    opts = options or LowerOptions()
+    GPU; without them (or for a GPU they miss) it times what it has once per shape, including the program's schedule.
+    A forward module ends with its operator section (kb.lower.triton_op: `torch.ops.kernel_kb.<OP_NAME>`,
+    `kb_attention`), forward-only: its backward raises NO_BACKWARD."""
     if is_backward(p):
         from kb.lower.triton_bwd import lower_backward
 
-        return lower_backward(p, opts, designs)
+        return lower_backward(p, options or LowerOptions(), designs)
+    from kb.lower.triton_op import op_section
+
+    text = forward_module(p, options, designs)
+    return text + op_section(p, text)
+
+
+def forward_module(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
+    """`lower_program`'s module up to its operator section: the preamble, the kernels and the host `forward`."""
+    opts = options or LowerOptions()
     check_attention_params(p, "Triton")
     plan = plan_block_mask(p)
     sig = program_signature(p, opts, plan)

@@ -15,27 +15,28 @@ dq, dk, dv (+ the gradient of each learnable aux tensor an `aux_grad` targets). 
   (`_bwd_block_class_kernel`), so that everything after the shared preamble (`backward_part`) can be
   appended to a forward module without clashing with its `forward`, `DESIGNS` or `_block_class_kernel`.
 
-`lower_autograd(fwd, bwd)` is that combined module plus `KBAttentionFunction` (a `torch.autograd.Function`)
-and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o`, differentiable in q, k, v and in every
-learnable aux tensor; `autograd_glue(fwd, bwd)` is the glue text alone.
+`lower_autograd(fwd, bwd)` is that combined module plus its operator section (kb.lower.triton_op): the PyTorch
+operator `torch.ops.kernel_kb.<OP_NAME>` with autograd through the backward, and
+`kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o`, differentiable in q, k, v and in every
+learnable aux tensor; `check_pair(fwd, bwd)` says whether the two programs make such a module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from string import Template
 
 from kb.errors import KBError
 from kb.ir.design import DesignTable
-from kb.ir.nodes import AuxGrad, Program, Role, accumulated_tensors, is_backward, walk_stmts
+from kb.ir.nodes import Program, Role, accumulated_tensors, aux_gradients, is_backward
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
-    PREAMBLE, LowerOptions, check_attention_params, kernel_sources, lower_program, preamble_text, program_signature,
+    PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, preamble_text, program_signature,
 )
 from kb.lower.triton_host import HostEntry, backward_design_lines, class_kernel, host_function, kernel_fn_name
+from kb.lower.triton_op import op_section
 
-__all__ = ["lower_backward", "backward_part", "autograd_glue", "lower_autograd", "aux_gradients", "BACKWARD_INPUTS"]
+__all__ = ["lower_backward", "backward_part", "check_pair", "lower_autograd", "BACKWARD_INPUTS"]
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ _GRADS = ("dq", "dk", "dv")
 _CLASS_KERNEL = "_bwd_block_class_kernel"
 
 _BWD_PREAMBLE = preamble_text("triton_bwd_preamble.py")  # after the forward preamble, before the kernels
-
-
-def aux_gradients(p: Program) -> dict[str, str]:
-    """{gradient param: aux tensor} of a backward program's `aux_grad` statements, in the program's param order."""
-    pairs = {st.grad: st.aux for k in p.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
-    return {q.name: pairs[q.name] for q in p.params if q.name in pairs}
 
 
 def check_backward_params(p: Program) -> None:
@@ -83,7 +78,7 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     sig = program_signature(p, opts, plan)
     packs = "backward programs do not pack"
     entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
-                      zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False)
+                      zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False, plans=False)
     out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
@@ -101,7 +96,7 @@ def lower_backward(p: Program, options: LowerOptions | None = None, designs: Des
 # ------------------------------------------------------------------ autograd
 
 
-def _check_pair(fwd: Program, bwd: Program) -> None:
+def check_pair(fwd: Program, bwd: Program) -> None:
     if is_backward(fwd):
         raise KBError(f"program {fwd.name} is a backward program; autograd needs the forward first")
     check_backward_params(bwd)
@@ -118,72 +113,10 @@ def _check_pair(fwd: Program, bwd: Program) -> None:
         raise KBError(f"backward {bwd.name} needs {', '.join(missing)}, which forward {fwd.name} does not take")
 
 
-_AUTOGRAD_GLUE = Template('''
-
-# ---- autograd: forward `${fwd}` saves lse, backward `${bwd}` computes the gradients ----
-_KB_AUX = ${aux}  # aux tensors of kb_attention, in this order after the scalars
-_KB_BWD_AUX = ${bwd_aux}  # the ones backward() reads
-_KB_SCALARS = ${scalars}
-_KB_BWD_SCALARS = ${bwd_scalars}
-_KB_LEARNABLE = ${learnable}  # aux tensors with a gradient (BWD_OUTPUTS after dq, dk, dv)
-
-
-class KBAttentionFunction(torch.autograd.Function):
-    """o = attention(q, k, v); backward gives dq, dk, dv and the learnable aux tensors' gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, sm_scale, scalars, *aux):
-        outs = forward(q, k, v, sm_scale=sm_scale, **scalars, **dict(zip(_KB_AUX, aux)))
-        o, lse = outs[${o_index}], outs[${lse_index}]
-        ctx.save_for_backward(q, k, v, o, lse, *aux)
-        ctx.sm_scale, ctx.scalars = sm_scale, scalars
-        ctx.mark_non_differentiable(lse)
-        return o
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, o, lse, *aux = ctx.saved_tensors
-        named = dict(zip(_KB_AUX, aux))
-        grads = backward(q, k, v, o, dout.to(q.dtype).contiguous(), lse, sm_scale=ctx.sm_scale,
-                         **{n: ctx.scalars[n] for n in _KB_BWD_SCALARS}, **{n: named[n] for n in _KB_BWD_AUX})
-        aux_grads = dict(zip(_KB_LEARNABLE, grads[3:]))
-        wanted = ctx.needs_input_grad[5:]
-        return (*grads[:3], None, None, *(aux_grads.get(n) if w else None for n, w in zip(_KB_AUX, wanted)))
-
-
-def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
-    """Attention of `${fwd}`, differentiable in q, k, v${and_learnable}."""
-    kw = dict(aux_and_scalars)
-    missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
-    if missing:
-        raise ForwardArgumentError(f"kb_attention() needs {missing}")
-    aux = tuple(kw.pop(n) for n in _KB_AUX)
-    scalars = {n: kw.pop(n) for n in _KB_SCALARS}
-    if kw:
-        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
-    return KBAttentionFunction.apply(q, k, v, sm_scale, scalars, *aux)
-''')
-
-
-def autograd_glue(fwd: Program, bwd: Program) -> str:
-    """`KBAttentionFunction` and `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` for a module that
-    holds `fwd`'s host `forward` and `bwd`'s host `backward` (`lower_autograd` builds one)."""
-    _check_pair(fwd, bwd)
-    outs = [q.name for q in fwd.params if q.role is Role.OUT]
-    aux = tuple(q.name for q in fwd.params if q.role is Role.AUX)
-    bwd_aux = tuple(q.name for q in bwd.params if q.role is Role.AUX)
-    scalars = tuple(q.name for q in fwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    bwd_scalars = tuple(q.name for q in bwd.params if q.role is Role.SCALAR and q.name != "sm_scale")
-    learnable = tuple(aux_gradients(bwd).values())
-    return _AUTOGRAD_GLUE.substitute(
-        fwd=fwd.name, bwd=bwd.name, aux=repr(aux), bwd_aux=repr(bwd_aux), scalars=repr(scalars),
-        bwd_scalars=repr(bwd_scalars), learnable=repr(learnable), o_index=outs.index("o"), lse_index=outs.index("lse"),
-        and_learnable=" and " + ", ".join(learnable) if learnable else "")
-
-
 def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = None,
                    fwd_designs: DesignTable | None = None, bwd_designs: DesignTable | None = None) -> str:
-    """One module: `fwd`'s forward module, `bwd`'s kernels and host `backward`, and the autograd glue."""
-    _check_pair(fwd, bwd)
-    return lower_program(fwd, options, fwd_designs).rstrip() + "\n" + backward_part(bwd, options, bwd_designs) \
-        + autograd_glue(fwd, bwd)
+    """One module: `fwd`'s forward module, `bwd`'s kernels and host `backward`, and the operator section whose autograd
+    runs them (kb.lower.triton_op)."""
+    check_pair(fwd, bwd)
+    text = forward_module(fwd, options, fwd_designs).rstrip() + "\n" + backward_part(bwd, options, bwd_designs)
+    return text + op_section(fwd, text, bwd)

@@ -28,7 +28,7 @@ from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
 
-__all__ = ["HostEntry", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "backward_design_lines",
+__all__ = ["HostEntry", "out_dtype", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "backward_design_lines",
            "class_kernel", "host_function"]
 
 
@@ -176,22 +176,34 @@ class HostEntry:
     zeroed: tuple[str, ...] = ()  # tensors allocated zero-filled (accumulated into)
     returns: tuple[str, ...] = ()  # the returned expressions; () = the OUT params
     table_helper: bool = True  # emit block_class_table()
+    plans: bool = True  # replay launch plans (_Plan) for repeated call signatures; needs plain returns and no table
 
 
 _HOST_FUNCTION = Template('''\
 def ${fn}(${params}, _design=None, **aux_and_scalars):
     """Run `${program}`. Returns (${returned}). Aux tensors: ${aux_names}; scalars: ${scalar_names}.
-    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one."""
-    kw = dict(aux_and_scalars)
+    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.${plan_doc}"""
+${fast}    kw = dict(aux_and_scalars)
 ${take_aux}    dims = {}
 ${bind}${take_scalars}${take_table}    if kw:
         raise ForwardArgumentError(f"${fn}() got unexpected arguments: {sorted(kw)}")
 
-    def launch(design, table_only=False):
+    def launch(design, table_only=False, rec=None):
 ${launch}
 
     design = tuple(_design) if _design is not None else ${chooser}(${first}, ${head_dim}, (${first}.device, ${first}.dtype, ${dims_key}), launch)
-    return launch(${launch_args})${table_helper}''')
+    return ${run}${table_helper}''')
+
+# a forward without a block-class table: a call like an earlier one replays that call's launches (_Plan, _kb_planned)
+_FAST_PATH = Template('''\
+    key = (${key})
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan.replay((${inputs}))
+''')
+
+_PLAN_DOC = '''
+    A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches.'''
 
 _TAKE_AUX = Template('''\
     if "${aux}" not in kw:
@@ -233,6 +245,12 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
     first = ins[0].name
     take_scalars = "".join(_SM_SCALE.substitute(first=first) if q.name == "sm_scale"
                            else _TAKE_SCALAR.substitute(scalar=q.name, fn=entry.name) for q in scalars)
+    planned = entry.plans and not sig.table
+    inputs = _tuple_body([q.name for q in ins] + [f'aux_and_scalars["{q.name}"]' for q in aux])
+    key = ", ".join([f"_tkey({q.name})" for q in ins] + [f'_tkey(aux_and_scalars.get("{q.name}"))' for q in aux]
+                    + [f"_skey({q.name})" if q.name == "sm_scale" else f'_skey(aux_and_scalars.get("{q.name}"))'
+                       for q in scalars] + ["_design and tuple(_design)", "len(aux_and_scalars)"])
+    recorded = _tuple_body([q.name for q in (*ins, *aux)])
     return _lines(_HOST_FUNCTION.substitute(
         fn=entry.name, program=p.name,
         params=", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else ""),
@@ -245,7 +263,9 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
         launch=_launch_body(p, sig, plan, hctx, packs, entry),
         chooser=entry.chooser, first=first, head_dim="D" if "D" in sig.dims else f"{first}.shape[-1]",
         dims_key=_tuple_body(list(sig.dims)),
-        launch_args="design, table_only=only_table" if sig.table else "design",
+        run=(f"_kb_planned(key, ({recorded}), lambda rec: launch(design, rec=rec))" if planned
+             else f"launch(design{', table_only=only_table' if sig.table else ''})"),
+        fast=_FAST_PATH.substitute(key=key, inputs=inputs) if planned else "", plan_doc=_PLAN_DOC if planned else "",
         table_helper=_TABLE_HELPER if sig.table and entry.table_helper else ""))
 
 
@@ -285,10 +305,9 @@ _TMA = Template('''\
 ''')
 
 _KERNEL_LAUNCH = Template('''\
-${indent}${fn}[(${grid},)](
+${indent}_kb_launch(rec, ${fn}, (${grid},), (
 ${indent}    ${args},
-${indent}    ${constexprs}, num_warps=num_warps, num_stages=num_stages,
-${indent})
+${indent}), num_warps, num_stages, ${constexprs})
 ''')
 
 
@@ -299,7 +318,7 @@ def _grid_code(k: Kernel, hctx: ExprContext, pack: PackPlan | None, split: bool 
     return " * ".join(wrap(lower_expr(pack.extent(a.name, a.extent) if pack else a.extent, hctx)) for a in axes) or "1"
 
 
-def _out_dtype(q: Param, first_in: Param) -> str:
+def out_dtype(q: Param, first_in: Param) -> str:
     """The attention output (a tile tensor of q's rank, typed like q in the IR) follows the inputs' dtype at run
     time (bf16 in, bf16 out); any other declared dtype (the LSE's f32, a spec's deliberate fp32 output) is kept."""
     if q.dtype == first_in.dtype and len(q.shape) == len(first_in.shape):
@@ -372,7 +391,7 @@ def _allocations(p: Program, entry: HostEntry, device: str) -> list[str]:
     first_in = next(q for q in p.params if q.role is Role.IN)
     lines = []
     for q in (q for q in p.params if q.role is Role.OUT):
-        lines.append(_allocation(q, _out_dtype(q, first_in), entry, device))
+        lines.append(_allocation(q, out_dtype(q, first_in), entry, device))
     for q in (q for q in p.params if q.role is Role.SCRATCH):
         lines.append(_allocation(q, TORCH_DTYPE[q.dtype], entry, device))
     return lines
@@ -380,7 +399,7 @@ def _allocations(p: Program, entry: HostEntry, device: str) -> list[str]:
 
 def _allocation(q: Param, dtype: str, entry: HostEntry, device: str) -> str:
     alloc = "zeros" if q.name in entry.zeroed else "empty"
-    return f"        {q.name} = torch.{alloc}(({', '.join(str(d) for d in q.shape)},), dtype={dtype}, device={device})"
+    return f"        {q.name} = _kb_alloc(rec, torch.{alloc}, ({', '.join(str(d) for d in q.shape)},), {dtype}, {device})"
 
 
 def _tma_choice(p: Program, sig: Signature) -> str:

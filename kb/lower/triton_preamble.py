@@ -181,6 +181,8 @@ def _cached_table(key, mask_inputs, build):
     element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
     The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
     device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return build()  # in a CUDA graph: built by every replay from the inputs' contents then, never kept
     hit = _TABLES.get(key)
     if hit is not None:
         copies, table, seen = hit
@@ -324,6 +326,127 @@ def _bind(dims, name, t, spec):
                 raise ForwardArgumentError(f"{name}: expected size {d}, got shape {tuple(t.shape)}")
         elif dims.setdefault(d, n) != n:
             raise ForwardArgumentError(f"{name}: dim {d} is {n} here but {dims[d]} elsewhere")
+
+# ---- launch plans: what forward() allocates and launches for one call signature, replayed without deciding again
+
+
+_PLANS = {}  # call key -> _Plan (at most _MAX_PLANS; the oldest goes first)
+_MAX_PLANS = 64
+_UNPLANNED = object()  # in a call key: a value the plan cannot hold (a tensor where a scalar goes)
+
+
+def _tkey(t):
+    """What a launch depends on in a tensor: shape, strides, dtype, device and 16-byte alignment (Triton specialises
+    pointers on it, and the tensor-descriptor path needs it)."""
+    if not isinstance(t, torch.Tensor):
+        return _UNPLANNED  # a missing or wrong argument: the host function says what is wrong
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def _skey(x):
+    """A scalar argument as a call key holds it: its value, or _UNPLANNED (a tensor is read on the host, so no plan)."""
+    return x if x is None or isinstance(x, (int, float)) else _UNPLANNED
+
+
+class _Plan:
+    """The allocations and kernel launches of one forward() call, replayable for any call with the same key: the key
+    (_tkey of every tensor, the scalars, the forced design) fixes every shape, stride, grid, constexpr and design.
+    A compiled kernel is launched directly, skipping Triton's per-call binding and specialisation, which would only
+    find the same kernel again; under the interpreter each launch goes through Triton as usual."""
+
+    def __init__(self):
+        self.allocs, self.launches, self.returns, self.tma = [], [], (), False
+
+    def replay(self, inputs):
+        env = list(inputs)
+        for factory, shape, dtype, device in self.allocs:
+            env.append(factory(shape, dtype=dtype, device=device))
+        if self.tma:
+            triton.set_allocator(_tma_alloc)
+        for run, args, slots in self.launches:
+            args = list(args)
+            for pos, slot in slots:
+                args[pos] = env[slot]
+            run(*args)
+        return tuple(env[i] for i in self.returns)
+
+
+class _Recorder:
+    """Watches one forward() call (through _kb_alloc and _kb_launch) and makes its _Plan; tensors are told apart by
+    identity: the call's inputs, then what it allocated. Anything else (a cached block table) makes no plan."""
+
+    def __init__(self, inputs):
+        self.plan, self.slots, self.ok = _Plan(), {id(t): i for i, t in enumerate(inputs)}, True
+
+    def alloc(self, factory, shape, dtype, t):
+        self.slots[id(t)] = len(self.slots)
+        self.plan.allocs.append((factory, shape, dtype, t.device))
+
+    def launch(self, fn, grid, args, constexprs, num_warps, num_stages, kernel):
+        slots = [(i, self.slots.get(id(a))) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.ok = self.ok and all(s is not None for _, s in slots)
+        static = [None if isinstance(a, torch.Tensor) else a for a in args]
+        names = getattr(fn, "arg_names", None)
+        if kernel is not None and hasattr(kernel, "__getitem__") and names is not None:
+            # a compiled kernel takes every argument in signature order, constexprs included
+            self.plan.launches.append((kernel[grid], (*static, *(constexprs[n] for n in names[len(args):])), slots))
+        else:
+            self.plan.launches.append((_jit_launch(fn, grid, constexprs, num_warps, num_stages), static, slots))
+        self.plan.tma = self.plan.tma or bool(constexprs.get("USE_TMA"))
+
+    def finish(self, outs):
+        ret = tuple(self.slots.get(id(t)) for t in outs)
+        if not self.ok or None in ret:
+            return None
+        self.plan.returns = ret
+        return self.plan
+
+
+def _jit_launch(fn, grid, constexprs, num_warps, num_stages):
+    return lambda *args: fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def _kb_alloc(rec, factory, shape, dtype, device):
+    """factory(shape, dtype=dtype, device=device) (torch.empty or torch.zeros), seen by the recorder `rec` (or None)."""
+    t = factory(shape, dtype=dtype, device=device)
+    if rec is not None:
+        rec.alloc(factory, shape, dtype, t)
+    return t
+
+
+def _kb_launch(rec, fn, grid, args, num_warps, num_stages, **constexprs):
+    """fn[grid](*args, **constexprs) with the launch options, seen by the recorder `rec` (or None)."""
+    kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    if rec is not None:
+        rec.launch(fn, grid, args, constexprs, num_warps, num_stages, kernel)
+
+
+def _kb_planned(key, inputs, run):
+    """run(rec): the forward call recorded, its plan kept under `key` for the calls after it (see _Plan)."""
+    if _UNPLANNED in key:
+        return run(None)
+    rec = _Recorder(inputs)
+    outs = run(rec)
+    plan = rec.finish(outs)
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return outs
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(tensors):
+    """An eager call that needs no autograd and no tracing: plain tensors (no fake or wrapper subclasses), grad not
+    needed, not inside torch.compile and no dispatch or function mode active. Such a call skips the operator's
+    dispatcher and runs the host function itself; any other goes through the registered operator."""
+    c = torch._C
+    if torch.compiler.is_compiling() or c._len_torch_dispatch_stack() or c._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) in _PLAIN_TENSORS and not (grad and t.requires_grad) for t in tensors)
 # ---- generated modules: preamble ends ----
 
 # placeholders for the generated module's own constants (see the module docstring)

@@ -166,6 +166,8 @@ def _cached_table(key, mask_inputs, build):
     element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
     The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
     device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return build()  # in a CUDA graph: built by every replay from the inputs' contents then, never kept
     hit = _TABLES.get(key)
     if hit is not None:
         copies, table, seen = hit
@@ -309,6 +311,127 @@ def _bind(dims, name, t, spec):
                 raise ForwardArgumentError(f"{name}: expected size {d}, got shape {tuple(t.shape)}")
         elif dims.setdefault(d, n) != n:
             raise ForwardArgumentError(f"{name}: dim {d} is {n} here but {dims[d]} elsewhere")
+
+# ---- launch plans: what forward() allocates and launches for one call signature, replayed without deciding again
+
+
+_PLANS = {}  # call key -> _Plan (at most _MAX_PLANS; the oldest goes first)
+_MAX_PLANS = 64
+_UNPLANNED = object()  # in a call key: a value the plan cannot hold (a tensor where a scalar goes)
+
+
+def _tkey(t):
+    """What a launch depends on in a tensor: shape, strides, dtype, device and 16-byte alignment (Triton specialises
+    pointers on it, and the tensor-descriptor path needs it)."""
+    if not isinstance(t, torch.Tensor):
+        return _UNPLANNED  # a missing or wrong argument: the host function says what is wrong
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
+def _skey(x):
+    """A scalar argument as a call key holds it: its value, or _UNPLANNED (a tensor is read on the host, so no plan)."""
+    return x if x is None or isinstance(x, (int, float)) else _UNPLANNED
+
+
+class _Plan:
+    """The allocations and kernel launches of one forward() call, replayable for any call with the same key: the key
+    (_tkey of every tensor, the scalars, the forced design) fixes every shape, stride, grid, constexpr and design.
+    A compiled kernel is launched directly, skipping Triton's per-call binding and specialisation, which would only
+    find the same kernel again; under the interpreter each launch goes through Triton as usual."""
+
+    def __init__(self):
+        self.allocs, self.launches, self.returns, self.tma = [], [], (), False
+
+    def replay(self, inputs):
+        env = list(inputs)
+        for factory, shape, dtype, device in self.allocs:
+            env.append(factory(shape, dtype=dtype, device=device))
+        if self.tma:
+            triton.set_allocator(_tma_alloc)
+        for run, args, slots in self.launches:
+            args = list(args)
+            for pos, slot in slots:
+                args[pos] = env[slot]
+            run(*args)
+        return tuple(env[i] for i in self.returns)
+
+
+class _Recorder:
+    """Watches one forward() call (through _kb_alloc and _kb_launch) and makes its _Plan; tensors are told apart by
+    identity: the call's inputs, then what it allocated. Anything else (a cached block table) makes no plan."""
+
+    def __init__(self, inputs):
+        self.plan, self.slots, self.ok = _Plan(), {id(t): i for i, t in enumerate(inputs)}, True
+
+    def alloc(self, factory, shape, dtype, t):
+        self.slots[id(t)] = len(self.slots)
+        self.plan.allocs.append((factory, shape, dtype, t.device))
+
+    def launch(self, fn, grid, args, constexprs, num_warps, num_stages, kernel):
+        slots = [(i, self.slots.get(id(a))) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        self.ok = self.ok and all(s is not None for _, s in slots)
+        static = [None if isinstance(a, torch.Tensor) else a for a in args]
+        names = getattr(fn, "arg_names", None)
+        if kernel is not None and hasattr(kernel, "__getitem__") and names is not None:
+            # a compiled kernel takes every argument in signature order, constexprs included
+            self.plan.launches.append((kernel[grid], (*static, *(constexprs[n] for n in names[len(args):])), slots))
+        else:
+            self.plan.launches.append((_jit_launch(fn, grid, constexprs, num_warps, num_stages), static, slots))
+        self.plan.tma = self.plan.tma or bool(constexprs.get("USE_TMA"))
+
+    def finish(self, outs):
+        ret = tuple(self.slots.get(id(t)) for t in outs)
+        if not self.ok or None in ret:
+            return None
+        self.plan.returns = ret
+        return self.plan
+
+
+def _jit_launch(fn, grid, constexprs, num_warps, num_stages):
+    return lambda *args: fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def _kb_alloc(rec, factory, shape, dtype, device):
+    """factory(shape, dtype=dtype, device=device) (torch.empty or torch.zeros), seen by the recorder `rec` (or None)."""
+    t = factory(shape, dtype=dtype, device=device)
+    if rec is not None:
+        rec.alloc(factory, shape, dtype, t)
+    return t
+
+
+def _kb_launch(rec, fn, grid, args, num_warps, num_stages, **constexprs):
+    """fn[grid](*args, **constexprs) with the launch options, seen by the recorder `rec` (or None)."""
+    kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    if rec is not None:
+        rec.launch(fn, grid, args, constexprs, num_warps, num_stages, kernel)
+
+
+def _kb_planned(key, inputs, run):
+    """run(rec): the forward call recorded, its plan kept under `key` for the calls after it (see _Plan)."""
+    if _UNPLANNED in key:
+        return run(None)
+    rec = _Recorder(inputs)
+    outs = run(rec)
+    plan = rec.finish(outs)
+    if plan is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return outs
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _direct(tensors):
+    """An eager call that needs no autograd and no tracing: plain tensors (no fake or wrapper subclasses), grad not
+    needed, not inside torch.compile and no dispatch or function mode active. Such a call skips the operator's
+    dispatcher and runs the host function itself; any other goes through the registered operator."""
+    c = torch._C
+    if torch.compiler.is_compiling() or c._len_torch_dispatch_stack() or c._is_torch_function_mode_enabled():
+        return False
+    grad = torch.is_grad_enabled()
+    return all(type(t) in _PLAIN_TENSORS and not (grad and t.requires_grad) for t in tensors)
 
 
 @triton.jit
@@ -780,7 +903,12 @@ PROGRAM_DESIGN = (16, 16, 3, 4, 1, True, True)
 
 def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
     """Run `decode_split_kv`. Returns (o, lse). Aux tensors: none; scalars: sm_scale.
-    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one."""
+    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
+    A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
+    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan.replay((q, k, v))
     kw = dict(aux_and_scalars)
     dims = {}
     _bind(dims, "q", q, ('B', 'Hq', 'M', 'D'))
@@ -796,7 +924,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
     if kw:
         raise ForwardArgumentError(f"forward() got unexpected arguments: {sorted(kw)}")
 
-    def launch(design, table_only=False):
+    def launch(design, table_only=False, rec=None):
         BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, PACK = _design7(design)
         # GQA packing: the Hq // Hkv query heads of a KV head share a tile (K/V read once per KV head)
         PACK = PACK and Hq > Hkv and Hq % Hkv == 0
@@ -808,33 +936,108 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         PAD_NUM_SPLITS = triton.next_power_of_2(NUM_SPLITS)
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        o = torch.empty((B, Hq, M, D,), dtype=q.dtype, device=q.device)
-        lse = torch.empty((B, Hq, M,), dtype=torch.float32, device=q.device)
-        o_part = torch.empty((B, Hq, NUM_SPLITS, M, D,), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hq, NUM_SPLITS, M,), dtype=torch.float32, device=q.device)
+        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
+        lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
+        o_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M, D,), torch.float32, q.device)
+        lse_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M,), torch.float32, q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
         USE_TMA = tma and _use_tma((q, k, v, o_part, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
         if PACK:
-            _split_packed_kernel[(B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) * NUM_SPLITS,)](
+            _kb_launch(rec, _split_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) * NUM_SPLITS,), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-            )
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
         else:
-            _split_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,)](
+            _kb_launch(rec, _split_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-            )
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
         if PACK:
-            _combine_packed_kernel[(B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),)](
+            _kb_launch(rec, _combine_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-            )
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
         else:
-            _combine_kernel[(B * Hq * (_hcdiv(M, BLOCK_M)),)](
+            _kb_launch(rec, _combine_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, num_warps=num_warps, num_stages=num_stages,
-            )
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
         return o, lse
 
     design = tuple(_design) if _design is not None else _choose_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
-    return launch(design)
+    return _kb_planned(key, (q, k, v), lambda rec: launch(design, rec=rec))
+
+
+# ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
+KERNEL_ID = 'k-76c767c541e03eb4'  # the forward program's id in the KB (`kb show`)
+OP_NAME = 'k_76c767c541e03eb4_da3ab232'  # the KB id's hex, then this module's digest
+NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
+_KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
+_KB_SCALARS = ()  # then its float scalars, then sm_scale
+_KB_BWD_AUX = ()  # the ones backward() reads
+_KB_BWD_SCALARS = ()
+_KB_LEARNABLE = ()  # aux tensors with a gradient (backward() returns them after dq, dk, dv)
+
+
+def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, sm_scale=sm_scale)
+
+
+def _op_forward_fake(q, k, v, sm_scale):
+    # output shapes from the inputs' shapes (symbolic under torch.compile), dtypes as forward() allocates them
+    return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], q.shape[3]), dtype=q.dtype), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32))
+
+
+def _op_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sm_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    raise RuntimeError(f"kernel_kb.{OP_NAME} (program decode_split_kv) has no backward: {NO_BACKWARD}")
+
+
+def _op_backward_fake(q, k, v, o, dout, lse, sm_scale):
+    return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype), v.new_empty(v.shape, dtype=q.dtype))
+
+
+def _op_setup(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    aux = inputs[3:3 + len(_KB_AUX)]
+    ctx.scalars, ctx.sm_scale = inputs[3 + len(_KB_AUX):-1], inputs[-1]
+    ctx.save_for_backward(q, k, v, output[0], output[1], *aux)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _op_grads(ctx, dout, _dlse):
+    q, k, v, o, lse, *aux = ctx.saved_tensors
+    named = dict(zip(_KB_AUX, aux))
+    scalars = dict(zip(_KB_SCALARS, ctx.scalars))
+    grads = _OP_BWD(q, k, v, o, dout.to(q.dtype).contiguous(), lse, *(named[n] for n in _KB_BWD_AUX),
+                    *(scalars[n] for n in _KB_BWD_SCALARS), ctx.sm_scale)
+    learned = dict(zip(_KB_LEARNABLE, grads[3:]))
+    wanted = ctx.needs_input_grad[3:3 + len(_KB_AUX)]
+    aux_grads = (learned.get(n) if w else None for n, w in zip(_KB_AUX, wanted))
+    return (*grads[:3], *aux_grads, *(None for _ in _KB_SCALARS), None)
+
+
+def _register_op():
+    """torch.ops.kernel_kb.<OP_NAME> and <OP_NAME>_bwd, defined once per process (a second import reuses them)."""
+    ops = torch.ops.kernel_kb
+    if not hasattr(ops, OP_NAME):
+        fwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}", _op_forward, mutates_args=())
+        fwd.register_fake(_op_forward_fake)
+        bwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}_bwd", _op_backward, mutates_args=())
+        bwd.register_fake(_op_backward_fake)
+        fwd.register_autograd(_op_grads, setup_context=_op_setup)
+    return getattr(ops, OP_NAME).default, getattr(ops, OP_NAME + "_bwd").default
+
+
+_OP, _OP_BWD = _register_op()
+
+
+def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
+    """Attention of `decode_split_kv` as the operator torch.ops.kernel_kb.<OP_NAME>: its backward raises NO_BACKWARD.
+    An eager call that needs no gradient runs forward() directly, skipping the dispatcher."""
+    kw = dict(aux_and_scalars)
+    missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
+    if missing:
+        raise ForwardArgumentError(f"kb_attention() needs {missing}")
+    aux = tuple(kw.pop(n) for n in _KB_AUX)
+    scalars = tuple(float(kw.pop(n)) for n in _KB_SCALARS)
+    if kw:
+        raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
+    if _direct((q, k, v, *aux)):
+        return forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[0]
+    return _OP(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[0]
