@@ -112,6 +112,12 @@ def test_dynamic_lengths_do_not_recompile_per_length(learnable) -> None:  # noqa
         ins = [t.detach() for t in _inputs(spec_mod, length, length)]
         torch.testing.assert_close(compiled(*ins), model(*ins), atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 2, counter.frame_count  # one static graph, then one dynamic for every length
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for length in (40, 57, 23):
+        ins = [t.detach() for t in _inputs(spec_mod, length, length)]
+        torch.testing.assert_close(compiled(*ins), model(*ins), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1, counter.frame_count  # dynamic from the start: one graph
 
 
 def test_forward_only_kernel_raises_on_backward(cache_dir: Path) -> None:
