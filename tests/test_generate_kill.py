@@ -12,7 +12,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -72,9 +71,7 @@ def test_stopped_generate_leaves_no_half_written_kernel_and_no_process(ingested_
 
 def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
     """A spec's --timeout is shared: once spent, no further attempt starts, and the run says so."""
-    t0 = time.monotonic()
     res = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path / "out", timeout_s=1.0, compile_cuda=False))
     assert not res.succeeded and len(res.attempts) == 1 and res.attempts[0].verdict == "timeout"
     assert "budget of 1s (--timeout) is spent: no further attempt started" in res.error
     assert ingested_kb.get(res.run_id).status == "failed"
-    assert time.monotonic() - t0 < 120

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import socket
-import time
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -183,10 +183,9 @@ def test_server_error_ends_the_proposals_with_what_to_check(fake_llm: FakeLLMSer
 def test_timeout_says_what_to_raise(fake_llm: FakeLLMServer, llm_settings: Settings) -> None:
     fake_llm.script(delayed(3.0, fenced(causal())))
     engine = LLMEngine(replace(llm_settings, llm_timeout_s=1.0))
-    t0 = time.perf_counter()
     ((cand, _),) = run(engine, numeric_check(causal()))
     assert re.search(r"did not answer within 1 s; raise KB_LLM_TIMEOUT_S", cand.failure.detail)
-    assert time.perf_counter() - t0 < 2.5  # max_retries=0: one request, cut at the timeout
+    assert len(fake_llm.requests) == 1  # max_retries=0: one request, cut at the timeout, never retried
 
 
 def test_connection_refused_is_a_clear_kberror(llm_settings: Settings) -> None:
@@ -322,13 +321,14 @@ def test_fake_server_models_route_and_clean_shutdown() -> None:
 
 def test_fake_server_close_does_not_wait_for_a_delayed_reply() -> None:
     srv = FakeLLMServer().start()
-    srv.script(delayed(30.0))
+    srv.script(delayed(3600.0))
     client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-    t0 = time.perf_counter()
-    srv.close()
-    assert time.perf_counter() - t0 < 2.0
+    closing = threading.Thread(target=srv.close, daemon=True)
+    closing.start()
+    closing.join(timeout=300)  # a hang guard: the reply is due in an hour, close must not wait for it
+    assert not closing.is_alive()
 
 
 def test_fake_server_repeat_last_serves_the_last_reply_again() -> None:
