@@ -127,14 +127,29 @@ def test_forward_only_kernel_raises_on_backward(cache_dir: Path) -> None:
     q, k, v = (torch.randn(1, 2, 24, 16, requires_grad=True) for _ in range(3))
     out = mod.kb_attention(q, k, v)
     assert out.grad_fn is not None
-    with pytest.raises(RuntimeError, match="has no backward: kb generate built none: --no-backward"):
+    with pytest.raises(NotImplementedError, match="has no backward: kb generate built none: --no-backward"):
         out.sum().backward()
     compiled = torch.compile(lambda q, k, v: mod.kb_attention(q, k, v), backend="aot_eager", fullgraph=True)
     out = compiled(q, k, v)  # compiling traces the backward with the fake implementation; running it raises
-    with pytest.raises(RuntimeError, match="has no backward"):
+    with pytest.raises(NotImplementedError, match="has no backward"):
         out.sum().backward()
     with torch.no_grad():
         assert mod.kb_attention(q, k, v).grad_fn is None  # inference needs no backward
+
+
+def test_verifier_says_no_backward_with_the_reason(tmp_path: Path) -> None:
+    """`kb verify --backward` on a forward-only candidate: no_backward, naming why (never a pass on None gradients)."""
+    from generate.candidate import write_candidate
+    from tests.support.backward import CLASSES, SPECS, transferred_programs
+    from verify import Verdict, VerifyOptions, verify
+
+    spec, fwd, _, _ = transferred_programs(CLASSES["relative_bias_learnable"])
+    aux = [q.name for q in fwd.params if q.role is Role.AUX]
+    src = with_backward_reason(lower_program(fwd), "kb generate built none: --no-backward")
+    files = write_candidate(spec, src, aux, tmp_path, "fwd_only")
+    res = verify(SPECS / CLASSES["relative_bias_learnable"], files.candidate,
+                 VerifyOptions(backward=True, distributions=("normal",), max_cases=1, timeout_s=600))
+    assert res.verdict is Verdict.no_backward and "has no backward: kb generate built none" in res.message, res.message
 
 
 def test_default_reason_and_its_replacement() -> None:

@@ -125,7 +125,7 @@ def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
 ''')
 
 _RAISE = Template('''\
-    raise RuntimeError(f"kernel_kb.{OP_NAME} (program ${fwd}) has no backward: {NO_BACKWARD}")''')
+    raise NotImplementedError(f"kernel_kb.{OP_NAME} (program ${fwd}) has no backward: {NO_BACKWARD}")''')
 
 _CALL_BACKWARD = Template('''\
     return backward(q, k, v, o, dout, lse, sm_scale=sm_scale${kwargs})''')

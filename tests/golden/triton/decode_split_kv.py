@@ -985,7 +985,7 @@ def _op_forward_fake(q, k, v, sm_scale):
 
 
 def _op_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, sm_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    raise RuntimeError(f"kernel_kb.{OP_NAME} (program decode_split_kv) has no backward: {NO_BACKWARD}")
+    raise NotImplementedError(f"kernel_kb.{OP_NAME} (program decode_split_kv) has no backward: {NO_BACKWARD}")
 
 
 def _op_backward_fake(q, k, v, o, dout, lse, sm_scale):
