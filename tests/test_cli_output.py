@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 from cli.app import out
 from cli.main import app
 from cli.tune import results_table
+from cli.work import _print_generated
+from generate.pipeline import GenerateResult
+from generate.stages import ReportStatus
 from kb.settings import load_settings
 from kb.store import Kernel, open_kb
 from tests.support.repo import KB_CLI, REPO, subprocess_env
@@ -86,6 +89,15 @@ def test_every_command_prints_whole_ids_when_not_a_terminal(filled, embedder, ca
     capsys.readouterr()
     out.print(results_table(doc))
     assert any(name in line and "m128 n64 w4 s3" in line for line in capsys.readouterr().out.splitlines())
+
+    # kb generate's table of what it made (a real run: test_generate_json_reports_what_it_published)
+    cand = Path("/an/output/directory/with/a/long/name") / f"gen_{name}.py"
+    made = GenerateResult(Path(f"specs/{name}.py"), "r-0", True, ids[0], (), {"candidate": cand,
+                          "triton": cand.with_name(f"gen_{name}_triton.py")}, status=ReportStatus.VERIFIED)
+    _print_generated([made])
+    lines = capsys.readouterr().out.splitlines()
+    assert any(f"specs/{name}.py" in line and ids[0] in line and str(cand) in line for line in lines)
+    assert f"specs/{name}.py: kernel {ids[0]} -> {cand} (Triton: gen_{name}_triton.py)" in lines
 
 
 def test_verify_prints_its_table_through_the_same_console(tmp_path: Path) -> None:
