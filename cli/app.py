@@ -3,6 +3,11 @@
 Every command reads settings the same way (`kb.settings.load_settings`, with `--home`
 overriding KB_HOME). A `KBError` from any command prints one line on stderr and exits 1;
 anything else is a bug and keeps its traceback.
+
+Output: results go to stdout through `out`; failures, warnings, progress and spinners go to stderr
+through `err`. Both are `Console`s whose width is unbounded when their stream is not a terminal (a
+pipe, a file, a test runner), so that no table of any command cuts or folds an id or a path there:
+a script can paste what it reads into `kb show`.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
 import signal
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from typer.core import TyperGroup
 
 from kb.errors import KBError
@@ -28,9 +34,40 @@ from kb.settings import Settings, load_settings
 if TYPE_CHECKING:
     from kb.store import KnowledgeBase
 
-__all__ = ["app", "open_kb_of", "out", "settings_of"]
+__all__ = ["DISTRIBUTION", "CONSOLE_KEY", "app", "err", "open_kb_of", "out", "settings_of"]
 
-out = Console(highlight=False, soft_wrap=True)
+DISTRIBUTION = "kernel-kb"  # the name `kb --version` reads the package metadata of
+CONSOLE_KEY = "kb.console"  # click's ctx.meta key of `out`, for commands defined below cli/ (verify.cli)
+_UNBOUNDED = 1 << 20  # columns of a stream that is not a terminal: wider than any line kb prints
+
+
+class _Console(Console):
+    """A rich Console as wide as its content when its stream is not a terminal.
+
+    Rich sizes a console by whichever of stdin/stdout/stderr is a terminal (else COLUMNS, else 80), so a
+    piped stdout got tables cut to the width of the terminal beside it. The stream itself decides here; FORCE_COLOR
+    (which makes rich call a pipe a terminal, for colours) does not make it narrow.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        return size if self._is_tty() else ConsoleDimensions(_UNBOUNDED, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+    def _is_tty(self) -> bool:
+        isatty = getattr(self.file, "isatty", None)
+        try:
+            return bool(isatty is not None and isatty())
+        except ValueError:  # a closed stream
+            return False
+
+
+out = _Console(highlight=False, soft_wrap=True)
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 class _KBGroup(TyperGroup):
@@ -52,11 +89,11 @@ class _KBGroup(TyperGroup):
         previous = _set_handler(signal.SIGTERM, on_sigterm)
         try:
             return super().invoke(ctx)
-        except KBError as err:
-            typer.echo(f"kb: error: {err}", err=True)
+        except KBError as error:
+            typer.echo(f"kb: error: {error}", err=True)
             ctx.exit(1)
-        except KeyboardInterrupt as err:
-            typer.echo(f"kb: interrupted: {err}" if str(err) else "kb: interrupted", err=True)
+        except KeyboardInterrupt as stop:
+            typer.echo(f"kb: interrupted: {stop}" if str(stop) else "kb: interrupted", err=True)
             ctx.exit(128 + (caught[0] if caught else signal.SIGINT))
         finally:
             if previous is not None:
@@ -80,14 +117,30 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    try:
+        meta = metadata.metadata(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        typer.echo(f"kb: error: no package metadata for {DISTRIBUTION} (install it: `pip install .` or "
+                   "`pip install -e .` in a checkout)", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"{meta['Name']} {meta['Version']}")
+    raise typer.Exit()
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
     home: Path | None = typer.Option(None, "--home", help="KB directory (overrides KB_HOME)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the distribution name and version, and exit."),
 ) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx.obj = load_settings(home=home)
+    ctx.meta[CONSOLE_KEY] = out
 
 
 def settings_of(ctx: typer.Context) -> Settings:

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from cli.app import app, open_kb_of, out, settings_of
+from cli.app import app, err, open_kb_of, out, settings_of
 from kb.errors import KBError
 
 __all__ = ["tune_cmd", "perf_import_cmd", "bench_cmd"]
@@ -55,7 +55,7 @@ def tune_cmd(
 
     doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory)
     raw = results or (kb.settings.home / "tune-last.json")
-    with out.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {arch} …"):
+    with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {arch} …"):
         doc = run_plan(doc_plan, raw, command="kb tune " + " ".join(targets))
     summary = import_results(kb, doc, str(raw))
     if as_json:
@@ -89,7 +89,7 @@ def bench_cmd(
     doc_plan = make_plan(kb, specs, from_dir, arch, max_designs=0)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench_{suite[0].stem}.json"
-    with out.status(f"timing {len(doc_plan['entries'])} generated kernels on {arch} …"):
+    with err.status(f"timing {len(doc_plan['entries'])} generated kernels on {arch} …"):
         doc = run_plan(doc_plan, path, command="kb bench " + " ".join(map(str, suite)))
     out.print(results_table(doc))
     out.print(f"results in {path}")

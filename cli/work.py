@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from cli.app import app, open_kb_of, out, settings_of
+from cli.app import app, err, open_kb_of, out, settings_of
 from generate.stages import ReportStatus
 from kb.errors import KBError
 
@@ -56,27 +56,24 @@ def ingest_cmd(
         return
     table = Table(title="ingest coverage", show_lines=False)
     for col in ("source", "file", "programs (verified)", "snippets", "tunables", "new rows", "skipped (reason)"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a terminal wraps a long path; a pipe gets it on one line
     for s in summary.sources:
         for f in s.files:
-            skipped = "; ".join(f"{w}: {r}" for w, r in f.skipped[:2]) + (" …" if len(f.skipped) > 2 else "")
-            table.add_row(s.source, _short(f.file), f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
+            skipped = "; ".join(f"{w}: {r}" for w, r in f.skipped[:2]) + (
+                f" (+{len(f.skipped) - 2} more; --json)" if len(f.skipped) > 2 else "")
+            table.add_row(s.source, f.file, f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
                           str(f.new_rows), skipped)
     out.print(table)
     for s in summary.sources:  # the backward pass: kernels lifted into programs, regions into snippets, or why not
         for f in s.files:
             for what, status in f.backward:
-                out.print(f"backward {_short(f.file, 40)} {what}: {status}", markup=False)
+                out.print(f"backward {f.file} {what}: {status}", markup=False)
     t = summary.totals()
     out.print(f"{t['programs']} programs ({t['verified']} verified by the interpreter), {t['snippets']} snippets, "
               f"{t['tunables']} tunables, {t['new_rows']} new rows, {t['skipped']} skipped items in {summary.seconds:.1f}s")
     if measured is not None:
         out.print(f"measured designs from corpus/measured: {measured.perf_records} records, {measured.lessons} lessons, "
                   f"{measured.kernels_added} new kernels")
-
-
-def _short(path: str, width: int = 60) -> str:
-    return path if len(path) <= width else "…" + path[-width + 1:]
 
 
 @app.command("query")
@@ -98,6 +95,9 @@ def query_cmd(
         raise KBError(f"unknown --mode {mode!r}; use hybrid, embedding or structural")
     target, text = None, spec_or_text
     path = Path(spec_or_text)
+    if _looks_like_path(spec_or_text) and not path.is_file():
+        raise KBError(f"spec file {spec_or_text} does not exist" if not path.exists() else f"{spec_or_text} is not a spec file",
+                      hint="an argument with a '/' and no spaces, or ending in .py, is read as a spec path")
     if path.suffix == ".py" or path.is_file():
         from generate.spec import load_spec
 
@@ -134,6 +134,11 @@ def query_cmd(
         out.print(f"lesson: {les}")
 
 
+def _looks_like_path(arg: str) -> bool:
+    """A spec path rather than free text: ends in .py, or has a '/' and no whitespace ("causal w/ softcap" is text)."""
+    return arg.endswith(".py") or ("/" in arg and not any(c.isspace() for c in arg))
+
+
 def _verify_cmd() -> None:
     from verify.cli import verify_command
 
@@ -166,6 +171,8 @@ def generate_cmd(
     target: str = typer.Option("auto", "--target", metavar="ARCH",
                                help="GPU arch the emitted designs are chosen for: sm90, sm80, ... or auto "
                                     "(this machine's GPU, else KB_TARGET_ARCH, default sm90)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (per spec: status, kernel, files) "
+                                                       "on stdout; failures and progress still go to stderr."),
 ) -> None:
     """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back."""
     from generate.pipeline import GenerateOptions, generate, resolve_target
@@ -187,40 +194,61 @@ def generate_cmd(
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts, timeout_s=settings.verify_timeout,
                            target=resolve_target(target, settings.target_arch), backward=not no_backward)
-    table = Table(title="generate")
-    for col in ("spec", "result", "backward", "attempts", "kernel", "seconds"):
-        table.add_column(col)
-    table.add_column("detail", overflow="fold")  # the whole reason, wrapped, never cut
-    failed = 0
-    made: list[str] = []
     results: list[GenerateResult] = []
     for p in paths:
-        with out.status(f"generating {p.name} …"):
+        with err.status(f"generating {p} …"):
             try:
                 r = generate(kb, p, opts)
-            except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
+            except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
                 kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
-                raise KeyboardInterrupt(f"{err or 'stopped'}{kept}") from err
+                raise KeyboardInterrupt(f"{stop or 'stopped'}{kept}") from stop
         results.append(r)
-        failed += not r.succeeded
-        if r.succeeded:
-            made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
-        elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
-            made.append(f"{p.name}: {r.error}")
-        detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
-        if r.succeeded and r.backward == ReportStatus.NONE and not no_backward:
-            made.append(f"{p.name}: no backward ({r.backward_reason}); ModelNew is forward-only")
-        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status),
-                      _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
-                      r.kernel_id or "-", f"{r.seconds:.1f}", detail)
-    out.print(table)
-    for line in made:
-        out.print(line, soft_wrap=True)
+        for line in _generate_problems(r, backward_asked=not no_backward):  # as they happen, on stderr
+            err.print(line, markup=False)
+    if as_json:
+        typer.echo(json.dumps({"specs": [_generate_json(r) for r in results],
+                               "failed": sum(not r.succeeded for r in results)}, indent=2))
+    else:
+        _print_generated(results)
+    if any(not r.succeeded for r in results):
+        raise typer.Exit(1)
+
+
+def _generate_problems(r: GenerateResult, *, backward_asked: bool) -> list[str]:
+    """What went wrong with one spec, for stderr: why it failed, or why its ModelNew is forward-only."""
+    if not r.succeeded:
+        tried = f" after {len(r.attempts)} attempt(s)" if r.attempts else ""  # none: refused before any attempt
+        report = f" (report: {r.files['report']})" if "report" in r.files else ""
+        return [f"{r.spec_path}: failed{tried}: {r.error}{report}"]
+    if r.backward == ReportStatus.NONE and backward_asked:
+        return [f"{r.spec_path}: no backward ({r.backward_reason}); ModelNew is forward-only"]
+    return []
+
+
+def _generate_json(r: GenerateResult) -> dict:
+    return {"spec": str(r.spec_path), "status": str(r.status), "kernel_id": r.kernel_id, "run_id": r.run_id,
+            "backward": {"status": str(r.backward), "reason": r.backward_reason}, "attempts": len(r.attempts),
+            "seconds": round(r.seconds, 3), "error": r.error, "files": {kind: str(f) for kind, f in r.files.items()}}
+
+
+def _print_generated(results: list[GenerateResult]) -> None:
+    """The specs that produced a kernel, as a table and one line each (failures went to stderr)."""
+    made = [r for r in results if r.succeeded]
+    if made:
+        table = Table(title="generate")
+        for col in ("spec", "result", "backward", "attempts", "kernel", "seconds", "candidate"):
+            table.add_column(col, overflow="fold")  # a terminal wraps a long path; a pipe gets it on one line
+        for r in made:
+            table.add_row(str(r.spec_path), _STATUS_STYLE.get(r.status, "{}").format(r.status),
+                          _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
+                          r.kernel_id or "-", f"{r.seconds:.1f}", str(r.files["candidate"]))
+        out.print(table)
+    for r in made:
+        out.print(f"{r.spec_path}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})",
+                  markup=False)
     written = sorted({str(f.parent) for r in results for f in r.files.values()})
     if written:
-        out.print(f"outputs in {', '.join(written)} (each spec's .report.json says what its files are)")
-    if failed:
-        raise typer.Exit(1)
+        out.print(f"outputs in {', '.join(written)} (each spec's .report.json says what its files are)", markup=False)
 
 
 _STATUS_STYLE = {ReportStatus.VERIFIED: "[green]{}[/]", ReportStatus.UNVERIFIED: "[yellow]{}[/]",

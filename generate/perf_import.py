@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from generate.tune_gpu import impl_ms
+from kb.data_files import corpus_files
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import parse_design
@@ -180,10 +181,8 @@ def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
 
 
 def corpus_results() -> list[Path]:
-    """The measured results shipped with kernel-kb (`corpus/measured/*.json`), each with its provenance."""
-    from ingest.manifest import corpus_dir
-
-    return sorted((corpus_dir() / "measured").glob("*.json"))
+    """The measured results shipped with kernel-kb (`corpus/measured/*.json`), each with its provenance; none is an error."""
+    return corpus_files("measured/*.json")
 
 
 def import_corpus(kb) -> ImportSummary:  # noqa: ANN001 - KnowledgeBase

@@ -17,6 +17,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
+from rich.console import Console
 from rich.progress import Progress
 
 from kb.errors import KBError
@@ -80,7 +81,7 @@ def _extract(archive: Path, dest: Path, show_progress: bool, keep: Keep) -> None
         try:
             with tarfile.open(archive) as tf:
                 members = [m for m in _tar_members(archive, tf) if m.isdir() or keep(m.name)]
-                with Progress(disable=not show_progress, transient=True) as progress:
+                with Progress(disable=not show_progress, transient=True, console=Console(stderr=True)) as progress:
                     task = progress.add_task(f"unpack {name}", total=len(members))
                     for m in members:
                         tf.extract(m, dest, filter="data")
@@ -95,7 +96,7 @@ def _extract(archive: Path, dest: Path, show_progress: bool, keep: Keep) -> None
                     if (info.external_attr >> 16) & 0o170000 == 0o120000:
                         raise KBError(f"refusing to unpack {name}: member {info.filename!r} is a symlink")
                 infos = [i for i in zf.infolist() if keep(i.filename)]
-                with Progress(disable=not show_progress, transient=True) as progress:
+                with Progress(disable=not show_progress, transient=True, console=Console(stderr=True)) as progress:
                     task = progress.add_task(f"unpack {name}", total=len(infos))
                     for info in infos:
                         zf.extract(info, dest)

@@ -56,7 +56,8 @@ def pip_download(requirement: str, kind: SourceKind, dest: Path, env: dict[str, 
     full_env = {**os.environ, **(env or {})}
     log.info("running %s", " ".join(cmd))
     before = set(dest.iterdir())
-    proc = subprocess.run(cmd, env=full_env, stdout=None if show_progress else subprocess.PIPE,
+    # pip's progress and messages go to our stderr (fd 2): stdout keeps kb's results
+    proc = subprocess.run(cmd, env=full_env, stdout=2 if show_progress else subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("WARNING"))[-1500:]

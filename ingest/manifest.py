@@ -22,10 +22,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kb.data_files import corpus_files
 from kb.errors import KBError
 from ingest.model import SourceKind
 
-__all__ = ["FileRule", "Manifest", "LIFTERS", "expand_braces", "load_manifest", "corpus_dir", "list_manifests", "find_manifest"]
+__all__ = ["FileRule", "Manifest", "LIFTERS", "expand_braces", "load_manifest", "list_manifests", "find_manifest"]
 
 LIFTERS = ("cuda", "cute", "triton")
 
@@ -69,11 +70,6 @@ def expand_braces(pattern: str) -> list[str]:
     return [p for alt in m.group(1).split(",") for p in expand_braces(pattern[: m.start()] + alt + pattern[m.end():])]
 
 
-def corpus_dir() -> Path:
-    """The repository's `corpus/` directory (manifests ship beside the code)."""
-    return Path(__file__).resolve().parent.parent / "corpus"
-
-
 def load_manifest(path: Path) -> Manifest:
     try:
         data = tomllib.loads(path.read_text())
@@ -97,7 +93,9 @@ def load_manifest(path: Path) -> Manifest:
 
 
 def list_manifests(directory: Path | None = None) -> list[Manifest]:
-    return [load_manifest(p) for p in sorted((directory or corpus_dir()).glob("*.toml"))]
+    """The manifests in `directory`, by default the shipped corpus (`kb.data_files`: none there is an error)."""
+    paths = sorted(directory.glob("*.toml")) if directory is not None else corpus_files("*.toml")
+    return [load_manifest(p) for p in paths]
 
 
 def find_manifest(name: str, directory: Path | None = None) -> Manifest:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import Progress
 
 from ingest.fetch import fetch, fetch_local, fetch_pypi
@@ -111,7 +112,7 @@ def ingest(kb: KnowledgeBase, names: list[str], *, progress: bool = True) -> Ing
     resolved = [(n, *resolve(n)) for n in names]
     fetched = [(n, _fetch(n, kind, m), m) for n, kind, m in resolved]  # all downloads/hashes before any write
     summary = IngestSummary()
-    with Progress(disable=not progress, transient=True) as bar:
+    with Progress(disable=not progress, transient=True, console=Console(stderr=True)) as bar:  # stdout keeps the results
         for name, src, manifest in fetched:
             t1 = time.perf_counter()
             reports = lift_source(src, manifest)

@@ -5,8 +5,9 @@ compares spec features with many candidates at once, read from numpy columns
 (`candidate_columns`, strings integer-coded). `match_vector(target, candidate)` is the same
 for one (spec features, kernel features) pair. The score is the dot product with one
 visible weight table. Weights are fitted on the labelled spec set by
-`bench/fit_retrieval.py` (logistic regression) and saved to `retrieve/weights.json`;
-`DEFAULT_WEIGHTS` are only the fallback before any fit.
+`bench/fit_retrieval.py` (logistic regression) and saved to `retrieve/weights.json`, shipped
+as package data; a missing file is an error, never a silent fall back to `DEFAULT_WEIGHTS`
+(the starting point of a fit).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kb.errors import KBError
 from kb.features import Features
 
 __all__ = ["TERMS", "HYBRID_TERMS", "Coded", "coded", "CandidateColumns", "candidate_columns", "term_columns", "match_vector",
@@ -162,12 +164,13 @@ class StructuralScore:
 
 
 def load_weights(path: Path = WEIGHTS_PATH) -> dict[str, float]:
-    """Fitted weights if present, else the defaults; a structural term missing from the file is an error.
+    """The fitted weights; a missing file, or a structural term missing from it, is an error.
 
     The result always has every TERMS and HYBRID_TERMS key (hybrid terms the file lacks keep their default).
     """
     if not path.is_file():
-        return dict(DEFAULT_WEIGHTS)
+        raise KBError(f"the fitted retrieval weights {path} are missing",
+                      hint="reinstall kernel-kb, or write them with `python -m bench.fit_retrieval --home KB_DIR --write` in a checkout")
     data = json.loads(path.read_text())
     weights = data.get("weights", data)
     missing = set(TERMS) - set(weights)

@@ -6,7 +6,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
 from rich.console import Console
 
@@ -18,11 +17,17 @@ from verify.report import result_table
 __all__ = ["verify_command"]
 
 
-def _settings() -> Settings:
+def _settings(ctx: typer.Context | None) -> Settings:
     """The settings `kb`'s root callback loaded (`--home`), or fresh ones when called from Python."""
-    ctx = click.get_current_context(silent=True)
     obj = ctx.find_root().obj if ctx is not None else None
     return obj if isinstance(obj, Settings) else load_settings()
+
+
+def _console(ctx: typer.Context | None) -> Console:
+    """The console `kb` prints results through (cli.app puts it in ctx.meta under "kb.console": unbounded width
+    when stdout is not a terminal), or a plain one when called from Python."""
+    found = ctx.meta.get("kb.console") if ctx is not None else None
+    return found if isinstance(found, Console) else Console()
 
 
 def verify_command(
@@ -35,6 +40,7 @@ def verify_command(
                                                                "against the fp32 reference, anti-cheat rules inside backward")] = False,
     timeout: Annotated[Optional[float], typer.Option("--timeout", metavar="SECONDS",
                                                      help="limit on the candidate process [default: KB_VERIFY_TIMEOUT, 600]")] = None,
+    ctx: typer.Context = None,  # type: ignore[assignment]  # typer passes its context (typer.Context is no Optional); None from Python
 ) -> int:
     """Verify CANDIDATE against SPEC; exit code 0 only on a pass."""
     from verify import verify
@@ -42,7 +48,7 @@ def verify_command(
     for path, what in ((spec, "spec"), (candidate, "candidate")):
         if not path.is_file():
             raise KBError(f"{what} file {path} does not exist")
-    settings = _settings() if timeout is None else replace(_settings(), verify_timeout=timeout)
+    settings = _settings(ctx) if timeout is None else replace(_settings(ctx), verify_timeout=timeout)
     try:
         result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline, backward=backward,
                                                        timeout_s=settings.verify_timeout))
@@ -54,5 +60,5 @@ def verify_command(
     if as_json:
         typer.echo(result.to_json())
     else:
-        Console().print(result_table(result))
+        _console(ctx).print(result_table(result))
     return 0 if result.passed else 1
