@@ -83,4 +83,10 @@ def test_no_backward_says_why_and_keeps_the_forward(ingested_kb, tmp_path: Path)
     r = generate(ingested_kb, EXAMPLES / CLASSES["causal"], GenerateOptions(out_dir=tmp_path / "out", **QUICK))
     report = json.loads(r.files["report"].read_text())
     assert r.succeeded and report["backward"]["status"] == "none" and "--no-backward" in report["backward"]["reason"]
-    assert "kb_attention(" not in r.files["candidate"].read_text()
+    # the forward-only ModelNew is still an operator: asked for a backward, it raises with the report's reason
+    new = _load(r.files["candidate"]).ModelNew(*_load(EXAMPLES / CLASSES["causal"]).get_init_inputs())
+    q, k, v = (torch.randn(1, 2, 20, 64, requires_grad=True) for _ in range(3))
+    out = new(q, k, v)
+    assert out.grad_fn is not None
+    with pytest.raises(NotImplementedError, match=r"has no backward: kb generate built none: .*--no-backward"):
+        out.sum().backward()
