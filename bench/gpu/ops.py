@@ -33,10 +33,11 @@ from types import ModuleType
 from typing import Callable
 
 import torch
-import torch._dynamo
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU smoke run: before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU smoke run: before triton is imported (torch._dynamo does)
+
+import torch._dynamo  # noqa: E402
 
 DEFAULT_SPECS = ("decode_mqa", "relative_bias_learned", "causal_d128_bf16", "document_causal")
 
