@@ -50,6 +50,7 @@ from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
 from kb.lower.pack_gqa import PackPlan, pack_plans
 from kb.lower.triton_host import class_kernel, design_lines, host_function, kernel_fn_name, packed_fn_name, split_kernels
 from kb.lower.triton_kernel import TritonKernelGen
+from kb.lower.triton_op import op_section
 from kb.lower.triton_tiles import Signature
 
 __all__ = ["lower_program", "forward_module", "LowerOptions", "program_signature", "kernel_sources", "check_attention_params", "PREAMBLE",
@@ -130,8 +131,6 @@ def lower_program(p: Program, options: LowerOptions | None = None, designs: Desi
         from kb.lower.triton_bwd import lower_backward
 
         return lower_backward(p, options or LowerOptions(), designs)
-    from kb.lower.triton_op import op_section
-
     text = forward_module(p, options, designs)
     return text + op_section(p, text)
 
