@@ -166,9 +166,14 @@ def generate_cmd(
     target: str = typer.Option("auto", "--target", metavar="ARCH",
                                help="GPU arch the emitted designs are chosen for: sm90, sm80, ... or auto "
                                     "(this machine's GPU, else KB_TARGET_ARCH, default sm90)."),
+    force: bool = typer.Option(False, "--force", help="Regenerate even when the cache holds this spec's kernel "
+                                                      "(an unchanged spec, code, options and KB knowledge)."),
 ) -> None:
-    """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back."""
-    from generate.pipeline import GenerateOptions, generate, resolve_target
+    """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back.
+
+    An unchanged spec whose kernel the cache holds gets its files back without generating (--force: regenerate)."""
+    from generate.cache import generate_cached
+    from generate.pipeline import GenerateOptions, resolve_target
 
     if engine not in ("rule", "llm"):
         raise KBError(f"unknown --engine {engine!r}; use rule or llm")
@@ -197,20 +202,21 @@ def generate_cmd(
     for p in paths:
         with out.status(f"generating {p.name} …"):
             try:
-                r = generate(kb, p, opts)
+                r = generate_cached(kb, p, opts, force=force)
             except KeyboardInterrupt as err:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
                 kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
                 raise KeyboardInterrupt(f"{err or 'stopped'}{kept}") from err
         results.append(r)
         failed += not r.succeeded
         if r.succeeded:
-            made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})")
+            made.append(f"{p.name}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})"
+                        + (f"; from the cache, made by run {r.cached.run_id} (--force regenerates)" if r.cached else ""))
         elif not r.attempts:  # refused before any attempt (a spec error, a spec kind not supported yet): one line each
             made.append(f"{p.name}: {r.error}")
         detail = str(r.files.get("candidate", "")) if r.succeeded else r.error
         if r.succeeded and r.backward == ReportStatus.NONE and not no_backward:
             made.append(f"{p.name}: no backward ({r.backward_reason}); ModelNew is forward-only")
-        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status),
+        table.add_row(p.name, _STATUS_STYLE.get(r.status, "{}").format(r.status) + (" (cached)" if r.cached else ""),
                       _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
                       r.kernel_id or "-", f"{r.seconds:.1f}", detail)
     out.print(table)
