@@ -227,6 +227,7 @@ def lookup(kb: KnowledgeBase, key: CacheKey) -> Entry | None:
         log.info("generate cache: dropping entry %s: %s", key.digest[:12], why)
         shutil.rmtree(path, ignore_errors=True)
         return None
+    log.info("generate cache: hit %s (run %s)", key.digest[:12], entry.run_id)
     return entry
 
 
