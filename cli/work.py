@@ -173,9 +173,14 @@ def generate_cmd(
                                     "(this machine's GPU, else KB_TARGET_ARCH, default sm90)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (per spec: status, kernel, files) "
                                                        "on stdout; failures and progress still go to stderr."),
+    force: bool = typer.Option(False, "--force", help="Regenerate even when the cache holds this spec's kernel "
+                                                      "(an unchanged spec, code, options and KB knowledge)."),
 ) -> None:
-    """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back."""
-    from generate.pipeline import GenerateOptions, generate, resolve_target
+    """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back.
+
+    An unchanged spec whose kernel the cache holds gets its files back without generating (--force: regenerate)."""
+    from generate.cache import generate_cached
+    from generate.pipeline import GenerateOptions, resolve_target
 
     if engine not in ("rule", "llm"):
         raise KBError(f"unknown --engine {engine!r}; use rule or llm")
@@ -198,7 +203,7 @@ def generate_cmd(
     for p in paths:
         with err.status(f"generating {p} …"):
             try:
-                r = generate(kb, p, opts)
+                r = generate_cached(kb, p, opts, force=force)
             except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
                 kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
                 raise KeyboardInterrupt(f"{stop or 'stopped'}{kept}") from stop
@@ -228,7 +233,8 @@ def _generate_problems(r: GenerateResult, *, backward_asked: bool) -> list[str]:
 def _generate_json(r: GenerateResult) -> dict:
     return {"spec": str(r.spec_path), "status": str(r.status), "kernel_id": r.kernel_id, "run_id": r.run_id,
             "backward": {"status": str(r.backward), "reason": r.backward_reason}, "attempts": len(r.attempts),
-            "seconds": round(r.seconds, 3), "error": r.error, "files": {kind: str(f) for kind, f in r.files.items()}}
+            "seconds": round(r.seconds, 3), "error": r.error, "files": {kind: str(f) for kind, f in r.files.items()},
+            "cached": {"run_id": r.cached.run_id, "key": r.cached.key} if r.cached else None}
 
 
 def _print_generated(results: list[GenerateResult]) -> None:
@@ -239,12 +245,13 @@ def _print_generated(results: list[GenerateResult]) -> None:
         for col in ("spec", "result", "backward", "attempts", "kernel", "seconds", "candidate"):
             table.add_column(col, overflow="fold")  # a terminal wraps a long path; a pipe gets it on one line
         for r in made:
-            table.add_row(str(r.spec_path), _STATUS_STYLE.get(r.status, "{}").format(r.status),
+            table.add_row(str(r.spec_path), _STATUS_STYLE.get(r.status, "{}").format(r.status) + (" (cached)" if r.cached else ""),
                           _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
                           r.kernel_id or "-", f"{r.seconds:.1f}", str(r.files["candidate"]))
         out.print(table)
     for r in made:
-        out.print(f"{r.spec_path}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name})",
+        cached = f"; from the cache, made by run {r.cached.run_id} (--force regenerates)" if r.cached else ""
+        out.print(f"{r.spec_path}: kernel {r.kernel_id} -> {r.files['candidate']} (Triton: {r.files['triton'].name}){cached}",
                   markup=False)
     written = sorted({str(f.parent) for r in results for f in r.files.values()})
     if written:

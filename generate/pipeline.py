@@ -45,7 +45,7 @@ from kb.store.records import assign_id
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["GenerateOptions", "GenerateResult", "generate"]
+__all__ = ["FromCache", "GenerateOptions", "GenerateResult", "generate"]
 
 log = logging.getLogger(__name__)
 Engine = Literal["rule", "llm"]
@@ -71,6 +71,14 @@ class GenerateOptions:
 
 
 @dataclass(frozen=True)
+class FromCache:
+    """A result served from the generate cache (generate.cache): which run made its files, under which key."""
+
+    run_id: str  # the run that generated and verified the files
+    key: str  # the cache key (sha256 hex)
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     spec_path: Path
     run_id: str
@@ -83,6 +91,7 @@ class GenerateResult:
     status: ReportStatus = ReportStatus.FAILED  # the report's status
     backward: ReportStatus = ReportStatus.NONE  # the report's backward status: verified, generated, not verified or none
     backward_reason: str = ""  # why there is no backward, when there is none
+    cached: FromCache | None = None  # set when the files came from the cache: no attempt ran, no run was recorded
 
     @property
     def attempts_to_success(self) -> int | None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from generate.spec_flex import FlexMods
     from generate.spec_kernelbench import ModelSpec
 
-__all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "import_spec_file", "spec_inputs",
+__all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "import_spec_file", "spec_inputs", "spec_source_hash",
            "variants_attention", "DTYPES", "DTYPE_NAMES"]
 
 log = logging.getLogger(__name__)
@@ -181,15 +181,20 @@ def _scale_or_none(scale: float, D: int) -> float | None:
     return None if math.isclose(scale, 1.0 / math.sqrt(D), rel_tol=1e-6) else scale
 
 
+def spec_source_hash(path: Path) -> str:
+    """`Spec.source_hash` of the file at `path` without importing or tracing it: sha256 of its text (empty if absent)."""
+    text = path.read_text() if path.is_file() else ""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def load_spec(path: str | Path) -> Spec:
     """Load and trace a spec file (see module docstring); raises KBError on anything unsupported."""
     from generate.spec_flex import trace_mods
     from generate.spec_kernelbench import load_model
 
     path = Path(path)
-    text = path.read_text() if path.is_file() else ""
+    source_hash = spec_source_hash(path)
     module = import_spec_file(path)
-    source_hash = hashlib.sha256(text.encode()).hexdigest()
     has_model = all(hasattr(module, n) for n in ("Model", "get_inputs", "get_init_inputs"))
     mods = {n: getattr(module, n) for n in ("score_mod", "mask_mod") if callable(getattr(module, n, None))}
     if not has_model and not mods:
