@@ -8,6 +8,7 @@ the candidate), signals `kb`, and then scans /proc for anything left in the chil
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,13 +29,20 @@ SPEC = FIX / "attn_spec.py"
 HANGS_WITH_WORKER = FIX / "hangs_with_worker.py"
 
 
+def _hanging_candidate(tmp_path: Path) -> tuple[Path, str]:
+    """The hanging candidate copied into a directory whose unique name its worker's command line ends with."""
+    marker = f"hang-{uuid.uuid4().hex}"
+    (tmp_path / marker).mkdir()
+    return Path(shutil.copy(HANGS_WITH_WORKER, tmp_path / marker)), marker
+
+
 # ---- kb verify stopped by each signal
 
 def _start_hanging_verify(tmp_path: Path) -> tuple[subprocess.Popen, int, int]:
     """`kb verify` on the hanging candidate; returns (kb, child pid, child's process group) once the worker runs."""
-    marker = f"hang-{uuid.uuid4().hex}"
-    proc = subprocess.Popen([*KB_CLI, "verify", str(SPEC), str(HANGS_WITH_WORKER), "--timeout", "300"],
-                            env=kb_env(tmp_path, HANG_MARKER=marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    candidate, marker = _hanging_candidate(tmp_path)
+    proc = subprocess.Popen([*KB_CLI, "verify", str(SPEC), str(candidate), "--timeout", "300"],
+                            env=kb_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=sigint_default)
     worker = wait_for(lambda: [r for r in proc_table() if r[4].endswith(marker + " ") and "-c" in r[4]], 120, proc)
     _, child, pgid, _, _ = worker[0]  # type: ignore[index]
@@ -66,8 +74,7 @@ def test_an_exception_in_verify_kills_the_child_while_the_caller_lives_on(tmp_pa
 
     from verify import VerifyOptions, verify
 
-    marker = f"hang-{uuid.uuid4().hex}"
-    monkeypatch.setenv("HANG_MARKER", marker)
+    candidate, marker = _hanging_candidate(tmp_path)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     found: list[tuple] = []
@@ -86,7 +93,7 @@ def test_an_exception_in_verify_kills_the_child_while_the_caller_lives_on(tmp_pa
     try:
         threading.Thread(target=watch, args=(threading.get_ident(),), daemon=True).start()
         with pytest.raises(_Stop):
-            verify(SPEC, HANGS_WITH_WORKER, VerifyOptions(distributions=("normal",), max_cases=1, timeout_s=300))
+            verify(SPEC, candidate, VerifyOptions(distributions=("normal",), max_cases=1, timeout_s=300))
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert found, "the worker never started"
