@@ -1,7 +1,9 @@
 """What a sandboxed child does to itself between fork and exec (subprocess's `preexec_fn`).
 
-In order: a new network (and IPC) namespace, resource limits, the Landlock restriction, and last the
-parent-death signal (armed after any credential change, which would clear it). Everything that can be
+In order: a new network (and IPC) namespace, resource limits, dropping every capability (a process run by
+root keeps uid 0 but loses what root may do beyond file ownership: load modules, override permissions, raw
+I/O), the Landlock restriction, and last the parent-death signal (armed after every credential change, which
+could clear it). Everything that can be
 resolved before the fork is (libc functions, the Landlock ruleset); what the child tried and why a step
 failed goes back to the parent as `key=reason` lines on a pipe the child's exec closes (`Plan.status_fd`),
 so a missing isolation is reported, never fatal. The one step that aborts the spawn is a user namespace
@@ -12,6 +14,7 @@ whose id maps cannot be written (files could not even be created there): `UserNa
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import resource
 import signal
@@ -27,6 +30,16 @@ __all__ = ["Plan", "preexec", "parse_status", "UserNamespaceUnusable"]
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+_PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+_CAP_V3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 class UserNamespaceUnusable(OSError):
@@ -79,8 +92,41 @@ def _new_netns(unshare: Callable[[int], int]) -> str:
     return f"unshare(CLONE_NEWNET) in a user namespace: {os.strerror(err)}" if err else ""
 
 
+def _drop_caps_fn() -> Callable[[], str]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl, capset = libc.prctl, libc.capset
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def drop() -> str:
+        """Empty the bounding set (so an exec cannot regain capabilities, even as uid 0), the ambient set and the
+        effective, permitted and inheritable sets. "" or why not."""
+        if os.geteuid() == 0 or _has_caps():
+            cap = 0
+            while prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+                cap += 1
+            if ctypes.get_errno() != errno.EINVAL:  # EINVAL: past the last capability the kernel knows
+                return f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(ctypes.get_errno())}"
+        prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        data = (_CapData * 2)()
+        if capset(ctypes.byref(_CapHeader(_CAP_V3, 0)), data) != 0:
+            return f"capset: {os.strerror(ctypes.get_errno())}"
+        return ""
+
+    return drop
+
+
+def _has_caps() -> bool:
+    """Whether this process holds any effective capability (in its user namespace), from /proc/self/status."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"CapEff:"):
+                return int(line.split()[1], 16) != 0
+    return False
+
+
 def preexec(plan: Plan) -> Callable[[], None]:
     unshare, restrict, arm = _unshare_fn(), restrict_self_fn(), die_with_parent(signal.SIGKILL)
+    drop_caps = _drop_caps_fn()
 
     def confine() -> None:
         status = []
@@ -92,6 +138,7 @@ def preexec(plan: Plan) -> Callable[[], None]:
                 raise
         for which, value in plan.rlimits:
             resource.setrlimit(which, (value, value))
+        status.append(f"caps={drop_caps()}")
         if plan.ruleset is not None:
             try:  # this process may reset its own peak RSS (/proc/self/clear_refs); its children may not
                 plan.ruleset.allow(Path(f"/proc/{os.getpid()}"), READ | FS.WRITE_FILE | FS.TRUNCATE)

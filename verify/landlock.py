@@ -64,7 +64,8 @@ class SCOPE(enum.IntFlag):
 
 
 READ = FS.EXECUTE | FS.READ_FILE | FS.READ_DIR
-WRITE = 0x7FFF & ~int(READ)  # every other right this module knows (create, remove, write, rename, truncate); masked per ABI
+# create, remove, write, rename, truncate; never device nodes (a root process could make one for the disk)
+WRITE = 0x7FFF & ~int(READ | FS.MAKE_CHAR | FS.MAKE_BLOCK)
 _FILE_RIGHTS = FS.EXECUTE | FS.WRITE_FILE | FS.READ_FILE | FS.TRUNCATE  # the rights a rule on a non-directory may hold
 
 
@@ -83,7 +84,7 @@ def _syscall() -> Callable[..., int] | None:
         return None
     fn = ctypes.CDLL(None, use_errno=True).syscall
     fn.restype = ctypes.c_long
-    return fn  # type: ignore[no-any-return]  # called as fn(SYSCALL_NR, *args)
+    return fn  # called as fn(SYSCALL_NR, *args)
 
 
 def abi_version() -> tuple[int, str]:

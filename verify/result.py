@@ -156,8 +156,7 @@ class VerifyResult:
         kw["timing"] = TimingReport(**kw["timing"]) if kw.get("timing") else None
         bwd = kw.get("backward")
         kw["backward"] = BackwardReport(**{**bwd, "grads": tuple(bwd["grads"])}) if bwd else None
-        iso = kw.get("isolation")
-        kw["isolation"] = Isolation(**{k: tuple(v) if isinstance(v, list) else v for k, v in iso.items()}) if iso else None
+        kw["isolation"] = Isolation.from_dict(kw["isolation"]) if kw.get("isolation") else None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in known})
 

@@ -34,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kb.procs import VERIFY_TEMP, owned_prefix
 from kb.settings import default_home
@@ -98,6 +99,12 @@ class Isolation:
     limits: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Isolation:
+        known = {f.name for f in fields(cls)}
+        kw: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known}
+        return cls(**kw)
+
     def summary(self) -> str:
         parts = [f"env {self.env}", f"network {self.network}", f"files {self.filesystem}", *self.limits]
         return ", ".join(parts)
@@ -157,7 +164,7 @@ class Sandbox:
         fixed = {"HOME": work, "TMPDIR": work, "TMP": work, "TEMP": work, "XDG_CACHE_HOME": str(cache / "xdg"),
                  "TRITON_HOME": str(cache / "triton-home"), "TRITON_CACHE_DIR": str(cache / "triton"),
                  "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "CUDA_CACHE_PATH": str(cache / "nv"),
-                 "PYTHONPATH": os.pathsep.join([str(HARNESS_ROOT), *map(str, p.python_path), *user_path])}
+                 "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(HARNESS_ROOT), *map(str, p.python_path), *user_path]))}
         return scrub_env(os.environ, {**fixed, **p.set_env}, p.pass_env)
 
     def _view(self, cache: Path) -> FsView:
@@ -217,29 +224,39 @@ class Sandbox:
         env, withheld = self._env(cache)
         rlimits, limit_text = self._limits(timeout_s)
         ruleset, abi, no_landlock = self._ruleset(cache)
-        want_netns, userns_note = not self.policy.network, ""
+        argv = [sys.executable, "-m", module, *args]
         try:
-            while True:
-                r, w = os.pipe()
-                plan = confine.Plan(status_fd=w, new_netns=want_netns, rlimits=rlimits, ruleset=ruleset)
-                try:
-                    proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=self.workdir, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            text=True, start_new_session=True, preexec_fn=confine.preexec(plan))
-                except subprocess.SubprocessError:
-                    status = _drain(r, w)
-                    if want_netns and "userns" in status:  # the namespace was unusable: start again without one
-                        want_netns, userns_note = False, status["userns"]
-                        continue
-                    raise
-                status = _drain(r, w)
-                break
+            proc, status = self._start(argv, env, confine.Plan(-1, not self.policy.network, rlimits, ruleset))
+            userns_note = status.get("userns", "")
+            if proc is None:  # a user namespace it could not use: start again without one
+                proc, status = self._start(argv, env, confine.Plan(-1, False, rlimits, ruleset))
         finally:
             if ruleset is not None:
                 ruleset.close()
+        assert proc is not None
         isolation = self._isolation(status, userns_note, ruleset, abi, no_landlock, limit_text, withheld)
         _warn_once(isolation)
         return proc, isolation
+
+    def _start(self, argv: list[str], env: dict[str, str], plan: confine.Plan) -> tuple[subprocess.Popen[str] | None, dict[str, str]]:
+        """(the child, its status lines), or (None, status) when its user namespace was unusable."""
+        r, w = os.pipe()
+        try:
+            try:
+                proc = subprocess.Popen(argv, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                        preexec_fn=confine.preexec(replace(plan, status_fd=w)))
+            finally:
+                os.close(w)
+        except subprocess.SubprocessError:  # raised in the child before its exec: confine.preexec
+            status = _read_status(r)
+            if plan.new_netns and "userns" in status:
+                return None, status
+            raise
+        except BaseException:
+            os.close(r)
+            raise
+        return proc, _read_status(r)
 
     def _isolation(self, status: Mapping[str, str], userns_note: str, ruleset: Ruleset | None,
                    abi: int, no_landlock: str, limits: tuple[str, ...], withheld: tuple[str, ...]) -> Isolation:
@@ -258,18 +275,29 @@ class Sandbox:
             missing.append(f"no network namespace ({why}): {rest}")
         if not landlock_on:
             missing.append(f"no read-only view ({fs_reason}): it can read the user's files and write wherever the user can")
+        if status.get("caps") == "":
+            limits = (*limits, "no capabilities")
+        elif os.geteuid() == 0:
+            missing.append(f"root's capabilities kept ({status.get('caps')})")
         return Isolation(withheld_env=withheld, workdir=str(self.workdir), network=network,
                          filesystem="landlock" if landlock_on else "open", landlock_abi=abi,
                          signals_scoped=landlock_on and ruleset is not None and ruleset.scoped, limits=limits,
                          missing=tuple(missing))
 
 
-def _drain(r: int, w: int) -> dict[str, str]:
-    """Close this side's write end and read the child's status lines until its exec (or exit) closes the other."""
-    os.close(w)
+def _read_status(r: int) -> dict[str, str]:
+    """The child's status lines, then close `r`. They are all there: the child writes them in one write before its
+    exec, and Popen returns after the exec. Not read to EOF, which a fork elsewhere in this process could delay."""
+    os.set_blocking(r, False)
     chunks = []
     try:
-        while chunk := os.read(r, 4096):
+        while True:
+            try:
+                chunk = os.read(r, 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
             chunks.append(chunk)
     finally:
         os.close(r)

@@ -7,7 +7,11 @@
 - `readable` paths inside hidden trees are readable again (the interpreter, the virtual environment and
   the project code often live in the home; the spec's and candidate's directories);
 - `writable` paths (the child's own directory, the sandbox's compiler caches) get every right;
-- /dev keeps reads and writes of existing device files (/dev/null, /dev/nvidia*), never new files.
+- /proc is readable except the per-process directories: another process's `environ` would hand over the very
+  secrets the environment scrub withholds (Landlock's ptrace rule does not cover reading it). The child's own
+  /proc/PID is granted by verify.confine, which knows the pid;
+- /dev is listable, and only the devices a kernel run needs can be opened (/dev/null, /dev/urandom, the GPU
+  drivers' nodes); never a disk, /dev/mem or a new device file.
 Symbolic links met on the walk are skipped: a path through one resolves to its target, which has its own rule.
 """
 
@@ -25,6 +29,9 @@ __all__ = ["FsView", "DEV_RIGHTS"]
 log = logging.getLogger(__name__)
 
 DEV_RIGHTS = READ | FS.WRITE_FILE | FS.TRUNCATE
+DEVICES = ("null", "zero", "full", "random", "urandom")
+GPU_DEVICES = ("nvidia", "kfd", "dri")  # name prefixes: /dev/nvidia*, /dev/nvidia-caps/, AMD's /dev/kfd and /dev/dri/
+_PROC, _DEV = Path("/proc"), Path("/dev")
 
 
 def _inside(path: Path, tree: Path) -> bool:
@@ -46,17 +53,16 @@ class FsView:
     def rules(self) -> list[tuple[Path, int]]:
         hidden = self.effective_hidden()
         rules: list[tuple[Path, int]] = []
-        self._cover(Path("/"), hidden, rules)
+        self._cover(Path("/"), (*hidden, _PROC, _DEV), rules)  # /proc and /dev get their own rules below
+        rules += _proc_rules() + _dev_rules()
         for r in (p.resolve() for p in self.readable):
             if not r.exists():
                 continue
-            if any(_inside(h, r) for h in hidden):  # granting it would uncover a hidden tree
+            if any(_inside(h, r) for h in (*hidden, _PROC, _DEV)):  # granting it would uncover a hidden tree
                 log.debug("sandbox view: %s holds a hidden tree; not made readable", r)
                 continue
             rules.append((r, READ))
         rules += [(w.resolve(), READ | WRITE) for w in self.writable if w.exists()]
-        if Path("/dev").is_dir():
-            rules.append((Path("/dev"), DEV_RIGHTS))
         return rules
 
     def _cover(self, d: Path, hidden: tuple[Path, ...], rules: list[tuple[Path, int]]) -> None:
@@ -79,3 +85,24 @@ class FsView:
                 self._cover(p, hidden, rules)
             elif p not in hidden:
                 rules.append((p, READ))
+
+
+def _entries(d: Path) -> list[os.DirEntry[str]]:
+    try:
+        return [e for e in os.scandir(d) if not e.is_symlink()]
+    except OSError:
+        return []
+
+
+def _proc_rules() -> list[tuple[Path, int]]:
+    """/proc listable; its system-wide entries (cpuinfo, meminfo, sys, driver/nvidia) readable; no process's directory."""
+    if not _PROC.is_dir():
+        return []
+    return [(_PROC, int(FS.READ_DIR))] + [(Path(e.path), READ) for e in _entries(_PROC) if not e.name.isdigit()]
+
+
+def _dev_rules() -> list[tuple[Path, int]]:
+    if not _DEV.is_dir():
+        return []
+    keep = [e for e in _entries(_DEV) if e.name in DEVICES or e.name.startswith(GPU_DEVICES)]
+    return [(_DEV, int(FS.READ_DIR))] + [(Path(e.path), DEV_RIGHTS) for e in keep]
