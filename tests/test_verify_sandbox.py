@@ -23,12 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from kb.errors import KBError
 from tests.support.procs import kb_env
 from tests.support.repo import KB_CLI
 from verify import Verdict, VerifyOptions, VerifyResult, verify
-from verify.sandbox import Sandbox, SandboxPolicy
+from verify.sandbox import Sandbox, SandboxPolicy, default_cache_dir
 from verify.sandbox_env import scrub_env
 from verify.sandbox_fs import FsView
 
@@ -50,6 +51,11 @@ def _netns_possible() -> bool:
         if subprocess.run(cmd, capture_output=True).returncode == 0:
             return True
     return False
+
+
+def _seccomp_possible() -> bool:
+    status = Path("/proc/self/status").read_text() if Path("/proc/self/status").exists() else ""
+    return "Seccomp:" in status and os.uname().machine in ("x86_64", "aarch64")
 
 
 def _landlock_abi() -> int:
@@ -77,29 +83,39 @@ def attack(tmp_path_factory: pytest.TempPathFactory) -> dict:
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)
+    (tmp_path / "run").mkdir()
+    bus = socket.socket(socket.AF_UNIX)  # a local service reached through its socket file, as the session bus
+    bus.bind(str(tmp_path / "run" / "bus"))
+    bus.listen(8)
     writes = [str(tmp_path / "outside.txt"), str(home / "planted.txt"), str(kb_home / "planted.txt"),
               str(cand_dir / "sibling_module.py")]
     reads = [str(kb_home / "config.toml"), str(home / ".aws" / "credentials"), str(home / ".pgpass")]
     (cand_dir / "targets.json").write_text(json.dumps({"read": reads, "write": writes, "host": "127.0.0.1",
-                                                       "port": server.getsockname()[1]}))
+                                                       "port": server.getsockname()[1], "unix": str(tmp_path / "run" / "bus")}))
     env = kb_env(tmp_path, HOME=str(home), KB_HOME=str(kb_home), **SECRETS)
     try:
         res = subprocess.run([*KB_CLI, "verify", str(SPEC), str(candidate), "--json"], env=env, capture_output=True,
                              text=True, timeout=600)
-        server.setblocking(False)
-        try:
-            server.accept()[0].close()
-            connected = True
-        except BlockingIOError:
-            connected = False
+        connected, unix_connected = _was_connected(server), _was_connected(bus)
     finally:
         server.close()
+        bus.close()
     assert res.returncode == 1, res.stderr
     result = VerifyResult.from_json(res.stdout)
     assert result.verdict is Verdict.runtime_error and result.finding is not None, result.message
     report = json.loads(result.finding.detail.rsplit("SANDBOX-REPORT ", 1)[1].strip())
-    return dict(result=result, raw=res.stdout + res.stderr, report=report, connected=connected, writes=writes,
-                reads=reads, home=home)
+    return dict(result=result, raw=res.stdout + res.stderr, report=report, connected=connected,
+                unix_connected=unix_connected, writes=writes, reads=reads, home=home)
+
+
+def _was_connected(server: socket.socket) -> bool:
+    """Whether a connection waits in the listening socket's backlog (one made and closed still waits there)."""
+    server.setblocking(False)
+    try:
+        server.accept()[0].close()
+        return True
+    except BlockingIOError:
+        return False
 
 
 def test_the_candidate_sees_no_secret(attack: dict) -> None:
@@ -125,6 +141,9 @@ def test_the_candidate_cannot_reach_the_network(attack: dict) -> None:
         assert report["connect"] != "connected"
     else:
         assert iso.missing, "an open network must be reported"
+    if _seccomp_possible():
+        assert iso.unix_sockets == "blocked", iso.missing
+        assert report["connect_unix"] == "PermissionError: Operation not permitted" and not attack["unix_connected"]
 
 
 def test_the_candidate_cannot_write_outside_its_directory(attack: dict) -> None:
@@ -159,6 +178,16 @@ def test_an_honest_triton_kernel_passes_in_the_sandbox(monkeypatch: pytest.Monke
     assert bool(iso.missing) == bool(caplog.records)
     round_trip = VerifyResult.from_json(r.to_json())
     assert round_trip.isolation == iso
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_sandboxed_child_reaches_the_driver_and_compiles() -> None:
+    """The GPU path: /dev/nvidia* open, the CUDA driver initialised, Triton's compiler (gcc for its launcher, ptxas)
+    writing to the sandbox's cache, with every layer in force."""
+    r = verify(SPEC, FIX / "triton_flash.py", replace(FAST, device="cuda"))
+    assert r.verdict is Verdict.passed and r.device == "cuda", r.message
+    assert r.isolation is not None and not r.isolation.missing, r.isolation
+    assert any((default_cache_dir() / "triton").iterdir()), "Triton compiled nothing into the sandbox's cache"
 
 
 def test_missing_isolation_is_one_warning_and_reported(monkeypatch: pytest.MonkeyPatch,
@@ -196,7 +225,7 @@ def test_without_a_namespace_landlock_still_denies_tcp(monkeypatch: pytest.Monke
     with Sandbox(SandboxPolicy(python_path=(tmp_path,))) as box:
         run = box.run("probe", [str(server.getsockname()[1])], timeout_s=120)
     server.close()
-    assert run.isolation.network == "tcp-denied" and "UDP and Unix sockets open" in run.isolation.missing[0]
+    assert run.isolation.network == "tcp-denied" and "TCP denied by Landlock; UDP open" in run.isolation.missing[0]
     assert run.stdout.strip() == "PermissionError", run.stderr
 
 

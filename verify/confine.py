@@ -2,7 +2,7 @@
 
 In order: a new network (and IPC) namespace, resource limits, dropping every capability (a process run by
 root keeps uid 0 but loses what root may do beyond file ownership: load modules, override permissions, raw
-I/O), the Landlock restriction, and last the parent-death signal (armed after every credential change, which
+I/O), the seccomp filter (verify.seccomp: no Unix-domain sockets), the Landlock restriction, and last the parent-death signal (armed after every credential change, which
 could clear it). Everything that can be
 resolved before the fork is (libc functions, the Landlock ruleset); what the child tried and why a step
 failed goes back to the parent as `key=reason` lines on a pipe the child's exec closes (`Plan.status_fd`),
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kb.procs import die_with_parent
+from verify import seccomp
 from verify.landlock import FS, READ, Ruleset, restrict_self_fn
 
 __all__ = ["Plan", "preexec", "parse_status", "UserNamespaceUnusable"]
@@ -52,6 +53,7 @@ class Plan:
     new_netns: bool
     rlimits: tuple[tuple[int, int], ...]  # (RLIMIT_*, value): soft = hard = value
     ruleset: Ruleset | None
+    no_unix_sockets: bool = True
 
 
 def _unshare_fn() -> Callable[[int], int]:
@@ -126,7 +128,7 @@ def _has_caps() -> bool:
 
 def preexec(plan: Plan) -> Callable[[], None]:
     unshare, restrict, arm = _unshare_fn(), restrict_self_fn(), die_with_parent(signal.SIGKILL)
-    drop_caps = _drop_caps_fn()
+    drop_caps, install_filter = _drop_caps_fn(), seccomp.install_fn()
 
     def confine() -> None:
         status = []
@@ -139,6 +141,8 @@ def preexec(plan: Plan) -> Callable[[], None]:
         for which, value in plan.rlimits:
             resource.setrlimit(which, (value, value))
         status.append(f"caps={drop_caps()}")
+        if plan.no_unix_sockets:
+            status.append(f"unix={install_filter()}")
         if plan.ruleset is not None:
             try:  # this process may reset its own peak RSS (/proc/self/clear_refs); its children may not
                 plan.ruleset.allow(Path(f"/proc/{os.getpid()}"), READ | FS.WRITE_FILE | FS.TRUNCATE)

@@ -12,7 +12,7 @@ The child (`python -m MODULE ARGS`, this interpreter) gets:
   own cache directory (`default_cache_dir()`, never the user's: a planted cache entry there would run in
   the user's own processes later), and PYTHONPATH starting at this project's code;
 - no network where the OS lets it make a new network namespace (verify.confine), else TCP denied by
-  Landlock (ABI >= 4), else none;
+  Landlock (ABI >= 4), else none; no Unix-domain sockets (verify.seccomp), which reach local services;
 - resource limits: address space (when asked), CPU time, open files, file size, no core dumps;
 - a Landlock view (verify.sandbox_fs) where the kernel has it (ABI >= 2): the user's home and KB home
   hidden except the paths the child needs, everything else read-only, writes only to `workdir` and the
@@ -70,6 +70,7 @@ class SandboxPolicy:
     """What a sandboxed child may do beyond the defaults. Paths are added to the built-in ones, never replace them."""
 
     network: bool = False  # True: no network namespace, TCP allowed
+    unix_sockets: bool = False  # True: no seccomp filter; Unix-domain sockets (local services) allowed
     memory_limit_mib: int | None = None  # RLIMIT_AS; None on CUDA (its context reserves huge virtual ranges)
     cpu_time_s: int | None = None  # RLIMIT_CPU; None: the timeout x the cores + 60 s, a backstop behind the timeout
     open_files: int = 4096
@@ -85,14 +86,15 @@ class SandboxPolicy:
 
 @dataclass(frozen=True)
 class Isolation:
-    """What confined one child. `network`: "namespace" (no network), "tcp-denied" (Landlock: no TCP; UDP and Unix
-    sockets open), "open" (nothing in force), "allowed" (the policy allowed it). `filesystem`: "landlock" (the
+    """What confined one child. `network`: "namespace" (no network), "tcp-denied" (Landlock: no TCP; UDP open),
+    "open" (nothing in force), "allowed" (the policy allowed it). `unix_sockets`: "blocked" (seccomp) or "open". `filesystem`: "landlock" (the
     view of verify.sandbox_fs) or "open" (writes wherever the user can). `missing` says why, one line per layer."""
 
     env: str = "scrubbed"
     withheld_env: tuple[str, ...] = ()  # names (never values) of the variables not passed
     workdir: str = ""
     network: str = "open"
+    unix_sockets: str = "open"  # "blocked" (seccomp), "open", "allowed" (the policy allowed them)
     filesystem: str = "open"
     landlock_abi: int = 0
     signals_scoped: bool = False  # Landlock ABI >= 6: no signal to a process outside the sandbox
@@ -106,7 +108,8 @@ class Isolation:
         return cls(**kw)
 
     def summary(self) -> str:
-        parts = [f"env {self.env}", f"network {self.network}", f"files {self.filesystem}", *self.limits]
+        parts = [f"env {self.env}", f"network {self.network}", f"Unix sockets {self.unix_sockets}",
+                 f"files {self.filesystem}", *self.limits]
         return ", ".join(parts)
 
 
@@ -226,10 +229,10 @@ class Sandbox:
         ruleset, abi, no_landlock = self._ruleset(cache)
         argv = [sys.executable, "-m", module, *args]
         try:
-            proc, status = self._start(argv, env, confine.Plan(-1, not self.policy.network, rlimits, ruleset))
+            proc, status = self._start(argv, env, confine.Plan(-1, not self.policy.network, rlimits, ruleset, not self.policy.unix_sockets))
             userns_note = status.get("userns", "")
             if proc is None:  # a user namespace it could not use: start again without one
-                proc, status = self._start(argv, env, confine.Plan(-1, False, rlimits, ruleset))
+                proc, status = self._start(argv, env, confine.Plan(-1, False, rlimits, ruleset, not self.policy.unix_sockets))
         finally:
             if ruleset is not None:
                 ruleset.close()
@@ -270,16 +273,24 @@ class Sandbox:
         else:
             why = status.get("net") or userns_note or "not attempted"
             network = "tcp-denied" if landlock_on and ruleset is not None and ruleset.tcp_denied else "open"
-            rest = ("TCP denied by Landlock; UDP and Unix sockets open" if network == "tcp-denied" else
+            rest = ("TCP denied by Landlock; UDP open" if network == "tcp-denied" else
                     "it can open any network connection the user can")
             missing.append(f"no network namespace ({why}): {rest}")
+        if self.policy.unix_sockets:
+            unix = "allowed"
+        elif status.get("unix") == "":
+            unix = "blocked"
+        else:
+            unix = "open"
+            missing.append(f"Unix-domain sockets open ({status.get('unix', 'not attempted')}): it can reach local services "
+                           "through their socket files (session bus, Docker, ssh-agent, a local PostgreSQL)")
         if not landlock_on:
             missing.append(f"no read-only view ({fs_reason}): it can read the user's files and write wherever the user can")
         if status.get("caps") == "":
             limits = (*limits, "no capabilities")
         elif os.geteuid() == 0:
             missing.append(f"root's capabilities kept ({status.get('caps')})")
-        return Isolation(withheld_env=withheld, workdir=str(self.workdir), network=network,
+        return Isolation(withheld_env=withheld, workdir=str(self.workdir), network=network, unix_sockets=unix,
                          filesystem="landlock" if landlock_on else "open", landlock_abi=abi,
                          signals_scoped=landlock_on and ruleset is not None and ruleset.scoped, limits=limits,
                          missing=tuple(missing))

@@ -1,7 +1,7 @@
 """A malicious candidate: it looks for the user's secrets, phones home, plants files, then reports what it got.
 
 What to attack comes from `targets.json` beside this file (a test writes it): files to read, paths to write,
-a TCP address to connect to. Its forward raises with `SANDBOX-REPORT <json>`, so the report reaches the test
+a TCP address and a Unix socket (a local service, as the session bus) to connect to. Its forward raises with `SANDBOX-REPORT <json>`, so the report reaches the test
 in the verdict's detail, as stolen data would reach whoever reads a verification report. Every probe is also
 tried from a process it starts, which inherits its confinement.
 """
@@ -57,6 +57,16 @@ def _connect(host: str, port: int) -> str:
         return f"{type(err).__name__}: {err.strerror}"
 
 
+def _connect_unix(path: str) -> str:
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            s.sendall(b"systemd-run --user ...")
+        return "connected"
+    except OSError as err:
+        return f"{type(err).__name__}: {err.strerror}"
+
+
 def _signal_parent() -> str:
     try:
         os.kill(os.getppid(), 0)  # signal 0: asks whether it could signal the process running kb
@@ -76,6 +86,7 @@ def probe() -> dict:
         "write": {p: _write(p) for p in writes},
         "child_write": json.loads(child.stdout) if child.returncode == 0 else child.stderr[-300:],
         "connect": _connect(TARGETS["host"], TARGETS["port"]),
+        "connect_unix": _connect_unix(TARGETS["unix"]),
         "signal_parent": _signal_parent(),
     }
 
