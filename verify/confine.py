@@ -89,7 +89,8 @@ def _new_netns(unshare: Callable[[int], int]) -> str:
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
     except OSError as map_err:
-        raise UserNamespaceUnusable(map_err.errno, f"user namespace id maps: {map_err.strerror}") from None
+        raise UserNamespaceUnusable(map_err.errno, f"unshare(CLONE_NEWNET): {os.strerror(err)}; "
+                                                   f"user namespace id maps: {map_err.strerror}") from None
     err = unshare(CLONE_NEWNET | CLONE_NEWIPC)
     return f"unshare(CLONE_NEWNET) in a user namespace: {os.strerror(err)}" if err else ""
 
@@ -100,30 +101,27 @@ def _drop_caps_fn() -> Callable[[], str]:
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 
     def drop() -> str:
-        """Empty the bounding set (so an exec cannot regain capabilities, even as uid 0), the ambient set and the
-        effective, permitted and inheritable sets. "" or why not."""
-        if os.geteuid() == 0 or _has_caps():
-            cap = 0
-            while prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
-                cap += 1
-            if ctypes.get_errno() != errno.EINVAL:  # EINVAL: past the last capability the kernel knows
-                return f"prctl(PR_CAPBSET_DROP, {cap}): {os.strerror(ctypes.get_errno())}"
+        """Empty the bounding set (an exec as uid 0 would otherwise get every capability in it back; emptying it needs
+        CAP_SETPCAP, which a process without capabilities cannot have and does not need), the ambient set and the
+        effective, permitted and inheritable sets. "" when none is left where it matters, or what is left."""
+        for cap in range(64):
+            if prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+                break  # past the last capability this kernel knows
         prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        data = (_CapData * 2)()
-        if capset(ctypes.byref(_CapHeader(_CAP_V3, 0)), data) != 0:
+        if capset(ctypes.byref(_CapHeader(_CAP_V3, 0)), (_CapData * 2)()) != 0:
             return f"capset: {os.strerror(ctypes.get_errno())}"
+        left = _caps()
+        if left.get("CapEff") or left.get("CapPrm") or left.get("CapAmb") or (os.geteuid() == 0 and left.get("CapBnd")):
+            return "still held: " + " ".join(f"{k}={v:x}" for k, v in left.items() if v)
         return ""
 
     return drop
 
 
-def _has_caps() -> bool:
-    """Whether this process holds any effective capability (in its user namespace), from /proc/self/status."""
+def _caps() -> dict[str, int]:
+    """This process's capability sets (CapInh, CapPrm, CapEff, CapBnd, CapAmb) from /proc/self/status."""
     with open("/proc/self/status", "rb") as f:
-        for line in f:
-            if line.startswith(b"CapEff:"):
-                return int(line.split()[1], 16) != 0
-    return False
+        return {k.decode(): int(v, 16) for k, v in (line.split(b":", 1) for line in f if line.startswith(b"Cap"))}
 
 
 def preexec(plan: Plan) -> Callable[[], None]:
