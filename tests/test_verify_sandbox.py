@@ -319,3 +319,12 @@ def test_fs_view_hides_trees_and_reopens_what_the_child_needs(tmp_path: Path) ->
     assert home not in rules and home / ".ssh" not in rules and tmp_path not in rules  # tmp_path and home hold hidden trees
     assert rules[home / "venv"] and rules[tmp_path / "other"] and rules[tmp_path / "file.txt"] and rules[home / "work"]
     assert not any(p in home.parents for p in rules)  # no ancestor of the hidden tree (/ included) is readable as a tree
+
+
+def test_fs_view_of_a_checkout_holding_the_kb_home(tmp_path: Path) -> None:
+    """`make demo` keeps its KB home in the checkout: the project's code stays readable, the KB home does not."""
+    repo = tmp_path.resolve() / "repo"
+    for d in ("verify", ".kb-demo"):
+        (repo / d).mkdir(parents=True)
+    rules = dict(FsView(hidden=(repo / ".kb-demo",), readable=(repo,), writable=()).rules())
+    assert rules[repo / "verify"] and repo not in rules and repo / ".kb-demo" not in rules

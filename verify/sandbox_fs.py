@@ -5,7 +5,8 @@
   read-only, which Landlock (an allow-list) can only say by granting read on every *sibling* along the
   path from / to each hidden tree;
 - `readable` paths inside hidden trees are readable again (the interpreter, the virtual environment and
-  the project code often live in the home; the spec's and candidate's directories);
+  the project code often live in the home; the spec's and candidate's directories), less any hidden tree
+  inside them (`make demo` keeps its KB home in the checkout);
 - `writable` paths (the child's own directory, the sandbox's compiler caches) get every right;
 - /proc is readable except the per-process directories: another process's `environ` would hand over the very
   secrets the environment scrub withholds (Landlock's ptrace rule does not cover reading it). The child's own
@@ -55,13 +56,9 @@ class FsView:
         rules: list[tuple[Path, int]] = []
         self._cover(Path("/"), (*hidden, _PROC, _DEV), rules)  # /proc and /dev get their own rules below
         rules += _proc_rules() + _dev_rules()
-        for r in (p.resolve() for p in self.readable):
-            if not r.exists():
-                continue
-            if any(_inside(h, r) for h in (*hidden, _PROC, _DEV)):  # granting it would uncover a hidden tree
-                log.debug("sandbox view: %s holds a hidden tree; not made readable", r)
-                continue
-            rules.append((r, READ))
+        for r in (p.resolve() for p in self.readable):  # a readable tree holding a hidden one is walked like /
+            if r.exists():
+                self._cover(r, (*hidden, _PROC, _DEV), rules)
         rules += [(w.resolve(), READ | WRITE) for w in self.writable if w.exists()]
         return rules
 
