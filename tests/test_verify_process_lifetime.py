@@ -57,8 +57,8 @@ def test_stopped_verify_kills_the_candidate_and_says_so(tmp_path: Path, sig: int
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig  # 130 for Ctrl-C, 143 for SIGTERM
-    assert err.decode().splitlines() == ["kb: interrupted: verification stopped; no candidate process or temp directory "
-                                         "left, no report written"]
+    lines = [x for x in err.decode().splitlines() if not x.startswith("WARNING verify.sandbox:")]  # a machine lacking a layer
+    assert lines == ["kb: interrupted: verification stopped; no candidate process or temp directory left, no report written"]
     assert group_ends(pgid, 5.0), f"outlived kb verify: {live_in_group(pgid)}"
     assert verify_dirs(tmp_path) == []
 
