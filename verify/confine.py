@@ -18,6 +18,7 @@ import errno
 import os
 import resource
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 _PR_CAPBSET_DROP, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
 _CAP_V3 = 0x20080522
+_LINUX = sys.platform.startswith("linux")
 
 
 class _CapHeader(ctypes.Structure):
@@ -57,6 +59,8 @@ class Plan:
 
 
 def _unshare_fn() -> Callable[[int], int]:
+    if not _LINUX:
+        return lambda flags: errno.ENOSYS
     unshare = ctypes.CDLL(None, use_errno=True).unshare
     unshare.argtypes = [ctypes.c_int]
 
@@ -96,6 +100,8 @@ def _new_netns(unshare: Callable[[int], int]) -> str:
 
 
 def _drop_caps_fn() -> Callable[[], str]:
+    if not _LINUX:
+        return lambda: f"not Linux ({sys.platform})"
     libc = ctypes.CDLL(None, use_errno=True)
     prctl, capset = libc.prctl, libc.capset
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
