@@ -13,6 +13,7 @@ from kb.errors import KBError
 from kb.settings import Settings, load_settings
 from verify.options import VerifyOptions
 from verify.report import result_table
+from verify.sandbox import SandboxPolicy
 
 __all__ = ["verify_command"]
 
@@ -51,7 +52,8 @@ def verify_command(
     settings = _settings(ctx) if timeout is None else replace(_settings(ctx), verify_timeout=timeout)
     try:
         result = verify(spec, candidate, VerifyOptions(torch_baseline=torch_baseline, backward=backward,
-                                                       timeout_s=settings.verify_timeout))
+                                                       timeout_s=settings.verify_timeout),
+                        SandboxPolicy(hidden=(settings.home,)))  # --home may name a KB home outside KB_HOME
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM as `kb` maps it: the runner already killed the candidate
         raise KeyboardInterrupt("verification stopped; no candidate process or temp directory left, no report written") from err
     if json_out is not None:

@@ -35,6 +35,9 @@ def result_table(r: VerifyResult) -> Table:
     if t is not None:
         rows.append(("timing", f"candidate {t.candidate_ms:.4f} ms (IQR {t.candidate_iqr_ms:.4f}), baseline "
                                f"{t.baseline_ms:.4f} ms, limit {t.limit_ms or 0:.4f} ms" if t.timed else t.reason))
+    if r.isolation is not None:
+        rows.append(("sandbox", r.isolation.summary()))
+        rows += [("sandbox missing", m) for m in r.isolation.missing]
     rows += [("score", f"{r.score:.3f}"), ("duration", f"{r.duration_s:.1f} s")]
     rows += [("note", n) for n in r.notes]
     for name, value in rows:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
+from verify.sandbox import Isolation
+
 __all__ = ["Verdict", "ShapeCase", "Finding", "MemoryReport", "TimingReport", "BackwardReport", "VerifyResult"]
 
 
@@ -130,6 +132,7 @@ class VerifyResult:
     notes: tuple[str, ...] = ()
     duration_s: float = 0.0
     backward: BackwardReport | None = None  # None: gradients were not checked
+    isolation: Isolation | None = None  # what confined the candidate (verify.sandbox); None: run in this process
 
     @property
     def passed(self) -> bool:
@@ -153,6 +156,7 @@ class VerifyResult:
         kw["timing"] = TimingReport(**kw["timing"]) if kw.get("timing") else None
         bwd = kw.get("backward")
         kw["backward"] = BackwardReport(**{**bwd, "grads": tuple(bwd["grads"])}) if bwd else None
+        kw["isolation"] = Isolation.from_dict(kw["isolation"]) if kw.get("isolation") else None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in kw.items() if k in known})
 
