@@ -32,6 +32,7 @@ from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
+from generate.watchdog import BudgetSpent, watchdog
 from kb.errors import KBError
 from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
@@ -116,11 +117,13 @@ def _now() -> datetime:
 def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions()) -> GenerateResult:
     """Generate a verified kernel for one spec; never raises for kernel failures (they are results)."""
     t0 = time.perf_counter()
+    deadline = time.monotonic() + options.timeout_s  # one budget: the spec's import and tracing, then the attempts
     spec_path = Path(spec_path)
     run = GenerationRun(spec_path=str(spec_path), engine=options.engine, memory=options.memory)
     out_dir = options.out_dir or (Path.cwd() / "out")
     try:
-        spec = load_spec(spec_path)
+        with watchdog(options.timeout_s, f"importing and tracing spec {spec_path}"):
+            spec = load_spec(spec_path)
     except KBError as err:
         return _refused(kb, run, out_dir, f"{Stage.SPEC.value}: {err}", str(err), t0)
     if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
@@ -132,16 +135,19 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     run_id = kb.write_run(run)
     run = kb.get(run_id)  # type: ignore[assignment]
     run.error = ""  # the run's final write replaces the owner note
-    options = replace(options, deadline=time.monotonic() + options.timeout_s,
+    options = replace(options, deadline=deadline,
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options),
                       cuda=options.cuda or cuda_plan(resolve_target(options.target, kb.settings.target_arch),
                                                      spec.shapes.D, kb.list(Tunable, family="fa2_cuda")))
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
-            outcomes, built, ref = _attempts(kb, spec, options, stage)
-            if built is not None and options.backward:
-                bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
+            # the spec's own code (its reference, in every IR check) runs in this process: bounded by the budget, with
+            # a grace period so that the verifier child's own timeout, at the same deadline, reports first
+            with watchdog(_budget_left(options) + _GRACE_S, f"generating for spec {spec_path}"):
+                outcomes, built, ref = _attempts(kb, spec, options, stage)
+                if built is not None and options.backward:  # a BudgetSpent in there is the backward's reason
+                    bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
             if built is not None:  # after the backward, whose verification shares the spec's budget
                 built = _compile_cuda(spec, built, options)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
@@ -221,7 +227,12 @@ def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
         cand = _next(proposals, outcomes[-1] if outcomes else None)
         if cand is None:
             break
-        outcome, built = _try(spec, cand, len(outcomes) + 1, options, stage)
+        try:
+            outcome, built = _try(spec, cand, len(outcomes) + 1, options, stage)
+        except BudgetSpent as err:  # the watchdog: the attempt is recorded as the one the budget ran out in
+            outcomes.append(AttemptOutcome(len(outcomes) + 1, cand.reference_id, cand.strategy, Stage.IR_CHECK,
+                                           Verdict.timeout, str(err), 0.0, cand.ir_text))
+            return outcomes, None, None
         outcomes.append(outcome)
         if built is not None:
             return outcomes, built, cand.reference_id
@@ -445,6 +456,9 @@ def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions, *, backwar
     value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
     features = replace(spec.features, backward=True) if backward else spec.features
     return design_table(kb, features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
+
+
+_GRACE_S = 5.0  # the watchdog fires this long after the spec's deadline (see generate())
 
 
 def _budget_left(options: GenerateOptions) -> float:

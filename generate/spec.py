@@ -172,6 +172,8 @@ def import_spec_file(path: Path) -> Any:
         mod_spec.loader.exec_module(module)
     except Exception as err:  # noqa: BLE001 - the user's file failed to import
         raise KBError(f"cannot import spec file {path}: {type(err).__name__}: {err}") from None
+    except SystemExit as err:
+        raise KBError(f"cannot import spec file {path}: it called sys.exit({err.code!r})") from None
     finally:
         sys.modules.pop(name, None)
     return module
@@ -183,16 +185,22 @@ def _scale_or_none(scale: float, D: int) -> float | None:
 
 def spec_source_hash(path: Path) -> str:
     """`Spec.source_hash` of the file at `path` without importing or tracing it: sha256 of its text (empty if absent)."""
-    text = path.read_text() if path.is_file() else ""
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(path.read_bytes() if path.is_file() else b"").hexdigest()  # the UTF-8 text's hash, any bytes
 
 
 def load_spec(path: str | Path) -> Spec:
     """Load and trace a spec file (see module docstring); raises KBError on anything unsupported."""
+    path = Path(path)
+    try:
+        return _load_spec(path)
+    except SystemExit as err:  # the spec's code (its Model, get_inputs, mods) ran while kb traced it
+        raise KBError(f"spec {path} called sys.exit({err.code!r}) while kb traced it") from None
+
+
+def _load_spec(path: Path) -> Spec:
     from generate.spec_flex import trace_mods
     from generate.spec_kernelbench import load_model
 
-    path = Path(path)
     source_hash = spec_source_hash(path)
     module = import_spec_file(path)
     has_model = all(hasattr(module, n) for n in ("Model", "get_inputs", "get_init_inputs"))
