@@ -18,6 +18,7 @@ from pathlib import Path
 
 from generate.attempts import AttemptOutcome, Failure
 from generate.candidate import CandidateFiles, write_candidate
+from generate.outputs import OutputError
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from generate.stages import Stage
@@ -125,6 +126,8 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
         src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1])
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem)
+    except OutputError:
+        raise  # the run fails here: no attempt can write its files
     except KBError as err:
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     verdict, detail = verify_fn(files.candidate)

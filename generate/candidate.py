@@ -19,11 +19,13 @@ Dtypes: the kernel takes the inputs in the dtype the user passes and writes `spe
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from generate.outputs import write_error
 from generate.spec import DTYPES, Spec
 from kb.errors import KBError
 
@@ -127,9 +129,9 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
     aux_path = None
     if saved["state"] or saved["constants"]:
         aux_path = out_dir / f"{stem}.aux.pt"
-        torch.save(saved, aux_path)
+        _write(aux_path, _saved_bytes(saved))
     triton_path = out_dir / f"{stem}_triton.py"
-    triton_path.write_text(triton_source)
+    _write(triton_path, triton_source.encode())
     aux_kwargs = "".join(f", {a}={_aux_arg(a, spec, names)}" for a in program_aux)
     scale = "None" if spec.scale is None else repr(float(spec.scale))  # None: 1/sqrt(D) of the inputs at run time
     qkv = ", ".join((qn, kn, vn))
@@ -179,8 +181,22 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         "",
     ]
     cand = out_dir / f"{stem}.py"
-    cand.write_text("\n".join(lines))
+    _write(cand, "\n".join(lines).encode())
     return CandidateFiles(cand, triton_path, aux_path)
+
+
+def _saved_bytes(saved: dict) -> bytes:
+    """torch.save into memory: its own writer reports a full disk as a RuntimeError without the path."""
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    return buf.getvalue()
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as err:
+        raise write_error(path, err) from None
 
 
 def _init_signature(spec: Spec) -> str:

@@ -21,12 +21,21 @@ from pathlib import Path
 
 from kb.errors import KBError
 
-__all__ = ["SUFFIXES", "output_stem", "publish", "staging_dir"]
+__all__ = ["SUFFIXES", "OutputError", "output_stem", "publish", "staging_dir", "write_error"]
 
 # every file a run may write for spec stem S: S.py (ModelNew), S_triton.py, S.aux.pt, S.kbir, S_bwd.kbir (the
 # backward program), S.cu, S.report.json
 SUFFIXES = (".py", "_triton.py", ".aux.pt", ".kbir", "_bwd.kbir", ".cu", ".report.json")
 _PREFIX = ".kb-staging-"
+
+
+class OutputError(KBError):
+    """A file of the run could not be written (a full disk, a read-only or removed directory): the run fails there."""
+
+
+def write_error(where: Path, err: OSError) -> OutputError:
+    """One line naming the file and the system's reason (`No space left on device`)."""
+    return OutputError(f"cannot write {err.filename or where}: {err.strerror or err}")
 
 
 def output_stem(spec_path: Path) -> str:
@@ -75,16 +84,20 @@ def publish(out_dir: Path, stem: str, files: Mapping[str, Path], report: dict) -
     except OSError as err:
         raise KBError(f"cannot write to --out {out_dir}: {err.strerror or err}") from err
     report_path = out_dir / f"{stem}.report.json"
-    report_path.unlink(missing_ok=True)  # from here on, no report describes stale files
-    for suffix in SUFFIXES:
-        (out_dir / f"{stem}{suffix}").unlink(missing_ok=True)
-    published = {}
-    for kind, staged in files.items():
-        dest = out_dir / staged.name
-        os.replace(staged, dest)
-        published[kind] = dest
     tmp = report_path.with_name(report_path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, report_path)
+    try:
+        tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))  # first: a full disk fails here
+        report_path.unlink(missing_ok=True)  # from here on, no report describes stale files
+        for suffix in SUFFIXES:
+            (out_dir / f"{stem}{suffix}").unlink(missing_ok=True)
+        published = {}
+        for kind, staged in files.items():
+            dest = out_dir / staged.name
+            os.replace(staged, dest)  # a rename on one file system: needs no space
+            published[kind] = dest
+        os.replace(tmp, report_path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_error(out_dir, err) from None
     published["report"] = report_path
     return published

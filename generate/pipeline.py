@@ -27,13 +27,14 @@ from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
 from generate.designs import design_table
 from generate.engines import llm_candidates, rule_candidates
-from generate.outputs import output_stem, publish, staging_dir
+from generate.outputs import OutputError, output_stem, publish, staging_dir, write_error
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
 from generate.watchdog import BudgetSpent, watchdog
 from kb.errors import KBError
+from sqlalchemy.exc import SQLAlchemyError
 from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
@@ -200,6 +201,8 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             (Verdict.not_run, "kernel verification skipped (--no-verify)"),
             designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
             first_n=first_n)
+    except OutputError:
+        raise  # the run fails here: no attempt can write its files
     except KBError as err:
         return _NoBackward(str(err))
     if found is None:
@@ -286,11 +289,19 @@ def _name(spec: Spec) -> str:
 def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[AttemptOutcome], built: _Built | None,
             ref: str | None, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward,
             options: GenerateOptions, t0: float, out_dir: Path) -> GenerateResult:
+    """Write back and publish. An I/O failure (a full disk) fails the run with one line saying what was kept: the
+    verified kernel stays in the KB when only --out failed, its files are published when only the KB failed."""
     kernel = _kernel_row(spec, built, ref) if built is not None and ref is not None else None
-    succeeded = kernel is not None
+    files: dict[str, Path] = {}
+    if built is not None:
+        try:
+            files = _stage_outputs(spec, built, bwd)
+        except OutputError as err:
+            run.error = f"{err}; nothing was published to {out_dir}"
+    succeeded = kernel is not None and not run.error
     run.status = (RunStatus.SUCCEEDED if succeeded else RunStatus.FAILED).value
     run.finished_at = _now()
-    if not succeeded and not run.error:
+    if kernel is None and not run.error:
         run.error = outcomes[-1].feedback[:2000] if outcomes else "no attempt was possible"
     records: list = []
     existing = None
@@ -313,31 +324,73 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
         bwd_existing = kb.find(bwd_kernel.id)
         if bwd_existing is None:
             records.append(bwd_kernel)
-    kb.write_records(records)
+    stored = _store(kb, records, run)
+    if kernel is not None and files and stored is None:
+        run.error = f"kernel {kernel.id} was verified, but {run.error or 'the KB write failed'}; the files are in {out_dir}"
     report = _report(spec, run, kernel, existing, built, ref, outcomes, options)
-    if built is not None and kernel is not None and built.cuda_src and options.cuda is not None:
+    if built is not None and not files:  # verified, but its files could not be staged: nothing is published
+        report["status"] = ReportStatus.FAILED.value
+    if built is not None and kernel is not None and built.cuda_src and options.cuda is not None and stored is not None:
         report["cuda"].update(cuda_role(kb, kernel.id, options.cuda.target, built.cuda_report.get("lowering", "")))
     if built is not None:
         report["backward"] = _backward_report(bwd, bwd_kernel, bwd_existing)
-    files = dict(built.files) if built is not None else {}
-    if built is not None and isinstance(bwd, _NoBackward):  # the forward-only kernel's backward says why there is none
-        for kind in ("candidate", "triton"):
-            files[kind].write_text(with_backward_reason(files[kind].read_text(), f"kb generate built none: {bwd.reason}"))
-    if built is not None and not isinstance(bwd, _NoBackward):
-        bf = bwd[0].files  # the differentiable candidate replaces the forward-only one
-        files.update({"candidate": bf.candidate, "triton": bf.triton, **({"aux": bf.aux} if bf.aux else {})})
-        files["backward_ir"] = _stage_text(bf.candidate.with_name(bf.candidate.stem + "_bwd.kbir"),
-                                           print_program(bwd[0].program))
-    if built is not None:
+    try:
+        published = publish(out_dir, _name(spec), files, report)
+    except OutputError as err:  # the KB holds what was verified; only the files are missing
+        kept = f"kernel {kernel.id} is kept in the KB (kb show {kernel.id})" if kernel is not None and stored else "nothing"
+        run.error = f"{err}; no file was published to {out_dir}; {kept}"
+        run.status = RunStatus.FAILED.value
+        _store(kb, [run], run)
+        published, report["status"] = {}, ReportStatus.FAILED.value
+    back = report.get("backward", {})
+    return GenerateResult(spec.path, run.id, run.status == RunStatus.SUCCEEDED.value, kernel.id if kernel else None,
+                          tuple(outcomes), published, run.error, time.perf_counter() - t0,
+                          ReportStatus(report["status"]), ReportStatus(back.get("status", ReportStatus.NONE)),
+                          back.get("reason", ""))
+
+
+def _stage_outputs(spec: Spec, built: _Built, bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward) -> dict[str, Path]:
+    """The files of a built kernel in the staging directory, by kind: the forward-only candidate with NO_BACKWARD saying
+    why, or the differentiable one; the IR (and the backward's), the `.cu`. OutputError when one cannot be written."""
+    files = dict(built.files)
+    try:
+        if isinstance(bwd, _NoBackward):
+            for kind in ("candidate", "triton"):
+                files[kind].write_text(with_backward_reason(files[kind].read_text(), f"kb generate built none: {bwd.reason}"))
+        else:
+            bf = bwd[0].files  # the differentiable candidate replaces the forward-only one
+            files.update({"candidate": bf.candidate, "triton": bf.triton, **({"aux": bf.aux} if bf.aux else {})})
+            files["backward_ir"] = _stage_text(bf.candidate.with_name(bf.candidate.stem + "_bwd.kbir"),
+                                               print_program(bwd[0].program))
         files["ir"] = _stage_text(files["candidate"].with_suffix(".kbir"), print_program(built.program))
         if built.cuda_src:
             files["cuda"] = _stage_text(files["candidate"].with_suffix(".cu"), built.cuda_src)
-    published = publish(out_dir, _name(spec), files, report)
-    back = report.get("backward", {})
-    return GenerateResult(spec.path, run.id, succeeded, kernel.id if kernel else None, tuple(outcomes), published,
-                          run.error, time.perf_counter() - t0, ReportStatus(report["status"]),
-                          ReportStatus(back.get("status", ReportStatus.NONE)),
-                          back.get("reason", ""))
+    except OSError as err:
+        raise write_error(files["candidate"].parent, err) from None
+    return files
+
+
+def _store(kb: KnowledgeBase, records: list, run: GenerationRun) -> list[str] | None:
+    """Write `records` in one transaction; None when the KB cannot be written (a full disk): the run's error says so,
+    and the run itself is marked failed where the KB still takes that one row, else `kb doctor --fix` will."""
+    try:
+        return kb.write_records(records)
+    except (KBError, SQLAlchemyError, OSError) as err:
+        why = f"the KB could not be written ({_one_line(err)}), nothing of this run was stored in it"
+        run.error = f"{run.error}; {why}" if run.error else why
+        run.status = RunStatus.FAILED.value
+        if run.kernel_id is not None and kb.find(run.kernel_id) is None:
+            run.kernel_id = None  # its kernel row did not go in; the error names it
+        try:
+            kb.write_run(run)
+        except (KBError, SQLAlchemyError, OSError):
+            run.error += f"; run {run.id} stays 'running' until `kb doctor --fix` marks it interrupted"
+        return None
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(getattr(err, "orig", None) or err)
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _stage_text(path: Path, text: str) -> Path:
@@ -416,6 +469,8 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
         cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
+    except OutputError:
+        raise  # the run fails here: no attempt can write its files
     except KBError as err:
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     verdict, detail = Verdict.not_run, "kernel verification skipped (--no-verify)"
