@@ -93,18 +93,21 @@ def _show_kernel(kb, k) -> None:  # noqa: ANN001
 @app.command()
 def doctor(
     ctx: typer.Context,
-    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, recompute hashes, "
-                                                "mark dead runs interrupted, cut broken lineage links, remove orphaned temp dirs."),
+    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, quarantine records "
+                                                "that break a rule (hash or id mismatch included), mark dead runs "
+                                                "interrupted, cut broken lineage links, remove orphaned temp dirs."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Check the KB: SQL vs Chroma drift, hashes, lineage, runs whose process died, orphaned verify temp dirs; exit 1 if any remain unfixed."""
+    """Check the KB: SQL vs Chroma drift, records that break a rule, hashes, lineage, runs whose process died, orphaned
+    verify temp dirs; exit 1 if any remain unfixed."""
     from kb.store.doctor import run_doctor
 
     with open_kb_of(ctx) as kb:
         report = run_doctor(kb, fix=fix, temp_root=Path(tempfile.gettempdir()))
     if as_json:
         issues = [{"kind": d.kind.value, "table": d.table, "id": d.id, "detail": d.detail} for d in report.issues]
-        out.print_json(json.dumps({"ok": report.ok, "fixed": report.fixed, "issues": issues}))
+        out.print_json(json.dumps({"ok": report.ok, "fixed": report.fixed, "issues": issues,
+                                   "quarantined": dict(report.quarantined)}))
     else:
         for d in report.issues:
             out.print(f"  {d.kind.value:18} {d.table:15} {d.id} {d.detail}", markup=False)
