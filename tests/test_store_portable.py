@@ -131,7 +131,7 @@ def test_an_export_from_before_the_footer_imports_with_a_warning(export: Path, t
     legacy.write_text("\n".join([json.dumps(header), *old]) + "\n")
     res = _kb(tmp_path / "kb", "import", str(legacy))
     assert res.returncode == 0 and "imported 9 records" in res.stdout, res.stderr
-    assert "written before exports carried a record count and digest" in res.stderr and "kb export" in res.stderr
+    assert "written before exports carried a record count and digest" in res.stderr and "`kb export`" in res.stderr
     assert _rows(tmp_path / "kb") == 9
 
 

@@ -174,9 +174,9 @@ def _body(path: Path, lines: list[str], version: int) -> list[tuple[int, str]]:
     while last > 0 and not lines[last].strip():
         last -= 1
     if version < FOOTER_SINCE:
-        log.warning("%s was written before exports carried a record count and digest (schema version %d): it is "
-                    "imported, but a truncated copy cannot be told from a whole one; re-export it with this kernel-kb "
-                    "(`kb import` into a fresh KB, then `kb export`) to get a checked file", path, version)
+        log.warning("%s was written before exports carried a record count and digest (schema version %d): a "
+                    "truncated copy of it cannot be told from a whole one; once imported, `kb export` writes a checked "
+                    "file", path, version)
         return [(n, lines[n - 1]) for n in range(2, last + 2) if lines[n - 1].strip()]
     truncated = f"{path} is truncated: it ends at line {last + 1} without the export's footer"
     if last == 0:
