@@ -5,7 +5,9 @@ overriding KB_HOME). A `KBError` from any command prints one line on stderr and 
 anything else is a bug and keeps its traceback.
 
 Output: results go to stdout through `out`; failures, warnings, progress and spinners go to stderr
-through `err`. Both are `Console`s whose width is unbounded when their stream is not a terminal (a
+through `err`. Text that comes from the KB or the user (names, ids, reasons, paths) is passed through
+`esc` before rich renders it as markup, so a kernel named `[/oops]` prints as itself. Error lines and
+log records pass through `kb.redact`, so no credential in a URL reaches the terminal. Both are `Console`s whose width is unbounded when their stream is not a terminal (a
 pipe, a file, a test runner), so that no table of any command cuts or folds an id or a path there:
 a script can paste what it reads into `kb show`.
 """
@@ -26,15 +28,17 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from kb.errors import KBError
+from kb.redact import RedactingFilter, redact_text
 from kb.settings import Settings, load_settings
 
 if TYPE_CHECKING:
     from kb.store import KnowledgeBase
 
-__all__ = ["DISTRIBUTION", "CONSOLE_KEY", "app", "err", "open_kb_of", "out", "settings_of"]
+__all__ = ["DISTRIBUTION", "CONSOLE_KEY", "app", "err", "esc", "open_kb_of", "out", "settings_of"]
 
 DISTRIBUTION = "kernel-kb"  # the name `kb --version` reads the package metadata of
 CONSOLE_KEY = "kb.console"  # click's ctx.meta key of `out`, for commands defined below cli/ (verify.cli)
@@ -70,6 +74,11 @@ out = _Console(highlight=False, soft_wrap=True)
 err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def esc(value: object) -> str:
+    """`value` as text that rich prints literally (its `[` escaped): every KB or user string in markup or a table cell."""
+    return escape(str(value))
+
+
 class _KBGroup(TyperGroup):
     """Turns `KBError` into one line on stderr and exit status 1, and a stop into one line and 128 + signal.
 
@@ -90,10 +99,10 @@ class _KBGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except KBError as error:
-            typer.echo(f"kb: error: {error}", err=True)
+            typer.echo(f"kb: error: {redact_text(str(error))}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt as stop:
-            typer.echo(f"kb: interrupted: {stop}" if str(stop) else "kb: interrupted", err=True)
+            typer.echo(f"kb: interrupted: {redact_text(str(stop))}" if str(stop) else "kb: interrupted", err=True)
             ctx.exit(128 + (caught[0] if caught else signal.SIGINT))
         finally:
             if previous is not None:
@@ -139,6 +148,9 @@ def _root(
                                  help="Print the distribution name and version, and exit."),
 ) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # every record, from any library (httpx logs request URLs)
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
     ctx.obj = load_settings(home=home)
     ctx.meta[CONSOLE_KEY] = out
 

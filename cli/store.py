@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from cli.app import app, open_kb_of, out
+from cli.app import app, esc, open_kb_of, out
 
 if TYPE_CHECKING:
     from sqlmodel import SQLModel
@@ -22,7 +22,7 @@ __all__ = ["init", "stats", "show", "doctor", "export_", "import_"]
 def init(ctx: typer.Context) -> None:
     """Create the knowledge base (SQL schema and Chroma collections); safe to re-run."""
     with open_kb_of(ctx, create=True) as kb:
-        out.print(f"kernel-kb ready: database {kb.engines.target.display}, embeddings {kb.vectors.target.display}")
+        out.print(f"kernel-kb ready: database {esc(kb.engines.target.display)}, embeddings {esc(kb.vectors.target.display)}")
 
 
 @app.command()
@@ -36,7 +36,7 @@ def stats(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
     table = Table("table", "rows", "embeddings", title="kernel-kb")
     for name, n in counts.rows.items():
         vec = counts.vectors.get(name)
-        table.add_row(name, str(n), "" if vec is None else str(vec))
+        table.add_row(esc(name), str(n), "" if vec is None else str(vec))
     out.print(table)
 
 
@@ -61,7 +61,7 @@ def show(
 
 
 def _show_fields(rec: SQLModel, skip: tuple[str, ...] = ()) -> None:
-    out.print(f"[bold]{type(rec).__name__} {rec.id}[/bold]")  # type: ignore[attr-defined]
+    out.print(f"[bold]{type(rec).__name__} {esc(rec.id)}[/bold]")  # type: ignore[attr-defined]
     data = rec.model_dump(mode="json")
     for name in type(rec).model_fields:  # declared order, not load order
         if name in skip or name == "id":
@@ -80,7 +80,7 @@ def _show_kernel(kb, k) -> None:  # noqa: ANN001
         out.print(f"  provenance: {src.distribution}=={src.version} ({src.kind}) {k.file}{span} lifter {k.lifter_version or '?'}", markup=False)
     chain = kb.lineage(k.id)
     if len(chain) > 1:
-        out.print("  lineage: " + " <- ".join(c.id for c in chain))
+        out.print("  lineage: " + " <- ".join(c.id for c in chain), markup=False)
     out.print("[bold]features[/bold]")
     try:
         out.print_json(k.features_json)
@@ -93,22 +93,25 @@ def _show_kernel(kb, k) -> None:  # noqa: ANN001
 @app.command()
 def doctor(
     ctx: typer.Context,
-    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, recompute hashes, "
-                                                "mark dead runs interrupted, cut broken lineage links, remove orphaned temp dirs."),
+    fix: bool = typer.Option(False, "--fix", help="Repair: embed missing rows, delete orphan embeddings, quarantine records "
+                                                "that break a rule (hash or id mismatch included), mark dead runs "
+                                                "interrupted, cut broken lineage links, remove orphaned temp dirs."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Check the KB: SQL vs Chroma drift, hashes, lineage, runs whose process died, orphaned verify temp dirs; exit 1 if any remain unfixed."""
+    """Check the KB: SQL vs Chroma drift, records that break a rule, hashes, lineage, runs whose process died, orphaned
+    verify temp dirs; exit 1 if any remain unfixed."""
     from kb.store.doctor import run_doctor
 
     with open_kb_of(ctx) as kb:
         report = run_doctor(kb, fix=fix, temp_root=Path(tempfile.gettempdir()))
     if as_json:
         issues = [{"kind": d.kind.value, "table": d.table, "id": d.id, "detail": d.detail} for d in report.issues]
-        out.print_json(json.dumps({"ok": report.ok, "fixed": report.fixed, "issues": issues}))
+        out.print_json(json.dumps({"ok": report.ok, "fixed": report.fixed, "issues": issues,
+                                   "quarantined": dict(report.quarantined)}))
     else:
         for d in report.issues:
             out.print(f"  {d.kind.value:18} {d.table:15} {d.id} {d.detail}", markup=False)
-        out.print(report.summary())
+        out.print(report.summary(), markup=False)
     if not report.ok and not report.fixed:
         raise typer.Exit(1)
 
@@ -118,7 +121,7 @@ def export_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL fil
     """Dump every row to a portable JSONL file (one record per line)."""
     with open_kb_of(ctx) as kb:
         counts = kb.export_jsonl(file)
-    out.print(f"exported {sum(counts.values())} records to {file}")
+    out.print(f"exported {sum(counts.values())} records to {file}", markup=False)
 
 
 @app.command("import")
@@ -126,4 +129,4 @@ def import_(ctx: typer.Context, file: Path = typer.Argument(..., help="JSONL fil
     """Load a JSONL dump (idempotent) and embed its kernels, snippets and lessons."""
     with open_kb_of(ctx, create=True) as kb:
         counts = kb.import_jsonl(file)
-    out.print(f"imported {sum(counts.values())} records from {file}")
+    out.print(f"imported {sum(counts.values())} records from {file}", markup=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from cli.app import app, err, open_kb_of, out, settings_of
+from cli.app import app, err, esc, open_kb_of, out, settings_of
 from kb.errors import KBError
 
 __all__ = ["tune_cmd", "perf_import_cmd", "bench_cmd"]
@@ -55,14 +55,14 @@ def tune_cmd(
 
     doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory)
     raw = results or (kb.settings.home / "tune-last.json")
-    with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {arch} …"):
+    with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {esc(arch)} …"):
         doc = run_plan(doc_plan, raw, command="kb tune " + " ".join(targets))
     summary = import_results(kb, doc, str(raw))
     if as_json:
         out.print_json(json.dumps(doc))
         return
     out.print(results_table(doc))
-    out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}")
+    out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}", markup=False)
 
 
 @app.command("bench")
@@ -89,10 +89,10 @@ def bench_cmd(
     doc_plan = make_plan(kb, specs, from_dir, arch, max_designs=0)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"bench_{suite[0].stem}.json"
-    with err.status(f"timing {len(doc_plan['entries'])} generated kernels on {arch} …"):
+    with err.status(f"timing {len(doc_plan['entries'])} generated kernels on {esc(arch)} …"):
         doc = run_plan(doc_plan, path, command="kb bench " + " ".join(map(str, suite)))
     out.print(results_table(doc))
-    out.print(f"results in {path}")
+    out.print(f"results in {path}", markup=False)
 
 
 @perf_app.command("import")
@@ -108,7 +108,7 @@ def perf_import_cmd(
     for f in files:
         s = import_results(kb, load_results(f), str(f))
         out.print(f"{f}: {s.entries} entries, {s.kernels_added} new kernels, {s.perf_records} measured records, "
-                  f"{s.lessons} lessons")
+                  f"{s.lessons} lessons", markup=False)
 
 
 def _spec_targets(targets: list[str]) -> list[str]:
@@ -123,12 +123,12 @@ def _spec_targets(targets: list[str]) -> list[str]:
 def _write_plan(doc: dict, path: Path, then: str = "") -> None:
     path.write_text(json.dumps(doc, indent=1))
     out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {path}; on a GPU machine run\n"
-              f"  python -m generate.tune_gpu {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""))
+              f"  python -m generate.tune_gpu {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""), markup=False)
 
 
 def results_table(doc: dict) -> Table:
     """Per spec and shape: the emitted design, the best design, and both against FlexAttention and SDPA."""
-    t = Table(title=f"kb tune on {doc['env']['gpu']} ({doc['env']['arch']})")
+    t = Table(title=esc(f"kb tune on {doc['env']['gpu']} ({doc['env']['arch']})"))
     for col in ("spec", "shape", "emitted (ms)", "best design (ms)", "emitted/best", "x flex", "x sdpa"):
         t.add_column(col)
     for e in doc["entries"]:
@@ -143,7 +143,7 @@ def results_table(doc: dict) -> Table:
                 base = recs.get(impl, {}).get("ms")
                 return f"{base / em:.2f}" if base and em == em else "-"
 
-            t.add_row(e["name"], f"B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} {dims.get('M')}x{dims.get('N')} D{dims.get('D')}",
-                      f"{em:.3f} ({s.get('emitted_design')})", f"{best['ms']:.3f} ({best['design']})" if best else "-",
+            t.add_row(esc(e["name"]), f"B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} {dims.get('M')}x{dims.get('N')} D{dims.get('D')}",
+                      esc(f"{em:.3f} ({s.get('emitted_design')})"), esc(f"{best['ms']:.3f} ({best['design']})") if best else "-",
                       f"{em / best['ms']:.2f}" if best else "-", speed("flex"), speed("sdpa"))
     return t

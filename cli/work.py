@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from cli.app import app, err, open_kb_of, out, settings_of
+from cli.app import app, err, esc, open_kb_of, out, settings_of
 from generate.stages import ReportStatus
 from kb.errors import KBError
 
@@ -61,8 +61,8 @@ def ingest_cmd(
         for f in s.files:
             skipped = "; ".join(f"{w}: {r}" for w, r in f.skipped[:2]) + (
                 f" (+{len(f.skipped) - 2} more; --json)" if len(f.skipped) > 2 else "")
-            table.add_row(s.source, f.file, f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
-                          str(f.new_rows), skipped)
+            table.add_row(esc(s.source), esc(f.file), f"{f.programs} ({f.verified})", str(f.snippets), str(f.tunables),
+                          str(f.new_rows), esc(skipped))
     out.print(table)
     for s in summary.sources:  # the backward pass: kernels lifted into programs, regions into snippets, or why not
         for f in s.files:
@@ -114,24 +114,24 @@ def query_cmd(
                          "terms": r.terms} for r in res.kernels],
             "snippets": [s.__dict__ for s in res.snippets], "lessons": res.lessons}))
         return
-    out.print(f"query: {text}")
-    table = Table(title=f"top {k} kernels ({mode})")
+    out.print(f"query: {text}", markup=False)
+    table = Table(title=f"top {k} kernels ({esc(mode)})")
     for col in ("#", "id", "name", "family", "score", "terms"):
         table.add_column(col)
     for i, r in enumerate(res.kernels, 1):
         top = sorted(r.terms.items(), key=lambda kv: -abs(kv[1]))
         terms = ", ".join(f"{t} {v:+.2f}" for t, v in top[:4]) + (f" (+{len(top) - 4} more; --json)" if len(top) > 4 else "")
-        table.add_row(str(i), r.id, r.name, f"{r.family} ({r.origin})", f"{r.score:.2f}", terms)
+        table.add_row(str(i), esc(r.id), esc(r.name), esc(f"{r.family} ({r.origin})"), f"{r.score:.2f}", esc(terms))
     out.print(table)
     if res.snippets:
         st = Table(title="snippets a transfer needs")
         for col in ("kind", "title", "IR meaning", "from"):
             st.add_column(col)
         for s in res.snippets:
-            st.add_row(s.kind, s.title, s.ir_text[:70], s.where)
+            st.add_row(esc(s.kind), esc(s.title), esc(s.ir_text[:70]), esc(s.where))
         out.print(st)
     for les in res.lessons:
-        out.print(f"lesson: {les}")
+        out.print(f"lesson: {les}", markup=False)
 
 
 def _looks_like_path(arg: str) -> bool:
@@ -201,7 +201,7 @@ def generate_cmd(
                            target=resolve_target(target, settings.target_arch), backward=not no_backward)
     results: list[GenerateResult] = []
     for p in paths:
-        with err.status(f"generating {p} …"):
+        with err.status(f"generating {esc(p)} …"):
             try:
                 r = generate_cached(kb, p, opts, force=force)
             except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (cli.app maps it): say what the earlier specs kept
@@ -245,9 +245,9 @@ def _print_generated(results: list[GenerateResult]) -> None:
         for col in ("spec", "result", "backward", "attempts", "kernel", "seconds", "candidate"):
             table.add_column(col, overflow="fold")  # a terminal wraps a long path; a pipe gets it on one line
         for r in made:
-            table.add_row(str(r.spec_path), _STATUS_STYLE.get(r.status, "{}").format(r.status) + (" (cached)" if r.cached else ""),
-                          _STATUS_STYLE.get(r.backward, "{}").format(r.backward), str(len(r.attempts)),
-                          r.kernel_id or "-", f"{r.seconds:.1f}", str(r.files["candidate"]))
+            table.add_row(esc(r.spec_path), _STATUS_STYLE.get(r.status, "{}").format(esc(r.status)) + (" (cached)" if r.cached else ""),
+                          _STATUS_STYLE.get(r.backward, "{}").format(esc(r.backward)), str(len(r.attempts)),
+                          esc(r.kernel_id or "-"), f"{r.seconds:.1f}", esc(r.files["candidate"]))
         out.print(table)
     for r in made:
         cached = f"; from the cache, made by run {r.cached.run_id} (--force regenerates)" if r.cached else ""

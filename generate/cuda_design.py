@@ -76,6 +76,8 @@ def fa2_traits(tunables: list, head_dim: int) -> tuple[MmaTraits, str]:
         if row.family != "fa2_cuda" or row.arch != "sm80" or row.head_dim != bucket or any(not c.startswith("!") for c in terms):
             continue
         prm = json.loads(row.params_json)
+        if not all(type(prm.get(k)) is int for k in ("block_m", "block_n", "num_warps")):
+            continue  # a launch template that names its tiles by constant, not number
         lifted = MmaTraits(prm["block_m"], prm["block_n"], prm["num_warps"])
         fitted = fit_registers(lifted, bucket)
         note = f"FA2 launch template ({row.file}:{row.line_start}) {lifted}"
@@ -126,7 +128,7 @@ def cuda_role(kb, kernel_id: str, arch: str, lowering: str) -> dict:  # noqa: AN
 
     from generate.perf_import import cuda_impl
 
-    rows = [r for r in kb.list(PerfRecord, kind="measured", kernel_id=kernel_id) if r.arch == arch and r.ms]
+    rows = [r for r in kb.usable(PerfRecord, kind="measured", kernel_id=kernel_id) if r.arch == arch and r.ms]
     want = json.dumps(cuda_impl(lowering), sort_keys=True)
     cu = sorted((r for r in rows if r.design_json == want), key=lambda r: str(r.measured_at or ""))
     for c in reversed(cu):

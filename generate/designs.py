@@ -13,7 +13,9 @@ Three sources, in this order of trust:
 Decode with GQA/MQA puts GQA-packed designs first (Design.pack_gqa: the query heads of a KV head share one
 tile, so K/V are read once per KV head instead of Hq // Hkv times, as FA2's decode path, FA3's PackGQA and
 FlashInfer's decode do) until the KB holds a measured packed design; then measurements decide.
-`rank_designs` is a pure function of those inputs; `design_table` reads them from a KB.
+`rank_designs` is a pure function of those inputs; `design_table` reads them from a KB, through
+`KnowledgeBase.usable`: a stored record that breaks a rule (a design Triton cannot run, a shape that is not an
+object of positive ints) is skipped with a warning, never fatal to generation.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
     """Measured designs grouped per (kernel, shape, arch, gpu): the performance memory."""
     from kb.store import Kernel, PerfRecord
 
-    rows = [r for r in kb.list(PerfRecord, kind="measured") if r.arch and r.design_json not in ("", "{}")
+    rows = [r for r in kb.usable(PerfRecord, kind="measured") if r.arch and r.design_json not in ("", "{}")
             and "impl" not in json.loads(r.design_json) and (arch is None or r.arch == arch) and r.ms]  # not .cu records
     groups: dict[tuple[str, str, str, str], list] = {}
     for r in rows:
@@ -171,7 +173,7 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
     out = []
     for (kid, shape_json, rec_arch, _), recs in sorted(groups.items()):
         kernel = kb.find(kid)
-        if not isinstance(kernel, Kernel):
+        if not isinstance(kernel, Kernel) or not kb.skip_unusable([kernel]):
             continue
         d = json.loads(shape_json).get("D") or kernel.head_dim or 128
         times = {Design.from_dict(json.loads(r.design_json)): r.ms for r in recs}
@@ -184,7 +186,7 @@ def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
     """Every expert tunable of the KB as (arch, head dim or 0, launch parameters)."""
     from kb.store import Tunable
 
-    return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.list(Tunable)]
+    return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.usable(Tunable)]
 
 
 def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,  # noqa: ANN001

@@ -10,7 +10,8 @@ Invariants:
 - One request per candidate; the conversation grows by (answer, feedback) per failed attempt.
 - A candidate has a program only when the answer parsed and validated; its program is `untrusted`.
 - Service failures (connection refused, timeout, HTTP errors, empty answers) end the proposals with a
-  candidate without a program whose cause is the environment; its message says what to set or check.
+  candidate without a program whose cause is the environment; its message says what to set or check, and
+  names the server by its redacted URL (`kb.redact`: no user-info or key reaches attempts, runs or reports).
   Missing settings raise `LLMServiceError`, a `KBError`, when the engine is made. The client never
   retries on its own (max_retries=0).
 """
@@ -31,6 +32,7 @@ from kb.errors import KBError
 from kb.ir.nodes import Program
 from kb.ir.text import parse_program
 from kb.ir.validate import validate
+from kb.redact import redact_text, redact_url
 from kb.settings import Settings
 from verify.result import Verdict
 
@@ -86,7 +88,10 @@ class LLMEngine:
     # ------------------------------------------------------------ one request
 
     def _service_error(self, err: openai.OpenAIError) -> str:
-        s, url = self.settings, self.settings.llm_base_url
+        return redact_text(self._service_message(err))
+
+    def _service_message(self, err: openai.OpenAIError) -> str:
+        s, url = self.settings, redact_url(self.settings.llm_base_url)
         if isinstance(err, openai.APITimeoutError):
             return (f"the LLM server at {url} did not answer within {s.llm_timeout_s:g} s; "
                     "raise KB_LLM_TIMEOUT_S or check that the server is not overloaded")
@@ -110,7 +115,7 @@ class LLMEngine:
             temperature=self.settings.llm_temperature)
         seconds = time.perf_counter() - t0
         if not resp.choices or resp.choices[0].message.content is None:
-            raise LLMServiceError(f"the LLM server at {self.settings.llm_base_url} sent an answer with no text "
+            raise LLMServiceError(f"the LLM server at {redact_url(self.settings.llm_base_url)} sent an answer with no text "
                                   f"(model {self.settings.llm_model!r}); check that it is a chat model")
         usage = resp.usage
         return (resp.choices[0].message.content, seconds,

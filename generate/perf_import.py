@@ -9,7 +9,8 @@ A results document (`generate.tune_gpu`, schema `kernel-kb/tune/v1`) becomes, in
 - one performance lesson per entry and shape: which design won, by how much over the design listed
   first, and how the winner compares with FlexAttention and SDPA.
 Documents that do not say where they were measured (GPU, driver, command, date, arch) or that carry
-malformed records are refused whole, with the reason.
+malformed records are refused whole, with the reason: the file, the entry, and the rule a record breaks
+(`kb.store.rules`: a design Triton can run, a shape of positive ints, ...). The shipped corpus loads the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sqlmodel import SQLModel
+
 from generate.tune_gpu import impl_ms
 from kb.data_files import corpus_files
 from kb.errors import KBError
@@ -28,6 +31,7 @@ from kb.ir.design import parse_design
 from kb.ir.text import parse_program
 from kb.store.models import Kernel, Lesson, Origin, PerfRecord
 from kb.store.records import assign_id
+from kb.store.rules import violations
 
 __all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results", "cuda_impl"]
 
@@ -69,34 +73,47 @@ def _check_doc(doc: Any, where: str) -> None:
 
 
 def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # noqa: ANN001 - KnowledgeBase
-    """Write the kernels, measured records and lessons of `doc` in one transaction."""
+    """Write the kernels, measured records and lessons of `doc` in one transaction; a document with any malformed
+    part, or a record that breaks a rule, is refused whole (nothing written), naming the entry and why."""
     _check_doc(doc, where)
-    env = doc["env"]
-    records: list = []
-    kernels = perf = lessons = 0
-    for n, entry in enumerate(doc.get("entries", []), 1):
-        label = f"{where}: entry {n} ({entry.get('name', '?')})"
-        if entry.get("error") or not entry.get("shapes"):
+    entries = doc.get("entries", [])
+    if not isinstance(entries, list):
+        raise KBError(f"{where}: 'entries' is not a list; nothing was imported")
+    staged: list[tuple[str, SQLModel]] = []  # (which entry, record)
+    for n, entry in enumerate(entries, 1):
+        label = f"{where}: entry {n} ({entry.get('name', '?') if isinstance(entry, dict) else '?'})"
+        try:
+            staged += [(label, r) for r in _entry_records(kb, entry, doc["env"], label, [r for _, r in staged])]
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # a field missing or of the wrong type
+            raise KBError(f"{label}: malformed ({type(err).__name__}: {err}); nothing was imported") from None
+    for label, r in staged:
+        broken = violations(r)
+        if broken:
+            raise KBError(f"{label}: a {type(r).__name__} that breaks the KB's rules: {'; '.join(broken)}; "
+                          "nothing was imported")
+    kb.write_records([r for _, r in staged])
+    return ImportSummary(*(sum(isinstance(r, t) for _, r in staged) for t in (Kernel, PerfRecord, Lesson)), len(entries))
+
+
+def _entry_records(kb, entry: dict, env: dict, label: str, staged: list) -> list:  # noqa: ANN001 - KnowledgeBase
+    """The records one results entry adds: its kernel (unless the KB or `staged` has it), measured records, lessons."""
+    if entry.get("error") or not entry.get("shapes"):
+        return []
+    out: list = []
+    kernel = _kernel(entry.get("kernel"), label)
+    if kb.find(kernel.id) is None and all(getattr(r, "id", None) != kernel.id for r in staged):
+        if kernel.parent_id and kb.find(kernel.parent_id) is None:
+            kernel.parent_id = None  # its reference is not in this KB; the kernel stands alone
+        out.append(kernel)
+    feats = Features.from_json(kernel.features_json)
+    for shape in entry["shapes"]:
+        if "records" not in shape:
             continue
-        kernel = _kernel(entry.get("kernel"), label)
-        if kb.find(kernel.id) is None and all(getattr(r, "id", None) != kernel.id for r in records):
-            if kernel.parent_id and kb.find(kernel.parent_id) is None:
-                kernel.parent_id = None  # its reference is not in this KB; the kernel stands alone
-            records.append(kernel)
-            kernels += 1
-        feats = Features.from_json(kernel.features_json)
-        for shape in entry["shapes"]:
-            if "records" not in shape:
-                continue
-            rows = _perf_rows(kernel.id, env, shape, label)
-            records += rows
-            perf += len(rows)
-            lesson = _lesson(feats, env, shape)
-            if lesson is not None:
-                records.append(lesson)
-                lessons += 1
-    kb.write_records(records)
-    return ImportSummary(kernels, perf, lessons, len(doc.get("entries", [])))
+        out += _perf_rows(kernel.id, env, shape, label)
+        lesson = _lesson(feats, env, shape)
+        if lesson is not None:
+            out.append(lesson)
+    return out
 
 
 def _kernel(payload: Any, label: str) -> Kernel:

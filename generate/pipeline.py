@@ -139,7 +139,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     options = replace(options, deadline=deadline,
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options),
                       cuda=options.cuda or cuda_plan(resolve_target(options.target, kb.settings.target_arch),
-                                                     spec.shapes.D, kb.list(Tunable, family="fa2_cuda")))
+                                                     spec.shapes.D, kb.usable(Tunable, family="fa2_cuda")))
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
@@ -279,7 +279,7 @@ def _judge(spec: Spec, program: Program, untrusted: bool, options: GenerateOptio
 
 
 def _strategy_lessons(kb: KnowledgeBase) -> list[Lesson]:
-    return [les for les in kb.list(Lesson) if les.kind.startswith("strategy_")]
+    return [les for les in kb.usable(Lesson) if les.kind.startswith("strategy_")]
 
 
 def _name(spec: Spec) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kb.errors import KBError
+from kb.redact import MASK, redact_url
 
 __all__ = ["Settings", "load_settings", "default_home"]
 
@@ -36,6 +37,14 @@ class Settings:
     llm_max_attempts: int = 3
     verify_timeout: float = 600.0  # seconds: `kb verify`'s limit on the candidate; `kb generate`'s budget per spec
     target_arch: str = "sm90"  # the GPU `kb generate --target auto` designs for when this machine has none
+
+    def __repr__(self) -> str:
+        """Every setting, with credentials hidden (URLs redacted, the API key masked)."""
+        def shown(name: str, value: object) -> object:
+            if name == "llm_api_key":
+                return MASK if value else ""
+            return redact_url(value) if name.endswith("_url") and isinstance(value, str) and value else value
+        return f"Settings({', '.join(f'{f.name}={shown(f.name, getattr(self, f.name))!r}' for f in fields(self))})"
 
     def __post_init__(self) -> None:
         if not self.verify_timeout > 0:  # also refuses NaN

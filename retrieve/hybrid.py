@@ -5,6 +5,8 @@ total = w_embedding * similarity + sum(structural terms) + w_perf * perf, where 
 `retrieve.structural`, and perf is the candidate's best measured TFLOP/s on the target arch
 relative to the best candidate (0 when none was measured). All weights live in one table
 (`retrieve/weights.json` once fitted). Every ranked row keeps its terms for `kb query`.
+Quarantined kernels (`kb doctor --fix`) and kernels whose stored features break their typed rule are never
+candidates; the latter are named in one warning.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -23,10 +26,12 @@ from sqlmodel import Session, func, select
 from kb.features import Features
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel, Lesson, PerfRecord, Snippet
+from kb.store.payloads import features_problems
 from retrieve.structural import CandidateColumns, Coded, candidate_columns, coded, load_weights, term_columns
 
 __all__ = ["Filters", "RankedKernel", "RankedSnippet", "QueryResult", "Mode", "query", "needed_snippet_kinds"]
 
+log = logging.getLogger(__name__)
 Mode = Literal["hybrid", "embedding", "structural"]
 PROGRAM_PREFIX = "program "  # IR text of a complete program starts so; snippet-only rows do not
 EMBED_POOL = 200  # nearest embeddings fetched per query; the rest count as similarity 0
@@ -310,7 +315,7 @@ def _marker(s: Session) -> tuple:
     """Changes whenever kernels are added or their ranking columns change (ids are content hashes)."""
     # verified cast: a sum typed Boolean comes back as True for any count (and PostgreSQL has no sum(boolean))
     stmt = select(func.count(), func.max(Kernel.created_at), func.sum(func.length(Kernel.features_json)),
-                  func.sum(cast(Kernel.verified, Integer)))
+                  func.sum(cast(Kernel.verified, Integer)), func.sum(func.length(Kernel.quarantine)))  # type: ignore[call-overload]
     return tuple(s.execute(stmt).one())
 
 
@@ -371,7 +376,14 @@ def _candidates(kb: KnowledgeBase) -> list[_Row]:
     cols = (Kernel.id, Kernel.name, Kernel.family, Kernel.origin, Kernel.features_json, Kernel.arch,
             Kernel.dtype, Kernel.head_dim, Kernel.verified, prefix)
     with kb.read_session() as s:
-        return [_Row._make((*r[:9], bool(r[9]))) for r in s.execute(select(*cols))]  # type: ignore[call-overload]
+        rows = [_Row._make((*r[:9], bool(r[9])))
+                for r in s.execute(select(*cols).where(Kernel.quarantine == ""))]  # type: ignore[call-overload]
+    bad = {r.features_json for r in rows if features_problems(r.features_json)}
+    if bad:
+        skipped = [r.id for r in rows if r.features_json in bad]
+        log.warning("%d kernel(s) with malformed stored features are not candidates (%s); `kb doctor --fix` "
+                    "quarantines them", len(skipped), ", ".join(skipped[:3]) + (" …" if len(skipped) > 3 else ""))
+    return [r for r in rows if r.features_json not in bad]
 
 
 @functools.lru_cache(maxsize=65536)

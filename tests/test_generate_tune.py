@@ -91,6 +91,9 @@ def test_measurements_import_as_records_and_a_lesson_once(tuned, tmp_path: Path)
     (lambda d: d.update(schema="other"), "not a kernel-kb tune results file"),
     (lambda d: d["entries"][0]["shapes"][0]["records"][-1].update(impl="design huge", design="huge"), "bad design"),
     (lambda d: d["entries"][0].pop("kernel"), "no kernel record"),
+    (lambda d: d["entries"][0]["shapes"][0]["shape"].update(D="64"),  # a rule of the store, named with its entry
+     r"results: entry 1 \(.*\): a PerfRecord that breaks the KB's rules: shape_json .*D is '64', not a positive int"),
+    (lambda d: d["entries"][0]["shapes"][0].update(records="oops"), r"entry 1 \(.*\): malformed \(TypeError: string indices"),
 ])
 def test_malformed_or_unattributed_results_are_refused_whole(tuned, damage, message) -> None:  # noqa: ANN001
     kb, r, _, doc = tuned

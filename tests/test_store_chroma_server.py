@@ -85,7 +85,7 @@ def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, t
         assert kb.get(report["kernel_id"]).verified
         assert kb.vectors.doc_hashes("kernels", [report["kernel_id"]])  # the new kernel is embedded on the server
 
-    assert doctor() == (0, {"ok": True, "fixed": False, "issues": []})
+    assert doctor() == (0, {"ok": True, "fixed": False, "issues": [], "quarantined": {}})
     assert _server_counts(chroma)["kernels"] == stats["rows"]["kernels"] + 1
 
 
@@ -156,5 +156,5 @@ def test_chroma_stopping_mid_write_is_one_line_and_doctor_repairs(chroma: Chroma
     assert sorted(i["table"] for i in found["issues"]) == ["kernels"] * 3 + ["snippets"] * 3 * SNIPPETS_PER_KERNEL
     status, fixed = doctor("--fix")
     assert status == 0 and fixed["fixed"] and fixed["issues"] == found["issues"], fixed
-    assert doctor() == (0, {"ok": True, "fixed": False, "issues": []})
+    assert doctor() == (0, {"ok": True, "fixed": False, "issues": [], "quarantined": {}})
     assert _server_counts(chroma) == {"kernels": 4, "snippets": 4 * SNIPPETS_PER_KERNEL, "lessons": 0}

@@ -1,11 +1,11 @@
-"""`kb doctor` finds drift between SQL and Chroma, and `--fix` repairs it to zero."""
+"""`kb doctor` finds drift between SQL and Chroma, and `--fix` repairs it to zero (a kernel whose text no longer
+hashes to its identity is quarantined: kept with its reason, never read again, its embedding removed)."""
 
 from __future__ import annotations
 
 from sqlalchemy import text
 
 from kb.store import DriftKind
-from kb.store.doctor import HASH_NOTE
 from tests.support.store import make_kernel, make_snippets
 
 
@@ -27,12 +27,13 @@ def test_detects_and_repairs_each_kind_of_drift(kb, embedder) -> None:  # noqa: 
     assert not report.ok and not report.fixed
 
     fixed = kb.doctor(fix=True)
-    assert fixed.fixed and len(fixed.issues) == len(report.issues)
-    assert kb.doctor().ok
-    repaired = kb.get(ids[1])
-    assert not repaired.verified and repaired.verify_note == HASH_NOTE
-    assert kb.counts().vectors == {"kernels": 3, "snippets": 9, "lessons": 0}
-    assert kb.vector_query("kernels", repaired.ir_text, k=1)[0][0] == ids[1]
+    assert fixed.fixed and len(fixed.issues) == len(report.issues) - 1  # the stale embedding left with its kernel
+    after = kb.doctor()
+    assert after.ok and after.quarantined == {"kernels": 1}
+    aside = kb.get(ids[1])
+    assert aside.quarantine.startswith("hash_mismatch: content_hash is sha256(ir_text)")
+    assert kb.counts().vectors == {"kernels": 2, "snippets": 9, "lessons": 0}  # the quarantined kernel's is gone
+    assert ids[1] not in [h[0] for h in kb.vector_query("kernels", aside.ir_text, k=3)]
 
 
 def test_vector_query_drops_orphans(kb, embedder) -> None:  # noqa: ANN001

@@ -51,7 +51,7 @@ def test_kernel_with_wrong_hash_is_refused(kb) -> None:  # noqa: ANN001
 
 def test_bad_snippet_rolls_back_whole_kernel(kb) -> None:  # noqa: ANN001
     snippets = make_snippets(2) + [Snippet(kind="mask", features_json="[1]", text="x")]
-    with pytest.raises(KBError, match="features_json is a JSON object"):
+    with pytest.raises(KBError, match="features_json is a JSON list, not an object"):
         kb.write_kernel(make_kernel(2), snippets=snippets)
     assert kb.counts().rows["kernels"] == 0 and kb.counts().rows["snippets"] == 0
 

@@ -9,6 +9,10 @@ head-dim bucket to designs ordered best first.
 
 Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`), ` notma` and ` pack` when they differ
 from the defaults; `parse_design(str(d)) == d`.
+
+A design is valid or does not exist: construction checks types (ints are ints, `tma` and `pack_gqa`
+bools) and ranges (`DESIGN_RULES`), and `Design.from_dict` (what the KB stores) also refuses unknown or
+missing keys, so a record written by hand or an older kernel-kb cannot reach a lowering.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from kb.errors import KBError
 from kb.ir.algebra import is_pow2, next_pow2
@@ -29,6 +33,9 @@ AUTO_SPLITS = 0  # num_splits chosen at launch from the grid size and the SM cou
 # shared memory a block may opt in to, per arch (CUDA programming guide, compute capabilities table)
 SHARED_MEMORY_BYTES = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024, "sm90": 227 * 1024,
                        "sm100": 227 * 1024, "sm120": 99 * 1024}
+MAX_SPLITS = 1024  # split-KV programs per (batch, head, query block); more is never useful
+DESIGN_RULES = "blocks are powers of two in [16, 256], warps a power of two <= 16, stages in [1, 8], " \
+               f"num_splits in [0, {MAX_SPLITS}] (0 = chosen at launch), tma and pack_gqa true or false"
 _TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)((?: pack)?)")
 
 
@@ -45,11 +52,12 @@ class Design:
     pack_gqa: bool = False
 
     def __post_init__(self) -> None:
-        bad = [f for f in ("block_m", "block_n", "num_warps") if not is_pow2(getattr(self, f))]
-        if bad or not 16 <= self.block_m <= 256 or not 16 <= self.block_n <= 256 or self.num_warps > 16:
-            raise KBError(f"invalid design {self!r}: blocks are powers of two in [16, 256], warps a power of two <= 16")
-        if not 1 <= self.num_stages <= 8 or self.num_splits < 0:
-            raise KBError(f"invalid design {self!r}: stages in [1, 8], num_splits >= 0 (0 = chosen at launch)")
+        ints = ("block_m", "block_n", "num_warps", "num_stages", "num_splits")
+        typed = all(type(getattr(self, f)) is int for f in ints) and all(type(getattr(self, f)) is bool for f in ("tma", "pack_gqa"))
+        if not typed or not (all(is_pow2(getattr(self, f)) for f in ("block_m", "block_n", "num_warps"))
+                             and 16 <= self.block_m <= 256 and 16 <= self.block_n <= 256 and self.num_warps <= 16
+                             and 1 <= self.num_stages <= 8 and 0 <= self.num_splits <= MAX_SPLITS):
+            raise KBError(f"invalid design {self!r}: {DESIGN_RULES}")
 
     def __str__(self) -> str:
         split = "" if self.num_splits == 1 else (" split-auto" if self.num_splits == AUTO_SPLITS else f" split{self.num_splits}")
@@ -70,11 +78,16 @@ class Design:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> Design:
-        try:
-            return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})  # type: ignore[arg-type]
-        except TypeError as err:
-            raise KBError(f"not a design: {dict(d)} ({err})") from None
+    def from_dict(cls, d: object) -> Design:
+        """The design `to_dict` wrote; `KBError` for anything else (not an object, unknown or missing keys, bad values)."""
+        if not isinstance(d, Mapping):
+            raise KBError(f"not a design: {d!r} is not an object")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown, missing = sorted(set(d) - set(names)), [n for n in names[:4] if n not in d]
+        if unknown or missing:
+            raise KBError(f"not a design: {dict(d)}" + (f"; unknown keys {unknown}" if unknown else "")
+                          + (f"; missing {missing}" if missing else ""))
+        return cls(**{n: d[n] for n in names if n in d})
 
     @classmethod
     def of_schedule(cls, s: Schedule, tma: bool = True, pack_gqa: bool = False) -> Design:

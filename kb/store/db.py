@@ -23,9 +23,11 @@ from sqlalchemy.exc import ArgumentError, DatabaseError, IntegrityError, Operati
 from sqlmodel import Session, SQLModel, create_engine, select
 
 from kb.errors import KBError
+from kb.redact import redact_text, redact_url
 from kb.store.models import SCHEMA_VERSION, TABLES, Meta
 
-__all__ = ["Dialect", "DbTarget", "parse_db_url", "Engines", "make_engines", "ensure_schema", "check_schema", "retrying", "MIGRATIONS"]
+__all__ = ["Dialect", "DbTarget", "parse_db_url", "Engines", "make_engines", "ensure_schema", "check_schema", "retrying",
+           "driver_message", "MIGRATIONS"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,16 +49,21 @@ class DbTarget:
 
     @property
     def display(self) -> str:
-        """The URL without a password, for messages."""
-        return make_url(self.url).render_as_string(hide_password=True)
+        """The URL without credentials, for messages."""
+        return redact_url(self.url)
 
 
 def parse_db_url(url: str) -> DbTarget:
-    """Validate a SQLAlchemy URL and pick the dialect; `KBError` for anything unsupported."""
+    """Validate a SQLAlchemy URL and pick the dialect; `KBError` for anything unsupported (never echoing a password)."""
     try:
         parsed = make_url(url)
-    except ArgumentError as err:
-        raise KBError(f"KB_DB_URL {url!r} is not a database URL", hint="e.g. sqlite:////path/kb.sqlite or postgresql://user@host/db") from err
+        port = parsed.port  # SQLAlchemy reads it lazily: a bad one raises here, not at connect
+    except (ArgumentError, ValueError) as err:
+        why = "its port is not a number" if isinstance(err, ValueError) else "it does not parse as dialect://user:password@host:port/database"
+        raise KBError(f"KB_DB_URL {redact_url(url)} is not a database URL: {why}",
+                      hint="e.g. sqlite:////path/kb.sqlite or postgresql://user:password@host:5432/db") from None
+    if port is not None and not 0 < port < 65536:
+        raise KBError(f"KB_DB_URL {redact_url(url)} has port {port}, outside 1-65535")
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         db = parsed.database
@@ -64,11 +71,11 @@ def parse_db_url(url: str) -> DbTarget:
         return DbTarget(url, Dialect.SQLITE, path)
     if backend in ("postgresql", "postgres"):
         if not parsed.database:
-            raise KBError(f"KB_DB_URL {parsed.render_as_string(hide_password=True)} names no database")
+            raise KBError(f"KB_DB_URL {redact_url(url)} names no database")
         driver = parsed.get_driver_name() if "+" in parsed.drivername else _pg_driver()
         parsed = parsed.set(drivername=f"postgresql+{driver}")
         return DbTarget(parsed.render_as_string(hide_password=False), Dialect.POSTGRESQL, None)
-    raise KBError(f"KB_DB_URL uses unsupported database {backend!r}", hint="use sqlite:/// or postgresql://")
+    raise KBError(f"KB_DB_URL {redact_url(url)} uses unsupported database {backend!r}", hint="use sqlite:/// or postgresql://")
 
 
 def _pg_driver() -> str:
@@ -119,7 +126,7 @@ def make_engines(url: str) -> Engines:
     try:
         engine = create_engine(target.url, pool_pre_ping=True)
     except ImportError as err:
-        raise KBError(f"no driver for {target.display} ({err})", hint="pip install psycopg2-binary") from err
+        raise KBError(f"no driver for {target.display} ({redact_text(str(err))})", hint="pip install psycopg2-binary") from err
     return Engines(target, engine, engine)
 
 
@@ -132,7 +139,13 @@ def _v1_to_v2(s: Session) -> None:
     s.execute(text("CREATE INDEX ix_perf_records_arch ON perf_records (arch)"))
 
 
-MIGRATIONS: dict[int, Callable[[Session], None]] = {1: _v1_to_v2}
+def _v2_to_v3(s: Session) -> None:
+    """Kernels, snippets, tunables, perf records and lessons gain `quarantine`; every existing row is in use."""
+    for table in ("kernels", "snippets", "tunables", "perf_records", "lessons"):
+        s.execute(text(f"ALTER TABLE {table} ADD COLUMN quarantine VARCHAR NOT NULL DEFAULT ''"))
+
+
+MIGRATIONS: dict[int, Callable[[Session], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def _stored_version(engines: Engines) -> int | None:
@@ -152,14 +165,21 @@ def _stored_version(engines: Engines) -> int | None:
         return 0
 
 
+def driver_message(err: Exception) -> str:
+    """A database driver's error as one line, with any credential in it redacted."""
+    return " ".join(redact_text(str(getattr(err, "orig", None) or err)).split())
+
+
 def _guard(engines: Engines, fn: Callable[[], T]) -> T:
     """Turn driver errors about the database itself into one-line `KBError`s."""
     try:
         return fn()
     except OperationalError as err:
-        raise KBError(f"cannot use database {engines.target.display}: {err.orig}", hint="check KB_DB_URL / KB_HOME and that the server is reachable") from err
+        raise KBError(f"cannot use database {engines.target.display}: {driver_message(err)}",
+                      hint="check KB_DB_URL / KB_HOME and that the server is reachable") from err
     except DatabaseError as err:
-        raise KBError(f"{engines.target.display} is not a usable kernel-kb database ({err.orig})", hint="restore it from `kb export`, or move it away and run `kb init`") from err
+        raise KBError(f"{engines.target.display} is not a usable kernel-kb database ({driver_message(err)})",
+                      hint="restore it from `kb export`, or move it away and run `kb init`") from err
 
 
 def check_schema(engines: Engines) -> bool:

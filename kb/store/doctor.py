@@ -1,15 +1,18 @@
 """`kb doctor`: find (and with `fix`, repair) what a crash, a kill or an older kernel-kb left behind.
 
 Drift kinds: a row without its embedding, an embedding without its row (orphan),
-an embedding whose document no longer matches its row (stale), a kernel whose
-stored `content_hash` is not the sha256 of its stored IR text, a kernel whose
-`parent_id` names no kernel, a cycle of `parent_id` links, a generation run left
-`running` by a process that is gone (SIGKILL, power loss), and, when `temp_root` is
-given (the CLI passes the temp directory), a `kb-verify-PID-START-…` directory whose
-owner is gone.
-Repair: recompute the hash (and mark the kernel unverified, since its text changed
-under us), cut the broken or cyclic `parent_id` link (NULL; for a cycle, the link of
-its newest kernel), mark the dead run `interrupted`, embed missing and stale rows,
+an embedding whose document no longer matches its row (stale), a kernel whose identity
+is broken (its stored IR text does not hash to its `content_hash`, or its id is not
+`k-` + that hash: hash_mismatch), a kernel, snippet, tunable, perf record or lesson that
+breaks another rule of `kb.store.rules` (invalid_record: written by an older kernel-kb
+or by hand), a kernel whose `parent_id` names no kernel, a cycle of `parent_id` links,
+a generation run left `running` by a process that is gone (SIGKILL, power loss), and,
+when `temp_root` is given (the CLI passes the temp directory), a `kb-verify-PID-START-…`
+directory whose owner is gone.
+Repair: quarantine the broken kernels and invalid records (their `quarantine` column says
+why; the row, its id and its links stay, nothing reads it for generation or retrieval, and
+its embedding is removed), cut the broken or cyclic `parent_id` link (NULL; for a cycle, the
+link of its newest kernel), mark the dead run `interrupted`, embed missing and stale rows,
 delete orphans and orphaned temp directories. No SQL row is ever deleted.
 Invariant: after `run_doctor(kb, fix=True)`, `run_doctor(kb)` reports no issues
 unless a writer ran in between.
@@ -21,31 +24,36 @@ import logging
 import os
 import shutil
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sqlalchemy import func
 from sqlmodel import Session, select
 
 from kb.procs import VERIFY_TEMP, Owner, owner_of_temp
 from kb.store import db, writes
-from kb.store.ids import sha256_text
-from kb.store.models import GenerationRun, Kernel, RunStatus
-from kb.store.records import EMBEDDED, embedding_doc
+from kb.store.models import QUARANTINABLE, GenerationRun, Kernel, RunStatus
+from kb.store.records import COLLECTION_OF, EMBEDDED, embedding_doc
+from kb.store.rules import violations
 
 if TYPE_CHECKING:
     from kb.store.kb import KnowledgeBase
 
-__all__ = ["DriftKind", "Drift", "DoctorReport", "run_doctor"]
+__all__ = ["DriftKind", "Drift", "DoctorReport", "run_doctor", "IDENTITY_RULES"]
 
 log = logging.getLogger(__name__)
 
-HASH_NOTE = "doctor: stored IR text did not match content_hash; hash recomputed, re-verify"
+# the kernel rules whose breach is a hash_mismatch (the row is not the program its id names)
+IDENTITY_RULES = ("content_hash is sha256(ir_text)", "id is k- + the first 16 hex digits of content_hash")
+LINEAGE_RULE = "a kernel is not its own parent"  # a lineage_cycle: --fix cuts the link, the kernel stays in use
 
 
 class DriftKind(StrEnum):
     MISSING_EMBEDDING = "missing_embedding"
+    INVALID_RECORD = "invalid_record"
     ORPHAN_EMBEDDING = "orphan_embedding"
     STALE_EMBEDDING = "stale_embedding"
     HASH_MISMATCH = "hash_mismatch"
@@ -67,6 +75,7 @@ class Drift:
 class DoctorReport:
     issues: tuple[Drift, ...]
     fixed: bool  # True when `issues` were repaired
+    quarantined: Mapping[str, int] = field(default_factory=dict)  # table -> rows set aside (now, after any fix)
 
     @property
     def ok(self) -> bool:
@@ -76,28 +85,66 @@ class DoctorReport:
         return dict(Counter(d.kind for d in self.issues))
 
     def summary(self) -> str:
+        aside = sum(self.quarantined.values())
+        held = (f"; {aside} quarantined row(s) kept aside ({', '.join(f'{t} {n}' for t, n in self.quarantined.items())}; "
+                "`kb show ID` says why)") if aside else ""
         if self.ok:
-            return ("no issues: every row has its embedding, every hash matches, lineage has no broken link or cycle, "
-                    "no run is left running by a dead process")
+            return ("no issues: every row has its embedding and keeps the rules, every hash matches, lineage has no broken "
+                    "link or cycle, no run is left running by a dead process" + held)
         parts = ", ".join(f"{n} {k.value.replace('_', ' ')}" for k, n in sorted(self.by_kind().items()))
-        return f"{'fixed' if self.fixed else 'found'}: {parts}"
+        return f"{'fixed' if self.fixed else 'found'}: {parts}{held}"
 
 
-def _hash_issues(kb: KnowledgeBase) -> list[Drift]:
+# -- records that break a rule: identity (hash_mismatch) or any other rule (invalid_record)
+
+def _record_issues(kb: KnowledgeBase) -> list[Drift]:
+    out = []
+    for table in QUARANTINABLE:
+        with kb.read_session() as s:
+            rows = list(s.exec(select(table).where(table.quarantine == "")))  # type: ignore[attr-defined]
+        for r in rows:
+            broken = [b for b in violations(r, stored=True) if b != LINEAGE_RULE]
+            if broken:
+                identity = any(b.startswith(IDENTITY_RULES) for b in broken)
+                kind = DriftKind.HASH_MISMATCH if identity else DriftKind.INVALID_RECORD
+                out.append(Drift(kind, str(table.__tablename__), r.id, "; ".join(broken) + "; --fix quarantines it"))  # type: ignore[attr-defined]
+    return out
+
+
+def _quarantine(kb: KnowledgeBase, issues: list[Drift]) -> None:
+    """Set each row aside with its reason, then drop the embeddings of those that had one."""
+    tables = {str(t.__tablename__): t for t in QUARANTINABLE}
+
+    def txn() -> None:
+        with Session(kb.engines.write) as s:
+            for d in issues:
+                row = s.get(tables[d.table], d.id)
+                if row is not None and not getattr(row, "quarantine"):
+                    setattr(row, "quarantine", f"{d.kind.value}: {d.detail.removesuffix('; --fix quarantines it')}")
+                    s.add(row)
+            s.commit()
+
+    db.retrying(txn)
+    for table, col in COLLECTION_OF.items():
+        kb.vectors.delete(col, [d.id for d in issues if d.table == table.__tablename__])
+
+
+def _quarantined(kb: KnowledgeBase) -> dict[str, int]:
+    out: dict[str, int] = {}
     with kb.read_session() as s:
-        rows = s.exec(select(Kernel.id, Kernel.content_hash, Kernel.ir_text)).all()
-    return [
-        Drift(DriftKind.HASH_MISMATCH, "kernels", id_, f"stored {h[:12]}…, text hashes to {sha256_text(t)[:12]}…")
-        for id_, h, t in rows
-        if sha256_text(t) != h
-    ]
+        for table in QUARANTINABLE:
+            n = s.exec(select(func.count()).select_from(table).where(table.quarantine != "")).one()  # type: ignore[attr-defined]
+            if n:
+                out[str(table.__tablename__)] = n
+    return out
 
 
 def _vector_issues(kb: KnowledgeBase) -> list[Drift]:
     out: list[Drift] = []
     for col, table in EMBEDDED.items():
-        with kb.read_session() as s:
-            want = {r.id: embedding_doc(r).metadata["doc_hash"] for r in s.exec(select(table))}  # type: ignore[attr-defined]
+        with kb.read_session() as s:  # a quarantined row has no embedding
+            rows = s.exec(select(table).where(table.quarantine == ""))  # type: ignore[attr-defined]
+            want = {r.id: embedding_doc(r).metadata["doc_hash"] for r in rows}  # type: ignore[attr-defined]
         have = kb.vectors.doc_hashes(col)
         out += [Drift(DriftKind.MISSING_EMBEDDING, col, i) for i in sorted(want.keys() - have.keys())]
         out += [Drift(DriftKind.ORPHAN_EMBEDDING, col, i) for i in sorted(have.keys() - want.keys())]
@@ -107,20 +154,6 @@ def _vector_issues(kb: KnowledgeBase) -> list[Drift]:
             if want[i] != have[i]
         ]
     return out
-
-
-def _fix_hashes(kb: KnowledgeBase, ids: list[str]) -> None:
-    def txn() -> None:
-        with Session(kb.engines.write) as s:
-            for id_ in ids:
-                k = s.get(Kernel, id_)
-                if k is not None:
-                    k.content_hash = sha256_text(k.ir_text)
-                    k.verified = False
-                    k.verify_note = HASH_NOTE
-            s.commit()
-
-    db.retrying(txn)
 
 
 # -- lineage: every parent_id names a kernel, and following parents always ends
@@ -211,9 +244,9 @@ def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = No
     `temp_root` (e.g. `tempfile.gettempdir()`) adds orphaned verify temp directories under it;
     they are this machine's state, not the KB's, so library callers leave it out.
     """
-    issues = _hash_issues(kb)
+    issues = _record_issues(kb)
     if fix and issues:
-        _fix_hashes(kb, [d.id for d in issues])
+        _quarantine(kb, issues)
     lineage = _lineage_issues(kb)
     if fix and lineage:
         _fix_lineage(kb, [d.id for d in lineage])
@@ -237,4 +270,4 @@ def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = No
     found = issues + lineage + runs + temps + vec
     if fix and found:
         log.info("doctor repaired %d issues", len(found))
-    return DoctorReport(tuple(found), fixed=fix and bool(found))
+    return DoctorReport(tuple(found), fixed=fix and bool(found), quarantined=_quarantined(kb))

@@ -7,6 +7,10 @@ Write protocol (why a crash never loses committed rows or leaves a half-written 
    and upserted into Chroma, skipping rows whose `doc_hash` Chroma already holds.
 A kill between 1 and 2 leaves rows without embeddings, which `kb doctor --fix` embeds;
 Chroma never holds an id before SQL does, so a crash cannot create orphans.
+
+Read protocol for generation and retrieval: `usable` (and `skip_unusable`, `hit_rows`) leave out rows that
+are quarantined or break a rule (a row an older kernel-kb or a hand wrote), with one warning per row per
+process, so one bad record never stops `kb generate`; `kb doctor` reports such rows and `--fix` quarantines them.
 """
 
 from __future__ import annotations
@@ -41,14 +45,15 @@ from kb.store.models import (
     Source,
     Tunable,
 )
-from kb.store.records import EMBEDDED, assign_id
-from kb.store.rules import check
+from kb.store.records import EMBEDDED, assign_id, redact_record
+from kb.store.rules import check, violations
 from kb.store.vectors import COLLECTIONS, VectorStore, open_vectors
 
 __all__ = ["KernelBundle", "Counts", "KnowledgeBase", "open_kb"]
 
 log = logging.getLogger(__name__)
 R = TypeVar("R", bound=SQLModel)
+_WARNED: set[str] = set()  # ids of stored rows already warned about in this process (`skip_unusable`)
 
 @dataclass(frozen=True)
 class KernelBundle:
@@ -167,6 +172,7 @@ class KnowledgeBase:
     def _write_rows(self, records: Sequence[SQLModel]) -> list[str]:
         """Validate, upsert all `records` in one transaction, then embed the embedded ones."""
         for r in records:
+            redact_record(r)
             check(r)
 
         try:
@@ -203,6 +209,32 @@ class KnowledgeBase:
             stmt = stmt.where(getattr(table, name) == value)
         with self.read_session() as s:
             return list(s.exec(stmt.order_by(table.id)))  # type: ignore[attr-defined]
+
+    def usable(self, table: type[R], **filters: object) -> builtins.list[R]:
+        """Like `list`, without the rows generation must not read (see `skip_unusable`)."""
+        return self.skip_unusable(self.list(table, **filters))
+
+    def skip_unusable(self, rows: Iterable[R]) -> builtins.list[R]:
+        """`rows` without those that are quarantined or break a rule (`kb.store.rules`); each of the latter is
+        warned about once per process, naming it, why, and `kb doctor --fix`, which quarantines it."""
+        kept: list[R] = []
+        broken: list[tuple[SQLModel, list[str]]] = []
+        for r in rows:
+            if getattr(r, "quarantine", ""):
+                continue
+            problems = violations(r, stored=True)
+            if problems:
+                broken.append((r, problems))
+            else:
+                kept.append(r)
+        fresh = [(r, p) for r, p in broken if r.id not in _WARNED]  # type: ignore[attr-defined]
+        if fresh:
+            _WARNED.update(r.id for r, _ in fresh)  # type: ignore[attr-defined]
+            named = "; ".join(f"{r.__tablename__} {r.id}: {', '.join(p)}" for r, p in fresh[:3])  # type: ignore[attr-defined]
+            more = f" (+{len(fresh) - 3} more)" if len(fresh) > 3 else ""
+            log.warning("skipped %d stored record(s) that break the KB's rules: %s%s; `kb doctor` lists them and "
+                        "`kb doctor --fix` quarantines them", len(fresh), named, more)
+        return kept
 
     def list_kernels(self, **filters: object) -> builtins.list[Kernel]:
         """Kernels filtered by column equality, e.g. `list_kernels(arch="sm90", head_dim=128)`."""
@@ -243,7 +275,8 @@ class KnowledgeBase:
     def hit_rows(self, collection: str, hits: Sequence[tuple[str, float]]) -> builtins.list[tuple[SQLModel, float]]:
         """The SQL rows of vector `hits` (id, distance) in one SELECT, in hit order.
 
-        Ids Chroma returns without a SQL row (drift) are dropped with a warning.
+        Ids Chroma returns without a SQL row (drift) are dropped with a warning, and rows generation must not
+        read (`skip_unusable`) are dropped.
         """
         if not hits:
             return []
@@ -252,7 +285,8 @@ class KnowledgeBase:
             rows = {r.id: r for r in s.exec(select(model).where(model.id.in_([h[0] for h in hits])))}  # type: ignore[attr-defined]
         if len(rows) < len(hits):  # hits have distinct ids
             log.warning("%d %s embeddings have no row; run `kb doctor --fix`", len(hits) - len(rows), collection)
-        return [(rows[i], dist) for i, dist in hits if i in rows]
+        ok = {r.id for r in self.skip_unusable(rows.values())}  # type: ignore[attr-defined]
+        return [(rows[i], dist) for i, dist in hits if i in ok]
 
     # -- maintenance -----------------------------------------------------------
     def doctor(self, fix: bool = False):  # -> DoctorReport

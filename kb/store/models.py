@@ -4,9 +4,13 @@ Invariants:
 - Every id is derived by `kb.store.records.assign_id` from the identifying
   fields (see `kb.store.ids`); callers may leave `id` empty.
 - Datetimes are timezone-aware (UTC); SQLModel refuses naive ones.
-- `*_json` columns hold JSON text (objects for features/params, lists or objects for shapes).
+- `*_json` columns hold JSON text: objects (features, params, designs, shapes; `kb.store.rules` says
+  which keys and types).
 - Enum-valued columns are plain strings holding an Enum's value; `kb.store.rules`
   checks them, so a row that breaks a rule never reaches the database.
+- `quarantine` (kernels, snippets, tunables, perf records, lessons): empty for a row in use; else why
+  `kb doctor --fix` set it aside (a row stored by an older kernel-kb or by hand that breaks a rule).
+  Nothing reads a quarantined row for generation or retrieval; it keeps its id, its links and its data.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ __all__ = [
     "Lesson",
     "TABLES",
     "TABLE_BY_NAME",
+    "QUARANTINABLE",
     "utcnow",
 ]
 
 # Bump when a table changes; add a step to `kb.store.db.MIGRATIONS` at the same time.
 # 2: perf_records.arch and perf_records.design_json (which design of a kernel was measured, on which arch)
-SCHEMA_VERSION = 2
+# 3: `quarantine` on kernels, snippets, tunables, perf_records and lessons (rows `kb doctor --fix` set aside)
+SCHEMA_VERSION = 3
 
 
 def utcnow() -> datetime:
@@ -115,6 +121,7 @@ class Kernel(SQLModel, table=True):
     triton_src: str = ""
     cuda_src: str = ""
     created_at: datetime = Field(default_factory=utcnow)
+    quarantine: str = ""  # why `kb doctor --fix` set this row aside; empty: in use
 
 
 class Snippet(SQLModel, table=True):
@@ -137,6 +144,7 @@ class Snippet(SQLModel, table=True):
     line_start: int | None = None
     line_end: int | None = None
     lifter_version: str = ""
+    quarantine: str = ""  # why `kb doctor --fix` set this row aside; empty: in use
 
 
 class Tunable(SQLModel, table=True):
@@ -154,6 +162,7 @@ class Tunable(SQLModel, table=True):
     file: str = ""
     line_start: int | None = None
     line_end: int | None = None
+    quarantine: str = ""  # why `kb doctor --fix` set this row aside; empty: in use
 
 
 class PerfRecord(SQLModel, table=True):
@@ -177,6 +186,7 @@ class PerfRecord(SQLModel, table=True):
     notes: str = ""
     arch: str = Field(default="", index=True)  # sm90, sm80, ...: the target the measured design ran on
     design_json: str = "{}"  # kb.ir.design.Design.to_dict() of what was timed; {} when not recorded
+    quarantine: str = ""  # why `kb doctor --fix` set this row aside; empty: in use
 
 
 class GenerationRun(SQLModel, table=True):
@@ -219,6 +229,7 @@ class Lesson(SQLModel, table=True):
     text: str
     features_json: str = "{}"
     created_at: datetime = Field(default_factory=utcnow)
+    quarantine: str = ""  # why `kb doctor --fix` set this row aside; empty: in use
 
 
 # Dependency order: a table only references tables before it (kernels also reference
@@ -235,3 +246,5 @@ TABLES: tuple[type[SQLModel], ...] = (
 )
 # name -> table, in TABLES' order
 TABLE_BY_NAME: dict[str, type[SQLModel]] = {m.__tablename__: m for m in TABLES}  # type: ignore[misc]
+# the tables whose rows `kb doctor --fix` may quarantine (they carry a `quarantine` column)
+QUARANTINABLE: tuple[type[SQLModel], ...] = (Kernel, Snippet, Tunable, PerfRecord, Lesson)

@@ -1,8 +1,10 @@
-"""Identity and embedding text of records.
+"""Identity, redaction and embedding text of records.
 
 `assign_id` fills a record's id (and a kernel's content_hash) from its identifying
-fields; `embedding_doc` gives the text and Chroma metadata for the three embedded
-tables. `doc_hash` (over document and metadata) lets writes skip unchanged rows and
+fields, after `redact_record` has removed credentials from the free-text columns that
+may quote a URL (`FREE_TEXT`: a run's error, an attempt's feedback, a command line), so
+no credential is stored, exported or hashed into an id; `embedding_doc` gives the text
+and Chroma metadata for the three embedded tables. `doc_hash` (over document and metadata) lets writes skip unchanged rows and
 `kb doctor` see an embedding that is stale with respect to its row.
 """
 
@@ -15,20 +17,38 @@ from typing import TypeVar
 from sqlmodel import SQLModel
 
 from kb.features import Features
+from kb.redact import redact_text
 from kb.store import ids
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, PerfRecord, Snippet, Source, Tunable
 
-__all__ = ["assign_id", "EmbeddingDoc", "embedding_doc", "COLLECTION_OF", "EMBEDDED"]
+__all__ = ["assign_id", "redact_record", "FREE_TEXT", "EmbeddingDoc", "embedding_doc", "COLLECTION_OF", "EMBEDDED"]
 
 R = TypeVar("R", bound=SQLModel)
 
 # Embedded table -> Chroma collection name.
 COLLECTION_OF: dict[type[SQLModel], str] = {Kernel: "kernels", Snippet: "snippets", Lesson: "lessons"}
 EMBEDDED: dict[str, type[SQLModel]] = {v: k for k, v in COLLECTION_OF.items()}
+# Free-text columns that may quote a URL (an LLM or database error, a command line): redacted on every write,
+# import and export. Code and IR columns are never rewritten (their hashes are identities).
+FREE_TEXT: dict[type[SQLModel], tuple[str, ...]] = {
+    GenerationRun: ("spec_path", "error"), Attempt: ("feedback",), Lesson: ("text",), Kernel: ("verify_note",),
+    PerfRecord: ("command", "notes", "citation"),
+}
+
+
+def redact_record(record: R) -> R:
+    """Credentials in `record`'s free-text columns replaced by `***` (`kb.redact`), in place; returns `record`."""
+    for name in FREE_TEXT.get(type(record), ()):
+        value = getattr(record, name)
+        if isinstance(value, str) and ("://" in value or "=" in value) and (clean := redact_text(value)) != value:
+            setattr(record, name, clean)
+    return record
 
 
 def assign_id(record: R) -> R:
-    """Fill `record.id` (and `Kernel.content_hash`) in place when empty; returns `record`."""
+    """Redact `record` (`redact_record`), then fill `record.id` (and `Kernel.content_hash`) in place when empty;
+    returns `record`."""
+    redact_record(record)
     if isinstance(record, Kernel) and not record.content_hash:
         record.content_hash = ids.sha256_text(record.ir_text)
     if record.id:  # type: ignore[attr-defined]

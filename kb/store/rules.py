@@ -1,13 +1,20 @@
 """Validation rules for records, kept as a table apart from construction.
 
 SQLModel table classes do not validate on construction, so every write path
-(`KnowledgeBase.write_*`, `import_jsonl`) calls `check(record)`; a record that
-breaks a rule raises `KBError` naming the record and every broken rule.
+(`KnowledgeBase.write_*`, `import_jsonl`, `kb perf import`) calls `check(record)`; a record that
+breaks a rule raises `KBError` naming the record and every broken rule. Rows already stored
+(by an older kernel-kb, or by hand) are checked again where they are read for generation
+(`KnowledgeBase.usable`) and by `kb doctor`, which quarantines those that break a rule.
+
+A rule is (description, test): the test returns True when the row keeps it, else False or a
+string saying what is wrong. Besides the table, every int column fits a signed 64-bit column,
+every float is finite, and every datetime is timezone-aware. The JSON columns have typed rules
+of their own (`kb.store.payloads`).
 """
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
@@ -15,7 +22,8 @@ from typing import Any, TypeVar
 from sqlmodel import SQLModel
 
 from kb.errors import KBError
-from kb.store.ids import sha256_text
+from kb.store.ids import kernel_id, sha256_text
+from kb.store.payloads import MAX_HEAD_DIM, design_problems, features_problems, is_int, params_problems, shape_problems
 from kb.store.models import (
     Attempt,
     GenerationRun,
@@ -34,23 +42,18 @@ from kb.store.models import (
 __all__ = ["RULES", "violations", "check"]
 
 R = TypeVar("R", bound=SQLModel)
-# (description, test) pairs over rows of one table; `Rules[Kernel]` lets the checker see each lambda's columns
-Rules = tuple[tuple[str, Callable[[R], bool]], ...]
+# (description, test) pairs over rows of one table; `Rules[Kernel]` lets the checker see each lambda's columns.
+# A test returns True (kept) or False / a string saying what is wrong (broken).
+Rules = tuple[tuple[str, Callable[[R], "bool | str"]], ...]
+INT64 = 2**63
 
 
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except (TypeError, ValueError):
-        return False
+def _typed(problems: list[str]) -> bool | str:
+    return "; ".join(problems) if problems else True
 
 
-def _json_any(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (TypeError, ValueError):
-        return False
-    return True
+def _head_dim_ok(v: int | None) -> bool:
+    return v is None or (is_int(v) and 0 <= v <= MAX_HEAD_DIM)
 
 
 def _span_ok(r: SQLModel) -> bool:
@@ -69,7 +72,9 @@ _KERNEL: Rules[Kernel] = (
     ("ir_text is required", lambda r: bool(r.ir_text)),
     (f"origin is one of {[o.value for o in Origin]}", lambda r: r.origin in set(Origin)),
     ("content_hash is sha256(ir_text)", lambda r: r.content_hash == sha256_text(r.ir_text)),
-    ("features_json is a JSON object", lambda r: _json_object(r.features_json)),
+    ("id is k- + the first 16 hex digits of content_hash", lambda r: not r.id or r.id == kernel_id(r.content_hash)),
+    ("features_json holds typed features", lambda r: _typed(features_problems(r.features_json))),
+    (f"head_dim is empty or in [0, {MAX_HEAD_DIM}] (0: unknown)", lambda r: _head_dim_ok(r.head_dim)),
     ("line_start <= line_end", _span_ok),
     ("a kernel is not its own parent", lambda r: r.parent_id is None or r.parent_id != r.id),
 )
@@ -77,12 +82,13 @@ _KERNEL: Rules[Kernel] = (
 _SNIPPET: Rules[Snippet] = (
     ("kind is required", lambda r: bool(r.kind)),
     ("ir_text or text is required", lambda r: bool(r.ir_text or r.text)),
-    ("features_json is a JSON object", lambda r: _json_object(r.features_json)),
+    ("features_json holds typed features", lambda r: _typed(features_problems(r.features_json))),
     ("line_start <= line_end", _span_ok),
 )
 
 _TUNABLE: Rules[Tunable] = (
-    ("params_json is a JSON object", lambda r: _json_object(r.params_json)),
+    ("params_json holds typed launch parameters", lambda r: _typed(params_problems(r.params_json))),
+    (f"head_dim is empty or in [0, {MAX_HEAD_DIM}] (0: any)", lambda r: _head_dim_ok(r.head_dim)),
     ("line_start <= line_end", _span_ok),
 )
 
@@ -100,8 +106,8 @@ _PERF: Rules[PerfRecord] = (
         lambda r: r.kind != PerfKind.REPORTED or not (r.driver or r.command or r.measured_at),
     ),
     ("ms and tflops are positive", lambda r: all(v is None or v > 0 for v in (r.ms, r.tflops))),
-    ("shape_json is JSON", lambda r: _json_any(r.shape_json)),
-    ("design_json is a JSON object", lambda r: _json_object(r.design_json)),
+    ("shape_json is an object whose dimensions are positive ints", lambda r: _typed(shape_problems(r.shape_json))),
+    ("design_json is {}, a .cu record or a valid design", lambda r: _typed(design_problems(r.design_json))),
     ("a measured design names its arch", lambda r: r.design_json in ("{}", "") or bool(r.arch)),
 )
 
@@ -116,7 +122,7 @@ _ATTEMPT: Rules[Attempt] = (
 
 _LESSON: Rules[Lesson] = (
     ("text is required", lambda r: bool(r.text)),
-    ("features_json is a JSON object", lambda r: _json_object(r.features_json)),
+    ("features_json holds typed features", lambda r: _typed(features_problems(r.features_json))),
 )
 
 RULES: dict[type[SQLModel], Rules[Any]] = {
@@ -125,17 +131,32 @@ RULES: dict[type[SQLModel], Rules[Any]] = {
 }
 
 
-def _naive_datetimes(record: SQLModel) -> list[str]:
-    return [
-        f"{name} is timezone-aware (use datetime.now(UTC))"
-        for name in type(record).model_fields
-        if isinstance(v := getattr(record, name), datetime) and v.utcoffset() is None
-    ]
+def _column_values(record: SQLModel, stored: bool) -> list[str]:
+    """Rules every table shares: datetimes are timezone-aware (when written), ints fit 64 bits, floats are finite."""
+    out = []
+    for name in type(record).model_fields:
+        v = getattr(record, name)
+        if isinstance(v, datetime) and v.utcoffset() is None and not stored:
+            out.append(f"{name} is timezone-aware (use datetime.now(UTC))")
+        elif isinstance(v, int) and not isinstance(v, bool) and not -INT64 <= v < INT64:
+            out.append(f"{name} fits a signed 64-bit integer")
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append(f"{name} is a finite number")
+    return out
 
 
-def violations(record: SQLModel) -> list[str]:
-    """The descriptions of every rule `record` breaks (empty when it is valid)."""
-    return [desc for desc, ok in RULES[type(record)] if not ok(record)] + _naive_datetimes(record)
+def violations(record: SQLModel, *, stored: bool = False) -> list[str]:
+    """The descriptions of every rule `record` breaks (empty when it is valid). `stored`: a row read back from the
+    database, whose datetimes the database returns without their (UTC) offset."""
+    out = _column_values(record, stored)
+    for desc, test in RULES[type(record)]:
+        try:
+            got = test(record)
+        except (TypeError, ValueError, AttributeError):  # a column of the wrong type, e.g. a str where an int belongs
+            got = False
+        if got is not True:
+            out.append(desc if got is False else f"{desc} ({got})")
+    return out
 
 
 def check(record: SQLModel) -> None:

@@ -1,7 +1,9 @@
 """The Chroma side: embeddings keyed by the same ids as the SQL rows.
 
 Embedded (`PersistentClient` under KB_HOME) by default; `KB_CHROMA_URL`
-(`http://host:port`) selects a Chroma server through `HttpClient`.
+(`http://host:port`) selects a Chroma server through `HttpClient`. User-info in the URL
+(`http://user:password@host:port`) is sent as HTTP basic authentication (Chroma's basic-auth
+provider) and never appears in a message.
 Invariants: vectors are always supplied by kernel-kb's embedder (collections have no
 embedding function); each collection records the embedding model it was built with,
 and opening it with another model raises `KBError` instead of mixing vector spaces.
@@ -14,11 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+import base64
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 from kb.errors import KBError
+from kb.redact import redact_text, redact_url
 
 __all__ = ["COLLECTIONS", "ChromaTarget", "parse_chroma_url", "VectorStore", "open_vectors"]
 
@@ -36,6 +40,7 @@ class ChromaTarget:
     host: str = ""
     port: int = 8000
     ssl: bool = False
+    basic_auth: str = field(default="", repr=False)  # "user:password" from the URL's user-info; never displayed
 
     @property
     def display(self) -> str:
@@ -48,14 +53,20 @@ def parse_chroma_url(url: str, embedded_dir: Path) -> ChromaTarget:
     """Empty `url`: embedded under `embedded_dir`; `http(s)://host[:port]`: a server."""
     if not url:
         return ChromaTarget(path=embedded_dir)
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise KBError(f"KB_CHROMA_URL {url!r} is not an http(s)://host:port URL")
+    full = url if "://" in url else f"http://{url}"
+    try:
+        parsed = urlparse(full)
+        host = parsed.hostname
+    except ValueError:  # e.g. an unclosed [IPv6 bracket
+        host = None
+    if host is None or parsed.scheme not in ("http", "https"):
+        raise KBError(f"KB_CHROMA_URL {redact_url(full)} is not an http(s)://host:port URL")
     try:
         port = parsed.port or (443 if parsed.scheme == "https" else 8000)
-    except ValueError as err:
-        raise KBError(f"KB_CHROMA_URL {url!r} has an invalid port") from err
-    return ChromaTarget(host=parsed.hostname, port=port, ssl=parsed.scheme == "https")
+    except ValueError:
+        raise KBError(f"KB_CHROMA_URL {redact_url(full)} has an invalid port (a number in 1-65535)") from None
+    auth = f"{unquote(parsed.username or '')}:{unquote(parsed.password or '')}" if parsed.username or parsed.password else ""
+    return ChromaTarget(host=host, port=port, ssl=parsed.scheme == "https", basic_auth=auth)
 
 
 def _client(target: ChromaTarget):  # -> chromadb.ClientAPI
@@ -67,14 +78,15 @@ def _client(target: ChromaTarget):  # -> chromadb.ClientAPI
         if target.path is not None:
             target.path.mkdir(parents=True, exist_ok=True)
             return chromadb.PersistentClient(path=str(target.path), settings=settings)
-        client = chromadb.HttpClient(host=target.host, port=target.port, ssl=target.ssl, settings=settings)
+        headers = {"Authorization": "Basic " + base64.b64encode(target.basic_auth.encode()).decode()} if target.basic_auth else None
+        client = chromadb.HttpClient(host=target.host, port=target.port, ssl=target.ssl, headers=headers, settings=settings)
         client.heartbeat()
         return client
     except OSError as err:
-        raise KBError(f"cannot open Chroma at {target.display}: {err.strerror or err}", hint="check KB_HOME is writable") from err
+        raise KBError(f"cannot open Chroma at {target.display}: {redact_text(str(err.strerror or err))}", hint="check KB_HOME is writable") from err
     except Exception as err:  # chromadb raises bare Exception/ValueError subclasses for connection failures
         raise KBError(
-            f"cannot reach Chroma at {target.display}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+            f"cannot reach Chroma at {target.display}: {_first_line(err)}",
             hint="start the Chroma server or unset KB_CHROMA_URL to use the embedded store",
         ) from err
 
@@ -97,7 +109,7 @@ class VectorStore:
             yield
         except httpx.TransportError as err:
             raise KBError(
-                f"cannot reach Chroma at {self.target.display}: {str(err).splitlines()[0] if str(err) else type(err).__name__}",
+                f"cannot reach Chroma at {self.target.display}: {_first_line(err)}",
                 hint="start the Chroma server; rows already committed to the database stay, and `kb doctor --fix` embeds them",
             ) from err
 
@@ -168,6 +180,12 @@ class VectorStore:
         return list(zip(res["ids"][0], (float(d) for d in res["distances"][0])))
 
 
+def _first_line(err: BaseException) -> str:
+    """An error's first line, credentials redacted (chromadb's messages may quote the URL it tried)."""
+    text = str(err).strip()
+    return redact_text(text.splitlines()[0]) if text else type(err).__name__
+
+
 def _collect(page: Mapping, out: dict[str, str]) -> None:
     metas = page.get("metadatas") or [None] * len(page["ids"])
     for id_, meta in zip(page["ids"], metas):
@@ -191,4 +209,4 @@ def open_vectors(url: str, embedded_dir: Path, model_name: str) -> VectorStore:
     except KBError:
         raise
     except Exception as err:
-        raise KBError(f"Chroma at {target.display} is unusable: {err}", hint="move the chroma directory away and run `kb doctor --fix`") from err
+        raise KBError(f"Chroma at {target.display} is unusable: {_first_line(err)}", hint="move the chroma directory away and run `kb doctor --fix`") from err

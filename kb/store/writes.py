@@ -65,8 +65,8 @@ def commit_rows(engines: db.Engines, records: Sequence[SQLModel]) -> None:
 def embed_rows(kb: KnowledgeBase, records: Sequence[SQLModel], force: bool = False) -> int:
     """Embed and upsert those of `records` that have a collection (kernels, snippets, lessons) and whose
     document Chroma does not already hold (all of them with `force`); returns how many. One model call per
-    chunk across all collections (the model call dominates the cost)."""
-    docs = [embedding_doc(r) for r in records if type(r) in COLLECTION_OF]
+    chunk across all collections (the model call dominates the cost). Quarantined rows are never embedded."""
+    docs = [embedding_doc(r) for r in records if type(r) in COLLECTION_OF and not getattr(r, "quarantine", "")]
     if not force:
         todo = []
         for col in COLLECTIONS:

@@ -1,4 +1,5 @@
-"""Synthetic records for store tests, and a writer process for crash/concurrency tests.
+"""Synthetic records for store tests, a writer process for crash/concurrency tests, and `edit_export`
+(what a hand editing an export, or an older tool, produces: the footer recomputed to match).
 
     python -m tests.support.store HOME START COUNT [--kill-at-upsert N]
 
@@ -9,10 +10,14 @@ at the N-th Chroma upsert, i.e. after that kernel's SQL commit, before its embed
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 from kb.features import Features
 from kb.store import (
@@ -80,6 +85,21 @@ def make_run_records(kernel_id: str) -> tuple[GenerationRun, Attempt, Lesson]:
     attempt = Attempt(run_id=run.id, n=1, reference_id=kernel_id, ir_text="program x", verdict="passed", feedback="", duration_s=0.5)
     lesson = Lesson(run_id=run.id, kind="fix", text="ALiBi slopes must be loaded per head, not per block")
     return run, attempt, lesson
+
+
+def edit_export(path: Path, edit: Callable[[list[dict]], list[dict]]) -> Path:
+    """Rewrite the records of export `path` with `edit` (a list of {"table", "data"} in, the new list out) and
+    give it a footer that matches, as a deliberate edit would; returns `path`."""
+    lines = path.read_text().splitlines()
+    records = edit([json.loads(line) for line in lines[1:-1]])
+    body = [json.dumps(r, sort_keys=True) for r in records]
+    tables: dict[str, int] = {}
+    for r in records:
+        tables[r["table"]] = tables.get(r["table"], 0) + 1
+    footer = {"records": len(body), "tables": tables,
+              "sha256": hashlib.sha256("".join(line + "\n" for line in body).encode()).hexdigest()}
+    path.write_text("\n".join([lines[0], *body, json.dumps({"table": "kb_footer", "data": footer})]) + "\n")
+    return path
 
 
 def _main(argv: list[str]) -> None:
