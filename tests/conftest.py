@@ -22,8 +22,12 @@ from tests.support.repo import TEST_CACHE
 # process it starts (they inherit the environment), lives in one fresh directory removed at exit.
 _RUN_CACHES = Path(tempfile.mkdtemp(prefix="kb-test-caches-"))
 for _var, _sub in (("TRITON_HOME", "triton-home"), ("TRITON_CACHE_DIR", "triton-cache"),
-                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("XDG_CACHE_HOME", "xdg-cache")):
+                   ("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("XDG_CACHE_HOME", "xdg-cache"), ("TMPDIR", "tmp")):
     os.environ[_var] = str(_RUN_CACHES / _sub)
+# temporary files too (pytest's tmp_path, the verifier's kb-verify-* directories, which `kb doctor` scans for orphans):
+# another process's leftovers in the machine's /tmp must not change what a test sees
+(_RUN_CACHES / "tmp").mkdir()
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
