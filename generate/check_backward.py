@@ -14,44 +14,53 @@ products (a bias table's, over every pair of a bucket) carries that rounding, as
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import torch
 
 from generate.attempts import IR_CHECK_TOL
 from generate.spec import Spec, spec_inputs, variants_attention
-from generate.transfer_bwd import grad_name
 from kb.errors import KBError
 from kb.ir.interpret import run_program
-from kb.ir.nodes import Program, Role
+from kb.ir.nodes import Program, Role, aux_gradients
 from verify.grads import GRAD_SLACK, DtypeEmulation, torch_error
 
 __all__ = ["check_backward_program", "reference_grads"]
 
 
 def reference_grads(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    learnable: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """dq, dk, dv (and d<aux> per learnable aux) of fp32 dense attention with the spec's variant."""
+                    grads: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """dq, dk, dv (and, for each `grads` entry aux -> name, the aux's gradient under that name) of fp32 dense
+    attention with the spec's variant."""
+    grads = grads or {}
     qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    aux = {n: t.detach().float().requires_grad_(n in learnable) if t.is_floating_point() else t
+    aux = {n: t.detach().float().requires_grad_(n in grads) if t.is_floating_point() else t
            for n, t in spec.aux.items()}
     variants_attention(spec, qf, kf, vf, aux).backward(dout.float())
-    grads = {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
-    for n in learnable:
-        grads[grad_name(n)] = aux[n].grad if aux[n].grad is not None else torch.zeros_like(aux[n])
-    return grads
+    out = {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    for n, g in grads.items():
+        out[g] = aux[n].grad if aux[n].grad is not None else torch.zeros_like(aux[n])
+    return out
 
 
 def _in_dtype(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-              learnable: tuple[str, ...]) -> dict[str, torch.Tensor]:
+              grads: Mapping[str, str]) -> dict[str, torch.Tensor]:
     """The reference gradients as eager torch computes them in the spec's dtype (none for fp32 specs)."""
     if q.dtype == torch.float32:
         return {}
     with DtypeEmulation(q.dtype):
-        return reference_grads(spec, q, k, v, dout, learnable)
+        return reference_grads(spec, q, k, v, dout, grads)
 
 
 def check_backward_program(backward: Program, forward: Program, spec: Spec, learnable: tuple[str, ...] = (),
                            seed: int = 0) -> str | None:
-    """None when the interpreted gradients match autograd within the dtype's IR tolerance; else why not."""
+    """None when the interpreted gradients match autograd within the dtype's IR tolerance; else why not.
+    `learnable`: the aux tensors whose gradients the program must produce (its `aux_grad` targets name them)."""
+    produced = {aux: g for g, aux in aux_gradients(backward).items()}
+    missing = [a for a in learnable if a not in produced]
+    if missing:
+        return f"backward program does not produce the gradient of {', '.join(missing)}"
+    grads = {a: produced[a] for a in learnable}
     q, k, v = spec_inputs(spec, seed)
     inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
     for p in forward.params:
@@ -63,8 +72,8 @@ def check_backward_program(backward: Program, forward: Program, spec: Spec, lear
         got = run_program(backward, {**inputs, "o": saved["o"], "lse": saved["lse"], "dout": dout})
     except KBError as err:
         return f"interpreter error: {err}"
-    want = reference_grads(spec, q, k, v, dout, learnable)
-    lowp = _in_dtype(spec, q, k, v, dout, learnable)
+    want = reference_grads(spec, q, k, v, dout, grads)
+    lowp = _in_dtype(spec, q, k, v, dout, grads)
     tol = IR_CHECK_TOL.get(spec.shapes.dtype, 1e-4)
     for name, ref in want.items():
         out = got.get(name)

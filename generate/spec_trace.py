@@ -24,6 +24,7 @@ reads, for docs/specs.md.
 
 from __future__ import annotations
 
+import keyword
 import logging
 import math
 import operator
@@ -40,6 +41,7 @@ from kb.errors import KBError
 from kb.ir.algebra import all_of, simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from kb.ir.nodes import SCHEDULE_CONSTANTS
 
 __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
            "SCORE_OPS", "supported_ops"]
@@ -924,9 +926,15 @@ def _offsets_input(inputs: Sequence[Any], names: Sequence[str]) -> str | None:
     return ints[0] if ints and floats and all(x.dim() == 3 for x in floats) else None
 
 
+# names kernels give their own params and variant arguments: an aux tensor never takes one (`self.q` -> `q_aux`)
+_PROGRAM_NAMES = frozenset({"q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv", "sm_scale", "score", "b", "h", "q_idx",
+                            "kv_idx", "inf", "B", "Hq", "Hkv", "M", "N", "D", "Dv", *SCHEDULE_CONSTANTS})
+
+
 def aux_name(key: str) -> str:
-    """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`)."""
-    return re.sub(r"\W", "_", key)
+    """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`, `q` -> `q_aux`)."""
+    name = re.sub(r"\W", "_", key)
+    return f"{name}_aux" if name in _PROGRAM_NAMES or keyword.iskeyword(name) else name
 
 
 def tensor_namer(named: list[tuple[str, torch.Tensor]]) -> NameOf:

@@ -25,6 +25,7 @@ from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
     Role, ScoreMod, Span, Stmt, TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
+from kb.ir.rename import keep_apart
 from kb.ir.value_dim import with_value_dim, without_value_dim
 
 __all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
@@ -61,6 +62,9 @@ _IO_ROLES = (Role.IN, Role.OUT)
 
 def transfer(reference: Program, target: Target, strategy: Strategy, *, name: str | None = None) -> Program:
     """The reference with the target's variant slots, params and KV-loop strategy."""
+    # the spec's aux tensors and scalars keep their names; a reference tile or scalar of one of those names is renamed
+    claimed = {a.name for a in target.aux} | {d for a in target.aux for d in a.shape if isinstance(d, str)}
+    reference = keep_apart(reference, claimed | set(target.scalars) - {"sm_scale"})
     params = _params_for(reference, target)
     # the head dim is the spec's, padded at launch to a power of two: a reference padded for
     # D=128 would make a D=64 kernel do twice the work

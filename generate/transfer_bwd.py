@@ -7,10 +7,14 @@ the dtypes. Per tile body (the loop body that recomputes P with `probs`):
 - the reference's own masking (and any variant statements) is removed;
 - after the score scale, the score_mod input is kept (`elementwise sm = s`), score_mod is applied to
   the copy and the mask after it (`if block is not full: mask` for a mask_mod, else the bounds);
-- after `softmax_grad`: `aux_grad` for each learnable table score_mod reads, then `score_mod_grad`;
+- after `softmax_grad`: `aux_grad` for each learnable table score_mod reads (centred on the row's lse, so a
+  temperature's gradient does not carry the rounding of ds's row sums times the scores), then `score_mod_grad`;
 - with a mask_mod, the tile body runs only for non-empty blocks, and the loop over q blocks
   (KV-outer) or kv blocks (Q-outer) is bounded by the mask's static band, derived from the mask
   (`kb.ir.classify.mask_kv_bounds`; for KV-outer loops with the roles of q and kv swapped).
+Names: the spec names its aux tensors and scalars, the reference its tiles, loop variables and scratch
+buffers; a reference name the forward also uses is renamed first (`kb.ir.rename`), and each gradient param
+is `d<aux>` unless that is taken by either program (`dt` is FA2's delta tile), then `d<aux>_1`, ...
 Every function is `Program -> Program`; the interpreter check against autograd is the proof.
 """
 
@@ -20,13 +24,15 @@ from dataclasses import dataclass, replace
 
 from generate.transfer import band_bounds
 from kb.errors import KBError
+from kb.ir.derive import aux_partials, row_centre
 from kb.ir.expr import Expr, ExprOp, call, const, loaded_tensors, substitute, var
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Load, Mask, Param, Probs, Program, Role,
     ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, TileAt, VALUE_DIM, walk_stmts,
 )
+from kb.ir.rename import fresh, keep_apart, names
 
-__all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_name"]
+__all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_names"]
 
 _FLOAT = (Dtype.F32, Dtype.BF16, Dtype.F16)
 _F32_BUFFERS = ("lse", "delta", "dq_acc")  # the saved lse and the f32 scratch of a backward program
@@ -41,9 +47,14 @@ class BackwardTarget:
     dims: tuple[int, int] | None = None  # the spec's (M, N), to classify mask constants
 
 
-def grad_name(aux: str) -> str:
-    """The gradient param of a learnable aux tensor."""
-    return f"d{aux}"
+def grad_names(reference: Program, target: BackwardTarget) -> dict[str, str]:
+    """{learnable aux: its gradient param}: `d<aux>`, or the first `d<aux>_<i>` no name of either program takes."""
+    taken = set(names(reference) | names(target.forward))
+    out: dict[str, str] = {}
+    for a in target.learnable:
+        out[a] = fresh(f"d{a}", taken)
+        taken.add(out[a])
+    return out
 
 
 def backward_target(forward: Program, learnable_state: tuple[str, ...], dims: tuple[int, int] | None) -> BackwardTarget:
@@ -60,14 +71,23 @@ def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) 
     if VALUE_DIM in fwd.dims():
         raise KBError("no backward yet for value heads of their own width (D_v != D_qk): the backward "
                       "references have one head dim")
+    reference = _apart(reference, fwd)
+    grads = grad_names(reference, target)
     grads_in = _aux_grad_kernel(reference)
-    kernels = tuple(_rewrite_kernel(k, target if k.name == grads_in else replace(target, learnable=()))
-                    for k in reference.kernels)
-    return Program(name=name, params=_params(reference, target), schedule=replace(reference.schedule, head_pad=0),
+    copy = fresh("sm", names(reference) | names(fwd) | set(grads.values()))  # unless the reference has its own
+    kernels = tuple(_rewrite_kernel(k, _Fill(target, grads if k.name == grads_in else {}, copy)) for k in reference.kernels)
+    return Program(name=name, params=_params(reference, target, grads), schedule=replace(reference.schedule, head_pad=0),
                    kernels=kernels, score_mod=fwd.score_mod, mask_mod=fwd.mask_mod)
 
 
-def _params(reference: Program, target: BackwardTarget) -> tuple[Param, ...]:
+def _apart(reference: Program, fwd: Program) -> Program:
+    """The reference with its own names that the forward's aux tensors, scalars or dims also use renamed (an aux
+    tensor `s` or `delta` of the spec, a tile `s` or buffer `delta` of FA2)."""
+    claimed = {p.name for p in fwd.params if p.role in (Role.AUX, Role.SCALAR) and p.name != "sm_scale"} | set(fwd.dims())
+    return keep_apart(reference, claimed)
+
+
+def _params(reference: Program, target: BackwardTarget, grads: dict[str, str]) -> tuple[Param, ...]:
     fwd = target.forward
     dtype, o_dtype = fwd.param("q").dtype, fwd.param("o").dtype
     own_grads = {st.grad for k in reference.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
@@ -78,17 +98,25 @@ def _params(reference: Program, target: BackwardTarget) -> tuple[Param, ...]:
         if p.dtype in _FLOAT and p.name not in _F32_BUFFERS and p.role in (Role.IN, Role.OUT):
             p = replace(p, dtype=o_dtype if p.name == "o" else dtype)
         kept.append(p)
-    names = {p.name for p in kept}
-    extra = [p for p in fwd.params if p.role in (Role.AUX, Role.SCALAR) and p.name not in names]
-    grads = [Param(grad_name(a), fwd.param(a).shape, Dtype.F32, Role.OUT) for a in target.learnable]
-    return tuple(kept) + tuple(extra) + tuple(grads)
+    have = {p.name for p in kept}
+    extra = [p for p in fwd.params if p.role in (Role.AUX, Role.SCALAR) and p.name not in have]
+    return tuple(kept) + tuple(extra) + tuple(Param(g, fwd.param(a).shape, Dtype.F32, Role.OUT) for a, g in grads.items())
 
 
 # ---------------------------------------------------------------- kernels
 
 
-def _rewrite_kernel(kernel: Kernel, target: BackwardTarget) -> Kernel:
-    return replace(kernel, body=_rewrite_body(kernel.body, kernel.body, target))
+@dataclass(frozen=True)
+class _Fill:
+    """What a kernel's tile bodies get: the target, {aux: gradient param} accumulated there, the score_mod copy's name."""
+
+    target: BackwardTarget
+    grads: dict[str, str]
+    copy: str
+
+
+def _rewrite_kernel(kernel: Kernel, fill: _Fill) -> Kernel:
+    return replace(kernel, body=_rewrite_body(kernel.body, kernel.body, fill))
 
 
 def _aux_grad_kernel(reference: Program) -> str | None:
@@ -101,26 +129,26 @@ def _aux_grad_kernel(reference: Program) -> str | None:
     return chosen[0].name if chosen else None
 
 
-def _rewrite_body(body: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...], target: BackwardTarget) -> tuple[Stmt, ...]:
+def _rewrite_body(body: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...], fill: _Fill) -> tuple[Stmt, ...]:
     out: list[Stmt] = []
     for st in body:
         if isinstance(st, For) and any(isinstance(s, Probs) for s in _strip(st.body)):
-            out.append(_rewrite_tile_loop(st, kernel_body, target))
+            out.append(_rewrite_tile_loop(st, kernel_body, fill))
         elif isinstance(st, For):
-            out.append(replace(st, body=_rewrite_body(st.body, kernel_body, target)))
+            out.append(replace(st, body=_rewrite_body(st.body, kernel_body, fill)))
         else:
             out.append(st)
     return tuple(out)
 
 
-def _rewrite_tile_loop(loop: For, kernel_body: tuple[Stmt, ...], target: BackwardTarget) -> For:
-    fwd = target.forward
+def _rewrite_tile_loop(loop: For, kernel_body: tuple[Stmt, ...], fill: _Fill) -> For:
+    fwd = fill.target.forward
     flat = _strip(loop.body)
     at = _coords(flat, kernel_body)
-    tile = _tile_body(flat, at, target)
+    tile = _tile_body(flat, at, fill)
     if fwd.mask_mod is not None:
         tile = (IfBlock(BlockClass.EMPTY, True, at, then=tile),)
-    lo, hi = _loop_bounds(loop, at, fwd.mask_mod.body if fwd.mask_mod else None, target.dims)
+    lo, hi = _loop_bounds(loop, at, fwd.mask_mod.body if fwd.mask_mod else None, fill.target.dims)
     return replace(loop, lo=lo, hi=hi, body=tile)
 
 
@@ -154,11 +182,11 @@ def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> TileAt:
     return TileAt(b, h, q_span.start, k_span.start)
 
 
-def _tile_body(flat: tuple[Stmt, ...], at: TileAt, target: BackwardTarget) -> tuple[Stmt, ...]:
-    fwd = target.forward
+def _tile_body(flat: tuple[Stmt, ...], at: TileAt, fill: _Fill) -> tuple[Stmt, ...]:
+    fwd = fill.target.forward
     probs = next(st for st in flat if isinstance(st, Probs))
     scores = _scaled_scores(flat)
-    copy = probs.scores if probs.scores != scores else "sm"
+    copy = probs.scores if probs.scores != scores else fill.copy
     out: list[Stmt] = []
     for st in flat:
         if isinstance(st, Elementwise) and st.out == copy and st.value == var(scores):
@@ -173,10 +201,16 @@ def _tile_body(flat: tuple[Stmt, ...], at: TileAt, target: BackwardTarget) -> tu
             mask = Mask(copy, at, use_mask_mod=fwd.mask_mod is not None)
             out.append(IfBlock(BlockClass.FULL, True, at, then=(mask,)) if fwd.mask_mod is not None else mask)
         if isinstance(st, SoftmaxGrad):
-            out += [AuxGrad(grad_name(a), a, st.out, scores, at) for a in target.learnable]
+            out += [AuxGrad(g, a, st.out, scores, at, probs.lse if _centred(fwd, a) else None) for a, g in fill.grads.items()]
             if fwd.score_mod is not None:
                 out.append(ScoreModGrad(st.out, scores, at))
     return tuple(out)
+
+
+def _centred(fwd: Program, aux: str) -> bool:
+    """Whether some load of `aux` in score_mod has a row centre (`kb.ir.derive.row_centre`): a temperature, a bias."""
+    body = fwd.score_mod.body if fwd.score_mod is not None else None
+    return body is not None and any(row_centre(body, ix, g) is not None for ix, g in aux_partials(body, aux))
 
 
 def _scaled_scores(flat: tuple[Stmt, ...]) -> str:

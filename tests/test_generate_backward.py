@@ -90,3 +90,29 @@ def test_no_backward_says_why_and_keeps_the_forward(ingested_kb, tmp_path: Path)
     assert out.grad_fn is not None
     with pytest.raises(NotImplementedError, match=r"has no backward: kb generate built none: .*--no-backward"):
         out.sum().backward()
+
+
+def test_a_learnable_temperature_gets_a_verified_backward(ingested_kb, tmp_path: Path) -> None:
+    """Issue #29, item 7: `self.t = nn.Parameter(...)` multiplying every score. Its gradient param is not `dt` (FA2's
+    delta tile), and its gradient (dS * s summed over every pair and head) passes the harness on every distribution,
+    the adversarial one included; a user's optimizer step moves t."""
+    spec_path = REPO / "tests" / "data" / "specs" / "temperature_learnable.py"
+    options = {**WITH_BACKWARD, "verify_distributions": ("normal", "uniform", "large", "adversarial"), "verify_max_cases": 3}
+    r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path / "out", **options))
+    assert r.succeeded, r.error
+    bwd = json.loads(r.files["report"].read_text())["backward"]
+    assert r.backward == "verified" and bwd["status"] == "verified", json.dumps(bwd, indent=1)[:3000]
+    assert "param t checked" in bwd["attempts"][-1]["feedback"]
+    assert "centred on" in r.files["backward_ir"].read_text()
+    spec, cand = _load(spec_path), _load(r.files["candidate"])
+    model, new = spec.Model(), cand.ModelNew()
+    new.load_state_dict(model.state_dict())
+    q, k, v = (t.requires_grad_(True) for t in spec.get_inputs())
+    new(q, k, v).square().mean().backward()
+    ref = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    model(*ref).square().mean().backward()
+    for got, want in zip((q.grad, k.grad, v.grad, new.t.grad), (*(t.grad for t in ref), model.t.grad)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    before = new.t.detach().clone()
+    torch.optim.SGD(new.parameters(), lr=0.1).step()
+    assert not torch.equal(before, new.t.detach())

@@ -62,7 +62,8 @@ def test_triton_backward_passes_fp32(results: dict[str, VerifyResult]) -> None:
     assert r.verdict is Verdict.passed, r.message
     assert r.backward is not None and r.backward.grads == ("q", "k", "v")
     assert r.backward.calls == r.calls >= 4, "every call's output is differentiated"
-    assert r.backward.max_abs_err < 1e-4 and r.backward.max_torch_err == 0.0  # fp32: the forward's table
+    # fp32: the reference is the Model in fp64, and fp32 torch's distance from it (the slack) is tiny for q, k, v
+    assert r.backward.max_abs_err < 1e-4 and 0.0 < r.backward.max_torch_err < 1e-5
     assert "gradients of q, k, v checked" in r.message
 
 

@@ -4,7 +4,7 @@ After a call whose forward passed, `_check_backward` differentiates the candidat
 with `torch.autograd.grad(out, [q, k, v, *params], dO)` under the CallGuard (phase "backward"):
 - dO: a fresh N(0, 1) cotangent per call (from the call's seed), cast to the output's dtype; the
   references get that cast value, so dO's rounding is shared as the inputs' is;
-- the fp32 reference gradients and the emulated same-dtype torch error (verify.grads);
+- the reference gradients (fp64 for an fp32 spec) and the same-dtype torch error (verify.grads);
 - ModelNew's parameters named like Model's learnable ones (their values were copied by name);
 - per gradient: present, not aliasing the inputs/output/dO, not written into the previous call's
   gradient buffer (held, so its memory cannot be handed out again), not the previous call's value
@@ -69,11 +69,16 @@ class BackwardChecks:
         return None
 
     def _reference_grads(self, inputs: list[Any], d_out: torch.Tensor) -> tuple[list[Any], list[float]]:
-        """fp32 reference gradients and, per gradient, how far torch's own gradients in the spec's dtype are from them."""
+        """Reference gradients (fp64 for an fp32 spec, else fp32) and, per gradient, how far torch's own gradients in
+        the spec's dtype are from them."""
+        dtype = self._expected_dtype()
         try:
-            ref = model_grads(self.ref_model, inputs, self.targets, d_out)
-            lowp = model_grads(self.ref_model, inputs, self.targets, d_out, emulate=self._expected_dtype(),
-                               truncate=self._interpreted()) if self._expected_dtype() != torch.float32 else [None] * len(ref)
+            if dtype == torch.float32:
+                ref = model_grads(self.ref_model, inputs, self.targets, d_out, emulate=torch.float64)
+                lowp = model_grads(self.ref_model, inputs, self.targets, d_out)
+            else:
+                ref = model_grads(self.ref_model, inputs, self.targets, d_out)
+                lowp = model_grads(self.ref_model, inputs, self.targets, d_out, emulate=dtype, truncate=self._interpreted())
         except Exception as err:  # noqa: BLE001 - spec code
             raise SpecError(f"the spec's Model has no usable backward: {type(err).__name__}: {err}") from err
         errs = [torch_error(lo, r) for lo, r in zip(lowp, ref)]

@@ -1,22 +1,30 @@
 """Gradient references and the gradient tolerance of `backward=True` runs.
 
 Per checked call (see verify.session): a cotangent dO ~ N(0, 1) drawn from the call's seed (so
-every call has its own); the **fp32 reference** gradients: the spec's Model in fp32 on the
-candidate's inputs upcast, TF32 off, differentiated with respect to q, k, v and Model's learnable
-parameters (`requires_grad` nn.Parameters, e.g. a relative-bias table); and **torch's own
-gradients in the spec's dtype**: the spec's Model as the user runs it, on the same inputs and dO.
+every call has its own); the **reference** gradients: the spec's Model one precision above the spec's
+dtype (fp32 for bf16/fp16 specs, fp64 for fp32 specs) on the candidate's inputs upcast, TF32 off,
+differentiated with respect to q, k, v and Model's learnable parameters (`requires_grad`
+nn.Parameters, e.g. a relative-bias table); and **torch's own gradients in the spec's dtype**: the
+spec's Model as the user runs it, on the same inputs and dO.
 The candidate (ModelNew, holding Model's state_dict under the same keys) is differentiated with
 respect to its same-named parameters.
 
 Tolerance rule. Gradients accumulate over a whole sequence (dk, dv sum over every query row, a
 bias table's gradient over every diagonal) and pass through differences of large numbers
 (dS = P (dP - Δ)), so low-precision rounding costs more than in the forward. How much rounding is
-fair is measured, not picked: `e_torch` is the largest distance from the fp32 reference of **torch
+fair is measured, not picked: `e_torch` is the largest distance from the reference of **torch
 eager in the spec's dtype**, emulated on the reference itself: the fp32 reference computation with
 every floating tensor an op produces (forward and backward) rounded to the spec's dtype
 (`DtypeEmulation`), SDPA decomposed into its math ops. That is what eager PyTorch computes with
 bf16 tensors (each op accumulates in fp32, stores in bf16), whatever fused op the spec happens to
-call, so the basis does not depend on how the spec was written. The candidate may carry
+call, so the basis does not depend on how the spec was written. For fp32 specs torch eager in the
+spec's dtype is the fp32 Model itself and the reference is the Model computed in fp64 (`Float64`: a
+float64 copy of the Model on float64 inputs, every op widened, so a spec's own `.float()` or fp32
+constants compute in fp64 too). An fp32 gradient that sums many products over a large common offset
+(a learnable temperature's: dS times the scores, over every pair of every head) is as far from the
+true gradient as rounding makes it, and fp32 eager torch's distance is the measure of that; checked
+against an fp32 reference with e_torch = 0, an exact kernel failed the 1e-4 table where the fp32
+reference itself was 2e-4 away. The candidate may carry
 `GRAD_SLACK` times that on top of the forward's dtype table. Element i of gradient g passes when
 
     |g_i - ref_i| <= atol * scale + rtol * |ref_i| + GRAD_SLACK * e_torch,
@@ -26,7 +34,8 @@ call, so the basis does not depend on how the spec was written. The candidate ma
 of FlashAttention's gradient tests (flash-attn 2.8.3 tests/test_flash_attn.py::test_flash_attn_output:
 dq, dk, dv within 3x eager PyTorch's error, the output within 2x): an FA-style backward takes
 Δ = rowsum(dO∘O) from the stored low-precision output, eager torch rowsum(dP∘P), and where dP - Δ
-cancels (the adversarial distribution) that difference alone costs about 2x. For fp32 specs e_torch is 0, so the forward's table applies: the
+cancels (the adversarial distribution) that difference alone costs about 2x. For fp32 specs e_torch is
+fp32's own rounding (~1e-7 of the scale for dq, dk, dv), so the forward's table dominates: the
 floor of 1 in `scale` matters there, because a gradient can be tiny and ill-conditioned (the
 adversarial distribution's dq, a sum of near-cancelling terms, is ~1e-5 with a FlashAttention-style
 Δ = rowsum(dO∘O) carrying absolute fp32 errors of ~1e-5 too).
@@ -41,6 +50,7 @@ is accepted; elsewhere the candidate's gradient must be finite.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -54,8 +64,8 @@ from verify.checks import TOLERANCES, Comparison
 from verify.reference import tf32
 from verify.shapes import Layout
 
-__all__ = ["GRAD_SLACK", "GradTargets", "grad_targets", "cotangent", "model_grads", "DtypeEmulation", "torch_error",
-           "grad_scale", "compare_grad"]
+__all__ = ["GRAD_SLACK", "GradTargets", "grad_targets", "cotangent", "model_grads", "DtypeEmulation", "Float64",
+           "torch_error", "grad_scale", "compare_grad"]
 
 GRAD_SLACK = 3.0
 
@@ -117,22 +127,45 @@ class DtypeEmulation(TorchDispatchMode):
         return tree_map(self._round, out)
 
 
+class Float64(TorchDispatchMode):
+    """Compute every op in fp64: fp32 operands, dtype arguments and results are widened (a spec's own `.float()`,
+    an fp32 constant it builds). With a float64 copy of the Model and float64 inputs, autograd sees fp64 only."""
+
+    @staticmethod
+    def _widen(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+            return t.double()
+        return torch.float64 if t is torch.float32 else t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func._schema.is_mutable:  # in place into a tensor that exists: its dtype stays
+            return func(*args, **(kwargs or {}))
+        return tree_map(self._widen, func(*tree_map(self._widen, args), **tree_map(self._widen, kwargs or {})))
+
+
 @contextlib.contextmanager
 def _emulating(dtype: torch.dtype | None, truncate: bool) -> Iterator[None]:
     if dtype is None or dtype == torch.float32:
         yield
         return
-    with sdpa_kernel(SDPBackend.MATH), DtypeEmulation(dtype, truncate):
+    mode = Float64() if dtype == torch.float64 else DtypeEmulation(dtype, truncate)
+    with sdpa_kernel(SDPBackend.MATH), mode:
         yield
 
 
 def model_grads(model: nn.Module, inputs: list[Any], targets: GradTargets, d_out: torch.Tensor,
                 emulate: torch.dtype | None = None, truncate: bool = False) -> list[torch.Tensor | None]:
-    """fp32 gradients of `model(*inputs)` (inputs upcast, TF32 off; `model` in fp32) for `targets`, cotangent `d_out`.
+    """Gradients of `model(*inputs)` (inputs upcast, TF32 off; `model` in fp32) for `targets`, cotangent `d_out`; fp32
+    (fp64 for the fp64 reference).
 
     emulate: a low-precision dtype to run the computation in by `DtypeEmulation` (torch eager in that
-    dtype), None for the fp32 reference. Inputs are detached copies: the caller's tensors are untouched."""
-    leaves = [x.detach().clone().float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    dtype), torch.float64 for the fp64 reference (a float64 copy of `model`, `Float64`), None for fp32.
+    Inputs are detached copies: the caller's tensors are untouched."""
+    wide = emulate == torch.float64
+    if wide:
+        model = copy.deepcopy(model).double()
+    up = torch.float64 if wide else torch.float32
+    leaves = [x.detach().clone().to(up) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
     wrt = [leaves[i].requires_grad_(True) for i in targets.positions]
     named = dict(model.named_parameters())
     wrt += [named[n] for n in targets.params]
@@ -141,7 +174,7 @@ def model_grads(model: nn.Module, inputs: list[Any], targets: GradTargets, d_out
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"spec Model returned {type(out).__name__}; verify compares one output tensor")
         grads = torch.autograd.grad(out, wrt, d_out.to(out.dtype), allow_unused=True)
-    return [None if g is None else g.detach().float() for g in grads]
+    return [None if g is None else g.detach().to(up) for g in grads]
 
 
 def torch_error(lowp: torch.Tensor | None, ref: torch.Tensor | None) -> float:

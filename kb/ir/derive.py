@@ -10,15 +10,28 @@ its branches; `maximum`/`minimum` take the branch they select (ties go to the fi
 `abs` has derivative sign(x) with sign(0) = 1. Results are simplified (0 and 1 folded), so
 `score + slopes[h] * (kv_idx - q_idx)` has derivative `1` and softcap's `c * tanh(score / c)`
 gives `c * ((1 - tanh(score / c) * tanh(score / c)) * (1 / c))`.
+
+`row_centre(body, index, partial)` is the row centre of a centred `aux_grad` (`kb.ir.nodes.AuxGrad`):
+an Expr over the variant names and `ROW_LSE` (the row's lse; the evaluator binds it to 0 where lse is
+infinite: an empty row, whose ds is 0, or a row past M) that is the same for every kv_idx of a row, so
+subtracting it from the partial leaves the gradient unchanged (each row of ds sums to 0). It is chosen
+so the centred partial is small where P is large: for a score_mod affine in score with a slope and
+offset that are row constants, `body = a * score + c0`, and a partial `g = r * score + g0`, the centre
+`g0 + (r / a) * (lse - c0)` leaves `(r / a) * log p` (a temperature `score * t[0]`: `(score * t[0] - lse) / t[0]`
+instead of `score`, whose common offset over a row is what the rounding of ds's row sums multiplies).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
-from kb.ir.expr import Expr, ExprOp, call, const, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 
-__all__ = ["score_grad", "aux_partials", "derivative"]
+__all__ = ["score_grad", "aux_partials", "derivative", "row_centre", "ROW_LSE"]
+
+ROW_LSE = "__lse__"  # the row's lse in a row centre (never a name of a program: not an identifier it may define)
+_ALONG_ROW = frozenset({"score", "kv_idx"})  # what varies along a row of a score tile
 
 _ZERO_OPS = frozenset({
     ExprOp.CONST, ExprOp.LOAD, ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV, ExprOp.LT, ExprOp.LE, ExprOp.GT,
@@ -40,6 +53,45 @@ def aux_partials(body: Expr, tensor: str) -> tuple[tuple[tuple[Expr, ...], Expr]
         holed = _replace(body, ld, var(_HOLE))
         out.append((ld.args, _replace(derivative(holed, _HOLE), var(_HOLE), ld)))
     return tuple(out)
+
+
+def row_centre(body: Expr, index: tuple[Expr, ...], partial: Expr) -> Expr | None:
+    """The row centre of `partial` (d body / d aux[index]), or None where there is none worth subtracting: the
+    index moves along a row (each element of a row then has its own gradient entry), or the partial is not
+    affine in score. See the module docstring."""
+    if any(free_vars(i) & _ALONG_ROW for i in index):
+        return None
+    rate = _fold(derivative(partial, "score"))
+    if not _row_constant(rate):
+        return None
+    g0 = _fold(substitute(partial, {"score": const(0)}))
+    centre = g0 if _row_constant(g0) else const(0)
+    slope = _fold(score_grad(body))
+    if not _is(rate, 0) and _row_constant(slope):
+        c0 = _fold(substitute(body, {"score": const(0)}))
+        lse = _sub(var(ROW_LSE), c0) if _row_constant(c0) else var(ROW_LSE)
+        centre = _add(centre, _mul(_ratio(rate, slope), lse))
+    return None if _is(centre, 0) else centre
+
+
+def _row_constant(e: Expr) -> bool:
+    return not free_vars(e) & _ALONG_ROW
+
+
+def _ratio(a: Expr, b: Expr) -> Expr:
+    """a / b, 0 where b is 0 (a centre only has to be finite and the same along the row)."""
+    if b.op is ExprOp.CONST and not _is(b, 0):
+        return _div(a, b)
+    return call("where", Expr(ExprOp.NE, (b, const(0))), _div(a, b), const(0))
+
+
+def _fold(e: Expr) -> Expr:
+    """`e` rebuilt bottom-up with the simplifying builders (0 and 1 folded)."""
+    if not e.args:
+        return e
+    args = tuple(_fold(a) for a in e.args)
+    build = _BUILDERS.get(e.op)
+    return build(*args) if build is not None else Expr(e.op, args, e.value)
 
 
 def derivative(e: Expr, name: str) -> Expr:
@@ -94,6 +146,10 @@ def _neg(a: Expr) -> Expr:
 
 def _where(c: Expr, a: Expr, b: Expr) -> Expr:
     return a if a == b else call("where", c, a, b)
+
+
+_BUILDERS: dict[ExprOp, Callable[..., Expr]] = {ExprOp.ADD: _add, ExprOp.SUB: _sub, ExprOp.MUL: _mul, ExprOp.DIV: _div,
+                                               ExprOp.NEG: _neg}
 
 
 # ---------------------------------------------------------------- rules: (args, d args) -> derivative

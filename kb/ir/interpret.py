@@ -32,9 +32,9 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
-from kb.ir.expr import Expr
+from kb.ir.expr import Expr, ExprOp
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
-from kb.ir.derive import aux_partials, score_grad
+from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
 from kb.ir.interp_softmax import probs, softmax_grad
 from kb.ir.interp_tiles import TORCH_DTYPES, TileIndex, gather, resolve_dim, scatter, scatter_add, tile_index
 from kb.ir.interp_variants import (
@@ -403,8 +403,16 @@ class _Machine(StmtVisitor[None]):
         s, ds = self._tile(st.scores).float(), self._tile(st.tile).float()
         coords, b, h = self._coords(st, s)
         grad = self._param_tensor(st.grad)[1]
-        for index, partial in aux_partials(self.p.score_mod.body, st.aux):
-            value = ds * eval_over_tile(partial, coords, self.variant_env, self.aux, b, h, s)
+        body = self.p.score_mod.body
+        env = dict(self.variant_env)
+        if st.lse is not None:
+            lse = self._tile(st.lse).float()
+            env[ROW_LSE] = torch.where(lse.isinf(), 0.0, lse)[:, None]
+        for index, partial in aux_partials(body, st.aux):
+            centre = row_centre(body, index, partial) if st.lse is not None else None
+            if centre is not None:
+                partial = Expr(ExprOp.SUB, (partial, centre))
+            value = ds * eval_over_tile(partial, coords, env, self.aux, b, h, s)
             where = coords.in_range
             pos = [eval_over_tile(i, coords, self.variant_env, self.aux, b, h, s).long()[where] for i in index]
             grad.index_put_(tuple(pos), value[where].to(grad.dtype), accumulate=True)

@@ -427,10 +427,16 @@ class ScoreModGrad:
 
 @dataclass(frozen=True)
 class AuxGrad:
-    """`aux_grad grad of aux += ds wrt s at (b, h, q_start, kv_start)` — the gradient of an aux
-    tensor read by score_mod: for each load `aux[idx...]` in score_mod and each in-range (i, j),
+    """`aux_grad grad of aux += ds wrt s [centred lse] at (b, h, q_start, kv_start)` — the gradient of an
+    aux tensor read by score_mod: for each load `aux[idx...]` in score_mod and each in-range (i, j),
     grad[idx] += ds[i, j] * d score_mod / d aux[idx] at (s[i, j], coords). `grad` has aux's shape
-    and starts zero-filled (it is accumulated into, like a `+=` store)."""
+    and starts zero-filled (it is accumulated into, like a `+=` store).
+
+    `centred lse` (the row vector probs read): for a load whose index is the same along a row, the
+    partial minus its row centre c[i] (`kb.ir.derive.row_centre`, at lse[i]) is added instead. The sum
+    is the same, since every row of ds sums to 0 (softmax is shift invariant), but a partial that
+    carries the row's large common score (a temperature's: s itself) no longer multiplies the rounding
+    of ds's row sums."""
 
     op: ClassVar[StmtOp] = StmtOp.AUX_GRAD
     grad: str
@@ -438,6 +444,7 @@ class AuxGrad:
     tile: str
     scores: str
     at: TileAt
+    lse: str | None = None
 
 
 Stmt = Union[Let, Load, Store, Init, Dot, Elementwise, Reduce, ScoreMod, Mask, OnlineSoftmax, Finalize, Combine, For, IfBlock,

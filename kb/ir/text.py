@@ -123,7 +123,8 @@ class _Header(StmtVisitor[str]):
         return f"score_mod_grad {st.tile} wrt {st.scores} at ({_at(st.at)})"
 
     def s_auxgrad(self, st: AuxGrad) -> str:
-        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores} at ({_at(st.at)})"
+        centred = f" centred on {st.lse}" if st.lse is not None else ""
+        return f"aux_grad {st.grad} of {st.aux} += {st.tile} wrt {st.scores}{centred} at ({_at(st.at)})"
 
     def s_for(self, st: For) -> str:
         return f"for {st.var} in range({print_expr(st.lo)}, {print_expr(st.hi)}, {_dim(st.step)}) {st.order}:"
@@ -386,7 +387,7 @@ _STMT_RE: dict[str, re.Pattern] = {
     "probs": re.compile(rf"^probs\s+{_N}\s*=\s*exp\(\s*{_N}\s*-\s*{_N}\s*\)$"),
     "softmax_grad": re.compile(rf"^softmax_grad\s+{_N}\s*=\s*{_N}\s*\*\s*\(\s*{_N}\s*-\s*{_N}\s*\)$"),
     "score_mod_grad": re.compile(rf"^score_mod_grad\s+(?P<tile>{_NAME})\s+wrt\s+(?P<scores>{_NAME})\s+at\s+\((?P<at>.*)\)$"),
-    "aux_grad": re.compile(rf"^aux_grad\s+(?P<grad>{_NAME})\s+of\s+(?P<aux>{_NAME})\s*\+=\s*(?P<tile>{_NAME})\s+wrt\s+(?P<scores>{_NAME})\s+at\s+\((?P<at>.*)\)$"),
+    "aux_grad": re.compile(rf"^aux_grad\s+(?P<grad>{_NAME})\s+of\s+(?P<aux>{_NAME})\s*\+=\s*(?P<tile>{_NAME})\s+wrt\s+(?P<scores>{_NAME})(?:\s+centred\s+on\s+(?P<lse>{_NAME}))?\s+at\s+\((?P<at>.*)\)$"),
     "for": re.compile(rf"^for\s+(?P<var>{_NAME})\s+in\s+range\((?P<args>.*)\)\s+(?P<order>forward|reverse)\s*:$"),
     "if": re.compile(r"^if\s+block\((?P<at>.*)\)\s+is\s+(?P<neg>not\s+)?(?P<cls>full|partial|empty)\s*:$"),
 }
@@ -406,7 +407,7 @@ _STMT_FORM = {
     "probs": "probs P = exp(SCORES - LSE)",
     "softmax_grad": "softmax_grad DS = P * (DP - DELTA)",
     "score_mod_grad": "score_mod_grad DS wrt SCORES at (b, h, q_start, kv_start)",
-    "aux_grad": "aux_grad GRAD of AUX += DS wrt SCORES at (b, h, q_start, kv_start)",
+    "aux_grad": "aux_grad GRAD of AUX += DS wrt SCORES [centred on LSE] at (b, h, q_start, kv_start)",
     "for": "for VAR in range(LO, HI, STEP) forward|reverse:",
     "if": "if block(b, h, q_start, kv_start) is [not] full|partial|empty:",
 }
@@ -455,7 +456,7 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
         case "score_mod_grad":
             return ScoreModGrad(m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
         case "aux_grad":
-            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], _parse_at(m, "at", L, ln.col))
+            return AuxGrad(m["grad"], m["aux"], m["tile"], m["scores"], _parse_at(m, "at", L, ln.col), m["lse"])
     raise AssertionError(kw)
 
 

@@ -10,7 +10,8 @@ scope). Invariants the rules state:
   and never shadows a param, dim or schedule constant.
 - Backward statements: `probs`/`softmax_grad` take a row vector [R] of their [R, C] tile;
   `score_mod_grad`/`aux_grad` take a gradient tile and the score_mod input of one shape; `aux_grad`
-  names an aux tensor score_mod reads and an f32 out param of its shape; `+=` stores target f32.
+  names an aux tensor score_mod reads and an f32 out param of its shape (and, centred, the row
+  vector of its tiles); `+=` stores target f32.
 - Names defined inside a `for` body are local to it; names defined in both branches of an
   `if` are visible after it.
 - Index forms: a span's `until` is an integer scalar expression; a gathered axis
@@ -518,6 +519,9 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
 
     def s_auxgrad(self, st: AuxGrad, env: _Env) -> Iterator[str]:
         yield from _grad_of_scores(st, env)
+        if st.lse is not None:
+            yield from _need_tiles(env, lse=st.lse)
+            yield from _row_stat(env, st.scores, st.lse)
         prms = _params(env.program)
         aux, grad = prms.get(st.aux), prms.get(st.grad)
         fn = env.program.score_mod

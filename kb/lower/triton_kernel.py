@@ -49,12 +49,12 @@ def _reads(st: Stmt) -> set[str]:
         val = getattr(st, f, None)
         if isinstance(val, str):
             names.add(val)
-    names.update(getattr(st, f) for f in _BACKWARD_READS.get(type(st), ()))
+    names.update(v for f in _BACKWARD_READS.get(type(st), ()) if (v := getattr(st, f)) is not None)
     return names
 
 
 # tile operands of backward statements not covered by the shared field names above (Finalize's `lse` is an output)
-_BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta")}
+_BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta"), AuxGrad: ("lse",)}
 
 
 def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
@@ -338,7 +338,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{code} = {code} * {wrap(strip_parens(lower_expr(grad, self.ctx(names))))}  # d score_mod / d score")
 
     def s_auxgrad(self, st: AuxGrad) -> None:
-        from kb.ir.derive import aux_partials
+        from kb.ir.derive import ROW_LSE, aux_partials, row_centre
 
         if self.p.score_mod is None:
             raise KBError(f"aux_grad {st.grad} of {st.aux}: the program has no score_mod to differentiate")
@@ -352,9 +352,19 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         rows, cols = names["q_idx"].code, names["kv_idx"].code
         in_range = f"({rows} < {self.m_dim}) & ({cols} < {self.n_dim})"
         ds = self.local(st.tile)
-        for index, partial in aux_partials(self.p.score_mod.body, st.aux):
+        body = self.p.score_mod.body
+        partials = [(index, partial, row_centre(body, index, partial) if st.lse is not None else None)
+                    for index, partial in aux_partials(body, st.aux)]
+        if any(c is not None for *_, c in partials):
+            lse = self.local(st.lse)  # type: ignore[arg-type]
+            self.emit("# the row centre's lse: 0 where it is infinite (an empty row, a row past M: ds is 0 there)")
+            self.emit(f"_lse_row = tl.where(tl.abs({lse}) == float('inf'), 0.0, {lse})")
+            names[ROW_LSE] = Sym(self.rows(st.tile, "_lse_row"), Kind.FLOAT)
+        for index, partial, centre in partials:
             if len(index) != len(grad.shape):
                 raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
+            if centre is not None:
+                partial = Expr(ExprOp.SUB, (partial, centre))
             self.aux_scatter(st.grad, grad, index, f"{ds} * {wrap(strip_parens(lower_expr(partial, self.ctx(names))))}",
                              in_range, names, self.tile(st.tile).t)
 
