@@ -42,6 +42,7 @@ from kb.ir.algebra import all_of, simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 from kb.ir.nodes import SCHEDULE_CONSTANTS
+from kb.lower.triton_host import host_name_clash
 
 __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
            "SCORE_OPS", "supported_ops"]
@@ -932,9 +933,12 @@ _PROGRAM_NAMES = frozenset({"q", "k", "v", "o", "lse", "dout", "dq", "dk", "dv",
 
 
 def aux_name(key: str) -> str:
-    """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`, `q` -> `q_aux`)."""
+    """The aux tensor name of a captured tensor's name (`attn.rel_bias` -> `attn_rel_bias`, `q` -> `q_aux`, a name of
+    the generated host code: `table` -> `table_aux`, `_mask` -> `mask_aux`)."""
     name = re.sub(r"\W", "_", key)
-    return f"{name}_aux" if name in _PROGRAM_NAMES or keyword.iskeyword(name) else name
+    if name in _PROGRAM_NAMES or keyword.iskeyword(name) or host_name_clash(name):
+        return f"{name.lstrip('_') or 'x'}_aux"
+    return name
 
 
 def tensor_namer(named: list[tuple[str, torch.Tensor]]) -> NameOf:

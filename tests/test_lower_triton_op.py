@@ -300,3 +300,17 @@ def test_plans_launch_compiled_kernels_with_every_argument_in_signature_order() 
     kind, grid, args = fn.calls[1]
     assert (kind, grid) == ("compiled", (3,)) and args[0] is y and args[1] is o2 and args[2:] == (8, 16, True)
     assert o2 is not o and o2.shape == (8,)
+
+
+def test_aux_names_never_clash_with_the_host_code() -> None:
+    """An aux tensor is bound under its own name in the generated host functions: spec tracing renames a captured tensor
+    named like the host code's own names, and the lowering refuses a program that still has one."""
+    from generate.spec_trace import aux_name
+    from kb.errors import KBError
+    from kb.ir.text import parse_program, print_program
+
+    assert [aux_name(n) for n in ("table", "kw", "forward", "max", "_mask", "rel_bias", "q")] == \
+        ["table_aux", "kw_aux", "forward_aux", "max_aux", "mask_aux", "rel_bias", "q_aux"]
+    clashing = parse_program(print_program(FIXTURES["alibi"]()).replace("slopes", "launch"))
+    with pytest.raises(KBError, match=r"aux/scalar param\(s\) \['launch'\] would clash"):
+        lower_program(clashing)

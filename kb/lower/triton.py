@@ -48,7 +48,7 @@ from kb.ir.nodes import (
 )
 from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
 from kb.lower.pack_gqa import PackPlan, pack_plans
-from kb.lower.triton_host import class_kernel, design_lines, host_function, kernel_fn_name, packed_fn_name, split_kernels
+from kb.lower.triton_host import check_host_names, class_kernel, design_lines, host_function, kernel_fn_name, packed_fn_name, split_kernels
 from kb.lower.triton_kernel import TritonKernelGen
 from kb.lower.triton_op import op_section
 from kb.lower.triton_tiles import Signature
@@ -139,6 +139,7 @@ def forward_module(p: Program, options: LowerOptions | None = None, designs: Des
     """`lower_program`'s module up to its operator section: the preamble, the kernels and the host `forward`."""
     opts = options or LowerOptions()
     check_attention_params(p, "Triton")
+    check_host_names(p)
     plan = plan_block_mask(p)
     sig = program_signature(p, opts, plan)
     packs = _packing(p, opts, designs)

@@ -33,7 +33,7 @@ from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
     PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, preamble_text, program_signature,
 )
-from kb.lower.triton_host import HostEntry, backward_design_lines, class_kernel, host_function, kernel_fn_name
+from kb.lower.triton_host import HostEntry, backward_design_lines, check_host_names, class_kernel, host_function, kernel_fn_name
 from kb.lower.triton_op import op_section
 
 __all__ = ["lower_backward", "backward_part", "check_pair", "lower_autograd", "BACKWARD_INPUTS"]
@@ -52,6 +52,7 @@ def check_backward_params(p: Program) -> None:
     if not is_backward(p):
         raise KBError(f"program {p.name} is not a backward program (it has no `probs` statement)")
     check_attention_params(p, "Triton")
+    check_host_names(p)
     ins = tuple(q.name for q in p.params if q.role is Role.IN)
     if ins != BACKWARD_INPUTS:
         raise KBError(f"backward program {p.name}: its `in` params must be {', '.join(BACKWARD_INPUTS)} in this order, "

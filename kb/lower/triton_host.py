@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+import builtins
 from string import Template
 from typing import Callable, Iterable
 
+from kb.errors import KBError
 from kb.ir.design import Design, DesignTable
 from kb.ir.expr import free_vars, loaded_tensors
 from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, VALUE_DIM
@@ -28,8 +30,33 @@ from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
 
-__all__ = ["HostEntry", "out_dtype", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "backward_design_lines",
+__all__ = ["HostEntry", "HOST_NAMES", "host_name_clash", "check_host_names", "out_dtype", "kernel_fn_name", "packed_fn_name", "split_kernels", "design_lines", "backward_design_lines",
            "class_kernel", "host_function"]
+
+
+# Names the generated host code binds or reads (its functions' locals, the module's globals, Python's builtins): an aux
+# tensor or scalar is bound under its own name in `forward`/`backward` and the operator's functions, so it must not
+# take one of these (spec tracing renames a captured `self.table` to `table_aux`; other programs are refused)
+HOST_NAMES = frozenset(dir(builtins)) | {
+    "math", "os", "torch", "triton", "tl", "weakref", "logging", "forward", "backward", "kb_attention",
+    "block_class_table", "ForwardArgumentError", "PROGRAM", "DESIGNS", "PROGRAM_DESIGN", "KERNEL_ID", "OP_NAME",
+    "NO_BACKWARD", "kw", "dims", "launch", "design", "key", "plan", "rec", "table", "bc", "kvl", "block_class",
+    "only_table", "table_only", "aux_and_scalars", "classes", "aux", "scalars", "missing", "named", "grads", "learned",
+    "wanted", "aux_grads", "ctx", "inputs", "output", "ops", "fwd", "bwd", "tma", "num_warps", "num_stages", "PACK",
+    "USE_TMA", "WARP_SPEC", "HEAD_PAD", "HEAD_PAD_V", "EVEN_D", "EVEN_DV", "NUM_SPLITS", "BLOCK_M", "BLOCK_N"}
+
+
+def host_name_clash(name: str) -> bool:
+    """Whether a param called `name` would shadow or be shadowed by a name of the generated host code."""
+    return name in HOST_NAMES or name.startswith(("_", "POS_", "PAD_", "BWD_"))
+
+
+def check_host_names(p: Program) -> None:
+    """KBError (one line) when an aux tensor or scalar of `p` is named like the generated host code's own names."""
+    clash = [q.name for q in p.params if q.role in (Role.AUX, Role.SCALAR) and q.name != "sm_scale" and host_name_clash(q.name)]
+    if clash:
+        raise KBError(f"program {p.name}: aux/scalar param(s) {clash} would clash with names of the generated Triton "
+                      "module's host code; rename them")
 
 
 def kernel_fn_name(k: Kernel) -> str:
