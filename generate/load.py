@@ -21,11 +21,9 @@ and a regenerated file (new bytes) a new module. Mistakes a user can make raise 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -34,6 +32,7 @@ from generate.cache import cache_key, cached_run, kernels_dir, lookup, specs_dir
 from generate.outputs import staging_dir
 from generate.pipeline import GenerateOptions, GenerateResult, resolve_target
 from kb.errors import KBError
+from kb.lower.runtime import import_file, mode_suffix
 from kb.settings import Settings, load_settings
 from kb.store.kb import KnowledgeBase, open_kb
 from kb.store.models import Kernel
@@ -165,19 +164,5 @@ def _candidate_in(out_dir: Path) -> Path:
 def import_generated(path: Path) -> ModuleType:
     """Import the generated module at `path` under a name unique to its path and bytes; once per process."""
     path = path.resolve()
-    source = path.read_bytes()
-    digest = hashlib.sha256(str(path).encode() + b"\0" + source).hexdigest()[:16]
-    mode = "_interp" if os.environ.get("TRITON_INTERPRET") == "1" else ""  # @triton.jit binds the mode at import
-    name = f"kernel_kb_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}{mode}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, f"{path} is a .py file"
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
+    digest = hashlib.sha256(str(path).encode() + b"\0" + path.read_bytes()).hexdigest()[:16]
+    return import_file(path, f"kernel_kb_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}{mode_suffix()}")

@@ -34,7 +34,7 @@ from kb.ir.nodes import Program, Role, is_backward
 from kb.lower.triton import LowerOptions, lower_program
 from kb.lower.triton_host import kernel_fn_name
 
-__all__ = ["TritonKernel", "load_module"]
+__all__ = ["TritonKernel", "import_file", "load_module", "mode_suffix"]
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,32 @@ def _default_cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / "kernel-kb-triton"
 
 
+def mode_suffix() -> str:
+    """`_interp` when Triton interprets (`@triton.jit` binds the mode when a module is imported), else ''."""
+    return "_interp" if os.environ.get("TRITON_INTERPRET") == "1" else ""
+
+
+def import_file(path: Path, name: str) -> ModuleType:
+    """The module at `path` imported as `name` and kept in sys.modules (Dynamo looks traced functions' modules up
+    there); a second call with the same name returns the same module; a module that fails to import is not kept."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path} is a .py file"
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
 def load_module(source: str, name: str, cache_dir: Path | None = None) -> tuple[ModuleType, Path]:
     """Write `source` to a content-addressed file under `cache_dir` and import it."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    mode = "_interp" if os.environ.get("TRITON_INTERPRET") == "1" else ""
-    mod_name = f"kb_triton_{name}_{digest}{mode}"
+    mod_name = f"kb_triton_{name}_{digest}{mode_suffix()}"
     if mod_name in sys.modules:
         mod = sys.modules[mod_name]
         return mod, Path(mod.__file__ or "")
@@ -63,15 +84,7 @@ def load_module(source: str, name: str, cache_dir: Path | None = None) -> tuple[
         tmp = path.with_suffix(".tmp")
         tmp.write_text(source)
         tmp.replace(path)  # atomic: a concurrent reader never sees half a module
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except Exception:
-        del sys.modules[mod_name]
-        raise
+    mod = import_file(path, mod_name)
     log.debug("loaded %s from %s", mod_name, path)
     return mod, path
 
