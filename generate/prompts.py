@@ -56,7 +56,7 @@ stmt        := "let" NAME "=" EXPR
              | "probs" NAME "=" "exp(" NAME "-" NAME ")"                     # backward, see below
              | "softmax_grad" NAME "=" NAME "*" "(" NAME "-" NAME ")"
              | "score_mod_grad" NAME "wrt" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
-             | "aux_grad" NAME "of" NAME "+=" NAME "wrt" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
+             | "aux_grad" NAME "of" NAME "+=" NAME "wrt" NAME ["centred" "on" NAME] "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
              | "for" NAME "in" "range(" EXPR "," EXPR "," DIM ")" ("forward"|"reverse") ":" NL block
              | "if" "block(" EXPR "," EXPR "," EXPR "," EXPR ")" "is" ["not"] ("full"|"partial"|"empty") ":" NL block ["else:" NL block]
 index       := EXPR | EXPR ":+" DIM ["until" EXPR] | ":"

@@ -34,7 +34,7 @@ def test_bf16_in_fp32_out_generates_and_verifies(ingested_kb, tmp_path: Path) ->
     report = json.loads(r.files["report"].read_text())
     assert report["verify"]["verdict"] == "passed"  # the harness checks the output dtype against the Model's
     cand = r.files["candidate"].read_text()
-    call = next(line for line in cand.splitlines() if "_o, _lse = forward(" in line)
+    call = next(line for line in cand.splitlines() if "_o = kb_attention(" in line)
     assert ".to(" not in call  # no upcast copies of the inputs
     assert "_p_hi = _p.to(" in cand  # P keeps fp32 accuracy on bf16 tiles
     program = r.files["ir"].read_text()
