@@ -4,13 +4,17 @@ Two targets share one walker (`ExprTarget`):
 - DEVICE: Triton code inside a `@triton.jit` function. `//` and `%` keep floor semantics:
   when both operands are provably non-negative they lower to Triton's own `//`/`%` (which
   truncate, identical there); otherwise to the generated helpers `_floordiv`/`_floormod`.
-  `tanh` lowers to `_tanh` (2*sigmoid(2x)-1: no libdevice, works in the interpreter).
+  `tanh` lowers to `_tanh` (2*sigmoid(2x)-1: no libdevice, works in the interpreter), `erf` to `tl.erf`.
+  `&`, `|` are Triton's own (logical on int1, bitwise on integers, as in the IR); `~` of a boolean is
+  `(x == 0)`, of an integer `~x`; `<<`, `>>` are Triton's shifts (`>>` of a signed integer is arithmetic).
+  Integers are int32 there, so a shift past bit 31 wraps as FlexAttention's int32 indices do.
   `trunc(x)` of a float lowers to `x.to(tl.int32)` (a conversion toward zero, negative values
   included); the kernel's integers are int32 index math, so a float beyond int32 range has no
   defined trunc there (torch's int64 would hold it; such a value indexes no aux tensor anyway).
   Aux loads lower to masked `tl.load`s: out-of-range indices read 0 (the IR's rule).
 - HOST: plain Python over ints/floats/torch tensors, using the module's `_h*` helpers
-  (Python's `//`, `%` are already floor ops, on ints and on torch tensors; `_htrunc` is int64).
+  (Python's `//`, `%` are already floor ops, on ints and on torch tensors; `_htrunc` is int64; `erf` is
+  `_hfloat(torch.erf)`).
 
 Invariants: every binary operation is parenthesised (the output never depends on
 precedence); every name is looked up in the `kb.lower.expr_context.ExprContext` (unknown names
@@ -23,7 +27,8 @@ import math
 
 from kb.ir.expr import Expr, ExprOp
 from kb.lower.expr_context import (
-    CMP_OPS, FLOAT_CALLS, ExprContext, ExprTarget, Kind, aux_ref, expr_kind, index_guards, is_nonneg, lookup,
+    CMP_OPS, FLOAT_CALLS, ExprContext, ExprTarget, Kind, aux_ref, expr_kind, index_guards, is_bitwise, is_nonneg,
+    lookup,
 )
 
 __all__ = ["lower_expr"]
@@ -33,8 +38,9 @@ _DEVICE_CALL = {
     ExprOp.EXP: "tl.exp", ExprOp.EXP2: "tl.exp2", ExprOp.LOG: "tl.log", ExprOp.TANH: "_tanh",
     ExprOp.SIGMOID: "tl.sigmoid", ExprOp.SQRT: "tl.sqrt", ExprOp.ABS: "tl.abs",
     ExprOp.MAXIMUM: "tl.maximum", ExprOp.MINIMUM: "tl.minimum", ExprOp.CDIV: "tl.cdiv", ExprOp.WHERE: "tl.where",
+    ExprOp.ERF: "tl.erf",
 }
-_HOST_CALL = {op: "_h" + op.value for op in _DEVICE_CALL}
+_HOST_CALL = {op: "_h" + op.value for op in _DEVICE_CALL} | {ExprOp.ERF: "_hfloat(torch.erf)"}
 
 
 def _const(v: object, target: ExprTarget) -> str:
@@ -60,12 +66,14 @@ def lower_expr(e: Expr, ctx: ExprContext) -> str:
     if op is ExprOp.NEG:
         return f"(-{args[0]})"
     if op is ExprOp.NOT:
+        if is_bitwise(e, ctx):
+            return f"(~{args[0]})"
         return f"({args[0]} == 0)" if dev else f"_hnot({args[0]})"
     if op in (ExprOp.FLOORDIV, ExprOp.MOD):
         if not dev or all(is_nonneg(a, ctx) for a in e.args):
             return f"({args[0]} {op.value} {args[1]})"
         return f"{'_floordiv' if op is ExprOp.FLOORDIV else '_floormod'}({args[0]}, {args[1]})"
-    if op in _ARITH or op in CMP_OPS or op in (ExprOp.DIV, ExprOp.AND, ExprOp.OR):
+    if op in _ARITH or op in CMP_OPS or op in (ExprOp.DIV, ExprOp.AND, ExprOp.OR, ExprOp.SHL, ExprOp.SHR):
         return f"({args[0]} {op.value} {args[1]})"
     if op is ExprOp.TRUNC:
         if e.args[0].op is ExprOp.CONST and not isinstance(e.args[0].value, bool):
