@@ -40,7 +40,7 @@ from kb.errors import KBError
 from kb.ir.algebra import all_of, simplify
 from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
-from verify.flex_mods import TensorIndexing
+from verify.flex_mods import TensorIndexing, mod_functions
 
 __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
            "SCORE_OPS", "supported_ops"]
@@ -705,6 +705,12 @@ def _gelu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st:
     return Sym(_sym(args[0], node, st).shape, e, _dtype_of(node))
 
 
+@_score_op("silu")
+def _silu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    return Sym(x.shape, Expr(ExprOp.MUL, (x.expr, call("sigmoid", x.expr))), _dtype_of(node))
+
+
 @_score_op("relu")
 def _relu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     x = _sym(args[0], node, st)
@@ -1264,11 +1270,16 @@ def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
 
 
 class _Mod(torch.nn.Module):
-    """A mod as a module: make_fx records source lines (node stack traces) for what a module's forward calls."""
+    """A mod as a module: make_fx records source lines (node stack traces) in a module's forward and in the
+    functions registered as its anchors (the mod and what it calls), so errors name the mod's line."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         super().__init__()
         self.fn = fn
+        anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # else: errors name no line
+        for f in mod_functions([fn]) if anchor is not None else ():
+            if not (f.__module__ or "").startswith("torch"):  # torch's own frames (and_masks, F.gelu) name no user line
+                anchor(f)
 
     def forward(self, *args: torch.Tensor) -> Any:
         return self.fn(*args)

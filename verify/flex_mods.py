@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["TensorIndexing", "evaluate_mods", "captured_tensors", "move_captured", "data_bound_dims", "Mod", "DIMS"]
+__all__ = ["TensorIndexing", "evaluate_mods", "mod_functions", "captured_tensors", "move_captured", "data_bound_dims", "Mod", "DIMS"]
 
 Mod = Callable[..., Any]
 DIMS = ("B", "Hq", "M", "N")  # the grid a mod is evaluated on: b < B, h < Hq, q_idx < M, kv_idx < N
@@ -76,32 +76,38 @@ def evaluate_mods(scores: torch.Tensor, score_mod: Mod | None, mask_mod: Mod | N
 # ---------------------------------------------------------------- the data the mods read
 
 
-def _tensor_slots(fns: list[Any]) -> Iterator[tuple[str, Any, str]]:
-    """(name, holder, key) of every tensor the functions read: a closure cell (key "") or a globals dict."""
-    seen: set[int] = set()
+def mod_functions(fns: list[Any]) -> list[types.FunctionType]:
+    """The functions the mods are made of: themselves and every function their closures or globals reach
+    (`and_masks(sliding_window, causal_mask)` reaches both)."""
+    seen: dict[int, types.FunctionType] = {}
     todo = list(fns)
     while todo:
         fn = todo.pop(0)
         if id(fn) in seen or not isinstance(fn, types.FunctionType):
             continue
-        seen.add(id(fn))
-        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        seen[id(fn)] = fn
+        for cell in fn.__closure__ or ():
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(value, torch.Tensor):
-                yield name, cell, ""
-            elif isinstance(value, (tuple, list)):
-                todo += [v for v in value if isinstance(v, types.FunctionType)]  # and_masks(*mask_mods)
-            else:
-                todo.append(value)
+            todo += list(value) if isinstance(value, (tuple, list)) else [value]  # and_masks(*mask_mods)
+        todo += [fn.__globals__.get(name) for name in fn.__code__.co_names]
+    return list(seen.values())
+
+
+def _tensor_slots(fns: list[Any]) -> Iterator[tuple[str, Any, str]]:
+    """(name, holder, key) of every tensor the functions read: a closure cell (key "") or a globals dict."""
+    for fn in mod_functions(fns):
+        for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+            try:
+                if isinstance(cell.cell_contents, torch.Tensor):
+                    yield name, cell, ""
+            except ValueError:
+                continue
         for name in fn.__code__.co_names:
-            value = fn.__globals__.get(name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(fn.__globals__.get(name), torch.Tensor):
                 yield name, fn.__globals__, name
-            elif isinstance(value, types.FunctionType):
-                todo.append(value)
 
 
 def captured_tensors(fns: list[Any]) -> list[tuple[str, torch.Tensor]]:
