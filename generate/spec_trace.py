@@ -1278,7 +1278,7 @@ class _Mod(torch.nn.Module):
         self.fn = fn
         anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # else: errors name no line
         for f in mod_functions([fn]) if anchor is not None else ():
-            if not (f.__module__ or "").startswith("torch"):  # torch's own frames (and_masks, F.gelu) name no user line
+            if (f.__module__ or "").split(".")[0] != "torch":  # torch's own frames (and_masks, F.relu) name no user line
                 anchor(f)
 
     def forward(self, *args: torch.Tensor) -> Any:

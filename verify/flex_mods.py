@@ -78,7 +78,8 @@ def evaluate_mods(scores: torch.Tensor, score_mod: Mod | None, mask_mod: Mod | N
 
 def mod_functions(fns: list[Any]) -> list[types.FunctionType]:
     """The functions the mods are made of: themselves and every function their closures or globals reach
-    (`and_masks(sliding_window, causal_mask)` reaches both)."""
+    (`and_masks(sliding_window, causal_mask)` reaches both); torch's own functions are not searched further
+    through their globals (F.relu's helpers hold no data of the spec)."""
     seen: dict[int, types.FunctionType] = {}
     todo = list(fns)
     while todo:
@@ -92,8 +93,13 @@ def mod_functions(fns: list[Any]) -> list[types.FunctionType]:
             except ValueError:  # an empty cell
                 continue
             todo += list(value) if isinstance(value, (tuple, list)) else [value]  # and_masks(*mask_mods)
-        todo += [fn.__globals__.get(name) for name in fn.__code__.co_names]
+        if not _in_torch(fn):
+            todo += [fn.__globals__.get(name) for name in fn.__code__.co_names]
     return list(seen.values())
+
+
+def _in_torch(fn: types.FunctionType) -> bool:
+    return (fn.__module__ or "").split(".")[0] == "torch"
 
 
 def _tensor_slots(fns: list[Any]) -> Iterator[tuple[str, Any, str]]:
@@ -105,7 +111,7 @@ def _tensor_slots(fns: list[Any]) -> Iterator[tuple[str, Any, str]]:
                     yield name, cell, ""
             except ValueError:
                 continue
-        for name in fn.__code__.co_names:
+        for name in () if _in_torch(fn) else fn.__code__.co_names:
             if isinstance(fn.__globals__.get(name), torch.Tensor):
                 yield name, fn.__globals__, name
 

@@ -20,7 +20,7 @@ from kb.ir.expr import Expr, ExprOp
 from kb.ir.nodes import SCHEDULE_CONSTANTS, Dtype, Param
 
 __all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "visible_names", "CMP_OPS", "FLOAT_CALLS", "BITWISE_OPS", "lookup",
-           "aux_ref", "expr_kind", "is_bitwise", "is_nonneg", "index_guards"]
+           "aux_ref", "expr_kind", "is_bitwise", "is_nonneg", "index_guards", "index_guards_by_position"]
 
 
 class ExprTarget(Enum):
@@ -157,11 +157,17 @@ def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
 def index_guards(load: Expr, idx: list[str], ctx: ExprContext, zero: str) -> list[str]:
     """The in-range tests of aux load `load` whose indices lower to `idx` (`zero`: the target's 0 literal): `i >= 0`
     unless proven, `i < size` unless the index is a name known to stay below that size (a grid axis)."""
-    guards = []
+    return [g for per_index in index_guards_by_position(load, idx, ctx, zero) for g in per_index]
+
+
+def index_guards_by_position(load: Expr, idx: list[str], ctx: ExprContext, zero: str) -> list[list[str]]:
+    """`index_guards`, one list per index of the load."""
+    guards: list[list[str]] = []
     for a, i, size in zip(load.args, idx, aux_ref(load, ctx).sizes):
+        guards.append([])
         if a.op is ExprOp.VAR and lookup(a, ctx).below == size:
             continue  # a grid index below this size by construction (the host checks the aux shape)
         if not is_nonneg(a, ctx):
-            guards.append(f"({i} >= {zero})")
-        guards.append(f"({i} < {size})")
+            guards[-1].append(f"({i} >= {zero})")
+        guards[-1].append(f"({i} < {size})")
     return guards

@@ -11,7 +11,9 @@ Two targets share one walker (`ExprTarget`):
   `trunc(x)` of a float lowers to `x.to(tl.int32)` (a conversion toward zero, negative values
   included); the kernel's integers are int32 index math, so a float beyond int32 range has no
   defined trunc there (torch's int64 would hold it; such a value indexes no aux tensor anyway).
-  Aux loads lower to masked `tl.load`s: out-of-range indices read 0 (the IR's rule).
+  Aux loads lower to masked `tl.load`s: out-of-range indices read 0 (the IR's rule); in a tile load, the
+  in-range tests of constant indices (`t[q_idx, 0]`'s `0 < t_n1`) gate the others through `tl.where` (the
+  interpreter refuses a tile `&` scalar mask).
 - HOST: plain Python over ints/floats/torch tensors, using the module's `_h*` helpers
   (Python's `//`, `%` are already floor ops, on ints and on torch tensors; `_htrunc` is int64; `erf` is
   `_hfloat(torch.erf)`).
@@ -25,15 +27,16 @@ from __future__ import annotations
 
 import math
 
-from kb.ir.expr import Expr, ExprOp
+from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors
 from kb.lower.expr_context import (
-    CMP_OPS, FLOAT_CALLS, ExprContext, ExprTarget, Kind, aux_ref, expr_kind, index_guards, is_bitwise, is_nonneg,
-    lookup,
+    CMP_OPS, FLOAT_CALLS, ExprContext, ExprTarget, Kind, aux_ref, expr_kind, index_guards_by_position, is_bitwise,
+    is_nonneg, lookup,
 )
 
 __all__ = ["lower_expr"]
 
 _ARITH = {ExprOp.ADD, ExprOp.SUB, ExprOp.MUL}
+_TILE_NAMES = frozenset({"q_idx", "kv_idx", "score"})  # variant names that lower to tiles (the rest are scalars)
 _DEVICE_CALL = {
     ExprOp.EXP: "tl.exp", ExprOp.EXP2: "tl.exp2", ExprOp.LOG: "tl.log", ExprOp.TANH: "_tanh",
     ExprOp.SIGMOID: "tl.sigmoid", ExprOp.SQRT: "tl.sqrt", ExprOp.ABS: "tl.abs",
@@ -97,6 +100,14 @@ def _lower_load(e: Expr, ctx: ExprContext) -> str:
     if ctx.target is ExprTarget.HOST:
         return f"_hload({ref.code}, ({', '.join(idx)},))"
     offset = " + ".join(f"{i} * {s}" for i, s in zip(idx, ref.strides))
-    guards = index_guards(e, idx, ctx, "0")
     ptr = f"{ref.code} + {offset}"
+    tile: list[str] = []
+    fixed: list[str] = []
+    for a, guards in zip(e.args, index_guards_by_position(e, idx, ctx, "0")):
+        (fixed if not free_vars(a) and not loaded_tensors(a) else tile).extend(guards)
+    if fixed and any(free_vars(a) & _TILE_NAMES for a in e.args):
+        # a tile of conditions `&` a scalar one gives int32, not int1, under the Triton interpreter, which then
+        # refuses it as a load mask ("mask has unsupported dtype"): the constant indices' tests select the rest
+        return f"tl.load({ptr}, mask=tl.where({' & '.join(fixed)}, {' & '.join(tile) or 'True'}, False), other=0)"
+    guards = tile + fixed
     return f"tl.load({ptr}, mask={' & '.join(guards)}, other=0)" if guards else f"tl.load({ptr})"
