@@ -125,6 +125,7 @@ class _State:
 def _where(node: torch.fx.Node, source: str | None) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+    frames = [f for f in frames if f[0] != __file__]  # _Mod.forward: the call of a mod, not its line
     if source:
         mine = [f for f in frames if f[0] == source]
         frames = mine or frames
@@ -693,7 +694,8 @@ def _new_full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any],
 @_score_op("gelu")
 def _gelu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`F.gelu(x)`: x * (1 + erf(x / sqrt(2))) / 2; approximate="tanh": x * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2."""
-    x = _sym(args[0], node, st).expr
+    arg = _sym(args[0], node, st)
+    x = arg.expr
     approximate = args[1] if len(args) > 1 else kw.get("approximate", "none")
     if approximate == "tanh":
         cube = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, x)), x))
@@ -702,7 +704,7 @@ def _gelu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st:
     else:
         gate = call("erf", Expr(ExprOp.MUL, (x, const(1.0 / math.sqrt(2.0)))))
     e = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, const(0.5))), Expr(ExprOp.ADD, (const(1.0), gate))))
-    return Sym(_sym(args[0], node, st).shape, e, _dtype_of(node))
+    return Sym(arg.shape, e, _dtype_of(node))
 
 
 @_score_op("silu")
