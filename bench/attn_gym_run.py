@@ -7,7 +7,7 @@ the results table to docs/attn_gym.md (spec, status, backward, reason, attempts,
 command in its header).
 
     KB_HOME=/path/to/ingested/kb .venv/bin/python bench/attn_gym_run.py [--specs DIR] [--doc docs/attn_gym.md]
-        [--out DIR] [--no-backward]
+        [--out DIR] [--no-backward] [--note TEXT]
 
 Measuring only: it holds no product knowledge.
 """
@@ -46,11 +46,7 @@ class Row:
 
 def _row(spec: Path, r: GenerateResult) -> Row:
     status = r.status.value if r.attempts else ("verified" if r.succeeded else "refused")
-    if r.succeeded:
-        last = r.attempts[-1].feedback if r.attempts else ""
-        reason = last
-    else:
-        reason = r.error
+    reason = r.attempts[-1].feedback if r.succeeded and r.attempts else r.error
     if r.backward_reason:
         reason += f" (backward: {r.backward_reason})"
     return Row(spec.stem, status, r.backward.value, " ".join(reason.split()), len(r.attempts), round(r.seconds, 1))
@@ -76,7 +72,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-def write_doc(rows: list[Row], doc: Path, command: str, backward: bool) -> None:
+def write_doc(rows: list[Row], doc: Path, command: str, backward: bool, note: str) -> None:
     import torch
     import triton
 
@@ -95,6 +91,7 @@ def write_doc(rows: list[Row], doc: Path, command: str, backward: bool) -> None:
         f"- versions: Python {platform.python_version()}, torch {torch.__version__}, triton {triton.__version__}",
         f"- command: `{command}`",
         f"- backward: {'generated and verified where it can be' if backward else 'not generated (--no-backward)'}",
+        *([f"- note: {note}"] if note else []),
         "",
         f"**{ok} of {len(rows)} verified**; {len(refused)} refused before any attempt; "
         f"{len(rows) - ok - len(refused)} failed after attempts.",
@@ -113,6 +110,7 @@ def main() -> None:
     ap.add_argument("--doc", default=str(ROOT / "docs" / "attn_gym.md"))
     ap.add_argument("--out", default=None, help="where the generated files go (default: a temporary directory)")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--note", default="", help="one line for the table's header (e.g. what else the machine ran)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     base = Path(load_settings().home)
@@ -120,7 +118,7 @@ def main() -> None:
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="kb-attn-gym-out-"))
     rows = run(specs, base, out_dir, backward=not args.no_backward)
     command = "KB_HOME=<ingested KB> python " + " ".join(shlex.quote(a) for a in sys.argv)
-    write_doc(rows, Path(args.doc), command, backward=not args.no_backward)
+    write_doc(rows, Path(args.doc), command, backward=not args.no_backward, note=args.note)
     print(f"{sum(r.status == 'verified' for r in rows)} of {len(rows)} verified; table in {args.doc}")
 
 
