@@ -99,9 +99,9 @@ def held_summary(fixed: Mapping[str, str]) -> str:
 def _held_note(own: ShapeCase, fixed: Mapping[str, str]) -> str:
     held = ", ".join(f"{_CASE_FIELD[d]}={getattr(own, _CASE_FIELD[d])}" for d in fixed)
     why = "; ".join(f"{_CASE_FIELD[d]} + 1: {reason}" for d, reason in fixed.items())
-    lengths = "M" in fixed or "N" in fixed
+    both = "M" in fixed and "N" in fixed
     return (f"held at the spec's own {held}: the mods read captured data of that extent ({why})"
-            + ("; no ragged or cross lengths but the spec's own are tried" if lengths else ""))
+            + ("; no sequence lengths but the spec's own are tried (ragged, cross)" if both else ""))
 
 
 def _seq_variants(spec: Spec, own: ShapeCase) -> list[ShapeCase]:
