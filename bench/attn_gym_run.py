@@ -3,8 +3,8 @@
 Runs `generate.pipeline.generate` (what `kb generate` runs, with its defaults: rule engine, memory on, the
 verify harness, CUDA compiled when nvcc is there, the backward unless --no-backward) over every spec in
 bench/heldout_attn_gym/, one after another on a copy of the KB (the user's KB is not written), and writes
-the results table to docs/attn_gym.md (spec, status, backward, reason, attempts, seconds; date, machine and
-command in its header).
+the results table to docs/attn_gym.md (spec, status, backward, the CUDA lowering and whether nvcc compiled it,
+reason, attempts, seconds; date, machine and command in its header).
 
     KB_HOME=/path/to/ingested/kb .venv/bin/python bench/attn_gym_run.py [--specs DIR] [--doc docs/attn_gym.md]
         [--out DIR] [--no-backward] [--note TEXT]
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import platform
@@ -39,6 +40,7 @@ class Row:
     spec: str
     status: str  # verified, failed, or refused (stopped before any attempt)
     backward: str
+    cuda: str  # the .cu the report names: its lowering and whether nvcc compiled it
     reason: str
     attempts: int
     seconds: float
@@ -49,7 +51,13 @@ def _row(spec: Path, r: GenerateResult) -> Row:
     reason = r.attempts[-1].feedback if r.succeeded and r.attempts else r.error
     if r.backward_reason:
         reason += f" (backward: {r.backward_reason})"
-    return Row(spec.stem, status, r.backward.value, " ".join(reason.split()), len(r.attempts), round(r.seconds, 1))
+    return Row(spec.stem, status, r.backward.value, _cuda(r), " ".join(reason.split()), len(r.attempts), round(r.seconds, 1))
+
+
+def _cuda(r: GenerateResult) -> str:
+    report = json.loads(r.files["report"].read_text()) if "report" in r.files else {}
+    cuda = report.get("cuda") or {}
+    return f"{cuda['lowering']}: {cuda['status']}" if "lowering" in cuda and "status" in cuda else "-"
 
 
 def run(specs: list[Path], base_home: Path, out_dir: Path, backward: bool) -> list[Row]:
@@ -62,8 +70,8 @@ def run(specs: list[Path], base_home: Path, out_dir: Path, backward: bool) -> li
         for spec in specs:
             rows.append(_row(spec, generate(kb, spec, opts)))
             r = rows[-1]
-            print(f"{r.spec:26s} {r.status:10s} backward={r.backward:22s} attempts={r.attempts} {r.seconds}s  {r.reason[:120]}",
-                  flush=True)
+            print(f"{r.spec:26s} {r.status:10s} backward={r.backward:10s} cuda={r.cuda:22s} attempts={r.attempts} "
+                  f"{r.seconds}s  {r.reason[:100]}", flush=True)
     shutil.rmtree(home, ignore_errors=True)
     return rows
 
@@ -96,10 +104,11 @@ def write_doc(rows: list[Row], doc: Path, command: str, backward: bool, note: st
         f"**{ok} of {len(rows)} verified**; {len(refused)} refused before any attempt; "
         f"{len(rows) - ok - len(refused)} failed after attempts.",
         "",
-        "| spec | status | backward | reason | attempts | seconds |",
-        "|---|---|---|---|---|---|",
+        "| spec | status | backward | CUDA (nvcc) | reason | attempts | seconds |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| `{r.spec}` | {r.status} | {r.backward} | {_cell(r.reason)} | {r.attempts} | {r.seconds} |" for r in rows]
+    lines += [f"| `{r.spec}` | {r.status} | {r.backward} | {r.cuda} | {_cell(r.reason)} | {r.attempts} | {r.seconds} |"
+              for r in rows]
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text("\n".join(lines) + "\n")
 
