@@ -1,7 +1,8 @@
 """FlexAttention-style specs: module-level `score_mod` / `mask_mod` and `SHAPES` (docs/specs.md, style 2).
 
 `trace_mods(module, mods, path)` traces the mods (generate.spec_trace.trace_mod) into variant expressions
-and the aux tensors they load. A file that also has a KernelBench `Model` takes its variants from the mods
+and the aux tensors they load (named as the file or the mods' closures name them: a factory's
+`document_id` keeps its name). A file that also has a KernelBench `Model` takes its variants from the mods
 and its shapes, reference and call from the Model; one without takes them from `SHAPES` and a dense torch
 evaluation of the mods (`FlexMods.shapes`, `FlexMods.reference`).
 """
@@ -21,6 +22,7 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, print_expr
 from kb.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS
 from verify.flex import dense_attention, parse_shapes
+from verify.flex_mods import captured_tensors
 
 __all__ = ["FlexMods", "trace_mods"]
 
@@ -62,7 +64,7 @@ class FlexMods:
 
 def trace_mods(module: Any, mods: Mapping[str, Callable[..., Any]], path: Path) -> FlexMods:
     """Trace the spec module's `mods` (score_mod and/or mask_mod); KBError on anything unsupported."""
-    name_of = tensor_namer(_module_tensors(module))
+    name_of = tensor_namer(_module_tensors(module) + captured_tensors(list(mods.values())))
     src = str(path.resolve())
     aux: dict[str, torch.Tensor] = {}
     score = mask = None

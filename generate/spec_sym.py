@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -25,7 +26,7 @@ from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, wa
 
 __all__ = ["Sym", "dvar", "scalar_sym", "full", "arange", "load_leaf", "broadcast_to", "broadcast_shapes",
            "binary", "unary", "where", "permute", "unsqueeze", "squeeze", "expand", "view", "slice_", "select",
-           "index", "tril", "triu", "NEG_INF_THRESHOLD", "is_neg_inf"]
+           "index", "tril", "triu", "reduce", "UNROLL_LIMIT", "NEG_INF_THRESHOLD", "is_neg_inf"]
 
 # Additive fills at or below this value are treated as -inf (masking), e.g. -1e4, -1e9, finfo.min.
 NEG_INF_THRESHOLD = -1.0e4
@@ -93,8 +94,10 @@ def broadcast_to(s: Sym, shape: tuple[int, ...]) -> Sym:
 
 
 def _promote(a: Sym, b: Sym, op: ExprOp) -> torch.dtype:
-    if op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR):
+    if op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE):
         return torch.bool
+    if op in (ExprOp.AND, ExprOp.OR) and a.is_bool and b.is_bool:
+        return torch.bool  # logical; on integers `&`/`|` are bitwise and promote like arithmetic
     if op is ExprOp.DIV and not (a.dtype.is_floating_point or b.dtype.is_floating_point):
         return torch.float32
     return torch.promote_types(a.dtype, b.dtype)
@@ -263,6 +266,29 @@ def _nonnegative(e: Expr, shape: tuple[int, ...]) -> bool:
 def _may_be_negative(e: Expr) -> bool:
     return any(n.op in (ExprOp.SUB, ExprOp.NEG) or (n.op is ExprOp.CONST and isinstance(n.value, (int, float)) and n.value < 0)
                for n in walk(e))
+
+
+UNROLL_LIMIT = 64  # elements a reduction (torch.any/all/sum/dot) may combine: each becomes a term of the expression
+
+
+def reduce(s: Sym, dims: Sequence[int] | None, op: ExprOp, keepdim: bool, dtype: torch.dtype) -> Sym:
+    """`s` reduced over `dims` (None: all) by the binary `op` (OR: any, AND: all, ADD: sum), unrolled: the
+    result is one term per reduced element, folded to the left. An empty reduction is op's unit."""
+    n = len(s.shape)
+    red = sorted({d % n for d in dims} if dims is not None else range(n))
+    count = math.prod(s.shape[d] for d in red)
+    if count > UNROLL_LIMIT:
+        raise KBError(f"a reduction over {count} elements (more than {UNROLL_LIMIT} are not unrolled into the expression)")
+    kept = [k for k in range(n) if k not in red]
+    rename = {k: dvar(k if keepdim else kept.index(k)) for k in kept}
+    terms = [_rename(s.expr, rename | {d: const(i) for d, i in zip(red, combo)})
+             for combo in itertools.product(*(range(s.shape[d]) for d in red))]
+    unit = {ExprOp.OR: const(False), ExprOp.AND: const(True)}.get(op, const(0))
+    expr = terms[0] if terms else unit
+    for t in terms[1:]:
+        expr = Expr(op, (expr, t))
+    shape = tuple(1 if k in red else m for k, m in enumerate(s.shape)) if keepdim else tuple(s.shape[k] for k in kept)
+    return Sym(shape, expr, dtype)
 
 
 def tril(s: Sym, diagonal: int = 0) -> Sym:

@@ -43,6 +43,7 @@ from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
 from kb.ir.nodes import SCHEDULE_CONSTANTS
 from kb.lower.triton_host import host_name_clash
+from verify.flex_mods import TensorIndexing, mod_functions
 
 __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
            "SCORE_OPS", "supported_ops"]
@@ -127,6 +128,7 @@ class _State:
 def _where(node: torch.fx.Node, source: str | None) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
+    frames = [f for f in frames if f[0] != __file__]  # _Mod.forward: the call of a mod, not its line
     if source:
         mine = [f for f in frames if f[0] == source]
         frames = mine or frames
@@ -447,6 +449,7 @@ _BIN = {
     "bitwise_or": ExprOp.OR, "logical_or": ExprOp.OR, "__or__": ExprOp.OR,
     "maximum": ExprOp.MAXIMUM, "minimum": ExprOp.MINIMUM, "remainder": ExprOp.MOD,
     "floor_divide": ExprOp.FLOORDIV,
+    "__lshift__": ExprOp.SHL, "bitwise_left_shift": ExprOp.SHL, "__rshift__": ExprOp.SHR, "bitwise_right_shift": ExprOp.SHR,
 }
 _UN = {"neg": ExprOp.NEG, "bitwise_not": ExprOp.NOT, "logical_not": ExprOp.NOT, "abs": ExprOp.ABS,
        "exp": ExprOp.EXP, "exp2": ExprOp.EXP2, "log": ExprOp.LOG, "tanh": ExprOp.TANH, "sigmoid": ExprOp.SIGMOID,
@@ -494,7 +497,8 @@ def supported_ops() -> dict[str, tuple[str, ...]]:
             "attention": tuple(sorted(_ATTENTION_OPS))}
 
 
-_REFUSED = {"empty": "uninitialised tensor (torch.empty)"}  # ops named with a reason of their own
+_REFUSED = {"empty": "uninitialised tensor (torch.empty)",  # ops named with a reason of their own
+            "new_empty": "uninitialised tensor (Tensor.new_empty)"}
 
 
 def _sym_op(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
@@ -681,6 +685,71 @@ def _full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st:
 def _full_like(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     value = {"ones_like": 1, "zeros_like": 0}.get(pk, args[1] if len(args) > 1 else 0)
     return S.full(_out_shape(node) or (), value, _dtype_of(node))
+
+
+@_score_op("new_ones", "new_zeros", "new_full")
+def _new_full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`x.new_ones(size)` and kin (FlexAttention's `and_masks`, `or_masks` and `noop_mask` start from one)."""
+    value = {"new_ones": 1, "new_zeros": 0}.get(pk, args[2] if len(args) > 2 else kw.get("fill_value"))
+    return S.full(_out_shape(node) or (), value, _dtype_of(node))
+
+
+@_score_op("gelu")
+def _gelu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`F.gelu(x)`: x * (1 + erf(x / sqrt(2))) / 2; approximate="tanh": x * (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))) / 2."""
+    arg = _sym(args[0], node, st)
+    x = arg.expr
+    approximate = args[1] if len(args) > 1 else kw.get("approximate", "none")
+    if approximate == "tanh":
+        cube = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, x)), x))
+        inner = Expr(ExprOp.MUL, (const(math.sqrt(2.0 / math.pi)), Expr(ExprOp.ADD, (x, Expr(ExprOp.MUL, (const(0.044715), cube))))))
+        gate = call("tanh", inner)
+    else:
+        gate = call("erf", Expr(ExprOp.MUL, (x, const(1.0 / math.sqrt(2.0)))))
+    e = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, const(0.5))), Expr(ExprOp.ADD, (const(1.0), gate))))
+    return Sym(arg.shape, e, _dtype_of(node))
+
+
+@_score_op("silu")
+def _silu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    return Sym(x.shape, Expr(ExprOp.MUL, (x.expr, call("sigmoid", x.expr))), _dtype_of(node))
+
+
+@_score_op("relu")
+def _relu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    x = _sym(args[0], node, st)
+    return S.binary(ExprOp.MAXIMUM, x, S.scalar_sym(0.0 if x.dtype.is_floating_point else 0), _dtype_of(node))
+
+
+_REDUCE = {"any": ExprOp.OR, "all": ExprOp.AND, "sum": ExprOp.ADD}
+
+
+@_score_op(*_REDUCE)
+def _reduction(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`x.any(dim)`, `x.all(dim)`, `x.sum(dim)` over a dim of a loaded table (VSA's top-k membership test),
+    unrolled into one term per element (at most spec_sym.UNROLL_LIMIT)."""
+    x = _sym(args[0], node, st)
+    dims = args[1] if len(args) > 1 else kw.get("dim")
+    keepdim = bool(args[2] if len(args) > 2 else kw.get("keepdim", False))
+    dtype = _dtype_of(node)
+    x = _cast(x, torch.bool if pk != "sum" else dtype, node, st)
+    return _unrolled(node, st, x, [dims] if isinstance(dims, int) else dims, _REDUCE[pk], keepdim, dtype)
+
+
+@_score_op("dot")
+def _dot(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`torch.dot(a, b)` of two 1-D vectors (MLA's decoupled RoPE term), unrolled as sum(a[i] * b[i])."""
+    prod = S.binary(ExprOp.MUL, _sym(args[0], node, st), _sym(args[1], node, st), _dtype_of(node))
+    return _unrolled(node, st, prod, [0], ExprOp.ADD, False, _dtype_of(node))
+
+
+def _unrolled(node: torch.fx.Node, st: _State, x: Sym, dims: Sequence[int] | None, op: ExprOp, keepdim: bool,
+              dtype: torch.dtype) -> Sym:
+    try:
+        return S.reduce(x, dims, op, keepdim, dtype)
+    except KBError as err:
+        raise _err(node, st, str(err)) from None
 
 
 @_score_op("embedding")
@@ -1214,6 +1283,22 @@ def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
     return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
 
+class _Mod(torch.nn.Module):
+    """A mod as a module: make_fx records source lines (node stack traces) in a module's forward and in the
+    functions registered as its anchors (the mod and what it calls), so errors name the mod's line."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # else: errors name no line
+        for f in mod_functions([fn]) if anchor is not None else ():
+            if (f.__module__ or "").split(".")[0] != "torch":  # torch's own frames (and_masks, F.relu) name no user line
+                anchor(f)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.fn(*args)
+
+
 def trace_mod(
     fn: Callable[..., Any],
     params: Sequence[str],
@@ -1221,14 +1306,16 @@ def trace_mod(
     source: str | None = None,
     boolean: bool = False,
 ) -> tuple[Expr, dict[str, torch.Tensor]]:
-    """Trace a FlexAttention-style mod: each parameter is a one-element tensor standing for
-    the variable of the same name (score: fp32, indices: int32). Returns (expr, aux)."""
-    inputs = [torch.zeros(1, dtype=torch.float32 if p == "score" else torch.int32) for p in params]
-    gm = _make_fx(fn, inputs, f"{getattr(fn, '__name__', 'mod')}()")
+    """Trace a FlexAttention-style mod: each parameter is a 0-dim tensor standing for the variable of the
+    same name (score: fp32, indices: int32), as FlexAttention's vmap passes them, so indexing a table by
+    them drops its dim (`intervals[i][0]`). Returns (expr, aux)."""
+    inputs = [torch.zeros((), dtype=torch.float32 if p == "score" else torch.int32) for p in params]
+    with TensorIndexing():
+        gm = _make_fx(_Mod(fn), inputs, f"{getattr(fn, '__name__', 'mod')}()", source)
     st = _State(names={}, name_of=name_of, source=source)
     env: dict[torch.fx.Node, Any] = {}
     for node, p, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], params, inputs):
-        env[node] = Sym((1,), var(p), x.dtype)
+        env[node] = Sym((), var(p), x.dtype)
     out = _run(gm, env, st)
     if not isinstance(out, Sym):
         raise KBError(f"{getattr(fn, '__name__', 'mod')}() must return a tensor computed from its arguments")

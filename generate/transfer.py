@@ -100,12 +100,10 @@ def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:
     return tuple(kept) + tuple(extra)
 
 
-def _kv_loop(body: tuple[Stmt, ...]) -> For | None:
-    """The KV loop: the For whose body holds the online softmax update."""
-    for st in body:
-        if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body)):
-            return st
-    return None
+def _kv_loops(body: tuple[Stmt, ...]) -> list[For]:
+    """The KV loops: the Fors whose bodies hold the online softmax update (the AMD Triton kernel has two: its
+    full blocks, then the padded last one)."""
+    return [st for st in body if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body))]
 
 
 def _q_start(body: tuple[Stmt, ...]) -> Expr:
@@ -149,16 +147,23 @@ def _adapt_heads(kernel: Kernel) -> Kernel:
 
 
 def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kernel:
+    """Every KV loop gets the target's variant application. The first also gets the strategy's bounds; when
+    those are the whole KV range or the mask's band (DERIVE, BLOCK_MASK outside a split), it covers what the
+    reference's later KV loops did (a padded last block), so they go: kept, they would count those keys twice."""
     kernel = _adapt_heads(kernel)
-    loop = _kv_loop(kernel.body)
-    if loop is None:
+    loops = _kv_loops(kernel.body)
+    if not loops:
         return kernel  # e.g. a split-KV combine kernel: nothing variant-specific
     q_start = _q_start(kernel.body)
-    mask_at = _mask_at(loop, q_start)
-    inner = _rewrite_loop_body(loop.body, target, strategy, mask_at)
-    lo, hi = _bounds(loop, target, strategy, q_start, _split_axes(kernel))
-    new_loop = replace(loop, lo=lo, hi=hi, body=inner)
-    return replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
+    split = _split_axes(kernel)
+    covers_all = strategy is not Strategy.REUSE and not (split & (free_vars(loops[0].lo) | free_vars(loops[0].hi)))
+    new: dict[int, For | None] = {}
+    for i, loop in enumerate(loops):
+        inner = _rewrite_loop_body(loop.body, target, strategy, _mask_at(loop, q_start))
+        lo, hi = _bounds(loop, target, strategy, q_start, split) if i == 0 else (loop.lo, loop.hi)
+        new[id(loop)] = None if i > 0 and covers_all else replace(loop, lo=lo, hi=hi, body=inner)
+    body = tuple(new.get(id(st), st) for st in kernel.body)
+    return replace(kernel, body=tuple(st for st in body if st is not None))
 
 
 def _mask_at(loop: For, q_start: Expr) -> TileAt:

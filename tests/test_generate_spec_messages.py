@@ -66,3 +66,39 @@ def test_docs_list_the_supported_ops() -> None:
     listed = {m.group(1): tuple(re.findall(r"`([^`]+)`", m.group(2)))
               for m in re.finditer(r"^- ([^:]+): (.*)$", section, re.M)}
     assert listed == supported_ops(), "docs/specs.md's list of supported ops drifted from generate.spec_trace"
+
+
+def _flex_spec(path, body: str, shapes: str = "dict(B=1, H=2, S=16, D=8)"):  # noqa: ANN001, ANN202
+    """A FlexAttention spec at `path` with mask_mod's body `body` (its line 5) and a 16 x 200 int table T."""
+    path.write_text("import torch\n"
+                    f"SHAPES = {shapes}\n"
+                    "T = torch.arange(3200).reshape(16, 200) % 7\n"
+                    "def mask_mod(b, h, q_idx, kv_idx):\n"
+                    f"    {body}\n")
+    return path
+
+
+def test_flex_mod_errors_name_the_mod_line(tmp_path) -> None:  # noqa: ANN001
+    p = _flex_spec(tmp_path / "sin_mask.py", "return torch.sin(q_idx.float()) > 0")
+    with pytest.raises(KBError, match=r"aten op sin.default, at .*sin_mask.py:5: return torch.sin"):
+        load_spec(p)
+
+
+def test_flex_reduction_is_unrolled_up_to_a_limit(tmp_path) -> None:  # noqa: ANN001
+    ok = load_spec(_flex_spec(tmp_path / "any4.py", "return (T[q_idx][:4] == kv_idx % 7).any(-1)"))
+    assert ok.variants_text().count("T[q_idx,") == 4
+    with pytest.raises(KBError, match=r"a reduction over 200 elements \(more than 64 are not unrolled.*any.dim.*any200.py:5"):
+        load_spec(_flex_spec(tmp_path / "any200.py", "return (T[q_idx] == kv_idx % 7).any(-1)"))
+
+
+@pytest.mark.parametrize("dtype,name", [("torch.bfloat16", "bf16"), ("'bfloat16'", "bf16"), ("torch.float16", "fp16"),
+                                        ("'fp32'", "fp32")])
+def test_flex_shapes_dtype_spellings(tmp_path, dtype: str, name: str) -> None:  # noqa: ANN001
+    p = _flex_spec(tmp_path / "dt.py", "return q_idx >= kv_idx", f"dict(B=1, H=2, S=16, D=8, dtype={dtype})")
+    assert load_spec(p).shapes.dtype == name
+
+
+def test_flex_shapes_refuse_other_dtypes(tmp_path) -> None:  # noqa: ANN001
+    p = _flex_spec(tmp_path / "dt.py", "return q_idx >= kv_idx", "dict(B=1, H=2, S=16, D=8, dtype=torch.int32)")
+    with pytest.raises(KBError, match=r"SHAPES dtype torch.int32 is not one of fp32, bf16, fp16"):
+        load_spec(p)

@@ -26,6 +26,7 @@ from verify.load import CandidateImportError, SpecError, check_signatures, load_
 from verify.options import VerifyOptions
 from verify.result import Finding, Verdict, VerifyResult
 from verify.session import Session
+from verify.shapes import held_summary
 from verify.static import scan_candidate
 
 __all__ = ["run_in_process", "main"]
@@ -73,6 +74,8 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
     message = finding.message if finding else f"passed {session.calls} calls over {len(session.cases_run)} shapes"
     if finding is None and opts.backward:
         message += f", gradients of {', '.join(session.targets.labels)} checked on {session.bwd_calls} backward calls"
+    if finding is None and spec.fixed_dims:
+        message += f"; {held_summary(spec.fixed_dims)}"
     timing = session.time_it() if finding is None else None
     return session.result(verdict, message, finding, timing, time.monotonic() - start, base)
 

@@ -3,7 +3,7 @@ its module-level `score_mod` / `mask_mod`, and `get_inputs()` / `get_init_inputs
 
 The reference follows FlexAttention's semantics (docs/specs.md):
     scores = q @ k^T * scale                     # fp32; scale None = 1/sqrt(D)
-    scores = score_mod(scores, b, h, q_idx, kv_idx)  # elementwise, broadcast int32 index tensors
+    scores = score_mod(scores, b, h, q_idx, kv_idx)  # vmapped over 0-dim int32 indices (verify.flex_mods)
     scores[~mask_mod(b, h, q_idx, kv_idx)] = -inf
     out = softmax(scores) @ v                    # kv heads repeated (GQA: head h reads h // (Hq // Hkv)); [B, Hq, M, Dv]
 Rows with no visible key give 0. The output has q's dtype, as FlexAttention returns.
@@ -18,7 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-__all__ = ["FlexShapes", "DTYPES", "parse_shapes", "dense_attention", "flex_entry_points", "is_flex_module"]
+from verify.flex_mods import evaluate_mods, move_captured
+
+__all__ = ["FlexShapes", "DTYPES", "dtype_name", "parse_shapes", "dense_attention", "flex_entry_points", "is_flex_module"]
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Mod = Callable[..., Any]
@@ -41,13 +43,26 @@ class FlexShapes:
             object.__setattr__(self, "Dv", self.D)
 
 
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"} | {
+    str(t): name for name, t in DTYPES.items()}  # "torch.bfloat16" -> "bf16"
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name in DTYPES of a `SHAPES` dtype: a torch dtype (torch.bfloat16) or its name ("bf16", "bfloat16");
+    ValueError naming the accepted ones."""
+    name = str(dtype)
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)} "
+                         "(or torch.float32, torch.bfloat16, torch.float16)")
+    return name
+
+
 def parse_shapes(d: Any) -> FlexShapes:
     """`SHAPES` of a FlexAttention-style spec; ValueError saying what is missing or wrong."""
     if not isinstance(d, Mapping):
         raise ValueError("a FlexAttention-style spec needs SHAPES = dict(B=, Hq=, Hkv=, M=, N=, D=, dtype=) (Dv= optional)")
-    dtype = str(d.get("dtype", "fp32"))
-    if dtype not in DTYPES:
-        raise ValueError(f"SHAPES dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = dtype_name(d.get("dtype", "fp32"))
     try:
         Hq, M = int(d.get("Hq", d.get("H"))), int(d.get("M", d.get("S")))
         scale = d.get("scale")
@@ -64,20 +79,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod
     B, Hq, M, D = q.shape
     rep = Hq // k.shape[1]
     kk, vv = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
-    N = kk.shape[2]
     s = (q.float() @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)
-    dev = q.device
-    b = torch.arange(B, dtype=torch.int32, device=dev).view(B, 1, 1, 1)
-    h = torch.arange(Hq, dtype=torch.int32, device=dev).view(1, Hq, 1, 1)
-    qi = torch.arange(M, dtype=torch.int32, device=dev).view(1, 1, M, 1)
-    ki = torch.arange(N, dtype=torch.int32, device=dev).view(1, 1, 1, N)
-    if score_mod is not None:
-        s = torch.as_tensor(score_mod(s, b, h, qi, ki)).float().expand(B, Hq, M, N)
-    keep = torch.ones(B, Hq, M, N, dtype=torch.bool, device=dev)
-    if mask_mod is not None:
-        keep = torch.as_tensor(mask_mod(b, h, qi, ki)).bool().expand(B, Hq, M, N)
+    s, keep = evaluate_mods(s, score_mod, mask_mod)
     p = torch.softmax(s.masked_fill(~keep, -math.inf), dim=-1)
-    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=dev))
+    p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype, device=q.device))
     return (p @ vv).to(q.dtype)
 
 
@@ -101,6 +106,7 @@ def flex_entry_points(module: Any) -> tuple[type, Callable[[], list[Any]], Calla
 
         def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             _globals_to(module, q.device)
+            move_captured([m for m in (score_mod, mask_mod) if m is not None], q.device)
             return dense_attention(q, k, v, score_mod, mask_mod, shapes.scale)
 
     def get_inputs() -> list[Any]:

@@ -4,7 +4,8 @@ A spec defines `Model(nn.Module)`, `get_inputs()`, `get_init_inputs()` and may d
 `get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype)`, `get_shapes()` / `SHAPES`, `CROSS`, `GQA`
 and `CAUSAL`. A FlexAttention-style spec (module-level `score_mod` / `mask_mod` and a
 `SHAPES` dict, no Model) gets those three from `verify.flex`: a dense-PyTorch Model of its
-mods and inputs drawn at `SHAPES`. A candidate defines `ModelNew(nn.Module)` with the same constructor and
+mods and inputs drawn at `SHAPES`; the dims its mods' data fixes (`document_id[q_idx]` over a
+captured [S] tensor fixes M and N) are `Spec.fixed_dims`, which shape planning keeps. A candidate defines `ModelNew(nn.Module)` with the same constructor and
 forward parameters. User mistakes in the spec or in the pairing raise `SpecError`; a
 candidate that does not import raises `CandidateImportError` (a compile_error verdict).
 """
@@ -15,12 +16,13 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from verify.flex import flex_entry_points, is_flex_module
+from verify.flex_mods import data_bound_dims
 
 __all__ = ["Spec", "SpecError", "CandidateImportError", "load_spec", "load_candidate", "check_signatures"]
 
@@ -49,6 +51,9 @@ class Spec:
     cross: bool
     gqa: bool
     causal: bool
+    # dims ("B", "Hq", "M", "N") the spec's data fixes -> why (FlexAttention specs whose mods read captured tensors;
+    # verify.flex_mods.data_bound_dims): shape cases keep the spec's own value of each
+    fixed_dims: Mapping[str, str] = field(default_factory=dict)
 
 
 def _import_file(path: Path, name: str) -> ModuleType:
@@ -94,10 +99,14 @@ def _flex_spec(path: Path, module: ModuleType) -> Spec:
         model_cls, get_inputs, get_init_inputs, shapes = flex_entry_points(module)
     except ValueError as err:
         raise SpecError(f"spec {path}: {err}") from None
+    mods = [getattr(module, n, None) for n in ("score_mod", "mask_mod")]
+    fixed = data_bound_dims(*(m if callable(m) else None for m in mods),
+                            {"B": shapes.B, "Hq": shapes.Hq, "M": shapes.M, "N": shapes.N})
     return Spec(
         path=path.resolve(), module=module, model_cls=model_cls, get_inputs=get_inputs,
         get_init_inputs=get_init_inputs, get_inputs_for=None, shape_hints=(),
         cross=shapes.M != shapes.N, gqa=shapes.Hq != shapes.Hkv, causal=bool(getattr(module, "CAUSAL", False)),
+        fixed_dims=fixed,
     )
 
 

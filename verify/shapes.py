@@ -7,20 +7,22 @@ varied only when every other input is shape-free (scalars, flags) or the spec pr
 `get_inputs_for`; otherwise only the spec's own shape plus batch variation are used,
 and a note says so. Seq_q differs from seq_kv only for `CROSS = True` specs or specs
 whose own shapes differ; head counts change only for `GQA = True` specs or specs whose
-own Hq != Hkv. A planned shape that the spec's Model rejects is dropped with a note.
+own Hq != Hkv. A planned shape that the spec's Model rejects is dropped with a note. Dims a
+FlexAttention spec's data fixes (`Spec.fixed_dims`) keep the spec's own value in every case, and a note
+says which and why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from verify.load import Spec
 from verify.result import ShapeCase
 
-__all__ = ["Layout", "find_layout", "plan_cases", "RAGGED"]
+__all__ = ["Layout", "find_layout", "plan_cases", "held_summary", "RAGGED"]
 
 RAGGED = (37, 1, 100, 129)  # none divisible by 16/32/64/128
 CROSS_PAIRS = ((1, 129), (37, 100), (100, 37))
@@ -71,11 +73,35 @@ def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[Shap
         notes.append("spec has extra tensor inputs and no get_inputs_for(B, Hq, Hkv, Sq, Skv, D, dtype): "
                      "only the spec's own shapes plus batch variation are used")
         cases += [replace(own, B=b, origin="batch") for b in (1, 2 * own.B) if b != own.B]
+    if spec.fixed_dims:
+        cases = [_hold(c, own, spec.fixed_dims) for c in cases]
+        notes.append(_held_note(own, spec.fixed_dims))
     unique = list(dict.fromkeys(cases))
     dropped = len(unique) - max_cases
     if dropped > 0:
         notes.append(f"{dropped} planned shape cases left out (max_cases={max_cases})")
     return unique[:max_cases], notes
+
+
+_CASE_FIELD = {"B": "B", "Hq": "Hq", "M": "Sq", "N": "Skv"}  # verify.flex_mods.DIMS -> ShapeCase fields
+
+
+def _hold(case: ShapeCase, own: ShapeCase, fixed: Mapping[str, str]) -> ShapeCase:
+    """`case` with every dim the spec's data fixes at the spec's own value."""
+    return replace(case, **{_CASE_FIELD[d]: getattr(own, _CASE_FIELD[d]) for d in fixed})
+
+
+def held_summary(fixed: Mapping[str, str]) -> str:
+    """One line for a verdict's message: which dims were held at the spec's own values."""
+    return f"{', '.join(_CASE_FIELD[d] for d in fixed)} held at the spec's own (fixed by the data its mods read)"
+
+
+def _held_note(own: ShapeCase, fixed: Mapping[str, str]) -> str:
+    held = ", ".join(f"{_CASE_FIELD[d]}={getattr(own, _CASE_FIELD[d])}" for d in fixed)
+    why = "; ".join(f"{_CASE_FIELD[d]} + 1: {reason}" for d, reason in fixed.items())
+    both = "M" in fixed and "N" in fixed
+    return (f"held at the spec's own {held}: the mods read captured data of that extent ({why})"
+            + ("; no sequence lengths but the spec's own are tried (ragged, cross)" if both else ""))
 
 
 def _seq_variants(spec: Spec, own: ShapeCase) -> list[ShapeCase]:

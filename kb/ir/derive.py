@@ -4,8 +4,8 @@
 kv_idx, scalars, aux loads); `aux_partials(body, tensor)` gives, for each distinct load
 `tensor[idx...]` in the body, its index exprs and d body / d tensor[idx...].
 
-Rules: integer and boolean subexpressions (comparisons, `//`, `%`, `cdiv`, `trunc`, loads of int
-tensors used as indices) are piecewise constant, so their derivative is 0; `where(c, a, b)` differentiates
+Rules: integer and boolean subexpressions (comparisons, `//`, `%`, `cdiv`, `trunc`, bitwise ops and shifts,
+loads of int tensors used as indices) are piecewise constant, so their derivative is 0; `where(c, a, b)` differentiates
 its branches; `maximum`/`minimum` take the branch they select (ties go to the first argument);
 `abs` has derivative sign(x) with sign(0) = 1. Results are simplified (0 and 1 folded), so
 `score + slopes[h] * (kv_idx - q_idx)` has derivative `1` and softcap's `c * tanh(score / c)`
@@ -35,7 +35,7 @@ _ALONG_ROW = frozenset({"score", "kv_idx"})  # what varies along a row of a scor
 
 _ZERO_OPS = frozenset({
     ExprOp.CONST, ExprOp.LOAD, ExprOp.FLOORDIV, ExprOp.MOD, ExprOp.CDIV, ExprOp.LT, ExprOp.LE, ExprOp.GT,
-    ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT, ExprOp.TRUNC,
+    ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT, ExprOp.TRUNC, ExprOp.SHL, ExprOp.SHR,
 })
 _HOLE = "__wrt__"  # the variable a load occurrence is replaced by while differentiating w.r.t. it
 
@@ -165,6 +165,11 @@ def _d_tanh(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
     return _mul(_sub(const(1), _mul(t, t)), d[0])
 
 
+def _d_erf(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
+    # erf'(x) = 2 / sqrt(pi) * exp(-x^2)
+    return _mul(_mul(const(2.0 / math.sqrt(math.pi)), call("exp", _neg(_mul(x[0], x[0])))), d[0])
+
+
 def _d_sigmoid(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
     s = call("sigmoid", x[0])
     return _mul(_mul(s, _sub(const(1), s)), d[0])
@@ -182,6 +187,7 @@ _RULES = {
     ExprOp.LOG: lambda x, d: _div(d[0], x[0]),
     ExprOp.TANH: _d_tanh,
     ExprOp.SIGMOID: _d_sigmoid,
+    ExprOp.ERF: _d_erf,
     ExprOp.ABS: lambda x, d: _mul(call("where", Expr(ExprOp.LT, (x[0], const(0))), const(-1), const(1)), d[0]),
     ExprOp.SQRT: lambda x, d: _div(d[0], _mul(const(2), call("sqrt", x[0]))),
     ExprOp.MAXIMUM: lambda x, d: _where(Expr(ExprOp.GE, (x[0], x[1])), d[0], d[1]),

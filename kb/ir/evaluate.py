@@ -5,7 +5,8 @@ mask/score classification. `varlen_attention` is the torch reference for token-m
 and paged layouts (`paged_to_token_major`, `pool_to_token_major` unpage a cache first): dense
 attention run per sequence, what a lifted serving kernel is verified against. Semantics match the
 lowerings: `//` and `%` are floor division/modulo, `trunc` rounds toward zero to an int64,
-`&`/`|`/`~` are logical on booleans, loads index aux tensors with (broadcast) integer index tensors.
+`&`/`|`/`~` are logical on booleans and bitwise on integers (Python's rule; `<<`, `>>` shift integers), loads
+index aux tensors with (broadcast) integer index tensors.
 """
 
 from __future__ import annotations
@@ -51,9 +52,28 @@ def _binary(op: ExprOp, a: Value, b: Value) -> Value:
         case ExprOp.GE: return _t(a) >= b
         case ExprOp.EQ: return _t(a) == b
         case ExprOp.NE: return _t(a) != b
-        case ExprOp.AND: return _t(a).bool() & _t(b).bool()
-        case ExprOp.OR: return _t(a).bool() | _t(b).bool()
+        case ExprOp.AND | ExprOp.OR:
+            x, y = (_t(v) for v in (a, b)) if _bitwise(a, b) else (_t(a).bool(), _t(b).bool())
+            return x & y if op is ExprOp.AND else x | y
+        case ExprOp.SHL: return _t(a) << b
+        case ExprOp.SHR: return _t(a) >> b
     raise AssertionError(op)
+
+
+def _is_int(x: Value) -> bool:
+    if isinstance(x, torch.Tensor):
+        return not x.is_floating_point() and x.dtype != torch.bool
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_bool(x: Value) -> bool:
+    return x.dtype == torch.bool if isinstance(x, torch.Tensor) else isinstance(x, bool)
+
+
+def _bitwise(a: Value, b: Value) -> bool:
+    """`&`/`|` is bitwise when an operand is an integer and neither is a float (True & 3 == 1, as in Python);
+    logical on booleans (and, as before integer support, on floats taken as truth values)."""
+    return (_is_int(a) or _is_int(b)) and all(_is_int(x) or _is_bool(x) for x in (a, b))
 
 
 def _scalar_binary(op: ExprOp, a: int | float | bool, b: int | float | bool) -> int | float | bool:
@@ -70,18 +90,21 @@ def _scalar_binary(op: ExprOp, a: int | float | bool, b: int | float | bool) -> 
         case ExprOp.GE: return a >= b
         case ExprOp.EQ: return a == b
         case ExprOp.NE: return a != b
-        case ExprOp.AND: return bool(a) and bool(b)
-        case ExprOp.OR: return bool(a) or bool(b)
+        case ExprOp.AND: return a & b if _bitwise(a, b) else bool(a) and bool(b)  # type: ignore[operator]
+        case ExprOp.OR: return a | b if _bitwise(a, b) else bool(a) or bool(b)  # type: ignore[operator]
+        case ExprOp.SHL: return a << b  # type: ignore[operator]
+        case ExprOp.SHR: return a >> b  # type: ignore[operator]
     raise AssertionError(op)
 
 
 _UNARY_T = {
     ExprOp.EXP: torch.exp, ExprOp.EXP2: torch.exp2, ExprOp.LOG: torch.log, ExprOp.TANH: torch.tanh,
-    ExprOp.SIGMOID: torch.sigmoid, ExprOp.ABS: torch.abs, ExprOp.SQRT: torch.sqrt,
+    ExprOp.SIGMOID: torch.sigmoid, ExprOp.ABS: torch.abs, ExprOp.SQRT: torch.sqrt, ExprOp.ERF: torch.erf,
 }
 _UNARY_S = {
     ExprOp.EXP: math.exp, ExprOp.EXP2: lambda x: 2.0 ** x, ExprOp.LOG: math.log, ExprOp.TANH: math.tanh,
     ExprOp.SIGMOID: lambda x: 1.0 / (1.0 + math.exp(-x)), ExprOp.ABS: abs, ExprOp.SQRT: math.sqrt,
+    ExprOp.ERF: math.erf,
 }
 
 
@@ -107,7 +130,10 @@ def eval_expr(e: Expr, env: Mapping[str, Value], tensors: Mapping[str, AuxTable]
     if op is ExprOp.NEG:
         return -args[0]
     if op is ExprOp.NOT:
-        return ~_t(args[0]).bool() if isinstance(args[0], torch.Tensor) else not args[0]
+        (a,) = args
+        if _is_int(a):
+            return ~a  # type: ignore[operator]  # bitwise on integers
+        return ~_t(a).bool() if isinstance(a, torch.Tensor) else not a
     if op is ExprOp.WHERE:
         c, x, y = args
         if not isinstance(c, torch.Tensor):

@@ -12,7 +12,9 @@ Invariants:
   minimal parentheses by precedence, floats in `repr` form). Well-formed includes: a NEG
   never wraps a numeric constant (negative constants are folded, as the parser does;
   build them with `const(-x)`).
-- `&`, `|`, `~` are logical and/or/not on boolean operands (as on tensors in torch).
+- `&`, `|`, `~` are Python's (and torch's): logical and/or/not on boolean operands, bitwise on integer
+  operands (a boolean beside an integer counts as 0 or 1); `<<` and `>>` shift integers (`>>` is
+  arithmetic: floor division by a power of two, as in Python).
 - `LOAD` reads an auxiliary tensor: `value` is the tensor name, `args` the indices.
 - Constants are int, float or bool; `inf` is the float infinity (a VAR named `inf` never exists).
 - `trunc(x)` is an integer: x truncated toward zero (torch's `.to(torch.int64)` of a float, so
@@ -69,6 +71,8 @@ class ExprOp(Enum):
     AND = "&"
     OR = "|"
     NOT = "~"
+    SHL = "<<"
+    SHR = ">>"
     NEG = "neg"
     # calls
     WHERE = "where"
@@ -83,6 +87,7 @@ class ExprOp(Enum):
     MINIMUM = "minimum"
     CDIV = "cdiv"
     TRUNC = "trunc"  # float -> integer, toward zero
+    ERF = "erf"  # the error function (exact GELU: x * (1 + erf(x / sqrt(2))) / 2)
 
 
 # name -> (op, arity)
@@ -90,18 +95,19 @@ CALLS: dict[str, tuple[ExprOp, int]] = {
     op.value: (op, 3 if op is ExprOp.WHERE else 2 if op in (ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV) else 1)
     for op in (
         ExprOp.WHERE, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID,
-        ExprOp.ABS, ExprOp.SQRT, ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV, ExprOp.TRUNC,
+        ExprOp.ABS, ExprOp.SQRT, ExprOp.MAXIMUM, ExprOp.MINIMUM, ExprOp.CDIV, ExprOp.TRUNC, ExprOp.ERF,
     )
 }
 
 _BINARY = {
     ExprOp.ADD, ExprOp.SUB, ExprOp.MUL, ExprOp.DIV, ExprOp.FLOORDIV, ExprOp.MOD,
     ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR,
+    ExprOp.SHL, ExprOp.SHR,
 }
 _COMPARE = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
 # Python precedence, higher binds tighter.
 _PREC = {
-    ExprOp.OR: 1, ExprOp.AND: 3,
+    ExprOp.OR: 1, ExprOp.AND: 3, ExprOp.SHL: 4, ExprOp.SHR: 4,
     **{op: 0 for op in _COMPARE},
     ExprOp.ADD: 5, ExprOp.SUB: 5,
     ExprOp.MUL: 6, ExprOp.DIV: 6, ExprOp.FLOORDIV: 6, ExprOp.MOD: 6,
@@ -217,6 +223,7 @@ def print_expr(e: Expr) -> str:
 _AST_BIN = {
     ast.Add: ExprOp.ADD, ast.Sub: ExprOp.SUB, ast.Mult: ExprOp.MUL, ast.Div: ExprOp.DIV,
     ast.FloorDiv: ExprOp.FLOORDIV, ast.Mod: ExprOp.MOD, ast.BitAnd: ExprOp.AND, ast.BitOr: ExprOp.OR,
+    ast.LShift: ExprOp.SHL, ast.RShift: ExprOp.SHR,
 }
 _AST_CMP = {
     ast.Lt: ExprOp.LT, ast.LtE: ExprOp.LE, ast.Gt: ExprOp.GT, ast.GtE: ExprOp.GE,

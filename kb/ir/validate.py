@@ -212,7 +212,7 @@ def _access_problems(st: Load | Store, env: _Env) -> Iterator[str]:
             yield from _scalar_exprs(env, ix)
 
 
-_FLOAT_CALLS = {ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT}
+_FLOAT_CALLS = {ExprOp.DIV, ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT, ExprOp.ERF}
 _BOOL_OPS = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR, ExprOp.NOT}
 _INT_DTYPES = (Dtype.I32, Dtype.I64)
 

@@ -16,6 +16,9 @@ Invariants:
 - Aux loads (`t[i, j]`) read `ptr[i*s0 + j*s1]` only when every index is in range, else 0
   (the IR's load rule); element types convert through the `kb_f` overloads.
 - `trunc(x)` of a float is the C++ conversion `(long long)(x)`, which truncates toward zero.
+- `&`, `|`, `~` are `&&`, `||`, `!` on booleans and the bitwise `&`, `|`, `~` on integers (a boolean operand
+  converted to 0/1); `<<`, `>>` shift integers (`>>` of a signed value is arithmetic, as in Python). `erf` is
+  `erff`.
 - Unknown names raise `KBError` (from `expr_context`), so nothing unbound is ever emitted.
 
 32-bit integers (`IntWidth`, optional): a caller that can prove value ranges (kb.lower.cuda_mma's
@@ -33,13 +36,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kb.ir.expr import Expr, ExprOp
-from kb.lower.expr_context import CMP_OPS, ExprContext, Kind, aux_ref, expr_kind, index_guards, is_nonneg, lookup
+from kb.lower.expr_context import (
+    CMP_OPS, ExprContext, Kind, aux_ref, expr_kind, index_guards, is_bitwise, is_nonneg, lookup,
+)
 
 __all__ = ["lower_cexpr", "cxx_type", "float_literal", "EXPR_HELPERS", "IntWidth"]
 
 _CXX_TYPE = {Kind.INT: "long long", Kind.FLOAT: "float", Kind.BOOL: "bool"}
 _FLOAT_FN = {ExprOp.EXP: "expf", ExprOp.EXP2: "exp2f", ExprOp.LOG: "logf", ExprOp.TANH: "tanhf",
-             ExprOp.SIGMOID: "kb_sigmoid", ExprOp.SQRT: "sqrtf"}
+             ExprOp.SIGMOID: "kb_sigmoid", ExprOp.SQRT: "sqrtf", ExprOp.ERF: "erff"}
 
 # Device/host helpers the lowered expressions call; part of every generated source's preamble.
 EXPR_HELPERS = r"""
@@ -172,10 +177,15 @@ def _lower_op(e: Expr, ctx: ExprContext, args: list[str], kinds: list[Kind], kin
     op = e.op
     if op is ExprOp.NEG:
         return f"(-{args[0]})"
+    if op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT) and is_bitwise(e, ctx):
+        ints = [_as(Kind.INT, a, k, itype) for a, k in zip(args, kinds)]
+        return f"(~{ints[0]})" if op is ExprOp.NOT else f"({ints[0]} {op.value} {ints[1]})"
     if op is ExprOp.NOT:
         return f"(!{args[0]})"
     if op in (ExprOp.AND, ExprOp.OR):
         return f"({args[0]} {'&&' if op is ExprOp.AND else '||'} {args[1]})"
+    if op in (ExprOp.SHL, ExprOp.SHR):
+        return f"({_as(Kind.INT, args[0], kinds[0], itype)} {op.value} {_as(Kind.INT, args[1], kinds[1], itype)})"
     if op in (ExprOp.FLOORDIV, ExprOp.MOD):
         if kind is Kind.FLOAT:
             fn = "kb_floordivf" if op is ExprOp.FLOORDIV else "kb_floormodf"

@@ -69,10 +69,14 @@ def ival(e: Expr, env: Mapping[str, Ival], aux: Mapping[str, Dtype]) -> Ival:
     if op is ExprOp.LOAD:
         dtype = aux.get(str(e.value))
         return _I32 if dtype is Dtype.I32 else (0, 1) if dtype is Dtype.BOOL else UNBOUNDED
-    if op in CMP_OPS or op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
+    if op in CMP_OPS:
         return (0, 1)
     a = [ival(x, env, aux) for x in e.args]
     closed = _closed(a)
+    if op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
+        return _bitwise_ival(e, a, closed)
+    if op is ExprOp.SHR and closed is not None and closed[0][0] >= 0 and closed[1][0] >= 0:
+        return (closed[0][0] >> closed[1][1], closed[0][1] >> closed[1][0])
     if op is ExprOp.ADD:
         return (None if a[0][0] is None or a[1][0] is None else a[0][0] + a[1][0],
                 None if a[0][1] is None or a[1][1] is None else a[0][1] + a[1][1])
@@ -104,6 +108,17 @@ def ival(e: Expr, env: Mapping[str, Ival], aux: Mapping[str, Dtype]) -> Ival:
         values = _closed(a[1:])
         if values is not None:
             return (min(r[0] for r in values), max(r[1] for r in values))
+    return UNBOUNDED
+
+
+def _bitwise_ival(e: Expr, a: list[Ival], closed: list[tuple[int, int]] | None) -> Ival:
+    """`&`, `|`, `~`: logical (0 or 1) on booleans, bitwise on integers; non-negative operands bound the result."""
+    if closed is not None and all(0 <= lo and hi <= 1 for lo, hi in closed):
+        return (0, 1)
+    if e.op is ExprOp.AND and any(lo is not None and lo >= 0 and hi is not None for lo, hi in a):
+        return (0, min(hi for lo, hi in a if lo is not None and lo >= 0 and hi is not None))
+    if e.op is ExprOp.OR and closed is not None and all(lo >= 0 for lo, _ in closed):
+        return (0, (1 << max(hi for _, hi in closed).bit_length()) - 1)
     return UNBOUNDED
 
 

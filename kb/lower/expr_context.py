@@ -19,8 +19,8 @@ from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp
 from kb.ir.nodes import SCHEDULE_CONSTANTS, Dtype, Param
 
-__all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "visible_names", "CMP_OPS", "FLOAT_CALLS", "lookup",
-           "aux_ref", "expr_kind", "is_nonneg", "index_guards"]
+__all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "visible_names", "CMP_OPS", "FLOAT_CALLS", "BITWISE_OPS", "lookup",
+           "aux_ref", "expr_kind", "is_bitwise", "is_nonneg", "index_guards", "index_guards_by_position"]
 
 
 class ExprTarget(Enum):
@@ -67,7 +67,8 @@ class ExprContext:
 
 
 CMP_OPS = {ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE}
-FLOAT_CALLS = {ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT}
+FLOAT_CALLS = {ExprOp.EXP, ExprOp.EXP2, ExprOp.LOG, ExprOp.TANH, ExprOp.SIGMOID, ExprOp.SQRT, ExprOp.ERF}
+BITWISE_OPS = {ExprOp.AND, ExprOp.OR, ExprOp.NOT}  # logical on booleans, bitwise on integers (Python's rule)
 
 
 def visible_names(dims: Iterable[str], scalars: Iterable[Param], local: Callable[[str], str] = str) -> dict[str, Sym]:
@@ -109,14 +110,22 @@ def expr_kind(e: Expr, ctx: ExprContext) -> Kind:
         return lookup(e, ctx).kind
     if op is ExprOp.LOAD:
         return aux_ref(e, ctx).kind
-    if op in CMP_OPS or op in (ExprOp.AND, ExprOp.OR, ExprOp.NOT):
+    if op in CMP_OPS:
         return Kind.BOOL
-    if op is ExprOp.TRUNC:
+    if op in BITWISE_OPS:
+        return Kind.INT if is_bitwise(e, ctx) else Kind.BOOL
+    if op in (ExprOp.TRUNC, ExprOp.SHL, ExprOp.SHR):
         return Kind.INT
     if op in FLOAT_CALLS or op is ExprOp.DIV:
         return Kind.FLOAT
     kinds = [expr_kind(a, ctx) for a in (e.args[1:] if op is ExprOp.WHERE else e.args)]
     return Kind.FLOAT if Kind.FLOAT in kinds else Kind.INT
+
+
+def is_bitwise(e: Expr, ctx: ExprContext) -> bool:
+    """Is `&`/`|`/`~` node `e` bitwise (an integer operand and no float one; True & 3 == 1) rather than logical?"""
+    kinds = [expr_kind(a, ctx) for a in e.args]
+    return Kind.INT in kinds and Kind.FLOAT not in kinds
 
 
 def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
@@ -130,6 +139,12 @@ def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
         return all(is_nonneg(a, ctx) for a in e.args)
     if op is ExprOp.MOD:
         return is_nonneg(e.args[1], ctx)  # floor modulo takes the divisor's sign
+    if op is ExprOp.SHR:
+        return is_nonneg(e.args[0], ctx)
+    if op is ExprOp.AND:  # bitwise: a non-negative operand clears the sign bit (a logical AND is never asked)
+        return any(is_nonneg(a, ctx) for a in e.args)
+    if op is ExprOp.OR:
+        return all(is_nonneg(a, ctx) for a in e.args)
     if op is ExprOp.MAXIMUM:
         return any(is_nonneg(a, ctx) for a in e.args)
     if op in (ExprOp.ABS, ExprOp.EXP, ExprOp.EXP2, ExprOp.SQRT, ExprOp.SIGMOID):
@@ -142,11 +157,17 @@ def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
 def index_guards(load: Expr, idx: list[str], ctx: ExprContext, zero: str) -> list[str]:
     """The in-range tests of aux load `load` whose indices lower to `idx` (`zero`: the target's 0 literal): `i >= 0`
     unless proven, `i < size` unless the index is a name known to stay below that size (a grid axis)."""
-    guards = []
+    return [g for per_index in index_guards_by_position(load, idx, ctx, zero) for g in per_index]
+
+
+def index_guards_by_position(load: Expr, idx: list[str], ctx: ExprContext, zero: str) -> list[list[str]]:
+    """`index_guards`, one list per index of the load."""
+    guards: list[list[str]] = []
     for a, i, size in zip(load.args, idx, aux_ref(load, ctx).sizes):
+        guards.append([])
         if a.op is ExprOp.VAR and lookup(a, ctx).below == size:
             continue  # a grid index below this size by construction (the host checks the aux shape)
         if not is_nonneg(a, ctx):
-            guards.append(f"({i} >= {zero})")
-        guards.append(f"({i} < {size})")
+            guards[-1].append(f"({i} >= {zero})")
+        guards[-1].append(f"({i} < {size})")
     return guards
