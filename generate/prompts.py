@@ -63,8 +63,8 @@ index       := EXPR | EXPR ":+" DIM ["until" EXPR] | ":"
              | "[" EXPR "for" NAME "in" "range(" DIM ")" ["if" EXPR] "]"   # a gathered axis
 DTYPE       := f32 | bf16 | f16 | i32 | i64 | bool
 ROLE        := in | out | aux | scalar | scratch
-EXPR        := a Python expression (see kb/ir/expr.py): + - * / // % < <= > >= == != & | ~,
-               where exp exp2 log tanh sigmoid abs sqrt maximum minimum cdiv trunc, tensor[i, j], inf
+EXPR        := a Python expression (see kb/ir/expr.py): + - * / // % << >> < <= > >= == != & | ~,
+               where exp exp2 log tanh sigmoid erf abs sqrt maximum minimum cdiv trunc, tensor[i, j], inf
 """
 
 _RULES = """\

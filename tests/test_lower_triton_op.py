@@ -155,7 +155,11 @@ def test_verifier_says_no_backward_with_the_reason(tmp_path: Path) -> None:
 def test_default_reason_and_its_replacement() -> None:
     src = lower_program(FIXTURES["causal"]())
     assert f"NO_BACKWARD = {NO_BACKWARD_DEFAULT!r}" in src
-    assert "NO_BACKWARD = 'why'" in with_backward_reason(src, "why")
+    why = with_backward_reason(src, "why")
+    assert "NO_BACKWARD = 'why'" in why
+    op_name = lambda text: next(x for x in text.splitlines() if x.startswith("OP_NAME = "))  # noqa: E731
+    assert op_name(why) != op_name(src)  # another reason, another operator: each raises its own
+    assert with_backward_reason(why, NO_BACKWARD_DEFAULT) == src
     with pytest.raises(Exception, match="has a backward"):
         with_backward_reason(lower_autograd(FIXTURES["causal"](), _causal_bwd()), "why")
 

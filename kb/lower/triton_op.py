@@ -35,12 +35,19 @@ __all__ = ["NO_BACKWARD_DEFAULT", "op_name", "op_section", "with_backward_reason
 NO_BACKWARD_DEFAULT = ("no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) "
                        "builds one where it can, and the report's backward.reason says why not")
 _NO_BACKWARD_LINE = "NO_BACKWARD = "
+_OP_NAME_LINE = "OP_NAME = "
+_SECTION_MARKER = "\n\n# ---- PyTorch operator:"
 
 
-def op_name(fwd: Program, module_text: str) -> str:
-    """The operator's name in the `kernel_kb` namespace (see the module docstring)."""
-    digest = hashlib.sha256(module_text.encode("utf-8")).hexdigest()[:8]
-    return f"k_{content_hash(fwd)[:16]}_{digest}"
+def op_name(fwd: Program, module_text: str, no_backward: str | None) -> str:
+    """The operator's name in the `kernel_kb` namespace (see the module docstring): the digest covers the module text
+    and why it has no backward, so two modules that differ only in that reason never share an operator."""
+    return _name(content_hash(fwd)[:16], module_text, no_backward)
+
+
+def _name(kernel_hex: str, module_text: str, no_backward: str | None) -> str:
+    digest = hashlib.sha256(f"{module_text}\0{no_backward}".encode("utf-8")).hexdigest()[:8]
+    return f"k_{kernel_hex}_{digest}"
 
 
 _SECTION = Template('''
@@ -192,7 +199,7 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
     bwd_all = bwd_names + bwd_aux
     no_backward_line = f"{_NO_BACKWARD_LINE}{None if bwd is not None else no_backward!r}  # None: it has a backward"
     return _SECTION.substitute(
-        kernel_id=repr("k-" + content_hash(fwd)[:16]), op_name=repr(op_name(fwd, module_text)),
+        kernel_id=repr("k-" + content_hash(fwd)[:16]), op_name=repr(op_name(fwd, module_text, None if bwd else no_backward)),
         no_backward_line=no_backward_line, aux=repr(tuple(aux)), scalars=repr(tuple(scalars)),
         bwd_aux=repr(tuple(bwd_aux)), bwd_scalars=repr(tuple(bwd_scalars)), learnable=repr(tuple(learnable)),
         fwd_params=_typed(["q", "k", "v", *aux], scalars), fwd_types=", ".join("torch.Tensor" for _ in outs),
@@ -206,13 +213,18 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
 
 
 def with_backward_reason(source: str, reason: str) -> str:
-    """A forward-only module's source with NO_BACKWARD saying `reason` (why `kb generate` built no backward)."""
-    lines = source.split("\n")
+    """A forward-only module's source with NO_BACKWARD saying `reason` (why `kb generate` built no backward), and the
+    OP_NAME that goes with it."""
+    text, marker, section = source.partition(_SECTION_MARKER)
+    lines = section.split("\n")
     at = [i for i, line in enumerate(lines) if line.startswith(_NO_BACKWARD_LINE)]
-    if len(at) != 1:
-        raise KBError("not a generated forward module with one NO_BACKWARD line")
-    old = lines[at[0]]
-    if old.startswith(f"{_NO_BACKWARD_LINE}None"):
+    name = [i for i, line in enumerate(lines) if line.startswith(_OP_NAME_LINE)]
+    if not marker or len(at) != 1 or len(name) != 1:
+        raise KBError("not a generated forward module with one operator section")
+    if lines[at[0]].startswith(f"{_NO_BACKWARD_LINE}None"):
         raise KBError("this module has a backward; it has no NO_BACKWARD reason to set")
     lines[at[0]] = f"{_NO_BACKWARD_LINE}{reason!r}  # None: it has a backward"
-    return "\n".join(lines)
+    old_name, comment = lines[name[0]][len(_OP_NAME_LINE):].split("  #", 1)
+    kernel_hex = old_name.strip("'\"").split("_")[1]
+    lines[name[0]] = f"{_OP_NAME_LINE}{_name(kernel_hex, text, reason)!r}  #{comment}"
+    return text + marker + "\n".join(lines)

@@ -622,7 +622,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-5791c12e312434fa'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_5791c12e312434fa_7c53b389'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_5791c12e312434fa_317afc59'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('slopes',)  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

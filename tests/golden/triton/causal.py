@@ -622,7 +622,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-9dbbf98c490a07cb'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_9dbbf98c490a07cb_a6ce3e66'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_9dbbf98c490a07cb_17b970c7'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

@@ -677,7 +677,7 @@ def block_class_table(*args, **kw):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-d7f9ee13ddcf805e'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_d7f9ee13ddcf805e_bdeeb829'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_d7f9ee13ddcf805e_ced0371d'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('doc_ids',)  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

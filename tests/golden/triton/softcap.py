@@ -618,7 +618,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-bb7f4d74329be3be'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_bb7f4d74329be3be_c892b0bb'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_bb7f4d74329be3be_db9d98f1'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('softcap',)  # then its float scalars, then sm_scale
