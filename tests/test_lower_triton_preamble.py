@@ -70,3 +70,21 @@ def test_block_table_cache_rebuilds_only_on_changed_inputs() -> None:
     assert pre._cached_table(key, (ids.clone(),), build) == "table1"  # same contents
     ids[2] = 0
     assert pre._cached_table(key, (ids,), build) == "table2"
+
+
+def test_a_scalar_bound_in_a_forward_tile_mask_runs_interpreted(tmp_path: Path) -> None:
+    """`rel[h % Hq, q_idx - kv_idx + N - 1]` puts a scalar test (h % Hq < Hq) into a tile's load mask: the
+    interpreter's splat of that boolean (fixed in the preamble) must keep it boolean in forward modules too."""
+    from kb.ir.interpret import run_program
+    from kb.ir.nodes import Dtype, Param, Role
+    from kb.lower.runtime import TritonKernel
+    from tests.support.ir_programs import forward
+
+    p = forward("rel_mod_fwd", score_mod="score + rel[h % Hq, q_idx - kv_idx + N - 1]",
+                aux=(Param("rel", ("Hq", "R"), Dtype.F32, Role.AUX),))
+    g = torch.Generator().manual_seed(3)
+    ins = {n: torch.randn(1, 2, 21, 16, generator=g) for n in ("q", "k", "v")}
+    ins["rel"] = torch.randn(2, 41, generator=g)
+    ins["sm_scale"] = 0.25
+    want, got = run_program(p, ins), TritonKernel.from_program(p, tmp_path).run(ins)
+    torch.testing.assert_close(got["o"], want["o"], atol=1e-5, rtol=1e-5)

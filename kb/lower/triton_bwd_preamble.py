@@ -4,7 +4,6 @@ The text between the two marker lines below is pasted, byte for byte, into each 
 right after the forward preamble (kb/lower/triton_preamble.py), whose names (os, torch, triton, tl, `_log`,
 `_interpreting`) it uses; here they are imported from there, so the text is linted and imported by tests like any other
 code. It holds:
-- an interpreter fix (`_bwd_interpreter_compat`), applied only when TRITON_INTERPRET=1;
 - the backward's own design choice per GPU and shape (`_choose_bwd_design`, `_bwd_fits`, cache `_BWD_PICKED`),
   apart from the forward's `_choose_design` so that a module can hold both (kb.lower.triton_bwd.lower_autograd).
 
@@ -13,39 +12,13 @@ after its kernels (kb.lower.triton_host.backward_design_lines writes them); the 
 stand in for them here.
 """
 
-import os
 
 import torch
 import triton
-import triton.language as tl
 
 from kb.lower.triton_preamble import _interpreting, _log  # one namespace with the forward preamble when pasted
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
-def _bwd_interpreter_compat():
-    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
-    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
-    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kb_bwd_compat", False):
-        return
-    splat = interpreter.InterpreterBuilder.create_splat
-
-    def bool_splat(self, ret_ty, arg):
-        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
-            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
-        return splat(self, ret_ty, arg)
-
-    interpreter.InterpreterBuilder.create_splat = bool_splat
-    interpreter._kb_bwd_compat = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _bwd_interpreter_compat()
-
-
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
 
 

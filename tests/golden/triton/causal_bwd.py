@@ -13,11 +13,13 @@ _log = logging.getLogger("kernel_kb.generated")
 
 
 def _interpreter_compat():
-    """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
+    """Three Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
-    (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
-    And two slow paths that compute nothing (_interpreter_speed)."""
+    (triton-lang/triton#9171; `range` over runtime bounds needs it); `tl.dot` multiplies
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs);
+    and a scalar comparison's handle keeps its operands' type (int32 for `h < Hq`), so splatting it into a tile
+    mask (`scalar_test & tile_test`) gives an int32 mask that tl.load and tl.atomic_add refuse: booleans are
+    splatted as booleans. And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -40,8 +42,16 @@ def _interpreter_compat():
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def bool_splat(self, ret_ty, arg):
+        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
+            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
+        return splat(self, ret_ty, arg)
+
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
+    interpreter.InterpreterBuilder.create_splat = bool_splat
     interpreter._kb_compat = True
 
 
@@ -432,30 +442,6 @@ def _direct(tensors):
         return False
     grad = torch.is_grad_enabled()
     return all(type(t) in _PLAIN_TENSORS and not (grad and t.requires_grad) for t in tensors)
-
-
-def _bwd_interpreter_compat():
-    """A Triton interpreter bug, fixed here only when interpreting: a scalar comparison's handle keeps its operands'
-    type (int32 for `h < Hq`), so splatting it into a tile mask (`scalar_test & tile_test`) gives an int32 mask that
-    tl.load and tl.atomic_add refuse; booleans are splatted as booleans."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kb_bwd_compat", False):
-        return
-    splat = interpreter.InterpreterBuilder.create_splat
-
-    def bool_splat(self, ret_ty, arg):
-        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
-            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
-        return splat(self, ret_ty, arg)
-
-    interpreter.InterpreterBuilder.create_splat = bool_splat
-    interpreter._kb_bwd_compat = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _bwd_interpreter_compat()
 
 
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)

@@ -13,11 +13,13 @@ _log = logging.getLogger("kernel_kb.generated")
 
 
 def _interpreter_compat():
-    """Two Triton 3.6 interpreter bugs, fixed here only when interpreting:
+    """Three Triton 3.6 interpreter bugs, fixed here only when interpreting:
     scalars become ints through int(array of shape (1,)), which NumPy >= 2.4 refuses
-    (triton-lang/triton#9171; `range` over runtime bounds needs it), and `tl.dot` multiplies
-    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs).
-    And two slow paths that compute nothing (_interpreter_speed)."""
+    (triton-lang/triton#9171; `range` over runtime bounds needs it); `tl.dot` multiplies
+    the raw uint16 storage of bf16 operands; they are widened to fp32 first (exact, as on GPUs);
+    and a scalar comparison's handle keeps its operands' type (int32 for `h < Hq`), so splatting it into a tile
+    mask (`scalar_test & tile_test`) gives an int32 mask that tl.load and tl.atomic_add refuse: booleans are
+    splatted as booleans. And two slow paths that compute nothing (_interpreter_speed)."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -40,8 +42,16 @@ def _interpreter_compat():
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    splat = interpreter.InterpreterBuilder.create_splat
+
+    def bool_splat(self, ret_ty, arg):
+        if ret_ty.scalar == tl.int1 and arg.data.dtype == np.bool_ and not isinstance(arg.dtype, tl.block_type):
+            return interpreter.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=np.bool_), tl.int1)
+        return splat(self, ret_ty, arg)
+
     interpreter._patch_lang_tensor = patched
     interpreter.InterpreterBuilder.create_dot = dot
+    interpreter.InterpreterBuilder.create_splat = bool_splat
     interpreter._kb_compat = True
 
 
@@ -677,7 +687,7 @@ def block_class_table(*args, **kw):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-d7f9ee13ddcf805e'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_d7f9ee13ddcf805e_ced0371d'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_d7f9ee13ddcf805e_2215ecf2'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('doc_ids',)  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
