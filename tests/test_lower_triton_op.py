@@ -260,13 +260,15 @@ def test_repeated_calls_replay_the_first_calls_launches(cache_dir: Path, monkeyp
 
 
 class _FakeCompiled:
-    """Stands in for Triton's CompiledKernel: `kernel[grid](*every argument in signature order)`."""
+    """Stands in for Triton's CompiledKernel: `kernel[grid](*every argument in signature order)`, where the grid has
+    all three axes (Triton reads grid[0], grid[1] and grid[2]; only a JIT launch fills missing ones with 1)."""
 
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
     def __getitem__(self, grid):  # noqa: ANN001, ANN204
-        return lambda *args: self.calls.append(("compiled", grid, args))
+        x, y, z = grid[0], grid[1], grid[2]
+        return lambda *args: self.calls.append(("compiled", (x, y, z), args))
 
 
 class _FakeJit:
@@ -302,7 +304,7 @@ def test_plans_launch_compiled_kernels_with_every_argument_in_signature_order() 
     y = torch.randn(8)
     (o2,) = pre._PLANS.pop(key).replay((y,))
     kind, grid, args = fn.calls[1]
-    assert (kind, grid) == ("compiled", (3,)) and args[0] is y and args[1] is o2 and args[2:] == (8, 16, True)
+    assert (kind, grid) == ("compiled", (3, 1, 1)) and args[0] is y and args[1] is o2 and args[2:] == (8, 16, True)
     assert o2 is not o and o2.shape == (8,)
 
 

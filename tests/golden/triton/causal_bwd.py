@@ -383,7 +383,8 @@ class _Recorder:
         static = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(fn, "arg_names", None)
         if kernel is not None and hasattr(kernel, "__getitem__") and names is not None:
-            # a compiled kernel takes every argument in signature order, constexprs included
+            # a compiled kernel takes every argument in signature order, constexprs included, and a 3-axis grid
+            grid = (*grid, 1, 1)[:3]
             self.plan.launches.append((kernel[grid], (*static, *(constexprs[n] for n in names[len(args):])), slots))
         else:
             self.plan.launches.append((_jit_launch(fn, grid, constexprs, num_warps, num_stages), static, slots))

@@ -383,7 +383,8 @@ class _Recorder:
         static = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(fn, "arg_names", None)
         if kernel is not None and hasattr(kernel, "__getitem__") and names is not None:
-            # a compiled kernel takes every argument in signature order, constexprs included
+            # a compiled kernel takes every argument in signature order, constexprs included, and a 3-axis grid
+            grid = (*grid, 1, 1)[:3]
             self.plan.launches.append((kernel[grid], (*static, *(constexprs[n] for n in names[len(args):])), slots))
         else:
             self.plan.launches.append((_jit_launch(fn, grid, constexprs, num_warps, num_stages), static, slots))
@@ -976,7 +977,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-76c767c541e03eb4'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_76c767c541e03eb4_151055a6'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_76c767c541e03eb4_979fca52'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
