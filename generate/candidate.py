@@ -8,7 +8,8 @@ State: `ModelNew` holds every entry of the spec Model's state_dict under the sam
 (parameters as nn.Parameter, buffers as buffers; initial values saved next to it in
 `<stem>.aux.pt`), so `ModelNew.load_state_dict(Model.state_dict())` works. The kernel reads
 the ones it uses at every call (a learnable temperature or bias table takes its current
-value). Buffers compiled into the kernel as the index expression their value equals (a tril
+value). Loading adopts the loaded shapes (a table sized by other constructor
+arguments than generation's). Buffers compiled into the kernel as the index expression their value equals (a tril
 mask) are checked when a state_dict is loaded: a different value is refused, never ignored.
 Other constant aux tensors (plain tensor attributes, module-level tensors of FlexAttention
 specs) are non-persistent buffers; aux tensors that are forward inputs are passed through.
@@ -104,6 +105,23 @@ def _kb_searchsorted(module, name, offsets, n, right, out_int32):
     return ids
 
 
+def _kb_adopt_shapes(module, state_dict, prefix, *_):
+    """load_state_dict pre-hook: a parameter or buffer the kernel takes as an input adopts the loaded tensor's shape
+    (ModelNew starts from the generation-time state, so a table sized by other constructor arguments, say more heads,
+    arrives with another shape); the same Parameter object stays registered, so optimizers keep it."""
+    for key, new in state_dict.items():
+        if not key.startswith(prefix) or key[len(prefix):] in _KB_BAKED or not isinstance(new, _torch.Tensor):
+            continue
+        *path, leaf = key[len(prefix):].split(".")
+        owner = module
+        for part in path:
+            owner = owner._modules.get(part) if owner is not None else None
+        old = None if owner is None else owner._parameters.get(leaf, owner._buffers.get(leaf))
+        if old is not None and old.shape != new.shape:
+            with _torch.no_grad():
+                old.data = _torch.empty(new.shape, dtype=old.dtype, device=old.device)
+
+
 def _kb_check_baked(module, incompatible_keys):
     """Buffers compiled into the kernel as the index expression their value equals must keep that value."""
     saved = _torch.load(_KB_STATE)["state"]
@@ -162,6 +180,7 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         "            _kb_register(self, _key, _t, _key in _KB_PARAMETERS)",
         '        for _name, _t in _saved["constants"].items():',
         "            self.register_buffer(_name, _t, persistent=False)",
+        "        self.register_load_state_dict_pre_hook(_kb_adopt_shapes)",
         "        if _KB_BAKED:",
         "            self.register_load_state_dict_post_hook(_kb_check_baked)",
         *[f"        if {name} != {value!r}:\n"
@@ -174,6 +193,10 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
            f"            raise ValueError(f'this kernel was generated for {spec.heads_fixed} query heads (the spec computes "
            f"its score/mask constants from the head count), not {{{qn}.shape[1]}}: run kb generate for that head count')"]
           if spec.heads_fixed else []),
+        *([f"        if ({qn}.shape[2], {kn}.shape[2]) != {spec.lengths_fixed}:",
+           f"            raise ValueError(f'this kernel was generated for sequence lengths (M, N) = {spec.lengths_fixed} (the "
+           f"spec runs at no other lengths, so its constants may come from them), not {{({qn}.shape[2], {kn}.shape[2])}}"
+           f": run kb generate with inputs of those lengths')"] if spec.lengths_fixed else []),
         f"        _o = kb_attention({qkv}, sm_scale={scale}{aux_kwargs})  # the operator torch.ops.kernel_kb.<OP_NAME>",
         # the output follows the inputs' dtype (as the spec's torch ops would), unless the spec returns another
         *([f"        return _o if _o.dtype == {out} else _o.to({out})"] if spec.output_dtype != spec.shapes.dtype

@@ -124,10 +124,11 @@ class Spec:
     state: tuple[StateTensor, ...] = ()  # the Model's state_dict entries (none for FlexAttention-style specs)
     state_values: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)  # key -> value
     heads_fixed: int | None = None  # Hq the variant expressions were traced for, when they change with the head count
-    init_fixed: tuple[tuple[int, str, object], ...] = ()
+    init_fixed: tuple[tuple[int, str, object], ...] = ()  # (position, name, value) of constructor args baked in the kernel
+    lengths_fixed: tuple[int, int] | None = None  # (M, N) the variant expressions hold, when the spec runs at no other
     # aux tensors the candidate computes from a forward input before the launch (torch.searchsorted ids):
     # aux name -> (forward input name, right)
-    derived_aux: Mapping[str, tuple[str, bool]] = field(default_factory=dict)  # (position, name, value) of constructor args baked in the kernel
+    derived_aux: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
     # a paged-KV or packed varlen spec (generate.spec_serving): shapes, aux and reference are its dense view
     layout: ServingLayout | None = None
 
@@ -235,7 +236,7 @@ def _model_spec(path: Path, source_hash: str, model: ModelSpec, flex: FlexMods |
                 _scale_or_none(scale, shapes.D), _features(score, mask, shapes, model.layout, model.derived_aux),
                 source_hash, model.reference, model.forward_names, model.qkv_names, model.init_params,
                 out_dtype=model.out_dtype, state=model.state, state_values=model.state_values,
-                heads_fixed=model.heads_fixed, init_fixed=model.init_fixed, derived_aux=model.derived_aux,
+                heads_fixed=model.heads_fixed, init_fixed=model.init_fixed, lengths_fixed=model.lengths_fixed, derived_aux=model.derived_aux,
                 layout=model.layout)
 
 

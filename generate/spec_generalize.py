@@ -1,11 +1,12 @@
 """Turn shape-derived constants of traced variant expressions back into dim expressions.
 
 Tracing runs the spec at its own shapes, so `q_idx + (N - M)` comes out as `q_idx + 128`.
-Tracing again with q and k/v lengths changed by (dM, dN) = (3, 5) tells such constants
-apart: a constant c that moves by 3a + 5b (a, b in {-1, 0, 1}, all nine sums distinct) is
+Tracing again with q and k/v lengths changed by (dM, dN) = (3, 5) (or (3, 3), or shorter by as much, for a spec
+that needs M == N or holds a buffer sized to its own lengths) tells such constants apart: a constant c that moves by 3a + 5b (a, b in {-1, 0, 1}, all nine sums distinct) is
 `a*M + b*N + d`. Constants that do not move stay constants; if the two traces differ in
 structure, or a constant moves by anything else, the expression is left as it was (the
-verifier's held-out shapes will then tell the user the kernel is shape-specialised).
+verifier's held-out shapes will then tell the user the kernel is shape-specialised; a spec that runs at no other
+lengths at all gets a kernel that refuses them, `Spec.lengths_fixed`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from generate.spec import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
 from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
 from kb.errors import KBError
-from kb.ir.expr import Expr, print_expr
+from kb.ir.expr import Expr, ExprOp, print_expr, walk
 
 __all__ = ["ModelSpec", "load_model"]
 
@@ -46,6 +46,7 @@ class ModelSpec:
     state_values: dict[str, torch.Tensor]
     heads_fixed: int | None
     init_fixed: tuple[tuple[int, str, object], ...]
+    lengths_fixed: tuple[int, int] | None
     derived_aux: dict[str, tuple[str, bool]]
     layout: ServingLayout | None
 
@@ -60,10 +61,11 @@ def load_model(module: Any, path: Path) -> ModelSpec:
     layout = layout_of(traced, dict(zip(names, inputs)), path)
     heads_fixed: int | None = None
     init_fixed: tuple[tuple[int, str, object], ...] = ()
+    lengths_fixed: tuple[int, int] | None = None
     if layout is None:
         shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
         reference = _model_reference(model, inputs, qi, ki, vi)
-        score, mask = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        score, mask, lengths_fixed = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
     else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
@@ -76,7 +78,7 @@ def load_model(module: Any, path: Path) -> ModelSpec:
     _check_constants(module, model, set(aux) - set(traced.state) - set(names) - set(traced.derived), path)
     return ModelSpec(score, mask, aux, traced.scale, shapes, reference, tuple(names), (traced.q, traced.k, traced.v),
                      _init_names(module.Model), out_dtype, state, state_values, heads_fixed, init_fixed,
-                     dict(traced.derived), layout)
+                     lengths_fixed, dict(traced.derived), layout)
 
 
 def _model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -180,14 +182,18 @@ def _check_constants(module: Any, model: torch.nn.Module, names: set[str], path:
 
 
 def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
-                       traced: Any, kinds: Mapping[str, str], path: Path) -> tuple[Expr | None, Expr | None]:
-    """Variant expressions with shape-derived constants written in M and N (see spec_generalize)."""
+                       traced: Any, kinds: Mapping[str, str],
+                       path: Path) -> tuple[Expr | None, Expr | None, tuple[int, int] | None]:
+    """(score_mod, mask_mod) with shape-derived constants written in M and N (see spec_generalize), and the (M, N)
+    the kernel is right only at: when the spec runs at no other lengths, an integer constant of its expressions
+    (the `n - 1` of a table sized by a constructor argument) may come from the lengths, and nothing tells."""
     from generate.spec_generalize import DELTA, generalize
 
     qi, ki, vi = qkv
     q, k = inputs[qi], inputs[ki]
     m, n = q.shape[2], k.shape[2]
-    for dm, dn in (DELTA, (DELTA[0], DELTA[0])):
+    # longer first; then shorter, for a buffer sized to the spec's own lengths and sliced to the inputs'
+    for dm, dn in (DELTA, (DELTA[0], DELTA[0]), (-DELTA[0], -DELTA[1]), (-DELTA[0], -DELTA[0])):
         args = list(inputs)
         args[qi] = torch.randn(*q.shape[:2], m + dm, q.shape[3], dtype=q.dtype)
         args[ki] = torch.randn(*k.shape[:2], n + dn, k.shape[3], dtype=k.dtype)
@@ -198,9 +204,19 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
             continue
         dims1, dims2 = (m, n), (m + dm, n + dn)
         return (generalize(traced.score_mod, again.score_mod, dims1, dims2),
-                generalize(traced.mask_mod, again.mask_mod, dims1, dims2))
-    log.info("%s: variant constants kept as traced (the spec does not run at other sequence lengths)", path)
-    return traced.score_mod, traced.mask_mod
+                generalize(traced.mask_mod, again.mask_mod, dims1, dims2), None)
+    exprs = [e for e in (traced.score_mod, traced.mask_mod) if e is not None]
+    if not any(_int_constant(c) for e in exprs for c in walk(e)):
+        return traced.score_mod, traced.mask_mod, None
+    log.info("%s: variant constants kept as traced; the kernel holds M=%d, N=%d (the spec runs at no other "
+             "sequence lengths)", path, m, n)
+    return traced.score_mod, traced.mask_mod, (m, n)
+
+
+def _int_constant(e: Expr) -> bool:
+    """An integer constant other than 0 and +-1 (those come from index arithmetic, not from a length)."""
+    return (e.op is ExprOp.CONST and isinstance(e.value, int) and not isinstance(e.value, bool)
+            and abs(e.value) > 1)
 
 
 def _same_variants(a: Any, b: Any) -> bool:

@@ -52,3 +52,22 @@ def test_constructor_arguments_held_as_constants_are_refused_when_changed(ingest
     cand.ModelNew(32)
     with pytest.raises(ValueError, match="generated for window=32"):
         cand.ModelNew(48)
+
+
+def test_lengths_are_held_when_the_spec_runs_at_no_other_lengths(ingested_kb, tmp_path: Path) -> None:
+    """A table indexed `i - j + seq - 1` by a Model that runs at length `seq` only: nothing tells the offset from the
+    length, so the kernel holds (M, N) and refuses other lengths instead of reading its table at the wrong offset.
+    A table indexed the same way that runs at shorter lengths too gets `N - 1`, and any length."""
+    spec_path = REPO / "tests" / "data" / "specs_state" / "relative_table_own_length.py"
+    assert load_spec(spec_path).lengths_fixed == (48, 48)
+    assert load_spec(REPO / "tests" / "data" / "specs" / "relative_bias_table.py").lengths_fixed is None
+    assert load_spec(REPO / "bench" / "heldout" / "local_band_bidir.py").lengths_fixed is None  # a sliced buffer
+    r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path, **QUICK))
+    assert r.succeeded, r.error
+    cand, spec = _module(r.files["candidate"], "cand_lengths"), _module(spec_path, "spec_lengths")
+    new, model = cand.ModelNew(48), spec.Model(48)
+    new.load_state_dict(model.state_dict())
+    q, k, v = (torch.randn(1, 4, 48, 32) for _ in range(3))
+    torch.testing.assert_close(new(q, k, v), model(q, k, v), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"generated for sequence lengths \(M, N\) = \(48, 48\)"):
+        new(*(torch.randn(1, 4, 40, 32) for _ in range(3)))

@@ -320,3 +320,20 @@ def test_aux_names_never_clash_with_the_host_code() -> None:
     clashing = parse_program(print_program(FIXTURES["alibi"]()).replace("slopes", "launch"))
     with pytest.raises(KBError, match=r"aux/scalar param\(s\) \['launch'\] would clash"):
         lower_program(clashing)
+
+
+def test_model_new_takes_the_state_of_a_model_built_with_other_constructor_arguments(learnable) -> None:  # noqa: ANN001
+    """ModelNew(8, 80).load_state_dict(Model(8, 80).state_dict()): the table sized by other arguments than generation's
+    (4 heads, 64 positions: [4, 127]) is adopted, the kernel computes with it (its `n - 1` offset is N - 1, found by
+    tracing the spec at a shorter length too), and its gradient flows to that same Parameter."""
+    spec_mod, cand_mod = learnable
+    torch.manual_seed(3)
+    model, new = spec_mod.Model(8, 80), cand_mod.ModelNew(8, 80)
+    table = new.get_parameter("rel")
+    new.load_state_dict(model.state_dict())
+    assert new.get_parameter("rel") is table and table.shape == (8, 159)
+    q, k, v = (torch.randn(1, 8, 80, 64, requires_grad=True) for _ in range(3))
+    want, got = model(q, k, v), new(q, k, v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    got.sum().backward()
+    assert table.grad is not None and table.grad.shape == (8, 159)
