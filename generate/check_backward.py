@@ -8,12 +8,13 @@ the learnable aux tables. The kernel itself is checked later against the user's 
 
 Tolerance: the forward's IR tolerance for the dtype, plus `verify.grads.GRAD_SLACK` times the error of
 the same reference computed as eager torch in the spec's dtype (`verify.grads.DtypeEmulation`): the
-program reads o as the forward stored it (bf16 for a bf16 spec), and a gradient that sums many
+program reads o as the operator saves it (fp32, see kb.lower.triton_op), and a gradient that sums many
 products (a bias table's, over every pair of a bucket) carries that rounding, as eager torch's does.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -52,6 +53,14 @@ def _in_dtype(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dou
         return reference_grads(spec, q, k, v, dout, grads)
 
 
+def _o_as_read(forward: Program, backward: Program) -> Program:
+    """The forward writing o in the dtype the backward reads it (fp32: the operator saves the forward's fp32 O)."""
+    want = backward.param("o").dtype
+    if forward.param("o").dtype is want:
+        return forward
+    return replace(forward, params=tuple(replace(p, dtype=want) if p.name == "o" else p for p in forward.params))
+
+
 def check_backward_program(backward: Program, forward: Program, spec: Spec, learnable: tuple[str, ...] = (),
                            seed: int = 0) -> str | None:
     """None when the interpreted gradients match autograd within the dtype's IR tolerance; else why not.
@@ -67,7 +76,7 @@ def check_backward_program(backward: Program, forward: Program, spec: Spec, lear
         if p.role is Role.AUX:
             inputs[p.name] = spec.aux[p.name]
     try:
-        saved = run_program(forward, inputs)
+        saved = run_program(_o_as_read(forward, backward), inputs)
         dout = torch.randn(saved["o"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(q.dtype)
         got = run_program(backward, {**inputs, "o": saved["o"], "lse": saved["lse"], "dout": dout})
     except KBError as err:

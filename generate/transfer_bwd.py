@@ -89,14 +89,16 @@ def _apart(reference: Program, fwd: Program) -> Program:
 
 def _params(reference: Program, target: BackwardTarget, grads: dict[str, str]) -> tuple[Param, ...]:
     fwd = target.forward
-    dtype, o_dtype = fwd.param("q").dtype, fwd.param("o").dtype
+    dtype = fwd.param("q").dtype
     own_grads = {st.grad for k in reference.kernels for st in walk_stmts(k.body) if isinstance(st, AuxGrad)}
     kept = []
     for p in reference.params:
         if p.role is Role.AUX or (p.role is Role.SCALAR and p.name != "sm_scale") or p.name in own_grads:
             continue  # the reference's own variant inputs and their gradients
         if p.dtype in _FLOAT and p.name not in _F32_BUFFERS and p.role in (Role.IN, Role.OUT):
-            p = replace(p, dtype=o_dtype if p.name == "o" else dtype)
+            # o in fp32: Δ = rowsum(dO∘O) from the rounded output is off by dO·(O_bf16 - O) where dP - Δ cancels,
+            # further than an fp32-math spec's own gradient (the operator saves the forward's fp32 O for it)
+            p = replace(p, dtype=Dtype.F32 if p.name == "o" else dtype)
         kept.append(p)
     have = {p.name for p in kept}
     extra = [p for p in fwd.params if p.role in (Role.AUX, Role.SCALAR) and p.name not in have]

@@ -230,10 +230,14 @@ def test_operator_fake_sizes_outputs_symbolically(cache_dir: Path) -> None:
     with FakeTensorMode(shape_env=ShapeEnv()) as fake:
         q = fake.from_tensor(torch.randn(2, 4, 33, 16))
         kv = fake.from_tensor(torch.randn(2, 4, 47, 16))
-        o, lse = mod._OP(q, kv, kv, None)
+        o, lse, o_saved = mod._OP(q, kv, kv, None)
         assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+        assert o_saved.numel() == 0  # fp32 inputs: o itself is the fp32 O the backward reads
         dq, dk, dv = mod._OP_BWD(q, kv, kv, o, o, lse, None)
         assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+        qh, kvh = (fake.from_tensor(torch.randn(2, 4, n, 16, dtype=torch.bfloat16)) for n in (33, 47))
+        o, _, o_saved = mod._OP(qh, kvh, kvh, None)
+        assert o.dtype == torch.bfloat16 and o_saved.shape == qh.shape and o_saved.dtype == torch.float32
 
 
 # ------------------------------------------------------------------ launch plans

@@ -79,7 +79,8 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     sig = program_signature(p, opts, plan)
     packs = "backward programs do not pack"
     entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
-                      zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False, plans=False)
+                      zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False, plans=False,
+                      exact_o=False)
     out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]

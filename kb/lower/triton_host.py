@@ -204,12 +204,13 @@ class HostEntry:
     returns: tuple[str, ...] = ()  # the returned expressions; () = the OUT params
     table_helper: bool = True  # emit block_class_table()
     plans: bool = True  # replay launch plans (_Plan) for repeated call signatures; needs plain returns and no table
+    exact_o: bool = True  # `_o_dtype=`: o in another dtype than the inputs' (fp32 for a backward's Δ; kb.lower.triton_op)
 
 
 _HOST_FUNCTION = Template('''\
-def ${fn}(${params}, _design=None, **aux_and_scalars):
+def ${fn}(${params}, _design=None,${o_dtype} **aux_and_scalars):
     """Run `${program}`. Returns (${returned}). Aux tensors: ${aux_names}; scalars: ${scalar_names}.
-    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.${plan_doc}"""
+    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.${o_doc}${plan_doc}"""
 ${fast}    kw = dict(aux_and_scalars)
 ${take_aux}    dims = {}
 ${bind}${take_scalars}${take_table}    if kw:
@@ -276,10 +277,13 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
     inputs = _tuple_body([q.name for q in ins] + [f'aux_and_scalars["{q.name}"]' for q in aux])
     key = ", ".join([f"_tkey({q.name})" for q in ins] + [f'_tkey(aux_and_scalars.get("{q.name}"))' for q in aux]
                     + [f"_skey({q.name})" if q.name == "sm_scale" else f'_skey(aux_and_scalars.get("{q.name}"))'
-                       for q in scalars] + ["_design and tuple(_design)", "len(aux_and_scalars)"])
+                       for q in scalars] + ["_design and tuple(_design)", "len(aux_and_scalars)"]
+                   + (["_o_dtype"] if entry.exact_o else []))
     recorded = _tuple_body([q.name for q in (*ins, *aux)])
     return _lines(_HOST_FUNCTION.substitute(
-        fn=entry.name, program=p.name,
+        fn=entry.name, program=p.name, o_dtype=" _o_dtype=None," if entry.exact_o else "",
+        o_doc=("\n    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward)."
+               if entry.exact_o else ""),
         params=", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else ""),
         returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)),
         aux_names=", ".join(q.name for q in aux) or "none", scalar_names=", ".join(q.name for q in scalars) or "none",
@@ -418,7 +422,10 @@ def _allocations(p: Program, entry: HostEntry, device: str) -> list[str]:
     first_in = next(q for q in p.params if q.role is Role.IN)
     lines = []
     for q in (q for q in p.params if q.role is Role.OUT):
-        lines.append(_allocation(q, out_dtype(q, first_in), entry, device))
+        dtype = out_dtype(q, first_in)
+        if q.name == "o" and entry.exact_o and dtype == f"{first_in.name}.dtype":
+            dtype = f"(_o_dtype or {dtype})"
+        lines.append(_allocation(q, dtype, entry, device))
     for q in (q for q in p.params if q.role is Role.SCRATCH):
         lines.append(_allocation(q, TORCH_DTYPE[q.dtype], entry, device))
     return lines

@@ -9,6 +9,9 @@ users compile, capture in CUDA graphs and train:
   opaque ops and never trace the host code or re-compile the Triton source.
 - `register_autograd` joins them: the forward saves q, k, v, o, lse and the aux tensors; the backward returns dq, dk, dv
   and the gradient of every learnable aux tensor (an `nn.Parameter` table of the spec). lse is not differentiable.
+  A backward that reads an fp32 O (generate.transfer_bwd: Δ = rowsum(dO∘O) as exact as an fp32-math spec's own
+  gradient) gets it from a third output: the forward writes O in fp32, returns it in the inputs' dtype as o and
+  keeps the fp32 copy (non-differentiable; empty for fp32 inputs) for the backward.
 - A module without a backward (a forward-only kernel) still registers both: its `_bwd` raises, when a backward
   actually runs, `NO_BACKWARD` (why there is none and how to get one); gradients are never silently None.
 - `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` is what users and `ModelNew` call: through the
@@ -26,7 +29,7 @@ import hashlib
 from string import Template
 
 from kb.errors import KBError
-from kb.ir.nodes import Param, Program, Role, aux_gradients
+from kb.ir.nodes import Dtype, Param, Program, Role, aux_gradients
 from kb.ir.text import content_hash
 from kb.lower.triton_host import out_dtype
 
@@ -64,7 +67,7 @@ _KB_LEARNABLE = ${learnable}  # aux tensors with a gradient (backward() returns 
 
 
 def _op_forward(${fwd_params}) -> tuple[${fwd_types}]:
-    return forward(q, k, v, sm_scale=sm_scale${fwd_kwargs})
+${fwd_body}
 
 
 def _op_forward_fake(${fwd_names}):
@@ -84,11 +87,11 @@ def _op_setup(ctx, inputs, output):
     q, k, v = inputs[:3]
     aux = inputs[3:3 + len(_KB_AUX)]
     ctx.scalars, ctx.sm_scale = inputs[3 + len(_KB_AUX):-1], inputs[-1]
-    ctx.save_for_backward(q, k, v, output[${o_index}], output[${lse_index}], *aux)
-    ctx.mark_non_differentiable(output[${lse_index}])
+    ctx.save_for_backward(q, k, v, ${saved_o}, output[${lse_index}], *aux)
+    ctx.mark_non_differentiable(${non_differentiable})
 
 
-def _op_grads(ctx, dout, _dlse):
+def _op_grads(ctx, dout, *_not_differentiable):
     q, k, v, o, lse, *aux = ctx.saved_tensors
     named = dict(zip(_KB_AUX, aux))
     scalars = dict(zip(_KB_SCALARS, ctx.scalars))
@@ -130,6 +133,19 @@ def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
         return forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[${o_index}]
     return _OP(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[${o_index}]
 ''')
+
+_FORWARD = Template('''\
+    return forward(q, k, v, sm_scale=sm_scale${kwargs})''')
+
+# the backward reads an fp32 O (Δ = rowsum(dO∘O) exact as an fp32-math spec's own gradient): forward() writes O in fp32,
+# the user gets it in the inputs' dtype, the fp32 copy is a third, non-differentiable output saved for the backward
+# (empty for fp32 inputs, whose O is already fp32)
+_FORWARD_EXACT_O = Template('''\
+    outs = forward(q, k, v, sm_scale=sm_scale${kwargs}, _o_dtype=torch.float32)
+    o = outs[${o_index}]
+    if q.dtype == torch.float32:
+        return (*outs, o.new_empty(0))
+    return (*(o.to(q.dtype) if i == ${o_index} else t for i, t in enumerate(outs)), o)''')
 
 _RAISE = Template('''\
     raise NotImplementedError(f"kernel_kb.{OP_NAME} (program ${fwd}) has no backward: {NO_BACKWARD}")''')
@@ -196,18 +212,26 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
         # dq, dk, dv as backward() allocates them, each aux gradient in its aux tensor's dtype (backward() casts it)
         bwd_fakes = ", ".join([_fake(bwd.param(g), bdims, out_dtype(bwd.param(g), bin0), "q") for g in ("dq", "dk", "dv")]
                               + [_fake(bwd.param(g), bdims, f"{a}.dtype", "q") for g, a in pairs.items()])
+    exact_o = bwd is not None and bwd.param("o").dtype is Dtype.F32 and fakes[names.index("o")].endswith("dtype=q.dtype)")
+    if exact_o:  # the fp32 O saved for the backward, beside o and lse
+        outs_fake = _fake(fwd.param("o"), dims, "torch.float32", "q")
+        fakes.append(f"{outs_fake} if q.dtype != torch.float32 else q.new_empty(0, dtype=torch.float32)")
+    fwd_body = (_FORWARD_EXACT_O if exact_o else _FORWARD).substitute(kwargs=_kwargs(aux + scalars), o_index=names.index("o"))
+    saved_o = (f"output[{names.index('o')}] if output[-1].numel() == 0 else output[-1]" if exact_o
+               else f"output[{names.index('o')}]")
     bwd_all = bwd_names + bwd_aux
     no_backward_line = f"{_NO_BACKWARD_LINE}{None if bwd is not None else no_backward!r}  # None: it has a backward"
     return _SECTION.substitute(
         kernel_id=repr("k-" + content_hash(fwd)[:16]), op_name=repr(op_name(fwd, module_text, None if bwd else no_backward)),
         no_backward_line=no_backward_line, aux=repr(tuple(aux)), scalars=repr(tuple(scalars)),
         bwd_aux=repr(tuple(bwd_aux)), bwd_scalars=repr(tuple(bwd_scalars)), learnable=repr(tuple(learnable)),
-        fwd_params=_typed(["q", "k", "v", *aux], scalars), fwd_types=", ".join("torch.Tensor" for _ in outs),
-        fwd_kwargs=_kwargs(aux + scalars), fwd_names=", ".join(["q", "k", "v", *aux, *scalars, "sm_scale"]),
+        fwd_params=_typed(["q", "k", "v", *aux], scalars), fwd_types=", ".join("torch.Tensor" for _ in fakes),
+        fwd_body=fwd_body, saved_o=saved_o, fwd_names=", ".join(["q", "k", "v", *aux, *scalars, "sm_scale"]),
         fwd_fakes=", ".join(fakes) + ("," if len(fakes) == 1 else ""),
         bwd_params=_typed(bwd_all, bwd_scalars), bwd_types=", ".join("torch.Tensor" for _ in range(n_grads)),
         bwd_body=body, bwd_names=", ".join([*bwd_all, *bwd_scalars, "sm_scale"]), bwd_fakes=bwd_fakes,
         o_index=names.index("o"), lse_index=names.index("lse"), fwd=fwd.name,
+        non_differentiable=f"output[{names.index('lse')}]" + (", output[-1]" if exact_o else ""),
         differentiable=(f"differentiable in q, k, v{' and ' + ', '.join(learnable) if learnable else ''}" if bwd is not None
                         else "its backward raises NO_BACKWARD"))
 

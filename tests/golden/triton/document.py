@@ -630,9 +630,10 @@ DESIGNS = {}
 PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
     """Run `document_causal`. Returns (o, lse). Aux tensors: doc_ids; scalars: sm_scale.
-    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one."""
+    The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
+    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward)."""
     kw = dict(aux_and_scalars)
     if "doc_ids" not in kw:
         raise ForwardArgumentError("forward() needs the aux tensor doc_ids=['B', 'N']")
@@ -668,7 +669,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         if table_only:
             return table
         bc, kvl = table
-        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
+        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), (_o_dtype or q.dtype), q.device)
         lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
         USE_TMA = tma and _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
@@ -688,7 +689,7 @@ def block_class_table(*args, **kw):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-d7f9ee13ddcf805e'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_d7f9ee13ddcf805e_2b13a6f7'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_d7f9ee13ddcf805e_a9ad7f98'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('doc_ids',)  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
@@ -722,7 +723,7 @@ def _op_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _op_grads(ctx, dout, _dlse):
+def _op_grads(ctx, dout, *_not_differentiable):
     q, k, v, o, lse, *aux = ctx.saved_tensors
     named = dict(zip(_KB_AUX, aux))
     scalars = dict(zip(_KB_SCALARS, ctx.scalars))

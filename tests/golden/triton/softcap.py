@@ -581,11 +581,12 @@ DESIGNS = {}
 PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
     """Run `softcap`. Returns (o, lse). Aux tensors: none; scalars: sm_scale, softcap.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
+    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward).
     A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
-    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _skey(aux_and_scalars.get("softcap")), _design and tuple(_design), len(aux_and_scalars))
+    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _skey(aux_and_scalars.get("softcap")), _design and tuple(_design), len(aux_and_scalars), _o_dtype)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan.replay((q, k, v))
@@ -614,7 +615,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
         if HEAD_PAD < D:
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
-        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
+        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), (_o_dtype or q.dtype), q.device)
         lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
         USE_TMA = tma and _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
@@ -629,7 +630,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, **aux_and_scalars):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-bb7f4d74329be3be'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_bb7f4d74329be3be_f3014c87'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_bb7f4d74329be3be_100bbe66'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('softcap',)  # then its float scalars, then sm_scale
@@ -663,7 +664,7 @@ def _op_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _op_grads(ctx, dout, _dlse):
+def _op_grads(ctx, dout, *_not_differentiable):
     q, k, v, o, lse, *aux = ctx.saved_tensors
     named = dict(zip(_KB_AUX, aux))
     scalars = dict(zip(_KB_SCALARS, ctx.scalars))
