@@ -356,3 +356,26 @@ def test_compiles_for_sm90() -> None:
     kernels = {k.name: k for k in compile_for_arch(p, arch=90, head_dim=128, timeout_s=240)}
     assert set(kernels) == {"bwd_preprocess", "bwd_dkdv", "bwd_dq"}
     assert kernels["bwd_dkdv"].wgmma > 0  # the five dots run on Hopper tensor cores
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_per_element(block: int,
+                                                                                         cache_dir: Path) -> None:
+    """rel[h, i - j + n - 1] in a 16x16 tile spans 31 table entries: each entry's products are summed in the tile
+    before one atomic add; a 32x32 tile spans 63, more than the lowering bins, and adds element by element. Both
+    give autograd's table gradient."""
+    from tests.support.backward import transferred_programs
+
+    _, fwd, bwd, _ = transferred_programs("relative_bias_table.py")
+    bwd = dataclasses.replace(bwd, schedule=dataclasses.replace(bwd.schedule, block_m=block, block_n=block))
+    mod, path = load_module(lower_autograd(fwd, bwd), f"rel_bins_{block}", cache_dir)
+    assert "for _bin in range(_lo, _hi + 1):" in path.read_text()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 64, 64, requires_grad=True) for _ in range(3))
+    rel = torch.nn.Parameter(torch.randn(4, 127) * 0.3)
+    mod.kb_attention(q, k, v, rel=rel).sum().backward()
+    got, rel.grad = rel.grad, None
+    idx = torch.arange(64)[:, None] - torch.arange(64)[None, :] + 63
+    (torch.softmax(q @ k.transpose(-2, -1) / 8 + rel[:, idx].unsqueeze(0), -1) @ v).sum().backward()
+    assert mod._BWD_PICKED and all(d[:2] == (block, block) for d in mod._BWD_PICKED.values())
+    torch.testing.assert_close(got, rel.grad, atol=2e-5, rtol=2e-5)

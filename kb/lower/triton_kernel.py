@@ -27,6 +27,9 @@ from kb.lower.triton_tiles import Region, Tile, TritonTiles
 
 __all__ = ["TritonKernelGen"]
 
+# a learnable table's gradient tile whose index spans fewer values than this is summed per value before its atomics
+# (T5's 32 buckets fit): each value costs one masked tile sum, against up to BLOCK_M * BLOCK_N contended atomics
+_BINS = 32
 _SPLIT_PARTIAL = frozenset({BlockClass.EMPTY, BlockClass.PARTIAL})  # closed-form split: partial parts may hold empty blocks
 
 
@@ -383,6 +386,11 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if not (e.op is ExprOp.VAR and names.get(str(e.value), Sym("", Kind.INT)).below == self._dim(d)):
                 guards[tiled].append(f"({code} < {self._dim(d)})")
         moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
+        tiled = [i for i, e in enumerate(index) if free_vars(e) & {"q_idx", "kv_idx"}]
+        if moves == {"q_idx", "kv_idx"} and len(tiled) == 1:
+            self._binned_scatter(name, terms, tiled[0], wrap(strip_parens(lower_expr(index[tiled[0]], ctx))), value,
+                                 [in_range, *guards[True]], guards[False])
+            return
         if moves == {"q_idx", "kv_idx"}:
             val, tile_guards = value, [in_range, *guards[True]]
         else:
@@ -396,6 +404,32 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.emit(f"if {' & '.join(guards[False])}:")
         pad = "    " if guards[False] else ""
         self.emit(f"{pad}tl.atomic_add({name}_ptr + {' + '.join(terms)}, {val}{mask}, sem=\"relaxed\")  # d {name}")
+
+    def _binned_scatter(self, name: str, terms: list[str], axis: int, index: str, value: str, tile_guards: list[str],
+                        scalar_guards: list[str]) -> None:
+        """grad[.., index, ..] += value where the index moves along both tile axes (a relative-position table,
+        T5 buckets of j - i): one atomic per element puts every product of the whole sequence on the few table
+        entries, serialised there; so a tile whose in-range indices span fewer than _BINS values sums each value's
+        elements in registers first (one masked tile sum and one atomic per value), and only a wider span (a table
+        with an entry per distance: up to BLOCK_M + BLOCK_N - 1 values) adds element by element."""
+        ok = " & ".join(tile_guards)
+        binned = [*terms]
+        binned[axis] = f"_bin * stride_{name}_{axis}"
+        pad = ""
+        if scalar_guards:
+            self.emit(f"if {' & '.join(scalar_guards)}:")
+            pad = "    "
+        self.emit(f"{pad}_ix = {index}")
+        self.emit(f"{pad}_ok = {ok}")
+        self.emit(f"{pad}_gv = tl.where(_ok, {value}, 0.0)")
+        self.emit(f"{pad}_lo = tl.min(tl.min(tl.where(_ok, _ix, 2147483647), 1), 0)")
+        self.emit(f"{pad}_hi = tl.max(tl.max(tl.where(_ok, _ix, -1), 1), 0)")
+        self.emit(f"{pad}if _hi - _lo < {_BINS}:  # the tile's values of the index, summed per value first")
+        self.emit(f"{pad}    for _bin in range(_lo, _hi + 1):")
+        self.emit(f"{pad}        tl.atomic_add({name}_ptr + {' + '.join(binned)}, "
+                  f"tl.sum(tl.sum(tl.where(_ix == _bin, _gv, 0.0), 1), 0), sem=\"relaxed\")  # d {name}")
+        self.emit(f"{pad}else:")
+        self.emit(f"{pad}    tl.atomic_add({name}_ptr + {' + '.join(terms)}, _gv, mask=_ok, sem=\"relaxed\")  # d {name}")
 
     def s_onlinesoftmax(self, st: OnlineSoftmax) -> None:
         if self.tile(st.scores).t:
