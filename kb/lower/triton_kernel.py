@@ -386,9 +386,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if not (e.op is ExprOp.VAR and names.get(str(e.value), Sym("", Kind.INT)).below == self._dim(d)):
                 guards[tiled].append(f"({code} < {self._dim(d)})")
         moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
-        tiled = [i for i, e in enumerate(index) if free_vars(e) & {"q_idx", "kv_idx"}]
-        if moves == {"q_idx", "kv_idx"} and len(tiled) == 1:
-            self._binned_scatter(name, terms, tiled[0], wrap(strip_parens(lower_expr(index[tiled[0]], ctx))), value,
+        tile_axes = [i for i, e in enumerate(index) if free_vars(e) & {"q_idx", "kv_idx"}]
+        if moves == {"q_idx", "kv_idx"} and len(tile_axes) == 1:
+            axis = tile_axes[0]
+            self._binned_scatter(name, terms, axis, wrap(strip_parens(lower_expr(index[axis], ctx))), value,
                                  [in_range, *guards[True]], guards[False])
             return
         if moves == {"q_idx", "kv_idx"}:
