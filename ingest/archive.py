@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tarfile
+import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -54,25 +55,36 @@ def unpack(archive: Path, dest: Path, sha256: str, *, show_progress: bool = Fals
            keep: Keep | None = None, keep_key: str = "") -> Path:
     """Unpack `archive` (the members `keep` accepts, all by default) into `dest`; returns `dest`.
 
-    Idempotent per (sha256, keep_key)."""
+    Idempotent per (sha256, keep_key). Each call unpacks into a directory of its own and renames it into place whole,
+    so processes unpacking the same archive at once never see (or delete) each other's half-written trees; the first
+    to finish wins and the others discard their copies."""
     stamp = dest / STAMP
     mark = f"{sha256} {keep_key}".strip()
-    if stamp.is_file() and stamp.read_text().strip() == mark:
+    if _stamped(stamp, mark):
         return dest
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}.partial-", dir=dest.parent))
     try:
         _extract(archive, tmp, show_progress, keep or (lambda name: True))
-    except BaseException:
+        (tmp / STAMP).write_text(mark + "\n")
+        if not _stamped(stamp, mark):
+            if dest.exists():
+                shutil.rmtree(dest)  # unpacked from another archive or with other members kept
+            tmp.rename(dest)
+            log.info("unpacked %s into %s", archive.name, dest)
+    except OSError:
+        if not _stamped(stamp, mark):  # not another process's rename winning the race: a real failure
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    (tmp / STAMP).write_text(mark + "\n")
-    tmp.rename(dest)
-    log.info("unpacked %s into %s", archive.name, dest)
     return dest
+
+
+def _stamped(stamp: Path, mark: str) -> bool:
+    try:
+        return stamp.read_text().strip() == mark
+    except OSError:
+        return False
 
 
 def _extract(archive: Path, dest: Path, show_progress: bool, keep: Keep) -> None:

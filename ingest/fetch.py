@@ -45,8 +45,16 @@ def sha256_file(path: Path) -> str:
 
 def pip_download(requirement: str, kind: SourceKind, dest: Path, env: dict[str, str] | None = None,
                  *, show_progress: bool = False) -> Path:
-    """Run `pip download` for one pinned requirement; returns the downloaded file."""
+    """Run `pip download` for one pinned requirement; returns the downloaded file, moved into `dest` whole (pip writes
+    into a directory of its own here, so a process fetching the same release at once never reads half a file)."""
     dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=dest) as tmp:
+        got = _pip_download(requirement, kind, Path(tmp), env, show_progress)
+        return got.replace(dest / got.name)
+
+
+def _pip_download(requirement: str, kind: SourceKind, dest: Path, env: dict[str, str] | None,
+                  show_progress: bool) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--pre", "-d", str(dest), requirement,
            "--progress-bar", "on" if show_progress else "off"]
     if kind is SourceKind.SDIST:
@@ -55,7 +63,6 @@ def pip_download(requirement: str, kind: SourceKind, dest: Path, env: dict[str, 
         cmd += ["--only-binary=:all:"]
     full_env = {**os.environ, **(env or {})}
     log.info("running %s", " ".join(cmd))
-    before = set(dest.iterdir())
     # pip's progress and messages go to our stderr (fd 2): stdout keeps kb's results
     proc = subprocess.run(cmd, env=full_env, stdout=2 if show_progress else subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -66,7 +73,7 @@ def pip_download(requirement: str, kind: SourceKind, dest: Path, env: dict[str, 
                           hint=f"check the name and version (`pip index versions --pre {requirement.split('==')[0]}`) "
                                f"and pip's index settings (`pip config list`); pip said: {tail.strip()[-400:]}")
         raise KBError(f"pip download {requirement} failed (exit {proc.returncode})", hint=tail.strip()[-800:])
-    new = [p for p in dest.iterdir() if p not in before] or [p for p in dest.iterdir() if p.is_file()]
+    new = [p for p in dest.iterdir() if p.is_file()]
     if len(new) != 1:
         raise KBError(f"pip download {requirement} left {len(new)} files in {dest}; expected one archive")
     return new[0]

@@ -138,3 +138,29 @@ def test_fetch_local_file_and_dir(tmp_path):
     assert fetch_local(kernel.parent).sha256 != folder.sha256
     with pytest.raises(KBError, match="does not exist"):
         fetch_local(tmp_path / "nope")
+
+
+def _unpack_into(args: tuple[str, str]) -> list[str]:
+    archive, dest = args
+    root = unpack(Path(archive), Path(dest), "h1")
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def test_processes_unpacking_one_archive_at_once_each_get_the_whole_tree(tmp_path):
+    """Test workers (or two `kb ingest` runs) fetching one release at once: each unpacks into a directory of its own
+    and the first whole tree wins, so none sees or deletes another's half-written tree."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    archive = tmp_path / "many.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        for i in range(400):
+            data = (f"file {i}\n" * 50).encode()
+            info = tarfile.TarInfo(f"pkg/d{i % 7}/f{i}.txt")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    want = sorted([f"pkg/d{i % 7}/f{i}.txt" for i in range(400)] + [STAMP])
+    with cf.ProcessPoolExecutor(4, mp_context=mp.get_context("spawn")) as pool:
+        trees = list(pool.map(_unpack_into, [(str(archive), str(tmp_path / "src"))] * 8))
+    assert all(t == want for t in trees)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many.tar.gz", "src"]  # no partial copy left behind
