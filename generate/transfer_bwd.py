@@ -31,6 +31,7 @@ from kb.ir.nodes import (
     ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, TileAt, VALUE_DIM, walk_stmts,
 )
 from kb.ir.rename import fresh, keep_apart, names
+from kb.ir.value_dim import backward_with_value_dim
 
 __all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_names"]
 
@@ -68,10 +69,9 @@ def transfer_backward(reference: Program, target: BackwardTarget, *, name: str) 
     fwd = target.forward
     if not any(isinstance(st, Probs) for k in reference.kernels for st in walk_stmts(k.body)):
         raise KBError(f"reference {reference.name} is not a backward program (no `probs` statement)")
-    if VALUE_DIM in fwd.dims():
-        raise KBError("no backward yet for value heads of their own width (D_v != D_qk): the backward "
-                      "references have one head dim")
     reference = _apart(reference, fwd)
+    if VALUE_DIM in fwd.dims():  # D_v != D_qk: the reference's value tensors and dV tiles take the value width
+        reference = backward_with_value_dim(reference)
     grads = grad_names(reference, target)
     grads_in = _aux_grad_kernel(reference)
     copy = fresh("sm", names(reference) | names(fwd) | set(grads.values()))  # unless the reference has its own

@@ -19,10 +19,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kb.ir.nodes import (
-    For, IfBlock, Init, Load, OnlineSoftmax, Param, Program, Role, Stmt, VALUE_DIM, walk_stmts,
+    For, IfBlock, Init, Load, OnlineSoftmax, Param, Program, Role, Stmt, Store, VALUE_DIM, walk_stmts,
 )
 
-__all__ = ["with_value_dim", "without_value_dim", "has_value_dim"]
+__all__ = ["with_value_dim", "without_value_dim", "has_value_dim", "backward_with_value_dim"]
+
+_BACKWARD_VALUES = ("v", "o", "dout", "dv")  # a backward program's tensors of value width (dq_acc stays q's)
 
 
 def has_value_dim(p: Program) -> bool:
@@ -40,6 +42,19 @@ def with_value_dim(p: Program) -> Program:
     accs = frozenset(st.acc for st in stmts if isinstance(st, OnlineSoftmax))
     params = tuple(_value_param(prm, values) for prm in p.params)
     kernels = tuple(replace(k, body=_pads(k.body, "HEAD_PAD", "HEAD_PAD_V", accs)) for k in p.kernels)
+    return replace(p, params=params, kernels=kernels)
+
+
+def backward_with_value_dim(p: Program) -> Program:
+    """Backward program `p` for value heads of their own width: v, o, dO and dV end in `Dv`, and the tiles stored to
+    dV are initialised HEAD_PAD_V wide; P, dP and dS stay [BLOCK_M, BLOCK_N], so dP = dO V^T contracts over Dv and
+    dQ, dK over D as before."""
+    if has_value_dim(p):
+        return p
+    params = tuple(replace(prm, shape=prm.shape[:-1] + (VALUE_DIM,))
+                   if prm.name in _BACKWARD_VALUES and prm.shape and prm.shape[-1] == "D" else prm for prm in p.params)
+    stored = frozenset(st.value for k in p.kernels for st in walk_stmts(k.body) if isinstance(st, Store) and st.tensor == "dv")
+    kernels = tuple(replace(k, body=_pads(k.body, "HEAD_PAD", "HEAD_PAD_V", stored)) for k in p.kernels)
     return replace(p, params=params, kernels=kernels)
 
 

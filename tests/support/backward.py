@@ -36,9 +36,10 @@ CLASSES = {
 }
 
 
-def transferred_programs(spec_file: str) -> tuple:
-    """The rule engine's forward and backward of a spec in tests/data/specs: (spec, fwd, bwd, backward target)."""
-    spec = load_spec(SPECS / spec_file)
+def transferred_programs(spec_file: str | Path) -> tuple:
+    """The rule engine's forward and backward of a spec (a name in tests/data/specs, or a path): (spec, fwd, bwd,
+    backward target)."""
+    spec = load_spec(spec_file if isinstance(spec_file, Path) else SPECS / spec_file)
     fwd = transfer(parse_program((GOLDEN / "causal.kbir").read_text()), target_for(spec), Strategy.BLOCK_MASK, name="fwd")
     learnable = tuple(e.aux for e in spec.state if e.parameter and e.aux)
     target = backward_target(fwd, learnable, (spec.shapes.M, spec.shapes.N))
