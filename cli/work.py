@@ -165,6 +165,9 @@ def generate_cmd(
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the verify harness on the lowered kernel."),
     no_backward: bool = typer.Option(False, "--no-backward",
                                      help="Forward only: no backward kernels; ModelNew is then not differentiable."),
+    deterministic: bool = typer.Option(False, "--deterministic",
+                                       help="Only a backward whose gradients are bitwise reproducible run to run (no "
+                                            "atomics: dq in a pass of its own; learnable tables then get no backward)."),
     max_attempts: int = typer.Option(6, help="Attempts per spec."),
     timeout: float = typer.Option(None, "--timeout", metavar="SECONDS",
                                   help="Budget per spec for all its attempts; each verify gets what is left [default: KB_VERIFY_TIMEOUT, 600]."),
@@ -184,6 +187,8 @@ def generate_cmd(
 
     if engine not in ("rule", "llm"):
         raise KBError(f"unknown --engine {engine!r}; use rule or llm")
+    if deterministic and no_backward:
+        raise KBError("--deterministic is about the backward; it makes no sense with --no-backward")
     paths = list(specs or [])
     if all_dir is not None:
         if not all_dir.is_dir():
@@ -198,7 +203,8 @@ def generate_cmd(
     kb = open_kb_of(ctx)
     opts = GenerateOptions(engine=engine, memory=not no_memory, out_dir=out_dir, verify_kernel=not no_verify,  # type: ignore[arg-type]
                            max_attempts=max_attempts, timeout_s=settings.verify_timeout,
-                           target=resolve_target(target, settings.target_arch), backward=not no_backward)
+                           target=resolve_target(target, settings.target_arch), backward=not no_backward,
+                           deterministic=deterministic)
     results: list[GenerateResult] = []
     for p in paths:
         with err.status(f"generating {esc(p)} …"):

@@ -24,14 +24,15 @@ from generate.spec import Spec
 from generate.stages import Stage
 from kb.errors import KBError
 from kb.ir.expr import free_vars, var
-from kb.ir.nodes import Probs, Program, Role, Store, walk_stmts
+from kb.ir.nodes import AuxGrad, Probs, Program, Role, Store, walk_stmts
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "BACKWARD_STRATEGY"]
+__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "nondeterminism",
+           "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
 _POOL = 12  # backward references ranked by retrieval before the structural refinement picks the ones tried
@@ -55,7 +56,8 @@ def learnable_aux(spec: Spec) -> tuple[str, ...]:
 
 
 def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
-                   verify_fn, designs, stage: Path, stem: str, first_n: int) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:  # noqa: ANN001
+                   verify_fn, designs, stage: Path, stem: str, first_n: int,  # noqa: ANN001
+                   deterministic: bool = False) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
     """Try the ranked backward references in order; (the first that passes, every attempt).
 
     `designs`: (the forward's design table, the backward's). Retrieval's order is refined by two structural
@@ -64,7 +66,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
     training batch sizes. The refinement reorders retrieval's top `_POOL`; two more references than the forward's
-    are tried: an IR check costs seconds."""
+    are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
+    (no atomics, `nondeterminism`) are tried; the others are recorded as refused."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
@@ -75,7 +78,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
     programs = {r.id: parse_program(kb.get(r.id).ir_text) for r in found.kernels}  # type: ignore[union-attr]
     gqa = spec.shapes.Hq != spec.shapes.Hkv
-    ranked = sorted(found.kernels, key=lambda r: (gqa and not per_kv_head(programs[r.id]),
+    ranked = sorted(found.kernels, key=lambda r: (deterministic and nondeterminism(programs[r.id]) is not None,
+                                                  gqa and not per_kv_head(programs[r.id]),
                                                   not block_parallel(programs[r.id])))[:references + 2]  # stable
     outcomes: list[AttemptOutcome] = []
     for ref in ranked:
@@ -92,6 +96,11 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
             outcomes.append(outcome(Stage.TRANSFER, Verdict.compile_error, str(err)))
             continue
         text = print_program(program)
+        why = nondeterminism(program) if deterministic else None
+        if why:
+            outcomes.append(outcome(Stage.TRANSFER, Verdict.compile_error, f"not deterministic (--deterministic): {why}",
+                                    text))
+            continue
         failure = check_backward_program(program, forward, spec, target.learnable)
         if failure:
             outcomes.append(outcome(Stage.IR_CHECK, Verdict.numeric_mismatch, failure, text))
@@ -110,6 +119,18 @@ def block_parallel(p: Program) -> bool:
     """Every kernel that recomputes P has a grid axis over sequence blocks (an extent in BLOCK_M or BLOCK_N)."""
     tiled = [k for k in p.kernels if any(isinstance(s, Probs) for s in walk_stmts(k.body))]
     return bool(tiled) and all(any(free_vars(ax.extent) & {"BLOCK_M", "BLOCK_N"} for ax in k.grid) for k in tiled)
+
+
+def nondeterminism(p: Program) -> str | None:
+    """Why backward program `p`'s gradients may differ run to run (None: bitwise reproducible). An accumulating store
+    (`store dq_acc += ...`, FA2's dq) and an `aux_grad` (a learnable table's gradient) add with atomics from programs
+    running in parallel, whose order the GPU does not fix; every other write is one program's registers."""
+    stmts = [s for k in p.kernels for s in walk_stmts(k.body)]
+    summed = sorted({s.tensor for s in stmts if isinstance(s, Store) and s.accumulate})
+    tables = sorted({s.grad for s in stmts if isinstance(s, AuxGrad)})
+    why = [f"{', '.join(summed)} accumulated with atomics"] if summed else []
+    why += [f"table gradient {', '.join(tables)} accumulated with atomics"] if tables else []
+    return "; ".join(why) or None
 
 
 def per_kv_head(p: Program) -> bool:

@@ -136,6 +136,7 @@ def _version(dist: str) -> str:
 
 def _options(options: GenerateOptions) -> str:
     chosen = {"engine": options.engine, "memory": options.memory, "backward": options.backward,
+              "deterministic": options.deterministic,
               "verify": options.verify_kernel, "verify_distributions": list(options.verify_distributions),
               "verify_max_cases": options.verify_max_cases, "compile_cuda": options.compile_cuda,
               "designs": None if options.designs is None else repr(options.designs),

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
-from generate.backward import BackwardBuilt, build_backward
+from generate.backward import BackwardBuilt, build_backward, nondeterminism
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
@@ -70,6 +70,7 @@ class GenerateOptions:
     designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
     cuda: CudaPlan | None = None  # target arch, head dim and FA2 traits of the `.cu`; generate() sets them
     backward: bool = True  # also generate the backward (dq, dk, dv) and make ModelNew differentiable (--no-backward)
+    deterministic: bool = False  # only a backward whose gradients are bitwise reproducible run to run (--deterministic)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
             (Verdict.not_run, "kernel verification skipped (--no-verify)"),
             designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
-            first_n=first_n)
+            first_n=first_n, deterministic=options.deterministic)
     except OutputError:
         raise  # the run fails here: no attempt can write its files
     except KBError as err:
@@ -427,9 +428,11 @@ def _backward_report(bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackwa
         return {"status": ReportStatus.NONE.value, "reason": bwd.reason, "attempts": [o.as_dict() for o in bwd.outcomes]}
     built, outcomes = bwd
     status = ReportStatus.VERIFIED if built.verdict is Verdict.passed else ReportStatus.UNVERIFIED
+    why = nondeterminism(built.program)
     return {"status": status.value,
             "kernel_id": row.id if row else None, "kernel_was_in_kb": existing is not None,
             "reference_id": built.reference_id, "ir_hash": content_hash(built.program),
+            "deterministic": why is None, **({"nondeterministic_because": why} if why else {}),
             "verify": {"verdict": built.verdict.value, "detail": built.detail}, "attempts": [o.as_dict() for o in outcomes]}
 
 

@@ -58,6 +58,31 @@ def test_generated_backward_is_verified_and_written_back(ingested_kb, tmp_path: 
     row = ingested_kb.get(bwd["kernel_id"])
     assert isinstance(row, Kernel) and row.verified and Features.from_json(row.features_json).backward
     assert row.parent_id == bwd["reference_id"]  # lineage: the backward reference it was transferred from
+    atomics = "+=" in r.files["backward_ir"].read_text()  # an accumulating store or an aux_grad
+    assert bwd["deterministic"] is not atomics and ("nondeterministic_because" in bwd) is atomics
+
+
+def test_deterministic_backward_has_no_atomics_or_says_why_not(ingested_kb, tmp_path: Path) -> None:
+    """--deterministic: a causal spec gets a backward with dq in a pass of its own (no atomics), reported
+    deterministic; a learnable table, whose gradient only atomics write, gets none and the reason says so."""
+    opts = dict(WITH_BACKWARD, deterministic=True)
+    r = generate(ingested_kb, EXAMPLES / CLASSES["causal"], GenerateOptions(out_dir=tmp_path / "causal", **opts))
+    bwd = json.loads(r.files["report"].read_text())["backward"]
+    assert r.backward == "verified" and bwd["deterministic"] is True, json.dumps(bwd, indent=1)[:2000]
+    assert "+=" not in r.files["backward_ir"].read_text()
+    r = generate(ingested_kb, EXAMPLES / CLASSES["relative_bias_learnable"],
+                 GenerateOptions(out_dir=tmp_path / "table", **opts))
+    assert r.succeeded and r.backward == "none" and "not deterministic" in r.backward_reason, r.backward_reason
+
+
+def test_nondeterminism_names_what_atomics_write() -> None:
+    from generate.backward import nondeterminism
+    from tests.support.ir_programs import backward_text
+
+    assert nondeterminism(parse_program(backward_text("b"))) == "dq_acc accumulated with atomics"
+    with_table = parse_program(backward_text("b", score_mod="score + t[h]", extra="param t: [Hq] f32 aux\n"
+                                             "param dt: [Hq] f32 out\n", aux_grad="dt of t"))
+    assert nondeterminism(with_table) == "dq_acc accumulated with atomics; table gradient dt accumulated with atomics"
 
 
 def test_user_trains_with_the_generated_module(ingested_kb, tmp_path: Path) -> None:
