@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +15,8 @@ import pytest
 from kb.embed import SentenceEmbedder, get_embedder
 from kb.settings import Settings, load_settings
 from tests.support.generate_fixtures import INGEST_SUMMARY
-from tests.support.repo import TEST_CACHE
+from tests.support.ingested import HOME_NAME, shared_ingested
+from tests.support.repo import REPO
 
 # ---- hermetic caches: a warm machine must not hide a failure (a kernel that only "compiles"
 # because ~/.triton/cache already holds it). Every compiler cache of this run, and of every
@@ -30,7 +31,13 @@ for _var, _sub in (("TRITON_HOME", "triton-home"), ("TRITON_CACHE_DIR", "triton-
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+_BUILDER: subprocess.Popen | None = None  # the controller's ingested-KB builder (pytest_sessionstart)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if _BUILDER is not None and _BUILDER.poll() is None:  # no test needed the KB before the run ended
+        _BUILDER.kill()
+        _BUILDER.wait()
     shutil.rmtree(_RUN_CACHES, ignore_errors=True)
 
 @pytest.fixture(autouse=True)
@@ -67,37 +74,25 @@ def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
 
 @pytest.fixture(scope="session")
 def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  # noqa: ANN001
-    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache).
-
-    Built once per run: pytest-xdist workers share the run's base temp directory, and the first worker to take
-    the lock builds the home there while the others wait and read it (tests copy it before writing)."""
+    """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache), built
+    once per run (tests.support.ingested): with workers, in the run's base temp directory they share."""
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    home, summary = shared / "kb-ingested", shared / "kb-ingested.summary.pickle"
-    with open(shared / "kb-ingested.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not summary.exists():
-            shutil.rmtree(home, ignore_errors=True)  # a worker that died mid-build left no summary
-            summary.write_bytes(pickle.dumps(_ingest_all(home, embedder)))
-    INGEST_SUMMARY["all"] = pickle.loads(summary.read_bytes())
+    home, summary = shared_ingested(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base, lambda: embedder)
+    INGEST_SUMMARY["all"] = summary
     return home
 
 
-def _ingest_all(home: Path, embedder: SentenceEmbedder):  # noqa: ANN202
-    from ingest.manifest import list_manifests
-    from ingest.run import ingest
-    from kb.store import open_kb
-
-    old = os.environ.get("KB_CACHE_DIR")
-    os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
-    try:
-        with open_kb(load_settings(home=home), embedder=embedder) as kb:
-            return ingest(kb, [m.name for m in list_manifests()], progress=False)
-    finally:
-        if old is None:
-            os.environ.pop("KB_CACHE_DIR", None)
-        else:
-            os.environ["KB_CACHE_DIR"] = old
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With xdist workers, build the ingested KB in a process of its own from the start (tests.support.ingested)."""
+    global _BUILDER
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    shared = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]  # the workers' basetemp parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KB_")} | {"HF_HUB_OFFLINE": "1"}
+    with open(shared / f"{HOME_NAME}.build.log", "w") as log:
+        _BUILDER = subprocess.Popen([sys.executable, "-m", "tests.support.ingested", str(shared)], cwd=REPO, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture

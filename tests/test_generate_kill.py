@@ -69,9 +69,24 @@ def test_stopped_generate_leaves_no_half_written_kernel_and_no_process(ingested_
     assert verify_dirs(tmp_path) == [] and _doctor(env).returncode == 0
 
 
-def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
-    """A spec's --timeout is shared: once spent, no further attempt starts, and the run says so."""
-    res = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path / "out", timeout_s=1.0, compile_cuda=False))
-    assert not res.succeeded and len(res.attempts) == 1 and res.attempts[0].verdict == "timeout"
-    assert "budget of 1s (--timeout) is spent: no further attempt started" in res.error
+def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path,  # noqa: ANN001
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec's --timeout is shared: once an attempt has spent it, no further attempt starts, and the run says so.
+    The verifier is stood in for by one that spends the whole budget (a real 1 s budget could run out while tracing
+    the spec on a loaded machine, before any attempt)."""
+    from generate import pipeline
+    from verify.result import Verdict
+
+    spent: list[bool] = []
+
+    def verify_spending_the_budget(spec, candidate, options, *, backward=False):  # noqa: ANN001, ANN202
+        spent.append(True)
+        return Verdict.timeout, "timed out: the verifier used the spec's whole budget"
+
+    budget_left = pipeline._budget_left
+    monkeypatch.setattr(pipeline, "_verify", verify_spending_the_budget)
+    monkeypatch.setattr(pipeline, "_budget_left", lambda options: 0.0 if spent else budget_left(options))
+    res = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path / "out", timeout_s=120.0, compile_cuda=False))
+    assert not res.succeeded and len(spent) == 1 and res.attempts[-1].verdict == "timeout"
+    assert "budget of 120s (--timeout) is spent: no further attempt started" in res.error
     assert ingested_kb.get(res.run_id).status == "failed"
