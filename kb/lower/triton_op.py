@@ -212,7 +212,8 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
         # dq, dk, dv as backward() allocates them, each aux gradient in its aux tensor's dtype (backward() casts it)
         bwd_fakes = ", ".join([_fake(bwd.param(g), bdims, out_dtype(bwd.param(g), bin0), "q") for g in ("dq", "dk", "dv")]
                               + [_fake(bwd.param(g), bdims, f"{a}.dtype", "q") for g, a in pairs.items()])
-    exact_o = bwd is not None and bwd.param("o").dtype is Dtype.F32 and fakes[names.index("o")].endswith("dtype=q.dtype)")
+    # o follows the inputs' dtype (not a spec's deliberate fp32 output) and the backward reads it in fp32
+    exact_o = bwd is not None and bwd.param("o").dtype is Dtype.F32 and out_dtype(fwd.param("o"), ins[0]) == "q.dtype"
     if exact_o:  # the fp32 O saved for the backward, beside o and lse
         outs_fake = _fake(fwd.param("o"), dims, "torch.float32", "q")
         fakes.append(f"{outs_fake} if q.dtype != torch.float32 else q.new_empty(0, dtype=torch.float32)")
