@@ -5,7 +5,6 @@ knowledge, other code, or a kernel the KB no longer vouches for make it generate
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,6 +22,7 @@ from kb.settings import load_settings
 from kb.store import open_kb
 from kb.store.models import Kernel, Lesson, Tunable
 from tests.support.generate_fixtures import QUICK
+from tests.support.ingested import private_copy
 from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -55,11 +55,7 @@ def _rows(home: Path, embedder) -> dict[str, int]:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def generated(ingested_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """(KB home, --out) after one `kb generate` of SPEC: a miss, which generated and cached the kernel."""
-    home = tmp_path_factory.mktemp("cache") / "kb"
-    shutil.copytree(ingested_home, home)
-    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse env isolation has not run yet
-        for name in [n for n in os.environ if n.startswith("KB_")]:
-            mp.delenv(name)
+    with private_copy(ingested_home, tmp_path_factory.mktemp("cache")) as home:
         out = home.parent / "out1"
         res = _kb(home, *ARGS, "--out", str(out))
         assert "(cached)" not in res.output

@@ -20,6 +20,7 @@ import kernel_kb
 from kb.settings import Settings, load_settings
 from kb.store import open_kb
 from kb.store.models import Kernel
+from tests.support.ingested import private_copy
 from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -31,11 +32,7 @@ STEM = "gen_causal_d64"
 @pytest.fixture(scope="module")
 def loaded(ingested_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Settings, ModuleType]]:
     """(settings of a KB copy, the module `kernel_kb.load(SPEC)` returned there: a miss, so generated)."""
-    home = tmp_path_factory.mktemp("load") / "kb"
-    shutil.copytree(ingested_home, home)
-    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse env isolation has not run yet
-        for name in [n for n in os.environ if n.startswith("KB_")]:
-            mp.delenv(name)
+    with private_copy(ingested_home, tmp_path_factory.mktemp("load")) as home:
         settings = load_settings(home=home)
         yield settings, kernel_kb.load(SPEC, settings=settings, target="sm90", backward=False)
 

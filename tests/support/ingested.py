@@ -7,17 +7,18 @@ imports: the workers then run other tests while the KB is built instead of one o
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pickle
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from tests.support.repo import TEST_CACHE
 
-__all__ = ["shared_ingested", "HOME_NAME"]
+__all__ = ["shared_ingested", "private_copy", "HOME_NAME"]
 
 HOME_NAME = "kb-ingested"
 
@@ -32,6 +33,20 @@ def shared_ingested(shared: Path, embedder: Callable[[], Any]) -> tuple[Path, An
             shutil.rmtree(home, ignore_errors=True)  # a process that died mid-build left no summary
             summary.write_bytes(pickle.dumps(_ingest_all(home, embedder())))
     return home, pickle.loads(summary.read_bytes())
+
+
+@contextlib.contextmanager
+def private_copy(ingested_home: Path, where: Path) -> Iterator[Path]:
+    """A copy of the ingested KB at `where`/kb for a module-scoped fixture, with every KB_* variable cleared while it
+    is used (module fixtures run before the autouse per-test environment isolation)."""
+    import pytest
+
+    home = where / "kb"
+    shutil.copytree(ingested_home, home)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("KB_")]:
+            mp.delenv(name)
+        yield home
 
 
 def _ingest_all(home: Path, embedder: Any) -> Any:
