@@ -33,11 +33,15 @@ def tune_cmd(
                                                                        "on a GPU, the GPU's own). auto: KB_TARGET_ARCH."),
     max_designs: int = typer.Option(10, "--max-designs", help="Designs timed per spec and shape, most promising first."),
     no_memory: bool = typer.Option(False, "--no-memory", help="Order designs by expert tunables and the default grid only."),
+    backward: bool = typer.Option(False, "--backward", help="Tune the backward's designs instead: each timed as one "
+                                                            "training step (forward as emitted, gradients checked)."),
     results: Path = typer.Option(None, "--results", help="Also keep the raw results document here (JSON)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results document as JSON."),
 ) -> None:
     """Time candidate designs of generated kernels on this GPU beside FlexAttention and SDPA; keep the fastest correct
-    one as measured records and a performance lesson (one transaction). Without a GPU, --plan writes the work for one."""
+    one as measured records and a performance lesson (one transaction). Without a GPU, --plan writes the work for one.
+    With --backward the designs are the backward kernel's, and the records become its performance memory: later
+    `kb generate` runs rank backward designs from them."""
     from generate.tune import make_plan, require_gpu
 
     if max_designs < 1:
@@ -46,17 +50,21 @@ def tune_cmd(
     kb = open_kb_of(ctx)
     if plan is not None:
         arch = target if target != "auto" else settings_of(ctx).target_arch
-        _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory), plan,
-                    then="kb perf import RESULTS.json")
+        _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory,
+                              backward=backward), plan, then="kb perf import RESULTS.json",
+                    runner="generate.tune_gpu_bwd" if backward else "generate.tune_gpu")
         return
     arch = require_gpu()
     from generate.perf_import import import_results
     from generate.tune_gpu import run_plan
+    from generate.tune_gpu_bwd import run_plan_backward
 
-    doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory)
+    doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory, backward=backward)
     raw = results or (kb.settings.home / "tune-last.json")
-    with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} designs on {esc(arch)} …"):
-        doc = run_plan(doc_plan, raw, command="kb tune " + " ".join(targets))
+    command = "kb tune " + ("--backward " if backward else "") + " ".join(targets)
+    with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} "
+                    f"{'backward ' if backward else ''}designs on {esc(arch)} …"):
+        doc = (run_plan_backward if backward else run_plan)(doc_plan, raw, command=command)
     summary = import_results(kb, doc, str(raw))
     if as_json:
         out.print_json(json.dumps(doc))
@@ -98,7 +106,7 @@ def bench_cmd(
 @perf_app.command("import")
 def perf_import_cmd(
     ctx: typer.Context,
-    files: list[Path] = typer.Argument(..., help="Results files written by `python -m generate.tune_gpu` or `kb tune --results`."),
+    files: list[Path] = typer.Argument(..., help="Results files written by `python -m generate.tune_gpu`, `python -m generate.tune_gpu_bwd` (a `kb tune --backward` plan) or `kb tune --results`."),
 ) -> None:
     """Store measured designs from a GPU machine: kernels, `measured` perf records and lessons, one transaction per file.
     Files that do not say where they were measured (GPU, driver, versions, command, date) are refused."""
@@ -120,10 +128,10 @@ def _spec_targets(targets: list[str]) -> list[str]:
     return out_
 
 
-def _write_plan(doc: dict, path: Path, then: str = "") -> None:
+def _write_plan(doc: dict, path: Path, then: str = "", runner: str = "generate.tune_gpu") -> None:
     path.write_text(json.dumps(doc, indent=1))
     out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {path}; on a GPU machine run\n"
-              f"  python -m generate.tune_gpu {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""), markup=False)
+              f"  python -m {runner} {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""), markup=False)
 
 
 def results_table(doc: dict) -> Table:
@@ -144,6 +152,6 @@ def results_table(doc: dict) -> Table:
                 return f"{base / em:.2f}" if base and em == em else "-"
 
             t.add_row(esc(e["name"]), f"B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} {dims.get('M')}x{dims.get('N')} D{dims.get('D')}",
-                      esc(f"{em:.3f} ({s.get('emitted_design')})"), esc(f"{best['ms']:.3f} ({best['design']})") if best else "-",
+                      esc(f"{em:.3f} ({s.get('emitted_bwd_design') or s.get('emitted_design')})"), esc(f"{best['ms']:.3f} ({best['design']})") if best else "-",
                       f"{em / best['ms']:.2f}" if best else "-", speed("flex"), speed("sdpa"))
     return t

@@ -115,13 +115,19 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
 PACKED_DECODE_GRID = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 2, 3), (128, 4, 2))
 
 
+# Backward tiles (block_m queries x block_n keys): the KV-outer dK/dV kernel holds K, V, dK and dV tiles of block_n
+# rows and streams block_m-row Q/dO tiles; narrow q tiles under wide kv tiles (32x128, 64x128) are what the Triton
+# tutorial's and FA2's backwards use. The last four widen the search for `kb tune --backward`.
+BACKWARD_GRID = ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (128, 128, 8, 1),
+                 (32, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 8, 3))
+
+
 def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     """The grid a design search always includes (Triton's usual attention tiles on NVIDIA GPUs); for decode,
     GQA-packed split-KV designs first (no-ops where a program or shape cannot pack); for the backward, narrower
     q tiles (its KV-outer loop holds K, V, dK and dV tiles at once) and no tensor descriptors."""
     if backward:
-        return [Design(m, n, w, s, tma=False) for m, n, w, s in ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2),
-                                                               (64, 64, 4, 3), (32, 64, 4, 2), (128, 128, 8, 1))]
+        return [Design(m, n, w, s, tma=False) for m, n, w, s in BACKWARD_GRID]
     if decode:
         return [Design(16, n, w, s, AUTO_SPLITS, pack_gqa=True) for n, w, s in PACKED_DECODE_GRID] \
             + [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),

@@ -1,6 +1,8 @@
 """Measurements from a GPU machine into the KB: `kb perf import RESULTS.json` (and `kb tune`'s write-back).
 
-A results document (`generate.tune_gpu`, schema `kernel-kb/tune/v1`) becomes, in ONE transaction:
+A results document (`generate.tune_gpu`, schema `kernel-kb/tune/v1`; or `generate.tune_gpu_bwd` from a
+`kb tune --backward` plan, schema `kernel-kb/tune-backward/v1`, whose kernels are backward programs and whose
+records time one training step per backward design) becomes, in ONE transaction:
 - the kernel each entry timed (its IR record travels with the results, so a KB that never generated
   it, such as a fresh `make demo` importing the shipped corpus, gets it; an existing kernel is left
   as it is, lineage included);
@@ -36,6 +38,7 @@ from kb.store.rules import violations
 __all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results", "cuda_impl"]
 
 SCHEMA = "kernel-kb/tune/v1"  # generate.tune_gpu.SCHEMA; repeated so importing needs no torch
+SCHEMA_BACKWARD = "kernel-kb/tune-backward/v1"  # generate.tune_gpu_bwd.SCHEMA: training steps per backward design
 _ENV_NEEDS = ("gpu", "driver", "arch", "command", "date", "torch_version", "triton_version")
 
 
@@ -59,8 +62,8 @@ def load_results(path: Path) -> dict:
 
 
 def _check_doc(doc: Any, where: str) -> None:
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise KBError(f"{where} is not a kernel-kb tune results file (schema {SCHEMA!r})")
+    if not isinstance(doc, dict) or doc.get("schema") not in (SCHEMA, SCHEMA_BACKWARD):
+        raise KBError(f"{where} is not a kernel-kb tune results file (schema {SCHEMA!r} or {SCHEMA_BACKWARD!r})")
     env = doc.get("env")
     missing = [k for k in _ENV_NEEDS if not isinstance(env, dict) or not env.get(k)]
     if missing:
@@ -83,7 +86,8 @@ def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # n
     for n, entry in enumerate(entries, 1):
         label = f"{where}: entry {n} ({entry.get('name', '?') if isinstance(entry, dict) else '?'})"
         try:
-            staged += [(label, r) for r in _entry_records(kb, entry, doc["env"], label, [r for _, r in staged])]
+            staged += [(label, r) for r in _entry_records(kb, entry, doc["env"], label, [r for _, r in staged],
+                                                          backward=doc["schema"] == SCHEMA_BACKWARD)]
         except (KeyError, TypeError, ValueError, AttributeError) as err:  # a field missing or of the wrong type
             raise KBError(f"{label}: malformed ({type(err).__name__}: {err}); nothing was imported") from None
     for label, r in staged:
@@ -95,12 +99,16 @@ def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # n
     return ImportSummary(*(sum(isinstance(r, t) for _, r in staged) for t in (Kernel, PerfRecord, Lesson)), len(entries))
 
 
-def _entry_records(kb, entry: dict, env: dict, label: str, staged: list) -> list:  # noqa: ANN001 - KnowledgeBase
-    """The records one results entry adds: its kernel (unless the KB or `staged` has it), measured records, lessons."""
+def _entry_records(kb, entry: dict, env: dict, label: str, staged: list, backward: bool) -> list:  # noqa: ANN001
+    """The records one results entry adds: its kernel (unless the KB or `staged` has it), measured records, lessons.
+    `backward`: a training-step sweep (`kb tune --backward`), whose kernel must be a backward program."""
     if entry.get("error") or not entry.get("shapes"):
         return []
     out: list = []
     kernel = _kernel(entry.get("kernel"), label)
+    if Features.from_json(kernel.features_json).backward != backward:
+        raise KBError(f"{label}: {'a training-step sweep' if backward else 'a forward sweep'} whose kernel "
+                      f"{kernel.id} is {'not ' if backward else ''}a backward program; nothing was imported")
     if kb.find(kernel.id) is None and all(getattr(r, "id", None) != kernel.id for r in staged):
         if kernel.parent_id and kb.find(kernel.parent_id) is None:
             kernel.parent_id = None  # its reference is not in this KB; the kernel stands alone
@@ -109,8 +117,8 @@ def _entry_records(kb, entry: dict, env: dict, label: str, staged: list) -> list
     for shape in entry["shapes"]:
         if "records" not in shape:
             continue
-        out += _perf_rows(kernel.id, env, shape, label)
-        lesson = _lesson(feats, env, shape)
+        out += _perf_rows(kernel.id, env, shape, label, backward)
+        lesson = _lesson(feats, env, shape, backward)
         if lesson is not None:
             out.append(lesson)
     return out
@@ -135,7 +143,7 @@ def _kernel(payload: Any, label: str) -> Kernel:
     return k
 
 
-def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfRecord]:
+def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str, backward: bool) -> list[PerfRecord]:
     dims = {k: v for k, v in shape.get("shape", {}).items() if k in ("B", "Hq", "Hkv", "M", "N", "D", "Dv", "attended_pairs")}
     flex = impl_ms(shape, "flex")
     sdpa = impl_ms(shape, "sdpa")
@@ -155,7 +163,8 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str) -> list[PerfR
                 design_json = json.dumps(parse_design(r["design"]).to_dict(), sort_keys=True)
             except (KBError, KeyError) as err:
                 raise KBError(f"{label}: bad design in record {r.get('impl')!r}: {err}") from err
-            notes = "design sweep"
+            notes = "design sweep" + (f" of the backward: one training step, forward at {shape.get('emitted_design')}"
+                                      if backward else "")
         ms, tflops = r.get("ms"), r.get("tflops")
         if not isinstance(ms, (int, float)) or not ms > 0:
             raise KBError(f"{label}: record {r['impl']!r} has no positive ms ({ms!r})")
@@ -173,7 +182,7 @@ def cuda_impl(lowering: str | None) -> dict:
     return {"impl": "cuda", "lowering": lowering or ""}
 
 
-def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
+def _lesson(feats: Features, env: dict, shape: dict, backward: bool) -> Lesson | None:
     designs = [r for r in shape["records"] if r["impl"].startswith("design ")]
     ok = [r for r in designs if r.get("status") == "ok"]
     if not ok:
@@ -192,7 +201,9 @@ def _lesson(feats: Features, env: dict, shape: dict) -> Lesson | None:
     flex, sdpa = impl_ms(shape, "flex"), impl_ms(shape, "sdpa")
     ratios = "; ".join(f"{flex_or / best['ms']:.2f}x {name}" for name, flex_or in (("FlexAttention", flex), ("SDPA", sdpa))
                        if flex_or)
-    text = (f"{where}: design {best['design']} was fastest of {len(ok)} correct designs, {best['ms']:.3f} ms "
+    what = "backward design" if backward else "design"
+    step = " per training step (forward + backward)" if backward else ""
+    text = (f"{where}: {what} {best['design']} was fastest of {len(ok)} correct designs, {best['ms']:.3f} ms{step} "
             f"({best.get('tflops', 0):.0f} TFLOP/s), {vs}" + (f"; speed vs {ratios}" if ratios else "") + ".")
     return Lesson(kind="perf_design", text=text, features_json=feats.to_json())
 

@@ -31,8 +31,9 @@ __all__ = ["make_plan", "plan_entries", "DEFAULT_MAX_DESIGNS"]
 DEFAULT_MAX_DESIGNS = 10
 
 
-def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # noqa: ANN001
-    """(spec path, candidate path, kernel row) for a spec file or a generated kernel id."""
+def _resolve(kb, target: str, from_dir: Path, backward: bool = False) -> tuple[Path, Path, Kernel]:  # noqa: ANN001
+    """(spec path, candidate path, kernel row) for a spec file or a generated kernel id; `backward`: the kernel row
+    is the candidate's backward kernel (the one its designs belong to)."""
     if target.startswith("k-"):
         kernel = kb.get(target)
         if not isinstance(kernel, Kernel) or not kernel.file:
@@ -51,6 +52,12 @@ def _resolve(kb, target: str, from_dir: Path) -> tuple[Path, Path, Kernel]:  # n
     report = json.loads(report_path.read_text())
     if report.get("status") not in (ReportStatus.VERIFIED, ReportStatus.UNVERIFIED):
         raise KBError(f"{report_path} says {report.get('status')!r}: nothing to tune")
+    if backward:
+        back = report.get("backward") or {}
+        if back.get("status") not in (ReportStatus.VERIFIED, ReportStatus.UNVERIFIED) or not back.get("kernel_id"):
+            raise KBError(f"{cand} has no backward to tune ({back.get('status') or 'none'}: "
+                          f"{str(back.get('reason') or '')[:200]})", hint="generate it without --no-backward first")
+        return spec_path, cand, kb.get(back["kernel_id"])  # type: ignore[return-value]
     if kernel is None:
         kernel = kb.get(report["kernel_id"])
     return spec_path, cand, kernel  # type: ignore[return-value]
@@ -63,16 +70,18 @@ def _kernel_payload(k: Kernel) -> dict:
 
 
 def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
-                 memory: bool = True) -> list[dict]:
+                 memory: bool = True, backward: bool = False) -> list[dict]:
     """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept
-    (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`)."""
+    (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`). `backward`: the designs of
+    the candidate's backward kernel, timed as training steps (`generate.tune_gpu_bwd`); the entry's kernel is that
+    backward kernel, so the measured records become the backward's performance memory."""
     from generate.tune_gpu import bench_shapes
 
     sweeps = sweeps_from_kb(kb, arch)
     tunables = tunable_rows(kb)
     entries = []
     for target in targets:
-        spec_path, cand, kernel = _resolve(kb, target, from_dir)
+        spec_path, cand, kernel = _resolve(kb, target, from_dir, backward)
         feats = Features.from_json(kernel.features_json)
         shapes = bench_shapes(import_spec_file(spec_path))
         for shape in shapes:
@@ -85,17 +94,18 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
             timed = list(dict.fromkeys((on if memory else off) + (off if memory else on))) if max_designs else []
             name = spec_path.stem + (f"_d{d}" if len(shapes) > 1 else "")
             entries.append({"name": name, "spec": str(spec_path), "candidate": str(cand), "shapes": [shape] if shape else None,
-                            "kernel": _kernel_payload(kernel), "designs": [str(x) for x in timed],
+                            "kernel": _kernel_payload(kernel), "backward": backward, "designs": [str(x) for x in timed],
                             "order_memory": [str(x) for x in on], "order_no_memory": [str(x) for x in off]})
     return entries
 
 
 def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
-              memory: bool = True) -> dict:
+              memory: bool = True, backward: bool = False) -> dict:
     from generate.tune_gpu import PLAN_SCHEMA
 
-    return {"schema": PLAN_SCHEMA, "arch": arch, "memory": memory,
-            "entries": plan_entries(kb, targets, from_dir, arch, max_designs=max_designs, memory=memory)}
+    return {"schema": PLAN_SCHEMA, "arch": arch, "memory": memory, "backward": backward,
+            "entries": plan_entries(kb, targets, from_dir, arch, max_designs=max_designs, memory=memory,
+                                    backward=backward)}
 
 
 def require_gpu() -> str:

@@ -5,9 +5,9 @@
     python -m generate.tune_gpu --backward ...                      (the same, through the forward timer's CLI)
     TRITON_INTERPRET=1 python -m generate.tune_gpu_bwd --cpu-dry-run ...   (no GPU: small shapes, not measurements)
 
-The plan is the forward timer's (`kb bench --plan` / `kb tune --plan`; designs are ignored: a backward
-candidate picks its own), or is built here from a suite file and the `--out` directory of `kb generate`
-(no KB needed). Per entry, at the spec's `BENCH` shape, on the same bf16 inputs, one upstream gradient dO:
+The plan is the forward timer's (`kb bench --plan`; a forward plan's designs are ignored: a backward candidate
+picks its own), `kb tune --backward --plan`'s (its entries carry the backward kernel and the backward designs to
+time), or is built here from a suite file and the `--out` directory of `kb generate` (no KB needed). Per entry, at the spec's `BENCH` shape, on the same bf16 inputs, one upstream gradient dO:
 
 - the reference: the spec's `flex_mods` evaluated densely in fp32, forward and autograd backward, in row
   chunks (softmax is row-wise, so the gradients are sums over chunks); it gives dq, dk, dv and the gradient
@@ -19,7 +19,10 @@ candidate picks its own), or is built here from a suite file and the `--out` dir
 - `flex`: `torch.compile(flex_attention)` forward+backward (block mask built once, outside the timing), its
   `score_mod` closing over the Model's parameters, so it also computes their gradients; if that fails for a
   spec with parameters, `flex (table grad off)` times it with the parameters frozen (labelled);
-- `sdpa`: `F.scaled_dot_product_attention` forward+backward where the spec's `SDPA` says it computes the same.
+- `sdpa`: `F.scaled_dot_product_attention` forward+backward where the spec's `SDPA` says it computes the same;
+- with a `kb tune --backward` plan, `design <d>` per backward design instead of the baselines: the same training
+  step with the module's backward forced to `d` (its forward as emitted), gradients checked first; `does_not_fit`
+  where the GPU cannot run it.
 
 Each timed call is one training step: grads set to None, forward, backward (`verify.timing.time_fn(drain=False)`,
 as the forward timer). The no-grad forward is timed too (`fwd_ms`), so `ms - fwd_ms` estimates the backward.
@@ -51,6 +54,7 @@ import torch
 
 from generate import tune_gpu as fwd
 from generate.stages import ReportStatus
+from kb.ir.design import Design, arch_of_capability, parse_design
 
 __all__ = ["SCHEMA", "GRAD_TOL", "FLOP_CONVENTION", "SuiteRow", "Impl", "Reference", "fwd_bwd_flops", "rel_fro",
            "read_suite", "suite_plan", "reference_grads", "bwd_record", "run_plan_backward", "summarize",
@@ -355,7 +359,7 @@ def _dout(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
-def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, device: str) -> dict:
+def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, device: str, deadline: float) -> dict:
     if device == "cpu":
         shape = {}  # the CPU dry run works at the spec's own small shape
     inputs = _leaf_inputs(fwd._inputs(spec, shape, device))
@@ -374,10 +378,57 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     records = [bwd_record("emitted", em.impl, ref, flops, trials)]
     picked = getattr(em.module, "_PICKED", None)
     res["emitted_design"] = str(next(iter(picked.values()))) if picked else None
-    records += _baseline_records(spec, inputs, model, names, ref, flops, trials, device, res)
+    bwd_picked = getattr(em.module, "_BWD_PICKED", None)
+    if bwd_picked:
+        res["emitted_bwd_design"] = str(Design.from_tuple(next(iter(bwd_picked.values()))))
+    if entry.get("backward"):  # a design sweep: what ranks designs is their times against each other
+        records += _design_records(em, entry["designs"], ref, flops, trials, deadline) if records[0]["status"] == "ok" else []
+    else:
+        records += _baseline_records(spec, inputs, model, names, ref, flops, trials, device, res)
     res["records"] = records
     _ratios(res)
     return res
+
+
+@contextlib.contextmanager
+def _backward_design(module: ModuleType, design: tuple) -> Iterator[None]:
+    """Inside, the candidate's backward runs `design` and nothing else: the only design its table lists for every arch
+    and head dim, and its program design (the interpreter's, and the GPU's fallback pool); choices are made afresh
+    (the module's per-shape choices are cleared on the way in and out)."""
+    saved = module.BWD_DESIGNS, module.BWD_PROGRAM_DESIGN
+    module.BWD_DESIGNS = {arch: {b: (design,) for b in (16, 32, 64, 128, 256)} for arch in {*saved[0], _arch()}}
+    module.BWD_PROGRAM_DESIGN = design
+    module._BWD_PICKED.clear()
+    try:
+        yield
+    finally:
+        module.BWD_DESIGNS, module.BWD_PROGRAM_DESIGN = saved
+        module._BWD_PICKED.clear()
+
+
+def _arch() -> str:
+    return arch_of_capability(torch.cuda.get_device_capability()) if torch.cuda.is_available() else "cpu"
+
+
+def _design_records(em: _Emitted, designs: list[str], ref: Reference, flops: float, trials: int,
+                    deadline: float) -> list[dict]:
+    """The training step at each backward design of a `kb tune --backward` plan (the forward as emitted), gradients
+    checked first like the emitted record's; a design the GPU cannot run is `does_not_fit`, never another's time."""
+    recs = []
+    for text in designs:
+        label = f"design {text}"
+        if time.monotonic() > deadline:
+            recs.append({"impl": label, "design": text, "status": "skipped", "error": "deadline"})
+            continue
+        want = parse_design(text).as_tuple()
+        with _backward_design(em.module, want):
+            rec = bwd_record(label, em.impl, ref, flops, trials)
+            ran = {tuple(d) for d in em.module._BWD_PICKED.values()}
+        if rec["status"] == "ok" and ran != {want}:
+            rec = {"impl": label, "status": "does_not_fit",
+                   "error": f"this GPU cannot run it (the module fell back to {sorted(ran)})"}
+        recs.append({**rec, "design": text})
+    return recs
 
 
 def _baseline_records(spec: ModuleType, inputs: list, model: torch.nn.Module, names: list[str], ref: Reference,
@@ -432,7 +483,8 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
     row = _suite_row(entry["spec"]) if entry.get("tier") is None else None
     out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
                            "tier": entry.get("tier") or (row.tier if row else None),
-                           "class": entry.get("class") or (row.klass if row else None), "shapes": []}
+                           "class": entry.get("class") or (row.klass if row else None), "shapes": [],
+                           **({"kernel": entry["kernel"], "backward": True} if entry.get("backward") else {})}
     report = _generate_report(entry["candidate"])
     if report is not None:
         out["generate_status"] = report.get("status")
@@ -445,23 +497,30 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
         if time.monotonic() > deadline:
             out["shapes"].append({"shape": shape, "skipped": "deadline"})
             continue
-        out["shapes"].append(_run_shape(entry, spec, shape, f"bwd{idx}_{j}", trials, device))
+        out["shapes"].append(_run_shape(entry, spec, shape, f"bwd{idx}_{j}", trials, device, deadline))
     return out
 
 
 # ---- parallel warm-up: compile the backward kernels and FlexAttention's once, in worker processes ---------
 
-def _warm(task: tuple[dict, int, int]) -> str:
-    entry, idx, j = task
+def _warm(task: tuple[dict, int, int, str | None]) -> str:
+    """Compile one (entry, shape): the emitted training step and FlexAttention's, or (`design`) one backward design."""
+    entry, idx, j, design = task
     try:
         spec = fwd._load(entry["spec"], f"kb_bwd_warm_spec_{idx}")
         shape = fwd.bench_shapes(spec, entry.get("shapes"))[j]
         inputs = _leaf_inputs(fwd._inputs(spec, shape, "cuda"))
         em = _emitted_impl(entry, spec, shape, "cuda", f"bw{idx}_{j}", inputs)
-        flex, _ = _flex_impls(spec, inputs, em.model, em.names)
-        for impl in (em.impl, flex):
-            if impl is not None:
-                _warm_one(impl)
+        if design is not None:
+            with _backward_design(em.module, parse_design(design).as_tuple()):
+                _warm_one(em.impl)
+        elif entry.get("backward"):
+            _warm_one(em.impl)  # a design sweep times no baseline
+        else:
+            flex, _ = _flex_impls(spec, inputs, em.model, em.names)
+            for impl in (em.impl, flex):
+                if impl is not None:
+                    _warm_one(impl)
         torch.cuda.synchronize()
         return "ok"
     except Exception as err:  # noqa: BLE001 - the timed process records the error
@@ -482,7 +541,8 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     for i, e in enumerate(entries):
         if Path(e["candidate"]).is_file():
             spec = fwd._load(e["spec"], f"kb_bwd_count_spec_{i}")
-            tasks += [(e, i, j) for j in range(len(fwd.bench_shapes(spec, e.get("shapes"))))]
+            designs = [None, *(e["designs"] if e.get("backward") else [])]
+            tasks += [(e, i, j, d) for j in range(len(fwd.bench_shapes(spec, e.get("shapes")))) for d in designs]
     if workers <= 1 or not tasks:
         return
     pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
