@@ -612,8 +612,16 @@ def summary_line(entry: dict, seconds: float) -> str:
         worst = max(em.get("grad_err", {}).values(), default=math.nan)
         why = f" [{em['error']}]" if em.get("error") else ""
         ratio = "".join(f", {s[k]:.2f}x {b}" for k, b in (("vs_flex", "flex"), ("vs_sdpa", "sdpa")) if k in s)
-        parts.append(f"emitted fwd+bwd {_fmt_ms(em)}{why}, grads max rel err {worst:.1e}; "
-                     f"flex {_fmt_ms(recs.get('flex'))}, sdpa {_fmt_ms(recs.get('sdpa'))}{ratio}")
+        head = f"emitted fwd+bwd {_fmt_ms(em)}{why}, grads max rel err {worst:.1e}; "
+        designs = [r for r in s.get("records", []) if r["impl"].startswith("design ")]
+        if designs:  # a backward design sweep: the best design against the emitted one
+            ok = [r for r in designs if r.get("status") == "ok"]
+            best = min(ok, key=lambda r: r["ms"], default=None)
+            gain = f" ({em['ms'] / best['ms']:.2f}x emitted)" if best and em.get("status") == "ok" else ""
+            parts.append(head + f"{len(ok)}/{len(designs)} backward designs ran, best "
+                         + (f"{best['design']} {_fmt_ms(best)}{gain}" if best else "none"))
+            continue
+        parts.append(head + f"flex {_fmt_ms(recs.get('flex'))}, sdpa {_fmt_ms(recs.get('sdpa'))}{ratio}")
     return f"{entry['name']} [{seconds:.0f}s]: " + "; ".join(parts)
 
 

@@ -169,3 +169,11 @@ def test_kb_tune_backward_plan_from_the_cli(tuned, tmp_path: Path) -> None:
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert res.stderr.startswith("kb: error: ") and "has no backward to tune (none: why)" in res.stderr
+
+
+def test_the_summary_line_names_the_best_design(tuned) -> None:
+    from generate.tune_gpu_bwd import summary_line
+
+    _, _, _, _, doc = tuned
+    line = summary_line(doc["entries"][0], 1.0)
+    assert "2/2 backward designs ran, best " in line and "x emitted)" in line and "flex" not in line
