@@ -117,9 +117,11 @@ PACKED_DECODE_GRID = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 2, 
 
 # Backward tiles (block_m queries x block_n keys): the KV-outer dK/dV kernel holds K, V, dK and dV tiles of block_n
 # rows and streams block_m-row Q/dO tiles; narrow q tiles under wide kv tiles (32x128, 64x128) are what the Triton
-# tutorial's and FA2's backwards use. The last four widen the search for `kb tune --backward`.
+# tutorial's and FA2's backwards use. The last four widen the search for `kb tune --backward`, and the dq_swap ones
+# give a separate dq pass the transposed tile (the tutorial's BLOCK_M2 x BLOCK_N2 = 128 x 32 beside 32 x 128).
 BACKWARD_GRID = ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (128, 128, 8, 1),
                  (32, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 8, 3))
+BACKWARD_SWAP_GRID = ((64, 128, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (32, 128, 8, 3))
 
 
 def default_designs(decode: bool, backward: bool = False) -> list[Design]:
@@ -127,7 +129,8 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     GQA-packed split-KV designs first (no-ops where a program or shape cannot pack); for the backward, narrower
     q tiles (its KV-outer loop holds K, V, dK and dV tiles at once) and no tensor descriptors."""
     if backward:
-        return [Design(m, n, w, s, tma=False) for m, n, w, s in BACKWARD_GRID]
+        return [Design(m, n, w, s, tma=False) for m, n, w, s in BACKWARD_GRID] \
+            + [Design(m, n, w, s, tma=False, dq_swap=True) for m, n, w, s in BACKWARD_SWAP_GRID]
     if decode:
         return [Design(16, n, w, s, AUTO_SPLITS, pack_gqa=True) for n, w, s in PACKED_DECODE_GRID] \
             + [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),

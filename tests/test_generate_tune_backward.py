@@ -89,7 +89,7 @@ def test_each_design_is_a_checked_training_step(tuned) -> None:
         assert set(rec["grad_err"]) == {"q", "k", "v"} and max(rec["grad_err"].values()) < 2e-2
 
 
-def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A design the GPU cannot run makes the module fall back to another; its time must not be recorded as the
     design's."""
     import generate.tune_gpu_bwd as bwd
@@ -102,7 +102,7 @@ def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pyte
         return real(module, (*design[:3], design[3] * 2, *design[4:]))
 
     monkeypatch.setattr(bwd, "_backward_design", falls_back)
-    doc = run_plan_backward({**plan, "entries": [entry]}, Path(os.devnull), device="cpu", trials=1)
+    doc = run_plan_backward({**plan, "entries": [entry]}, tmp_path / "r.json", device="cpu", trials=1)
     (rec,) = [r for r in doc["entries"][0]["shapes"][0]["records"] if r["impl"].startswith("design ")]
     assert rec["status"] == "does_not_fit" and "ms" not in rec
 

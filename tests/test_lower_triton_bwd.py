@@ -22,12 +22,14 @@ import pytest
 import torch
 
 from kb.errors import KBError
+from kb.ir.design import Design, parse_design
 from kb.ir.expr import parse_expr as E
 from kb.ir.nodes import Dtype, Param, Program, Role, Store, aux_gradients, walk_stmts
 from kb.ir.validate import problems
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import lower_program
-from kb.lower.triton_bwd import check_pair, lower_autograd
+from kb.lower.triton_bwd import check_pair, dq_swap_kernels, lower_autograd
+from kb.lower.triton_host import kernel_fn_name
 from tests.support.ir_programs import backward, causal_bwd, forward
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
@@ -140,7 +142,7 @@ def _tensors(case: Case, B: int, M: int, N: int, D: int, dtype: torch.dtype, see
 
 
 def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, D: int = 16,
-           dtype: Dtype = Dtype.F32, tol: float = 2e-4, seed: int = 0) -> dict[str, torch.Tensor]:
+           dtype: Dtype = Dtype.F32, tol: float = 2e-4, seed: int = 0, design: Design | None = None) -> dict[str, torch.Tensor]:
     case = CASES[name]
     torch_dtype = torch.float32 if dtype is Dtype.F32 else torch.bfloat16
     p = case.program() if dtype is Dtype.F32 else dataclasses.replace(
@@ -153,7 +155,8 @@ def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, 
     dout = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1))
     o.backward(dout)
     run = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o.detach().to(torch_dtype),
-           "dout": dout.to(torch_dtype), "lse": lse.detach(), **case.scalars, **{n: t.detach() for n, t in aux.items()}}
+           "dout": dout.to(torch_dtype), "lse": lse.detach(), **case.scalars, **{n: t.detach() for n, t in aux.items()},
+           **({"_design": design.as_tuple()} if design else {})}
     out = TritonKernel.from_program(p, cache_dir).run(run)
     want = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{g: aux[n].grad for g, n in aux_gradients(p).items()}}
     assert set(out) == set(want), (sorted(out), sorted(want))
@@ -167,6 +170,25 @@ def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_gradients_match_autograd(name: str, cache_dir: Path) -> None:
     _check(name, cache_dir)
+
+
+@pytest.mark.parametrize("name, kernel", [("causal_dq_pass", "bwd_dq"), ("softcap_gqa_dq_pass", "bwd_dq")])
+def test_a_dq_swap_design_transposes_the_dq_pass_tile_not_its_gradients(name: str, kernel: str, cache_dir: Path) -> None:
+    """Design.dq_swap launches the separate dq pass with BLOCK_M and BLOCK_N exchanged (16 query rows by 32 keys
+    becomes 32 by 16, over lengths no tile divides); the gradients stay autograd's."""
+    p = CASES[name].program()
+    assert dq_swap_kernels(p) == (kernel,)
+    src = lower_program(p)
+    launch = src.split(f"_kb_launch(rec, {kernel_fn_name(next(k for k in p.kernels if k.name == kernel))},", 1)
+    assert launch[0].rstrip().endswith("BLOCK_M, BLOCK_N = BLOCK_N, BLOCK_M") and src.count("design[7]") == 2
+    swap = Design(16, 32, 4, 1, tma=False, dq_swap=True)
+    assert parse_design(str(swap)) == swap and Design.from_tuple(swap.as_tuple()) == swap
+    _check(name, cache_dir, M=37, N=45, design=swap)
+    _check(name, cache_dir, M=37, N=45, design=dataclasses.replace(swap, dq_swap=False))
+
+
+def test_without_a_separate_dq_pass_nothing_is_swapped() -> None:
+    assert dq_swap_kernels(causal_bwd()) == () and "design[7]" not in lower_program(causal_bwd())
 
 
 def test_fully_masked_rows_get_zero_gradients(cache_dir: Path) -> None:

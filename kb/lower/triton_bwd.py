@@ -28,7 +28,8 @@ import logging
 
 from kb.errors import KBError
 from kb.ir.design import DesignTable
-from kb.ir.nodes import Program, Role, accumulated_tensors, aux_gradients, is_backward
+from kb.ir.expr import free_vars
+from kb.ir.nodes import Probs, Program, Role, accumulated_tensors, aux_gradients, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.triton import (
     PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, preamble_text, program_signature,
@@ -36,7 +37,7 @@ from kb.lower.triton import (
 from kb.lower.triton_host import HostEntry, backward_design_lines, check_host_names, class_kernel, host_function, kernel_fn_name
 from kb.lower.triton_op import op_section
 
-__all__ = ["lower_backward", "backward_part", "check_pair", "lower_autograd", "BACKWARD_INPUTS"]
+__all__ = ["lower_backward", "backward_part", "check_pair", "lower_autograd", "BACKWARD_INPUTS", "dq_swap_kernels"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,17 @@ def check_backward_params(p: Program) -> None:
                       f"({', '.join(grads) or 'none'}), got {', '.join(outs)}")
 
 
+def dq_swap_kernels(p: Program) -> tuple[str, ...]:
+    """The kernels a `dq_swap` design launches with BLOCK_M and BLOCK_N exchanged: those that recompute P over a grid
+    of query blocks (a separate dq pass), so they hold block_n query rows and step over block_m keys, the transpose of
+    the KV-outer dK/dV kernel's tile. Every index, loop bound and block test of a kernel is written in its own
+    constexprs, so exchanging them changes the tiling, never the result; a block table (built at one tile shape for
+    all kernels) rules it out (backward_part passes none then)."""
+    return tuple(k.name for k in p.kernels if any(isinstance(s, Probs) for s in walk_stmts(k.body))
+                 and any("BLOCK_M" in free_vars(ax.extent) for ax in k.grid)
+                 and not any("BLOCK_N" in free_vars(ax.extent) for ax in k.grid))
+
+
 def _returns(p: Program) -> tuple[str, ...]:
     """What `backward` returns: dq, dk, dv, then each aux gradient in its aux tensor's dtype."""
     return (*_GRADS, *(f"{g}.to({a}.dtype)" for g, a in aux_gradients(p).items()))
@@ -80,7 +92,7 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     packs = "backward programs do not pack"
     entry = HostEntry(name="backward", chooser="_choose_bwd_design", class_kernel=_CLASS_KERNEL, table_tag='"bwd", ',
                       zeroed=accumulated_tensors(p), returns=_returns(p), table_helper=False, plans=False,
-                      exact_o=False)
+                      exact_o=False, swap_kernels=() if sig.table else dq_swap_kernels(p))
     out = ["", "", _BWD_PREAMBLE, *kernel_sources(p, sig, plan, opts, packs)]
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]

@@ -205,6 +205,7 @@ class HostEntry:
     table_helper: bool = True  # emit block_class_table()
     plans: bool = True  # replay launch plans (_Plan) for repeated call signatures; needs plain returns and no table
     exact_o: bool = True  # `_o_dtype=`: o in another dtype than the inputs' (fp32 for a backward's Δ; kb.lower.triton_op)
+    swap_kernels: tuple[str, ...] = ()  # launched with BLOCK_M and BLOCK_N exchanged by a dq_swap design (triton_bwd)
 
 
 _HOST_FUNCTION = Template('''\
@@ -371,7 +372,8 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
         pack=pack, num_splits=_num_splits(p, hctx, packs, device),
         head_pad=str(p.schedule.fixed_head_pad) if p.schedule.fixed_head_pad else f"max({DOT_MIN_K}, triton.next_power_of_2(D))",
         constexprs=_constexpr_values(sig), table=_table_build(p, sig, plan, entry, device) if sig.table else "",
-        allocate=_block(_allocations(p, entry, device)), tma=_tma_choice(p, sig), launches=_launches(p, sig, hctx, packs),
+        allocate=_block(_allocations(p, entry, device)), tma=_tma_choice(p, sig),
+        launches=_launches(p, sig, hctx, packs, entry.swap_kernels),
         returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)))
 
 
@@ -447,8 +449,14 @@ def _tma_choice(p: Program, sig: Signature) -> str:
     return out
 
 
-def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str) -> str:
-    """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`."""
+_SWAP = '''        if len(design) > 7 and design[7]:  # dq_swap: this Q-outer kernel's tile is the transpose of the dK/dV kernel's
+            BLOCK_M, BLOCK_N = BLOCK_N, BLOCK_M
+'''
+
+
+def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, swap: tuple[str, ...] = ()) -> str:
+    """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`; the kernels in
+    `swap` between two exchanges of BLOCK_M and BLOCK_N when the design asks for it (Design.dq_swap)."""
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
                      + [q.name for q in sig.scalars] + table_args)
@@ -457,7 +465,8 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str) 
     for k in p.kernels:
         plain = dict(fn=kernel_fn_name(k), grid=_grid_code(k, hctx, None), args=args, constexprs=constexprs)
         if not isinstance(packs, dict):
-            out += _KERNEL_LAUNCH.substitute(indent="        ", **plain)
+            launch = _KERNEL_LAUNCH.substitute(indent="        ", **plain)
+            out += _SWAP + launch + _SWAP if k.name in swap else launch
             continue
         packed = dict(plain, fn=packed_fn_name(k), grid=_grid_code(k, hctx, packs[k.name]))
         out += "        if PACK:\n" + _KERNEL_LAUNCH.substitute(indent="            ", **packed)
