@@ -23,15 +23,13 @@ from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.settings import load_settings
 from kb.store import Lesson, PerfRecord, open_kb
-from tests.support.generate_fixtures import QUICK
+from tests.support.generate_fixtures import H200_ENV, QUICK
 from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "bench" / "tuning" / "causal.py"
-ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04", "torch_version": "2.11.0+cu130",
-       "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m generate.tune_gpu plan.json r.json",
-       "date": "2026-12-03T12:00:00+00:00"}
+ENV = H200_ENV
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,13 @@ from kb.features import Features
 from kb.ir.design import Design, parse_design
 from kb.settings import load_settings
 from kb.store import Kernel, Lesson, PerfRecord, open_kb
-from tests.support.generate_fixtures import QUICK
+from tests.support.generate_fixtures import H200_ENV, QUICK
 from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "tests" / "data" / "specs_tune" / "causal_small_bf16.py"
-ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04", "torch_version": "2.11.0+cu130",
-       "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m generate.tune_gpu_bwd plan.json r.json",
-       "date": "2026-12-05T12:00:00+00:00"}
+ENV = {**H200_ENV, "command": "python -m generate.tune_gpu_bwd plan.json r.json", "date": "2026-12-05T12:00:00+00:00"}
 
 
 @pytest.fixture(scope="module")
