@@ -546,9 +546,15 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
 
 
 def _write(path: Path, doc: dict) -> None:
+    """Write the results whole: through a temporary file renamed over a regular file (a reader never sees half a
+    document); straight into anything else that exists (/dev/null, a pipe), which a rename would replace."""
+    text = json.dumps(doc, indent=1)
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

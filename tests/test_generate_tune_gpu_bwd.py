@@ -306,3 +306,14 @@ def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
     assert len(lines) == 9 and all(": ERROR no candidate" in x for x in lines[:8])  # nothing generated in tmp_path
     assert lines[-1].startswith("x flex: none timed") and "not timed: causal_d128_bf16" in lines[-1]
     assert json.loads((tmp_path / "r.json").read_text())["env"]["dry_run"] == "cpu"
+
+
+def test_results_written_to_dev_null_leave_it_a_device(tmp_path: Path) -> None:
+    """The timers write results whole through a rename, which must not replace /dev/null (or a pipe) by a file."""
+    from generate.tune_gpu import _write
+
+    _write(Path(os.devnull), {"schema": SCHEMA})
+    assert Path(os.devnull).is_char_device()
+    _write(tmp_path / "sub" / "r.json", {"schema": SCHEMA})
+    assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"schema": SCHEMA}
+    assert not list((tmp_path / "sub").glob("*.tmp"))
