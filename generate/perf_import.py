@@ -157,7 +157,8 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str, backward: boo
             notes = f"the emitted .cu ({r.get('lowering') or 'lowering not recorded'}) through kb_launch"
         elif r["impl"] == "emitted":
             design_json = "{}"
-            notes = f"as emitted by kb generate (ModelNew, design {shape.get('emitted_design')})"
+            notes = (f"as emitted by kb generate (ModelNew training step, backward design {shape.get('emitted_bwd_design')})"
+                     if backward else f"as emitted by kb generate (ModelNew, design {shape.get('emitted_design')})")
         else:
             try:
                 design_json = json.dumps(parse_design(r["design"]).to_dict(), sort_keys=True)
