@@ -24,6 +24,7 @@ from kb.ir.design import parse_design
 from kb.settings import load_settings
 from kb.store import Lesson, PerfRecord, open_kb
 from tests.support.generate_fixtures import H200_ENV, QUICK
+from tests.support.ingested import private_copy
 from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -36,9 +37,8 @@ ENV = H200_ENV
 def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
     """Generate, plan and dry-run once per module (the slow part); tests get copies of the KB it leaves."""
     base = tmp_path_factory.mktemp("tuned")
-    home, out = base / "kb", base / "out"
-    shutil.copytree(ingested_home, home)
-    with open_kb(load_settings(home=home), embedder=embedder) as kb:
+    out = base / "out"
+    with private_copy(ingested_home, base) as home, open_kb(load_settings(home=home), embedder=embedder) as kb:
         r = generate(kb, SPEC, GenerateOptions(out_dir=out, **QUICK))
         assert r.succeeded, r.error
         plan = make_plan(kb, [str(SPEC)], out, "sm90", max_designs=1)

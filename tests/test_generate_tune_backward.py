@@ -29,6 +29,7 @@ from kb.ir.design import Design, parse_design
 from kb.settings import load_settings
 from kb.store import Kernel, Lesson, PerfRecord, open_kb
 from tests.support.generate_fixtures import H200_ENV, QUICK
+from tests.support.ingested import private_copy
 from tests.support.repo import KB_CLI, REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -41,9 +42,8 @@ ENV = {**H200_ENV, "command": "python -m generate.tune_gpu_bwd plan.json r.json"
 def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
     """Generate (with a backward), plan the backward's designs and dry-run them once per module."""
     base = tmp_path_factory.mktemp("tuned_bwd")
-    home, out = base / "kb", base / "out"
-    shutil.copytree(ingested_home, home)
-    with open_kb(load_settings(home=home), embedder=embedder) as kb:
+    out = base / "out"
+    with private_copy(ingested_home, base) as home, open_kb(load_settings(home=home), embedder=embedder) as kb:
         # the timer checks the gradients itself: verify_kernel=False keeps the verifier's backward mode out of it
         r = generate(kb, SPEC, GenerateOptions(out_dir=out, **{**QUICK, "backward": True, "verify_kernel": False}))
         assert r.succeeded and r.backward in ("verified", "generated, not verified"), r.backward_reason
