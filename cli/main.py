@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cli import store, tune, work  # noqa: F401 - each registers its commands on `app`
+from cli import service, store, tune, work  # noqa: F401 - each registers its commands on `app`
 from cli.app import app
 
 __all__ = ["app", "main"]

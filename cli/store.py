@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import typer
 from rich.table import Table
 
-from cli.app import app, esc, open_kb_of, out
-
-if TYPE_CHECKING:
-    from sqlmodel import SQLModel
+from cli.app import app, esc, open_kb_of, out, settings_of
 
 __all__ = ["init", "stats", "show", "doctor", "export_", "import_"]
 
@@ -27,15 +22,23 @@ def init(ctx: typer.Context) -> None:
 
 @app.command()
 def stats(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
-    """Rows per table and embeddings per Chroma collection."""
-    with open_kb_of(ctx) as kb:
-        counts = kb.counts()
+    """Rows per table and embeddings per Chroma collection (from KB_SERVICE_URL's `kb serve` when set)."""
+    settings = settings_of(ctx)
+    if settings.service_url:
+        from cli.remote import call_service
+
+        answer = call_service(settings, "GET", "/v1/stats")
+    else:
+        from cli.answers import stats_answer
+
+        with open_kb_of(ctx) as kb:
+            answer = stats_answer(kb)
     if as_json:
-        out.print_json(json.dumps({"rows": dict(counts.rows), "vectors": dict(counts.vectors)}))
+        out.print_json(json.dumps(answer))
         return
     table = Table("table", "rows", "embeddings", title="kernel-kb")
-    for name, n in counts.rows.items():
-        vec = counts.vectors.get(name)
+    for name, n in answer["rows"].items():
+        vec = answer["vectors"].get(name)
         table.add_row(esc(name), str(n), "" if vec is None else str(vec))
     out.print(table)
 
@@ -46,48 +49,51 @@ def show(
     record_id: str = typer.Argument(..., metavar="ID", help="Any record id (k-…, s-…, src-…, t-…, p-…, r-…, a-…, l-…)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Print one record; kernels with IR text, features and provenance."""
-    from kb.store import Kernel
+    """Print one record; kernels with IR text, features and provenance (from KB_SERVICE_URL's `kb serve` when set)."""
+    settings = settings_of(ctx)
+    if settings.service_url:
+        from urllib.parse import quote
 
-    with open_kb_of(ctx) as kb:
-        rec = kb.get(record_id)
-        if as_json:
-            out.print_json(json.dumps(rec.model_dump(mode="json")))
-            return
-        if isinstance(rec, Kernel):
-            _show_kernel(kb, rec)
-        else:
-            _show_fields(rec)
+        from cli.remote import call_service
+
+        answer = call_service(settings, "GET", f"/v1/records/{quote(record_id, safe='')}")
+    else:
+        from cli.answers import show_answer
+
+        with open_kb_of(ctx) as kb:
+            answer = show_answer(kb, record_id)
+    if as_json:
+        out.print_json(json.dumps(answer["record"]))
+        return
+    skip = ("ir_text", "features_json", "triton_src", "cuda_src") if answer["type"] == "Kernel" else ()
+    _show_fields(answer, skip)
+    if answer["type"] == "Kernel":
+        _show_kernel(answer)
 
 
-def _show_fields(rec: SQLModel, skip: tuple[str, ...] = ()) -> None:
-    out.print(f"[bold]{type(rec).__name__} {esc(rec.id)}[/bold]")  # type: ignore[attr-defined]
-    data = rec.model_dump(mode="json")
-    for name in type(rec).model_fields:  # declared order, not load order
-        if name in skip or name == "id":
+def _show_fields(answer: dict, skip: tuple[str, ...] = ()) -> None:
+    data = answer["record"]
+    out.print(f"[bold]{esc(answer['type'])} {esc(data.get('id'))}[/bold]")
+    for name in answer["fields"]:  # declared order, not load order
+        if name in skip or name == "id" or name not in data:
             continue
         text = str(data[name])
         out.print(f"  {name}: " + (text if "\n" not in text else "\n    " + text.replace("\n", "\n    ")), markup=False)
 
 
-def _show_kernel(kb, k) -> None:  # noqa: ANN001
-    from kb.store import Source
-
-    _show_fields(k, skip=("ir_text", "features_json", "triton_src", "cuda_src"))
-    src = kb.find(k.source_id) if k.source_id else None
-    if isinstance(src, Source):
-        span = f":{k.line_start}-{k.line_end}" if k.line_start else ""
-        out.print(f"  provenance: {src.distribution}=={src.version} ({src.kind}) {k.file}{span} lifter {k.lifter_version or '?'}", markup=False)
-    chain = kb.lineage(k.id)
-    if len(chain) > 1:
-        out.print("  lineage: " + " <- ".join(c.id for c in chain), markup=False)
+def _show_kernel(answer: dict) -> None:
+    k = answer["record"]
+    if answer["provenance"]:
+        out.print(f"  provenance: {answer['provenance']}", markup=False)
+    if len(answer["lineage"]) > 1:
+        out.print("  lineage: " + " <- ".join(answer["lineage"]), markup=False)
     out.print("[bold]features[/bold]")
     try:
-        out.print_json(k.features_json)
+        out.print_json(k["features_json"])
     except json.JSONDecodeError:
-        out.print(k.features_json, markup=False)
+        out.print(k["features_json"], markup=False)
     out.print("[bold]IR[/bold]")
-    out.print(k.ir_text, markup=False)
+    out.print(k["ir_text"], markup=False)
 
 
 @app.command()

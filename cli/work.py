@@ -80,7 +80,7 @@ def ingest_cmd(
 def query_cmd(
     ctx: typer.Context,
     spec_or_text: str = typer.Argument(..., help="A spec file (KernelBench Model or score_mod/mask_mod) or free text."),
-    k: int = typer.Option(5, "-k", help="How many kernels to list."),
+    k: int = typer.Option(5, "-k", help="How many kernels to list (1-100)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     mode: str = typer.Option("hybrid", help="hybrid | embedding | structural."),
     arch: str = typer.Option(None, help="Only kernels for this arch (sm80, sm90, ...) or arch-neutral ones."),
@@ -88,49 +88,70 @@ def query_cmd(
     head_dim: int = typer.Option(None, "--head-dim", help="Only kernels for this head dim."),
     no_memory: bool = typer.Option(False, "--no-memory", help="Ignore generated kernels and lessons."),
 ) -> None:
-    """Find the nearest reference kernels and the snippets a transfer would need, with each ranking term."""
-    from retrieve.hybrid import Filters, describe_target, query
+    """Find the nearest reference kernels and the snippets a transfer would need, with each ranking term.
 
-    if mode not in ("hybrid", "embedding", "structural"):
-        raise KBError(f"unknown --mode {mode!r}; use hybrid, embedding or structural")
-    target, text = None, spec_or_text
+    With KB_SERVICE_URL set, the query goes to that `kb serve` (a spec file is sent as text and traced there)."""
+    from cli.answers import check_query_args
+
+    check_query_args(k, mode)
     path = Path(spec_or_text)
     if _looks_like_path(spec_or_text) and not path.is_file():
         raise KBError(f"spec file {spec_or_text} does not exist" if not path.exists() else f"{spec_or_text} is not a spec file",
                       hint="an argument with a '/' and no spaces, or ending in .py, is read as a spec path")
-    if path.suffix == ".py" or path.is_file():
-        from generate.spec import load_spec
+    is_spec = path.suffix == ".py" or path.is_file()
+    options = {"k": k, "mode": mode, "arch": arch, "dtype": dtype, "head_dim": head_dim, "memory": not no_memory}
+    settings = settings_of(ctx)
+    if settings.service_url:
+        from cli.remote import call_service
 
-        spec = load_spec(path)
-        target = spec.features
-        text = describe_target(target, *spec.variant_strings())
-    kb = open_kb_of(ctx)
-    res = query(kb, text, target, k=k, mode=mode,  # type: ignore[arg-type]
-                filters=Filters(arch=arch, dtype=dtype, head_dim=head_dim, memory=not no_memory))
+        body = {"spec": _read_spec_text(path), "filename": path.name} if is_spec else {"text": spec_or_text}
+        answer = call_service(settings, "POST", "/v1/query", {**body, **options})
+    else:
+        from cli.answers import query_answer
+
+        target, text = None, spec_or_text
+        if is_spec:
+            from generate.spec import load_spec
+            from retrieve.hybrid import describe_target
+
+            spec = load_spec(path)
+            target = spec.features
+            text = describe_target(target, *spec.variant_strings())
+        with open_kb_of(ctx) as kb:
+            answer = query_answer(kb, text, target, **options)  # type: ignore[arg-type]
     if as_json:
-        out.print_json(json.dumps({
-            "query": text, "target": json.loads(target.to_json()) if target else None,
-            "kernels": [{"id": r.id, "name": r.name, "family": r.family, "origin": r.origin, "score": r.score,
-                         "terms": r.terms} for r in res.kernels],
-            "snippets": [s.__dict__ for s in res.snippets], "lessons": res.lessons}))
+        out.print_json(json.dumps(answer))
         return
-    out.print(f"query: {text}", markup=False)
-    table = Table(title=f"top {k} kernels ({esc(mode)})")
+    render_query(answer)
+
+
+def _read_spec_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise KBError(f"cannot read spec file {path}: {err}") from None
+
+
+def render_query(answer: dict) -> None:
+    """The tables `kb query` prints, from a query answer (cli.answers.query_answer, local or from the service)."""
+    out.print(f"query: {answer['query']}", markup=False)
+    table = Table(title=f"top {answer['k']} kernels ({esc(answer['mode'])})")
     for col in ("#", "id", "name", "family", "score", "terms"):
         table.add_column(col)
-    for i, r in enumerate(res.kernels, 1):
-        top = sorted(r.terms.items(), key=lambda kv: -abs(kv[1]))
+    for i, r in enumerate(answer["kernels"], 1):
+        top = sorted(r["terms"].items(), key=lambda kv: -abs(kv[1]))
         terms = ", ".join(f"{t} {v:+.2f}" for t, v in top[:4]) + (f" (+{len(top) - 4} more; --json)" if len(top) > 4 else "")
-        table.add_row(str(i), esc(r.id), esc(r.name), esc(f"{r.family} ({r.origin})"), f"{r.score:.2f}", esc(terms))
+        table.add_row(str(i), esc(r["id"]), esc(r["name"]), esc(f"{r['family']} ({r['origin']})"), f"{r['score']:.2f}",
+                      esc(terms))
     out.print(table)
-    if res.snippets:
+    if answer["snippets"]:
         st = Table(title="snippets a transfer needs")
         for col in ("kind", "title", "IR meaning", "from"):
             st.add_column(col)
-        for s in res.snippets:
-            st.add_row(esc(s.kind), esc(s.title), esc(s.ir_text[:70]), esc(s.where))
+        for s in answer["snippets"]:
+            st.add_row(esc(s["kind"]), esc(s["title"]), esc(s["ir_text"][:70]), esc(s["where"]))
         out.print(st)
-    for les in res.lessons:
+    for les in answer["lessons"]:
         out.print(f"lesson: {les}", markup=False)
 
 

@@ -37,11 +37,13 @@ class Settings:
     llm_max_attempts: int = 3
     verify_timeout: float = 600.0  # seconds: `kb verify`'s limit on the candidate; `kb generate`'s budget per spec
     target_arch: str = "sm90"  # the GPU `kb generate --target auto` designs for when this machine has none
+    service_url: str = ""  # a `kb serve` to send query/show/stats to (http://host:port); empty: this process opens the KB
+    service_token: str = ""  # the bearer token `kb serve` requires (and clients send); required beyond loopback
 
     def __repr__(self) -> str:
         """Every setting, with credentials hidden (URLs redacted, the API key masked)."""
         def shown(name: str, value: object) -> object:
-            if name == "llm_api_key":
+            if name in ("llm_api_key", "service_token"):
                 return MASK if value else ""
             return redact_url(value) if name.endswith("_url") and isinstance(value, str) and value else value
         return f"Settings({', '.join(f'{f.name}={shown(f.name, getattr(self, f.name))!r}' for f in fields(self))})"

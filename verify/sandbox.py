@@ -153,6 +153,18 @@ class Sandbox:
         finally:
             _kill_group(proc)
 
+    def start(self, module: str, args: Sequence[str], stderr_path: Path) -> tuple[subprocess.Popen[str], Isolation]:
+        """`python -m module *args` confined and left running, for a worker that answers requests on its stdin and
+        stdout (text, line-buffered by the caller); its stderr goes to `stderr_path`. The caller stops it with
+        `stop(proc)`; the policy's `cpu_time_s` bounds its CPU time over its whole life."""
+        with open(stderr_path, "w") as stderr:
+            return self._spawn(module, args, 600.0, stdin=subprocess.PIPE, stderr=stderr)
+
+    @staticmethod
+    def stop(proc: subprocess.Popen[str]) -> None:
+        """SIGKILL a started child's process group and reap it."""
+        _kill_group(proc)
+
     # ---- setting it up
     def _cache(self) -> Path:
         cache = (self.policy.cache_dir or default_cache_dir()).resolve()
@@ -222,17 +234,21 @@ class Sandbox:
             raise
         return ruleset, abi, ""
 
-    def _spawn(self, module: str, args: Sequence[str], timeout_s: float) -> tuple[subprocess.Popen[str], Isolation]:
+    def _spawn(self, module: str, args: Sequence[str], timeout_s: float, stdin: int | None = subprocess.DEVNULL,
+               stderr: Any = subprocess.PIPE) -> tuple[subprocess.Popen[str], Isolation]:
         cache = self._cache()
         env, withheld = self._env(cache)
         rlimits, limit_text = self._limits(timeout_s)
         ruleset, abi, no_landlock = self._ruleset(cache)
         argv = [sys.executable, "-m", module, *args]
         try:
-            proc, status = self._start(argv, env, confine.Plan(-1, not self.policy.network, rlimits, ruleset, not self.policy.unix_sockets))
+            streams = (stdin, stderr)
+            proc, status = self._start(argv, env, confine.Plan(-1, not self.policy.network, rlimits, ruleset,
+                                                               not self.policy.unix_sockets), streams)
             userns_note = status.get("userns", "")
             if proc is None:  # a user namespace it could not use: start again without one
-                proc, status = self._start(argv, env, confine.Plan(-1, False, rlimits, ruleset, not self.policy.unix_sockets))
+                proc, status = self._start(argv, env, confine.Plan(-1, False, rlimits, ruleset, not self.policy.unix_sockets),
+                                           streams)
         finally:
             if ruleset is not None:
                 ruleset.close()
@@ -241,13 +257,15 @@ class Sandbox:
         _warn_once(isolation)
         return proc, isolation
 
-    def _start(self, argv: list[str], env: dict[str, str], plan: confine.Plan) -> tuple[subprocess.Popen[str] | None, dict[str, str]]:
-        """(the child, its status lines), or (None, status) when its user namespace was unusable."""
+    def _start(self, argv: list[str], env: dict[str, str], plan: confine.Plan,
+               streams: tuple[int | None, Any]) -> tuple[subprocess.Popen[str] | None, dict[str, str]]:
+        """(the child, its status lines), or (None, status) when its user namespace was unusable. `streams`: its stdin
+        and stderr (stdout is a pipe)."""
         r, w = os.pipe()
         try:
             try:
-                proc = subprocess.Popen(argv, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, start_new_session=True,
+                proc = subprocess.Popen(argv, cwd=self.workdir, env=env, stdin=streams[0], stdout=subprocess.PIPE,
+                                        stderr=streams[1], text=True, start_new_session=True,
                                         preexec_fn=confine.preexec(replace(plan, status_fd=w)))
             finally:
                 os.close(w)
