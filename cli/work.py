@@ -111,12 +111,12 @@ def query_cmd(
 
         target, text = None, spec_or_text
         if is_spec:
-            from generate.spec import load_spec
+            from generate.spec_cache import trace_spec_file
             from retrieve.hybrid import describe_target
 
-            spec = load_spec(path)
-            target = spec.features
-            text = describe_target(target, *spec.variant_strings())
+            traced = trace_spec_file(path, settings.cache_dir)
+            target = traced.features
+            text = describe_target(target, traced.score_mod, traced.mask_mod)
         with open_kb_of(ctx) as kb:
             answer = query_answer(kb, text, target, **options)  # type: ignore[arg-type]
     if as_json:

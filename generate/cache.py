@@ -51,7 +51,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -63,6 +63,7 @@ from generate.pipeline import FromCache, GenerateOptions, GenerateResult, genera
 from generate.spec import spec_source_hash
 from generate.stages import ReportStatus
 from kb import __version__
+from kb.digests import code_digest
 from kb.settings import Settings
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel, Origin, PerfKind, PerfRecord, Tunable
@@ -94,17 +95,6 @@ def kernels_dir(settings: Settings) -> Path:
 class CacheKey:
     digest: str  # sha256 hex of `parts`
     parts: Mapping[str, str]  # what went into it, by name
-
-
-def code_digest(roots: Sequence[Path]) -> str:
-    """sha256 over every file under `roots` (path and bytes), compiled caches excepted."""
-    h = hashlib.sha256()
-    for root in roots:
-        for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0".encode())
-            h.update(f.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
 
 
 @functools.cache

@@ -18,11 +18,11 @@ import select
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, fields
 from typing import Any
 
+from generate.spec_cache import TracedSpec
 from kb.errors import KBError
-from kb.features import Features
+from kb.features import Features, features_from_untrusted
 from verify.sandbox import Isolation, Sandbox, SandboxPolicy
 
 __all__ = ["SpecTracer", "TracedSpec", "parse_features"]
@@ -33,31 +33,12 @@ MAX_SPEC_BYTES = 256 * 1024
 _DAY_S = 24 * 3600
 
 
-@dataclass(frozen=True)
-class TracedSpec:
-    features: Features
-    score_mod: str | None
-    mask_mod: str | None
-
-
 def parse_features(text: object) -> Features:
-    """Features from untrusted JSON text: known fields only, each of its declared type; KBError otherwise."""
+    """Features from the tracer's untrusted JSON text; KBError when it is not a Features object of declared types."""
     try:
-        data = json.loads(text) if isinstance(text, str) else None
-    except ValueError:
-        data = None
-    if not isinstance(data, dict):
-        raise KBError("the tracer answered no features object")
-    values: dict[str, Any] = {}
-    for f in fields(Features):
-        if f.name not in data:
-            continue
-        want = type(getattr(Features(), f.name))
-        value = data[f.name]
-        if type(value) is not want:  # bool is not int here, nor int bool
-            raise KBError(f"the tracer answered {f.name}={value!r}, not a {want.__name__}")
-        values[f.name] = value
-    return Features(**values)
+        return features_from_untrusted(text)
+    except ValueError as err:
+        raise KBError(f"the tracer answered bad features: {err}") from None
 
 
 class SpecTracer:

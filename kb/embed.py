@@ -88,7 +88,7 @@ class SentenceEmbedder:
         out: list[list[float]] = [[] for _ in texts]
         for start in range(0, len(order), self.batch_size):
             batch = order[start:start + self.batch_size]
-            for i, vector in zip(batch, model.encode([texts[i] for i in batch]).tolist(), strict=True):
+            for i, vector in zip(batch, model.encode([texts[i] for i in batch]), strict=True):
                 out[i] = vector
         return out
 

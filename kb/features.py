@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["Features", "MASK_KINDS", "SCORE_KINDS"]
+__all__ = ["Features", "MASK_KINDS", "SCORE_KINDS", "features_from_untrusted"]
 
 # What kind of mask the kernel applies; "custom" is any other mask_mod.
 MASK_KINDS = ("none", "causal", "sliding_window", "document", "prefix_lm", "block_sparse", "custom")
@@ -61,3 +61,22 @@ class Features:
                 parts.append(flag.replace("_", " "))
         parts.append(f"head dim {self.head_dim} {self.dtype} {self.arch}")
         return ", ".join(parts)
+
+
+def features_from_untrusted(text: object) -> Features:
+    """Features from JSON text someone else wrote (a sandboxed tracer, a cache file): known fields only, each of its
+    declared type (bool is not int here, nor int bool); ValueError otherwise."""
+    try:
+        data = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError("no features object")
+    values = {}
+    for f in fields(Features):
+        if f.name in data:
+            want, value = type(getattr(Features(), f.name)), data[f.name]
+            if type(value) is not want:
+                raise ValueError(f"{f.name}={value!r} is not a {want.__name__}")
+            values[f.name] = value
+    return Features(**values)

@@ -54,17 +54,19 @@ def _ir_texts() -> list[str]:
     return [p.read_text() for p in programs] + ["", "causal mask, head dim 128 bf16", "ALiBi – λ·|i−j| bias ✓"]
 
 
-def test_default_model_runs_in_plain_torch_with_sentence_transformers_vectors(embedder) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, backend: str) -> None:  # noqa: ANN001
     from sentence_transformers import SentenceTransformer
 
     from kb.bert import BertEncoder
 
     texts = _ir_texts()
-    ours = embedder.embed(texts)
-    assert isinstance(embedder._load(), BertEncoder)
+    model = embedder._load()
+    assert isinstance(model, BertEncoder)
+    ours = model.encode(texts, backend)
     reference = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu").encode(
         texts, batch_size=7, normalize_embeddings=True, show_progress_bar=False)
-    assert max(len(embedder._load().tokenizer.encode(t).ids) for t in texts) == 256  # truncation is exercised
+    assert max(len(model.tokenizer.encode(t).ids) for t in texts) == 256  # truncation is exercised
     worst = max(abs(x - y) for u, v in zip(ours, reference.tolist(), strict=True) for x, y in zip(u, v, strict=True))
     assert worst < 1e-6
 
@@ -85,3 +87,20 @@ def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: 
                        .replace('"pooling_mode_mean_tokens": true', '"pooling_mode_mean_tokens": false'))
     assert not is_mean_pooled_bert(model)  # CLS pooling: sentence-transformers runs it
     assert not is_mean_pooled_bert(tmp_path / "missing")
+
+
+def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(ingested_kb_settings) -> None:  # noqa: ANN001
+    """`kb query TEXT` is the interactive path: what it imports is its start-up time (issue: instant queries)."""
+    import subprocess
+    import sys
+
+    from tests.support.repo import REPO, subprocess_env
+
+    probe = ("import sys\nfrom cli.main import app\ntry:\n    app(['query', 'sliding window softcap', '-k', '2', '--json'])\n"
+             "except SystemExit as e:\n    assert not e.code, e.code\n"
+             "heavy = sorted(m for m in ('torch', 'sentence_transformers', 'transformers', 'sklearn') if m in sys.modules)\n"
+             "print('HEAVY', heavy, file=sys.stderr)\n")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=subprocess_env(KB_HOME=str(ingested_kb_settings.home)))
+    assert run.returncode == 0, run.stderr
+    assert '"kernels"' in run.stdout and "HEAVY []" in run.stderr

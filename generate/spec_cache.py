@@ -1,0 +1,107 @@
+"""What a spec file traces to, remembered: `kb query SPEC` asked again skips tracing, and with it torch.
+
+Tracing a spec imports torch and torch.fx's make_fx, which loads torch._dynamo and torch._inductor (about 2.5 s
+of a 4.5 s cold `kb query SPEC` on 2 cores); the ranking needs only the features and variant expressions it
+yields. This module imports neither: a hit reads one JSON file.
+
+The key is a sha256 over the spec file's bytes, the bytes of every other `.py` file in its directory (a spec
+may import a sibling), and a digest of the code that traces (kb/ and generate/): an edit to any of them misses.
+Entries live in `$KB_CACHE_DIR/spec-traces/` (default `$KB_HOME/cache/`), one JSON file each, written
+atomically, read strictly (a damaged entry is traced again and rewritten); deleting them is always safe.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kb.digests import code_digest
+from kb.errors import KBError
+from kb.features import Features, features_from_untrusted
+
+__all__ = ["TracedSpec", "trace_spec_file", "trace_key"]
+
+log = logging.getLogger(__name__)
+
+_ROOT = Path(__file__).resolve().parents[1]
+FORMAT = "1"
+
+
+@dataclass(frozen=True)
+class TracedSpec:
+    """What retrieval needs of a traced spec."""
+
+    features: Features
+    score_mod: str | None
+    mask_mod: str | None
+
+
+@functools.cache
+def _tracer_digest() -> str:
+    return code_digest([_ROOT / "kb", _ROOT / "generate"])
+
+
+def trace_key(path: Path) -> str:
+    """The cache key of the spec at `path` (see module docstring); KBError when it cannot be read."""
+    h = hashlib.sha256(f"{FORMAT}\0{_tracer_digest()}\0".encode())
+    try:
+        h.update(path.read_bytes())
+        for sibling in sorted(p for p in path.resolve().parent.glob("*.py") if p.name != path.name):
+            h.update(f"\0{sibling.name}\0".encode())
+            h.update(sibling.read_bytes())
+    except OSError as err:
+        raise KBError(f"cannot read spec file {path}: {err.strerror or err}") from None
+    return h.hexdigest()
+
+
+def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
+    """The spec's features and variant expressions: from the cache, else traced (generate.spec) and stored."""
+    key = trace_key(path)
+    entry = cache_dir / "spec-traces" / f"{key}.json"
+    hit = _read(entry)
+    if hit is not None:
+        return hit
+    from generate.spec import load_spec
+
+    spec = load_spec(path)
+    traced = TracedSpec(spec.features, *spec.variant_strings())
+    _write(entry, traced)
+    return traced
+
+
+def _read(entry: Path) -> TracedSpec | None:
+    try:
+        data = json.loads(entry.read_text())
+        score, mask = data["score_mod"], data["mask_mod"]
+        if not all(v is None or isinstance(v, str) for v in (score, mask)):
+            raise ValueError("variant expressions are not text")
+        return TracedSpec(features_from_untrusted(data["features"]), score, mask)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.info("spec trace cache: ignoring %s (%s)", entry, err)
+        return None
+
+
+def _write(entry: Path, traced: TracedSpec) -> None:
+    """Store atomically; a cache that cannot be written is only slower, never an error."""
+    text = json.dumps({"features": traced.features.to_json(), "score_mod": traced.score_mod,
+                       "mask_mod": traced.mask_mod})
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, entry)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as err:
+        log.info("spec trace cache: cannot write %s (%s)", entry, err)

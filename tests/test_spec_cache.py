@@ -1,0 +1,78 @@
+"""`kb query SPEC` remembers what a spec traced to (generate.spec_cache): asked again it neither traces nor imports
+torch, and gives the same answer; editing the spec or a file beside it traces again; a damaged or unwritable
+cache is only slower."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from generate.spec import load_spec
+from generate.spec_cache import trace_key, trace_spec_file
+from tests.support.repo import REPO, subprocess_env
+
+SPEC = REPO / "examples" / "specs" / "prefix_lm.py"
+
+PROBE = """import sys
+from cli.main import app
+try:
+    app(['query', sys.argv[1], '-k', '3', '--json'])
+except SystemExit as e:
+    assert not e.code, e.code
+print('TORCH', 'torch' in sys.modules, file=sys.stderr)
+"""
+
+
+def _query(home: Path, spec: Path) -> tuple[dict, bool]:
+    run = subprocess.run([sys.executable, "-c", PROBE, str(spec)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=subprocess_env(KB_HOME=str(home)))
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout), "TORCH True" in run.stderr
+
+
+def test_asked_again_a_spec_is_not_traced(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
+    spec = tmp_path / "specs" / "prefix_lm.py"
+    spec.parent.mkdir()
+    shutil.copy(SPEC, spec)
+    home = ingested_kb_settings.home
+    first, traced = _query(home, spec)
+    again, traced_again = _query(home, spec)
+    assert traced and not traced_again  # the second run ranked from the cache, without torch
+    assert first["target"]["mask"] == "prefix_lm" and again["target"] == first["target"]
+    assert [k["id"] for k in again["kernels"]] == [k["id"] for k in first["kernels"]]  # numpy vs torch embedding: 1e-7
+    assert all(abs(a["score"] - b["score"]) < 1e-5 for a, b in zip(again["kernels"], first["kernels"], strict=True))
+    spec.write_text(spec.read_text().replace("B, H, S, D, PREFIX = 2, 4, 128, 64, 24", "B, H, S, D, PREFIX = 2, 4, 128, 32, 24"))
+    edited, traced_edit = _query(home, spec)
+    assert traced_edit and edited["target"]["head_dim"] == 32
+
+
+def test_key_follows_the_spec_and_its_siblings(tmp_path: Path) -> None:
+    spec = tmp_path / "a.py"
+    spec.write_text("x = 1\n")
+    base = trace_key(spec)
+    assert trace_key(spec) == base
+    (tmp_path / "helper.py").write_text("y = 2\n")
+    with_sibling = trace_key(spec)
+    assert with_sibling != base
+    (tmp_path / "helper.py").write_text("y = 3\n")
+    assert trace_key(spec) != with_sibling
+
+
+def test_damaged_or_unwritable_cache_still_answers(tmp_path: Path) -> None:
+    spec = tmp_path / "prefix_lm.py"
+    shutil.copy(SPEC, spec)
+    cache = tmp_path / "cache"
+    want = load_spec(spec).features
+    assert trace_spec_file(spec, cache).features == want
+    (entry,) = (cache / "spec-traces").glob("*.json")
+    for damage in ("{not json", json.dumps({"features": json.dumps({"head_dim": "64"}), "score_mod": None,
+                                            "mask_mod": None})):
+        entry.write_text(damage)
+        assert trace_spec_file(spec, cache).features == want
+        assert json.loads(entry.read_text())["features"] == want.to_json()  # rewritten
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the cache directory would be")
+    assert trace_spec_file(spec, blocked).features == want
