@@ -1,12 +1,15 @@
 """Query latency with ~10k kernels (not a test): p50/p95 of `retrieve.hybrid.query`, end to end.
 
     .venv/bin/python bench/retrieval_latency.py --base /tmp/kb-eval [--n 10000] [--queries 100] [--home DIR]
+        [--db-url postgresql://... --chroma-url http://127.0.0.1:PORT]
 
 Copies the ingested KB at `--base` (real programs, snippets, tunables) to a fresh home, adds
 `--n` synthetic executable kernels with varied features through `KnowledgeBase.write_kernels`
 (real embeddings), then times `query(...)` for the labelled specs' query texts and features
 after a warm-up: embedding, candidate read, ranking, snippets and lessons included. Prints
-one JSON object and writes bench/results/retrieval_latency.json.
+one JSON object and writes bench/results/retrieval_latency.json. With --db-url and --chroma-url the KB
+is a team KB on PostgreSQL and a Chroma server (empty at start): the base KB is copied in through
+`kb export` / `kb import` (its rows re-embedded by the real model), then filled as above.
 """
 
 from __future__ import annotations
@@ -113,14 +116,23 @@ def main() -> None:
     ap.add_argument("--home", type=Path, default=None, help="reuse a KB this script filled before")
     ap.add_argument("--fill-embedding", choices=("hash", "model"), default="hash",
                     help="vectors of the synthetic rows: hash (fast, see HashEmbedder) or the real model")
+    ap.add_argument("--db-url", default=None, help="with --chroma-url: fill and time a KB on PostgreSQL + a Chroma server")
+    ap.add_argument("--chroma-url", default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/retrieval_latency.json")
     args = ap.parse_args()
-    res: dict[str, object] = {"n_synthetic": args.n}
+    res: dict[str, object] = {"n_synthetic": args.n, "store": "postgresql + chroma server" if args.db_url else "embedded"}
     home = args.home
     if home is None:
         home = Path(tempfile.mkdtemp(prefix="kb-latency-", dir="/tmp")) / "kb"
-        shutil.copytree(args.base, home, ignore=shutil.ignore_patterns(".kb.lock"))
-    settings = load_settings(home=home)
+        if args.db_url:
+            dump = home.parent / "base.jsonl"
+            with open_kb(load_settings(home=args.base)) as base:
+                base.export_jsonl(dump)
+            with open_kb(load_settings(home=home, db_url=args.db_url, chroma_url=args.chroma_url), create=True) as team:
+                team.import_jsonl(dump)
+        else:
+            shutil.copytree(args.base, home, ignore=shutil.ignore_patterns(".kb.lock"))
+    settings = load_settings(home=home, db_url=args.db_url, chroma_url=args.chroma_url)
     specs = load_labelled(ROOT / "tests/data/specs")
     real = get_embedder(settings)
     if args.home is None:
