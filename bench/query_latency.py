@@ -29,7 +29,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "specs" / "prefix_lm.py"
 TEXT = "causal mask with logit softcap, head dim 128 bf16"
-KB = (sys.executable, "-m", "cli.main")
+_SCRIPT = Path(sys.executable).parent / "kb"  # the console script, as a user runs it
+KB = (str(_SCRIPT),) if _SCRIPT.is_file() else (sys.executable, "-m", "cli.main")
 
 
 def _env(args: argparse.Namespace, **extra: str) -> dict[str, str]:
