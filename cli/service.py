@@ -72,6 +72,8 @@ def serve(
         from cli.service_app import create_app
 
         api = create_app(kb, tracer, settings.service_token)
+        err.print(f"kb serve: specs are traced confined ({tracer.isolation.summary() if tracer.isolation else '?'})",
+                  markup=False)
         auth = "token required" if settings.service_token else "no token (loopback only)"
         err.print(f"kb serve: listening on http://{host}:{port} ({auth}); API docs at /docs", markup=False)
         try:
