@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/query_latency.py --home KB_HOME [--db-url URL --chroma-url URL] [--runs 5] [--requests 200]
 
-From the shell (each a new process, median of --runs): `python -c "import torch"` (the floor the issue measures
+From the shell (each a new process, median of --runs; with --cold the page cache is dropped before each): `python -c "import torch"` (the floor the issue measures
 against), `kb query TEXT`, `kb query SPEC` with its trace not cached (a fresh KB_CACHE_DIR per run) and cached,
 and the same two through a `kb serve` started on the KB (KB_SERVICE_URL). Then --requests HTTP requests to the
 service, one at a time, cycling over the labelled specs of tests/data/specs: as text (their feature sentences), as
@@ -50,8 +50,24 @@ def _wall(argv: list[str] | tuple[str, ...], env: dict[str, str]) -> float:
     return took
 
 
+COLD = False  # --cold: the page cache is dropped before every timed run
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as err:
+        raise SystemExit(f"--cold needs to drop the page cache (root): {err}") from None
+
+
 def _median(runs: int, argv: list[str] | tuple[str, ...], env_of) -> dict[str, float]:  # noqa: ANN001
-    times = [_wall(argv, env_of()) for _ in range(runs)]
+    times = []
+    for _ in range(runs):
+        env = env_of()
+        if COLD:
+            _drop_page_cache()
+        times.append(_wall(argv, env))
     return {"median_s": round(statistics.median(times), 3), "min_s": round(min(times), 3), "max_s": round(max(times), 3)}
 
 
@@ -136,13 +152,18 @@ def main() -> None:
     ap.add_argument("--chroma-url", default="")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every shell run (root; "
+                    "the service's own requests stay warm)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/query_latency.json")
     args = ap.parse_args()
+    global COLD
+    COLD = args.cold
     if bool(args.db_url) != bool(args.chroma_url):
         raise SystemExit("give both --db-url and --chroma-url, or neither")
     res: dict[str, object] = {"date": date.today().isoformat(), "cpus": os.cpu_count(),
                               "load_avg_1m_start": round(os.getloadavg()[0], 2),
                               "store": "postgresql + chroma server" if args.db_url else "embedded (sqlite + chroma dir)",
+                              "page_cache": "dropped before each shell run" if args.cold else "warm",
                               "command": " ".join(["bench/query_latency.py", *sys.argv[1:]])}
     res.update(shell_times(args))
     service_times(args, res)

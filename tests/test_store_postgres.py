@@ -191,3 +191,23 @@ def test_newer_schema_version_is_refused(pg_url: str, tmp_path: Path, embedder) 
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert res.output.strip().splitlines() == [
         f"kb: error: {shown} has schema version {SCHEMA_VERSION + 1}, newer than this kernel-kb's {SCHEMA_VERSION} (upgrade kernel-kb)"]
+
+
+def test_ranking_sees_kernels_another_writer_commits(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+    """The ranking table is cached per process and re-read only when the WAL position moved (retrieve.hybrid's gate):
+    a kernel committed by another connection is ranked by the next query, and an idle database costs no rescan."""
+    from retrieve.hybrid import Filters, _db_version, query
+
+    settings = _settings(tmp_path / "kb", pg_url)
+    with open_kb(settings, embedder=embedder) as reader, open_kb(settings, embedder=embedder) as writer:
+        writer.write_kernel(make_kernel(0))
+        names = lambda: {r.name for r in query(reader, "attention", None, k=50, filters=Filters(programs_only=False)).kernels}  # noqa: E731
+        assert names() == {"attn_0"}
+        with reader.read_session() as s:
+            idle = _db_version(s)
+        with reader.read_session() as s:
+            assert _db_version(s) == idle
+        writer.write_kernel(make_kernel(1))
+        with reader.read_session() as s:
+            assert _db_version(s) != idle
+        assert names() == {"attn_0", "attn_1"}
