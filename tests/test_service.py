@@ -112,7 +112,8 @@ def test_answers_equal_the_local_commands(served: Served) -> None:
     assert _ranking(text) == _ranking(json.loads(served.local["text"]))
     local_spec = json.loads(served.local["spec"])
     assert _ranking(spec) == _ranking(local_spec) and spec["target"] == local_spec["target"]
-    assert spec["query"] == local_spec["query"] and spec["snippets"] == local_spec["snippets"]
+    assert spec["query"] == local_spec["query"] and spec["lessons"] == local_spec["lessons"]
+    assert [(s["id"], s["kind"]) for s in spec["snippets"]] == [(s["id"], s["kind"]) for s in local_spec["snippets"]]
     upload = httpx.post(served.url + "/v1/query/file", files={"file": (SPEC.name, SPEC.read_bytes())}, data={"k": "4"},
                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
     assert upload.status_code == 200 and _ranking(upload.json()) == _ranking(spec)
