@@ -45,6 +45,8 @@ def serve(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address to listen on; beyond loopback a token (KB_SERVICE_TOKEN) is required."),
     port: int = typer.Option(DEFAULT_PORT, help="TCP port."),
+    trace_timeout: float = typer.Option(30.0, "--trace-timeout", help="Seconds a spec may take to trace (CPU and wall "
+                                        "clock); past them its tracer child is killed and the request answered 400."),
 ) -> None:
     """Serve query, show and stats over HTTP for `kb` clients (KB_SERVICE_URL) and other tools; API docs at /docs.
 
@@ -63,8 +65,10 @@ def serve(
         raise KBError(f"--host {host} reaches beyond this machine: set KB_SERVICE_TOKEN to a secret token first")
     if not 0 < port < 65536:
         raise KBError(f"--port must be between 1 and 65535, not {port}")
+    if not 1 <= trace_timeout <= 600:
+        raise KBError(f"--trace-timeout must be between 1 and 600 seconds, not {trace_timeout}")
     _check_bind(host, port)
-    tracer = SpecTracer()
+    tracer = SpecTracer(timeout_s=trace_timeout)
     with open_kb(settings) as kb:
         err.print("kb serve: loading the embedding model and the spec tracer ...")
         get_embedder(settings).embed(["warm-up"])

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from cli.main import app
 from generate.spec_tracer import parse_features
 from kb.errors import KBError
 from tests.support.ingested import private_copy
@@ -37,6 +39,13 @@ class Served:
     proc: subprocess.Popen
 
 
+def _local(home: Path, *args: str) -> str:
+    """What `kb ARGS` prints opening the KB in its own process (this one: the model is loaded already)."""
+    res = CliRunner().invoke(app, list(args), env={"KB_HOME": str(home)})
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
 def _kb(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*KB_CLI, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -47,15 +56,15 @@ def served(ingested_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with private_copy(ingested_home, where) as home:
         (where / "tmp").mkdir()
         env = subprocess_env(KB_HOME=str(home), TMPDIR=str(where / "tmp"))
-        local = {name: _kb(env, *args).stdout for name, args in
+        local = {name: _local(home, *args) for name, args in
                  {"text": ("query", TEXT, "--json", "-k", "4"), "spec": ("query", str(SPEC), "--json", "-k", "4"),
                   "stats": ("stats", "--json")}.items()}
         kernel_id = json.loads(local["spec"])["kernels"][0]["id"]
-        local["show"] = _kb(env, "show", kernel_id).stdout
+        local["show"] = _local(home, "show", kernel_id)
         port = free_port()
         log = open(where / "serve.log", "w")  # a file, not a pipe nobody reads: the service never blocks on its log
-        proc = subprocess.Popen([*KB_CLI, "serve", "--port", str(port)], cwd=REPO, env={**env, "KB_SERVICE_TOKEN": TOKEN},
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([*KB_CLI, "serve", "--port", str(port), "--trace-timeout", "5"], cwd=REPO,
+                                env={**env, "KB_SERVICE_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
@@ -168,7 +177,7 @@ def test_spec_text_runs_confined(served: Served) -> None:
     assert "env=none-nohome" in error and TOKEN not in error
     dial = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
     assert "cannot import spec file" in _one_line_error(_post(served, {"spec": dial}), 400)
-    assert "took longer than" in _one_line_error(_post(served, {"spec": "while True:\n    pass\n"}), 400)
+    assert "took longer than 5 s" in _one_line_error(_post(served, {"spec": "while True:\n    pass\n"}), 400)
     again = _post(served, {"spec": SPEC.read_text(), "filename": "again.py"})  # the worker still answers after a kill
     assert again.status_code == 200 and again.json()["target"]["mask"] == "prefix_lm"
 

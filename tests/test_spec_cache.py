@@ -45,8 +45,8 @@ def test_asked_again_a_spec_is_not_traced(ingested_kb_settings, tmp_path: Path) 
     assert [k["id"] for k in again["kernels"]] == [k["id"] for k in first["kernels"]]  # numpy vs torch embedding: 1e-7
     assert all(abs(a["score"] - b["score"]) < 1e-5 for a, b in zip(again["kernels"], first["kernels"], strict=True))
     spec.write_text(spec.read_text().replace("B, H, S, D, PREFIX = 2, 4, 128, 64, 24", "B, H, S, D, PREFIX = 2, 4, 128, 32, 24"))
-    edited, traced_edit = _query(home, spec)
-    assert traced_edit and edited["target"]["head_dim"] == 32
+    edited = trace_spec_file(spec, home / "cache")  # the same cache the two runs used
+    assert edited.features.head_dim == 32 and len(list((home / "cache" / "spec-traces").glob("*.json"))) == 2
 
 
 def test_key_follows_the_spec_and_its_siblings(tmp_path: Path) -> None:
