@@ -54,20 +54,26 @@ def _ir_texts() -> list[str]:
     return [p.read_text() for p in programs] + ["", "causal mask, head dim 128 bf16", "ALiBi – λ·|i−j| bias ✓"]
 
 
-@pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, backend: str) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def reference_vectors() -> list[list[float]]:
+    """sentence-transformers' vectors of `_ir_texts()`, the model loaded once."""
     from sentence_transformers import SentenceTransformer
 
+    model = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu")
+    return model.encode(_ir_texts(), batch_size=7, normalize_embeddings=True, show_progress_bar=False).tolist()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, reference_vectors, backend: str) -> None:  # noqa: ANN001
     from kb.bert import BertEncoder
 
     texts = _ir_texts()
     model = embedder._load()
     assert isinstance(model, BertEncoder)
     ours = model.encode(texts, backend)
-    reference = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu").encode(
-        texts, batch_size=7, normalize_embeddings=True, show_progress_bar=False)
+    reference = reference_vectors
     assert max(len(model.tokenizer.encode(t).ids) for t in texts) == 256  # truncation is exercised
-    worst = max(abs(x - y) for u, v in zip(ours, reference.tolist(), strict=True) for x, y in zip(u, v, strict=True))
+    worst = max(abs(x - y) for u, v in zip(ours, reference, strict=True) for x, y in zip(u, v, strict=True))
     assert worst < 1e-6
 
 
@@ -89,18 +95,21 @@ def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: 
     assert not is_mean_pooled_bert(tmp_path / "missing")
 
 
-def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(ingested_kb_settings) -> None:  # noqa: ANN001
+def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(kb) -> None:  # noqa: ANN001
     """`kb query TEXT` is the interactive path: what it imports is its start-up time (issue: instant queries)."""
     import subprocess
     import sys
 
     from tests.support.repo import REPO, subprocess_env
+    from tests.support.store import make_kernel
 
+    kb.write_kernel(make_kernel(0))
+    kb.close()
     probe = ("import sys\nfrom cli.main import app\ntry:\n    app(['query', 'sliding window softcap', '-k', '2', '--json'])\n"
              "except SystemExit as e:\n    assert not e.code, e.code\n"
              "heavy = sorted(m for m in ('torch', 'sentence_transformers', 'transformers', 'sklearn') if m in sys.modules)\n"
              "print('HEAVY', heavy, file=sys.stderr)\n")
     run = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env=subprocess_env(KB_HOME=str(ingested_kb_settings.home)))
+                         env=subprocess_env(KB_HOME=str(kb.settings.home)))
     assert run.returncode == 0, run.stderr
     assert '"kernels"' in run.stdout and "HEAVY []" in run.stderr

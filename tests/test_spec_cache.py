@@ -13,6 +13,7 @@ from pathlib import Path
 from generate.spec import load_spec
 from generate.spec_cache import trace_key, trace_spec_file
 from tests.support.repo import REPO, subprocess_env
+from tests.support.store import make_kernel
 
 SPEC = REPO / "examples" / "specs" / "prefix_lm.py"
 
@@ -33,11 +34,14 @@ def _query(home: Path, spec: Path) -> tuple[dict, bool]:
     return json.loads(run.stdout), "TORCH True" in run.stderr
 
 
-def test_asked_again_a_spec_is_not_traced(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
+def test_asked_again_a_spec_is_not_traced(kb, tmp_path: Path) -> None:  # noqa: ANN001
     spec = tmp_path / "specs" / "prefix_lm.py"
     spec.parent.mkdir()
     shutil.copy(SPEC, spec)
-    home = ingested_kb_settings.home
+    for i in range(4):
+        kb.write_kernel(make_kernel(i))
+    kb.close()
+    home = kb.settings.home
     first, traced = _query(home, spec)
     again, traced_again = _query(home, spec)
     assert traced and not traced_again  # the second run ranked from the cache, without torch
