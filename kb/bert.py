@@ -78,9 +78,6 @@ class _NumpyOps:
         f = self.np.float32
         return f(0.5) * x * (f(1.0) + self.erf(x * f(1.0 / math.sqrt(2.0))))
 
-    def finish(self, x: Any) -> list[list[float]]:
-        return x.tolist()
-
 
 class _TorchOps(_NumpyOps):
     """The same operations in torch: several times faster on batches (ingest), about 1.2 s more to import."""
@@ -107,9 +104,6 @@ class _TorchOps(_NumpyOps):
 
     def gelu(self, x: Any) -> Any:
         return self.torch.nn.functional.gelu(x)
-
-    def finish(self, x: Any) -> list[list[float]]:
-        return x.tolist()
 
 
 SMALL_BATCH = 8  # texts up to which numpy encodes when torch is not loaded yet
@@ -156,8 +150,8 @@ class BertEncoder:
         xp = self.ops(backend)
         if backend == "torch":
             with xp.torch.inference_mode():  # type: ignore[attr-defined]
-                return xp.finish(self._forward(xp, texts))
-        return xp.finish(self._forward(xp, texts))
+                return self._forward(xp, texts).tolist()
+        return self._forward(xp, texts).tolist()
 
     def _forward(self, xp: _NumpyOps, texts: Sequence[str]) -> Any:
         def w(name: str) -> Any:
