@@ -41,6 +41,17 @@ class TracedSpec:
     score_mod: str | None
     mask_mod: str | None
 
+    @classmethod
+    def from_untrusted(cls, data: object) -> TracedSpec:
+        """From a JSON object someone else wrote ({"features": "<Features JSON>", "score_mod", "mask_mod"}): every
+        field of its declared type; ValueError otherwise."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        score, mask = data.get("score_mod"), data.get("mask_mod")
+        if not all(v is None or isinstance(v, str) for v in (score, mask)):
+            raise ValueError("variant expressions are not text")
+        return cls(features_from_untrusted(data.get("features")), score, mask)
+
 
 @functools.cache
 def _tracer_digest() -> str:
@@ -77,14 +88,10 @@ def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
 
 def _read(entry: Path) -> TracedSpec | None:
     try:
-        data = json.loads(entry.read_text())
-        score, mask = data["score_mod"], data["mask_mod"]
-        if not all(v is None or isinstance(v, str) for v in (score, mask)):
-            raise ValueError("variant expressions are not text")
-        return TracedSpec(features_from_untrusted(data["features"]), score, mask)
+        return TracedSpec.from_untrusted(json.loads(entry.read_text()))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         log.info("spec trace cache: ignoring %s (%s)", entry, err)
         return None
 

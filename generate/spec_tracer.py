@@ -22,23 +22,14 @@ from typing import Any
 
 from generate.spec_cache import TracedSpec
 from kb.errors import KBError
-from kb.features import Features, features_from_untrusted
 from verify.sandbox import Isolation, Sandbox, SandboxPolicy
 
-__all__ = ["SpecTracer", "TracedSpec", "parse_features"]
+__all__ = ["SpecTracer", "TracedSpec"]
 
 log = logging.getLogger(__name__)
 
 MAX_SPEC_BYTES = 256 * 1024
 _DAY_S = 24 * 3600
-
-
-def parse_features(text: object) -> Features:
-    """Features from the tracer's untrusted JSON text; KBError when it is not a Features object of declared types."""
-    try:
-        return features_from_untrusted(text)
-    except ValueError as err:
-        raise KBError(f"the tracer answered bad features: {err}") from None
 
 
 class SpecTracer:
@@ -81,10 +72,10 @@ class SpecTracer:
             answer = self._ask(request)
         if not answer.get("ok"):
             raise KBError(str(answer.get("error") or "the tracer gave no reason").splitlines()[0][:2000])
-        score, mask = answer.get("score_mod"), answer.get("mask_mod")
-        if not all(v is None or isinstance(v, str) for v in (score, mask)):
-            raise KBError("the tracer answered variant expressions that are not text")
-        traced = TracedSpec(parse_features(answer.get("features")), score, mask)
+        try:
+            traced = TracedSpec.from_untrusted(answer)
+        except ValueError as err:
+            raise KBError(f"the tracer answered bad data: {err}") from None
         with self._lock:
             self._known[key] = traced
             while len(self._known) > self.cache_size:

@@ -18,8 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from generate.spec_tracer import parse_features
-from kb.errors import KBError
+from generate.spec_cache import TracedSpec
 from tests.support.ingested import private_copy
 from tests.support.procs import wait_for
 from tests.support.repo import KB_CLI, REPO, subprocess_env
@@ -214,10 +213,14 @@ def test_serve_refuses_what_it_should_not_do(served: Served, tmp_path: Path) -> 
 
 
 def test_tracer_answers_are_parsed_strictly() -> None:
-    assert parse_features(json.dumps({"mask": "causal", "head_dim": 64, "causal": True})).head_dim == 64
+    good = {"features": json.dumps({"mask": "causal", "head_dim": 64, "causal": True}), "mask_mod": "q >= kv"}
+    assert TracedSpec.from_untrusted(good).features.head_dim == 64
     for bad in ('{"head_dim": "64"}', '{"causal": 1}', '{"gqa_ratio": true}', "[1]", "not json", None):
-        with pytest.raises(KBError):
-            parse_features(bad)
+        with pytest.raises(ValueError):
+            TracedSpec.from_untrusted({"features": bad})
+    for bad_answer in ([good], {**good, "score_mod": 3}, {**good, "mask_mod": ["q"]}):
+        with pytest.raises(ValueError):
+            TracedSpec.from_untrusted(bad_answer)
 
 
 def test_no_token_by_default_only_on_loopback() -> None:
