@@ -93,9 +93,25 @@ def _init_args(spec: ModuleType, shape: dict) -> list:
     return list(spec.get_init_inputs())
 
 
+_CANDIDATES: dict[Path, ModuleType] = {}
+
+
+def _candidate_module(path: str, tag: str) -> ModuleType:
+    """The candidate file's module, imported once per process, its per-shape design choices cleared. Once: the first
+    import registers the module's operator, and a later import's `kb_attention` runs that operator, i.e. the first
+    module's functions and design tables, which are the ones a sweep must pin and read."""
+    key = Path(path).resolve()
+    cand = _CANDIDATES.get(key)
+    if cand is None:
+        cand = _CANDIDATES[key] = _load(path, f"kb_tune_cand_{tag}")
+    for choices in ("_PICKED", "_BWD_PICKED"):
+        getattr(cand, choices, {}).clear()
+    return cand
+
+
 def _candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):  # noqa: ANN202
     """(candidate module, ModelNew instance carrying the spec Model's parameters and buffers at this shape)."""
-    cand = _load(entry["candidate"], f"kb_tune_cand_{tag}")
+    cand = _candidate_module(entry["candidate"], tag)
     init = _init_args(spec, shape)
     model = spec.Model(*init).to(device)
     new = cand.ModelNew(*init).to(device)

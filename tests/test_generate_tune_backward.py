@@ -105,6 +105,18 @@ def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pyte
     assert rec["status"] == "does_not_fit" and "ms" not in rec
 
 
+def test_a_candidate_swept_at_two_shapes_runs_its_designs_at_both(tuned, tmp_path: Path) -> None:
+    """A plan sweeps one candidate once per head-dim bucket: the second entry must pin the designs of the module whose
+    operator runs (the first import registered it), not of a second import that nothing calls."""
+    _, _, _, plan, _ = tuned
+    entry = {**plan["entries"][0], "designs": plan["entries"][0]["designs"][:1]}
+    doc = run_plan_backward({**plan, "entries": [entry, {**entry, "name": entry["name"] + "_again"}]},
+                            tmp_path / "r.json", device="cpu", trials=1)
+    for done in doc["entries"]:
+        (rec,) = [r for r in done["shapes"][0]["records"] if r["impl"].startswith("design ")]
+        assert rec["status"] == "ok", (done["name"], rec)
+
+
 def test_imported_backward_sweeps_rank_backward_designs_only(tuned) -> None:
     kb, out, r, plan, doc = tuned
     measured = dict(doc, env=ENV)
