@@ -27,6 +27,7 @@ from kb.ir.expr import free_vars, var
 from kb.ir.nodes import AuxGrad, Probs, Program, Role, Store, walk_stmts
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
+from kb.lower.cuda_dispatch import CudaDispatch
 from kb.store.kb import KnowledgeBase
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
@@ -57,7 +58,7 @@ def learnable_aux(spec: Spec) -> tuple[str, ...]:
 
 def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
                    verify_fn, designs, stage: Path, stem: str, first_n: int,  # noqa: ANN001
-                   deterministic: bool = False) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
+                   deterministic: bool = False, cuda: CudaDispatch | None = None) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
     """Try the ranked backward references in order; (the first that passes, every attempt).
 
     `designs`: (the forward's design table, the backward's). Retrieval's order is refined by two structural
@@ -67,7 +68,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
     training batch sizes. The refinement reorders retrieval's top `_POOL`; two more references than the forward's
     are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
-    (no atomics, `nondeterminism`) are tried; the others are recorded as refused."""
+    (no atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
+    kept in the combined module."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
@@ -105,7 +107,7 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
         if failure:
             outcomes.append(outcome(Stage.IR_CHECK, Verdict.numeric_mismatch, failure, text))
             continue
-        built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem)
+        built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem, cuda)
         if isinstance(built, Failure):
             outcomes.append(outcome(built.stage, built.verdict, built.detail, text))
             continue
@@ -140,11 +142,11 @@ def per_kv_head(p: Program) -> bool:
 
 
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001
-             stage: Path, stem: str) -> BackwardBuilt | Failure:
+             stage: Path, stem: str, cuda: CudaDispatch | None) -> BackwardBuilt | Failure:
     from kb.lower.triton_bwd import lower_autograd
 
     try:
-        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1])
+        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1], cuda=cuda)
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem)
     except OutputError:

@@ -7,28 +7,31 @@ the lowering keeps without spilling (`MAX_ACC_REGS`, from ptxas on sm_80/sm_90a)
 down to 64 and then the warps double, keeping FA2's query tile. A program the tensor-core lowering
 declines gets the portable SIMT lowering (kb.lower.cuda), and the report says why.
 
-Until the tensor-core kernel is measured within 10% of the Triton module on the target, the report
-labels the `.cu` the portable reference (`ROLE_REFERENCE`); the Triton module is what ModelNew runs.
+Where the `.cu` runs: `forward_dispatch` decides from measured records (`cuda_pairs`: the `.cu` and the Triton module
+of one kernel timed in the same run), the kernel's own first, else those of kernels like it; the module then runs the
+`.cu` on that arch and head dim (kb.lower.cuda_dispatch), and the report's `cuda.runs` says which runs and why.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 
+from generate.designs import perf_similarity
 from kb.errors import KBError
+from kb.features import Features
 from kb.ir.design import head_bucket
 from kb.ir.nodes import Program
 from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
 
-__all__ = ["CudaChoice", "CudaPlan", "choose_cuda", "cuda_plan", "cuda_role", "fa2_traits", "fit_registers", "MAX_ACC_REGS", "ROLE_REFERENCE"]
+__all__ = ["CUDA_LOWERINGS", "CudaChoice", "CudaPair", "CudaPlan", "choose_cuda", "cuda_pairs", "forward_dispatch", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS"]
 
 log = logging.getLogger(__name__)
 
 MAX_ACC_REGS = 96  # fp32 score + output fragment registers per thread that the variants keep without spills (ptxas, sm_80/sm_90a)
-ROLE_REFERENCE = ("portable reference: not measured within 10% of the Triton module on the target GPU; "
-                  "ModelNew runs the Triton module")
+CUDA_LOWERINGS = ("sm90_wgmma", "tensor_cores", "portable")  # choose_cuda's, in its order of preference
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
             return CudaChoice(lower_program_sm90(program, plan.head_dim), "sm90_wgmma", "sm_90a", {
                 "lowering": "sm90_wgmma", "structure": "FA3/CUTLASS 88: TMA producer warpgroup, two wgmma consumer "
                 "warpgroups (ping-pong, intra-warpgroup overlap), hooks from the IR", "arch": "sm_90a",
-                "head_dim": plan.head_dim, "role": ROLE_REFERENCE})
+                "head_dim": plan.head_dim})
         except KBError as err:
             declined["sm90_wgmma"] = str(err)
     try:
@@ -108,7 +111,7 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
         return CudaChoice(src, "tensor_cores", "sm_80", {
             "lowering": "tensor_cores", "structure": "FA2: mma.sync m16n8k16, ldmatrix from swizzled shared memory, "
             "cp.async K/V overlap", "traits": str(plan.traits), "traits_from": plan.traits_from, "arch": "sm_80",
-            "role": ROLE_REFERENCE, **({"declined": declined} if declined else {})})
+            **({"declined": declined} if declined else {})})
     except KBError as err:
         declined["tensor_cores"] = str(err)
     try:
@@ -117,32 +120,68 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
         log.warning("CUDA lowering failed: %s", err)
         return None
     return CudaChoice(src, "portable", "sm_80", {"lowering": "portable", "structure": "SIMT, tiles in shared memory "
-                      "(no tensor cores)", "arch": "sm_80", "declined": declined, "role": ROLE_REFERENCE})
+                      "(no tensor cores)", "arch": "sm_80", "declined": declined})
 
 
-def cuda_role(kb, kernel_id: str, arch: str, lowering: str) -> dict:  # noqa: ANN001 - KnowledgeBase
-    """The `.cu`'s role from the KB's measurements of this kernel on `arch`: the latest shape where both the emitted
-    Triton module and a `.cu` of the same lowering were timed. Within 10% of Triton: an alternative; otherwise (or
-    never measured) the portable reference. ModelNew runs the Triton module either way."""
-    from kb.store import PerfRecord
+@dataclass(frozen=True)
+class CudaPair:
+    """One shape at which a `.cu` and the Triton module of the same kernel were timed in the same run."""
+
+    kernel_id: str
+    features: Features
+    gpu: str
+    shape: dict
+    measured_at: str
+    triton_ms: float
+    cuda_ms: float
+
+    @property
+    def speedup(self) -> float:
+        """> 1: the `.cu` ran faster than the Triton module."""
+        return self.triton_ms / self.cuda_ms
+
+    def describe(self) -> str:
+        s = self.shape
+        where = f"B{s.get('B')} Hq{s.get('Hq')}/{s.get('Hkv')} {s.get('M')}x{s.get('N')} D{s.get('D')}"
+        return f"{self.speedup:.2f}x the Triton module for {self.kernel_id} on {self.gpu} at {where} ({self.measured_at[:10]})"
+
+
+def cuda_pairs(kb, arch: str, lowering: str) -> list[CudaPair]:  # noqa: ANN001 - KnowledgeBase
+    """Every measured `.cu` of `lowering` on `arch` beside the Triton module of the same kernel, shape, GPU and run."""
+    from kb.store import Kernel, PerfRecord
 
     from generate.perf_import import cuda_impl
 
-    rows = [r for r in kb.usable(PerfRecord, kind="measured", kernel_id=kernel_id) if r.arch == arch and r.ms]
+    rows = [r for r in kb.usable(PerfRecord, kind="measured") if r.arch == arch and r.ms]
     want = json.dumps(cuda_impl(lowering), sort_keys=True)
-    cu = sorted((r for r in rows if r.design_json == want), key=lambda r: str(r.measured_at or ""))
-    for c in reversed(cu):
-        tri = [r for r in rows if r.design_json == "{}" and r.shape_json == c.shape_json and r.gpu == c.gpu
-               and r.measured_at == c.measured_at]  # timed in the same run
-        if not tri:
-            continue
-        ratio = tri[-1].ms / c.ms
-        where = f"{ratio:.2f}x the Triton module on {c.gpu} at {c.shape_json} ({c.measured_at:%Y-%m-%d})"
-        if c.ms <= 1.1 * tri[-1].ms:
-            return {"role": f"alternative: measured {where}; ModelNew runs the Triton module", "measured_vs_triton": ratio}
-        return {"role": f"portable reference: measured {where}; ModelNew runs the Triton module",
-                "measured_vs_triton": ratio}
-    return {"role": ROLE_REFERENCE}
+    triton = {(r.kernel_id, r.shape_json, r.gpu, r.measured_at): r.ms for r in rows if r.design_json == "{}"}
+    pairs = []
+    for r in rows:
+        tri = triton.get((r.kernel_id, r.shape_json, r.gpu, r.measured_at))
+        kernel = kb.find(r.kernel_id) if r.design_json == want and tri else None
+        if isinstance(kernel, Kernel) and kb.skip_unusable([kernel]):
+            pairs.append(CudaPair(r.kernel_id, Features.from_json(kernel.features_json), r.gpu, json.loads(r.shape_json),
+                                  f"{r.measured_at:%Y-%m-%d}", tri, r.ms))
+    return sorted(pairs, key=lambda p: (p.measured_at, p.kernel_id))
+
+
+def forward_dispatch(pairs: list[CudaPair], target: Features, bucket: int, kernel_id: str | None = None) -> tuple[bool, str]:
+    """Whether the `.cu` should run for `target` at head-dim `bucket`, and the measurement that says so.
+
+    The kernel's own pairs decide when there are any; otherwise the pairs of other kernels, weighted by how alike they
+    are in what decides speed (`perf_similarity`, as design ranking weighs sweeps). The `.cu` runs when the weighted
+    geometric mean of (Triton ms / `.cu` ms) is above 1; without a measurement at this bucket, the Triton module runs."""
+    at = [p for p in pairs if p.shape.get("D") and head_bucket(int(p.shape["D"])) == bucket]
+    own = [p for p in at if p.kernel_id == kernel_id]
+    used = own or at
+    if not used:
+        return False, "the Triton module runs: no `.cu` of this lowering was measured beside its Triton module here"
+    weights = [1.0 if own else math.exp(8.0 * (perf_similarity(target, p.features) - 1.0)) for p in used]
+    mean = math.exp(sum(w * math.log(p.speedup) for w, p in zip(weights, used)) / sum(weights))
+    best = max(zip(weights, used), key=lambda wp: wp[0])[1]
+    basis = "this kernel" if own else f"{len(used)} kernel measurement(s), weighted by similarity; nearest: {best.describe()}"
+    verdict = "the `.cu` runs" if mean > 1.0 else "the Triton module runs"
+    return mean > 1.0, f"{verdict}: measured {mean:.2f}x the Triton module ({basis})" + (f": {best.describe()}" if own else "")
 
 
 def cuda_plan(target: str, head_dim: int, tunables: list) -> CudaPlan:

@@ -24,7 +24,7 @@ from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, che
 from generate.backward import BackwardBuilt, build_backward, nondeterminism
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
-from generate.cuda_design import CudaPlan, choose_cuda, cuda_plan, cuda_role
+from generate.cuda_design import CUDA_LOWERINGS, CudaChoice, CudaPair, CudaPlan, choose_cuda, cuda_pairs, cuda_plan, forward_dispatch
 from generate.designs import design_table
 from generate.engines import llm_candidates, rule_candidates
 from generate.outputs import OutputError, output_stem, publish, staging_dir, write_error
@@ -39,6 +39,7 @@ from kb.ir.design import DesignTable, arch_of_capability, head_bucket
 from kb.ir.features import derive_features
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash, print_program
+from kb.lower.cuda_dispatch import CudaDispatch
 from kb.lower.triton_op import with_backward_reason
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
@@ -69,6 +70,8 @@ class GenerateOptions:
     target: str = "auto"  # GPU arch to design for (sm90, sm80, ...); auto: this machine's GPU, else the setting
     designs: DesignTable | None = None  # {arch: {head-dim bucket: designs}}; generate() chooses them per spec from the KB
     cuda: CudaPlan | None = None  # target arch, head dim and FA2 traits of the `.cu`; generate() sets them
+    # measured `.cu` beside Triton on the target arch, per CUDA lowering: where the `.cu` runs; generate() reads them
+    cuda_pairs: dict[str, list[CudaPair]] | None = None
     backward: bool = True  # also generate the backward (dq, dk, dv) and make ModelNew differentiable (--no-backward)
     deterministic: bool = False  # only a backward whose gradients are bitwise reproducible run to run (--deterministic)
 
@@ -141,6 +144,10 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options),
                       cuda=options.cuda or cuda_plan(resolve_target(options.target, kb.settings.target_arch),
                                                      spec.shapes.D, kb.usable(Tunable, family="fa2_cuda")))
+    if options.cuda_pairs is None:
+        target = options.cuda.target if options.cuda else resolve_target(options.target, kb.settings.target_arch)
+        options = replace(options, cuda_pairs={lowering: cuda_pairs(kb, target, lowering) if options.memory else []
+                                               for lowering in CUDA_LOWERINGS})
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         try:
@@ -172,8 +179,9 @@ class _Built:
     files: dict[str, Path]
     verdict: Verdict  # passed, or not_run (--no-verify)
     detail: str
-    cuda_report: dict = field(default_factory=dict)  # which CUDA lowering, its traits, the role of the `.cu`
+    cuda_report: dict = field(default_factory=dict)  # which CUDA lowering, its traits, where the `.cu` runs and why
     cuda_build: CudaCompile = NOT_COMPILED  # nvcc on the `.cu`, before the write-back
+    dispatch: CudaDispatch | None = None  # where the module runs the `.cu` instead of its Triton kernels
 
 
 def _compile_cuda(spec: Spec, built: _Built, options: GenerateOptions) -> _Built:
@@ -201,7 +209,7 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
             (Verdict.not_run, "kernel verification skipped (--no-verify)"),
             designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
-            first_n=first_n, deterministic=options.deterministic)
+            first_n=first_n, deterministic=options.deterministic, cuda=built.dispatch)
     except OutputError:
         raise  # the run fails here: no attempt can write its files
     except KBError as err:
@@ -331,8 +339,6 @@ def _finish(kb: KnowledgeBase, spec: Spec, run: GenerationRun, outcomes: list[At
     report = _report(spec, run, kernel, existing, built, ref, outcomes, options)
     if built is not None and not files:  # verified, but its files could not be staged: nothing is published
         report["status"] = ReportStatus.FAILED.value
-    if built is not None and kernel is not None and built.cuda_src and options.cuda is not None and stored is not None:
-        report["cuda"].update(cuda_role(kb, kernel.id, options.cuda.target, built.cuda_report.get("lowering", "")))
     if built is not None:
         report["backward"] = _backward_report(bwd, bwd_kernel, bwd_existing)
     try:
@@ -464,11 +470,13 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     """Lower to Triton (+ CUDA), write the candidate into the staging directory, verify it."""
     from kb.lower.triton import lower_program
 
+    plan = options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, [])
+    cuda = choose_cuda(program, plan)
+    dispatch, runs = _dispatch(spec, program, cuda, plan, options)
     try:
-        triton_src = lower_program(program, designs=options.designs)
+        triton_src = lower_program(program, designs=options.designs, cuda=dispatch)
     except KBError as err:
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
-    cuda = choose_cuda(program, options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, []))
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
         cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
@@ -483,7 +491,23 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
             return Failure(Stage.VERIFY, verdict, detail)
     files = {"candidate": cand.candidate, "triton": cand.triton, **({"aux": cand.aux} if cand.aux else {})}
     return _Built(program, triton_src, cuda.source if cuda else None, files, verdict, detail,
-                  cuda.report if cuda else {})
+                  {**cuda.report, "runs": runs} if cuda else {}, dispatch=dispatch)
+
+
+def _dispatch(spec: Spec, program: Program, cuda: CudaChoice | None, plan: CudaPlan,
+              options: GenerateOptions) -> tuple[CudaDispatch | None, str]:
+    """Where the module runs its `.cu` (measured faster for this kernel or kernels like it, on the target arch and
+    the spec's head dim), and the report's sentence saying which implementation runs there and why."""
+    if cuda is None:
+        return None, "the Triton module (no CUDA lowering)"
+    bucket = head_bucket(spec.shapes.D)
+    pairs = (options.cuda_pairs or {}).get(cuda.lowering, [])
+    features = derive_features(program, shapes=_shape_dict(spec))
+    faster, why = forward_dispatch(pairs, features, bucket, "k-" + content_hash(program)[:16])
+    runs = f"{why} (on {plan.target}, head dim {bucket})"
+    if not faster:
+        return None, runs
+    return CudaDispatch(f"{_name(spec)}.cu", cuda.source, cuda.arch, {plan.target: {bucket: why}}), runs
 
 
 def _shape_dict(spec: Spec) -> dict[str, int]:

@@ -119,23 +119,35 @@ def test_kb_tune_says_it_needs_a_gpu(ingested_kb_settings, tmp_path: Path) -> No
     assert res.stderr.strip().startswith("kb: error: kb tune needs a CUDA GPU") and "--plan" in res.stderr
 
 
-def test_a_measured_cu_sets_its_role_in_the_report(tuned, tmp_path: Path) -> None:
-    """kb tune's `emitted-cuda` timing imports as a `.cu` record (never a Triton design); the report calls the `.cu`
-    an alternative only where it was measured within 10% of the Triton module, for the same lowering."""
-    from generate.cuda_design import cuda_role
+def test_measured_cu_records_decide_where_the_cu_runs(tuned) -> None:
+    """kb tune's `emitted-cuda` timing imports as a `.cu` record (never a Triton design); the module runs the `.cu`
+    where it was measured faster than the Triton module of the same run, for the same lowering and arch: the kernel's
+    own records first, else those of kernels like it."""
+    from dataclasses import replace
+
+    from generate.cuda_design import cuda_pairs, forward_dispatch
     from generate.designs import sweeps_from_kb
+    from kb.features import Features
+    from kb.ir.design import head_bucket
 
     kb, r, _, doc = tuned
     measured = json.loads(json.dumps(dict(doc, env={**ENV, "date": "2026-12-04T12:00:00+00:00"})))  # a run of its own
     measured["entries"] = measured["entries"][:1]  # the CPU dry run times both entries at one small shape
     shape = measured["entries"][0]["shapes"][0]
     triton_ms = next(rec["ms"] for rec in shape["records"] if rec["impl"] == "emitted")
-    shape["records"].append({"impl": "emitted-cuda", "status": "ok", "ms": triton_ms * 1.05, "tflops": 1.0,
+    shape["records"].append({"impl": "emitted-cuda", "status": "ok", "ms": triton_ms / 1.25, "tflops": 1.0,
                              "lowering": "sm90_wgmma"})
     import_results(kb, measured, "synthetic")
     assert all(s.times for s in sweeps_from_kb(kb, "sm90"))  # the .cu record is not read as a design
-    near = cuda_role(kb, r.kernel_id, "sm90", "sm90_wgmma")
-    assert near["role"].startswith("alternative: measured") and "the Triton module on NVIDIA H200" in near["role"]
-    assert near["measured_vs_triton"] == pytest.approx(1 / 1.05)  # Triton ms / .cu ms of the same run and shape
-    assert cuda_role(kb, r.kernel_id, "sm90", "tensor_cores")["role"].startswith("portable reference: not measured")
-    assert cuda_role(kb, r.kernel_id, "sm80", "sm90_wgmma")["role"].startswith("portable reference: not measured")
+    (pair,) = cuda_pairs(kb, "sm90", "sm90_wgmma")
+    assert pair.kernel_id == r.kernel_id and pair.speedup == pytest.approx(1.25)
+    assert cuda_pairs(kb, "sm90", "tensor_cores") == [] and cuda_pairs(kb, "sm80", "sm90_wgmma") == []
+    features = Features.from_json(kb.get(r.kernel_id).features_json)
+    bucket = head_bucket(shape["shape"]["D"])
+    runs, why = forward_dispatch([pair], features, bucket, r.kernel_id)
+    assert runs and "1.25x the Triton module" in why and "NVIDIA H200" in why
+    assert forward_dispatch([pair], features, bucket, "k-another")[0]  # a kernel like it follows the measurement
+    slower = replace(pair, kernel_id="k-another", cuda_ms=pair.triton_ms * 1.05)
+    assert not forward_dispatch([pair, slower], features, bucket, "k-another")[0]  # its own record decides
+    assert not forward_dispatch([pair], features, bucket * 2, r.kernel_id)[0]  # never measured at this head dim
+    assert not forward_dispatch([], features, bucket)[0]

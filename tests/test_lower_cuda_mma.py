@@ -121,11 +121,11 @@ def test_fa2_traits_come_from_the_lifted_launch_template_and_fit_the_registers()
         assert t.block_m // t.num_warps // 16 * (t.block_n // 2 + hp // 2) <= MAX_ACC_REGS
 
 
-def test_choose_cuda_reports_the_lowering_and_labels_the_reference() -> None:
+def test_choose_cuda_reports_the_lowering() -> None:
     plan = CudaPlan("sm80", 64, MmaTraits(128, 64, 4), "test")
     tc = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), plan)
     assert tc is not None and tc.lowering == "tensor_cores" and "mma.sync" in tc.source
-    assert tc.report["traits"] == "128x64 w4" and tc.report["role"].startswith("portable reference")
+    assert tc.report["traits"] == "128x64 w4"
     split = choose_cuda(FIXTURES["decode_split_kv"](dtype=Dtype.BF16), plan)
     assert split is not None and split.lowering == "portable" and "split-KV" in split.report["declined"]["tensor_cores"]
     hopper = choose_cuda(FIXTURES["alibi"](dtype=Dtype.BF16), CudaPlan("sm90", 128, MmaTraits(128, 64, 8), "test"))

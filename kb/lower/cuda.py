@@ -43,6 +43,8 @@ It returns 0, a `cudaError_t`, or `KB_ERR_HEAD_DIM`; `kb_error_string(code)` nam
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
@@ -60,10 +62,9 @@ from kb.lower.block_mask import (
 )
 from kb.lower.cuda_expr import EXPR_HELPERS, cxx_type, float_literal, lower_cexpr
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, expr_kind, is_nonneg, visible_names
-from kb.lower.kernel_gen import KernelGenBase
-from kb.lower.triton import check_attention_params
+from kb.lower.kernel_gen import KernelGenBase, check_attention_params
 
-__all__ = ["lower_program", "launch_abi", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
+__all__ = ["lower_program", "launch_abi", "source_schedule", "LaunchAbi", "TableSpec", "kernel_symbol", "HEAD_PADS",
            "LAUNCH_SYMBOL", "ERROR_SYMBOL", "KB_ERR_HEAD_DIM", "CTYPE", "PREAMBLE", "KERNEL_HELPERS", "CudaKernelGen",
            "cxx_name", "args_struct", "arg_locals", "table_helpers", "fill_args", "host_entry", "schedule_constants"]
 
@@ -165,6 +166,17 @@ def launch_abi(p: Program) -> LaunchAbi:
         head_pad=p.schedule.fixed_head_pad or 0,
         value_dim=VALUE_DIM in p.dims(),
     )
+
+
+def source_schedule(p: Program, source: str) -> Program:
+    """`p` with the BLOCK_M / BLOCK_N / warps the lowered source was generated for."""
+    found = dict(re.findall(r"constexpr (?:long long|int) (BLOCK_M|BLOCK_N|KB_WARPS) = (\d+);", source))
+    if not {"BLOCK_M", "BLOCK_N", "KB_WARPS"} <= set(found):
+        raise KBError(f"program {p.name}: the CUDA source does not declare BLOCK_M, BLOCK_N and KB_WARPS; "
+                      "is it a kb.lower.cuda / kb.lower.cuda_mma output?")
+    s = dataclasses.replace(p.schedule, block_m=int(found["BLOCK_M"]), block_n=int(found["BLOCK_N"]),
+                            num_warps=int(found["KB_WARPS"]))
+    return dataclasses.replace(p, schedule=s)
 
 
 # ------------------------------------------------------------------ tiles

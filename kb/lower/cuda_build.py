@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from enum import Enum
 from pathlib import Path
 
 from kb.errors import KBError
+from kb.lower.nvcc_preamble import _arch_flag, _find_nvcc
 
 __all__ = ["BuildMode", "BuildStatus", "BuildResult", "build", "find_nvcc", "nvcc_command", "arch_flag", "DEFAULT_ARCH"]
 
@@ -63,13 +63,12 @@ class BuildResult:
 
 
 def find_nvcc() -> str:
-    """The nvcc executable: $KB_NVCC, $CUDA_HOME/bin/nvcc, or nvcc on PATH."""
-    candidates = [os.environ.get("KB_NVCC"), os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc")
-                  if os.environ.get("CUDA_HOME") else None, shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    raise KBError("nvcc was not found; install the CUDA toolkit, or set KB_NVCC or CUDA_HOME to point at it")
+    """The nvcc executable: $KB_NVCC, $CUDA_HOME/bin/nvcc, nvcc on PATH or /usr/local/cuda/bin/nvcc (as generated
+    modules find it: kb.lower.nvcc_preamble)."""
+    found = _find_nvcc()
+    if found is None:
+        raise KBError("nvcc was not found; install the CUDA toolkit, or set KB_NVCC or CUDA_HOME to point at it")
+    return found
 
 
 _MODE_FLAG = {BuildMode.SHARED: "-shared", BuildMode.OBJECT: "-c", BuildMode.PTX: "-ptx"}
@@ -78,9 +77,7 @@ _MODE_SUFFIX = {BuildMode.SHARED: ".so", BuildMode.OBJECT: ".o", BuildMode.PTX: 
 
 def arch_flag(arch: str) -> str:
     """`-arch=sm_90` for a family target; `-gencode=arch=compute_90a,code=sm_90a` for `sm_90a`."""
-    if arch.startswith("sm_") and arch.endswith("a"):
-        return f"-gencode=arch=compute_{arch[3:]},code={arch}"
-    return f"-arch={arch}"
+    return _arch_flag(arch)
 
 
 def nvcc_command(src: Path, out: Path, mode: BuildMode, arch: str = DEFAULT_ARCH, opt: str = "-O3",

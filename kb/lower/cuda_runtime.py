@@ -16,10 +16,8 @@ occurrence of a dim must agree; tensors may be non-contiguous (strides are passe
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import math
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.nodes import Dtype, Param, Program, Role
-from kb.lower.cuda import ERROR_SYMBOL, LAUNCH_SYMBOL, LaunchAbi, launch_abi, lower_program
+from kb.lower.cuda import ERROR_SYMBOL, LAUNCH_SYMBOL, LaunchAbi, launch_abi, lower_program, source_schedule
 from kb.lower.cuda_build import BuildMode, build
 
 __all__ = ["CudaKernel", "require_gpu", "device_arch"]
@@ -87,7 +85,7 @@ class CudaKernel:
         """Build and load a lowered source of `p` as it is (say, the `.cu` that `kb generate` wrote): its
         BLOCK_M/BLOCK_N/warps, read from the source, size the block-class table."""
         require_gpu()
-        p = _with_source_schedule(p, source)
+        p = source_schedule(p, source)
         result = build(source, cache_dir or _default_cache_dir(), BuildMode.SHARED, name=p.name,
                        arch=arch or device_arch(), defines=defines)
         if not result.ok:
@@ -170,17 +168,6 @@ class CudaKernel:
         if unbound:
             raise KBError(f"program {self.program.name}: dims {unbound} are carried by no input tensor")
         return dims
-
-
-def _with_source_schedule(p: Program, source: str) -> Program:
-    """`p` with the BLOCK_M / BLOCK_N / warps the lowered source was generated for."""
-    found = dict(re.findall(r"constexpr (?:long long|int) (BLOCK_M|BLOCK_N|KB_WARPS) = (\d+);", source))
-    if not {"BLOCK_M", "BLOCK_N", "KB_WARPS"} <= set(found):
-        raise KBError(f"program {p.name}: the CUDA source does not declare BLOCK_M, BLOCK_N and KB_WARPS; "
-                      "is it a kb.lower.cuda / kb.lower.cuda_mma output?")
-    s = dataclasses.replace(p.schedule, block_m=int(found["BLOCK_M"]), block_n=int(found["BLOCK_N"]),
-                            num_warps=int(found["KB_WARPS"]))
-    return dataclasses.replace(p, schedule=s)
 
 
 def _shape(t: Param, dims: Mapping[str, int]) -> tuple[int, ...]:

@@ -12,11 +12,11 @@ from typing import Callable, ClassVar, Generic, Iterable, Mapping, TypeVar
 
 from kb.errors import KBError
 from kb.ir.expr import Expr
-from kb.ir.nodes import For, Kernel, Let, Mask, Param, Program, Reduce, ScoreMod
+from kb.ir.nodes import For, Kernel, Let, Mask, Param, Program, Reduce, ScoreMod, serving_constructs
 from kb.lower.block_mask import BlockMaskPlan
 from kb.lower.expr_context import AuxRef, ExprContext, ExprTarget, Kind, Sym, is_nonneg, visible_names
 
-__all__ = ["KernelGenBase"]
+__all__ = ["KernelGenBase", "check_attention_params"]
 
 TileT = TypeVar("TileT")
 
@@ -92,3 +92,17 @@ class KernelGenBase(Generic[TileT]):
         if self.p.mask_mod is None:
             raise KBError(f"mask {st.tile} mask_mod: the program has no mask_mod; add one or use `bounds`")
         return self.p.mask_mod.body
+
+
+def check_attention_params(p: Program, lowering: str) -> None:
+    """Both lowerings need q and k as [B, H, S, D] params and no varlen/paged index forms; KBError naming the lowering otherwise."""
+    if constructs := serving_constructs(p):
+        raise KBError(f"program {p.name}: the {lowering} lowering does not support {' or '.join(constructs)}; "
+                      "lowering of varlen/paged programs is not supported yet (run them with kb.ir.interpret)")
+    for name in ("q", "k"):
+        try:
+            prm = p.param(name)
+        except KeyError:
+            raise KBError(f"program {p.name}: the {lowering} lowering needs a param {name!r} [B, H, S, D]") from None
+        if len(prm.shape) != 4:
+            raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")

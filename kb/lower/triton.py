@@ -38,23 +38,23 @@ Invariants of the generated module:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from kb.errors import KBError
 from kb.ir.design import DesignTable
 from kb.ir.nodes import (
     IfBlock, Program, Role, SCHEDULE_CONSTANTS, VALUE_DIM, is_backward, launch_constants,
-    serving_constructs, walk_stmts,
+    walk_stmts,
 )
 from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
+from kb.lower.cuda_dispatch import CudaDispatch, dispatch_section
+from kb.lower.kernel_gen import check_attention_params
 from kb.lower.pack_gqa import PackPlan, pack_plans
+from kb.lower.preambles import preamble_text
 from kb.lower.triton_host import check_host_names, class_kernel, design_lines, host_function, kernel_fn_name, packed_fn_name, split_kernels
 from kb.lower.triton_kernel import TritonKernelGen
 from kb.lower.triton_op import op_section
 from kb.lower.triton_tiles import Signature
 
-__all__ = ["lower_program", "forward_module", "LowerOptions", "program_signature", "kernel_sources", "check_attention_params", "PREAMBLE",
-           "preamble_text"]
+__all__ = ["lower_program", "forward_module", "LowerOptions", "program_signature", "kernel_sources", "check_attention_params", "PREAMBLE"]
 
 
 @dataclass(frozen=True)
@@ -109,34 +109,30 @@ class LowerOptions:
 # ------------------------------------------------------------------ module
 
 
-def preamble_text(module_file: str) -> str:
-    """The runtime text a module of kb/lower (`module_file`, e.g. "triton_preamble.py") holds between its preamble
-    markers, pasted into generated modules (read as text: generating a module imports neither torch nor triton)."""
-    text = (Path(__file__).parent / module_file).read_text()
-    begin = text.index("\n", text.index("# ---- generated modules: preamble begins")) + 1
-    return text[begin:text.index("# ---- generated modules: preamble ends")]
-
-
 PREAMBLE = preamble_text("triton_preamble.py")  # at the top of every generated module
 
 
-def lower_program(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
+def lower_program(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None,
+                  cuda: CudaDispatch | None = None) -> str:
     """The source text of a standalone Python module running `p` with Triton.
 
     `designs` ({arch: {head-dim bucket: designs best first}}) are the launch parameters the module picks from on a
     GPU; without them (or for a GPU they miss) it times what it has once per shape, including the program's schedule.
     A forward module ends with its operator section (kb.lower.triton_op: `torch.ops.kernel_kb.<OP_NAME>`,
-    `kb_attention`), forward-only: its backward raises NO_BACKWARD."""
+    `kb_attention`), forward-only: its backward raises NO_BACKWARD. `cuda`: where its forward runs the `.cu` beside it
+    instead (kb.lower.cuda_dispatch)."""
     if is_backward(p):
         from kb.lower.triton_bwd import lower_backward
 
         return lower_backward(p, options or LowerOptions(), designs)
-    text = forward_module(p, options, designs)
-    return text + op_section(p, text)
+    text = forward_module(p, options, designs, cuda)
+    return text + op_section(p, text, cuda=bool(cuda))
 
 
-def forward_module(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None) -> str:
-    """`lower_program`'s module up to its operator section: the preamble, the kernels and the host `forward`."""
+def forward_module(p: Program, options: LowerOptions | None = None, designs: DesignTable | None = None,
+                   cuda: CudaDispatch | None = None) -> str:
+    """`lower_program`'s module up to its operator section: the preamble, the kernels, the host `forward` and, with
+    `cuda`, the CUDA dispatch."""
     opts = options or LowerOptions()
     check_attention_params(p, "Triton")
     check_host_names(p)
@@ -148,6 +144,8 @@ def forward_module(p: Program, options: LowerOptions | None = None, designs: Des
     if sig.table:
         out += ["", *class_kernel(p, sig, plan)]
     out += ["", *design_lines(p, designs, packs), *host_function(p, sig, plan, packs)]
+    if cuda:
+        out += dispatch_section(p, cuda.source, cuda)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -183,17 +181,3 @@ def _packing(p: Program, opts: LowerOptions, designs: DesignTable | None) -> dic
     if not split and not any(d.pack_gqa for by in (designs or {}).values() for ds in by.values() for d in ds):
         return "not a split-KV program and no design packs"
     return pack_plans(p)
-
-
-def check_attention_params(p: Program, lowering: str) -> None:
-    """Both lowerings need q and k as [B, H, S, D] params and no varlen/paged index forms; KBError naming the lowering otherwise."""
-    if constructs := serving_constructs(p):
-        raise KBError(f"program {p.name}: the {lowering} lowering does not support {' or '.join(constructs)}; "
-                      "lowering of varlen/paged programs is not supported yet (run them with kb.ir.interpret)")
-    for name in ("q", "k"):
-        try:
-            prm = p.param(name)
-        except KeyError:
-            raise KBError(f"program {p.name}: the {lowering} lowering needs a param {name!r} [B, H, S, D]") from None
-        if len(prm.shape) != 4:
-            raise KBError(f"program {p.name}: {name} must be [B, H, S, D], got {prm.shape}")

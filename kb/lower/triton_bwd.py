@@ -31,8 +31,10 @@ from kb.ir.design import DesignTable
 from kb.ir.expr import free_vars
 from kb.ir.nodes import Probs, Program, Role, accumulated_tensors, aux_gradients, is_backward, walk_stmts
 from kb.lower.block_mask import plan_block_mask
+from kb.lower.cuda_dispatch import CudaDispatch
+from kb.lower.preambles import preamble_text
 from kb.lower.triton import (
-    PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, preamble_text, program_signature,
+    PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, program_signature,
 )
 from kb.lower.triton_host import HostEntry, backward_design_lines, check_host_names, class_kernel, host_function, kernel_fn_name
 from kb.lower.triton_op import op_section
@@ -128,9 +130,10 @@ def check_pair(fwd: Program, bwd: Program) -> None:
 
 
 def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = None,
-                   fwd_designs: DesignTable | None = None, bwd_designs: DesignTable | None = None) -> str:
-    """One module: `fwd`'s forward module, `bwd`'s kernels and host `backward`, and the operator section whose autograd
-    runs them (kb.lower.triton_op)."""
+                   fwd_designs: DesignTable | None = None, bwd_designs: DesignTable | None = None,
+                   cuda: CudaDispatch | None = None) -> str:
+    """One module: `fwd`'s forward module (with `cuda`, its CUDA dispatch: kb.lower.cuda_dispatch), `bwd`'s kernels and
+    host `backward`, and the operator section whose autograd runs them (kb.lower.triton_op)."""
     check_pair(fwd, bwd)
-    text = forward_module(fwd, options, fwd_designs).rstrip() + "\n" + backward_part(bwd, options, bwd_designs)
-    return text + op_section(fwd, text, bwd)
+    text = forward_module(fwd, options, fwd_designs, cuda).rstrip() + "\n" + backward_part(bwd, options, bwd_designs)
+    return text + op_section(fwd, text, bwd, cuda=bool(cuda))

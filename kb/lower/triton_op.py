@@ -14,8 +14,14 @@ users compile, capture in CUDA graphs and train:
   keeps the fp32 copy (non-differentiable; empty for fp32 inputs) for the backward.
 - A module without a backward (a forward-only kernel) still registers both: its `_bwd` raises, when a backward
   actually runs, `NO_BACKWARD` (why there is none and how to get one); gradients are never silently None.
-- `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` is what users and `ModelNew` call: through the
-  operator, except for an eager call that needs no gradient (preamble `_direct`), which runs `forward` itself.
+- `torch.ops.kernel_kb.<OP_NAME>_infer(q, k, v, *aux, *scalars, sm_scale) -> (o, lse)` is the forward for calls no
+  gradient will be asked of (`torch.no_grad()`, inputs that do not require grad): o in the inputs' dtype, no fp32 copy.
+- Every forward goes through `_kb_forward`: `forward()` itself, or, in a module that dispatches to the `.cu` beside it
+  (kb.lower.cuda_dispatch; the training forward only where the backward does not need the fp32 O), the `.cu` first
+  where `CUDA_FORWARD` lists the GPU and head dim.
+- `kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars) -> o` is what users and `ModelNew` call: the operator when
+  a gradient may be asked for, else the inference operator, whose function an eager call (preamble `_direct`) runs
+  itself, skipping the dispatcher.
 
 OP_NAME is `k_<16 hex of the forward program's KB id>_<8 hex of the module text above this section>`: the KB id says
 which kernel it is (`kb show k-...`), the digest tells builds of one program apart (other designs, with or without a
@@ -75,6 +81,18 @@ def _op_forward_fake(${fwd_names}):
     return (${fwd_fakes})
 
 
+${kb_forward}
+
+
+def _op_infer(${fwd_params}) -> tuple[${infer_types}]:
+    # a call no gradient will be asked of: o in the inputs' dtype, no fp32 copy for a backward
+    return _kb_forward(q, k, v, sm_scale=sm_scale${fwd_kwargs})
+
+
+def _op_infer_fake(${fwd_names}):
+    return (${infer_fakes})
+
+
 def _op_backward(${bwd_params}) -> tuple[${bwd_types}]:
 ${bwd_body}
 
@@ -104,7 +122,8 @@ def _op_grads(ctx, dout, *_not_differentiable):
 
 
 def _register_op():
-    """torch.ops.kernel_kb.<OP_NAME> and <OP_NAME>_bwd, defined once per process (a second import reuses them)."""
+    """torch.ops.kernel_kb.<OP_NAME>, <OP_NAME>_bwd and <OP_NAME>_infer, defined once per process (a second import
+    reuses them)."""
     ops = torch.ops.kernel_kb
     if not hasattr(ops, OP_NAME):
         fwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}", _op_forward, mutates_args=())
@@ -112,15 +131,18 @@ def _register_op():
         bwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}_bwd", _op_backward, mutates_args=())
         bwd.register_fake(_op_backward_fake)
         fwd.register_autograd(_op_grads, setup_context=_op_setup)
-    return getattr(ops, OP_NAME).default, getattr(ops, OP_NAME + "_bwd").default
+        infer = torch.library.custom_op(f"kernel_kb::{OP_NAME}_infer", _op_infer, mutates_args=())
+        infer.register_fake(_op_infer_fake)
+    return (getattr(ops, OP_NAME).default, getattr(ops, OP_NAME + "_bwd").default,
+            getattr(ops, OP_NAME + "_infer").default)
 
 
-_OP, _OP_BWD = _register_op()
+_OP, _OP_BWD, _OP_INFER = _register_op()
 
 
 def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
     """Attention of `${fwd}` as the operator torch.ops.kernel_kb.<OP_NAME>: ${differentiable}.
-    An eager call that needs no gradient runs forward() directly, skipping the dispatcher."""
+    A call that needs no gradient runs <OP_NAME>_infer instead (eager: its function itself, skipping the dispatcher)."""
     kw = dict(aux_and_scalars)
     missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
     if missing:
@@ -129,13 +151,24 @@ def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
     scalars = tuple(float(kw.pop(n)) for n in _KB_SCALARS)
     if kw:
         raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
-    if _direct((q, k, v, *aux)):
-        return forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[${o_index}]
-    return _OP(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[${o_index}]
+    tensors = (q, k, v, *aux)
+    if _direct(tensors):
+        return _kb_forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[${o_index}]
+    op = _OP if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) else _OP_INFER
+    return op(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[${o_index}]
 ''')
 
+# what the operator runs for a forward: forward() itself, or first the `.cu` the module dispatches to (kb.lower.cuda_dispatch)
+_KB_FORWARD = '''def _kb_forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
+    """forward(): this module dispatches to no `.cu`."""
+    return forward(q, k, v, sm_scale=sm_scale, **aux_and_scalars)'''
+_KB_FORWARD_CUDA = '''def _kb_forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
+    """The `.cu` beside this module where CUDA_FORWARD lists this GPU and head dim, else forward()."""
+    outs = _cuda_forward(q, k, v, sm_scale, aux_and_scalars)
+    return outs if outs is not None else forward(q, k, v, sm_scale=sm_scale, **aux_and_scalars)'''
+
 _FORWARD = Template('''\
-    return forward(q, k, v, sm_scale=sm_scale${kwargs})''')
+    return _kb_forward(q, k, v, sm_scale=sm_scale${kwargs})''')
 
 # the backward reads an fp32 O (Δ = rowsum(dO∘O) exact as an fp32-math spec's own gradient): forward() writes O in fp32,
 # the user gets it in the inputs' dtype, the fp32 copy is a third, non-differentiable output saved for the backward
@@ -182,9 +215,10 @@ def _kwargs(names: list[str]) -> str:
     return "".join(f", {n}={n}" for n in names)
 
 
-def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_backward: str = NO_BACKWARD_DEFAULT) -> str:
+def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_backward: str = NO_BACKWARD_DEFAULT,
+               *, cuda: bool = False) -> str:
     """The operator section appended to `module_text` (a module holding `fwd`'s host `forward` and, with `bwd`, its
-    host `backward`)."""
+    host `backward`; `cuda`: and the CUDA dispatch of kb.lower.cuda_dispatch, which the forward then tries first)."""
     ins = [q for q in fwd.params if q.role is Role.IN]
     if [q.name for q in ins] != ["q", "k", "v"]:
         raise KBError(f"program {fwd.name}: the operator needs the inputs q, k, v, got {', '.join(q.name for q in ins)}")
@@ -212,6 +246,7 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
         # dq, dk, dv as backward() allocates them, each aux gradient in its aux tensor's dtype (backward() casts it)
         bwd_fakes = ", ".join([_fake(bwd.param(g), bdims, out_dtype(bwd.param(g), bin0), "q") for g in ("dq", "dk", "dv")]
                               + [_fake(bwd.param(g), bdims, f"{a}.dtype", "q") for g, a in pairs.items()])
+    infer_fakes = list(fakes)
     # o follows the inputs' dtype (not a spec's deliberate fp32 output) and the backward reads it in fp32
     exact_o = bwd is not None and bwd.param("o").dtype is Dtype.F32 and out_dtype(fwd.param("o"), ins[0]) == "q.dtype"
     if exact_o:  # the fp32 O saved for the backward, beside o and lse
@@ -232,6 +267,9 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
         bwd_params=_typed(bwd_all, bwd_scalars), bwd_types=", ".join("torch.Tensor" for _ in range(n_grads)),
         bwd_body=body, bwd_names=", ".join([*bwd_all, *bwd_scalars, "sm_scale"]), bwd_fakes=bwd_fakes,
         o_index=names.index("o"), lse_index=names.index("lse"), fwd=fwd.name,
+        kb_forward=_KB_FORWARD_CUDA if cuda else _KB_FORWARD, fwd_kwargs=_kwargs(aux + scalars),
+        infer_types=", ".join("torch.Tensor" for _ in infer_fakes),
+        infer_fakes=", ".join(infer_fakes) + ("," if len(infer_fakes) == 1 else ""),
         non_differentiable=f"output[{names.index('lse')}]" + (", output[-1]" if exact_o else ""),
         differentiable=(f"differentiable in q, k, v{' and ' + ', '.join(learnable) if learnable else ''}" if bwd is not None
                         else "its backward raises NO_BACKWARD"))

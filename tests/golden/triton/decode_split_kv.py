@@ -988,11 +988,25 @@ _KB_LEARNABLE = ()  # aux tensors with a gradient (backward() returns them after
 
 
 def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, sm_scale=sm_scale)
+    return _kb_forward(q, k, v, sm_scale=sm_scale)
 
 
 def _op_forward_fake(q, k, v, sm_scale):
     # output shapes from the inputs' shapes (symbolic under torch.compile), dtypes as forward() allocates them
+    return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], q.shape[3]), dtype=q.dtype), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32))
+
+
+def _kb_forward(q, k, v, *, sm_scale=None, **aux_and_scalars):
+    """forward(): this module dispatches to no `.cu`."""
+    return forward(q, k, v, sm_scale=sm_scale, **aux_and_scalars)
+
+
+def _op_infer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # a call no gradient will be asked of: o in the inputs' dtype, no fp32 copy for a backward
+    return _kb_forward(q, k, v, sm_scale=sm_scale)
+
+
+def _op_infer_fake(q, k, v, sm_scale):
     return (q.new_empty((q.shape[0], q.shape[1], q.shape[2], q.shape[3]), dtype=q.dtype), q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32))
 
 
@@ -1025,7 +1039,8 @@ def _op_grads(ctx, dout, *_not_differentiable):
 
 
 def _register_op():
-    """torch.ops.kernel_kb.<OP_NAME> and <OP_NAME>_bwd, defined once per process (a second import reuses them)."""
+    """torch.ops.kernel_kb.<OP_NAME>, <OP_NAME>_bwd and <OP_NAME>_infer, defined once per process (a second import
+    reuses them)."""
     ops = torch.ops.kernel_kb
     if not hasattr(ops, OP_NAME):
         fwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}", _op_forward, mutates_args=())
@@ -1033,15 +1048,18 @@ def _register_op():
         bwd = torch.library.custom_op(f"kernel_kb::{OP_NAME}_bwd", _op_backward, mutates_args=())
         bwd.register_fake(_op_backward_fake)
         fwd.register_autograd(_op_grads, setup_context=_op_setup)
-    return getattr(ops, OP_NAME).default, getattr(ops, OP_NAME + "_bwd").default
+        infer = torch.library.custom_op(f"kernel_kb::{OP_NAME}_infer", _op_infer, mutates_args=())
+        infer.register_fake(_op_infer_fake)
+    return (getattr(ops, OP_NAME).default, getattr(ops, OP_NAME + "_bwd").default,
+            getattr(ops, OP_NAME + "_infer").default)
 
 
-_OP, _OP_BWD = _register_op()
+_OP, _OP_BWD, _OP_INFER = _register_op()
 
 
 def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
     """Attention of `decode_split_kv` as the operator torch.ops.kernel_kb.<OP_NAME>: its backward raises NO_BACKWARD.
-    An eager call that needs no gradient runs forward() directly, skipping the dispatcher."""
+    A call that needs no gradient runs <OP_NAME>_infer instead (eager: its function itself, skipping the dispatcher)."""
     kw = dict(aux_and_scalars)
     missing = [n for n in _KB_AUX + _KB_SCALARS if n not in kw]
     if missing:
@@ -1050,6 +1068,8 @@ def kb_attention(q, k, v, *, sm_scale=None, **aux_and_scalars):
     scalars = tuple(float(kw.pop(n)) for n in _KB_SCALARS)
     if kw:
         raise ForwardArgumentError(f"kb_attention() got unexpected arguments: {sorted(kw)}")
-    if _direct((q, k, v, *aux)):
-        return forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[0]
-    return _OP(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[0]
+    tensors = (q, k, v, *aux)
+    if _direct(tensors):
+        return _kb_forward(q, k, v, sm_scale=sm_scale, **dict(zip(_KB_AUX, aux)), **dict(zip(_KB_SCALARS, scalars)))[0]
+    op = _OP if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) else _OP_INFER
+    return op(q, k, v, *aux, *scalars, None if sm_scale is None else float(sm_scale))[0]
