@@ -13,13 +13,10 @@ no gradient: the `.cu` must be built at the first call and run (eager, `torch.co
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
-import sys
 import traceback
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import triton.testing
@@ -27,20 +24,12 @@ import triton.testing
 from kb.ir.design import head_bucket
 from kb.ir.text import parse_program
 from kb.lower.cuda_dispatch import CudaDispatch
+from kb.lower.runtime import import_file
 from kb.lower.triton import lower_program
 
 
-def _import(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def check(stem: str, gen: Path, specs: Path, out: Path) -> dict:
-    bench = _import(specs / f"{stem}.py", f"spec_{stem}").BENCH
+    bench = import_file(specs / f"{stem}.py", f"spec_{stem}").BENCH
     shape = {k: bench[k] for k in ("B", "Hq", "Hkv", "M", "N", "D")}
     arch = "sm%d%d" % torch.cuda.get_device_capability()
     program = parse_program((gen / f"gen_{stem}.kbir").read_text())
@@ -49,8 +38,8 @@ def check(stem: str, gen: Path, specs: Path, out: Path) -> dict:
     dispatch = CudaDispatch(cu_name, (gen / cu_name).read_text(), "sm_90a",
                             {arch: {head_bucket(shape["D"]): "forced by bench.gpu.dispatch_check (ablation)"}})
     (out / f"gen_{stem}_dispatch.py").write_text(lower_program(program, cuda=dispatch))
-    mod = _import(out / f"gen_{stem}_dispatch.py", f"dispatch_{stem}")
-    triton_mod = _import(gen / f"gen_{stem}_triton.py", f"triton_{stem}")
+    mod = import_file(out / f"gen_{stem}_dispatch.py", f"dispatch_{stem}")
+    triton_mod = import_file(gen / f"gen_{stem}_triton.py", f"triton_{stem}")
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(shape["B"], shape["Hq"], shape["M"], shape["D"], device="cuda", generator=g).to(torch.bfloat16)
     k, v = (torch.randn(shape["B"], shape["Hkv"], shape["N"], shape["D"], device="cuda", generator=g).to(torch.bfloat16)
