@@ -69,11 +69,24 @@ def test_without_nvcc_the_module_warns_once_and_runs_triton(written, monkeypatch
                                                            caplog: pytest.LogCaptureFixture) -> None:
     mod = import_file(written[0], "kb_dispatch_no_nvcc")
     monkeypatch.setattr(mod, "_find_nvcc", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100/H200
     device = torch.device("cuda", 0)  # the library is looked up per device; no GPU is touched before the build
     with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
         assert mod._cuda_library(device, 64) is None and mod._cuda_library(device, 64) is None
     (record,) = caplog.records
     assert "running the Triton kernels instead of gen_causal.cu: nvcc was not found" in record.getMessage()
+
+
+def test_an_sm90a_cu_runs_on_hopper_only_and_a_family_cu_on_newer_gpus_too(written) -> None:
+    mod = import_file(written[0], "kb_dispatch_with_cu")
+    assert mod._cuda_build_arch(9, 0) == "sm_90a" and mod._cuda_build_arch(10, 0) is None
+    assert mod._cuda_build_arch(8, 0) is None
+    mod.CUDA_ARCH = "sm_80"  # a tensor-core or portable `.cu`: built for the GPU it runs on
+    try:
+        assert mod._cuda_build_arch(9, 0) == "sm_90" and mod._cuda_build_arch(8, 6) == "sm_86"
+        assert mod._cuda_build_arch(7, 5) is None
+    finally:
+        mod.CUDA_ARCH = "sm_90a"
 
 
 def test_the_cu_is_built_once_and_cached_by_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

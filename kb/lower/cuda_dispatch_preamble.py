@@ -3,7 +3,8 @@
 When `kb generate` finds measurements saying that the `.cu` it writes beside the Triton module runs faster on some GPU
 arch and head-dim bucket (generate.cuda_design.forward_dispatch), the module gets the text between the marker lines
 below (kb.lower.triton pastes it byte for byte; kept here it is linted and tested like other code), plus four constants:
-`CUDA_SOURCE` (the `.cu` file's name, beside the module), `CUDA_ARCH` (what nvcc builds it for), `CUDA_FORWARD`
+`CUDA_SOURCE` (the `.cu` file's name, beside the module), `CUDA_ARCH` (the arch it was written for: `sm_90a` builds for
+that GPU only, a family arch such as `sm_80` for any GPU at least that new, as this GPU's own arch), `CUDA_FORWARD`
 ({arch: {head-dim bucket: the measurement that chose it}}) and `_CUDA_ABI` (kb.lower.cuda's `kb_launch` argument order).
 
 `_cuda_forward(q, k, v, sm_scale, named)` returns the program's outputs (o, lse) from the `.cu` where CUDA_FORWARD lists the GPU's arch and
@@ -34,14 +35,22 @@ _CUDA_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float
                 "i64": torch.int64, "bool": torch.bool}
 
 
+def _cuda_build_arch(major, minor):
+    """What nvcc builds the `.cu` for on a GPU of compute capability major.minor; None when it cannot run there."""
+    own = f"sm_{major}{minor}"
+    if CUDA_ARCH.endswith("a"):
+        return CUDA_ARCH if CUDA_ARCH[:-1] == own else None
+    return own if (major, minor) >= divmod(int(CUDA_ARCH[3:]), 10) else None
+
+
 def _cuda_library(device, bucket):
     """The `.cu` built for this bucket and loaded, once per device and bucket; None (after one warning) when it cannot be."""
     key = (device.index, bucket)
     if key not in _CUDA_LIBS:
         _CUDA_LIBS[key] = None
         try:
-            path = _cuda_build(os.path.join(os.path.dirname(os.path.abspath(__file__)), CUDA_SOURCE), CUDA_ARCH,
-                               (f"KB_HEAD_PAD_ONLY={bucket}",))
+            path = _cuda_build(os.path.join(os.path.dirname(os.path.abspath(__file__)), CUDA_SOURCE),
+                               _cuda_build_arch(*torch.cuda.get_device_capability(device)), (f"KB_HEAD_PAD_ONLY={bucket}",))
             lib = ctypes.CDLL(path)
             lib.kb_launch.restype = ctypes.c_int
             lib.kb_launch.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_longlong),
@@ -66,7 +75,7 @@ def _cuda_forward(q, k, v, sm_scale, named):
         return None
     major, minor = torch.cuda.get_device_capability(q.device)
     bucket = max(16, triton.next_power_of_2(q.shape[-1]))
-    if bucket not in CUDA_FORWARD.get(f"sm{major}{minor}", {}) or CUDA_ARCH.rstrip("a") != f"sm_{major}{minor}":
+    if bucket not in CUDA_FORWARD.get(f"sm{major}{minor}", {}) or _cuda_build_arch(major, minor) is None:
         return None
     tensors = {"q": q, "k": k, "v": v, **{n: x for n, x in named.items() if isinstance(x, torch.Tensor)}}
     dims = dict(_CUDA_ABI["constants"])
