@@ -26,6 +26,7 @@ from kb.ir.nodes import (
     Role, ScoreMod, Span, Stmt, TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.rename import keep_apart
+from kb.ir.rewrite import map_stmts
 from kb.ir.value_dim import with_value_dim, without_value_dim
 
 __all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
@@ -131,19 +132,10 @@ def _adapt_heads(kernel: Kernel) -> Kernel:
             return (ix[0], mapped, *ix[2:])
         return ix
 
-    def fix(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
-        out: list[Stmt] = []
-        for st in body:
-            if isinstance(st, Load) and st.tensor in ("k", "v"):
-                st = replace(st, index=fix_index(st.index))
-            elif isinstance(st, For):
-                st = replace(st, body=fix(st.body))
-            elif isinstance(st, IfBlock):
-                st = replace(st, then=fix(st.then), orelse=fix(st.orelse))
-            out.append(st)
-        return tuple(out)
+    def fix(st: Stmt) -> Stmt:
+        return replace(st, index=fix_index(st.index)) if isinstance(st, Load) and st.tensor in ("k", "v") else st
 
-    return replace(kernel, body=fix(kernel.body))
+    return replace(kernel, body=map_stmts(kernel.body, fix))
 
 
 def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kernel:

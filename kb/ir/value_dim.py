@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kb.ir.nodes import (
-    For, IfBlock, Init, Load, OnlineSoftmax, Param, Program, Role, Stmt, Store, VALUE_DIM, walk_stmts,
+    Init, Load, OnlineSoftmax, Param, Program, Role, Stmt, Store, VALUE_DIM, walk_stmts,
 )
+from kb.ir.rewrite import map_stmts
 
 __all__ = ["with_value_dim", "without_value_dim", "has_value_dim", "backward_with_value_dim"]
 
@@ -76,13 +77,9 @@ def _value_param(prm: Param, values: set[str]) -> Param:
 
 def _pads(body: tuple[Stmt, ...], old: str, new: str, inits: frozenset[str] | None) -> tuple[Stmt, ...]:
     """`body` with `old` -> `new` in the shapes of the `init`s named in `inits` (None: every init)."""
-    out: list[Stmt] = []
-    for st in body:
+    def pad(st: Stmt) -> Stmt:
         if isinstance(st, Init) and (inits is None or st.out in inits):
-            st = replace(st, shape=tuple(new if d == old else d for d in st.shape))
-        elif isinstance(st, For):
-            st = replace(st, body=_pads(st.body, old, new, inits))
-        elif isinstance(st, IfBlock):
-            st = replace(st, then=_pads(st.then, old, new, inits), orelse=_pads(st.orelse, old, new, inits))
-        out.append(st)
-    return tuple(out)
+            return replace(st, shape=tuple(new if d == old else d for d in st.shape))
+        return st
+
+    return map_stmts(body, pad)
