@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from functools import reduce
+from typing import Callable
 
 from kb.ir.expr import Expr, ExprOp, const, free_vars, number, print_expr
 
 __all__ = [
-    "FLIP", "NEGATE", "is_pow2", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
+    "SIMPLIFY_RULES", "FLIP", "NEGATE", "is_pow2", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
     "conjunction", "min_of", "max_of", "linear_form", "simplify", "tidy_int", "Poly", "to_poly", "from_poly",
     "scale_poly", "normal_form", "normal_compare",
 ]
@@ -164,7 +165,8 @@ def _fold(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
 
 def simplify(e: Expr) -> Expr:
     """Local rewrites that keep the value exactly: constant folding, identities, boolean
-    normal forms (`~(a > b)` -> `a <= b`, `where(c, 1, 0) == 0` -> `~c`)."""
+    normal forms (`~(a > b)` -> `a <= b`, `where(c, 1, 0) == 0` -> `~c`): after the arguments are simplified and
+    folding found no constant, the first rule of `SIMPLIFY_RULES[e.op]` that applies rewrites `e`."""
     if not e.args:
         return e
     args = tuple(simplify(a) for a in e.args)
@@ -172,80 +174,154 @@ def simplify(e: Expr) -> Expr:
     folded = _fold(e.op, args) if e.op is not ExprOp.LOAD else None
     if folded is not None:
         return folded
-    op = e.op
-    if op is ExprOp.NOT:
-        (a,) = args
-        if a.op is ExprOp.NOT:
-            return a.args[0]
-        if a.op in NEGATE:
-            return Expr(NEGATE[a.op], a.args)
-        if a.op in (ExprOp.AND, ExprOp.OR):  # De Morgan: keeps masks as & of simple terms
-            inv = ExprOp.OR if a.op is ExprOp.AND else ExprOp.AND
-            return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
-        if a.op is ExprOp.CONST:
-            return const(not a.value)
-    if op in (ExprOp.AND, ExprOp.OR):
-        a, b = args
-        unit = op is ExprOp.AND  # x & True == x, x | False == x; the other constant absorbs
-        if _is_bool(a, unit):
-            return b
-        if _is_bool(b, unit) or a == b:
-            return a
-        if _is_bool(a, not unit) or _is_bool(b, not unit):
-            return const(not unit)
-    if op is ExprOp.WHERE:
-        c, x, y = args
-        if c.op is ExprOp.CONST:
-            return x if c.value else y
-        if x == y:
-            return x
-        if _is_bool(x, True) and _is_bool(y, False):
-            return c
-        if _is_bool(x, False) and _is_bool(y, True):
-            return simplify(Expr(ExprOp.NOT, (c,)))
-    if op in (ExprOp.EQ, ExprOp.NE) and args[0].op is ExprOp.WHERE and args[1].op is ExprOp.CONST:
-        c, x, y = args[0].args
-        if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
-            return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
-    if op in (ExprOp.EQ, ExprOp.NE) and _same_int_offset(*args):  # (x - 1) == (y - 1) -> x == y (ids from offsets)
-        return simplify(Expr(op, (args[0].args[0], args[1].args[0])))
-    if op is ExprOp.ADD:
-        a, b = args
-        if _is_const(b, 0):
-            return a
-        if _is_const(a, 0):
-            return b
-        if _is_num(b) and number(b) < 0:
-            return Expr(ExprOp.SUB, (a, const(-number(b))))
-        if b.op is ExprOp.NEG:
-            return Expr(ExprOp.SUB, (a, b.args[0]))
-    if op in (ExprOp.ADD, ExprOp.SUB) and _is_num(args[1]) and args[0].op in (ExprOp.ADD, ExprOp.SUB) and _is_num(args[0].args[1]):
-        inner, c1 = args[0].args
-        total = (number(c1) if args[0].op is ExprOp.ADD else -number(c1)) + (number(args[1]) if op is ExprOp.ADD else -number(args[1]))
-        return simplify(Expr(ExprOp.ADD, (inner, const(total))))
-    if op is ExprOp.SUB:
-        a, b = args
-        if _is_const(b, 0):
-            return a
-        if _is_const(a, 0):
-            return simplify(Expr(ExprOp.NEG, (b,)))
-    if op is ExprOp.MUL:
-        a, b = args
-        if _is_const(b, 1):
-            return a
-        if _is_const(a, 1):
-            return b
-        if _is_const(a, -1):
-            return Expr(ExprOp.NEG, (b,))
-        if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
-            return simplify(Expr(ExprOp.MUL, (a.args[0], const(number(a.args[1]) * number(b)))))
-    if op is ExprOp.DIV:
-        a, b = args
-        if _is_const(b, 1):
-            return a
-    if op is ExprOp.NEG and args[0].op is ExprOp.NEG:
-        return args[0].args[0]
+    for rule in SIMPLIFY_RULES.get(e.op, ()):
+        out = rule(e.op, args)
+        if out is not None:
+            return out
     return e
+
+
+# ---- the rules: each takes (op, simplified args) and gives the rewritten expression, or None where it does not apply
+
+Rule = Callable[[ExprOp, tuple[Expr, ...]], "Expr | None"]
+
+
+def _not_not(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return args[0].args[0] if args[0].op is ExprOp.NOT else None
+
+
+def _not_comparison(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return Expr(NEGATE[args[0].op], args[0].args) if args[0].op in NEGATE else None
+
+
+def _de_morgan(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """~(a & b) -> ~a | ~b: keeps masks as & of simple terms."""
+    (a,) = args
+    if a.op not in (ExprOp.AND, ExprOp.OR):
+        return None
+    inv = ExprOp.OR if a.op is ExprOp.AND else ExprOp.AND
+    return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
+
+
+def _not_const(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return const(not args[0].value) if args[0].op is ExprOp.CONST else None
+
+
+def _and_or_units(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """x & True == x, x | False == x, x & x == x; the other constant absorbs."""
+    a, b = args
+    unit = op is ExprOp.AND
+    if _is_bool(a, unit):
+        return b
+    if _is_bool(b, unit) or a == b:
+        return a
+    if _is_bool(a, not unit) or _is_bool(b, not unit):
+        return const(not unit)
+    return None
+
+
+def _where_const_condition(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    c, x, y = args
+    return (x if c.value else y) if c.op is ExprOp.CONST else None
+
+
+def _where_same(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return args[1] if args[1] == args[2] else None
+
+
+def _where_bool(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """where(c, True, False) -> c; where(c, False, True) -> ~c."""
+    c, x, y = args
+    if _is_bool(x, True) and _is_bool(y, False):
+        return c
+    if _is_bool(x, False) and _is_bool(y, True):
+        return simplify(Expr(ExprOp.NOT, (c,)))
+    return None
+
+
+def _compare_where_of_constants(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """where(c, 1, 0) == 0 -> where(c, 1 == 0, 0 == 0), which folds."""
+    if args[0].op is not ExprOp.WHERE or args[1].op is not ExprOp.CONST:
+        return None
+    c, x, y = args[0].args
+    if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
+        return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
+    return None
+
+
+def _compare_same_offset(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """(x - 1) == (y - 1) -> x == y (ids from offsets)."""
+    return simplify(Expr(op, (args[0].args[0], args[1].args[0]))) if _same_int_offset(*args) else None
+
+
+def _add_zero(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    a, b = args
+    return a if _is_const(b, 0) else b if _is_const(a, 0) else None
+
+
+def _add_negative(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """a + (-c) -> a - c; a + (-b) -> a - b."""
+    a, b = args
+    if _is_num(b) and number(b) < 0:
+        return Expr(ExprOp.SUB, (a, const(-number(b))))
+    return Expr(ExprOp.SUB, (a, b.args[0])) if b.op is ExprOp.NEG else None
+
+
+def _offsets(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """(x + c1) - c2 -> x + (c1 - c2), for + and - on both sides."""
+    if not (_is_num(args[1]) and args[0].op in (ExprOp.ADD, ExprOp.SUB) and _is_num(args[0].args[1])):
+        return None
+    inner, c1 = args[0].args
+    total = (number(c1) if args[0].op is ExprOp.ADD else -number(c1)) + (number(args[1]) if op is ExprOp.ADD else -number(args[1]))
+    return simplify(Expr(ExprOp.ADD, (inner, const(total))))
+
+
+def _sub_zero(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    a, b = args
+    if _is_const(b, 0):
+        return a
+    return simplify(Expr(ExprOp.NEG, (b,))) if _is_const(a, 0) else None
+
+
+def _mul_units(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    a, b = args
+    if _is_const(b, 1):
+        return a
+    if _is_const(a, 1):
+        return b
+    return Expr(ExprOp.NEG, (b,)) if _is_const(a, -1) else None
+
+
+def _mul_constants(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    """(a * c1) * c2 -> a * (c1 * c2)."""
+    a, b = args
+    if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
+        return simplify(Expr(ExprOp.MUL, (a.args[0], const(number(a.args[1]) * number(b)))))
+    return None
+
+
+def _div_one(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return args[0] if _is_const(args[1], 1) else None
+
+
+def _neg_neg(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
+    return args[0].args[0] if args[0].op is ExprOp.NEG else None
+
+
+# per operator, the rules in the order they are tried
+SIMPLIFY_RULES: dict[ExprOp, tuple[Rule, ...]] = {
+    ExprOp.NOT: (_not_not, _not_comparison, _de_morgan, _not_const),
+    ExprOp.AND: (_and_or_units,),
+    ExprOp.OR: (_and_or_units,),
+    ExprOp.WHERE: (_where_const_condition, _where_same, _where_bool),
+    ExprOp.EQ: (_compare_where_of_constants, _compare_same_offset),
+    ExprOp.NE: (_compare_where_of_constants, _compare_same_offset),
+    ExprOp.ADD: (_add_zero, _add_negative, _offsets),
+    ExprOp.SUB: (_offsets, _sub_zero),
+    ExprOp.MUL: (_mul_units, _mul_constants),
+    ExprOp.DIV: (_div_one,),
+    ExprOp.NEG: (_neg_neg,),
+}
 
 
 def _same_int_offset(a: Expr, b: Expr) -> bool:
