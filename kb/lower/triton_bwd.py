@@ -33,9 +33,9 @@ from kb.ir.nodes import Probs, Program, Role, accumulated_tensors, aux_gradients
 from kb.lower.block_mask import plan_block_mask
 from kb.lower.cuda_dispatch import CudaDispatch
 from kb.lower.preambles import preamble_text
-from kb.lower.triton import (
-    PREAMBLE, LowerOptions, check_attention_params, forward_module, kernel_sources, program_signature,
-)
+from kb.lower.kernel_gen import check_attention_params
+from kb.lower.triton_forward import PREAMBLE, forward_module, kernel_sources, program_signature
+from kb.lower.triton_options import LowerOptions
 from kb.lower.triton_host import HostEntry, backward_design_lines, check_host_names, class_kernel, host_function, kernel_fn_name
 from kb.lower.triton_op import op_section
 

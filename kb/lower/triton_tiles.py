@@ -11,7 +11,6 @@ from __future__ import annotations
 import keyword
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
@@ -25,9 +24,8 @@ from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, row_span
 from kb.lower.triton_code import bcast, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
+from kb.lower.triton_options import LowerOptions
 
-if TYPE_CHECKING:
-    from kb.lower.triton import LowerOptions
 
 __all__ = ["Tile", "Signature", "Region", "TritonTiles"]
 
