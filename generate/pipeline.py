@@ -30,6 +30,7 @@ from generate.engines import llm_candidates, rule_candidates
 from generate.outputs import OutputError, output_stem, publish, staging_dir, write_error
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
+from generate.spec_cache import TracedSpec, remember_trace
 from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
 from generate.watchdog import BudgetSpent, watchdog
@@ -131,6 +132,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
             spec = load_spec(spec_path)
     except KBError as err:
         return _refused(kb, run, out_dir, f"{Stage.SPEC.value}: {err}", str(err), t0)
+    remember_trace(spec_path, TracedSpec(spec.features, *spec.variant_strings()), kb.settings.cache_dir)
     if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
         run.spec_hash = spec.source_hash
         why = GENERATION_REFUSED.format(kind=spec.layout.describe)

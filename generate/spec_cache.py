@@ -25,7 +25,7 @@ from kb.digests import code_digest
 from kb.errors import KBError
 from kb.features import Features, features_from_untrusted
 
-__all__ = ["TracedSpec", "trace_spec_file", "trace_key"]
+__all__ = ["TracedSpec", "trace_spec_file", "trace_key", "remember_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,16 @@ def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
     traced = TracedSpec(spec.features, *spec.variant_strings())
     _write(entry, traced)
     return traced
+
+
+def remember_trace(path: Path, traced: TracedSpec, cache_dir: Path) -> None:
+    """Store what `path` traced to where `trace_spec_file` looks (`kb generate` traced it anyway), so a later
+    `kb query` of the same spec skips tracing; an unreadable spec or cache only means no entry."""
+    try:
+        key = trace_key(path)
+    except KBError:
+        return
+    _write(cache_dir / "spec-traces" / f"{key}.json", traced)
 
 
 def _read(entry: Path) -> TracedSpec | None:

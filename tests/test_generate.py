@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from generate.pipeline import GenerateOptions, generate
+from generate.spec_cache import trace_key
 from kb.ir.text import parse_program
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
 from tests.support.generate_fixtures import QUICK
@@ -60,6 +61,9 @@ def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -
     assert report["cuda"]["runs"].startswith("the Triton module runs: no `.cu`")  # never measured beside it
     # compiled before the write-back: the kernel's row records it
     assert ingested_kb.get(r.kernel_id).verify_note == "verify: passed; compile_cuda: ok"
+    # the spec's trace is remembered: `kb query` of it later reads it instead of tracing (generate.spec_cache)
+    entry = ingested_kb.settings.cache_dir / "spec-traces" / f"{trace_key(EXAMPLES / 'alibi.py')}.json"
+    assert json.loads(entry.read_text())["score_mod"] is not None
 
 
 def test_unexpressible_spec_is_a_recorded_failure(ingested_kb, tmp_path: Path) -> None:
