@@ -18,7 +18,7 @@ malformed records are refused whole, with the reason: the file, the entry, and t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -191,7 +191,8 @@ def _lesson(feats: Features, env: dict, shape: dict, backward: bool) -> Lesson |
     best = min(ok, key=lambda r: r["ms"])
     first = designs[0]
     dims = shape.get("shape", {})
-    where = (f"On {env['gpu']} ({env['arch']}), for {feats.describe()} at B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} "
+    measured = replace(feats, head_dim=dims["D"]) if isinstance(dims.get("D"), int) else feats  # the head dim timed
+    where = (f"On {env['gpu']} ({env['arch']}), for {measured.describe()} at B{dims.get('B')} H{dims.get('Hq')}/{dims.get('Hkv')} "
              f"M{dims.get('M')} N{dims.get('N')} D{dims.get('D')}")
     if first.get("status") == "ok" and first is not best:
         vs = f"{first['ms'] / best['ms'] - 1:.0%} faster than {first['design']} listed first ({first['ms']:.3f} ms)"

@@ -83,6 +83,16 @@ def test_measurements_import_as_records_and_a_lesson_once(tuned, tmp_path: Path)
     assert len(kb.list(PerfRecord, kernel_id=r.kernel_id)) == len(rows) and again.perf_records == s.perf_records
 
 
+def test_a_lesson_names_the_head_dim_that_was_timed() -> None:
+    from generate.perf_import import _lesson
+    from kb.features import Features
+
+    shape = {"shape": {"B": 1, "Hq": 2, "Hkv": 2, "M": 64, "N": 64, "D": 128},
+             "records": [{"impl": "design 64x64 w4 s3", "status": "ok", "ms": 1.0, "design": "64x64 w4 s3"}]}
+    lesson = _lesson(Features(mask="causal", head_dim=64), ENV, shape, backward=False)
+    assert lesson is not None and "head dim 128 " in lesson.text and "head dim 64" not in lesson.text
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: d["env"].pop("gpu"), "unattributed measurements: env lacks gpu"),
     (lambda d: d["env"].update(date="yesterday"), "is not an ISO date"),
