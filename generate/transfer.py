@@ -26,7 +26,7 @@ from kb.ir.nodes import (
     Role, ScoreMod, Span, Stmt, TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.rename import keep_apart
-from kb.ir.rewrite import map_stmts
+from kb.ir.rewrite import map_stmts, without_tests
 from kb.ir.value_dim import with_value_dim, without_value_dim
 
 __all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
@@ -184,16 +184,8 @@ def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strateg
 
 
 def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
-    """The loop body without variant application (score_mod, masks, block tests), flattened."""
-    out: list[Stmt] = []
-    for st in body:
-        if isinstance(st, (ScoreMod, Mask)):
-            continue
-        if isinstance(st, IfBlock):
-            out += _strip(st.then)
-            continue
-        out.append(st)
-    return tuple(out)
+    """The tile body without variant statements and block tests, flattened."""
+    return without_tests(body, (ScoreMod, Mask))
 
 
 def _masking(target: Target, strategy: Strategy, at: TileAt, scores: str) -> list[Stmt]:

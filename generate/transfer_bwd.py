@@ -31,6 +31,7 @@ from kb.ir.nodes import (
     ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt, TileAt, VALUE_DIM, walk_stmts,
 )
 from kb.ir.rename import fresh, keep_apart, names
+from kb.ir.rewrite import without_tests
 from kb.ir.value_dim import backward_with_value_dim
 
 __all__ = ["BackwardTarget", "backward_target", "transfer_backward", "grad_names"]
@@ -156,15 +157,7 @@ def _rewrite_tile_loop(loop: For, kernel_body: tuple[Stmt, ...], fill: _Fill) ->
 
 def _strip(body: tuple[Stmt, ...]) -> tuple[Stmt, ...]:
     """The tile body without variant statements and block tests, flattened."""
-    out: list[Stmt] = []
-    for st in body:
-        if isinstance(st, (ScoreMod, Mask, ScoreModGrad, AuxGrad)):
-            continue
-        if isinstance(st, IfBlock):
-            out += _strip(st.then)
-            continue
-        out.append(st)
-    return tuple(out)
+    return without_tests(body, (ScoreMod, Mask, ScoreModGrad, AuxGrad))
 
 
 def _coords(flat: tuple[Stmt, ...], kernel_body: tuple[Stmt, ...]) -> TileAt:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kb.ir.nodes import Elementwise, For, IfBlock, Init, Load, Mask, Stmt, walk_stmts
-from kb.ir.rewrite import StmtTransformer, map_kernels, map_stmts
+from kb.ir.rewrite import StmtTransformer, map_kernels, map_stmts, without_tests
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from tests.support.ir_programs import FIXTURES
@@ -50,3 +50,11 @@ def test_a_transformer_overrides_only_the_kinds_it_changes() -> None:
     assert any("HEAD_PAD_V" in st.shape for st in inits)
     assert [type(st) for st in walk_stmts(body)] == [type(st) for st in walk_stmts(p.kernels[0].body)]
     validate(parse_program(print_program(p)))  # the fixture itself is untouched
+
+
+def test_without_tests_flattens_block_tests_and_drops_the_variant() -> None:
+    loop = next(st for st in FIXTURES["document"]().kernels[0].body if isinstance(st, For))
+    flat = without_tests(loop.body, (Mask,))
+    assert not any(isinstance(st, (Mask, IfBlock)) for st in flat)
+    kept = [st for st in walk_stmts(loop.body) if not isinstance(st, (Mask, IfBlock))]
+    assert list(flat) == kept  # the same statements, in order (this loop nests no other loop)

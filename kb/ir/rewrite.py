@@ -15,7 +15,7 @@ from typing import Callable, Union
 from kb.ir.nodes import For, IfBlock, Program, Stmt, StmtOp
 from kb.ir.visit import StmtVisitor, handler_name
 
-__all__ = ["Rewritten", "map_stmts", "map_kernels", "StmtTransformer"]
+__all__ = ["Rewritten", "map_stmts", "map_kernels", "StmtTransformer", "without_tests"]
 
 Rewritten = Union[Stmt, tuple[Stmt, ...]]  # what a rewrite gives for one statement: it, another, several or none
 
@@ -43,6 +43,20 @@ def _same_stmts(a: tuple[Stmt, ...], b: tuple[Stmt, ...]) -> bool:
 def map_kernels(p: Program, fn: Callable[[Stmt], Rewritten]) -> Program:
     """`p` with every kernel body rewritten by `map_stmts(body, fn)`."""
     return replace(p, kernels=tuple(replace(k, body=map_stmts(k.body, fn)) for k in p.kernels))
+
+
+def without_tests(body: tuple[Stmt, ...], drop: tuple[type, ...]) -> tuple[Stmt, ...]:
+    """`body`'s own statements (loops are not entered) with each block test replaced by its `then` statements, and
+    without the statement kinds in `drop`: a transfer's view of a tile body before it applies its variant again."""
+    out: list[Stmt] = []
+    for st in body:
+        if isinstance(st, drop):
+            continue
+        if isinstance(st, IfBlock):
+            out += without_tests(st.then, drop)
+            continue
+        out.append(st)
+    return tuple(out)
 
 
 def _same(self: object, st: Stmt) -> Rewritten:
