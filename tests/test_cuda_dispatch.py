@@ -28,7 +28,7 @@ from tests.support.ir_programs import FIXTURES
 
 WHY = "the `.cu` runs: measured 1.12x the Triton module (this kernel)"
 TINY_CU = 'extern "C" int kb_launch(void**, long long*, long long*, double*, void*) { return 7; }\n' \
-          'extern "C" const char* kb_error_string(int) { return "tiny"; }\n'
+          'extern "C" const char* kb_error_string(int code) { return code == 7 ? "tiny" : "head dim differs"; }\n'
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,26 @@ def test_the_cu_is_built_once_and_cached_by_content(tmp_path: Path, monkeypatch:
     src.write_text(TINY_CU + "// changed\n")
     with pytest.raises(AssertionError, match="ran again"):
         nvcc_preamble._cuda_build(str(src), "sm_80")
+
+
+def test_a_launch_the_cu_refuses_runs_triton_and_a_cuda_error_raises(written, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import ctypes
+
+    monkeypatch.setenv("KB_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "tiny.cu"
+    src.write_text(TINY_CU)
+    lib = ctypes.CDLL(nvcc_preamble._cuda_build(str(src), "sm_80"))
+    lib.kb_error_string.restype = ctypes.c_char_p
+    mod = import_file(written[0], "kb_dispatch_with_cu")
+    assert mod._cuda_launched(lib, 0)
+    with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
+        assert not mod._cuda_launched(lib, 10001) and not mod._cuda_launched(lib, -1)  # the .cu's own checks
+    (record,) = caplog.records  # one warning per reason
+    assert "refused these inputs (head dim differs); running the Triton kernels" in record.getMessage()
+    with pytest.raises(RuntimeError, match=r"the CUDA launch of gen_causal.cu failed: tiny \(code 7\)"):
+        mod._cuda_launched(lib, 7)  # a CUDA error
 
 
 def test_an_nvcc_error_is_one_line_saying_what_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

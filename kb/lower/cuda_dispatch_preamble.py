@@ -10,7 +10,8 @@ that GPU only, a family arch such as `sm_80` for any GPU at least that new, as t
 `_cuda_forward(q, k, v, sm_scale, named)` returns the program's outputs (o, lse) from the `.cu` where CUDA_FORWARD lists the GPU's arch and
 q's head-dim bucket, and None everywhere else, so that the caller runs the Triton kernels: CPU tensors, another arch or
 head dim, inputs of another dtype than the `.cu` was written for, layouts the `.cu` refuses (TMA needs 16-byte aligned
-strides and a unit last stride). The first call per device and bucket builds the `.cu` with nvcc (`$KB_NVCC`,
+strides and a unit last stride), and inputs the `.cu`'s own launch checks refuse (another head dim in the bucket).
+The first call per device and bucket builds the `.cu` with nvcc (`$KB_NVCC`,
 `$CUDA_HOME/bin/nvcc`, `nvcc` on PATH or /usr/local/cuda) into `$KB_CACHE_DIR/cuda` (default
 `~/.cache/kernel-kb/cuda`); the library's name carries the sha256 of the source and the flags, so a cached build is
 never stale, and nvcc writes a temporary file that is renamed into place. When the `.cu` cannot be built here (no nvcc,
@@ -31,6 +32,7 @@ from kb.lower.nvcc_preamble import _cuda_build, _CudaUnavailable
 import ctypes
 
 _CUDA_LIBS = {}  # (device index, head-dim bucket) -> the loaded library, or None: the Triton kernels run there
+_CUDA_REFUSED = set()  # why the `.cu` refused inputs, each reported once
 _CUDA_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32,
                 "i64": torch.int64, "bool": torch.bool}
 
@@ -113,10 +115,24 @@ def _cuda_forward(q, k, v, sm_scale, named):
                            (ctypes.c_longlong * max(1, len(_CUDA_ABI["dims"])))(*(dims[d] for d in _CUDA_ABI["dims"])),
                            (ctypes.c_double * max(1, len(scalars)))(*scalars),
                            ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream))
-    if rc != 0:
-        raise RuntimeError(f"{PROGRAM}: the CUDA launch of {CUDA_SOURCE} failed: "
-                           f"{lib.kb_error_string(rc).decode(errors='replace')} (code {rc})")
+    if not _cuda_launched(lib, rc):
+        return None
     return tuple(tensors[name] for name, role, _, _ in _CUDA_ABI["tensors"] if role == "out")
+
+
+def _cuda_launched(lib, rc):
+    """True when `kb_launch` ran; False when the `.cu`'s own checks refused these inputs before launching anything
+    (codes below 0 and 10000-10999: a head dim it was not written for, a layout or range it cannot address), so that
+    the Triton kernels run instead, with one warning per reason; a CUDA error raises."""
+    if rc == 0:
+        return True
+    reason = lib.kb_error_string(rc).decode(errors="replace")
+    if rc < 0 or 10000 <= rc < 11000:
+        if reason not in _CUDA_REFUSED:
+            _CUDA_REFUSED.add(reason)
+            _log.warning("%s: %s refused these inputs (%s); running the Triton kernels", PROGRAM, CUDA_SOURCE, reason)
+        return False
+    raise RuntimeError(f"{PROGRAM}: the CUDA launch of {CUDA_SOURCE} failed: {reason} (code {rc})")
 # ---- generated modules: preamble ends ----
 
 # placeholders for the generated module's own constants (see the module docstring)
