@@ -39,6 +39,7 @@ class Features:
     kv_span: int = 0  # keys a query can see when a constant band bounds them (window left + right + 1); 0 = unbounded
     arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
     backward: bool = False  # a backward program: dq, dk, dv from the saved lse (kb.ir.nodes.is_backward)
+    sinks: bool = False  # a sink logit (per head, learned: gpt-oss) joins the softmax's denominator and carries no value
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -56,7 +57,7 @@ class Features:
             parts.append(f"{self.score_mod} score_mod")
         if self.gqa_ratio > 1:
             parts.append(f"gqa ratio {self.gqa_ratio}")
-        for flag in ("backward", "split_kv", "decode", "paged_kv", "varlen", "dropout", "return_lse", "cross"):
+        for flag in ("backward", "split_kv", "decode", "paged_kv", "varlen", "sinks", "dropout", "return_lse", "cross"):
             if getattr(self, flag):
                 parts.append(flag.replace("_", " "))
         parts.append(f"head dim {self.head_dim} {self.dtype} {self.arch}")

@@ -1,8 +1,9 @@
 """Serving layouts in the IR: varlen spans (`until`) and paged KV (page-table spans, gathered axes).
 
 (a) varlen prefill over token-major q/k/v/o, (b) vLLM paged decode over a block table,
-(c) SGLang token-pool decode over req_to_token: each round-trips, validates, runs in the
-interpreter to the per-sequence torch reference on ragged lengths, and derives its features.
+(c) SGLang token-pool decode over req_to_token, (d) the paged decode with gpt-oss attention sinks (the online
+softmax starts at m = sinks[h], l = 1): each round-trips, validates, runs in the interpreter to the per-sequence
+torch reference on ragged lengths, and derives its features.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kb.ir.evaluate import paged_to_token_major, pool_to_token_major, varlen_att
 from kb.ir.expr import parse_expr as E
 from kb.ir.features import derive_features
 from kb.ir.interpret import interpret
-from kb.ir.nodes import Gather, Load, Span, serving_constructs, walk_stmts
+from kb.ir.nodes import Gather, Init, Load, Span, serving_constructs, walk_stmts
 from kb.ir.text import parse_program, print_program, print_stmt_header
 from kb.ir.validate import problems, validate
 from tests.support.ir_programs import FIXTURES, SERVING_TEXTS
@@ -186,6 +187,54 @@ def test_pool_decode_matches_reference() -> None:
     assert bool((res.outputs["o"][1] == 0).all()) and bool(torch.isneginf(res.outputs["lse"][1]).all())
 
 
+def _paged(kv_lens: list[int], page: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v caches [NUM_PAGES, page, HKV, D] and a block table [B, max_pages] listing each sequence's pages once."""
+    pages = [-(-n // page) for n in kv_lens]
+    num_pages = sum(pages) + 3
+    perm = torch.randperm(num_pages).tolist()
+    table = torch.zeros(len(kv_lens), max_pages, dtype=torch.int32)
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    return torch.randn(num_pages, page, HKV, D), torch.randn(num_pages, page, HKV, D), table
+
+
+def test_paged_decode_with_sinks_matches_a_sink_column_reference() -> None:
+    torch.manual_seed(4)
+    page, kv_lens = 8, [0, 1, 13, 30]  # an empty sequence: every key masked, only the sink is left (o = 0)
+    k, v, table = _paged(kv_lens, page, 4)
+    q, sinks = torch.randn(len(kv_lens), HQ, D), torch.linspace(-2.0, 3.0, HQ)
+    res = interpret(_program("paged_decode_sinks"), {"q": q, "k": k, "v": v, "block_table": table, "sinks": sinks,
+                                                     "seq_lens": torch.tensor(kv_lens, dtype=torch.int32), "sm_scale": SCALE})
+    for b, n in enumerate(kv_lens):  # the spec's form: cat the sink column into the scores, softmax, drop it
+        kk = k[table[b].long()].flatten(0, 1)[:n].repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)  # [HQ, n, D]
+        vv = v[table[b].long()].flatten(0, 1)[:n].repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)
+        s = torch.cat([(q[b][:, None, :] @ kk.transpose(1, 2))[:, 0] * SCALE, sinks[:, None]], dim=-1)  # [HQ, n + 1]
+        _close(res.outputs["o"][b], (s.softmax(-1)[:, :-1, None] * vv).sum(1))
+        _close(res.outputs["lse"][b], torch.logsumexp(s, dim=-1))  # the sink is in the denominator
+    assert bool((res.outputs["o"][0] == 0).all()) and torch.equal(res.outputs["lse"][0], sinks)
+
+
+@pytest.mark.parametrize("fill, message", [
+    ("(1.0)", "is a constant; write the number itself"),
+    ("sinks[h] > 0.0", "must be a number, not a condition"),
+    ("sinks[hh]", "undefined name 'hh'"),
+    ("qt", "tile 'qt' used where a scalar is needed"),
+])
+def test_validator_rejects_bad_fill_expressions(fill: str, message: str) -> None:
+    text = SERVING_TEXTS["paged_decode_sinks"].replace("full(1; sinks[h])", f"full(1; {fill})")
+    found = "\n".join(str(x) for x in problems(parse_program(text)))
+    assert message in found, found
+
+
+def test_init_fill_parses_numbers_as_numbers_and_the_rest_as_expressions() -> None:
+    inits = {st.out: st.fill for st in walk_stmts(_program("paged_decode_sinks").kernels[0].body) if isinstance(st, Init)}
+    assert inits == {"m_i": E("sinks[h]"), "l_i": 1.0, "acc": 0.0}
+    text = SERVING_TEXTS["paged_decode_sinks"].replace("full(1; sinks[h])", "full(1; maximum(sinks[h], -1.0e4) * 2.0)")
+    assert parse_program(print_program(parse_program(text))) == parse_program(text)
+    with pytest.raises(KBError, match=r"^line 17, column \d+:"):
+        parse_program(SERVING_TEXTS["paged_decode_sinks"].replace("full(1; sinks[h])", "full(1; sinks[h] +)"))
+
+
 def test_reference_bottom_right_causal_and_window() -> None:
     torch.manual_seed(3)
     q, k, v = torch.randn(3, 2, 4), torch.randn(5, 1, 4), torch.randn(5, 1, 4)
@@ -209,12 +258,14 @@ def test_gathered_lane_out_of_table_range_is_an_error() -> None:
 # ---------------------------------------------------------------- features and lowerings
 
 
-@pytest.mark.parametrize("name, varlen, paged", [
-    ("varlen_prefill", True, False), ("paged_decode", False, True), ("pool_decode", False, True),
+@pytest.mark.parametrize("name, varlen, paged, sinks", [
+    ("varlen_prefill", True, False, False), ("paged_decode", False, True, False), ("pool_decode", False, True, False),
+    ("paged_decode_sinks", False, True, True),
 ])
-def test_features(name: str, varlen: bool, paged: bool) -> None:
+def test_features(name: str, varlen: bool, paged: bool, sinks: bool) -> None:
     f = derive_features(_program(name))
-    assert (f.varlen, f.paged_kv) == (varlen, paged)
+    assert (f.varlen, f.paged_kv, f.sinks) == (varlen, paged, sinks)
+    assert ("sinks" in f.describe()) == sinks
 
 
 @pytest.mark.parametrize("name, construct", [("varlen_prefill", "`until` (on q, k, v, o, lse)"),
@@ -234,3 +285,15 @@ def test_lowerings_refuse_token_major_paged_decode() -> None:
     from kb.lower.triton import lower_program
     with pytest.raises(KBError, match=r"q must be \[B, H, S, D\]"):
         lower_program(_program("paged_decode"))
+
+
+def test_lowerings_refuse_an_init_filled_by_an_expression() -> None:
+    from kb.lower.triton import lower_program
+    p = FIXTURES["plain"]()
+    sinks = dataclasses.replace(p, params=p.params + (dataclasses.replace(p.param("sm_scale"), name="sink"),),
+                                kernels=tuple(dataclasses.replace(k, body=tuple(
+                                    dataclasses.replace(st, fill=E("sink")) if isinstance(st, Init) and st.out == "m_i"
+                                    else st for st in k.body)) for k in p.kernels))
+    validate(sinks)
+    with pytest.raises(KBError, match=r"does not support an init filled by an expression \(attention sinks\)"):
+        lower_program(sinks)

@@ -470,6 +470,7 @@ def features_from_variants(
     varlen: bool = False,
     split_kv: bool | None = None,
     arch: str = "any",
+    sinks: bool = False,
 ) -> Features:
     """The one feature vector for variant expressions plus shape facts.
 
@@ -500,6 +501,7 @@ def features_from_variants(
         cross=cross,
         kv_span=_kv_span(mc),
         arch=arch,
+        sinks=sinks,
     )
 
 

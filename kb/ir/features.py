@@ -21,6 +21,8 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
   result is kept when both probes agree (else the unsubstituted body decides, usually "custom");
   a band bounded by such a scalar has kv_span 0 (unknown until run time).
 - cross: seq_q != seq_kv in `shapes` (and not decode); dropout: never (the IR has no dropout).
+- sinks: the running max of an `online_softmax` starts at an expression (`init m_i = full(BLOCK_M; sinks[h])`),
+  not at a number: an attention sink's logit.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from typing import Iterator, Mapping
 
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
-from kb.ir.nodes import Combine, Dtype, For, Full, Gather, Let, Load, Program, Role, Span, Stmt, Store, is_backward, walk_stmts
+from kb.ir.nodes import (
+    Combine, Dtype, For, Full, Gather, Init, Let, Load, OnlineSoftmax, Program, Role, Span, Stmt, Store, is_backward, walk_stmts,
+)
 
-__all__ = ["derive_features", "derive", "is_split_kv", "returns_lse"]
+__all__ = ["derive_features", "derive", "is_split_kv", "returns_lse", "has_sinks"]
 
 
 def _all_stmts(p: Program) -> Iterator[Stmt]:
@@ -48,6 +52,12 @@ def is_split_kv(p: Program) -> bool:
     """A split-KV program: a grid axis over NUM_SPLITS or an LSE combine."""
     split_axis = any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid)
     return split_axis or any(isinstance(st, Combine) for st in _all_stmts(p))
+
+
+def has_sinks(p: Program) -> bool:
+    """An online softmax whose running max starts at an expression (an attention sink's logit), not a number."""
+    maxes = {st.m for st in _all_stmts(p) if isinstance(st, OnlineSoftmax)}
+    return any(isinstance(st, Init) and st.out in maxes and isinstance(st.fill, Expr) for st in _all_stmts(p))
 
 
 def returns_lse(p: Program) -> bool:
@@ -172,6 +182,7 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
         varlen=varlen,
         split_kv=split,
         arch=arch,
+        sinks=has_sinks(p),
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
     feats = feats if decode == feats.decode else replace(feats, decode=decode, cross=False)

@@ -338,7 +338,16 @@ class _Machine(StmtVisitor[None]):
 
     def s_init(self, st: Init) -> None:
         shape = [resolve_dim(d, self.env) for d in st.shape]
-        self.env[st.out] = torch.full(shape, st.fill, dtype=TORCH_DTYPES[st.dtype])
+        self.env[st.out] = torch.full(shape, self._fill(st), dtype=TORCH_DTYPES[st.dtype])
+
+    def _fill(self, st: Init) -> float:
+        """An init's fill; an expression (an attention sink, `sinks[h]`) evaluated to one number."""
+        if not isinstance(st.fill, Expr):
+            return st.fill
+        v = torch.as_tensor(self._eval(st.fill))
+        if v.numel() != 1 or v.dtype == torch.bool:
+            raise KBError(f"init {st.out}: fill {st.fill} must be one number, got {v.dtype} of shape {list(v.shape)}")
+        return float(v.reshape(()).item())
 
     def s_dot(self, st: Dot) -> None:
         a, b = self._tile(st.a).float(), self._tile(st.b).float()

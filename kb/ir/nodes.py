@@ -272,12 +272,15 @@ class Store:
 
 @dataclass(frozen=True)
 class Init:
-    """`init out = full(shape; fill) dtype` — shape entries are dims/constants."""
+    """`init out = full(shape; fill) dtype` — shape entries are dims/constants; fill is a number, or a scalar
+    expression of the kernel's scalars and aux loads (`full(BLOCK_M; sinks[h])`: attention sinks start the
+    online softmax's running max at the sink logit, with l = 1 and acc = 0). A constant fill is a number, never
+    a CONST expression (one spelling per program)."""
 
     op: ClassVar[StmtOp] = StmtOp.INIT
     out: str
     shape: tuple[Dim, ...]
-    fill: float
+    fill: float | Expr
     dtype: Dtype
 
 

@@ -186,7 +186,7 @@ class _Renamer(StmtVisitor[Stmt]):
         return replace(st, tensor=self.n(st.tensor), index=tuple(self.ix(i) for i in st.index), value=self.n(st.value))
 
     def s_init(self, st: Init) -> Stmt:
-        return replace(st, out=self.n(st.out))
+        return replace(st, out=self.n(st.out), fill=self.e(st.fill) if isinstance(st.fill, Expr) else st.fill)
 
     def s_dot(self, st: Dot) -> Stmt:
         return replace(st, out=self.n(st.out), a=self.n(st.a), b=self.n(st.b))

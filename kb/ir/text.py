@@ -85,7 +85,8 @@ class _Header(StmtVisitor[str]):
         return f"store {st.tensor}[{_indices(st.index)}] {'+=' if st.accumulate else '='} {st.value}"
 
     def s_init(self, st: Init) -> str:
-        return f"init {st.out} = full({_dims(st.shape)}; {_float(st.fill)}) {st.dtype.value}"
+        fill = print_expr(st.fill) if isinstance(st.fill, Expr) else _float(st.fill)
+        return f"init {st.out} = full({_dims(st.shape)}; {fill}) {st.dtype.value}"
 
     def s_dot(self, st: Dot) -> str:
         a = f"trans({st.a})" if st.trans_a else st.a
@@ -304,6 +305,15 @@ def _parse_float(text: str, line: int, col: int) -> float:
     return value
 
 
+def _parse_fill(text: str, line: int, col: int) -> float | Expr:
+    """An init's fill: a number (`-inf`, `0.0`), else a scalar expression (`sinks[h]`)."""
+    try:
+        float(_piece(text, col)[0])
+    except ValueError:
+        return _expr(text, line, col)
+    return _parse_float(text, line, col)
+
+
 def _enum(cls: type[E], text: str, line: int, col: int, what: str) -> E:
     try:
         return cls(text)
@@ -375,7 +385,7 @@ _STMT_RE: dict[str, re.Pattern] = {
     "let": re.compile(rf"^let\s+(?P<name>{_NAME})\s*=(?P<value>.+)$"),
     "load": re.compile(rf"^load\s+(?P<out>{_NAME})\s*=\s*(?P<tensor>{_NAME})\[(?P<index>.*)\](?:\s+other\s+(?P<other>\S+))?$"),
     "store": re.compile(rf"^store\s+(?P<tensor>{_NAME})\[(?P<index>.*)\]\s*(?P<acc>\+?)=\s*(?P<value>{_NAME})$"),
-    "init": re.compile(rf"^init\s+(?P<out>{_NAME})\s*=\s*full\((?P<dims>[^;()]*);(?P<fill>[^;()]*)\)\s+(?P<dtype>\w+)$"),
+    "init": re.compile(rf"^init\s+(?P<out>{_NAME})\s*=\s*full\((?P<dims>[^;()]*);(?P<fill>[^;]*)\)\s+(?P<dtype>\w+)$"),
     "dot": re.compile(rf"^dot\s+(?P<out>{_NAME})\s*=\s*(?:trans\(\s*(?P<ta>{_NAME})\s*\)|(?P<a>{_NAME}))\s*@\s*(?:trans\(\s*(?P<bt>{_NAME})\s*\)|(?P<b>{_NAME}))$"),
     "elementwise": re.compile(rf"^elementwise\s+(?P<out>{_NAME})\s*=(?P<value>.+)$"),
     "reduce": re.compile(rf"^reduce\s+(?P<out>{_NAME})\s*=\s*(?P<kind>max|sum)\(\s*(?P<src>{_NAME})\s*,\s*(?P<axis>-?\d+)\s*\)$"),
@@ -395,7 +405,7 @@ _STMT_FORM = {
     "let": "let NAME = EXPR",
     "load": "load NAME = TENSOR[index, ...] [other FLOAT]",
     "store": "store TENSOR[index, ...] = NAME  or  store TENSOR[index, ...] += NAME",
-    "init": "init NAME = full(DIM, ...; FLOAT) DTYPE",
+    "init": "init NAME = full(DIM, ...; FLOAT or EXPR) DTYPE",
     "dot": "dot NAME = A @ B, A @ trans(B), trans(A) @ B or trans(A) @ trans(B)",
     "elementwise": "elementwise NAME = EXPR",
     "reduce": "reduce NAME = max(SRC, AXIS)  or  sum(SRC, AXIS)",
@@ -431,7 +441,7 @@ def _simple_stmt(kw: str, m: re.Match, ln: _Line) -> Stmt:
             return Store(m["tensor"], idx, m["value"], accumulate=m["acc"] == "+")
         case "init":
             shape = _parse_dims(m["dims"], L, ln.col + m.start("dims"))
-            fill = _parse_float(m["fill"], L, ln.col + m.start("fill"))
+            fill = _parse_fill(m["fill"], L, ln.col + m.start("fill"))
             return Init(m["out"], shape, fill, _enum(Dtype, m["dtype"], L, ln.col + m.start("dtype"), "dtype"))
         case "dot":
             return Dot(m["out"], m["ta"] or m["a"], m["bt"] or m["b"], trans_b=m["bt"] is not None, trans_a=m["ta"] is not None)

@@ -244,6 +244,18 @@ def _integer_expr(env: _Env, e: Expr, what: str) -> Iterator[str]:
         yield f"{what} {e} must be an integer expression; {part} is a float"
 
 
+def _fill_expr(env: _Env, e: Expr) -> Iterator[str]:
+    """An init's fill expression (an attention sink's `sinks[h]`): a scalar number, written as a number when constant."""
+    bad = list(_scalar_exprs(env, e))
+    yield from bad
+    if bad:
+        return
+    if e.op is ExprOp.CONST:
+        yield f"fill {e} is a constant; write the number itself"
+    elif e.op in _BOOL_OPS:
+        yield f"fill {e} must be a number, not a condition"
+
+
 def _gather_problems(g: Gather, env: _Env) -> Iterator[str]:
     yield from _size_problems(g.size)
     if _bad_name(g.var):
@@ -372,8 +384,10 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
                 yield f"init dim {d!r} must be a schedule constant, a dim or a positive int"
         if not isinstance(st.dtype, Dtype):
             yield f"unknown dtype {st.dtype!r}"
-        if isinstance(st.fill, bool) or not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
-            yield f"fill {st.fill!r} must be a number"
+        if isinstance(st.fill, Expr):
+            yield from _fill_expr(env, st.fill)
+        elif isinstance(st.fill, bool) or not isinstance(st.fill, (int, float)) or math.isnan(st.fill):
+            yield f"fill {st.fill!r} must be a number or a scalar expression"
         yield from _define(env, st.out, tuple(st.shape))
 
     def s_dot(self, st: Dot, env: _Env) -> Iterator[str]:

@@ -12,7 +12,7 @@ from typing import Callable, ClassVar, Generic, Iterable, Mapping, TypeVar
 
 from kb.errors import KBError
 from kb.ir.expr import Expr
-from kb.ir.nodes import For, Kernel, Let, Mask, Param, Program, Reduce, ScoreMod, serving_constructs
+from kb.ir.nodes import For, Init, Kernel, Let, Mask, Param, Program, Reduce, ScoreMod, serving_constructs, walk_stmts
 from kb.lower.block_mask import BlockMaskPlan
 from kb.lower.expr_context import AuxRef, ExprContext, ExprTarget, Kind, Sym, is_nonneg, visible_names
 
@@ -99,6 +99,8 @@ def check_attention_params(p: Program, lowering: str) -> None:
     if constructs := serving_constructs(p):
         raise KBError(f"program {p.name}: the {lowering} lowering does not support {' or '.join(constructs)}; "
                       "lowering of varlen/paged programs is not supported yet (run them with kb.ir.interpret)")
+    if any(isinstance(st, Init) and isinstance(st.fill, Expr) for k in p.kernels for st in walk_stmts(k.body)):
+        raise KBError(f"program {p.name}: the {lowering} lowering does not support an init filled by an expression (attention sinks) yet")
     for name in ("q", "k"):
         try:
             prm = p.param(name)

@@ -448,7 +448,15 @@ kernel decode grid(b: B, h: Hq):
   store lse[b, h:+1] = lt
 """
 
-SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE, "pool_decode": POOL_DECODE}
+# gpt-oss-style attention sinks on the paged decode: a learned logit per head joins the softmax's denominator and
+# carries no value, i.e. the online softmax starts at m = sinks[h], l = 1 (acc = 0); an empty sequence gives o = 0.
+PAGED_DECODE_SINKS = PAGED_DECODE.replace("program paged_decode", "program paged_decode_sinks").replace(
+    "param seq_lens: [B] i32 aux\n", "param seq_lens: [B] i32 aux\nparam sinks: [Hq] f32 aux\n").replace(
+    "init m_i = full(1; -inf) f32\n  init l_i = full(1; 0.0) f32",
+    "init m_i = full(1; sinks[h]) f32\n  init l_i = full(1; 1.0) f32")
+
+SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE, "pool_decode": POOL_DECODE,
+                 "paged_decode_sinks": PAGED_DECODE_SINKS}
 
 
 __all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "backward", "causal_bwd", "Expr"]
