@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 
@@ -32,7 +32,8 @@ from kb.errors import KBError
 from kb.ir.algebra import conjunction, conjuncts
 from kb.ir.expr import Expr, ExprOp, var
 
-__all__ = ["ServingLayout", "layout_of", "dense_shapes", "serving_reference", "feature_mask", "GENERATION_REFUSED"]
+__all__ = ["ServingLayout", "ServingReference", "layout_of", "dense_shapes", "serving_reference", "dense_output", "feature_mask",
+           "GENERATION_REFUSED"]
 
 LayoutKind = Literal["paged", "pool", "varlen"]
 
@@ -133,30 +134,36 @@ def dense_shapes(layout: ServingLayout, inputs: Mapping[str, torch.Tensor]) -> t
     return B, Hq, k.shape[-2], 1, table.shape[1] * per_row, D, v.shape[-1]
 
 
-Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class ServingReference:
+    """reference(q, k, v) on the dense view: the Model on its own inputs holding q, k, v (see module docstring);
+    `args(q, k, v)` are those inputs by forward name, what a kernel over the spec's own layout is run on."""
+
+    def __init__(self, model: torch.nn.Module, inputs: list[Any], names: list[str], layout: ServingLayout) -> None:
+        self.model, self.inputs, self.names, self.layout = model, inputs, names, layout
+
+    def args(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
+        layout, named = self.layout, dict(zip(self.names, self.inputs))
+        if layout.kind == "varlen":
+            named[layout.q], named[layout.k], named[layout.v] = (x[0].transpose(0, 1) for x in (q, k, v))
+        else:
+            named[layout.q] = q[:, :, 0]
+            named[layout.k] = _paged(named, layout, layout.k, k)
+            named[layout.v] = _paged(named, layout, layout.v, v)
+        return named
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        args = self.args(q, k, v)
+        with torch.no_grad():
+            out = self.model(*(args[n] for n in self.names))
+        return dense_output(out, self.layout)
 
 
 def serving_reference(model: torch.nn.Module, inputs: list[Any], names: list[str], layout: ServingLayout,
-                      path: Path) -> Reference:
-    """reference(q, k, v) on the dense view: the Model on its own inputs holding q, k, v (see module docstring)."""
-    pos = {n: i for i, n in enumerate(names)}
-    named = dict(zip(names, inputs))
+                      path: Path) -> ServingReference:
+    """The spec's reference on the dense view (ServingReference); KBError when its page table is not one."""
     if layout.kind != "varlen":
-        _check_pages(named, layout, path)
-
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        args = list(inputs)
-        if layout.kind == "varlen":
-            args[pos[layout.q]], args[pos[layout.k]], args[pos[layout.v]] = (x[0].transpose(0, 1) for x in (q, k, v))
-        else:
-            args[pos[layout.q]] = q[:, :, 0]
-            args[pos[layout.k]] = _paged(named, layout, layout.k, k)
-            args[pos[layout.v]] = _paged(named, layout, layout.v, v)
-        with torch.no_grad():
-            out = model(*args)
-        return _dense_output(out, layout)
-
-    return reference
+        _check_pages(dict(zip(names, inputs)), layout, path)
+    return ServingReference(model, inputs, names, layout)
 
 
 def _valid_keys(named: Mapping[str, torch.Tensor], layout: ServingLayout) -> torch.Tensor:
@@ -193,7 +200,7 @@ def _paged(named: Mapping[str, torch.Tensor], layout: ServingLayout, name: str, 
     return cache
 
 
-def _dense_output(out: torch.Tensor, layout: ServingLayout) -> torch.Tensor:
+def dense_output(out: torch.Tensor, layout: ServingLayout) -> torch.Tensor:
     """The spec's output ([B, Hq, Dv] or [T, Hq, Dv]) as [B, Hq, M, Dv]."""
     if layout.kind == "varlen":
         return out.transpose(0, 1).unsqueeze(0) if out.dim() == 3 else out
