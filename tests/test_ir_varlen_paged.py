@@ -270,21 +270,23 @@ def test_features(name: str, varlen: bool, paged: bool, sinks: bool) -> None:
 
 @pytest.mark.parametrize("name, construct", [("varlen_prefill", "`until` (on q, k, v, o, lse)"),
                                              ("pool_decode", "a gathered axis (on k, v)")])
-@pytest.mark.parametrize("lowering", ["triton", "cuda"])
-def test_lowerings_refuse_until_and_gather(name: str, construct: str, lowering: str) -> None:
-    if lowering == "triton":
-        from kb.lower.triton import lower_program
-    else:
-        from kb.lower.cuda import lower_program
+def test_cuda_lowering_refuses_until_and_gather(name: str, construct: str) -> None:
+    from kb.lower.cuda import lower_program  # the Triton lowering runs them (tests/test_lower_serving.py)
     with pytest.raises(KBError, match="not supported yet") as err:
         lower_program(_program(name))
     assert construct in str(err.value)
 
 
-def test_lowerings_refuse_token_major_paged_decode() -> None:
-    from kb.lower.triton import lower_program
+def test_cuda_lowering_refuses_token_major_paged_decode() -> None:
+    from kb.lower.cuda import lower_program
     with pytest.raises(KBError, match=r"q must be \[B, H, S, D\]"):
         lower_program(_program("paged_decode"))
+
+
+def test_triton_lowering_refuses_sinks_on_a_serving_layout() -> None:
+    from kb.lower.triton import lower_program
+    with pytest.raises(KBError, match=r"varlen/paged programs does not support an init filled by an expression"):
+        lower_program(_program("paged_decode_sinks"))
 
 
 def test_lowerings_refuse_an_init_filled_by_an_expression() -> None:

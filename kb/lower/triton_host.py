@@ -243,8 +243,10 @@ _TAKE_AUX = Template('''\
 _TAKE_SCALAR = Template('''\
     if "${scalar}" not in kw:
         raise ForwardArgumentError("${fn}() needs the scalar ${scalar}=...")
-    ${scalar} = float(kw.pop("${scalar}"))
+    ${scalar} = ${conv}(kw.pop("${scalar}"))
 ''')
+
+_SCALAR_CONV = {Kind.FLOAT: "float", Kind.INT: "int", Kind.BOOL: "bool"}  # an int scalar (max_seq_len) sizes grids
 
 _SM_SCALE = Template('''\
     sm_scale = 1.0 / math.sqrt(${first}.shape[-1]) if sm_scale is None else float(sm_scale)
@@ -273,7 +275,8 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
     hctx = ExprContext(ExprTarget.HOST, names)
     first = ins[0].name
     take_scalars = "".join(_SM_SCALE.substitute(first=first) if q.name == "sm_scale"
-                           else _TAKE_SCALAR.substitute(scalar=q.name, fn=entry.name) for q in scalars)
+                           else _TAKE_SCALAR.substitute(scalar=q.name, fn=entry.name, conv=_SCALAR_CONV[DTYPE_KIND[q.dtype]])
+                           for q in scalars)
     planned = entry.plans and not sig.table
     inputs = _tuple_body([q.name for q in ins] + [f'aux_and_scalars["{q.name}"]' for q in aux])
     key = ", ".join([f"_tkey({q.name})" for q in ins] + [f'_tkey(aux_and_scalars.get("{q.name}"))' for q in aux]

@@ -12,9 +12,9 @@ from kb.errors import KBError
 from kb.ir.algebra import max_of, tidy_int
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
 from kb.ir.nodes import (
-    AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Let, Load, Mask,
-    OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Span, Stmt,
-    Store, TileAt, walk_stmts,
+    DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Let,
+    Load, Mask, OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Span,
+    Stmt, Store, TileAt, walk_stmts,
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
@@ -48,6 +48,9 @@ def _reads(st: Stmt) -> set[str]:
         elif isinstance(val, tuple):
             names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
             names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
+            names |= {n for x in val if isinstance(x, Span) and x.until is not None for n in free_vars(x.until)}
+            names |= {n for x in val if isinstance(x, Gather) for e in (x.index, x.valid) if e is not None
+                      for n in free_vars(e) - {x.var}}
     for f in ("a", "b", "src", "tile", "m", "l", "acc", "scores", "values", "value", "o_parts", "lse_parts"):
         val = getattr(st, f, None)
         if isinstance(val, str):
@@ -58,6 +61,23 @@ def _reads(st: Stmt) -> set[str]:
 
 # tile operands of backward statements not covered by the shared field names above (Finalize's `lse` is an output)
 _BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta"), AuxGrad: ("lse",)}
+
+
+def _tiny(*sizes: str) -> bool:
+    """Is one of these tile sides a literal below DOT_MIN_K (a decode step's single query row, `h:+1`)?"""
+    return any(s.isdigit() and int(s) < DOT_MIN_K for s in sizes)
+
+
+def _fma_dot(a: str, b: str, trans_b: bool) -> str:
+    """`a @ b` (`a @ trans(b)`) as a broadcast multiply and a sum in fp32, for tiles with a side below DOT_MIN_K.
+
+    tl.dot wants every side >= 16 on GPUs (Triton pads M and N itself from 3.9, but not K, and not every version);
+    padding a one-row decode tile to 16 rows would carry 15 dead rows through the softmax state. A single row times
+    a [BLOCK_N, HEAD_PAD] tile is bandwidth-bound work the CUDA cores do at full speed (the paged-decode Triton
+    kernels of serving engines compute it so), and it is exact in fp32 for 16-bit inputs."""
+    if trans_b:  # a [M, K], b [N, K]
+        return f"tl.sum({a}.to(tl.float32)[:, None, :] * {b}.to(tl.float32)[None, :, :], 2)"
+    return f"tl.sum({a}.to(tl.float32)[:, :, None] * {b}.to(tl.float32)[None, :, :], 1)"
 
 
 def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
@@ -173,6 +193,13 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         a, b = self.tile(st.a), self.tile(st.b)
         shape = self.dot_shape(st)
         t = self.score_shaped(shape)
+        k_side = a.shape[0] if st.trans_a else a.shape[-1]
+        if _tiny(*shape, k_side) and not t and not self.backward:
+            direct = st.trans_b and not st.trans_a and not a.t and not b.t  # q @ trans(k): no register transpose
+            acode, bcode = (self.local(st.a), self.local(st.b)) if direct else self.dot_operands(st)
+            out = self.set_tile(st.out, shape, Dtype.F32)
+            self.emit(f"{out} = {_fma_dot(acode, bcode, direct)}  # a side below {DOT_MIN_K}: no tl.dot")
+            return
         acode, bcode = self.dot_operands(st, t)
         out = self.set_tile(st.out, shape, Dtype.F32, t)
         self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
@@ -301,11 +328,15 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.emit(f"# full block: every in-range pair attends and no kv index is past N; no mask for {code}")
             return
         names = self.variant_names(st, None)
-        keep = f"({names['kv_idx'].code} < {self.n_dim})"
+        # kv_idx < N where the program has a dim N (a token-major or paged one has none: its mask_mod bounds it)
+        keep = [f"({names['kv_idx'].code} < {self.kv_bound})"] if self.kv_bound is not None else []
         if st.use_mask_mod:
             body, names = self.invariant_terms(self.mask_mod_body(st), st, names)
-            keep += f" & {wrap(lower_expr(body, self.ctx(names)))}"
-        self.emit(f"{code} = tl.where({keep}, {code}, {NEG_INF})")
+            keep.append(wrap(lower_expr(body, self.ctx(names))))
+        if not keep:
+            self.emit(f"# mask {code} bounds: the program has no dim N, so nothing is masked here")
+            return
+        self.emit(f"{code} = tl.where({' & '.join(keep)}, {code}, {NEG_INF})")
 
     # -- backward statements
     def s_probs(self, st: Probs) -> None:
@@ -450,7 +481,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"_alpha = tl.exp2({m} * {LOG2E} - _m_log2)")
         self.emit(f"_p = tl.exp2({s} * {LOG2E if c is None else '_qk_scale'} - _m_log2[:, None])")
         self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
-        if self._split_p(self.tile(st.values)):
+        if _tiny(*self.tile(st.scores).shape, *self.tile(st.values).shape):
+            self.emit(f"{acc} = {acc} * _alpha[:, None] + {_fma_dot('_p', v, False)}  # a side below {DOT_MIN_K}: no tl.dot")
+        elif self._split_p(self.tile(st.values)):
             self.emit(f"# fp32 output from 16-bit V: P enters as a hi/lo pair of {v}.dtype tiles, so P keeps ~16 bits")
             self.emit(f"_p_hi = _p.to({v}.dtype)")
             self.emit(f"{acc} = tl.dot(_p_hi, {v}, {acc} * _alpha[:, None])")

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from kb.ir.algebra import next_pow2
 from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
 from kb.ir.nodes import (
-    BlockClass, Dtype, For, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod, Span,
-    VALUE_DIM, is_backward, walk_stmts,
+    BlockClass, Dtype, For, Gather, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod,
+    Span, VALUE_DIM, is_backward, walk_stmts,
 )
 from kb.lower.block_mask import BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, row_span
+from kb.lower.serving import clamped_index, is_serving, kv_bound
 from kb.lower.triton_code import bcast, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_options import LowerOptions
@@ -103,6 +104,11 @@ class TritonTiles(KernelGenBase[Tile]):
         self.sig, self.opts = sig, opts
         self.pack = pack  # GQA packing: tile rows are (query head in group, query position) pairs
         self.backward = is_backward(p)  # backward programs: 16-bit tiles widened in elementwise math, dot operand casts
+        # a varlen/paged layout (kb.lower.serving): `mask` bounds kv_idx by N only where the program has a dim N
+        self.serving = is_serving(p)
+        if self.serving and not (len(p.param("q").shape) == 4 and len(p.param("k").shape) == 4):
+            self.m_dim, self.n_dim = "M", "N"  # not q's / k's third dim (a token-major q's is D)
+        self.kv_bound: str | None = kv_bound(p) if self.serving else self.n_dim
         self.loaded: set[str] = set()  # tiles that hold a load's values (in the tensor's dtype at run time)
         # a backward kernel looping over q blocks (KV-outer: dk, dv of one KV block) holds its score tiles transposed,
         # kv rows by q columns, so P^T and dS^T enter the dV, dK dots as they are (no register transposes)
@@ -217,6 +223,8 @@ class TritonTiles(KernelGenBase[Tile]):
         even: list[str] = []  # head-dim bounds, dropped when EVEN_D (EVEN_DV over the value head dim)
         even_flag = "EVEN_D"
         terms: list[str] = []
+        lanes_ok: list[str] = []  # in-range tests beyond the dims' extents: a span's `until`, a gathered lane's
+        scalar_ok: list[str] = []  # a serving program's tests of its scalar indices (a page number from a table)
         rank = sum(not isinstance(i, Expr) for i in index)
         pos = 0
         packed = self.packed_dims(tensor, index)
@@ -235,6 +243,14 @@ class TritonTiles(KernelGenBase[Tile]):
                 continue
             if isinstance(item, Expr):
                 terms.append(f"{wrap(self.ex(item))} * {stride}")
+                scalar_ok += self.scalar_bounds(item, d)
+                continue
+            if isinstance(item, Gather):
+                rows, ok = self.gather_rows(item)
+                bc = rows + bcast(pos, rank)
+                terms.append(f"{bc} * {stride}")
+                lanes_ok += [f"({ok}{bcast(pos, rank)})", f"({bc} >= 0)", f"({bc} < {self._dim(d)})"]
+                pos += 1
                 continue
             in_full_block = False
             if isinstance(item, Span):
@@ -244,6 +260,8 @@ class TritonTiles(KernelGenBase[Tile]):
                 # a full block lies inside [0, N): n_start + BLOCK_N <= N
                 in_full_block = self.region is not None and self.region.full and item.start == var(self.region.var) \
                     and size == "BLOCK_N" and d == self.n_dim
+                if item.until is not None:
+                    lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")
             else:
                 size = self._full_size(d)
                 offs = self.offsets(None, size)
@@ -260,16 +278,66 @@ class TritonTiles(KernelGenBase[Tile]):
                 spans.append((bc, size, extent, guard))
             pos += 1
         mask_parts = [f"({bc} < {ext})" for bc, _, ext, _ in spans] + [f"({bc} >= 0)" for bc, _, _, g in spans if g]
+        mask_parts += lanes_ok
+        shape = tuple(str(item.size) if isinstance(item, (Span, Gather)) else self._full_size(d)
+                      for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
+        ptr = f"{tensor}_ptr + " + " + ".join(terms)
+        if scalar_ok:  # the tile's own tests (EVEN_D kept when nothing else makes the mask a tile) under the scalars'
+            tile = " & ".join(mask_parts) if mask_parts or not even else None
+            gated = lambda m: f"tl.where({' & '.join(scalar_ok)}, {m}, False)" if m else " & ".join(scalar_ok)  # noqa: E731
+            both = gated(" & ".join(mask_parts + even))
+            return ptr, f"({gated(tile)} if {even_flag} else {both})" if even and tile else both, shape
         if even:
             always = " & ".join(mask_parts)
             both = " & ".join(mask_parts + even)
             mask = f"({always or 'None'} if {even_flag} else {both})"
-            return f"{tensor}_ptr + " + " + ".join(terms), mask, tuple(
-                str(item.size) if isinstance(item, Span) else self._full_size(d)
-                for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
-        shape = tuple(str(item.size) if isinstance(item, Span) else self._full_size(d)
-                      for d, item in zip(prm.shape, index) if not isinstance(item, Expr))
-        return f"{tensor}_ptr + " + " + ".join(terms), " & ".join(mask_parts) or None, shape
+            return ptr, mask, shape
+        return ptr, " & ".join(mask_parts) or None, shape
+
+    def scalar_bounds(self, e: Expr, d: object) -> list[str]:
+        """In-range tests of scalar index `e` along dim `d`, in a serving program only (a dense program's batch and
+        head indices are in range by construction; a page number read from a table may not be, and the IR reads
+        `other` there): `e >= 0` unless proven, `e < extent` unless `e` is a name known to stay below it. Scalar
+        tests gate a tile mask through tl.where (the interpreter refuses a tile `&` a scalar)."""
+        if not self.serving:
+            return []
+        code, extent = wrap(self.ex(e)), self._dim(d)
+        out = [] if is_nonneg(e, self.ctx()) else [f"({code} >= 0)"]
+        sym = self.names.get(str(e.value)) if e.op is ExprOp.VAR else None
+        if not (sym is not None and sym.below == extent):
+            out.append(f"({code} < {extent})")
+        return out
+
+    def gather_rows(self, g: Gather) -> tuple[str, str]:
+        """(rows, ok): vectors over gathered axis `g`'s lanes: lane j's tensor index (`g.index` at `g.var` = j) and
+        whether the lane is valid (`g.valid`). An invalid lane's table loads are clamped (kb.lower.serving
+        `clamped_index`), so no table is read out of range. Made once per scope: the K and V loads of a token pool
+        share one table lookup."""
+        size = str(g.size)
+        lanes = self.offsets(None, size)
+        saved = {n: self.names[n] for n in (g.var, "_lane_ok") if n in self.names}
+        self.names[g.var] = Sym(lanes, Kind.INT, True)
+        try:
+            valid = self.ex(g.valid) if g.valid is not None else "True"
+            key = f"{self.ex(g.index)} if {valid}"
+            for scope in reversed(self.offs):
+                if (key, "__gather_rows__") in scope:
+                    return scope[(key, "__gather_rows__")], scope[(key, "__gather_ok__")]
+            ok, rows = self._fresh("_lane_ok"), self._fresh("_rows")
+            # a lane-independent validity or index still makes one value per lane (a vector mask, a vector of rows)
+            lane_free = g.valid is None or g.var not in free_vars(g.valid)
+            self.emit(f"{ok} = {f'({lanes} >= 0) & ' if lane_free else ''}{wrap(valid)}  # gathered lanes in use")
+            self.names["_lane_ok"] = Sym(ok, Kind.BOOL)
+            index = self.ex(clamped_index(g.index, "_lane_ok"))
+            lane_free = g.var not in free_vars(g.index)
+            self.emit(f"{rows} = {index}{f' + 0 * {lanes}' if lane_free else ''}  # each lane's row (table loads clamped)")
+        finally:
+            for n in (g.var, "_lane_ok"):
+                self.names.pop(n, None)
+            self.names.update(saved)
+        self.offs[-1][(key, "__gather_rows__")] = rows
+        self.offs[-1][(key, "__gather_ok__")] = ok
+        return rows, ok
 
     def packed_dims(self, tensor: str, index: tuple) -> tuple[int, int] | None:
         """(head dim, query-block span dim) of an access this packed kernel gathers / scatters per row."""
@@ -300,8 +368,9 @@ class TritonTiles(KernelGenBase[Tile]):
         extents, so TMA's out-of-range zero fill / store clipping equal the masked form's bounds.
         Packed rows (GQA packing) are a gather, not a tile: no descriptor.
         """
-        if not self.sig.tma or self.packed_dims(tensor, index) is not None:
-            return None
+        if not self.sig.tma or self.packed_dims(tensor, index) is not None \
+                or any(isinstance(i, Gather) or (isinstance(i, Span) and i.until is not None) for i in index):
+            return None  # a descriptor's box has no `until` or gathered rows
         prm = self.p.param(tensor)
         n = len(prm.shape)
         if n < 2 or prm.dtype not in (Dtype.BF16, Dtype.F16, Dtype.F32) \

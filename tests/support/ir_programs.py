@@ -345,7 +345,8 @@ def all_fixtures(dtype: Dtype = Dtype.F32) -> dict[str, Program]:
 
 # ---------------------------------------------------------------- serving layouts (varlen, paged KV)
 # Token-major q/k/v/o [T, H, D] with per-sequence offsets, and KV caches behind a page table.
-# Not in FIXTURES: the lowerings refuse `until` and gathered axes (tests/test_ir_varlen_paged.py).
+# Not in FIXTURES (whose programs every lowering runs): the CUDA lowering refuses these layouts; the Triton lowering
+# runs them in tests/test_lower_serving.py.
 
 VARLEN_PREFILL = """\
 program varlen_prefill

@@ -1,0 +1,104 @@
+"""Serving layouts in the Triton lowering: what sets a varlen/paged program apart and how its pieces are lowered.
+
+A program is a *serving* program when its q or k is not a dense [B, H, S, D] tensor (token-major [T, H, D], 3-D
+decode [B, Hq, D], a 4-D paged cache [NUM_PAGES, PAGE, Hkv, D], a token pool [POOL, Hkv, D]) or when it uses an
+index form only serving layouts need (`until`, a gathered axis). Such a program is lowered by the same generator as
+a dense one (kb.lower.triton_kernel); this module holds the few places it differs:
+- bounds: the built-in `kv_idx < N` of `mask` exists only when the program has a dim named N (the interpreter's
+  rule, kb.ir.nodes); a token-major or paged program's per-sequence bound is its mask_mod or its loads;
+- options: the speed transformations that read dims M / N or a dense layout are off (`serving_options`): the
+  closed-form KV-loop split and the block lists (they bound tiles by N), tensor descriptors (they cannot express
+  `until` or a gather) and GQA packing (rows of several query heads);
+- what is not lowered yet (`serving_refusals`): block-class tests (`if block(...)`: their closed forms and the host
+  table bound tiles by M / N), split-KV grids (the host's split count reads N) and backward programs;
+- gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range.
+The module's host side runs the program's own schedule (`OWN_DESIGN_CHOOSER`): a paged program's BLOCK_N may be its
+page size, so another design's tiles could change what it computes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from string import Template
+
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars
+from kb.ir.nodes import IfBlock, Init, Program, is_backward, serving_constructs, walk_stmts
+from kb.lower.triton_options import LowerOptions
+
+__all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "OWN_DESIGN_CHOOSER",
+           "own_design_lines"]
+
+OWN_DESIGN_CHOOSER = "_own_design"
+
+
+def is_serving(p: Program) -> bool:
+    """Does `p` use a serving layout: q or k not 4-D, or a varlen/paged index form (`until`, a gathered axis)?"""
+    try:
+        dense = len(p.param("q").shape) == 4 and len(p.param("k").shape) == 4
+    except KeyError:
+        return False  # check_attention_params names the missing param
+    return not dense or bool(serving_constructs(p))
+
+
+def serving_refusals(p: Program) -> list[str]:
+    """What the Triton lowering cannot lower yet in serving program `p`, one phrase each (empty: it lowers); in
+    place of kb.lower.kernel_gen.check_attention_params, which refuses every serving layout."""
+    out: list[str] = []
+    if any(isinstance(st, Init) and not isinstance(st.fill, (int, float)) for k in p.kernels for st in walk_stmts(k.body)):
+        out.append("an init filled by an expression (attention sinks)")
+    if is_backward(p):
+        out.append("a backward program")
+    if any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body)):
+        out.append("block-class tests (`if block(...)`: their closed forms and the host table bound tiles by M and N; "
+                   "bound the KV loop instead)")
+    if any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid):
+        out.append("a split-KV grid axis (the host's split count reads N)")
+    return out
+
+
+def serving_options(opts: LowerOptions) -> LowerOptions:
+    """`opts` without the transformations that assume a dense layout (see the module docstring)."""
+    return dataclasses.replace(opts, split_kv_loop=False, indexed_kv_loop=False, tma=False, warp_specialize=False,
+                               pack_gqa=False)
+
+
+def kv_bound(p: Program) -> str | None:
+    """The dim `mask` bounds kv_idx by: N when `p` has one, else None (no built-in bound)."""
+    return "N" if "N" in p.dims() else None
+
+
+def clamped_index(index: Expr, valid: str) -> Expr:
+    """A gathered lane's `index` with every table load's indices replaced by `where(valid, i, 0)` (`valid` a name
+    bound to the lanes' validity): an invalid lane reads the table at 0, which the load's own bounds test still
+    guards, so no lane ever reads a table out of range (the IR clamps such loads; their value is never used)."""
+    if not index.args:
+        return index
+    args = tuple(clamped_index(a, valid) for a in index.args)
+    if index.op is ExprOp.LOAD:
+        args = tuple(call("where", Expr(ExprOp.VAR, (), valid), a, const(0)) if a.op is not ExprOp.CONST else a
+                     for a in args)
+    return Expr(index.op, args, index.value)
+
+
+_OWN_DESIGN = Template('''\
+PROGRAM = ${program}
+# A varlen/paged module lists no designs (DESIGNS stays empty) and runs its program's own schedule everywhere: its
+# BLOCK_N may be a page of the cache, so another design's tiles could change what it computes.
+# (BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa); GQA packing: not used, ${packing}
+DESIGNS = {}
+PROGRAM_DESIGN = ${own}
+
+
+def ${chooser}(t, D, key, launch):
+    """The program's own schedule, whatever the GPU and shape (nothing to choose, nothing timed)."""
+    return PROGRAM_DESIGN
+
+''')
+
+
+def own_design_lines(p: Program, packing: str) -> list[str]:
+    """A serving module's constants (PROGRAM, an empty DESIGNS, PROGRAM_DESIGN: the schedule as it is, a BLOCK_N
+    below 16 included) and the chooser its host function calls instead of the design table's."""
+    s = p.schedule
+    own = (s.block_m, s.block_n, s.num_splits, s.num_warps, s.num_stages, False, False)
+    return _OWN_DESIGN.substitute(program=repr(p.name), packing=packing, own=repr(own), chooser=OWN_DESIGN_CHOOSER).split("\n")

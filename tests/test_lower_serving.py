@@ -1,0 +1,200 @@
+"""Serving layouts lowered to Triton: varlen prefill (`until` spans over token-major q/k/v/o), vLLM paged decode (a
+page-table load as a scalar index into a 4-D cache, one-row `h:+1` tiles) and SGLang token-pool decode (a gathered
+axis) run under the Triton interpreter and match the IR interpreter (o and lse) and the per-sequence torch reference
+(o): ragged lengths (0 where the layout allows it, 1, not a multiple of the block), pages and pool rows in random
+order (never shared), GQA (Hq=4, Hkv=2), a head dim that is not a power of two (12), f32 and bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kb.errors import KBError
+from kb.ir.evaluate import paged_to_token_major, pool_to_token_major, varlen_attention
+from kb.ir.interpret import interpret
+from kb.ir.nodes import Program
+from kb.ir.text import parse_program
+from kb.lower.runtime import TritonKernel
+from kb.lower.triton import lower_program
+from tests.support.ir_programs import SERVING_TEXTS
+
+GOLDEN = Path(__file__).parent / "golden" / "triton"
+UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
+HQ, HKV, D = 4, 2, 12  # GQA 2:1, a head dim that is not a power of two
+SCALE = 0.3
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+SERVING = ("varlen_prefill", "paged_decode", "pool_decode")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("triton_cache")
+
+
+def _program(name: str, dtype: torch.dtype = torch.float32) -> Program:
+    """The fixture, its q, k, v, o declared in `dtype` (lse stays f32)."""
+    text = SERVING_TEXTS[name]
+    if dtype is torch.bfloat16:
+        text = re.sub(r"^(param [qkvo]: \[[^\]]*\]) f32", r"\1 bf16", text, flags=re.M)
+    return parse_program(text)
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    return [sum(lens[:i]) for i in range(len(lens))]
+
+
+def _run_and_compare(name: str, dtype: torch.dtype, inputs: dict, reference_o: torch.Tensor | None, cache_dir: Path,
+                     program: Program | None = None) -> dict:
+    """Run the lowered module on `inputs` (q, k, v in `dtype`) and compare with the interpreter on the same values in
+    fp32 (o and lse, -inf exactly where it is) and with the torch reference (o)."""
+    p = program or _program(name)
+    wide = {n: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for n, t in inputs.items()}
+    want = interpret(p, wide).outputs
+    got = TritonKernel.from_program(program or _program(name, dtype), cache_dir).run(inputs)
+    assert got["o"].dtype == dtype and got["lse"].dtype == torch.float32  # o in the inputs' dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(got["o"].float(), want["o"], atol=tol, rtol=tol)
+    torch.testing.assert_close(got["lse"], want["lse"], atol=tol, rtol=tol)
+    if reference_o is not None:
+        torch.testing.assert_close(got["o"].float(), reference_o, atol=tol, rtol=tol)
+    return got
+
+
+def _decode_reference(q: torch.Tensor, k_tm: torch.Tensor, v_tm: torch.Tensor, kv_lens: list[int]) -> torch.Tensor:
+    B = len(kv_lens)
+    return varlen_attention(q.float(), k_tm.float(), v_tm.float(), list(range(B)), [1] * B, _cumsum(kv_lens), kv_lens,
+                            sm_scale=SCALE, causal=True)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_prefill(dtype: torch.dtype, cache_dir: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 13, 16, 21, 0]  # one token, ragged against BLOCK_M=16 / BLOCK_N=8, one block exactly, empty
+    # the sequences lie in memory in reverse batch order: a tile stored past its sequence's end (no `until`) would
+    # overwrite the rows of a sequence whose programs ran before it
+    T, starts = sum(lens), [sum(lens[b + 1:]) for b in range(len(lens))]
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    inputs = {"q": q, "k": k, "v": v, "b_start_loc": torch.tensor(starts, dtype=torch.int32),
+              "b_seq_len": torch.tensor(lens, dtype=torch.int32), "sm_scale": SCALE, "max_seq_len": max(lens)}
+    o, _ = varlen_attention(q.float(), k.float(), v.float(), starts, lens, starts, lens, sm_scale=SCALE, causal=True)
+    _run_and_compare("varlen_prefill", dtype, inputs, o, cache_dir)
+
+
+def _paged_cache(g: torch.Generator, kv_lens: list[int], page: int, max_pages: int, dtype: torch.dtype):
+    """k, v caches [NUM_PAGES, page, HKV, D] (3 pages unused) and a block table listing each sequence's pages once, in
+    random order; entries past a sequence's last page hold a page number past the cache (never read)."""
+    pages = [-(-n // page) for n in kv_lens]
+    num_pages = sum(pages) + 3
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.full((len(kv_lens), max_pages), num_pages + 100, dtype=torch.int32)
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    k, v = (torch.randn(num_pages, page, HKV, D, generator=g).to(dtype) for _ in range(2))
+    return k, v, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_gqa(dtype: torch.dtype, cache_dir: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    kv_lens = [1, 0, 8, 13, 30]  # one key, none (o = 0, lse = -inf), one page exactly, ragged last pages
+    k, v, table = _paged_cache(g, kv_lens, page=8, max_pages=5, dtype=dtype)
+    q = torch.randn(len(kv_lens), HQ, D, generator=g).to(dtype)
+    inputs = {"q": q, "k": k, "v": v, "block_table": table, "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
+              "sm_scale": SCALE}
+    k_tm, _ = paged_to_token_major(k, table, kv_lens)
+    v_tm, _ = paged_to_token_major(v, table, kv_lens)
+    got = _run_and_compare("paged_decode", dtype, inputs, _decode_reference(q, k_tm, v_tm, kv_lens), cache_dir)
+    assert bool((got["o"][1] == 0).all()) and bool(torch.isneginf(got["lse"][1]).all())
+
+
+def test_page_numbers_out_of_range_read_zeros(cache_dir: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    kv_lens = [13, 20]
+    k, v, table = _paged_cache(g, kv_lens, page=8, max_pages=3, dtype=torch.float32)
+    table[0, 1], table[1, 0] = -1, k.shape[0] + 7  # the IR reads `other` (0) for keys of a page past the cache
+    inputs = {"q": torch.randn(len(kv_lens), HQ, D, generator=g), "k": k, "v": v, "block_table": table,
+              "seq_lens": torch.tensor(kv_lens, dtype=torch.int32), "sm_scale": SCALE}
+    _run_and_compare("paged_decode", torch.float32, inputs, None, cache_dir)
+
+
+def _pool_inputs(g: torch.Generator, kv_lens: list[int], dtype: torch.dtype) -> dict:
+    """k, v token pools [POOL, HKV, D] (5 rows unused) and req_to_token [B, max(kv_lens)] naming each sequence's rows
+    once, in random order; entries past a sequence's length hold a row past the pool (never read)."""
+    pool = sum(kv_lens) + 5
+    rows = torch.randperm(pool, generator=g)
+    req_to_token = torch.full((len(kv_lens), max(kv_lens)), pool + 100, dtype=torch.int32)
+    for b, start in enumerate(_cumsum(kv_lens)):
+        req_to_token[b, :kv_lens[b]] = rows[start:start + kv_lens[b]]
+    k, v = (torch.randn(pool, HKV, D, generator=g).to(dtype) for _ in range(2))
+    return {"q": torch.randn(len(kv_lens), HQ, D, generator=g).to(dtype), "k": k, "v": v, "req_to_token": req_to_token,
+            "seq_lens": torch.tensor(kv_lens, dtype=torch.int32), "sm_scale": SCALE}
+
+
+def test_invalid_gathered_lanes_read_other(cache_dir: Path) -> None:
+    # without the mask_mod only the gather's `valid` keeps a lane past the sequence out: it reads k = v = 0 (score 0)
+    p = parse_program(SERVING_TEXTS["pool_decode"].replace("    mask s at (b, h, kv_len - 1, n_start) mask_mod\n", ""))
+    inputs = _pool_inputs(torch.Generator().manual_seed(5), [3, 13], torch.float32)
+    _run_and_compare("pool_decode", torch.float32, inputs, None, cache_dir, program=p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_decode(dtype: torch.dtype, cache_dir: Path) -> None:
+    kv_lens = [1, 0, 13, 30, 8]  # MAX_CTX = 30: the last block's lanes past it read no table entry
+    inputs = _pool_inputs(torch.Generator().manual_seed(2), kv_lens, dtype)
+    q, k, v, req_to_token = (inputs[n] for n in ("q", "k", "v", "req_to_token"))
+    k_tm, _ = pool_to_token_major(k, req_to_token, kv_lens)
+    v_tm, _ = pool_to_token_major(v, req_to_token, kv_lens)
+    want_o = _decode_reference(q, k_tm, v_tm, kv_lens)
+    got = _run_and_compare("pool_decode", dtype, inputs, want_o, cache_dir)
+    if dtype is torch.float32:  # the operator takes the engine's tensors in program order (q, k, v, aux, sm_scale)
+        mod = TritonKernel.from_program(_program("pool_decode"), cache_dir).module
+        o, lse = getattr(torch.ops.kernel_kb, mod.OP_NAME + "_infer")(q, k, v, req_to_token, inputs["seq_lens"], SCALE)
+        assert torch.equal(o, got["o"]) and torch.equal(lse, got["lse"])
+        kw = {n: inputs[n] for n in ("req_to_token", "seq_lens")}
+        assert torch.equal(mod.kb_attention(q, k, v, sm_scale=SCALE, **kw), got["o"])
+
+
+@pytest.mark.parametrize("name", SERVING)
+def test_golden_source(name: str) -> None:
+    src = lower_program(_program(name))
+    path = GOLDEN / f"serving_{name}.py"
+    if UPDATE_GOLDEN:
+        path.write_text(src)
+    assert path.exists(), f"missing golden file {path}; run with KB_UPDATE_GOLDEN=1"
+    assert src == path.read_text(), f"generated source for {name} changed; review and run with KB_UPDATE_GOLDEN=1"
+
+
+def test_generated_code_shape() -> None:
+    varlen, paged, pool = (lower_program(_program(n)) for n in SERVING)
+    assert "(offs_r[:, None] < (q0 + q_len))" in varlen  # `until` joins the extent tests of q's rows
+    assert "tl.dot(" not in paged.split("PROGRAM = ")[0]  # one query row: broadcast multiply-sums, no tl.dot
+    assert "page * stride_k_0" in paged and "tl.load(block_table_ptr" in paged  # the page-table load indexes k
+    assert "tl.where(_lane_ok, (n_start + offs_r), 0)" in pool  # an invalid lane's table index is clamped
+    assert pool.count("_rows = tl.load(req_to_token_ptr") == 1  # K and V share one table lookup
+    assert "DESIGNS = {}" in pool and "PROGRAM_DESIGN = (16, 8, 1, 4, 1, False, False)" in pool
+
+
+def test_block_class_tests_are_refused_with_the_reason() -> None:
+    loop = "  for n_start in range(0, kv_len, BLOCK_N) forward:\n"
+    text = SERVING_TEXTS["paged_decode"]
+    body = text[text.index(loop) + len(loop):text.index("  finalize")]
+    text = text.replace(loop + body, loop + "    if block(b, h, kv_len - 1, n_start) is not empty:\n"
+                        + "".join(f"  {line}\n" for line in body.splitlines()))
+    with pytest.raises(KBError, match="Triton lowering of varlen/paged programs does not support block-class tests"):
+        lower_program(parse_program(text))
+
+
+def test_cuda_lowering_still_refuses_serving_layouts() -> None:
+    from kb.lower.cuda import lower_program as lower_cuda
+
+    for name in SERVING:
+        with pytest.raises(KBError, match=r"not supported yet|must be \[B, H, S, D\]"):
+            lower_cuda(_program(name))
