@@ -145,6 +145,17 @@ def test_invalid_gathered_lanes_read_other(cache_dir: Path) -> None:
     _run_and_compare("pool_decode", torch.float32, inputs, None, cache_dir, program=p)
 
 
+@pytest.mark.parametrize("old, new", [
+    (" if n_start + j < kv_len]", " if n_start < kv_len]"),  # a validity that is the same for every lane
+    ("req_to_token[b, n_start + j] for j", "req_to_token[b, n_start] for j"),  # one row for every lane
+])
+def test_gathers_that_do_not_move_with_the_lane(old: str, new: str, cache_dir: Path) -> None:
+    p = parse_program(SERVING_TEXTS["pool_decode"].replace(old, new))
+    inputs = _pool_inputs(torch.Generator().manual_seed(6), [3, 13], torch.float32)
+    inputs["req_to_token"] = torch.nn.functional.pad(inputs["req_to_token"], (0, 3))  # every lane of a block in range
+    _run_and_compare("pool_decode", torch.float32, inputs, None, cache_dir, program=p)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pool_decode(dtype: torch.dtype, cache_dir: Path) -> None:
     kv_lens = [1, 0, 13, 30, 8]  # MAX_CTX = 30: the last block's lanes past it read no table entry
