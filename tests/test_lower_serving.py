@@ -187,6 +187,7 @@ def test_generated_code_shape() -> None:
     varlen, paged, pool = (lower_program(_program(n)) for n in SERVING)
     assert "(offs_r[:, None] < (q0 + q_len))" in varlen  # `until` joins the extent tests of q's rows
     assert "tl.dot(" not in paged.split("PROGRAM = ")[0]  # one query row: broadcast multiply-sums, no tl.dot
+    assert "tl.dot(" not in varlen.split("PROGRAM = ")[0]  # nor K = BLOCK_N = 8 (GPUs want K >= 16 for 16-bit)
     assert "page * stride_k_0" in paged and "tl.load(block_table_ptr" in paged  # the page-table load indexes k
     assert "tl.where(_lane_ok, (n_start + offs_r), 0)" in pool  # an invalid lane's table index is clamped
     assert pool.count("_rows = tl.load(req_to_token_ptr") == 1  # K and V share one table lookup

@@ -34,9 +34,9 @@ Invariants of the generated module:
 - Serving layouts (kb.lower.serving: token-major [T, H, D] varlen, [B, Hq, D] decode q, paged [NUM_PAGES, PAGE, Hkv, D]
   caches, token pools through a gathered axis) lower through the same statements: a span's `until` and a gathered
   lane's validity join the load/store masks, a table-loaded scalar index (a page number) is range-checked, and a dot
-  with a tile side below 16 (a decode step's one query row) is a broadcast multiply-sum in fp32. Such a module runs
-  its program's own schedule (no design table, no tensor descriptors, no GQA packing, no KV-loop split) and refuses
-  block-class tests, split-KV grids and backward programs for now.
+  with a tile side below 16 (a decode step's one query row, a schedule's block of 8) is a broadcast multiply-sum in
+  fp32. Such a module runs its program's own schedule (no design table, no tensor descriptors, no GQA packing, no
+  KV-loop split) and refuses block-class tests, split-KV grids, attention sinks and backward programs for now.
 - The IR's HEAD_PAD=0 means max(16, next_pow2(D)) here (`tl.dot` needs K >= 16 on GPUs;
   the extra columns are zero-padded and masked, so results do not change); a program with a
   value head dim `Dv` (kb.ir.value_dim) also gets HEAD_PAD_V = max(16, next_pow2(Dv)) and

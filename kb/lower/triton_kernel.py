@@ -63,13 +63,9 @@ def _reads(st: Stmt) -> set[str]:
 _BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta"), AuxGrad: ("lse",)}
 
 
-def _tiny(*sizes: str) -> bool:
-    """Is one of these tile sides a literal below DOT_MIN_K (a decode step's single query row, `h:+1`)?"""
-    return any(s.isdigit() and int(s) < DOT_MIN_K for s in sizes)
-
-
 def _fma_dot(a: str, b: str, trans_b: bool) -> str:
-    """`a @ b` (`a @ trans(b)`) as a broadcast multiply and a sum in fp32, for tiles with a side below DOT_MIN_K.
+    """`a @ b` (`a @ trans(b)`) as a broadcast multiply and a sum in fp32, for tiles with a side below DOT_MIN_K
+    (TritonKernelGen.tiny: a literal side, or a serving schedule's block below 16).
 
     tl.dot wants every side >= 16 on GPUs (Triton pads M and N itself from 3.9, but not K, and not every version);
     padding a one-row decode tile to 16 rows would carry 15 dead rows through the softmax state. A single row times
@@ -194,7 +190,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         shape = self.dot_shape(st)
         t = self.score_shaped(shape)
         k_side = a.shape[0] if st.trans_a else a.shape[-1]
-        if _tiny(*shape, k_side) and not t and not self.backward:
+        if self.tiny(*shape, k_side) and not t and not self.backward:
             direct = st.trans_b and not st.trans_a and not a.t and not b.t  # q @ trans(k): no register transpose
             acode, bcode = (self.local(st.a), self.local(st.b)) if direct else self.dot_operands(st)
             out = self.set_tile(st.out, shape, Dtype.F32)
@@ -203,6 +199,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         acode, bcode = self.dot_operands(st, t)
         out = self.set_tile(st.out, shape, Dtype.F32, t)
         self.emit(f"{out} = tl.dot({acode}, {bcode}{self._prec(a, b)})")
+
+    def tiny(self, *sizes: str) -> bool:
+        """Is one of these tile sides below DOT_MIN_K: a literal (a decode step's single query row, `h:+1`) or, in a
+        serving module (which runs its own schedule), a BLOCK_M / BLOCK_N the schedule sets below 16 (a page of 8)?"""
+        small = {"BLOCK_M": self.p.schedule.block_m, "BLOCK_N": self.p.schedule.block_n} if self.serving else {}
+        return any(int(s) < DOT_MIN_K if s.isdigit() else small.get(s, DOT_MIN_K) < DOT_MIN_K for s in sizes)
 
     def dot_operands(self, st: Dot, out_t: bool = False) -> tuple[str, str]:
         """The operand codes of `st`, transposed as asked. In a backward program a computed fp32 tile (P, dS) meeting a
@@ -481,7 +483,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"_alpha = tl.exp2({m} * {LOG2E} - _m_log2)")
         self.emit(f"_p = tl.exp2({s} * {LOG2E if c is None else '_qk_scale'} - _m_log2[:, None])")
         self.emit(f"{l} = {l} * _alpha + tl.sum(_p, 1)")
-        if _tiny(*self.tile(st.scores).shape, *self.tile(st.values).shape):
+        if self.tiny(*self.tile(st.scores).shape, *self.tile(st.values).shape):
             self.emit(f"{acc} = {acc} * _alpha[:, None] + {_fma_dot('_p', v, False)}  # a side below {DOT_MIN_K}: no tl.dot")
         elif self._split_p(self.tile(st.values)):
             self.emit(f"# fp32 output from 16-bit V: P enters as a hi/lo pair of {v}.dtype tiles, so P keeps ~16 bits")
