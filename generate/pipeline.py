@@ -120,6 +120,17 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _not_transferred(spec: Spec) -> str | None:
+    """Why no kernel is generated for `spec` (traced forms no transfer writes yet), or None."""
+    if spec.sink is not None:
+        return ("generation for specs with attention sinks is not supported yet: transfer does not start the online "
+                "softmax at the sink (m = sink, l = 1; docs/ir.md) and the lowerings refuse such an init; "
+                "`kb query SPEC` ranks references for it")
+    if spec.layout is not None and spec.layout.kind == "chunked":
+        return GENERATION_REFUSED.format(kind=spec.layout.describe)
+    return None
+
+
 def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions()) -> GenerateResult:
     """Generate a verified kernel for one spec; never raises for kernel failures (they are results)."""
     t0 = time.perf_counter()
@@ -133,6 +144,9 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     except KBError as err:
         return _refused(kb, run, out_dir, f"{Stage.SPEC.value}: {err}", str(err), t0)
     remember_trace(spec_path, TracedSpec(spec.features, *spec.variant_strings()), kb.settings.cache_dir)
+    if (why := _not_transferred(spec)) is not None:  # before any attempt: a kernel would miss what the spec computes
+        run.spec_hash = spec.source_hash
+        return _refused(kb, run, out_dir, why, why, t0)
     if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
         run.spec_hash = spec.source_hash
         why = GENERATION_REFUSED.format(kind=spec.layout.describe)

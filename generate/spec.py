@@ -9,9 +9,12 @@ Two spec styles (docs/specs.md), also combined in one file, each read by its own
   the value head dim differs from D).
   When a file has both, the mods define the variant expressions and `Model` the reference
   and the shapes.
-- Serving (KernelBench style): paged-KV decode `forward(q, k_cache, v_cache, block_table, seq_lens)` and
-  packed varlen `forward(q, k, v, cu_seqlens)`; `Spec.layout` names the layout, and shapes, aux and
-  reference are the dense view (generate.spec_serving).
+- Serving (KernelBench style): paged-KV decode `forward(q, k_cache, v_cache, block_table, seq_lens)`,
+  packed varlen `forward(q, k, v, cu_seqlens)` (or vLLM's `cu_seqlens_q, cu_seqlens_k, max_seqlen`) and
+  chunked prefill against a paged cache; `Spec.layout` names the layout, and shapes, aux and reference are
+  the dense view (generate.spec_serving).
+- Attention sinks (gpt-oss): `torch.cat([scores, sink], -1).softmax(-1)[..., :-1]`; `Spec.sink` is the sink
+  logit in (b, h), which a kernel starts its online softmax at (m = sink, l = 1; docs/ir.md).
 
 Invariants of a `Spec`: `reference(q, k, v)` is the spec's own computation (the user's Model,
 or a dense torch evaluation of the user's mods, fully masked rows -> 0), never our IR;
@@ -35,12 +38,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from generate.spec_serving import ServingLayout, feature_mask
+from generate.spec_serving import ServingLayout, feature_mask, one_sequence
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.classify import features_from_variants
 from kb.ir.evaluate import dense_scores_mask
-from kb.ir.expr import Expr, print_expr
+from kb.ir.expr import Expr, ExprOp, print_expr, var
 
 if TYPE_CHECKING:
     from generate.spec_flex import FlexMods
@@ -131,6 +134,9 @@ class Spec:
     derived_aux: Mapping[str, tuple[str, bool]] = field(default_factory=dict)
     # a paged-KV or packed varlen spec (generate.spec_serving): shapes, aux and reference are its dense view
     layout: ServingLayout | None = None
+    # an attention sink: the logit, in (b, h), of one more column of the softmax that carries no value (gpt-oss's
+    # learned `sinks[h]`); its aux tensor is in `aux` (and `state`, for a parameter)
+    sink: Expr | None = None
 
     @property
     def softmax_scale(self) -> float:
@@ -145,14 +151,31 @@ class Spec:
         return (print_expr(self.score_mod) if self.score_mod is not None else None,
                 print_expr(self.mask_mod) if self.mask_mod is not None else None)
 
+    @property
+    def sinks(self) -> str | None:
+        """The aux tensor of one sink logit per query head, when the sink is read as `NAME[h]` (gpt-oss's learned
+        sinks); None without a sink. A sink of another form raises KBError: a transfer that starts the online
+        softmax at `NAME[h]` would compute something else."""
+        if self.sink is None:
+            return None
+        if self.sink.op is ExprOp.LOAD and self.sink.args == (var("h"),):
+            return str(self.sink.value)
+        raise KBError(f"{self.path}: the attention sink {self.sink_string()} is not one logit per query head (NAME[h])")
+
+    def sink_string(self) -> str | None:
+        """The attention sink's logit as IR expression text (`sinks[h]`); None without sinks."""
+        return print_expr(self.sink) if self.sink is not None else None
+
     def variants_text(self) -> str:
-        """The variant slots in IR text form."""
+        """The variant slots in IR text form (and the sink: the logit the online softmax starts at)."""
         score, mask = self.variant_strings()
         lines = []
         if score is not None:
             lines.append(f"score_mod(score, b, h, q_idx, kv_idx) = {score}")
         if mask is not None:
             lines.append(f"mask_mod(b, h, q_idx, kv_idx) = {mask}")
+        if self.sink is not None:
+            lines.append(f"sink(b, h) = {self.sink_string()}")
         return "\n".join(lines)
 
 
@@ -233,19 +256,25 @@ def _model_spec(path: Path, source_hash: str, model: ModelSpec, flex: FlexMods |
         score, mask, aux, scale = flex.score_mod, flex.mask_mod, flex.aux, flex.scale(model.shapes)
     shapes = model.shapes
     return Spec(path, SpecKind.KERNELBENCH if flex is None else SpecKind.BOTH, score, mask, aux, shapes,
-                _scale_or_none(scale, shapes.D), _features(score, mask, shapes, model.layout, model.derived_aux),
+                _scale_or_none(scale, shapes.D),
+                _features(score, mask, shapes, model.layout, model.derived_aux, model.sink is not None),
                 source_hash, model.reference, model.forward_names, model.qkv_names, model.init_params,
                 out_dtype=model.out_dtype, state=model.state, state_values=model.state_values,
                 heads_fixed=model.heads_fixed, init_fixed=model.init_fixed, lengths_fixed=model.lengths_fixed, derived_aux=model.derived_aux,
-                layout=model.layout)
+                layout=model.layout, sink=model.sink)
 
 
 def _features(score: Expr | None, mask: Expr | None, shapes: Shapes, layout: ServingLayout | None,
-              derived: Mapping[str, tuple[str, bool]]) -> Features:
+              derived: Mapping[str, tuple[str, bool]], sinks: bool = False) -> Features:
+    """Classified as for a dense spec; a serving spec's expressions without its layout's own bounds and read for one
+    sequence filling the dense view (generate.spec_serving.one_sequence)."""
+    if layout is not None:
+        mask = feature_mask(mask, layout, derived, (shapes.M, shapes.N))
+        score = one_sequence(score, layout, derived, shapes.M, shapes.N) if score is not None else None
     return features_from_variants(
-        score, mask if layout is None else feature_mask(mask, layout, derived), head_dim=shapes.D,
-        dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M, seq_kv=shapes.N,
-        paged_kv=layout is not None and layout.kind != "varlen", varlen=layout is not None and layout.kind == "varlen",
+        score, mask, head_dim=shapes.D, dtype=shapes.dtype, gqa_ratio=shapes.gqa_ratio, seq_q=shapes.M,
+        seq_kv=shapes.N, paged_kv=layout is not None and layout.kind != "varlen",
+        varlen=layout is not None and layout.kind in ("varlen", "chunked"), sinks=sinks,
     )
 
 
@@ -295,8 +324,13 @@ def variants_attention(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     s = (q.float() @ kk.transpose(-2, -1)) * spec.softmax_scale
     env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": D}
-    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, spec.aux if aux is None else aux)
+    tensors = spec.aux if aux is None else aux
+    s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, tensors)
     keep = keep.expand(B, Hq, M, N)
-    p = torch.softmax(s.float().masked_fill(~keep, -math.inf), dim=-1)
+    s = s.float().masked_fill(~keep, -math.inf)
+    if spec.sink is not None:  # one more column in the softmax, dropped after it (it carries no value)
+        sink = torch.as_tensor(dense_scores_mask(torch.zeros(B, Hq, M, 1), spec.sink, None, env, tensors)[0]).float()
+        return (torch.softmax(torch.cat([s, sink.expand(B, Hq, M, 1)], dim=-1), dim=-1)[..., :-1] @ vv).to(q.dtype)
+    p = torch.softmax(s, dim=-1)
     p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros((), dtype=p.dtype))
     return (p @ vv).to(q.dtype)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from generate.spec import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
-from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference
+from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference, visible_keys
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, print_expr, walk
@@ -49,6 +49,7 @@ class ModelSpec:
     lengths_fixed: tuple[int, int] | None
     derived_aux: dict[str, tuple[str, bool]]
     layout: ServingLayout | None
+    sink: Expr | None  # an attention sink's logit in (b, h), e.g. sinks[h]
 
 
 def load_model(module: Any, path: Path) -> ModelSpec:
@@ -69,8 +70,10 @@ def load_model(module: Any, path: Path) -> ModelSpec:
         heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
     else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
-        shapes = _serving_shapes(layout, dict(zip(names, inputs)), path)
-        reference = serving_reference(model, inputs, names, layout, path)
+        named = dict(zip(names, inputs))
+        shapes = _serving_shapes(layout, named, path)
+        visible = visible_keys(layout, named, traced.mask_mod, traced.aux) if layout.kind != "varlen" else None
+        reference = serving_reference(model, inputs, names, layout, path, visible)
         score, mask = traced.score_mod, traced.mask_mod
     out_dtype = _dtype_name(traced.out_dtype, "output", path)
     state, state_values = _state_of(model, kinds, traced.state, traced.baked)
@@ -78,7 +81,7 @@ def load_model(module: Any, path: Path) -> ModelSpec:
     _check_constants(module, model, set(aux) - set(traced.state) - set(names) - set(traced.derived), path)
     return ModelSpec(score, mask, aux, traced.scale, shapes, reference, tuple(names), (traced.q, traced.k, traced.v),
                      _init_names(module.Model), out_dtype, state, state_values, heads_fixed, init_fixed,
-                     lengths_fixed, dict(traced.derived), layout)
+                     lengths_fixed, dict(traced.derived), layout, traced.sink)
 
 
 def _model_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -213,9 +213,12 @@ def select(s: Sym, dim: int, i: int) -> Sym:
     return Sym(s.shape[:dim] + s.shape[dim + 1:], _rename(s.expr, mapping), s.dtype)
 
 
-def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True) -> Sym:
+def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True,
+          known: Mapping[str, torch.Tensor] | None = None) -> Sym:
     """Advanced indexing `s[indices]` (None = full slice), torch/numpy placement rules. Negative indices
-    wrap as in torch unless `wrap` is False (an embedding lookup, where torch refuses them)."""
+    wrap as in torch unless `wrap` is False (an embedding lookup, where torch refuses them) or the index is
+    nonnegative wherever it is read: over the dims, with the loads of `known` tensors (sequence ids derived
+    from offsets, whatever the offsets) evaluated."""
     present = [k for k, ix in enumerate(indices) if ix is not None]
     if not present:
         return s
@@ -243,22 +246,24 @@ def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True) -> Sym:
         ix_expr = _rename(ix.expr, {j: dvar(bstart + j) for j in range(nb)})
         n = s.shape[k]
         # negative indices wrap, as in torch
-        if wrap and _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape):
+        if wrap and _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape, known or {}):
             ix_expr = Expr(ExprOp.MOD, (ix_expr, const(n)))
         mapping[k] = ix_expr
     shape = tuple(s.shape[k] for k in before) + bshape + tuple(s.shape[k] for k in after)
     return Sym(shape, _rename(s.expr, mapping), s.dtype)
 
 
-def _nonnegative(e: Expr, shape: tuple[int, ...]) -> bool:
-    """True if `e` (over dim vars only) is >= 0 everywhere on `shape`."""
+def _nonnegative(e: Expr, shape: tuple[int, ...], known: Mapping[str, torch.Tensor]) -> bool:
+    """True if `e` (over dim vars and loads of `known` only) is >= 0 everywhere on `shape`."""
     from kb.ir.evaluate import eval_expr
 
     if not free_vars(e) <= {f"_d{k}" for k in range(len(shape))}:
         return False
+    if any(n.op is ExprOp.LOAD and n.value not in known for n in walk(e)):
+        return False
     env = {f"_d{k}": torch.arange(n).view([n if j == k else 1 for j in range(len(shape))]) for k, n in enumerate(shape)}
     try:
-        return bool((torch.as_tensor(eval_expr(e, env)) >= 0).all())
+        return bool((torch.as_tensor(eval_expr(e, env, dict(known))) >= 0).all())
     except Exception:  # noqa: BLE001
         return False
 

@@ -51,7 +51,6 @@ __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf
 log = logging.getLogger(__name__)
 
 NameOf = Callable[[torch.Tensor], str | None]
-_IDX = ("b", "h", "q_idx", "kv_idx")
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,9 @@ class Operand:
 
 @dataclass(frozen=True)
 class _Probs:
-    pass
+    """softmax of the scores; `sink`: the number of key columns while an attention sink's column follows them."""
+
+    sink: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,11 @@ class TracedAttention:
     # inputs read as packed tokens [T, H, D] (`x.transpose(0, 1).unsqueeze(0)`)
     gathers: Mapping[str, str] = field(default_factory=dict)
     packed: frozenset[str] = frozenset()
+    # an attention sink: the logit (in b, h) of a column the softmax saw beside the keys, which carries no value
+    sink: Expr | None = None
+    # chunked prefill: the cache gathered per packed query token by the token's sequence; (ids, offsets) of
+    # `ids = searchsorted(offsets, arange(T), right=True)`, the expressions written per (sequence b, query q_idx)
+    token_seq: tuple[str, str] | None = None
 
 
 @dataclass
@@ -123,6 +129,10 @@ class _State:
     logits: Sym | None = None
     softmax_node: torch.fx.Node | None = None
     n_const: int = 0
+    score_dims: tuple[str, ...] = ("b", "h", "q_idx", "kv_idx")  # the names of the score tensor's dims (SCORE_LAYOUTS)
+    sink_cat: int | None = None  # keys before the sink column that torch.cat appended to the scores
+    sink: Expr | None = None  # the sink logit, named (b, h)
+    token_seq: tuple[str, str] | None = None  # per-token gathered KV: (ids, offsets) of `ids[t] - 1`, the token's sequence
 
 
 def _where(node: torch.fx.Node, source: str | None) -> str:
@@ -314,6 +324,8 @@ def _gather(node: torch.fx.Node, x: Operand, indices: Sequence[Any], out_shape: 
     integer table [B, MAX_PAGES] / [B, MAX_CTX] (a forward input) gives [B, MAX_PAGES, PAGE, Hkv, D] /
     [B, MAX_CTX, Hkv, D]; flattening (page, slot) gives the key axis."""
     table = indices[0] if len(indices) == 1 else None
+    if x.labels[:2] == ("b", "s") and isinstance(table, Sym) and len(table.shape) == 1:
+        return _token_gather(node, x, table, out_shape, st)
     if x.labels[0] not in ("page", "tok") or not isinstance(table, Sym) or table.expr.op is not ExprOp.LOAD \
             or len(table.shape) != 2:
         raise _err(node, st, f"indexing {x.name} other than as a KV cache read through an integer table of a forward "
@@ -321,6 +333,21 @@ def _gather(node: torch.fx.Node, x: Operand, indices: Sequence[Any], out_shape: 
     st.gathers[x.name] = str(table.expr.value)
     head = ("b", "p") if x.labels[0] == "page" else ("b", "s")
     return replace(x, labels=head + x.labels[1:], shape=out_shape)
+
+
+def _token_gather(node: torch.fx.Node, x: Operand, seq: Sym, out_shape: tuple[int, ...], st: _State) -> Operand:
+    """`cache[block_table].flatten(1, 2)[seq]` with seq = searchsorted(offsets, arange(T), right=True) - 1: each packed
+    query token t reads the keys of its own sequence (chunked prefill); the token's dim is labelled t."""
+    e = seq.expr
+    ids = e.args[0] if e.op is ExprOp.SUB and e.args[1] == const(1) else None
+    found = (str(ids.value), st.derived[str(ids.value)][0]) if ids is not None and ids.op is ExprOp.LOAD \
+        and ids.args == (S.dvar(0),) and st.derived.get(str(ids.value), ("", False))[1] else None
+    if found is None or st.token_seq not in (None, found):
+        raise _err(node, st, f"indexing the gathered {x.name} per query token other than by the token's sequence "
+                             f"({x.name}[block_table].flatten(1, 2)[seq] with seq = torch.searchsorted(query_start_loc, "
+                             "torch.arange(T), right=True) - 1)")
+    st.token_seq = found
+    return replace(x, labels=("t",) + x.labels[1:], shape=out_shape)
 
 
 def _resolved(x: Operand, st: _State) -> Operand:
@@ -370,27 +397,95 @@ def _operand_view(node: torch.fx.Node, x: Operand, out_shape: tuple[int, ...], s
 
 def _expect(x: Operand, labels: tuple[str, ...], node: torch.fx.Node, st: _State, what: str) -> None:
     if "x" in x.labels:
-        raise _err(node, st, f"{what}: {x.name} is a 3-D input used as {x.labels}; reach [B, H, S, D] with "
-                             f"{x.name}.unsqueeze(2) for one query per sequence ([B, H, D]) or "
-                             f"{x.name}.transpose(0, 1).unsqueeze(0) for packed tokens ([T, H, D])")
+        raise _err(node, st, _three_d(x, what))
     if x.labels != labels:
         raise _err(node, st, f"{what}: {x.name} has layout {x.labels}, expected {labels} "
                              "(inputs must be [B, H, S, D])")
 
 
-def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, st: _State) -> Sym:
+def _three_d(x: Operand, what: str) -> str:
+    return (f"{what}: {x.name} is a 3-D input used as {x.labels}; reach [B, H, S, D] with {x.name}.unsqueeze(2) for one "
+            f"query per sequence ([B, H, D]) or {x.name}.transpose(0, 1).unsqueeze(0) for packed tokens ([T, H, D]), "
+            f"or multiply [H, T, D] packed tokens (q.transpose(0, 1) @ k.transpose(0, 1).transpose(1, 2)), or einsum "
+            f"'bhd,bhnd->bhn' for one query per sequence")
+
+
+# The dims of the attention scores, named: b (batch), h (query head), q_idx, kv_idx, and t, a packed query token whose
+# keys are its own sequence's (chunked prefill: the cache gathered per token). The layouts a spec may compute them in:
+SCORE_LAYOUTS = {("b", "h", "q_idx", "kv_idx"),  # [B, H, M, N]
+                 ("b", "h", "kv_idx"),  # one query per sequence without a query axis: einsum("bhd,bhnd->bhn")
+                 ("h", "q_idx", "kv_idx"),  # packed tokens as [H, T, D] operands: one batch
+                 ("t", "h", "kv_idx")}  # packed query tokens against their sequence's gathered keys: einsum("thd,tnhd->thn")
+# (q's label, k's label) of one subscript of Q K^T -> the score dim it is ('x': a 3-D input's first dim, read off here)
+_QK_DIMS = {("b", "b"): "b", ("x", "b"): "b", ("h", "h"): "h", ("s", None): "q_idx", (None, "s"): "kv_idx",
+            ("x", None): "q_idx", (None, "x"): "kv_idx", ("x", "t"): "t"}
+# score dim -> the labels v may have there in P @ V
+_PV_DIMS = {"b": ("b",), "h": ("h",), "t": ("t",), "q_idx": (None,), "kv_idx": ("s", "x")}
+
+
+def _matmul_subscripts(ra: int, rb: int) -> tuple[str, str, str]:
+    """torch.matmul of ranks ra, rb >= 2 as einsum subscripts (batch dims broadcast from the right)."""
+    n = max(ra, rb) - 2
+    batch = "abcdefgh"[:n]
+    return batch[n - (ra - 2):] + "MK", batch[n - (rb - 2):] + "KN", batch + "MN"
+
+
+def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, shape: tuple[int, ...], dims: tuple[str, ...],
+                  st: _State) -> Sym:
+    """The score Sym (shape as the spec computes it, dims named by `dims`): `score`, times run-time factors of q, k."""
     if st.q is not None:
         raise _err(node, st, "a second QK^T product (only one attention per spec is supported)")
     if q.rep != 1:
         raise _err(node, st, f"{q.name} has repeated heads")
-    st.q, st.k = q, k
-    B, H, M = q.shape[0], q.shape[1], q.shape[2]
-    N = k.shape[3] if k.labels[2] == "d" else k.shape[2]
+    st.q, st.k, st.score_dims = q, k, dims
     score = var("score")
     for f in (q.factor, k.factor):  # run-time scalars q or k were multiplied by: factors of every score
         if f is not None:
             score = Expr(ExprOp.MUL, (score, f))
-    return Sym((B, H, M, N), score, _dtype_of(node))
+    return Sym(shape, score, _dtype_of(node))
+
+
+def _qk_product(node: torch.fx.Node, a: Operand, b: Operand, subscripts: tuple[str, str, str], what: str,
+                st: _State) -> Sym:
+    """Q K^T with each operand's dims named by subscripts (an einsum's, or a matmul's own): the score dims (one of
+    SCORE_LAYOUTS) read off what q and k hold there; the one contracted dim is the head dim of both."""
+    la, lb, out = subscripts
+    qa, kb = dict(zip(la, a.labels)), dict(zip(lb, b.labels))
+    dims = tuple(_QK_DIMS.get((qa.get(c), kb.get(c)), "?") for c in out)
+    contracted = (set(la) | set(lb)) - set(out)
+    if len(la) != len(a.labels) or len(lb) != len(b.labels) or dims not in SCORE_LAYOUTS or len(contracted) != 1 \
+            or any(qa.get(c) != "d" or kb.get(c) != "d" for c in contracted):
+        bad = next((x for x in (a, b) if "x" in x.labels), None)
+        raise _err(node, st, _three_d(bad, what) if bad is not None else
+                   f"{what}: {a.name} {a.labels} and {b.name} {b.labels} do not give the scores of one attention over "
+                   "[B, H, S, D] inputs (inputs must be [B, H, S, D])")
+    if dims == ("h", "q_idx", "kv_idx") and "x" in a.labels:
+        st.packed |= {a.name, b.name}  # [T, H, D] inputs multiplied as [H, T, D]: packed tokens
+    return _start_scores(node, a, b, tuple(node.meta["val"].shape), dims, st)
+
+
+def _pv_product(node: torch.fx.Node, probs: Any, v: Any, subscripts: tuple[str, str, str], what: str,
+                st: _State) -> _Output:
+    """P @ V with subscripts: P's dims are the scores' (st.score_dims); v holds the keys at P's kv_idx and the head dim
+    where the output has it, and matches P's batch, head or token dims; the output is P's dims with kv_idx -> d."""
+    if not isinstance(probs, _Probs) or not isinstance(v, Operand):
+        raise _err(node, st, "the second matmul must be softmax(scores) @ v")
+    if probs.sink is not None:
+        raise _err(node, st, "the attention sink's column is still in the probabilities: drop it before the product "
+                             "with v (torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1] @ v)")
+    lp, lv, out = subscripts
+    dims = st.score_dims
+    pv = dict(zip(lv, v.labels))
+    kv = lp[dims.index("kv_idx")] if len(lp) == len(dims) else ""
+    d = [c for c in lv if pv[c] == "d"]
+    if len(lp) != len(dims) or len(lv) != len(v.labels) or len(d) != 1 or out != lp.replace(kv, d[0]) \
+            or not set(lv) <= set(lp) | set(d) or any(pv.get(c) not in _PV_DIMS[n] for c, n in zip(lp, dims)):
+        if "x" in v.labels and dims == ("b", "h", "q_idx", "kv_idx"):
+            raise _err(node, st, _three_d(v, what))
+        raise _err(node, st, f"{what}: {v.name} {v.labels} does not hold the values of the keys of scores {dims}")
+    if pv[kv] == "x":
+        st.packed.add(v.name)
+    return _finish(node, probs, replace(v, labels=("b", "h", "s", "d")), st)
 
 
 def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
@@ -407,12 +502,13 @@ def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
 
 
 def _matmul(node: torch.fx.Node, a: Any, b: Any, st: _State) -> Any:
+    if isinstance(b, Operand):
+        b = _resolved(b, st)
+    ranks = (len(node.args[0].meta["val"].shape), len(node.args[1].meta["val"].shape))  # type: ignore[union-attr]
+    subscripts = _matmul_subscripts(*ranks) if min(ranks) >= 2 else ("", "", "")
     if isinstance(a, Operand) and isinstance(b, Operand):
-        a, b = _resolved(a, st), _resolved(b, st)
-        _expect(a, ("b", "h", "s", "d"), node, st, "Q @ K^T")
-        _expect(b, ("b", "h", "d", "s"), node, st, "Q @ K^T")
-        return _start_scores(node, a, b, st)
-    return _finish(node, a, b, st)
+        return _qk_product(node, _resolved(a, st), b, subscripts, "Q @ K^T", st)
+    return _pv_product(node, a, b, subscripts, "P @ V", st)
 
 
 def _einsum(node: torch.fx.Node, eq: str, ops: list[Any], st: _State) -> Any:
@@ -422,21 +518,9 @@ def _einsum(node: torch.fx.Node, eq: str, ops: list[Any], st: _State) -> Any:
         raise _err(node, st, f"einsum {eq!r}")
     a, b = ops
     if isinstance(a, Operand) and isinstance(b, Operand):
-        la = dict(zip(ins[0], a.labels))
-        lb = dict(zip(ins[1], b.labels))
-        qs = next((c for c, lab in la.items() if lab == "s"), None)
-        ks = next((c for c, lab in lb.items() if lab == "s"), None)
-        d = next((c for c, lab in la.items() if lab == "d"), None)
-        bh = [c for c, lab in la.items() if lab in ("b", "h")]
-        if None in (qs, ks, d) or lb.get(d) != "d" or out != "".join(bh) + qs + ks or \
-                [la[c] for c in bh] != ["b", "h"] or [lb.get(c) for c in bh] != ["b", "h"]:
-            raise _err(node, st, f"einsum {eq!r} is not Q K^T over [B, H, S, D] inputs")
-        return _start_scores(node, replace(a, labels=("b", "h", "s", "d")), replace(b, labels=("b", "h", "d", "s"), shape=b.shape[:2] + (b.shape[3], b.shape[2])), st)
+        return _qk_product(node, _resolved(a, st), _resolved(b, st), (ins[0], ins[1], out), f"einsum {eq!r}", st)
     if isinstance(a, _Probs) and isinstance(b, Operand):
-        lb = dict(zip(ins[1], b.labels))
-        if ins[0][:2] != out[:2] or lb.get(ins[0][3]) != "s" or out[3] not in lb or lb[out[3]] != "d":
-            raise _err(node, st, f"einsum {eq!r} is not P @ V")
-        return _finish(node, a, replace(b, labels=("b", "h", "s", "d")), st)
+        return _pv_product(node, a, _resolved(b, st), (ins[0], ins[1], out), f"einsum {eq!r}", st)
     raise _err(node, st, f"einsum {eq!r} on unsupported operands")
 
 
@@ -658,7 +742,10 @@ def _select(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], s
 
 @_score_op("index")
 def _index(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
-    return S.index(_sym(args[0], node, st), [None if i is None else _sym(i, node, st) for i in args[1]])
+    # sequence ids from offsets (searchsorted right, >= 1 at every position of offsets that start at 0) minus 1 index
+    # a per-sequence table without wrapping around
+    derived = {n: t for n, t in st.aux.items() if n in st.derived and st.derived[n][1]}
+    return S.index(_sym(args[0], node, st), [None if i is None else _sym(i, node, st) for i in args[1]], known=derived)
 
 
 @_score_op("tril", "triu")
@@ -764,6 +851,24 @@ def _embedding(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any]
     return S.index(weight, [ix, None], wrap=False)
 
 
+@_score_op("cat")
+def _cat(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
+    """`torch.cat([scores, sink], dim=-1)`: an attention sink's logit as one more column of the scores, which the
+    softmax then sees and `[..., :-1]` drops (gpt-oss). Read as `where(j < N, scores, sink)` (see `_split_sink`)."""
+    parts = [_sym(a, node, st) for a in args[0]]
+    shape = _out_shape(node)
+    dim = args[1] if len(args) > 1 else kw.get("dim", 0)
+    if shape is None or len(parts) != 2 or dim % len(shape) != len(shape) - 1 or st.sink_cat is not None \
+            or "score" not in free_vars(parts[0].expr) or "score" in free_vars(parts[1].expr) or parts[1].shape[-1] != 1:
+        raise _err(node, st, "torch.cat other than of one attention-sink column after the scores: write "
+                             "torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] with sink [B, H, M, 1]")
+    last, n = len(shape) - 1, parts[0].shape[-1]
+    keys = S.broadcast_to(parts[0], shape[:-1] + (n,))
+    sink = substitute(S.broadcast_to(parts[1], shape[:-1] + (1,)).expr, {f"_d{last}": const(0)})
+    st.sink_cat = n
+    return Sym(shape, Expr(ExprOp.WHERE, (Expr(ExprOp.LT, (S.dvar(last), const(n))), keys.expr, sink)), _dtype_of(node))
+
+
 @_score_op("searchsorted")
 def _searchsorted(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`torch.searchsorted(offsets, arange(S), right=...)`: per-position ids from a 1-D forward input (document
@@ -822,6 +927,27 @@ def _and(a: Expr | None, b: Expr | None) -> Expr | None:
     return Expr(ExprOp.AND, (a, b))
 
 
+def _per_sequence(e: Expr, ids: str, offsets: str) -> Expr:
+    """Scores of packed query tokens t (chunked prefill) as scores of (sequence b, its query q_idx): token q_idx of
+    sequence b is t = offsets[b] + q_idx, and its sequence id ids[t] (searchsorted right) is b + 1."""
+    b1 = Expr(ExprOp.ADD, (var("b"), const(1)))
+
+    def seq(n: Expr) -> Expr:
+        if n.op is ExprOp.LOAD and n.value == ids and n.args == (var("t"),):
+            return b1
+        return Expr(n.op, tuple(seq(a) for a in n.args), n.value) if n.args else n
+
+    start = Expr(ExprOp.LOAD, (var("b"),), offsets)
+
+    def cancel(n: Expr) -> Expr:  # (offsets[b] + x) - offsets[b] -> x: the token's position in its chunk
+        n = Expr(n.op, tuple(cancel(a) for a in n.args), n.value) if n.args else n
+        if n.op is ExprOp.SUB and n.args[0].op is ExprOp.ADD and n.args[0].args[0] == n.args[1] == start:
+            return n.args[0].args[1]
+        return n
+
+    return simplify(cancel(simplify(substitute(seq(e), {"t": Expr(ExprOp.ADD, (start, var("q_idx")))}))))
+
+
 def _extract_scale(e: Expr) -> tuple[Expr, float]:
     """If every `score` sits in `score * c` (same c), fold c into the softmax scale."""
     factors = {float(n.args[1].value) for n in walk(e)  # type: ignore[arg-type]
@@ -853,7 +979,9 @@ def _normalize_scale(e: Expr) -> Expr:
 
 
 def _variants(logits: Sym, node: torch.fx.Node, st: _State) -> tuple[Expr | None, Expr | None, float]:
-    named = substitute(logits.expr, {f"_d{k}": var(n) for k, n in enumerate(_IDX)})
+    named = substitute(logits.expr, {f"_d{k}": var(n) for k, n in enumerate(st.score_dims)})
+    if st.token_seq is not None:
+        named = _per_sequence(named, *st.token_seq)
     named = simplify(named)
     score, mask = _split_mask(named)
     score = simplify(_normalize_scale(simplify(score)))
@@ -1107,6 +1235,10 @@ def _step(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
     if isinstance(first, _Probs):
         if pk in _IDENTITY | _CASTS:
             return first
+        if _sink_dropped(node, first, args):
+            return _Probs()
+        if first.sink is not None:
+            raise _err(node, st, "the attention sink's column must be dropped right after the softmax, as p[..., :-1]")
         raise _err(node, st, "op between softmax and the product with v")
     if isinstance(first, _Output):
         if pk in _IDENTITY | _CASTS or (pk in _OUTPUT_LAYOUT and (st.gathers or st.packed)):
@@ -1153,13 +1285,46 @@ def _softmax(node: torch.fx.Node, args: list[Any], st: _State) -> _Probs:
     x = args[0]
     if not isinstance(x, Sym) or "score" not in free_vars(x.expr):
         raise _err(node, st, "softmax of something other than the attention scores")
-    if args[1] % len(x.shape) != len(x.shape) - 1 or len(x.shape) != 4:
+    if args[1] % len(x.shape) != len(x.shape) - 1 or len(x.shape) != len(st.score_dims):
         raise _err(node, st, "softmax over a dim other than the last of [B, H, M, N]")
     if st.logits is not None:
         raise _err(node, st, "a second softmax")
-    st.logits = x
     st.softmax_node = node
-    return _Probs()
+    if st.sink_cat is None:
+        st.logits = x
+        return _Probs()
+    st.logits, st.sink = _split_sink(x, st.sink_cat, node, st)
+    return _Probs(sink=st.sink_cat)
+
+
+def _split_sink(x: Sym, n: int, node: torch.fx.Node, st: _State) -> tuple[Sym, Expr]:
+    """Logits [..., n + 1] whose last column is an attention sink (see `_cat`) -> (the key logits [..., n], the sink
+    logit named by (b, h)). `where(j < n, keys, sink)` marks the column: the keys take its first branch, the sink its
+    second with j = n, so ops applied after the cat (a scale, a cast) apply to both, exactly."""
+    last = len(x.shape) - 1
+    marker = Expr(ExprOp.LT, (S.dvar(last), const(n)))
+
+    def pick(e: Expr, branch: int) -> Expr:
+        if e.op is ExprOp.WHERE and e.args[0] == marker:
+            return pick(e.args[branch], branch)
+        return Expr(e.op, tuple(pick(a, branch) for a in e.args), e.value) if e.args else e
+
+    keys = Sym(x.shape[:-1] + (n,), pick(x.expr, 1), x.dtype)
+    sink = substitute(pick(x.expr, 2), {f"_d{last}": const(n)})
+    named = simplify(substitute(sink, {f"_d{k}": var(name) for k, name in enumerate(st.score_dims)}))
+    if free_vars(named) - {"b", "h"}:
+        raise _err(node, st, f"an attention sink that depends on {', '.join(sorted(free_vars(named) - {'b', 'h'}))} "
+                             "(a sink is one logit per batch and head, e.g. self.sinks[h])")
+    return keys, named
+
+
+def _sink_dropped(node: torch.fx.Node, p: _Probs, args: list[Any]) -> bool:
+    """`p[..., :-1]` (or `[..., :n]`) of probabilities with a sink column: the keys' probabilities."""
+    if p.sink is None or _packet(node) != "slice":
+        return False
+    ndim = len(node.meta["val"].shape)
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    return dim % ndim == ndim - 1 and start in (0, None) and end in (-1, p.sink) and step == 1
 
 
 def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> _Output:
@@ -1176,8 +1341,7 @@ def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
         k, v = replace(k, rep=k.rep * rep), replace(v, rep=v.rep * rep)
     _expect(q, ("b", "h", "s", "d"), node, st, "sdpa")
     _expect(k, ("b", "h", "s", "d"), node, st, "sdpa")
-    kt = replace(k, labels=("b", "h", "d", "s"), shape=k.shape[:2] + (k.shape[3], k.shape[2]))
-    scores = _start_scores(node, q, kt, st)
+    scores = _start_scores(node, q, k, (*q.shape[:3], k.shape[2]), ("b", "h", "q_idx", "kv_idx"), st)
     scale = a.get("scale")
     d = q.shape[3]
     sc = S.binary(ExprOp.MUL, scores, S.scalar_sym(float(scale) if scale is not None else 1.0 / math.sqrt(d)))
@@ -1244,13 +1408,13 @@ def trace_attention(
         raise KBError("the spec's forward does not compute softmax(q @ k^T) @ v (no attention pattern found)",
                       hint="see docs/specs.md for the supported attention patterns")
     score, mask, c = _variants(st.logits, st.softmax_node, st)  # type: ignore[arg-type]
-    used = set().union(*(e and {n.value for n in walk(e) if n.op is ExprOp.LOAD} or set() for e in (score, mask)))
+    used = set().union(*(e and {n.value for n in walk(e) if n.op is ExprOp.LOAD} or set() for e in (score, mask, st.sink)))
     aux = {k: v for k, v in st.aux.items() if k in used}
     return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
                            st.k.rep, aux, out_dtype=_output_dtype(gm),
                            state={k: v for k, v in st.state.items() if k in used}, baked=frozenset(st.baked),
                            derived={k: v for k, v in st.derived.items() if k in used}, gathers=dict(st.gathers),
-                           packed=frozenset(st.packed))
+                           packed=frozenset(st.packed), sink=st.sink, token_seq=st.token_seq)
 
 
 def _gathered_inputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
