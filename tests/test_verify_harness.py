@@ -86,3 +86,13 @@ def test_score_formulas() -> None:
     assert composite_score(True, False, 0.9) == pytest.approx(0.2)
     flops = attention_flops(1, 1, 1024, 1024, 128)
     assert roofline_ms(flops, 0.0, 1000.0, 1.0) == pytest.approx(flops / 1e15 * 1e3)
+
+
+def test_a_kernel_that_ignores_a_learned_parameter_is_caught_when_it_is_redrawn() -> None:
+    opts = VerifyOptions(torch_baseline=True, distributions=("normal",), max_cases=1, timeout_s=300)
+    honest = verify(FIX / "sink_spec.py", FIX / "sink_torch.py", opts)
+    assert honest.verdict is Verdict.passed, honest.message
+    assert any("learned parameters redrawn as N(0, 3): sinks" in n for n in honest.notes)
+    cheat = verify(FIX / "sink_spec.py", FIX / "sink_ignored.py", opts)
+    assert cheat.verdict is Verdict.numeric_mismatch, cheat.message
+    assert cheat.calls == honest.calls  # every call at the spec's own sinks passed: only the redrawn one fails

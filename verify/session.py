@@ -89,7 +89,33 @@ class Session(BackwardChecks):
             finding = self._run_case(ci, case)
             if finding:
                 return finding
-        return None
+        return self._redrawn_parameters(cases[0] if cases else None)
+
+    def _redrawn_parameters(self, case: ShapeCase | None) -> Finding | None:
+        """One more call with every learned tensor of Model (an nn.Parameter of at least one dim) redrawn as N(0, 3),
+        shared into ModelNew by name as before. Training moves parameters anywhere, and at their initial values some
+        barely matter (attention sinks at +-1 against hundreds of keys): a kernel that ignores or bakes one passes the
+        calls above but not this one. Scalars (a learnable temperature) keep their values: 0 or a sign flip is no
+        state a model trains through."""
+        redrawn = [(n, p) for n, p in self.native_model.named_parameters() if p.dim() >= 1]
+        if not redrawn:
+            return None
+        gen = torch.Generator().manual_seed(self.seed + 77)
+        ref_params = dict(self.ref_model.named_parameters())
+        with torch.no_grad():
+            for name, p in redrawn:
+                p.copy_((3.0 * torch.randn(p.shape, generator=gen)).to(p.dtype))
+                ref_params[name].copy_(p.float())
+        try:
+            _share_weights(self.native_model, self.cand)
+        except Exception as err:  # noqa: BLE001 - candidate code (its load_state_dict hooks)
+            return self._error(err, Ctx(case, "-", self.seed + 77, "share redrawn parameters"))
+        self.notes.append(f"one call with learned parameters redrawn as N(0, 3): {', '.join(n for n, _ in redrawn)}")
+        dist = self.opts.distributions[0]
+        ctx = Ctx(case, dist, self.seed + 77, "learned parameters redrawn")
+        inputs = self._leaves(make_inputs(self.spec, self.layout, case, dist, ctx.seed, self.device))
+        finding, _ = self._checked_call(inputs, reference_output(self.ref_model, inputs), ctx)
+        return finding
 
     def _run_case(self, ci: int, case: ShapeCase | None) -> Finding | None:
         for di, dist in enumerate(self.opts.distributions):
