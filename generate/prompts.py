@@ -44,7 +44,7 @@ block       := INDENT stmt+ DEDENT
 stmt        := "let" NAME "=" EXPR
              | "load" NAME "=" NAME "[" index ("," index)* "]" ["other" FLOAT]
              | "store" NAME "[" index ("," index)* "]" ("=" | "+=") NAME      # += accumulates (f32 targets)
-             | "init" NAME "=" "full(" dims ";" FLOAT ")" DTYPE
+             | "init" NAME "=" "full(" dims ";" (FLOAT | EXPR) ")" DTYPE       # EXPR: a scalar, e.g. sinks[h]
              | "dot" NAME "=" (NAME | "trans(" NAME ")") "@" (NAME | "trans(" NAME ")")
              | "elementwise" NAME "=" EXPR
              | "reduce" NAME "=" ("max"|"sum") "(" NAME "," INT ")"

@@ -283,12 +283,6 @@ def test_cuda_lowering_refuses_token_major_paged_decode() -> None:
         lower_program(_program("paged_decode"))
 
 
-def test_triton_lowering_refuses_sinks_on_a_serving_layout() -> None:
-    from kb.lower.triton import lower_program
-    with pytest.raises(KBError, match=r"varlen/paged programs does not support an init filled by an expression"):
-        lower_program(_program("paged_decode_sinks"))
-
-
 def test_lowerings_refuse_an_init_filled_by_an_expression() -> None:
     from kb.lower.triton import lower_program
     p = FIXTURES["plain"]()

@@ -115,6 +115,17 @@ def test_paged_decode_gqa(dtype: torch.dtype, cache_dir: Path) -> None:
     assert bool((got["o"][1] == 0).all()) and bool(torch.isneginf(got["lse"][1]).all())
 
 
+def test_paged_decode_with_sinks(cache_dir: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    kv_lens = [0, 5, 13]  # an empty sequence: the sink takes all the weight, o = 0 and lse = sink
+    k, v, table = _paged_cache(g, kv_lens, page=8, max_pages=2, dtype=torch.float32)
+    q, sinks = torch.randn(len(kv_lens), HQ, D, generator=g), torch.linspace(-2.0, 3.0, HQ)
+    inputs = {"q": q, "k": k, "v": v, "block_table": table, "seq_lens": torch.tensor(kv_lens, dtype=torch.int32),
+              "sinks": sinks, "sm_scale": SCALE}
+    got = _run_and_compare("paged_decode_sinks", torch.float32, inputs, None, cache_dir)
+    assert bool((got["o"][0] == 0).all()) and torch.equal(got["lse"][0], sinks)
+
+
 def test_page_numbers_out_of_range_read_zeros(cache_dir: Path) -> None:
     g = torch.Generator().manual_seed(3)
     kv_lens = [13, 20]

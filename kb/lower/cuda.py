@@ -427,6 +427,8 @@ class CudaKernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
     def s_init(self, st: Init) -> None:
         shape = tuple(str(self._const_size(d)) for d in st.shape)
         out = self.new_tile(st.out, shape, st.dtype)
+        if isinstance(st.fill, Expr):  # check_attention_params refuses these programs before any statement
+            raise KBError(f"init {st.out}: the CUDA lowering takes constant fills only")
         fill = float_literal(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else str(int(st.fill))
         with self.elements(shape) as c:
             self.emit(f"{out.code}[{out.addr(c)}] = kb_cvt<{CTYPE[st.dtype]}>({fill});"

@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from string import Template
 
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars
-from kb.ir.nodes import IfBlock, Init, Program, is_backward, serving_constructs, walk_stmts
+from kb.ir.expr import Expr, ExprOp, call, const
+from kb.ir.nodes import IfBlock, Program, is_backward, serving_constructs, walk_stmts
 from kb.lower.triton_options import LowerOptions
 
 __all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "OWN_DESIGN_CHOOSER",
@@ -44,15 +44,11 @@ def serving_refusals(p: Program) -> list[str]:
     """What the Triton lowering cannot lower yet in serving program `p`, one phrase each (empty: it lowers); in
     place of kb.lower.kernel_gen.check_attention_params, which refuses every serving layout."""
     out: list[str] = []
-    if any(isinstance(st, Init) and not isinstance(st.fill, (int, float)) for k in p.kernels for st in walk_stmts(k.body)):
-        out.append("an init filled by an expression (attention sinks)")
     if is_backward(p):
         out.append("a backward program")
     if any(isinstance(st, IfBlock) for k in p.kernels for st in walk_stmts(k.body)):
         out.append("block-class tests (`if block(...)`: their closed forms and the host table bound tiles by M and N; "
                    "bound the KV loop instead)")
-    if any("NUM_SPLITS" in free_vars(a.extent) for k in p.kernels for a in k.grid):
-        out.append("a split-KV grid axis (the host's split count reads N)")
     return out
 
 

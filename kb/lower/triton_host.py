@@ -26,6 +26,7 @@ from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, VALUE_DIM
 from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
+from kb.lower.serving import is_serving
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
@@ -383,7 +384,7 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
 def _num_splits(p: Program, hctx: ExprContext, packs: dict | str, device: str) -> str:
     """NUM_SPLITS at launch: a split-KV program's 0 is chosen from the grid and the SM count."""
     split = split_kernels(p)
-    if not split:
+    if not split or is_serving(p):  # a serving program's own schedule fixes its split count (kb.lower.serving)
         return "max(1, NUM_SPLITS)"
     base = _grid_code(split[0], hctx, None, split=False)
     if isinstance(packs, dict):

@@ -174,7 +174,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         shape = tuple(str(d) for d in st.shape)
         t = self.score_shaped(shape)
         out = self.set_tile(st.out, shape, st.dtype, t)
-        fill = float_code(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
+        if isinstance(st.fill, Expr):  # a scalar of the kernel (attention sinks: m starts at sinks[h])
+            fill = self.ex(st.fill)
+        else:
+            fill = float_code(st.fill) if DTYPE_KIND[st.dtype] is Kind.FLOAT else repr(int(st.fill))
         self.emit(f"{out} = tl.full([{', '.join(shape[::-1] if t else shape)}], {fill}, {TL_DTYPE[st.dtype]})")
 
     def _prec(self, *tiles: Tile) -> str:
