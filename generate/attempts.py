@@ -16,7 +16,9 @@ from enum import Enum
 
 import torch
 
+from generate.serving_bind import bind, program_inputs
 from generate.spec import Spec, spec_inputs
+from generate.spec_serving import dense_output
 from generate.stages import Stage
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
@@ -97,8 +99,13 @@ def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
     """Run `program` in the interpreter on the spec's inputs; None if it matches the spec's reference."""
     q, k, v = spec_inputs(spec, seed)
     inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
+    try:
+        if spec.layout is not None:  # a serving program runs on the spec's own paged inputs holding q, k, v
+            inputs |= program_inputs(bind(program, spec.layout), spec.reference.args(q, k, v))  # type: ignore[attr-defined]
+    except KBError as err:
+        return str(err)
     for p in program.params:
-        if p.role is Role.AUX:
+        if p.role is Role.AUX and p.name not in inputs:
             if p.name not in spec.aux:
                 return f"program loads aux tensor {p.name!r} that the spec does not have"
             inputs[p.name] = spec.aux[p.name]
@@ -106,6 +113,8 @@ def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
         out = run_program(program, inputs)["o"]
     except KBError as err:
         return f"interpreter error: {err}"
+    if spec.layout is not None:
+        out = dense_output(out, spec.layout)
     ref = spec.reference(q, k, v).float()
     if out.shape != ref.shape:
         return f"output shape {tuple(out.shape)} != reference {tuple(ref.shape)}"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from generate.outputs import write_error
+from generate.serving_bind import ServingBinding
 from generate.spec import DTYPES, Spec
 from kb.errors import KBError
 
@@ -132,14 +133,28 @@ def _kb_check_baked(module, incompatible_keys):
 '''
 
 
-def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str) -> CandidateFiles:
+def _serving_args(binding: ServingBinding, spec: Spec) -> tuple[str, str]:
+    """(q, k, v arguments, the page size keyword) of a serving kernel's call on the spec's own inputs: a paged cache
+    is passed as its token rows (`flatten(0, 1)`, a view) where the program reads rows (generate.serving_bind)."""
+    assert spec.layout is not None
+    given = dict(binding.inputs)
+    rows = binding.token_rows and spec.layout.kind == "paged"
+    qkv = ", ".join(f"{given[t]}.flatten(0, 1)" if rows and t != "q" else given[t] for t in ("q", "k", "v"))
+    if binding.page_size is None:
+        return qkv, ""
+    return qkv, f", {binding.page_size}={given['k'] + '.shape[1]' if spec.layout.kind == 'paged' else '1'}"
+
+
+def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str,
+                    serving: ServingBinding | None = None) -> CandidateFiles:
     """Write the candidate and the plain Triton module; returns their paths.
 
     ModelNew calls the module's `kb_attention`, the registered operator (kb.lower.triton_op): differentiable when the
     module holds a backward, raising NO_BACKWARD on backward when it does not."""
     out_dir.mkdir(parents=True, exist_ok=True)
     names, (qn, kn, vn) = forward_signature(spec)
-    missing = [a for a in program_aux if a not in spec.aux]
+    passed = dict(serving.inputs) if serving is not None else {}  # serving: table and lengths are forward inputs
+    missing = [a for a in program_aux if a not in spec.aux and a not in passed]
     if missing:
         raise KBError(f"program loads aux tensors {missing} that the spec does not provide")
     saved = {"state": {k: t.detach().cpu().contiguous() for k, t in spec.state_values.items()},
@@ -150,9 +165,12 @@ def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_
         _write(aux_path, _saved_bytes(saved))
     triton_path = out_dir / f"{stem}_triton.py"
     _write(triton_path, triton_source.encode())
-    aux_kwargs = "".join(f", {a}={_aux_arg(a, spec, names)}" for a in program_aux)
+    aux_kwargs = "".join(f", {a}={passed[a] if a in passed else _aux_arg(a, spec, names)}" for a in program_aux)
     scale = "None" if spec.scale is None else repr(float(spec.scale))  # None: 1/sqrt(D) of the inputs at run time
     qkv = ", ".join((qn, kn, vn))
+    if serving is not None:
+        qkv, more = _serving_args(serving, spec)
+        aux_kwargs += more
     out = _torch_dtype(spec.output_dtype)
     params = tuple(e.key for e in spec.state if e.parameter)
     baked = tuple(e.key for e in spec.state if e.baked)

@@ -15,7 +15,8 @@ from generate.prompts import snippet_text, spec_summary
 from generate.spec import Spec
 from generate.stages import Stage
 from generate.target import target_for
-from generate.transfer import transfer
+from generate.transfer import Target, transfer
+from generate.transfer_serving import SERVING_STRATEGY, transfer_serving
 from kb.errors import KBError
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
@@ -30,6 +31,9 @@ __all__ = ["rule_candidates", "llm_candidates"]
 def rule_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, lessons: list[Lesson], name: str) -> Proposals:
     """Every (reference, strategy) pair in order; a transfer that fails is a candidate without a program."""
     target = target_for(spec)
+    if spec.layout is not None:
+        yield from _serving_candidates(kb, spec, found, target, name)
+        return
     for ref in found.kernels:
         ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
         for strategy in plan_strategies(spec, ref, lessons):
@@ -42,6 +46,23 @@ def rule_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, lessons: 
                                 Failure(Stage.TRANSFER, Verdict.compile_error, str(err)))
                 continue
             yield Candidate(ref.id, strategy.value, program, print_program(program), time.perf_counter() - t0)
+
+
+def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, target: Target, name: str) -> Proposals:
+    """Each retrieved reference transferred onto the serving spec's own layout (generate.transfer_serving); a
+    reference of another layout fails at transfer, cheaply, and the next is tried."""
+    assert spec.layout is not None
+    for ref in found.kernels:
+        t0 = time.perf_counter()
+        try:
+            program = transfer_serving(parse_program(kb.get(ref.id).ir_text), spec.layout, target,  # type: ignore[union-attr]
+                                       sinks=spec.sinks, name=name)
+            validate(program)
+        except KBError as err:
+            yield Candidate(ref.id, SERVING_STRATEGY, None, "", time.perf_counter() - t0,
+                            Failure(Stage.TRANSFER, Verdict.compile_error, str(err)))
+            continue
+        yield Candidate(ref.id, SERVING_STRATEGY, program, print_program(program), time.perf_counter() - t0)
 
 
 def llm_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, max_attempts: int) -> Proposals:

@@ -31,6 +31,7 @@ from generate.outputs import OutputError, output_stem, publish, staging_dir, wri
 from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_cache import TracedSpec, remember_trace
+from generate.serving_bind import bind
 from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
 from generate.watchdog import BudgetSpent, watchdog
@@ -122,10 +123,10 @@ def _now() -> datetime:
 
 def _not_transferred(spec: Spec) -> str | None:
     """Why no kernel is generated for `spec` (traced forms no transfer writes yet), or None."""
-    if spec.sink is not None:
-        return ("generation for specs with attention sinks is not supported yet: transfer does not start the online "
-                "softmax at the sink (m = sink, l = 1; docs/ir.md) and the lowerings refuse such an init; "
-                "`kb query SPEC` ranks references for it")
+    if spec.sink is not None and spec.layout is None:
+        return ("generation for dense specs with attention sinks is not supported yet (paged and token-pool decode "
+                "specs with sinks are): the dense transfer does not start the online softmax at the sink (m = sink, "
+                "l = 1; docs/ir.md); `kb query SPEC` ranks references for it")
     if spec.layout is not None and spec.layout.kind == "chunked":
         return GENERATION_REFUSED.format(kind=spec.layout.describe)
     return None
@@ -147,7 +148,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     if (why := _not_transferred(spec)) is not None:  # before any attempt: a kernel would miss what the spec computes
         run.spec_hash = spec.source_hash
         return _refused(kb, run, out_dir, why, why, t0)
-    if spec.layout is not None:  # before any attempt: the kernel must take the spec's paged / packed inputs
+    if spec.layout is not None and spec.layout.kind == "varlen":  # before any attempt: no packed-layout lowering yet
         run.spec_hash = spec.source_hash
         why = GENERATION_REFUSED.format(kind=spec.layout.describe)
         return _refused(kb, run, out_dir, why, why, t0)
@@ -166,12 +167,14 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
                                                for lowering in CUDA_LOWERINGS})
     with staging_dir(out_dir) as stage:
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
+        if spec.layout is not None:
+            bwd = _NoBackward(f"not built: {spec.layout.describe} kernels are forward only (serving)")
         try:
             # the spec's own code (its reference, in every IR check) runs in this process: bounded by the budget, with
             # a grace period so that the verifier child's own timeout, at the same deadline, reports first
             with watchdog(_budget_left(options) + _GRACE_S, f"generating for spec {spec_path}"):
                 outcomes, built, ref = _attempts(kb, spec, options, stage)
-                if built is not None and options.backward:  # a BudgetSpent in there is the backward's reason
+                if built is not None and options.backward and spec.layout is None:  # a BudgetSpent in there is the backward's reason
                     bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
             if built is not None:  # after the backward, whose verification shares the spec's budget
                 built = _compile_cuda(spec, built, options)
@@ -487,7 +490,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     from kb.lower.triton import lower_program
 
     plan = options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, [])
-    cuda = choose_cuda(program, plan)
+    cuda = choose_cuda(program, plan) if spec.layout is None else None  # the CUDA lowerings take no serving layout
     dispatch, runs = _dispatch(spec, program, cuda, plan, options)
     try:
         triton_src = lower_program(program, designs=options.designs, cuda=dispatch)
@@ -495,7 +498,8 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     aux = [p.name for p in program.params if p.role.value == "aux"]
     try:
-        cand = write_candidate(spec, triton_src, aux, stage, _name(spec))
+        serving = bind(program, spec.layout) if spec.layout is not None else None
+        cand = write_candidate(spec, triton_src, aux, stage, _name(spec), serving)
     except OutputError:
         raise  # the run fails here: no attempt can write its files
     except KBError as err:

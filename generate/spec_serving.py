@@ -44,8 +44,8 @@ __all__ = ["ServingLayout", "ServingReference", "layout_of", "length_input", "de
 
 LayoutKind = Literal["paged", "pool", "varlen", "chunked"]
 
-GENERATION_REFUSED = ("generation for {kind} specs is not supported yet: the Triton and CUDA lowerings refuse "
-                      "programs with `until` spans and gathered axes (kb/lower); `kb query SPEC` ranks references for it")
+GENERATION_REFUSED = ("generation for {kind} specs is not supported yet (paged and token-pool decode are): no lifted "
+                      "prefill program is transferred onto a packed layout; `kb query SPEC` ranks references for it")
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,10 @@ def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param: 
 
 
 def target_for(spec: Spec) -> Target:
+    exprs = [e for e in (spec.score_mod, spec.mask_mod, spec.sink) if e is not None]  # the sink: serving transfer
     used: set[str] = set()
-    for e in (spec.score_mod, spec.mask_mod):
-        if e is not None:
-            used |= loaded_tensors(e)
-    exprs = [e for e in (spec.score_mod, spec.mask_mod) if e is not None]
+    for e in exprs:
+        used |= loaded_tensors(e)
     aux = tuple(_aux_param(n, spec.aux[n], exprs, spec.shapes.M == spec.shapes.N) for n in sorted(used) if n in spec.aux)
     return Target(score_mod=spec.score_mod, mask_mod=spec.mask_mod, dtype=SPEC_DTYPES[spec.shapes.dtype],
                   out_dtype=SPEC_DTYPES[spec.output_dtype], aux=aux,

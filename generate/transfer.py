@@ -29,7 +29,7 @@ from kb.ir.rename import keep_apart
 from kb.ir.rewrite import map_stmts, without_tests
 from kb.ir.value_dim import with_value_dim, without_value_dim
 
-__all__ = ["Strategy", "Target", "transfer", "STRATEGY_ORDER"]
+__all__ = ["Strategy", "Target", "transfer", "rewrite_loop_body", "STRATEGY_ORDER"]
 
 
 class Strategy(Enum):
@@ -151,7 +151,7 @@ def _rewrite_kernel(kernel: Kernel, target: Target, strategy: Strategy) -> Kerne
     covers_all = strategy is not Strategy.REUSE and not (split & (free_vars(loops[0].lo) | free_vars(loops[0].hi)))
     new: dict[int, For | None] = {}
     for i, loop in enumerate(loops):
-        inner = _rewrite_loop_body(loop.body, target, strategy, _mask_at(loop, q_start))
+        inner = rewrite_loop_body(loop.body, target, strategy, _mask_at(loop, q_start))
         lo, hi = _bounds(loop, target, strategy, q_start, split) if i == 0 else (loop.lo, loop.hi)
         new[id(loop)] = None if i > 0 and covers_all else replace(loop, lo=lo, hi=hi, body=inner)
     body = tuple(new.get(id(st), st) for st in kernel.body)
@@ -165,7 +165,8 @@ def _mask_at(loop: For, q_start: Expr) -> TileAt:
     return TileAt(var("b"), var("h"), q_start, var(loop.var))
 
 
-def _rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strategy, at: TileAt) -> tuple[Stmt, ...]:
+def rewrite_loop_body(body: tuple[Stmt, ...], target: Target, strategy: Strategy, at: TileAt) -> tuple[Stmt, ...]:
+    """The KV loop body with the target's score_mod after its scale step and its masking before the softmax update."""
     out: list[Stmt] = []
     scale_done = False
     for st in _strip(body):

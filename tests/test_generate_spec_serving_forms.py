@@ -162,15 +162,18 @@ def test_a_sink_per_query_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, why", [
-    ("paged_decode_window_sinks", "generation for specs with attention sinks is not supported yet: transfer does not start"),
+    ("dense_sinks", "generation for dense specs with attention sinks is not supported yet (paged and token-pool decode"),
     ("chunked_prefill_prefix_lm", "generation for chunked-prefill (paged-KV) specs is not supported yet"),
 ])
 def test_generate_refuses_what_no_transfer_writes(kb, tmp_path: Path, name: str, why: str) -> None:  # noqa: ANN001
-    out = tmp_path / "out"
-    res = CliRunner().invoke(app, ["--home", str(kb.settings.home), "generate", str(HELDOUT / f"{name}.py"), "--out", str(out)],
+    out, path = tmp_path / "out", HELDOUT / f"{name}.py"
+    if name == "dense_sinks":
+        path = tmp_path / f"{name}.py"
+        path.write_text(_DENSE_SINKS)
+    res = CliRunner().invoke(app, ["--home", str(kb.settings.home), "generate", str(path), "--out", str(out)],
                              env={"COLUMNS": "200"})
     assert res.exit_code == 1 and "Traceback" not in res.output, res.output
-    assert any(ln.startswith(f"{HELDOUT / name}.py: failed: {why}") for ln in res.stderr.splitlines()), res.output
+    assert any(ln.startswith(f"{path}: failed: {why}") for ln in res.stderr.splitlines()), res.output
     report = json.loads((out / f"gen_{name}.report.json").read_text())
     assert report["status"] == "failed" and report["attempts"] == []
     rows = kb.counts().rows

@@ -1,0 +1,141 @@
+"""Transfer onto a serving spec: a lifted paged-KV decode program (vLLM, SGLang) gets the spec's variant slots.
+
+The reference keeps its layout (token pool or page table, per-lane gathers, split-KV and combine); what changes:
+- its page table and length params take the spec's input names (`req_to_tokens` -> `block_table`,
+  `b_seqlen` -> `seq_lens`), so the operator passes the engine's tensors as they are;
+- its aux tensors of its own variant go, the spec's come in (ALiBi slopes, sinks);
+- mask_mod and score_mod are the spec's (its mask_mod holds the sequence's bound `kv_idx < seq_lens[b]`);
+- scores are placed at the spec's dense view: decode has one query row, q_idx = 0 (the lifted programs pass
+  the query's position `kv_len - 1`, which their own mask never reads). A reference whose tile rows are the
+  query heads of a KV group (vLLM/SGLang's grouped kernels) cannot place a variant that reads `h` or `q_idx`
+  (rows differ in head, not in q_idx): refused, and the next reference is tried.
+- sinks (`Spec.sinks`): the online softmax starts at m = sinks[h], l = 1 in the split that holds the
+  sequence's first key (only there, so the combine counts the sink once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from generate.spec_serving import ServingLayout, length_input
+from generate.transfer import Strategy, Target, rewrite_loop_body
+from kb.errors import KBError
+from kb.ir.algebra import conjuncts
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, var
+from kb.ir.nodes import (
+    Dtype, For, Init, Kernel, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
+    MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
+)
+from kb.ir.rename import keep_apart, rename
+from kb.ir.rewrite import map_stmts
+
+__all__ = ["transfer_serving", "serving_params", "SERVING_STRATEGY"]
+
+SERVING_STRATEGY = "serving"  # the attempt's strategy name: the reference's layout kept, its variant slots filled
+
+_FLOATS = (Dtype.F32, Dtype.BF16, Dtype.F16)
+
+
+def serving_params(reference: Program) -> tuple[str, str]:
+    """(table, lengths) of a lifted decode program: its 2-D integer aux (the page table / req_to_token) and the
+    [B] aux its mask_mod bounds keys by (`kv_idx < lengths[b]`, generate.spec_serving.length_input); KBError when it has not exactly one of each."""
+    tables = [p.name for p in reference.params if p.role is Role.AUX and len(p.shape) == 2
+              and p.dtype in (Dtype.I32, Dtype.I64)]
+    bound = reference.mask_mod.body if reference.mask_mod is not None else None
+    lengths = [n for t in (conjuncts(bound) if bound is not None else ()) if (n := length_input(t)) is not None]
+    if len(tables) != 1 or len(lengths) != 1:
+        raise KBError(f"reference {reference.name} is not a paged decode program (tables {tables}, lengths {lengths})")
+    return tables[0], lengths[0]
+
+
+def _rows_are_heads(kernel: Kernel) -> bool:
+    """Does the kernel's q tile span several query heads (a GQA group packed into the tile rows)?"""
+    for st in walk_stmts(kernel.body):
+        if isinstance(st, Load) and st.tensor == "q" and len(st.index) > 1 and isinstance(st.index[1], Span):
+            return st.index[1].size != 1
+    return False
+
+
+def _decode_at(at: TileAt) -> TileAt:
+    return TileAt(at.b, at.h, const(0), at.kv_start)
+
+
+def _with_sink(kernel: Kernel, sinks: str, lo: Expr) -> Kernel:
+    """m starts at sinks[h] and l at 1 where this program's KV range starts at the sequence's first key (`lo == 0`)."""
+    first = Expr(ExprOp.EQ, (lo, const(0))) if lo != const(0) else None
+    states = {(st.m, st.l) for st in walk_stmts(kernel.body) if isinstance(st, OnlineSoftmax)}
+    if len(states) != 1:
+        raise KBError(f"kernel {kernel.name}: sinks need one online softmax state")
+    ((m, l),) = states
+    sink = Expr(ExprOp.LOAD, (var("h"),), sinks)
+
+    def start(st: Stmt) -> Stmt:
+        if not (isinstance(st, Init) and st.out in (m, l)):
+            return st
+        if first is None:
+            return replace(st, fill=sink if st.out == m else 1.0)
+        # another split starts empty: the sink is counted once
+        empty = st.fill if isinstance(st.fill, Expr) else const(st.fill)
+        return replace(st, fill=call("where", first, sink if st.out == m else const(1.0), empty))
+
+    return replace(kernel, body=map_stmts(kernel.body, start))
+
+
+def _rewrite(kernel: Kernel, target: Target, sinks: str | None) -> Kernel:
+    loops = [st for st in kernel.body if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body))]
+    if not loops:
+        return kernel  # the split-KV combine: nothing variant-specific
+    reads = set().union(*(free_vars(e) for e in (target.score_mod, target.mask_mod) if e is not None))
+    reads |= {"h"} if sinks is not None else set()
+    if _rows_are_heads(kernel) and reads & {"h", "q_idx"}:
+        raise KBError(f"kernel {kernel.name} packs a GQA group's query heads into its tile rows; the variant reads "
+                      f"{' and '.join(sorted(reads & {'h', 'q_idx'}))}, which the rows do not carry")
+    if len(loops) > 1:
+        raise KBError(f"kernel {kernel.name} has {len(loops)} KV loops; a serving transfer takes one")
+    (loop,) = loops
+    at = next((_decode_at(st.at) for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
+    if at is None:
+        raise KBError(f"kernel {kernel.name}: its KV loop applies no mask; cannot place the sequence's bound")
+    new_loop = replace(loop, body=rewrite_loop_body(loop.body, target, Strategy.REUSE, at))
+    kernel = replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
+    return _with_sink(kernel, sinks, loop.lo) if sinks is not None else kernel
+
+
+def transfer_serving(reference: Program, layout: ServingLayout, target: Target, *, sinks: str | None = None,
+                     name: str | None = None) -> Program:
+    """The lifted decode program `reference` computing the spec's variant over the spec's own inputs."""
+    if layout.kind == "varlen":
+        raise KBError("serving transfer: packed varlen prefill is not transferred yet (paged and token-pool decode are)")
+    if layout.lengths is None:
+        raise KBError("serving transfer: the spec bounds no sequence's keys (`kv_idx < seq_lens[b]`); a paged decode "
+                      "kernel reads each sequence's keys up to its length")
+    table, lengths = serving_params(reference)
+    claimed = {a.name for a in target.aux} | set(target.scalars) | {layout.table, layout.lengths} - {"sm_scale"}
+    reference = keep_apart(reference, claimed)
+    renames = {old: new for old, new in ((table, layout.table), (lengths, layout.lengths)) if old != new}
+    taken = {p.name for p in reference.params}
+    for old, new in renames.items():
+        if new in taken:
+            raise KBError(f"reference {reference.name} has a param {new!r} of its own; cannot name its {old} so")
+    reference = rename(reference, renames)
+    keep = {layout.table, layout.lengths}
+    params: list[Param] = []
+    for p in reference.params:
+        if p.role is Role.AUX and p.name not in keep:
+            continue  # the reference's own variant
+        if p.role in (Role.IN, Role.OUT) and p.dtype in _FLOATS and p.name != "lse":
+            p = replace(p, dtype=target.out_dtype if p.role is Role.OUT and target.out_dtype else target.dtype)
+        params.append(p)
+    names = {p.name for p in params}
+    params += [Param(s, (), Dtype.F32, Role.SCALAR) for s in target.scalars if s not in names]
+    params += [a for a in target.aux if a.name not in names]
+    if sinks is not None and sinks not in {p.name for p in params}:
+        raise KBError(f"serving transfer: the sink tensor {sinks!r} is not among the spec's aux tensors")
+    return Program(
+        name=name or f"{reference.name}__serving",
+        params=tuple(params),
+        schedule=replace(reference.schedule, head_pad=0),
+        kernels=tuple(_rewrite(k, target, sinks) for k in reference.kernels),
+        score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, target.score_mod) if target.score_mod is not None else None,
+        mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, target.mask_mod) if target.mask_mod is not None else None,
+    )

@@ -1,0 +1,75 @@
+"""Serving specs generate: a paged-KV decode spec gets a lifted vLLM/SGLang decode program with its variant slots
+filled, checked in the interpreter on the spec's own paged inputs, lowered to Triton and verified as a ModelNew that
+takes the engine's tensors as they are (issue 32)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set before triton is imported
+
+import pytest
+import torch
+
+from generate.pipeline import GenerateOptions, generate
+from generate.spec import load_spec
+from generate.target import target_for
+from generate.transfer_serving import transfer_serving
+from kb.errors import KBError
+from kb.ir.expr import parse_expr
+from kb.ir.text import parse_program
+from kb.lower.runtime import import_file
+from tests.support.generate_fixtures import QUICK
+from tests.support.ir_programs import SERVING_TEXTS
+from tests.support.repo import REPO
+
+SERVING = REPO / "tests" / "data" / "specs_serving"
+SOFTCAP_WINDOW = SERVING / "paged_decode_softcap_window.py"
+
+
+def test_transfer_names_the_specs_tables_and_places_the_variant() -> None:
+    spec = load_spec(SOFTCAP_WINDOW)
+    assert spec.layout is not None and (spec.layout.table, spec.layout.lengths) == ("block_table", "seq_lens")
+    ref = parse_program(SERVING_TEXTS["pool_decode"].replace("req_to_token", "req_to_tokens"))
+    p = transfer_serving(ref, spec.layout, target_for(spec), name="t")
+    params = {q.name: q for q in p.params}
+    assert "block_table" in params and "seq_lens" in params and "req_to_tokens" not in params
+    text = "\n".join(str(st) for st in p.kernels[0].body)
+    assert "ScoreMod" in text
+    assert p.score_mod is not None and "tanh" in str(p.score_mod.body)
+
+
+def test_a_variant_reading_the_head_refuses_a_reference_whose_rows_are_heads() -> None:
+    spec = load_spec(SOFTCAP_WINDOW)
+    grouped = parse_program(SERVING_TEXTS["pool_decode"]
+                            .replace("load qt = q[b, h:+1, :]", "load qt = q[b, h:+BLOCK_M, :]"))
+    target = target_for(spec)
+    with pytest.raises(KBError, match="packs a GQA group's query heads"):
+        transfer_serving(grouped, spec.layout, replace(target, score_mod=parse_expr("score + h")), name="t")
+
+
+@pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
+@pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py"], ids=lambda p: p.stem)
+def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
+                                                                          path: Path) -> None:
+    r = generate(ingested_kb, path, GenerateOptions(out_dir=tmp_path / "out", **QUICK))
+    assert r.succeeded, r.error + "\n" + "\n".join(f"{a.strategy}/{a.stage.value}: {a.verdict} {a.feedback[:300]}"
+                                                   for a in r.attempts)
+    report = json.loads(r.files["report"].read_text())
+    assert report["verify"]["verdict"] == "passed"
+    assert "forward only" in report["backward"]["reason"]
+    ref = ingested_kb.get(ingested_kb.get(r.kernel_id).parent_id)
+    assert ref.family in ("vllm_triton", "sglang_triton")
+    # the user's call: the spec's own inputs, the cache as it is, the Model's state, output in q's dtype
+    spec_mod = import_file(path, f"spec_{path.stem}")
+    cand = import_file(r.files["candidate"], f"cand_{path.stem}")
+    inputs = spec_mod.get_inputs()
+    model, new = spec_mod.Model(), cand.ModelNew()
+    new.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want, got = model(*inputs), new(*inputs)
+    assert got.dtype == inputs[0].dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
