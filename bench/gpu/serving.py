@@ -1,0 +1,82 @@
+"""Generated serving kernels on a GPU, as users call them (measuring only).
+
+    PYTHONPATH=. python3 -m bench.gpu.serving --gen DIR [--specs bench/heldout_serving] [--out DIR]
+
+For each spec S of --specs with a `gen_S.py` that `kb generate` wrote into --gen: the spec's `bench_inputs("cuda")`
+(its BENCH shape, the engine's layout), `Model(*bench_init_inputs())` and `ModelNew` with the Model's state loaded.
+ModelNew's output is compared with the Model's (fp32 math on the same inputs), then timed eager and as a CUDA graph
+replay (`triton.testing.do_bench`, median ms); the Model itself (torch: gathers the whole cache, then dense attention)
+is timed beside it. Bandwidth counts the K and V bytes of each sequence's keys once (what a decode kernel must read),
+so GB/s against the GPU's HBM peak says how far the kernel is from the roofline. Writes `<out>/serving_<gpu>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from kb.lower.runtime import import_file
+
+
+def check(path: Path, gen: Path) -> dict:
+    spec = import_file(path, f"spec_{path.stem}")
+    cand = import_file(gen / f"gen_{path.stem}.py", f"cand_{path.stem}")
+    init = list(getattr(spec, "bench_init_inputs", spec.get_init_inputs)())
+    inputs = spec.bench_inputs("cuda")
+    model = spec.Model(*init).cuda()
+    new = cand.ModelNew(*init).cuda()
+    new.load_state_dict(model.state_dict())
+    q, k_cache, lengths = inputs[0], inputs[1], inputs[-1]
+    res: dict = {"spec": path.stem, "bench": spec.BENCH, "dtype": str(q.dtype)}
+    with torch.no_grad():
+        want = model(*inputs)
+        got = new(*inputs)
+        torch.cuda.synchronize()
+        res["max_abs_vs_model"] = (got.float() - want.float()).abs().max().item()
+        del want
+        graph = torch.cuda.CUDAGraph()
+        new(*inputs)  # warm, outside the capture
+        with torch.cuda.graph(graph):
+            o_graph = new(*inputs)
+        graph.replay()
+        torch.cuda.synchronize()
+        res["graphed_max_abs"] = (o_graph.float() - got.float()).abs().max().item()
+        res["eager_ms"] = triton.testing.do_bench(lambda: new(*inputs), warmup=25, rep=200)
+        res["graph_ms"] = triton.testing.do_bench(graph.replay, warmup=25, rep=200)
+        res["model_ms"] = triton.testing.do_bench(lambda: model(*inputs), warmup=5, rep=50)
+    hkv, d = k_cache.shape[-2], k_cache.shape[-1]
+    kv_bytes = 2 * int(lengths.long().sum()) * hkv * d * k_cache.element_size()
+    res["kv_gbytes"] = kv_bytes / 1e9
+    res["graph_gb_per_s"] = kv_bytes / 1e9 / (res["graph_ms"] / 1e3)
+    res["vs_model"] = res["model_ms"] / res["graph_ms"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gen", type=Path, required=True, help="kb generate's --out directory")
+    ap.add_argument("--specs", type=Path, default=Path("bench/heldout_serving"))
+    ap.add_argument("--out", type=Path, default=Path("out/serving"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for path in sorted(args.specs.glob("*.py")):
+        if not (args.gen / f"gen_{path.stem}.py").is_file():
+            continue
+        try:
+            results.append(check(path, args.gen))
+        except Exception as err:  # noqa: BLE001 - one spec's failure is a result
+            results.append({"spec": path.stem, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]})
+        torch.cuda.empty_cache()
+        print(json.dumps(results[-1], default=str)[:600], flush=True)
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    (args.out / f"serving_{gpu}.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
