@@ -38,7 +38,8 @@ _FLOATS = (Dtype.F32, Dtype.BF16, Dtype.F16)
 
 def serving_params(reference: Program) -> tuple[str, str]:
     """(table, lengths) of a lifted decode program: its 2-D integer aux (the page table / req_to_token) and the
-    [B] aux its mask_mod bounds keys by (`kv_idx < lengths[b]`, generate.spec_serving.length_input); KBError when it has not exactly one of each."""
+    [B] aux its mask_mod bounds keys by (`kv_idx < lengths[b]`, generate.spec_serving.length_input); KBError when it
+    has not exactly one of each."""
     tables = [p.name for p in reference.params if p.role is Role.AUX and len(p.shape) == 2
               and p.dtype in (Dtype.I32, Dtype.I64)]
     bound = reference.mask_mod.body if reference.mask_mod is not None else None
@@ -104,8 +105,8 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None) -> Kernel:
 def transfer_serving(reference: Program, layout: ServingLayout, target: Target, *, sinks: str | None = None,
                      name: str | None = None) -> Program:
     """The lifted decode program `reference` computing the spec's variant over the spec's own inputs."""
-    if layout.kind == "varlen":
-        raise KBError("serving transfer: packed varlen prefill is not transferred yet (paged and token-pool decode are)")
+    if layout.kind not in ("paged", "pool"):
+        raise KBError(f"serving transfer: {layout.describe} specs are not transferred yet (paged and token-pool decode are)")
     if layout.lengths is None:
         raise KBError("serving transfer: the spec bounds no sequence's keys (`kv_idx < seq_lens[b]`); a paged decode "
                       "kernel reads each sequence's keys up to its length")
