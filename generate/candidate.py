@@ -64,7 +64,10 @@ def _aux_arg(name: str, spec: Spec, forward_names: list[str]) -> str:
     if name in spec.derived_aux:
         src, right = spec.derived_aux[name]
         qn, kn, _ = spec.qkv_names
-        return (f"_kb_searchsorted(self, {name!r}, {src}, max({qn}.shape[2], {kn}.shape[2]), right={right}, "
+        n = f"max({qn}.shape[2], {kn}.shape[2])"
+        if spec.layout is not None and spec.layout.kind == "varlen":  # ids of packed tokens: q's, or k's offsets
+            n = f"{kn}.shape[0]" if src == spec.layout.table_k and src != spec.layout.table else f"{qn}.shape[0]"
+        return (f"_kb_searchsorted(self, {name!r}, {src}, {n}, right={right}, "
                 f"out_int32={spec.aux[name].dtype == torch.int32})")
     if name in forward_names:
         return f"{name}.reshape(1) if {name}.dim() == 0 else {name}" if spec.aux[name].shape == (1,) else name
@@ -140,6 +143,8 @@ def _serving_args(binding: ServingBinding, spec: Spec) -> tuple[str, str]:
     given = dict(binding.inputs)
     rows = binding.token_rows and spec.layout.kind == "paged"
     qkv = ", ".join(f"{given[t]}.flatten(0, 1)" if rows and t != "q" else given[t] for t in ("q", "k", "v"))
+    if binding.max_rows is not None:  # varlen: q's token count bounds every sequence's length
+        return qkv, f", {binding.max_rows}={given['q']}.shape[0]"
     if binding.page_size is None:
         return qkv, ""
     return qkv, f", {binding.page_size}={given['k'] + '.shape[1]' if spec.layout.kind == 'paged' else '1'}"

@@ -16,7 +16,7 @@ from generate.spec import Spec
 from generate.stages import Stage
 from generate.target import target_for
 from generate.transfer import Target, transfer
-from generate.transfer_serving import SERVING_STRATEGY, transfer_serving
+from generate.transfer_serving import SERVING_STRATEGY, fits_layout, transfer_serving
 from kb.errors import KBError
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
@@ -49,14 +49,18 @@ def rule_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, lessons: 
 
 
 def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, target: Target, name: str) -> Proposals:
-    """Each retrieved reference transferred onto the serving spec's own layout (generate.transfer_serving); a
-    reference of another layout fails at transfer, cheaply, and the next is tried."""
+    """Each retrieved reference of the spec's layout transferred onto the spec (generate.transfer_serving); references
+    of another layout (dense kernels retrieved for the variant) are passed over without an attempt."""
     assert spec.layout is not None
-    for ref in found.kernels:
+    fitting = [(ref, prog) for ref in found.kernels
+               if fits_layout(prog := parse_program(kb.get(ref.id).ir_text), spec.layout)]  # type: ignore[union-attr]
+    if not fitting and found.kernels:
+        yield Candidate(found.kernels[0].id, SERVING_STRATEGY, None, "", 0.0, Failure(
+            Stage.TRANSFER, Verdict.compile_error, f"no retrieved reference is a {spec.layout.describe} program"))
+    for ref, ref_program in fitting:
         t0 = time.perf_counter()
         try:
-            program = transfer_serving(parse_program(kb.get(ref.id).ir_text), spec.layout, target,  # type: ignore[union-attr]
-                                       sinks=spec.sinks, name=name)
+            program = transfer_serving(ref_program, spec.layout, target, sinks=spec.sinks, name=name)
             validate(program)
         except KBError as err:
             yield Candidate(ref.id, SERVING_STRATEGY, None, "", time.perf_counter() - t0,

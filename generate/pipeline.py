@@ -121,6 +121,9 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+_SERVING_LOOKAHEAD = 4
+
+
 def _not_transferred(spec: Spec) -> str | None:
     """Why no kernel is generated for `spec` (traced forms no transfer writes yet), or None."""
     if spec.sink is not None and spec.layout is None:
@@ -147,10 +150,6 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     remember_trace(spec_path, TracedSpec(spec.features, *spec.variant_strings()), kb.settings.cache_dir)
     if (why := _not_transferred(spec)) is not None:  # before any attempt: a kernel would miss what the spec computes
         run.spec_hash = spec.source_hash
-        return _refused(kb, run, out_dir, why, why, t0)
-    if spec.layout is not None and spec.layout.kind == "varlen":  # before any attempt: no packed-layout lowering yet
-        run.spec_hash = spec.source_hash
-        why = GENERATION_REFUSED.format(kind=spec.layout.describe)
         return _refused(kb, run, out_dir, why, why, t0)
     run.spec_hash = spec.source_hash
     run.error = Owner.current().note  # while running: its process, so `kb doctor` can tell a run whose process died
@@ -244,7 +243,10 @@ def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
               stage: Path) -> tuple[list[AttemptOutcome], _Built | None, str | None]:
     """Judge the engine's candidates in turn; (every outcome, what passed, the id of its reference)."""
     text = describe_target(spec.features, *spec.variant_strings())
-    found = query(kb, text, spec.features, k=options.references, filters=Filters(memory=options.memory))
+    # a serving spec transfers only references of its own layout (generate.engines): dense kernels that rank high for
+    # its variant are passed over, so it looks further down the ranking
+    k = options.references * _SERVING_LOOKAHEAD if spec.layout is not None else options.references
+    found = query(kb, text, spec.features, k=k, filters=Filters(memory=options.memory))
     if not found.kernels:
         raise KBError("the KB holds no executable reference program; run `kb ingest --all` first")
     if options.engine == "llm":

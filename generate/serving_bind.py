@@ -28,10 +28,13 @@ class ServingBinding:
     inputs: tuple[tuple[str, str], ...]  # (program param, spec forward input name)
     token_rows: bool  # the program reads k/v as [rows, Hkv, D]: a paged cache is passed as cache.flatten(0, 1)
     page_size: str | None  # the program's integer scalar that takes the cache's page size (1 for a token pool)
+    max_rows: str | None = None  # varlen: the program's integer scalar sizing its query-block grid (q's token count)
 
 
 def bind(program: Program, layout: ServingLayout) -> ServingBinding:
     """The binding of `program` (a transferred decode program) to the spec's inputs; KBError when it cannot take them."""
+    if layout.kind == "varlen":
+        return _bind_varlen(program, layout)
     if layout.lengths is None or layout.table is None:
         raise KBError("a serving program needs the spec's page table and sequence lengths")
     params = {p.name: p for p in program.params}
@@ -53,6 +56,17 @@ def bind(program: Program, layout: ServingLayout) -> ServingBinding:
     return ServingBinding(pairs, rank == 3, page_size)
 
 
+def _bind_varlen(program: Program, layout: ServingLayout) -> ServingBinding:
+    """A packed prefill program (generate.transfer_serving) takes q, k, v and the offsets as they are; its grid's
+    integer scalar takes q's token count, a bound on any sequence's length (blocks past a sequence's end do nothing)."""
+    ints = [p.name for p in program.params if p.role is Role.SCALAR and p.dtype in (Dtype.I32, Dtype.I64)]
+    offsets = tuple(dict.fromkeys(t for t in (layout.table, layout.table_k) if t is not None))
+    if len(ints) != 1 or any(t not in {p.name for p in program.params} for t in offsets):
+        raise KBError(f"program {program.name} is not a packed prefill over {', '.join(offsets)}")
+    pairs = (("q", layout.q), ("k", layout.k), ("v", layout.v), *((t, t) for t in offsets))
+    return ServingBinding(pairs, False, None, ints[0])
+
+
 def program_inputs(binding: ServingBinding, args: Mapping[str, Any]) -> dict[str, Any]:
     """The program's tensor and integer inputs from the spec's forward inputs `args` (by name)."""
     out: dict[str, Any] = {}
@@ -64,5 +78,7 @@ def program_inputs(binding: ServingBinding, args: Mapping[str, Any]) -> dict[str
         out[param] = x
     if binding.page_size is not None:
         out[binding.page_size] = cache.shape[1] if cache.dim() == 4 else 1
+    if binding.max_rows is not None:
+        out[binding.max_rows] = args[dict(binding.inputs)["q"]].shape[0]
     return out
 

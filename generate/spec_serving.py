@@ -44,8 +44,9 @@ __all__ = ["ServingLayout", "ServingReference", "layout_of", "length_input", "de
 
 LayoutKind = Literal["paged", "pool", "varlen", "chunked"]
 
-GENERATION_REFUSED = ("generation for {kind} specs is not supported yet (paged and token-pool decode are): no lifted "
-                      "prefill program is transferred onto a packed layout; `kb query SPEC` ranks references for it")
+GENERATION_REFUSED = ("generation for {kind} specs is not supported yet (paged and token-pool decode and packed varlen "
+                      "prefill are): no lifted program is transferred onto a chunked prefill; `kb query SPEC` ranks "
+                      "references for it")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ The reference keeps its layout (token pool or page table, per-lane gathers, spli
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import replace
+from typing import Any, Callable
 
 from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
@@ -23,13 +25,13 @@ from kb.errors import KBError
 from kb.ir.algebra import conjuncts
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, var
 from kb.ir.nodes import (
-    Dtype, For, Init, Kernel, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
+    Dtype, For, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
-from kb.ir.rename import keep_apart, rename
+from kb.ir.rename import fresh, keep_apart, names, rename
 from kb.ir.rewrite import map_stmts
 
-__all__ = ["transfer_serving", "serving_params", "SERVING_STRATEGY"]
+__all__ = ["transfer_serving", "fits_layout", "serving_params", "SERVING_STRATEGY"]
 
 SERVING_STRATEGY = "serving"  # the attempt's strategy name: the reference's layout kept, its variant slots filled
 
@@ -61,22 +63,25 @@ def _decode_at(at: TileAt) -> TileAt:
     return TileAt(at.b, at.h, const(0), at.kv_start)
 
 
-def _with_sink(kernel: Kernel, sinks: str, lo: Expr) -> Kernel:
-    """m starts at sinks[h] and l at 1 where this program's KV range starts at the sequence's first key (`lo == 0`)."""
+def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr) -> Kernel:
+    """m starts at sinks[h] and l at 1 where this program's KV range starts at the sequence's first key (`lo == 0`);
+    without sinks, at -inf and 0 (a reference generated for a spec with sinks started at its own)."""
     first = Expr(ExprOp.EQ, (lo, const(0))) if lo != const(0) else None
     states = {(st.m, st.l) for st in walk_stmts(kernel.body) if isinstance(st, OnlineSoftmax)}
     if len(states) != 1:
         raise KBError(f"kernel {kernel.name}: sinks need one online softmax state")
     ((m, l),) = states
-    sink = Expr(ExprOp.LOAD, (var("h"),), sinks)
+    sink = Expr(ExprOp.LOAD, (var("h"),), sinks) if sinks is not None else None
 
     def start(st: Stmt) -> Stmt:
         if not (isinstance(st, Init) and st.out in (m, l)):
             return st
+        if sink is None:
+            return replace(st, fill=float("-inf") if st.out == m else 0.0)
         if first is None:
             return replace(st, fill=sink if st.out == m else 1.0)
         # another split starts empty: the sink is counted once
-        empty = st.fill if isinstance(st.fill, Expr) else const(st.fill)
+        empty = const(float("-inf") if st.out == m else 0.0)
         return replace(st, fill=call("where", first, sink if st.out == m else const(1.0), empty))
 
     return replace(kernel, body=map_stmts(kernel.body, start))
@@ -99,12 +104,140 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None) -> Kernel:
         raise KBError(f"kernel {kernel.name}: its KV loop applies no mask; cannot place the sequence's bound")
     new_loop = replace(loop, body=rewrite_loop_body(loop.body, target, Strategy.REUSE, at))
     kernel = replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
-    return _with_sink(kernel, sinks, loop.lo) if sinks is not None else kernel
+    return _with_sink(kernel, sinks, loop.lo)
+
+
+def _map_exprs(node: Any, f: Callable[[Expr], Expr]) -> Any:
+    """`node` (a statement, index item or TileAt; nested bodies included) with `f` applied to each expression in it."""
+    if isinstance(node, Expr):
+        return f(node)
+    if isinstance(node, tuple):
+        return tuple(_map_exprs(x, f) for x in node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {fl.name: _map_exprs(getattr(node, fl.name), f) for fl in dataclasses.fields(node)}
+        return replace(node, **changes)
+    return node
+
+
+def _varlen_params(reference: Program) -> tuple[str, str, str]:
+    """(starts, lengths, max length) of a lifted packed prefill: its [B] integer aux tables, lengths the one its
+    mask_mod bounds keys by, and its integer scalar sizing the query-block grid; KBError otherwise."""
+    ints = [p.name for p in reference.params if p.role is Role.AUX and len(p.shape) == 1
+            and p.dtype in (Dtype.I32, Dtype.I64)]
+    bound = reference.mask_mod.body if reference.mask_mod is not None else None
+    lengths = [n for t in (conjuncts(bound) if bound is not None else ()) if (n := length_input(t)) is not None]
+    scalars = [p.name for p in reference.params if p.role is Role.SCALAR and p.dtype in (Dtype.I32, Dtype.I64)]
+    q = reference.param("q") if "q" in {p.name for p in reference.params} else None
+    if q is None or len(q.shape) != 3 or len(ints) != 2 or len(lengths) != 1 or lengths[0] not in ints or len(scalars) != 1:
+        raise KBError(f"reference {reference.name} is not a packed varlen prefill program (token-major q, a [B] start "
+                      f"and length table, one integer max length)")
+    return next(n for n in ints if n != lengths[0]), lengths[0], scalars[0]
+
+
+def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, name: str | None) -> Program:
+    """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's
+    cu_seqlens_q / cu_seqlens_k: q rows from cu_q[b], keys from cu_k[b] (their own lengths), every key of the
+    sequence visited (the reference's causal KV bound assumes equal lengths; the spec's mask decides), scores placed
+    at the dense view's global token positions (B = 1), where the spec's expressions are written."""
+    starts, lengths, _ = _varlen_params(reference)
+    cu_q, cu_k = layout.table, layout.table_k or layout.table
+    assert cu_q is not None
+    b = var("b")
+    after = Expr(ExprOp.ADD, (b, const(1)))
+
+    def cu(table: str, at: Expr) -> Expr:
+        return Expr(ExprOp.LOAD, (at,), table)
+
+    def offsets(e: Expr) -> Expr:
+        args = tuple(offsets(a) for a in e.args)
+        if e.op is ExprOp.LOAD and e.value in (starts, lengths) and len(args) == 1:
+            if e.value == starts:
+                return cu(cu_q, args[0])
+            nxt = Expr(ExprOp.ADD, (args[0], const(1)))
+            return Expr(ExprOp.SUB, (cu(cu_q, nxt), cu(cu_q, args[0])))
+        return Expr(e.op, args, e.value) if args != e.args else e
+
+    taken = set(names(reference)) | {cu_q, cu_k}
+    k0, k_len = fresh("k0", taken), fresh("k_len", taken | {"k0"})
+
+    def kernel(k: Kernel) -> Kernel:
+        k = replace(k, body=_map_exprs(k.body, offsets))
+        loops = [st for st in k.body if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body))]
+        if not loops:
+            return k
+        if len(loops) > 1:
+            raise KBError(f"kernel {k.name} has {len(loops)} KV loops; a varlen transfer takes one")
+        (loop,) = loops
+        n = var(loop.var)
+
+        def keys(st: Stmt) -> Stmt:
+            if isinstance(st, Load) and st.tensor in ("k", "v") and isinstance(st.index[0], Span):
+                span = st.index[0]
+                return replace(st, index=(Span(Expr(ExprOp.ADD, (var(k0), n)), span.size,
+                                               Expr(ExprOp.ADD, (var(k0), var(k_len)))),) + st.index[1:])
+            if isinstance(st, (Mask, ScoreMod)):
+                at = st.at
+                return replace(st, at=TileAt(const(0), at.h, Expr(ExprOp.ADD, (cu(cu_q, b), at.q_start)),
+                                             Expr(ExprOp.ADD, (var(k0), at.kv_start))))
+            return st
+
+        at = next((st.at for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
+        if at is None:
+            raise KBError(f"kernel {k.name}: its KV loop applies no mask; cannot place the sequence's bound")
+        inner = rewrite_loop_body(loop.body, target, Strategy.REUSE, at)
+        # a query block past its sequence's end (the grid covers the longest) visits no key
+        q_len = Expr(ExprOp.SUB, (cu(cu_q, after), cu(cu_q, b)))
+        hi = call("where", Expr(ExprOp.LT, (at.q_start, q_len)), var(k_len), const(0))
+        new_loop = replace(loop, lo=const(0), hi=hi, body=map_stmts(inner, keys))
+        lets = (Let(k0, cu(cu_k, b)), Let(k_len, Expr(ExprOp.SUB, (cu(cu_k, after), cu(cu_k, b)))))
+        return replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
+
+    offsets_params = [Param(t, (f"{t}_n0",), Dtype.I32, Role.AUX) for t in dict.fromkeys((cu_q, cu_k))]
+    # the dense view's dims: M packed queries (q, o, lse), N packed keys (k, v), so rows and keys past them are out
+    # of range as the spec's tables indexed by q_idx / kv_idx are
+    tokens = {"q": "M", "o": "M", "lse": "M", "k": "N", "v": "N"}
+    params = [replace(p, shape=(tokens[p.name], *p.shape[1:])) if p.name in tokens else p
+              for p in reference.params if p.name not in (starts, lengths)]
+    params = [replace(p, dtype=target.out_dtype if p.role is Role.OUT and target.out_dtype else target.dtype)
+              if p.role in (Role.IN, Role.OUT) and p.dtype in _FLOATS and p.name != "lse" else p for p in params]
+    have = {p.name for p in params}
+    aux = {a.name: a for a in (*offsets_params, *target.aux)}  # the spec's own shapes win
+    params += [a for a in aux.values() if a.name not in have]
+    kernels = tuple(kernel(k) for k in reference.kernels)
+    kernels = tuple(replace(k, grid=tuple(replace(ax, extent=Expr(ExprOp.SUB, (var(f"{cu_q}_n0"), const(1))))
+                                          if ax.name == "b" else ax for ax in k.grid)) for k in kernels)
+    return Program(
+        name=name or f"{reference.name}__serving",
+        params=tuple(params),
+        schedule=replace(reference.schedule, head_pad=0),
+        kernels=kernels,
+        score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, target.score_mod) if target.score_mod is not None else None,
+        mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, target.mask_mod) if target.mask_mod is not None else None,
+    )
+
+
+def fits_layout(reference: Program, layout: ServingLayout) -> bool:
+    """Is `reference` a program of the layout transfer_serving writes for `layout` (a page-table decode for paged and
+    token-pool specs, a start/length-table packed prefill for varlen ones)?"""
+    try:
+        if layout.kind == "varlen":
+            _varlen_params(reference)
+        elif layout.kind in ("paged", "pool"):
+            serving_params(reference)
+        else:
+            return False
+    except KBError:
+        return False
+    return True
 
 
 def transfer_serving(reference: Program, layout: ServingLayout, target: Target, *, sinks: str | None = None,
                      name: str | None = None) -> Program:
-    """The lifted decode program `reference` computing the spec's variant over the spec's own inputs."""
+    """The lifted serving program `reference` computing the spec's variant over the spec's own inputs."""
+    if layout.kind == "varlen":
+        if sinks is not None:
+            raise KBError("serving transfer: sinks on a packed varlen prefill are not transferred yet")
+        return _transfer_varlen(reference, layout, target, name)
     if layout.kind not in ("paged", "pool"):
         raise KBError(f"serving transfer: {layout.describe} specs are not transferred yet (paged and token-pool decode are)")
     if layout.lengths is None:

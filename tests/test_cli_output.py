@@ -24,7 +24,7 @@ from tests.support.store import make_kernel, make_snippets, make_source
 
 runner = CliRunner()  # its stdout is not a terminal, as a pipe's
 NARROW = "40"  # COLUMNS of a terminal beside the pipe: tables used to be cut to it
-SERVING_SPEC = REPO / "tests" / "data" / "specs" / "varlen_prefill_causal.py"  # refused before any attempt
+SERVING_SPEC = REPO / "bench" / "heldout_serving" / "chunked_prefill_prefix_lm.py"  # refused before any attempt
 LONG_DIR = "a_directory_with_a_rather_long_name/and_one_more_level_below_it"
 
 
@@ -113,9 +113,9 @@ def test_generate_failures_go_to_stderr_and_json_to_stdout(kb, tmp_path: Path) -
     assert res.exit_code == 1, res.output
     (spec,) = json.loads(res.stdout)["specs"]  # stdout is the JSON document and nothing else
     assert spec["spec"] == str(SERVING_SPEC) and spec["status"] == "failed" and spec["kernel_id"] is None
-    assert spec["attempts"] == 0 and "packed varlen specs is not supported yet" in spec["error"]
+    assert spec["attempts"] == 0 and "chunked-prefill (paged-KV) specs is not supported yet" in spec["error"]
     assert Path(spec["files"]["report"]).is_file() and spec["backward"] == {"status": "none", "reason": ""}
-    assert res.stderr.startswith(f"{SERVING_SPEC}: failed: generation for packed varlen specs is not supported yet")
+    assert res.stderr.startswith(f"{SERVING_SPEC}: failed: generation for chunked-prefill (paged-KV) specs is not supported yet")
 
     plain = runner.invoke(app, args, env={"COLUMNS": NARROW})
     assert plain.exit_code == 1

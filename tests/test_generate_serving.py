@@ -20,6 +20,7 @@ from generate.target import target_for
 from generate.transfer_serving import transfer_serving
 from kb.errors import KBError
 from kb.ir.expr import parse_expr
+from kb.ir.nodes import Init
 from kb.ir.text import parse_program
 from kb.lower.runtime import import_file
 from tests.support.generate_fixtures import QUICK
@@ -52,7 +53,8 @@ def test_a_variant_reading_the_head_refuses_a_reference_whose_rows_are_heads() -
 
 
 @pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
-@pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py"], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py",
+                                  REPO / "tests" / "data" / "specs" / "varlen_prefill_causal.py"], ids=lambda p: p.stem)
 def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
                                                                           path: Path) -> None:
     r = generate(ingested_kb, path, GenerateOptions(out_dir=tmp_path / "out", **QUICK))
@@ -73,3 +75,15 @@ def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingest
         want, got = model(*inputs), new(*inputs)
     assert got.dtype == inputs[0].dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_sinks_start_the_softmax_and_a_sinks_reference_serves_a_spec_without() -> None:
+    spec = load_spec(SERVING / "pool_decode_sinks.py")
+    p = transfer_serving(parse_program(SERVING_TEXTS["pool_decode"]), spec.layout, target_for(spec), sinks=spec.sinks,
+                         name="t")
+    inits = {st.out: st.fill for st in p.kernels[0].body if isinstance(st, Init)}
+    assert inits["m_i"] == parse_expr("sinks[h]") and inits["l_i"] == 1.0
+    plain = load_spec(SOFTCAP_WINDOW)
+    again = transfer_serving(parse_program(SERVING_TEXTS["paged_decode_sinks"]), plain.layout, target_for(plain), name="t")
+    inits = {st.out: st.fill for st in again.kernels[0].body if isinstance(st, Init)}
+    assert inits["m_i"] == float("-inf") and inits["l_i"] == 0.0 and "sinks" not in {q.name for q in again.params}

@@ -1,23 +1,19 @@
 """Serving specs: paged-KV decode and packed varlen prefill trace into plain features plus
-paged_kv / varlen, their reference is the user's Model on its own paged or packed inputs, the
-constructs not supported are named, and `kb generate` refuses them with one line."""
+paged_kv / varlen, their reference is the user's Model on its own paged or packed inputs, and the
+constructs not supported are named (generation: tests/test_generate_serving.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from generate.spec import load_spec
-from cli.main import app
 from kb.errors import KBError
 
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "tests/data/specs"
 SERVING = REPO / "tests/data/specs_serving"
-runner = CliRunner()
 
 
 def test_paged_decode_reads_as_plain_decode_with_paged_kv() -> None:
@@ -92,19 +88,3 @@ def test_a_wrong_page_read_fails_the_self_check(tmp_path: Path) -> None:
     p = _variant(tmp_path, SPECS / "decode_paged_gqa.py", "v = v_cache[block_table]", "v = k_cache[block_table]")
     with pytest.raises(KBError, match="k and v must both be read through one table|differs from what the spec computes"):
         load_spec(p)
-
-
-@pytest.mark.parametrize("name,kind", [("varlen_prefill_causal", "packed varlen")])
-def test_generate_refuses_packed_varlen_specs_with_one_line(kb, tmp_path: Path, name: str, kind: str) -> None:  # noqa: ANN001
-    out = tmp_path / "out"
-    res = runner.invoke(app, ["--home", str(kb.settings.home), "generate", str(SPECS / f"{name}.py"), "--out", str(out)],
-                        env={"COLUMNS": "200"})
-    assert res.exit_code == 1 and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
-    assert "Traceback" not in res.output
-    line = f"{SPECS / name}.py: failed: generation for {kind} specs is not supported yet (paged and token-pool decode are)"
-    assert any(ln.startswith(line) for ln in res.stderr.splitlines()), res.output  # a failure: on stderr
-    report = json.loads((out / f"gen_{name}.report.json").read_text())
-    assert report["status"] == "failed" and report["attempts"] == [] and kind in report["error"]
-    assert not [p for p in out.iterdir() if not p.name.endswith(".report.json")]  # no candidate pretends
-    rows = kb.counts().rows
-    assert (rows["generation_runs"], rows["attempts"], rows["lessons"], rows["kernels"]) == (1, 0, 0, 0)
