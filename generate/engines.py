@@ -60,7 +60,8 @@ def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, targe
     for ref, ref_program in fitting:
         t0 = time.perf_counter()
         try:
-            program = transfer_serving(ref_program, spec.layout, target, sinks=spec.sinks, name=name)
+            program = transfer_serving(ref_program, spec.layout, target, sinks=spec.sinks, name=name,
+                                       causal=spec.features.causal)
             validate(program)
         except KBError as err:
             yield Candidate(ref.id, SERVING_STRATEGY, None, "", time.perf_counter() - t0,

@@ -134,11 +134,12 @@ def _varlen_params(reference: Program) -> tuple[str, str, str]:
     return next(n for n in ints if n != lengths[0]), lengths[0], scalars[0]
 
 
-def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, name: str | None) -> Program:
+def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, name: str | None,
+                     causal: bool) -> Program:
     """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's
-    cu_seqlens_q / cu_seqlens_k: q rows from cu_q[b], keys from cu_k[b] (their own lengths), every key of the
-    sequence visited (the reference's causal KV bound assumes equal lengths; the spec's mask decides), scores placed
-    at the dense view's global token positions (B = 1), where the spec's expressions are written."""
+    cu_seqlens_q / cu_seqlens_k: q rows from cu_q[b], keys from cu_k[b] (their own lengths), the sequence's keys
+    visited up to the block's diagonal when `causal`, else all (the reference's KV bound assumes equal lengths),
+    scores placed at the dense view's global token positions (B = 1), where the spec's expressions are written."""
     starts, lengths, _ = _varlen_params(reference)
     cu_q, cu_k = layout.table, layout.table_k or layout.table
     assert cu_q is not None
@@ -185,9 +186,15 @@ def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, 
         if at is None:
             raise KBError(f"kernel {k.name}: its KV loop applies no mask; cannot place the sequence's bound")
         inner = rewrite_loop_body(loop.body, target, Strategy.REUSE, at)
-        # a query block past its sequence's end (the grid covers the longest) visits no key
+        # a query block past its sequence's end (the grid covers the longest) visits no key; under a causal mask
+        # (either alignment) none past its last row's diagonal: kv <= q + max(0, k_len - q_len)
         q_len = Expr(ExprOp.SUB, (cu(cu_q, after), cu(cu_q, b)))
-        hi = call("where", Expr(ExprOp.LT, (at.q_start, q_len)), var(k_len), const(0))
+        keys_hi: Expr = var(k_len)
+        if causal:
+            last = Expr(ExprOp.ADD, (at.q_start, var("BLOCK_M")))
+            shift = call("maximum", const(0), Expr(ExprOp.SUB, (var(k_len), q_len)))
+            keys_hi = call("minimum", var(k_len), Expr(ExprOp.ADD, (last, shift)))
+        hi = call("where", Expr(ExprOp.LT, (at.q_start, q_len)), keys_hi, const(0))
         new_loop = replace(loop, lo=const(0), hi=hi, body=map_stmts(inner, keys))
         lets = (Let(k0, cu(cu_k, b)), Let(k_len, Expr(ExprOp.SUB, (cu(cu_k, after), cu(cu_k, b)))))
         return replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
@@ -232,12 +239,14 @@ def fits_layout(reference: Program, layout: ServingLayout) -> bool:
 
 
 def transfer_serving(reference: Program, layout: ServingLayout, target: Target, *, sinks: str | None = None,
-                     name: str | None = None) -> Program:
-    """The lifted serving program `reference` computing the spec's variant over the spec's own inputs."""
+                     name: str | None = None, causal: bool = False) -> Program:
+    """The lifted serving program `reference` computing the spec's variant over the spec's own inputs; `causal`: the
+    spec's mask is causal (generate.spec classifies it), so a packed prefill's query block skips the keys past its
+    diagonal."""
     if layout.kind == "varlen":
         if sinks is not None:
             raise KBError("serving transfer: sinks on a packed varlen prefill are not transferred yet")
-        return _transfer_varlen(reference, layout, target, name)
+        return _transfer_varlen(reference, layout, target, name, causal)
     if layout.kind not in ("paged", "pool"):
         raise KBError(f"serving transfer: {layout.describe} specs are not transferred yet (paged and token-pool decode are)")
     if layout.lengths is None:
