@@ -141,13 +141,14 @@ def _serving_args(binding: ServingBinding, spec: Spec) -> tuple[str, str]:
     is passed as its token rows (`flatten(0, 1)`, a view) where the program reads rows (generate.serving_bind)."""
     assert spec.layout is not None
     given = dict(binding.inputs)
-    rows = binding.token_rows and spec.layout.kind == "paged"
+    rows = binding.token_rows and spec.layout.kind in ("paged", "chunked")
     qkv = ", ".join(f"{given[t]}.flatten(0, 1)" if rows and t != "q" else given[t] for t in ("q", "k", "v"))
-    if binding.max_rows is not None:  # varlen: q's token count bounds every sequence's length
-        return qkv, f", {binding.max_rows}={given['q']}.shape[0]"
-    if binding.page_size is None:
-        return qkv, ""
-    return qkv, f", {binding.page_size}={given['k'] + '.shape[1]' if spec.layout.kind == 'paged' else '1'}"
+    more = ""
+    if binding.max_rows is not None:  # varlen, chunked: q's token count bounds every sequence's length
+        more += f", {binding.max_rows}={given['q']}.shape[0]"
+    if binding.page_size is not None:
+        more += f", {binding.page_size}={given['k'] + '.shape[1]' if spec.layout.kind != 'pool' else '1'}"
+    return qkv, more
 
 
 def write_candidate(spec: Spec, triton_source: str, program_aux: list[str], out_dir: Path, stem: str,

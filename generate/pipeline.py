@@ -32,7 +32,6 @@ from generate.lessons import lessons_for_run
 from generate.spec import Spec, load_spec
 from generate.spec_cache import TracedSpec, remember_trace
 from generate.serving_bind import bind
-from generate.spec_serving import GENERATION_REFUSED
 from generate.stages import ReportStatus, Stage
 from generate.watchdog import BudgetSpent, watchdog
 from kb.errors import KBError
@@ -130,8 +129,6 @@ def _not_transferred(spec: Spec) -> str | None:
         return ("generation for dense specs with attention sinks is not supported yet (paged and token-pool decode "
                 "specs with sinks are): the dense transfer does not start the online softmax at the sink (m = sink, "
                 "l = 1; docs/ir.md); `kb query SPEC` ranks references for it")
-    if spec.layout is not None and spec.layout.kind == "chunked":
-        return GENERATION_REFUSED.format(kind=spec.layout.describe)
     return None
 
 

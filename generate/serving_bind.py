@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from generate.spec_serving import ServingLayout
 from generate.transfer_serving import serving_params
 from kb.errors import KBError
+from kb.ir.expr import free_vars
 from kb.ir.nodes import Dtype, Program, Role
 
 __all__ = ["ServingBinding", "bind", "program_inputs"]
@@ -35,6 +36,8 @@ def bind(program: Program, layout: ServingLayout) -> ServingBinding:
     """The binding of `program` (a transferred decode program) to the spec's inputs; KBError when it cannot take them."""
     if layout.kind == "varlen":
         return _bind_varlen(program, layout)
+    if layout.kind == "chunked":
+        return _bind_chunked(program, layout)
     if layout.lengths is None or layout.table is None:
         raise KBError("a serving program needs the spec's page table and sequence lengths")
     params = {p.name: p for p in program.params}
@@ -65,6 +68,25 @@ def _bind_varlen(program: Program, layout: ServingLayout) -> ServingBinding:
         raise KBError(f"program {program.name} is not a packed prefill over {', '.join(offsets)}")
     pairs = (("q", layout.q), ("k", layout.k), ("v", layout.v), *((t, t) for t in offsets))
     return ServingBinding(pairs, False, None, ints[0])
+
+
+def _grid_scalars(program: Program) -> set[str]:
+    return set().union(*(free_vars(ax.extent) for k in program.kernels for ax in k.grid))
+
+
+def _bind_chunked(program: Program, layout: ServingLayout) -> ServingBinding:
+    """A chunked prefill program (generate.transfer_serving) takes the packed queries, their offsets, the cache's
+    token rows (`flatten(0, 1)`), the page table and the lengths as they are; of its two integer scalars, the one
+    sizing the query-block grid takes q's token count, the other the cache's page size."""
+    ints = [p.name for p in program.params if p.role is Role.SCALAR and p.dtype in (Dtype.I32, Dtype.I64)]
+    grid = [n for n in ints if n in _grid_scalars(program)]
+    page = [n for n in ints if n not in grid]
+    tables = (layout.q_offsets, layout.table, layout.lengths)
+    if len(grid) != 1 or len(page) != 1 or len(program.param("k").shape) != 3 \
+            or any(t not in {p.name for p in program.params} for t in tables):
+        raise KBError(f"program {program.name} is not a chunked prefill over {', '.join(map(str, tables))}")
+    pairs = (("q", layout.q), ("k", layout.k), ("v", layout.v), *((t, t) for t in tables))
+    return ServingBinding(pairs, True, page[0], grid[0])  # type: ignore[misc]
 
 
 def program_inputs(binding: ServingBinding, args: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,14 +40,9 @@ from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, ExprOp, const, substitute, var
 
 __all__ = ["ServingLayout", "ServingReference", "layout_of", "length_input", "dense_shapes", "serving_reference", "dense_output", "feature_mask",
-           "one_sequence", "visible_keys", "GENERATION_REFUSED"]
+           "one_sequence", "visible_keys"]
 
 LayoutKind = Literal["paged", "pool", "varlen", "chunked"]
-
-GENERATION_REFUSED = ("generation for {kind} specs is not supported yet (paged and token-pool decode and packed varlen "
-                      "prefill are): no lifted program is transferred onto a chunked prefill; `kb query SPEC` ranks "
-                      "references for it")
-
 
 @dataclass(frozen=True)
 class ServingLayout:

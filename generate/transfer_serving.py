@@ -11,6 +11,9 @@ The reference keeps its layout (token pool or page table, per-lane gathers, spli
   (rows differ in head, not in q_idx): refused, and the next reference is tried.
 - sinks (`Spec.sinks`): the online softmax starts at m = sinks[h], l = 1 in the split that holds the
   sequence's first key (only there, so the combine counts the sink once).
+A packed varlen or chunked prefill spec takes a lifted packed prefill instead (`_transfer_packed`): its query rows
+come from the spec's offsets, its keys from the packed keys or, for a chunked prefill, from the paged cache
+gathered as the decode programs gather it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kb.errors import KBError
 from kb.ir.algebra import conjuncts
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, var
 from kb.ir.nodes import (
-    Dtype, For, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
+    Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.rename import fresh, keep_apart, names, rename
@@ -134,32 +137,49 @@ def _varlen_params(reference: Program) -> tuple[str, str, str]:
     return next(n for n in ints if n != lengths[0]), lengths[0], scalars[0]
 
 
-def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, name: str | None,
+def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, name: str | None,
                      causal: bool) -> Program:
-    """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's
-    cu_seqlens_q / cu_seqlens_k: q rows from cu_q[b], keys from cu_k[b] (their own lengths), the sequence's keys
-    visited up to the block's diagonal when `causal`, else all (the reference's KV bound assumes equal lengths),
-    scores placed at the dense view's global token positions (B = 1), where the spec's expressions are written."""
+    """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's packed
+    queries, q rows from cu_q[b] (cu_seqlens_q; a chunked prefill's query_start_loc), each query block visiting its
+    sequence's keys up to its diagonal when `causal` (bottom-right: kv <= q + max(0, k_len - q_len)), else all (the
+    reference's KV bound assumes equal lengths). The keys are
+    - varlen: packed rows from cu_k[b] with their own lengths, scores placed at the dense view's global token
+      positions (B = 1), where the spec's expressions are written;
+    - chunked: the sequence's seq_lens[b] keys gathered from the cache's token rows through block_table
+      (row = PAGE_SIZE * block_table[b, n // PAGE_SIZE] + n % PAGE_SIZE, as vLLM's decode reads them), scores
+      placed at (b, row in the chunk, key position)."""
     starts, lengths, _ = _varlen_params(reference)
-    cu_q, cu_k = layout.table, layout.table_k or layout.table
-    assert cu_q is not None
+    chunked = layout.kind == "chunked"
+    cu_q = layout.q_offsets if chunked else layout.table
+    cu_k = layout.table_k or layout.table
+    assert cu_q is not None and cu_k is not None
+    if chunked and layout.lengths is None:
+        raise KBError("serving transfer: a chunked prefill spec must bound each sequence's keys (`kv_idx < seq_lens[b]`)")
     b = var("b")
     after = Expr(ExprOp.ADD, (b, const(1)))
 
-    def cu(table: str, at: Expr) -> Expr:
-        return Expr(ExprOp.LOAD, (at,), table)
+    def load(table: str, *at: Expr) -> Expr:
+        return Expr(ExprOp.LOAD, at, table)
 
     def offsets(e: Expr) -> Expr:
         args = tuple(offsets(a) for a in e.args)
         if e.op is ExprOp.LOAD and e.value in (starts, lengths) and len(args) == 1:
             if e.value == starts:
-                return cu(cu_q, args[0])
+                return load(cu_q, args[0])
             nxt = Expr(ExprOp.ADD, (args[0], const(1)))
-            return Expr(ExprOp.SUB, (cu(cu_q, nxt), cu(cu_q, args[0])))
+            return Expr(ExprOp.SUB, (load(cu_q, nxt), load(cu_q, args[0])))
         return Expr(e.op, args, e.value) if args != e.args else e
 
-    taken = set(names(reference)) | {cu_q, cu_k}
-    k0, k_len = fresh("k0", taken), fresh("k_len", taken | {"k0"})
+    taken = set(names(reference)) | {cu_q, cu_k} | {a.name for a in target.aux}
+    k0, k_len, page, j = (fresh(n, taken | {"k0", "k_len", "PAGE_SIZE"} - {n}) for n in ("k0", "k_len", "PAGE_SIZE", "j"))
+
+    def key_rows(span: Span, n: Expr) -> Span | Gather:
+        if not chunked:
+            return Span(Expr(ExprOp.ADD, (var(k0), n)), span.size, Expr(ExprOp.ADD, (var(k0), var(k_len))))
+        pos = Expr(ExprOp.ADD, (n, var(j)))
+        slot = load(layout.table, b, Expr(ExprOp.FLOORDIV, (pos, var(page))))  # type: ignore[arg-type]
+        row = Expr(ExprOp.ADD, (Expr(ExprOp.MOD, (pos, var(page))), Expr(ExprOp.MUL, (var(page), slot))))
+        return Gather(j, span.size, row, Expr(ExprOp.LT, (pos, var(k_len))))
 
     def kernel(k: Kernel) -> Kernel:
         k = replace(k, body=_map_exprs(k.body, offsets))
@@ -167,18 +187,16 @@ def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, 
         if not loops:
             return k
         if len(loops) > 1:
-            raise KBError(f"kernel {k.name} has {len(loops)} KV loops; a varlen transfer takes one")
+            raise KBError(f"kernel {k.name} has {len(loops)} KV loops; a packed prefill transfer takes one")
         (loop,) = loops
         n = var(loop.var)
 
         def keys(st: Stmt) -> Stmt:
             if isinstance(st, Load) and st.tensor in ("k", "v") and isinstance(st.index[0], Span):
-                span = st.index[0]
-                return replace(st, index=(Span(Expr(ExprOp.ADD, (var(k0), n)), span.size,
-                                               Expr(ExprOp.ADD, (var(k0), var(k_len)))),) + st.index[1:])
-            if isinstance(st, (Mask, ScoreMod)):
+                return replace(st, index=(key_rows(st.index[0], n),) + st.index[1:])
+            if isinstance(st, (Mask, ScoreMod)) and not chunked:
                 at = st.at
-                return replace(st, at=TileAt(const(0), at.h, Expr(ExprOp.ADD, (cu(cu_q, b), at.q_start)),
+                return replace(st, at=TileAt(const(0), at.h, Expr(ExprOp.ADD, (load(cu_q, b), at.q_start)),
                                              Expr(ExprOp.ADD, (var(k0), at.kv_start))))
             return st
 
@@ -186,9 +204,8 @@ def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, 
         if at is None:
             raise KBError(f"kernel {k.name}: its KV loop applies no mask; cannot place the sequence's bound")
         inner = rewrite_loop_body(loop.body, target, Strategy.REUSE, at)
-        # a query block past its sequence's end (the grid covers the longest) visits no key; under a causal mask
-        # (either alignment) none past its last row's diagonal: kv <= q + max(0, k_len - q_len)
-        q_len = Expr(ExprOp.SUB, (cu(cu_q, after), cu(cu_q, b)))
+        # a query block past its sequence's end (the grid covers the longest) visits no key
+        q_len = Expr(ExprOp.SUB, (load(cu_q, after), load(cu_q, b)))
         keys_hi: Expr = var(k_len)
         if causal:
             last = Expr(ExprOp.ADD, (at.q_start, var("BLOCK_M")))
@@ -196,23 +213,34 @@ def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, 
             keys_hi = call("minimum", var(k_len), Expr(ExprOp.ADD, (last, shift)))
         hi = call("where", Expr(ExprOp.LT, (at.q_start, q_len)), keys_hi, const(0))
         new_loop = replace(loop, lo=const(0), hi=hi, body=map_stmts(inner, keys))
-        lets = (Let(k0, cu(cu_k, b)), Let(k_len, Expr(ExprOp.SUB, (cu(cu_k, after), cu(cu_k, b)))))
+        lets = (Let(k_len, load(layout.lengths, b)),) if chunked else (  # type: ignore[arg-type]
+            Let(k0, load(cu_k, b)), Let(k_len, Expr(ExprOp.SUB, (load(cu_k, after), load(cu_k, b)))))
         return replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
 
-    offsets_params = [Param(t, (f"{t}_n0",), Dtype.I32, Role.AUX) for t in dict.fromkeys((cu_q, cu_k))]
-    # the dense view's dims: M packed queries (q, o, lse), N packed keys (k, v), so rows and keys past them are out
-    # of range as the spec's tables indexed by q_idx / kv_idx are
-    tokens = {"q": "M", "o": "M", "lse": "M", "k": "N", "v": "N"}
+    if chunked:
+        # packed query tokens T (q, o, lse); the cache's token rows (k, v; a paged cache's flatten(0, 1))
+        rows = fresh("ROWS", taken)
+        tokens = {"q": "T", "o": "T", "lse": "T", "k": rows, "v": rows}
+        added = [Param(cu_q, (f"{cu_q}_n0",), Dtype.I32, Role.AUX),
+                 Param(layout.table, ("B", fresh("MAX_PAGES", taken)), Dtype.I32, Role.AUX),  # type: ignore[arg-type]
+                 Param(layout.lengths, ("B",), Dtype.I32, Role.AUX), Param(page, (), Dtype.I32, Role.SCALAR)]  # type: ignore[arg-type]
+        batches: Expr = var("B")
+    else:
+        # the dense view's dims: M packed queries (q, o, lse), N packed keys (k, v), so rows and keys past them are
+        # out of range as the spec's tables indexed by q_idx / kv_idx are
+        tokens = {"q": "M", "o": "M", "lse": "M", "k": "N", "v": "N"}
+        added = [Param(t, (f"{t}_n0",), Dtype.I32, Role.AUX) for t in dict.fromkeys((cu_q, cu_k))]
+        batches = Expr(ExprOp.SUB, (var(f"{cu_q}_n0"), const(1)))
     params = [replace(p, shape=(tokens[p.name], *p.shape[1:])) if p.name in tokens else p
               for p in reference.params if p.name not in (starts, lengths)]
     params = [replace(p, dtype=target.out_dtype if p.role is Role.OUT and target.out_dtype else target.dtype)
               if p.role in (Role.IN, Role.OUT) and p.dtype in _FLOATS and p.name != "lse" else p for p in params]
     have = {p.name for p in params}
-    aux = {a.name: a for a in (*offsets_params, *target.aux)}  # the spec's own shapes win
-    params += [a for a in aux.values() if a.name not in have]
+    extra = {a.name: a for a in (*added, *target.aux)}  # the spec's own shapes win
+    params += [a for a in extra.values() if a.name not in have]
     kernels = tuple(kernel(k) for k in reference.kernels)
-    kernels = tuple(replace(k, grid=tuple(replace(ax, extent=Expr(ExprOp.SUB, (var(f"{cu_q}_n0"), const(1))))
-                                          if ax.name == "b" else ax for ax in k.grid)) for k in kernels)
+    kernels = tuple(replace(k, grid=tuple(replace(ax, extent=batches) if ax.name == "b" else ax for ax in k.grid))
+                    for k in kernels)
     return Program(
         name=name or f"{reference.name}__serving",
         params=tuple(params),
@@ -225,14 +253,12 @@ def _transfer_varlen(reference: Program, layout: ServingLayout, target: Target, 
 
 def fits_layout(reference: Program, layout: ServingLayout) -> bool:
     """Is `reference` a program of the layout transfer_serving writes for `layout` (a page-table decode for paged and
-    token-pool specs, a start/length-table packed prefill for varlen ones)?"""
+    token-pool specs, a start/length-table packed prefill for varlen and chunked ones)?"""
     try:
-        if layout.kind == "varlen":
+        if layout.kind in ("varlen", "chunked"):
             _varlen_params(reference)
-        elif layout.kind in ("paged", "pool"):
-            serving_params(reference)
         else:
-            return False
+            serving_params(reference)
     except KBError:
         return False
     return True
@@ -243,12 +269,10 @@ def transfer_serving(reference: Program, layout: ServingLayout, target: Target, 
     """The lifted serving program `reference` computing the spec's variant over the spec's own inputs; `causal`: the
     spec's mask is causal (generate.spec classifies it), so a packed prefill's query block skips the keys past its
     diagonal."""
-    if layout.kind == "varlen":
+    if layout.kind in ("varlen", "chunked"):
         if sinks is not None:
-            raise KBError("serving transfer: sinks on a packed varlen prefill are not transferred yet")
-        return _transfer_varlen(reference, layout, target, name, causal)
-    if layout.kind not in ("paged", "pool"):
-        raise KBError(f"serving transfer: {layout.describe} specs are not transferred yet (paged and token-pool decode are)")
+            raise KBError(f"serving transfer: sinks on a {layout.describe} prefill are not transferred yet")
+        return _transfer_packed(reference, layout, target, name, causal)
     if layout.lengths is None:
         raise KBError("serving transfer: the spec bounds no sequence's keys (`kv_idx < seq_lens[b]`); a paged decode "
                       "kernel reads each sequence's keys up to its length")

@@ -24,7 +24,7 @@ from tests.support.store import make_kernel, make_snippets, make_source
 
 runner = CliRunner()  # its stdout is not a terminal, as a pipe's
 NARROW = "40"  # COLUMNS of a terminal beside the pipe: tables used to be cut to it
-SERVING_SPEC = REPO / "bench" / "heldout_serving" / "chunked_prefill_prefix_lm.py"  # refused before any attempt
+REFUSED_SPEC = REPO / "tests" / "data" / "specs" / "dense_sinks.py"  # refused before any attempt
 LONG_DIR = "a_directory_with_a_rather_long_name/and_one_more_level_below_it"
 
 
@@ -108,14 +108,14 @@ def test_verify_prints_its_table_through_the_same_console(tmp_path: Path) -> Non
 
 
 def test_generate_failures_go_to_stderr_and_json_to_stdout(kb, tmp_path: Path) -> None:  # noqa: ANN001
-    args = ["--home", str(kb.settings.home), "generate", str(SERVING_SPEC), "--out", str(tmp_path / "out")]
+    args = ["--home", str(kb.settings.home), "generate", str(REFUSED_SPEC), "--out", str(tmp_path / "out")]
     res = runner.invoke(app, [*args, "--json"])
     assert res.exit_code == 1, res.output
     (spec,) = json.loads(res.stdout)["specs"]  # stdout is the JSON document and nothing else
-    assert spec["spec"] == str(SERVING_SPEC) and spec["status"] == "failed" and spec["kernel_id"] is None
-    assert spec["attempts"] == 0 and "chunked-prefill (paged-KV) specs is not supported yet" in spec["error"]
+    assert spec["spec"] == str(REFUSED_SPEC) and spec["status"] == "failed" and spec["kernel_id"] is None
+    assert spec["attempts"] == 0 and "dense specs with attention sinks is not supported yet" in spec["error"]
     assert Path(spec["files"]["report"]).is_file() and spec["backward"] == {"status": "none", "reason": ""}
-    assert res.stderr.startswith(f"{SERVING_SPEC}: failed: generation for chunked-prefill (paged-KV) specs is not supported yet")
+    assert res.stderr.startswith(f"{REFUSED_SPEC}: failed: generation for dense specs with attention sinks is not supported yet")
 
     plain = runner.invoke(app, args, env={"COLUMNS": NARROW})
     assert plain.exit_code == 1

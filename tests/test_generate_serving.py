@@ -54,7 +54,8 @@ def test_a_variant_reading_the_head_refuses_a_reference_whose_rows_are_heads() -
 
 @pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
 @pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py",
-                                  SERVING / "varlen_prefix_causal.py"], ids=lambda p: p.stem)
+                                  SERVING / "varlen_prefix_causal.py", SERVING / "chunked_prefill_causal_softcap.py"],
+                         ids=lambda p: p.stem)
 def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
                                                                           path: Path) -> None:
     r = generate(ingested_kb, path, GenerateOptions(out_dir=tmp_path / "out", **QUICK))

@@ -18,8 +18,9 @@ from cli.main import app
 from generate.spec import Spec, load_spec, spec_inputs, variants_attention
 from kb.errors import KBError
 from kb.ir.expr import parse_expr as E
+from tests.support.repo import REPO
 
-HELDOUT = Path(__file__).resolve().parents[1] / "bench/heldout_serving"
+HELDOUT = REPO / "bench" / "heldout_serving"
 _LOADED: dict[str, Spec] = {}
 
 
@@ -105,26 +106,8 @@ def test_paged_decode_with_a_window_and_attention_sinks() -> None:
     assert bool((ref[0] == 0).all())  # the empty sequence: only the sink is left, o = 0
 
 
-_DENSE_SINKS = '''import torch
-import torch.nn as nn
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.sinks = nn.Parameter(torch.linspace(1.0, 3.0, 4))
-
-    def forward(self, q, k, v):
-        s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-        s = s.masked_fill(torch.arange(s.shape[-1]) > torch.arange(s.shape[-2])[:, None], float("-inf"))
-        sink = self.sinks[None, :, None, None].expand(s.shape[0], -1, s.shape[2], 1)
-        return torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1] @ v
-
-def get_inputs():
-    return [torch.randn(1, 4, 24, 16) for _ in range(3)]
-
-def get_init_inputs():
-    return []
-'''
+DENSE_SINKS = REPO / "tests" / "data" / "specs" / "dense_sinks.py"
+_DENSE_SINKS = DENSE_SINKS.read_text()
 
 
 def test_sinks_in_a_dense_spec(tmp_path: Path) -> None:
@@ -161,20 +144,14 @@ def test_a_sink_per_query_is_named(tmp_path: Path) -> None:
         load_spec(p)
 
 
-@pytest.mark.parametrize("name, why", [
-    ("dense_sinks", "generation for dense specs with attention sinks is not supported yet (paged and token-pool decode"),
-    ("chunked_prefill_prefix_lm", "generation for chunked-prefill (paged-KV) specs is not supported yet"),
-])
-def test_generate_refuses_what_no_transfer_writes(kb, tmp_path: Path, name: str, why: str) -> None:  # noqa: ANN001
-    out, path = tmp_path / "out", HELDOUT / f"{name}.py"
-    if name == "dense_sinks":
-        path = tmp_path / f"{name}.py"
-        path.write_text(_DENSE_SINKS)
+def test_generate_refuses_what_no_transfer_writes(kb, tmp_path: Path) -> None:  # noqa: ANN001
+    out, path = tmp_path / "out", DENSE_SINKS
+    why = "generation for dense specs with attention sinks is not supported yet (paged and token-pool decode"
     res = CliRunner().invoke(app, ["--home", str(kb.settings.home), "generate", str(path), "--out", str(out)],
                              env={"COLUMNS": "200"})
     assert res.exit_code == 1 and "Traceback" not in res.output, res.output
     assert any(ln.startswith(f"{path}: failed: {why}") for ln in res.stderr.splitlines()), res.output
-    report = json.loads((out / f"gen_{name}.report.json").read_text())
+    report = json.loads((out / "gen_dense_sinks.report.json").read_text())
     assert report["status"] == "failed" and report["attempts"] == []
     rows = kb.counts().rows
     assert (rows["generation_runs"], rows["attempts"], rows["lessons"], rows["kernels"]) == (1, 0, 0, 0)

@@ -7,13 +7,14 @@ For each spec S of --specs with a `gen_S.py` that `kb generate` wrote into --gen
 ModelNew's output is compared with the Model's (fp32 math on the same inputs), then timed eager and as a CUDA graph
 replay (`triton.testing.do_bench`, median ms); the Model itself (torch: gathers the whole cache, then dense attention)
 is timed beside it. For decode, bandwidth counts the K and V bytes of each sequence's keys once (what a decode kernel
-must read), so GB/s against the GPU's HBM peak says how far the kernel is from the roofline; for packed prefill,
-TFLOP/s of the full per-sequence products. Writes `<out>/serving_<gpu>.json`.
+must read), so GB/s against the GPU's HBM peak says how far the kernel is from the roofline; for packed and chunked
+prefill, TFLOP/s of the full per-sequence products (a chunk's queries times its sequence's context). Writes `<out>/serving_<gpu>.json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import traceback
 from pathlib import Path
@@ -36,6 +37,8 @@ def check(path: Path, gen: Path) -> dict:
     res: dict = {"spec": path.stem, "bench": spec.BENCH, "dtype": str(q.dtype)}
     packed = k_cache.dim() == 3 and isinstance(inputs[3], torch.Tensor) and inputs[3].dim() == 1 and q.dim() == 3 \
         and inputs[3].numel() < q.shape[0]
+    named = dict(zip(list(inspect.signature(spec.Model.forward).parameters)[1:], inputs))
+    chunked = "query_start_loc" in named  # packed new tokens against the paged cache (vLLM's form)
     if packed:  # the Model's fp32 scores over every (query, key) pair of the packed batch
         model_gb = 4 * q.shape[1] * q.shape[0] * k_cache.shape[0] / 1e9
     else:  # its gathered, head-repeated fp32 K and V: [B, Hq, MAX_PAGES * PAGE, D] each
@@ -66,8 +69,11 @@ def check(path: Path, gen: Path) -> dict:
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     if run_model:
         res["vs_model"] = res["model_ms"] / res["graph_ms"]
-    if packed:  # FLOPs of the full per-sequence products, 4 * Hq * D * len_q * len_k (no causal halving)
-        lq, lk = (x[1:] - x[:-1] for x in (inputs[3].long(), inputs[4].long()))
+    if packed or chunked:  # FLOPs of the full per-sequence products, 4 * Hq * D * len_q * len_k (no causal halving)
+        if chunked:
+            lq, lk = named["query_start_loc"].long().diff(), named["seq_lens"].long()
+        else:
+            lq, lk = (x[1:] - x[:-1] for x in (inputs[3].long(), inputs[4].long()))
         res["tflops_per_s"] = 4 * q.shape[1] * d * int((lq * lk).sum()) / 1e12 / (res["graph_ms"] / 1e3)
         return res
     kv_bytes = 2 * int(lengths.long().sum()) * hkv * d * k_cache.element_size()
