@@ -21,7 +21,8 @@ from generate.stages import ReportStatus
 from kb.errors import KBError
 
 if TYPE_CHECKING:
-    from generate.pipeline import GenerateResult
+    from generate.pipeline import GenerateOptions, GenerateResult
+    from kb.store import KnowledgeBase
 
 __all__ = ["ingest_cmd", "query_cmd", "generate_cmd"]
 
@@ -199,11 +200,18 @@ def generate_cmd(
                                                        "on stdout; failures and progress still go to stderr."),
     force: bool = typer.Option(False, "--force", help="Regenerate even when the cache holds this spec's kernel "
                                                       "(an unchanged spec, code, options and KB knowledge)."),
+    use_ray: bool = typer.Option(False, "--ray", help="Run each spec as a task on a Ray cluster, writing to the shared "
+                                                      "KB (KB_DB_URL PostgreSQL + KB_CHROMA_URL server); needs ray."),
+    ray_address: str = typer.Option(None, "--ray-address", metavar="ADDRESS",
+                                    help="The Ray cluster for --ray (as `ray.init` takes it, e.g. 10.0.0.5:6379) "
+                                         "[default: RAY_ADDRESS, else a local cluster on this machine's CPUs]."),
+    ray_retries: int = typer.Option(2, "--ray-retries", help="Times a spec is resubmitted after its Ray worker dies."),
 ) -> None:
     """Generate verified kernels: retrieve a reference, transfer, check the IR, lower to Triton and CUDA, verify, write back.
 
-    An unchanged spec whose kernel the cache holds gets its files back without generating (--force: regenerate)."""
-    from generate.cache import generate_cached
+    An unchanged spec whose kernel the cache holds gets its files back without generating (--force: regenerate).
+    With --ray the specs run as tasks on a Ray cluster, as many at once as it has CPUs, with the same files and
+    report as a local run (README: "Campaigns on a Ray cluster")."""
     from generate.pipeline import GenerateOptions, resolve_target
 
     if engine not in ("rule", "llm"):
@@ -226,6 +234,27 @@ def generate_cmd(
                            max_attempts=max_attempts, timeout_s=settings.verify_timeout,
                            target=resolve_target(target, settings.target_arch), backward=not no_backward,
                            deterministic=deterministic)
+    if ray_address is not None and not use_ray:
+        raise KBError("--ray-address is for --ray campaigns; add --ray")
+    if ray_retries < 0:
+        raise KBError("--ray-retries must be 0 or more")
+    if use_ray:
+        results = _generate_on_ray(kb, paths, opts, force, ray_address, ray_retries, backward_asked=not no_backward)
+    else:
+        results = _generate_here(kb, paths, opts, force, backward_asked=not no_backward)
+    if as_json:
+        typer.echo(json.dumps({"specs": [_generate_json(r) for r in results],
+                               "failed": sum(not r.succeeded for r in results)}, indent=2))
+    else:
+        _print_generated(results)
+    if any(not r.succeeded for r in results):
+        raise typer.Exit(1)
+
+
+def _generate_here(kb: KnowledgeBase, paths: list[Path], opts: GenerateOptions, force: bool, *,
+                   backward_asked: bool) -> list[GenerateResult]:
+    from generate.cache import generate_cached
+
     results: list[GenerateResult] = []
     for p in paths:
         with err.status(f"generating {esc(p)} …"):
@@ -235,15 +264,27 @@ def generate_cmd(
                 kept = f"; {len(results)} earlier spec(s) finished and kept" if results else ""
                 raise KeyboardInterrupt(f"{stop or 'stopped'}{kept}") from stop
         results.append(r)
-        for line in _generate_problems(r, backward_asked=not no_backward):  # as they happen, on stderr
+        for line in _generate_problems(r, backward_asked=backward_asked):  # as they happen, on stderr
             err.print(line, markup=False)
-    if as_json:
-        typer.echo(json.dumps({"specs": [_generate_json(r) for r in results],
-                               "failed": sum(not r.succeeded for r in results)}, indent=2))
-    else:
-        _print_generated(results)
-    if any(not r.succeeded for r in results):
-        raise typer.Exit(1)
+    return results
+
+
+def _generate_on_ray(kb: KnowledgeBase, paths: list[Path], opts: GenerateOptions, force: bool, address: str | None,
+                     retries: int, *, backward_asked: bool) -> list[GenerateResult]:
+    from generate.campaign import run_campaign
+
+    with err.status(f"generating {len(paths)} spec(s) on Ray …") as status:
+        def done(r: GenerateResult, finished: int, total: int) -> None:
+            status.update(f"generating on Ray: {finished}/{total} spec(s) finished …")
+            err.print(f"{r.spec_path}: {r.status}" + (f" ({r.kernel_id})" if r.kernel_id else ""), markup=False)
+            for line in _generate_problems(r, backward_asked=backward_asked):
+                err.print(line, markup=False)
+
+        report = run_campaign(kb, paths, opts, address=address, force=force, retries=retries, on_done=done)
+    if report.retried:
+        err.print(f"{report.retried} task(s) resubmitted after their Ray worker died (their runs are marked "
+                  "interrupted)", markup=False)
+    return report.results
 
 
 def _generate_problems(r: GenerateResult, *, backward_asked: bool) -> list[str]:

@@ -274,25 +274,26 @@ def _restore(entry: Entry, spec_path: Path, out_dir: Path, t0: float) -> Generat
 
 
 def cached_run(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions(), *,
-               force: bool = False) -> tuple[GenerateResult, Entry | None]:
+               force: bool = False, run_id: str = "") -> tuple[GenerateResult, Entry | None]:
     """`generate`, served from the cache when it can be; (the result, the entry now holding its files or None)."""
     t0 = time.perf_counter()
     spec_path = Path(spec_path)
     if not spec_path.is_file():  # generate records the refusal
-        return generate(kb, spec_path, options), None
+        return generate(kb, spec_path, options, run_id=run_id), None
     key = cache_key(kb, spec_path, options)
     if not force and (entry := lookup(kb, key)) is not None:
         try:
             return _restore(entry, spec_path, options.out_dir or (Path.cwd() / "out"), t0), entry
         except FileNotFoundError as err:  # removed by a concurrent --force between lookup and copy
             log.warning("generate cache: entry %s vanished while restoring (%s); generating", key.digest[:12], err)
-    result = generate(kb, spec_path, options)
+    result = generate(kb, spec_path, options, run_id=run_id)
     if not result.succeeded:
         return result, None
     return result, store(kb, key, result)
 
 
 def generate_cached(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions(), *,
-                    force: bool = False) -> GenerateResult:
-    """`generate(kb, spec_path, options)` through the cache (`force`: regenerate and refresh the entry)."""
-    return cached_run(kb, spec_path, options, force=force)[0]
+                    force: bool = False, run_id: str = "") -> GenerateResult:
+    """`generate(kb, spec_path, options)` through the cache (`force`: regenerate and refresh the entry; `run_id`: as
+    for generate)."""
+    return cached_run(kb, spec_path, options, force=force, run_id=run_id)[0]

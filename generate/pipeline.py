@@ -132,12 +132,14 @@ def _not_transferred(spec: Spec) -> str | None:
     return None
 
 
-def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions()) -> GenerateResult:
-    """Generate a verified kernel for one spec; never raises for kernel failures (they are results)."""
+def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = GenerateOptions(), *,
+             run_id: str = "") -> GenerateResult:
+    """Generate a verified kernel for one spec; never raises for kernel failures (they are results). `run_id`: the
+    id its run is recorded under (a campaign's driver names it, to mark the run if the worker dies); empty: a new one."""
     t0 = time.perf_counter()
     deadline = time.monotonic() + options.timeout_s  # one budget: the spec's import and tracing, then the attempts
     spec_path = Path(spec_path)
-    run = GenerationRun(spec_path=str(spec_path), engine=options.engine, memory=options.memory)
+    run = GenerationRun(id=run_id, spec_path=str(spec_path), engine=options.engine, memory=options.memory)
     out_dir = options.out_dir or (Path.cwd() / "out")
     try:
         with watchdog(options.timeout_s, f"importing and tracing spec {spec_path}"):

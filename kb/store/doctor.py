@@ -42,7 +42,7 @@ from kb.store.rules import violations
 if TYPE_CHECKING:
     from kb.store.kb import KnowledgeBase
 
-__all__ = ["DriftKind", "Drift", "DoctorReport", "run_doctor", "IDENTITY_RULES"]
+__all__ = ["DriftKind", "Drift", "DoctorReport", "run_doctor", "remove_orphan_temp_dirs", "IDENTITY_RULES"]
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,14 @@ def _temp_issues(temp_root: Path) -> list[Drift]:
     return out
 
 
+def remove_orphan_temp_dirs(temp_root: Path) -> int:
+    """Remove this user's verify temp directories under `temp_root` whose owner process is gone; how many."""
+    gone = _temp_issues(temp_root)
+    for d in gone:
+        shutil.rmtree(d.id, ignore_errors=True)
+    return len(gone)
+
+
 def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = None) -> DoctorReport:
     """Report issues; with `fix`, repair them and report what was repaired.
 
@@ -254,9 +262,8 @@ def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = No
     if fix and runs:
         _fix_runs(kb, runs)
     temps = _temp_issues(temp_root) if temp_root is not None else []
-    if fix:
-        for d in temps:
-            shutil.rmtree(d.id, ignore_errors=True)
+    if fix and temp_root is not None:
+        remove_orphan_temp_dirs(temp_root)
     vec = _vector_issues(kb)
     if fix and vec:
         for col, table in EMBEDDED.items():

@@ -41,9 +41,11 @@ from kb.store.models import (
     Kernel,
     Lesson,
     PerfRecord,
+    RunStatus,
     Snippet,
     Source,
     Tunable,
+    utcnow,
 )
 from kb.store.records import EMBEDDED, assign_id, redact_record
 from kb.store.rules import check, violations
@@ -156,6 +158,16 @@ class KnowledgeBase:
     def write_run(self, run: GenerationRun) -> str:
         """Insert a run, or update it (status, kernel_id, finished_at) when its id exists."""
         return self._write_rows([assign_id(run)])[0]
+
+    def interrupt_run(self, run_id: str, why: str) -> bool:
+        """Mark run `run_id` interrupted with `why` when it is still `running` (its process died or gave up without
+        finishing it); False when it had finished, or is not in the KB."""
+        run = self.find(run_id)
+        if not isinstance(run, GenerationRun) or run.status != RunStatus.RUNNING.value:
+            return False
+        run.status, run.error, run.finished_at = RunStatus.INTERRUPTED.value, why, utcnow()
+        self.write_run(run)
+        return True
 
     def write_attempt(self, attempt: Attempt) -> str:
         return self._write_rows([assign_id(attempt)])[0]

@@ -4,17 +4,21 @@
         other = create_database(url, "second")
     with chroma_server(path) as chroma:   # chroma.url == http://127.0.0.1:PORT
         chroma.stop(); chroma.restart()   # same path, same port
+    with ray_head(num_cpus=2, env=...) as address:   # 127.0.0.1:PORT, for `kb generate --ray --ray-address`
 
 PostgreSQL: a throwaway cluster (`initdb`, `pg_ctl`) in a temp dir on 127.0.0.1 and a free
 port, trust authentication for the superuser `kb`; as root the server runs as `postgres`
 through `runuser`, since PostgreSQL refuses to run as root. Chroma: `chroma run` from the
 venv that runs the tests. Both are always stopped, and PostgreSQL's dir removed, on exit.
 Missing PostgreSQL binaries raise `ServiceError` (a test failure, never a skip) with the
-reason `tests/install_services.sh` recorded for not installing them.
+reason `tests/install_services.sh` recorded for not installing them. Ray: `ray start --head --block` from the
+venv on 127.0.0.1 with its own short temp dir; its workers inherit the environment given. Stopped by signalling the
+`ray start` process group (never `ray stop`, which stops every cluster of the machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -30,7 +34,8 @@ from pathlib import Path
 
 from tests.support.repo import TEST_CACHE
 
-__all__ = ["ServiceError", "INSTALL_LOG", "pg_bindir", "postgres_server", "create_database", "ChromaServer", "chroma_server"]
+__all__ = ["ServiceError", "INSTALL_LOG", "pg_bindir", "postgres_server", "create_database", "ChromaServer", "chroma_server",
+           "ray_head"]
 
 INSTALL_LOG = TEST_CACHE / "install_services.log"  # written by tests/install_services.sh on failure
 START_TIMEOUT_S = 60.0
@@ -203,3 +208,41 @@ def chroma_server(path: Path) -> Iterator[ChromaServer]:
         yield server
     finally:
         server.stop()
+
+
+# -- Ray ---------------------------------------------------------------------------------
+
+@contextmanager
+def ray_head(num_cpus: int, env: dict[str, str]) -> Iterator[str]:
+    """A Ray head node on 127.0.0.1 offering `num_cpus` CPUs (so as many task workers at once); yields its address."""
+    exe = Path(sys.executable).parent / "ray"
+    if not exe.exists():
+        raise ServiceError(f"no `ray` executable next to {sys.executable}; `pip install ray` in that venv")
+    temp = Path(tempfile.mkdtemp(prefix="kbray-", dir="/tmp"))  # Ray's unix sockets need a short path
+    port = free_port()
+    log = (temp / "head.log").open("wb")
+    proc = subprocess.Popen(
+        [str(exe), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+         "--num-cpus", str(num_cpus), "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+         "--temp-dir", str(temp)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**env, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "Ray runtime started" not in (temp / "head.log").read_text(errors="replace"):  # what `ray start` prints
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ServiceError(f"ray start on port {port} did not come up:\n{(temp / 'head.log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):  # whatever of the cluster outlived `ray start`
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
