@@ -37,6 +37,11 @@ def tune_cmd(
                                                             "training step (forward as emitted, gradients checked)."),
     results: Path = typer.Option(None, "--results", help="Also keep the raw results document here (JSON)."),
     as_json: bool = typer.Option(False, "--json", help="Print the results document as JSON."),
+    use_ray: bool = typer.Option(False, "--ray", help="Time each spec as a task with a GPU of its own (num_gpus=1) on a "
+                                                      "Ray cluster; this machine needs no GPU. Needs ray."),
+    ray_address: str = typer.Option(None, "--ray-address", metavar="ADDRESS",
+                                    help="The Ray cluster for --ray [default: RAY_ADDRESS, else a local cluster]."),
+    ray_retries: int = typer.Option(2, "--ray-retries", help="Times a spec is resubmitted after its Ray worker dies."),
 ) -> None:
     """Time candidate designs of generated kernels on this GPU beside FlexAttention and SDPA; keep the fastest correct
     one as measured records and a performance lesson (one transaction). Without a GPU, --plan writes the work for one.
@@ -46,6 +51,8 @@ def tune_cmd(
 
     if max_designs < 1:
         raise KBError("--max-designs must be at least 1")
+    if plan is not None and use_ray:
+        raise KBError("--plan writes the work down for a GPU machine and --ray runs it on a cluster's GPUs: give one")
     targets = _spec_targets(targets)
     kb = open_kb_of(ctx)
     if plan is not None:
@@ -53,6 +60,15 @@ def tune_cmd(
         _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory,
                               backward=backward), plan, then="kb perf import RESULTS.json",
                     runner="generate.tune_gpu_bwd" if backward else "generate.tune_gpu")
+        return
+    if ray_address is not None and not use_ray:
+        raise KBError("--ray-address is for --ray campaigns; add --ray")
+    if use_ray:
+        arch = target if target != "auto" else settings_of(ctx).target_arch
+        _tune_on_ray(kb, make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory,
+                                   backward=backward), results or (kb.settings.home / "tune-last.json"),
+                     "kb tune --ray " + ("--backward " if backward else "") + " ".join(targets), ray_address,
+                     ray_retries, as_json)
         return
     arch = require_gpu()
     from generate.perf_import import import_results
@@ -71,6 +87,40 @@ def tune_cmd(
         return
     out.print(results_table(doc))
     out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}", markup=False)
+
+
+def _tune_on_ray(kb, plan: dict, raw: Path, command: str, address: str | None, retries: int,  # noqa: ANN001
+                 as_json: bool) -> None:
+    """`kb tune --ray`: one num_gpus=1 task per spec (generate.campaign); each spec's results document is kept beside
+    `raw` (`raw` with `.N` before its suffix, one per spec) and imported as `kb perf import` would."""
+    from generate.campaign import run_tune_campaign
+    from generate.perf_import import import_results
+
+    if retries < 0:
+        raise KBError("--ray-retries must be 0 or more")
+    with err.status(f"timing {sum(len(e['designs']) for e in plan['entries'])} designs on the Ray cluster's GPUs …"):
+        docs, failures, retried = run_tune_campaign(plan, address=address, command=command, retries=retries,
+                                                    on_done=lambda spec, doc, why: err.print(
+                                                        f"{spec}: {'timed' if doc is not None else 'failed: ' + why}",
+                                                        markup=False))
+    records = lessons = 0
+    for n, doc in enumerate(docs):
+        path = raw.with_name(f"{raw.stem}.{n}{raw.suffix}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1))
+        summary = import_results(kb, doc, str(path))
+        records, lessons = records + summary.perf_records, lessons + summary.lessons
+    if retried:
+        err.print(f"{retried} task(s) resubmitted after their Ray worker died", markup=False)
+    if as_json:
+        out.print_json(json.dumps(docs))
+    else:
+        for doc in docs:
+            out.print(results_table(doc))
+        out.print(f"stored {records} measured records and {lessons} lessons from {len(docs)} spec(s); raw results in "
+                  f"{raw.with_name(raw.stem + '.N' + raw.suffix)}", markup=False)
+    if failures:
+        raise KBError(f"{len(failures)} spec(s) were not timed: " + "; ".join(failures))
 
 
 @app.command("bench")

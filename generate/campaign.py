@@ -1,4 +1,5 @@
-"""Campaigns on a Ray cluster: `kb generate --ray` runs each spec as a Ray task against the team's shared KB.
+"""Campaigns on a Ray cluster: `kb generate --ray` runs each spec as a Ray task against the team's shared KB, and
+`kb tune --ray` times each spec's designs as a task with a GPU of its own.
 
 What runs where: the `kb` process is the driver; it submits one task per spec (`num_cpus=1`) and collects the
 results as they finish. A task opens the KB from the driver's settings (PostgreSQL and a Chroma server, which every
@@ -18,6 +19,11 @@ run marked with the error and the spec counts as failed, and the campaign goes o
 worker died stays (a kernel is keyed by its content: a retry that writes it again writes the same row, and the
 generate cache serves a spec whose kernel was stored). Ctrl-C cancels the tasks still queued or running, marks their
 runs interrupted and says how many specs finished.
+
+Tuning: the driver makes the plan (as `kb tune --plan` does, no GPU needed there) and submits one `num_gpus=1` task
+per spec, which runs the same timing code as a local `kb tune` on the GPU Ray assigned it and returns its results
+document, with that GPU's environment; the driver imports each document as `kb perf import` would. A cluster
+without GPUs is refused. Retries and Ctrl-C as for generation (a timing task writes nothing to the KB).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +48,7 @@ from kb.store import KnowledgeBase, open_kb
 from kb.store.doctor import remove_orphan_temp_dirs
 from kb.store.ids import run_id as new_run_id
 
-__all__ = ["run_campaign", "CampaignReport", "require_shared_kb", "RAY_MISSING"]
+__all__ = ["run_campaign", "run_tune_campaign", "CampaignReport", "require_shared_kb", "RAY_MISSING"]
 
 RAY_MISSING = "Ray is not installed: `pip install 'kernel-kb[ray]'` (or `pip install ray`) on the driver and every worker"
 # variables a worker needs to be the driver's twin: the KB's settings, Triton's and the embedding model's caches
@@ -90,6 +96,94 @@ def _one_line(err: BaseException) -> str:
     return f"{type(cause).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
 
+@dataclass
+class _Job:
+    """One task's work: what to call it with, and which spec(s) it is for."""
+
+    index: int
+    label: str  # the spec (generate) or specs (tune), for messages
+    attempt: int = 0
+    run_id: str = ""  # generate: the run id this attempt records under
+
+
+@contextlib.contextmanager
+def _cluster(address: str | None) -> Iterator[Any]:
+    """Ray connected (or a local cluster started) for one campaign; yields the `ray` module. While Ray runs in this
+    process stdout is stderr: Ray's driver prints what its workers report (a worker that died, ...) on stdout, which
+    is the command's output (a --json document)."""
+    try:
+        import ray
+    except ImportError:
+        raise KBError(RAY_MISSING) from None
+    given = address or os.environ.get("RAY_ADDRESS", "")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    with contextlib.redirect_stdout(sys.stderr):
+        if ray.is_initialized():  # a caller's own session (Python API)
+            yield ray
+            return
+        if why := _unreachable(given):
+            raise KBError(f"cannot reach the Ray cluster at {given}: {why}",
+                          hint="start one with `ray start --head` (README: \"Campaigns on a Ray cluster\")")
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
+                     **({} if given else {"include_dashboard": False}))
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise KBError(f"cannot reach the Ray cluster at {given}: {_one_line(err)}") from None
+        finally:  # ray.init installs its own (exit at once): Ctrl-C and SIGTERM must reach the cancelling in _drive
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def _drive(ray: Any, jobs: list[_Job], submit: Callable[[_Job], Any], retries: int,
+           finish: Callable[[_Job, Any, str], None], lost: Callable[[_Job, str], None]) -> int:
+    """Run `jobs` (`submit(job)` -> an object ref) to the end: `finish(job, value, why)` once per job (value None and
+    `why` set when it failed), `lost(job, why)` for each attempt that did not finish (its worker died, it raised, it
+    was cancelled). A job whose worker died is submitted again, `retries` times at most. Returns the resubmissions;
+    KeyboardInterrupt (saying what was kept) after cancelling the rest."""
+    from ray import exceptions as rx
+
+    died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError, rx.ObjectLostError)
+    pending = {submit(job): job for job in jobs}
+    finished = retried = 0
+    try:
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            job = pending.pop(ref)
+            try:
+                value, why = ray.get(ref), ""
+            except died as err:
+                lost(job, f"interrupted: its Ray worker died ({type(err).__name__})")
+                if job.attempt < retries:
+                    job.attempt += 1
+                    retried += 1
+                    pending[submit(job)] = job
+                    continue
+                value, why = None, f"its Ray worker died {job.attempt + 1} time(s) ({type(err).__name__})"
+            except rx.RayError as err:  # the task raised: a failure of this job, not of the campaign
+                lost(job, f"interrupted: the task raised {_one_line(err)}")
+                value, why = None, f"the Ray task raised {_one_line(err)}"
+            finished += 1
+            finish(job, value, why)
+    except KeyboardInterrupt as stop:
+        for ref, job in pending.items():
+            ray.cancel(ref, force=True)
+            lost(job, "interrupted: the campaign was cancelled (Ctrl-C or SIGTERM)")
+        ray.wait(list(pending), num_returns=len(pending), timeout=10.0)  # the cancelled workers exit
+        _clean_here()
+        said = [str(stop)] if str(stop) else []
+        raise KeyboardInterrupt("; ".join([*said, f"{finished} of {len(jobs)} finished and kept, {len(pending)} "
+                                           "cancelled"])) from stop
+    if retried:
+        _clean_here()
+    return retried
+
+
 def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOptions, *, address: str | None = None,
                  force: bool = False, retries: int = 2,
                  on_done: Callable[[GenerateResult, int, int], None] | None = None) -> CampaignReport:
@@ -97,89 +191,71 @@ def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOpti
     the campaign); `on_done(result, finished, total)` as each spec finishes. Raises KeyboardInterrupt (with what was
     kept) on Ctrl-C, after cancelling the rest."""
     require_shared_kb(kb.settings)
-    # Ray's driver prints what its workers report (a worker that died, ...) on stdout, which is the command's output
-    # (a --json document): while Ray runs in this process, stdout is stderr
-    with contextlib.redirect_stdout(sys.stderr):
-        return _run(kb, specs, options, address, force, retries, on_done)
-
-
-def _run(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOptions, address: str | None, force: bool,
-         retries: int, on_done: Callable[[GenerateResult, int, int], None] | None) -> CampaignReport:
-    try:
-        import ray
-        from ray import exceptions as rx
-    except ImportError:
-        raise KBError(RAY_MISSING) from None
-    died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError, rx.ObjectLostError)
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    local = address is None and not os.environ.get("RAY_ADDRESS")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = not ray.is_initialized()
-    if started and (why := _unreachable(address or os.environ.get("RAY_ADDRESS", ""))):
-        raise KBError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: {why}",
-                      hint="start one with `ray start --head` (README: \"Campaigns on a Ray cluster\")")
-    if started:
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
-                     **({"include_dashboard": False} if local else {}))
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            raise KBError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: "
-                          f"{_one_line(err)}") from None
-        finally:  # ray.init installs its own (exit at once): Ctrl-C and SIGTERM must reach the cancelling below
-            for sig, handler in handlers.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
-    task = ray.remote(num_cpus=1, max_retries=0)(_generate_task).options(runtime_env={"env_vars": env})
     cwd = os.getcwd()
-    report = CampaignReport([_failed(p, "", "not run") for p in specs],
-                            workers=int(ray.cluster_resources().get("CPU", 0)))
-    pending: dict[Any, tuple[int, int, str]] = {}  # object ref -> (spec index, attempt, run id)
+    report = CampaignReport([_failed(p, "", "not run") for p in specs])
+    with _cluster(address) as ray:
+        report.workers = int(ray.cluster_resources().get("CPU", 0))
+        task = ray.remote(num_cpus=1, max_retries=0)(_generate_task).options(runtime_env={"env_vars": env})
 
-    def submit(i: int, attempt: int) -> None:
-        rid = new_run_id()
-        pending[task.remote(kb.settings, cwd, str(specs[i]), options, force, rid)] = (i, attempt, rid)
+        def submit(job: _Job) -> Any:
+            job.run_id = new_run_id()
+            return task.remote(kb.settings, cwd, str(specs[job.index]), options, force, job.run_id)
 
-    finished = 0
-    try:
-        for i in range(len(specs)):
-            submit(i, 0)
-        while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            i, attempt, rid = pending.pop(ref)
-            try:
-                result = ray.get(ref)
-            except died as err:
-                kb.interrupt_run(rid, f"interrupted: its Ray worker died ({type(err).__name__})")
-                if attempt < retries:
-                    report.retried += 1
-                    submit(i, attempt + 1)
-                    continue
-                result = _failed(specs[i], rid, f"its Ray worker died {attempt + 1} time(s) ({type(err).__name__}); "
-                                                f"run {rid} is marked interrupted")
-            except rx.RayError as err:  # the task raised: a failure of this spec, not of the campaign
-                why = _one_line(err)
-                kb.interrupt_run(rid, f"interrupted: the task raised {why}")
-                result = _failed(specs[i], rid, f"the Ray task raised {why}")
-            report.results[i] = result
-            finished += 1
+        done: list[int] = []
+
+        def finish(job: _Job, result: GenerateResult | None, why: str) -> None:
+            report.results[job.index] = result if result is not None else _failed(
+                specs[job.index], job.run_id, f"{why}; run {job.run_id} is marked interrupted")
+            done.append(job.index)
             if on_done is not None:
-                on_done(result, finished, len(specs))
-    except KeyboardInterrupt as stop:
-        for ref, (_, _, rid) in pending.items():
-            ray.cancel(ref, force=True)
-            kb.interrupt_run(rid, "interrupted: the campaign was cancelled (Ctrl-C or SIGTERM)")
-        ray.wait(list(pending), num_returns=len(pending), timeout=10.0)  # the cancelled workers exit
-        _clean_here()
-        said = [str(stop)] if str(stop) else []
-        raise KeyboardInterrupt("; ".join([*said, f"{finished} of {len(specs)} spec(s) finished and kept, "
-                                           f"{len(pending)} cancelled (their runs marked interrupted)"])) from stop
-    finally:
-        if started:
-            ray.shutdown()
-    if report.retried:
-        _clean_here()
+                on_done(report.results[job.index], len(done), len(specs))
+
+        jobs = [_Job(i, str(p)) for i, p in enumerate(specs)]
+        report.retried = _drive(ray, jobs, submit, retries, finish, lambda job, why: kb.interrupt_run(job.run_id, why))
     return report
+
+
+def _tune_task(plan: dict, backward: bool, command: str, device: str) -> dict:
+    """One spec's designs timed on the GPU Ray gave this task (CUDA_VISIBLE_DEVICES): its results document."""
+    from generate.tune_gpu import run_plan
+    from generate.tune_gpu_bwd import run_plan_backward
+
+    with tempfile.TemporaryDirectory(prefix="kb-tune-") as tmp:
+        return (run_plan_backward if backward else run_plan)(plan, Path(tmp) / "results.json", command=command,
+                                                             device=device)
+
+
+def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = "", retries: int = 2,
+                      device: str = "cuda", on_done: Callable[[str, dict | None, str], None] | None = None,
+                      ) -> tuple[list[dict], list[str], int]:
+    """`plan`'s entries timed as Ray tasks, one per spec (`num_gpus=1`: Ray gives each its own GPU); (the results
+    documents, each with the environment of the GPU it ran on, in the plan's order; one line per spec whose task
+    failed; resubmissions after a worker died). `device="cpu"`: the CPU dry run of the timing code (tests)."""
+    groups: dict[str, list[dict]] = {}
+    for entry in plan["entries"]:
+        groups.setdefault(entry["spec"], []).append(entry)
+    parts = [{**plan, "entries": entries} for entries in groups.values()]
+    docs: list[dict | None] = [None] * len(parts)
+    failures: list[str] = []
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    with _cluster(address) as ray:
+        if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+            raise KBError("the Ray cluster offers no GPU (`ray status`); kb tune --ray runs one num_gpus=1 task per "
+                          "spec: start the workers on GPU hosts (`ray start --num-gpus N`)")
+        task = ray.remote(num_gpus=1, max_retries=0)(_tune_task).options(runtime_env={"env_vars": env})
+
+        def finish(job: _Job, doc: dict | None, why: str) -> None:
+            docs[job.index] = doc
+            if doc is None:
+                failures.append(f"{job.label}: {why}")
+            if on_done is not None:
+                on_done(job.label, doc, why)
+
+        jobs = [_Job(i, spec) for i, spec in enumerate(groups)]
+        retried = _drive(ray, jobs, lambda job: task.remote(parts[job.index], bool(plan.get("backward")), command, device),
+                         retries, finish, lambda job, why: None)
+    return [d for d in docs if d is not None], failures, retried
 
 
 def _unreachable(address: str) -> str:

@@ -1,7 +1,8 @@
 """`kb generate --all DIR --ray` on a real cluster (issue 33): a Ray head on 127.0.0.1 with two worker CPUs, a
 PostgreSQL database and a Chroma server holding the ingested KB. One worker is killed (SIGKILL) mid-task: its spec
 is retried, its run is marked interrupted, every spec ends verified, `kb doctor` is clean, no kernel is written twice,
-and the kernels equal those of a local run of the same specs."""
+and the kernels equal those of a local run of the same specs. Then the tuning campaign times two specs as tasks with a
+(logical) GPU each, in the CPU dry run."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,12 +79,14 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
 
         local = kb_cli("generate", "--all", "specs", "--out", "local", *OPTIONS)
         assert local.returncode == 0, local.stderr[-3000:]
-        with ray_head(num_cpus=2, env=env) as address:
+        with ray_head(num_cpus=2, num_gpus=1, env=env) as address:
             campaign = subprocess.Popen([*KB_CLI, "generate", "--all", "specs", "--out", "ray", *OPTIONS, "--ray",
                                          "--ray-address", address], env=env, cwd=tmp_path, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             killed = _kill_a_worker_mid_run(campaign, db_url)
             out, err = campaign.communicate(timeout=900)
+            tuned = subprocess.run([sys.executable, "-c", _TUNE_ON_RAY, address], env=env | {"TRITON_INTERPRET": "1"},
+                                   cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert killed is not None, f"no campaign task was seen running: {err[-3000:]}"
         assert campaign.returncode == 0, err[-3000:]
         assert "1 task(s) resubmitted after their Ray worker died" in err
@@ -106,3 +110,25 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
         assert hashes[0] == hashes[1]  # no kernel twice
         doctor = kb_cli("doctor", "--json")
         assert doctor.returncode == 0 and json.loads(doctor.stdout)["issues"] == [], doctor.stdout
+
+        # kb tune --ray's campaign (generate.campaign.run_tune_campaign): one num_gpus=1 task per spec, here on the
+        # head's one logical GPU with the CPU dry run of the timing code (the Triton interpreter, no measurement)
+        assert tuned.returncode == 0, tuned.stderr[-3000:]
+        docs, failures, retried = json.loads(tuned.stdout.splitlines()[-1])
+        assert (failures, retried) == ([], 0)
+        assert [[e["name"] for e in d["entries"]] for d in docs] == [["softcap_plain"], ["alibi_causal"]]
+        assert all(d["env"]["dry_run"] == "cpu" and "error" not in d["entries"][0] for d in docs), docs
+
+
+_TUNE_ON_RAY = """
+import json, sys
+from pathlib import Path
+from generate.campaign import run_tune_campaign
+from generate.tune import make_plan
+from kb.settings import load_settings
+from kb.store import open_kb
+
+with open_kb(load_settings()) as kb:
+    plan = make_plan(kb, ["specs/softcap_plain.py", "specs/alibi_causal.py"], Path("ray"), "sm90", max_designs=1)
+print(json.dumps(run_tune_campaign(plan, address=sys.argv[1], device="cpu")))
+"""

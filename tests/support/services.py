@@ -213,8 +213,9 @@ def chroma_server(path: Path) -> Iterator[ChromaServer]:
 # -- Ray ---------------------------------------------------------------------------------
 
 @contextmanager
-def ray_head(num_cpus: int, env: dict[str, str]) -> Iterator[str]:
-    """A Ray head node on 127.0.0.1 offering `num_cpus` CPUs (so as many task workers at once); yields its address."""
+def ray_head(num_cpus: int, env: dict[str, str], num_gpus: int = 0) -> Iterator[str]:
+    """A Ray head node on 127.0.0.1 offering `num_cpus` CPUs (so as many task workers at once) and `num_gpus` GPUs
+    (logical: Ray schedules by the count it is given, whatever the host has); yields its address."""
     exe = Path(sys.executable).parent / "ray"
     if not exe.exists():
         raise ServiceError(f"no `ray` executable next to {sys.executable}; `pip install ray` in that venv")
@@ -223,7 +224,7 @@ def ray_head(num_cpus: int, env: dict[str, str]) -> Iterator[str]:
     log = (temp / "head.log").open("wb")
     proc = subprocess.Popen(
         [str(exe), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-         "--num-cpus", str(num_cpus), "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
+         "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--include-dashboard=false", "--disable-usage-stats",
          "--temp-dir", str(temp)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         env={**env, "RAY_USAGE_STATS_ENABLED": "0"})
