@@ -48,7 +48,7 @@ from kb.store import KnowledgeBase, open_kb
 from kb.store.doctor import remove_orphan_temp_dirs
 from kb.store.ids import run_id as new_run_id
 
-__all__ = ["run_campaign", "run_tune_campaign", "CampaignReport", "require_shared_kb", "RAY_MISSING"]
+__all__ = ["run_campaign", "run_tune_campaign", "ray_session", "CampaignReport", "require_shared_kb", "RAY_MISSING"]
 
 RAY_MISSING = "Ray is not installed: `pip install 'kernel-kb[ray]'` (or `pip install ray`) on the driver and every worker"
 # variables a worker needs to be the driver's twin: the KB's settings, Triton's and the embedding model's caches
@@ -107,7 +107,7 @@ class _Job:
 
 
 @contextlib.contextmanager
-def _cluster(address: str | None) -> Iterator[Any]:
+def ray_session(address: str | None) -> Iterator[Any]:
     """Ray connected (or a local cluster started) for one campaign; yields the `ray` module. While Ray runs in this
     process stdout is stderr: Ray's driver prints what its workers report (a worker that died, ...) on stdout, which
     is the command's output (a --json document)."""
@@ -194,7 +194,7 @@ def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOpti
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
     cwd = os.getcwd()
     report = CampaignReport([_failed(p, "", "not run") for p in specs])
-    with _cluster(address) as ray:
+    with ray_session(address) as ray:
         report.workers = int(ray.cluster_resources().get("CPU", 0))
         task = ray.remote(num_cpus=1, max_retries=0)(_generate_task).options(runtime_env={"env_vars": env})
 
@@ -216,11 +216,13 @@ def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOpti
     return report
 
 
-def _tune_task(plan: dict, backward: bool, command: str, device: str) -> dict:
-    """One spec's designs timed on the GPU Ray gave this task (CUDA_VISIBLE_DEVICES): its results document."""
+def _tune_task(cwd: str, plan: dict, backward: bool, command: str, device: str) -> dict:
+    """One spec's designs timed on the GPU Ray gave this task (CUDA_VISIBLE_DEVICES), from the driver's working
+    directory (the plan's spec and candidate paths are the driver's): its results document."""
     from generate.tune_gpu import run_plan
     from generate.tune_gpu_bwd import run_plan_backward
 
+    os.chdir(cwd)
     with tempfile.TemporaryDirectory(prefix="kb-tune-") as tmp:
         return (run_plan_backward if backward else run_plan)(plan, Path(tmp) / "results.json", command=command,
                                                              device=device)
@@ -239,7 +241,7 @@ def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = 
     docs: list[dict | None] = [None] * len(parts)
     failures: list[str] = []
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    with _cluster(address) as ray:
+    with ray_session(address) as ray:
         if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
             raise KBError("the Ray cluster offers no GPU (`ray status`); kb tune --ray runs one num_gpus=1 task per "
                           "spec: start the workers on GPU hosts (`ray start --num-gpus N`)")
@@ -253,8 +255,9 @@ def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = 
                 on_done(job.label, doc, why)
 
         jobs = [_Job(i, spec) for i, spec in enumerate(groups)]
-        retried = _drive(ray, jobs, lambda job: task.remote(parts[job.index], bool(plan.get("backward")), command, device),
-                         retries, finish, lambda job, why: None)
+        cwd = os.getcwd()
+        retried = _drive(ray, jobs, lambda job: task.remote(cwd, parts[job.index], bool(plan.get("backward")), command,
+                                                            device), retries, finish, lambda job, why: None)
     return [d for d in docs if d is not None], failures, retried
 
 

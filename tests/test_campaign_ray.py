@@ -1,8 +1,8 @@
 """`kb generate --all DIR --ray` on a real cluster (issue 33): a Ray head on 127.0.0.1 with two worker CPUs, a
 PostgreSQL database and a Chroma server holding the ingested KB. One worker is killed (SIGKILL) mid-task: its spec
 is retried, its run is marked interrupted, every spec ends verified, `kb doctor` is clean, no kernel is written twice,
-and the kernels equal those of a local run of the same specs. Then the tuning campaign times two specs as tasks with a
-(logical) GPU each, in the CPU dry run."""
+and the kernels equal those of a local run of the same specs. The KB's embeddings live on the Chroma server and queries are
+answered there. Then the tuning campaign times a spec as a task with a (logical) GPU, in the CPU dry run."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
+from typer.testing import CliRunner
 
+from cli.main import app
+from kb.errors import KBError
 from kb.procs import Owner
 from kb.settings import load_settings
 from kb.store import open_kb
@@ -52,13 +55,23 @@ def _kill_a_worker_mid_run(campaign: subprocess.Popen, db_url: str) -> tuple[str
     return None
 
 
+def _server_counts(port: int) -> dict[str, int]:
+    """Embeddings per collection, asked of the Chroma server directly (not through kernel-kb)."""
+    import chromadb
+    from chromadb.config import Settings as ChromaSettings
+
+    client = chromadb.HttpClient(host="127.0.0.1", port=port, settings=ChromaSettings(anonymized_telemetry=False))
+    return {c: client.get_collection(c).count() for c in ("kernels", "snippets", "lessons")}
+
+
 def _title(pid: int) -> str:
     ps = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True)
     return ps.stdout.strip()
 
 
 @pytest.mark.network  # the session KB ingests the pinned releases
-def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested_kb, tmp_path: Path,  # noqa: ANN001
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     specs = tmp_path / "specs"
     specs.mkdir()
     for s in SPECS:
@@ -73,12 +86,17 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
         shared = load_settings(home=tmp_path / "home", db_url=db_url, chroma_url=chroma.url)
         with open_kb(shared, embedder=ingested_kb.embedder) as kb:  # the team KB: the ingested corpus, on the servers
             kb.import_jsonl(dump)
+        for name in ("KB_HOME", "KB_DB_URL", "KB_CHROMA_URL"):
+            monkeypatch.setenv(name, env[name])
+        # the embeddings live on the server, not in an embedded store under KB_HOME, and queries are answered there
+        stats = json.loads(CliRunner().invoke(app, ["stats", "--json"]).stdout)
+        assert _server_counts(chroma.port) == stats["vectors"] and stats["vectors"]["kernels"] == stats["rows"]["kernels"]
+        assert not (tmp_path / "home" / "chroma").exists()
+        found = CliRunner().invoke(app, ["query", str(SPECS[-1]), "-k", "3", "--json"])
+        assert found.exit_code == 0 and all("embedding" in k["terms"] for k in json.loads(found.stdout)["kernels"])
 
-        def kb_cli(*args: str) -> subprocess.CompletedProcess:
-            return subprocess.run([*KB_CLI, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-
-        local = kb_cli("generate", "--all", "specs", "--out", "local", *OPTIONS)
-        assert local.returncode == 0, local.stderr[-3000:]
+        local = CliRunner().invoke(app, ["generate", "--all", str(specs), "--out", str(tmp_path / "local"), *OPTIONS])
+        assert local.exit_code == 0, local.output[-3000:]
         with ray_head(num_cpus=2, num_gpus=1, env=env) as address:
             campaign = subprocess.Popen([*KB_CLI, "generate", "--all", "specs", "--out", "ray", *OPTIONS, "--ray",
                                          "--ray-address", address], env=env, cwd=tmp_path, text=True,
@@ -108,15 +126,15 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
             killed[0]: ("interrupted", "interrupted: its Ray worker died (WorkerCrashedError)")}
         assert sum(st == "succeeded" for _, st, _ in runs) == 2 * len(SPECS)  # the local run's and the campaign's
         assert hashes[0] == hashes[1]  # no kernel twice
-        doctor = kb_cli("doctor", "--json")
-        assert doctor.returncode == 0 and json.loads(doctor.stdout)["issues"] == [], doctor.stdout
+        doctor = CliRunner().invoke(app, ["doctor", "--json"])  # this host's temp dirs too: the killed worker's is gone
+        assert doctor.exit_code == 0 and json.loads(doctor.stdout)["issues"] == [], doctor.stdout
 
         # kb tune --ray's campaign (generate.campaign.run_tune_campaign): one num_gpus=1 task per spec, here on the
         # head's one logical GPU with the CPU dry run of the timing code (the Triton interpreter, no measurement)
         assert tuned.returncode == 0, tuned.stderr[-3000:]
         docs, failures, retried = json.loads(tuned.stdout.splitlines()[-1])
         assert (failures, retried) == ([], 0)
-        assert [[e["name"] for e in d["entries"]] for d in docs] == [["softcap_plain"], ["alibi_causal"]]
+        assert [[e["name"] for e in d["entries"]] for d in docs] == [["softcap_plain"]]
         assert all(d["env"]["dry_run"] == "cpu" and "error" not in d["entries"][0] for d in docs), docs
 
 
@@ -129,6 +147,19 @@ from kb.settings import load_settings
 from kb.store import open_kb
 
 with open_kb(load_settings()) as kb:
-    plan = make_plan(kb, ["specs/softcap_plain.py", "specs/alibi_causal.py"], Path("ray"), "sm90", max_designs=1)
+    plan = make_plan(kb, ["specs/softcap_plain.py"], Path("ray"), "sm90", max_designs=1)
 print(json.dumps(run_tune_campaign(plan, address=sys.argv[1], device="cpu")))
 """
+
+
+def test_a_campaign_needs_the_shared_kb_and_a_reachable_cluster(kb, tmp_path: Path) -> None:  # noqa: ANN001
+    from generate.campaign import ray_session
+
+    home = ["--home", str(kb.settings.home)]
+    for args, says in [(["generate", str(SPECS[0]), "--ray"], "--ray needs the team's shared KB"),
+                       (["generate", str(SPECS[0]), "--ray-address", "127.0.0.1:1"], "--ray-address is for --ray"),
+                       (["tune", str(SPECS[0]), "--ray", "--plan", str(tmp_path / "p.json")], "--plan writes the work")]:
+        res = CliRunner().invoke(app, [*home, *args])
+        assert res.exit_code == 1 and "Traceback" not in res.output and says in res.output, res.output
+    with pytest.raises(KBError, match=r"cannot reach the Ray cluster at 127\.0\.0\.1:1: Connection refused"), ray_session("127.0.0.1:1"):
+        pass  # refused at once, not after Ray's own minutes of retrying

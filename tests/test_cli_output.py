@@ -24,7 +24,7 @@ from tests.support.store import make_kernel, make_snippets, make_source
 
 runner = CliRunner()  # its stdout is not a terminal, as a pipe's
 NARROW = "40"  # COLUMNS of a terminal beside the pipe: tables used to be cut to it
-REFUSED_SPEC = REPO / "tests" / "data" / "specs" / "dense_sinks.py"  # refused before any attempt
+REFUSED_SPEC = REPO / "tests" / "data" / "specs_refused" / "dense_sinks.py"  # refused before any attempt
 LONG_DIR = "a_directory_with_a_rather_long_name/and_one_more_level_below_it"
 
 

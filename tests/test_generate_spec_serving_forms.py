@@ -106,7 +106,7 @@ def test_paged_decode_with_a_window_and_attention_sinks() -> None:
     assert bool((ref[0] == 0).all())  # the empty sequence: only the sink is left, o = 0
 
 
-DENSE_SINKS = REPO / "tests" / "data" / "specs" / "dense_sinks.py"
+DENSE_SINKS = REPO / "tests" / "data" / "specs_refused" / "dense_sinks.py"
 _DENSE_SINKS = DENSE_SINKS.read_text()
 
 

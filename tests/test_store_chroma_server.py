@@ -1,6 +1,8 @@
-"""The KB on a real Chroma server (`KB_CHROMA_URL`): the embedded round trip, and the server going away mid-write.
+"""The KB on a real Chroma server (`KB_CHROMA_URL`): the server going away mid-write, stopped and restarted.
 
 Each test starts its own `chroma run` (tests/support/services.py); the SQL side is the default SQLite under KB_HOME.
+Ingesting, querying, generating and `kb doctor` against a Chroma server (with PostgreSQL) are in
+tests/test_campaign_ray.py, which runs a whole campaign on them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from cli.main import app
 from kb.errors import KBError
 from kb.settings import load_settings
 from kb.store import open_kb
-from tests.support.repo import REPO, TEST_CACHE, subprocess_env
+from tests.support.repo import REPO, subprocess_env
 from tests.support.store import SNIPPETS_PER_KERNEL, make_kernel, make_snippets, make_source
 from tests.support.services import ChromaServer, chroma_server
 
@@ -55,38 +57,6 @@ def _server_counts(server: ChromaServer) -> dict[str, int]:
 
     client = chromadb.HttpClient(host="127.0.0.1", port=server.port, settings=ChromaSettings(anonymized_telemetry=False))
     return {c: client.get_collection(c).count() for c in ("kernels", "snippets", "lessons")}
-
-
-@pytest.mark.network  # ingests the pinned flash-attn release (cached in .kb-test-cache)
-def test_ingest_query_generate_doctor_on_a_chroma_server(chroma: ChromaServer, tmp_path: Path, monkeypatch, embedder) -> None:  # noqa: ANN001
-    monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
-    home = Path(load_settings().home)
-
-    res = kb_cli("ingest", "flash-attn-2", "--json")  # FA2's Triton/CUDA sources hold the references generate needs
-    assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["totals"]["verified"] >= 1
-    stats = json.loads(kb_cli("stats", "--json").stdout)
-    assert stats["rows"]["kernels"] >= 1 and stats["vectors"]["kernels"] == stats["rows"]["kernels"]
-    assert stats["vectors"]["snippets"] == stats["rows"]["snippets"] > 0
-    assert _server_counts(chroma) == stats["vectors"]  # the embeddings live on the server ...
-    assert not (home / "chroma").exists()  # ... not in an embedded store under KB_HOME
-
-    res = kb_cli("query", str(SPEC), "-k", "3", "--json")
-    assert res.exit_code == 0, res.output
-    found = json.loads(res.stdout)
-    assert found["target"]["mask"] == "sliding_window" and len(found["kernels"]) == 3
-    assert all("embedding" in k["terms"] for k in found["kernels"])  # the server answered the vector query
-
-    res = kb_cli("generate", str(SPEC), "--out", str(tmp_path / "out"), "--no-backward")  # the full verify harness
-    assert res.exit_code == 0, res.output
-    report = json.loads(next((tmp_path / "out").glob("*.report.json")).read_text())
-    assert report["verify"]["verdict"] == "passed"
-    with open_kb(load_settings(), embedder=embedder) as kb:
-        assert kb.get(report["kernel_id"]).verified
-        assert kb.vectors.doc_hashes("kernels", [report["kernel_id"]])  # the new kernel is embedded on the server
-
-    assert doctor() == (0, {"ok": True, "fixed": False, "issues": [], "quarantined": {}})
-    assert _server_counts(chroma)["kernels"] == stats["rows"]["kernels"] + 1
 
 
 # A `kb` process whose Chroma server stops right after the SQL commit of its write, before any
