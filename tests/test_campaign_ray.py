@@ -27,6 +27,7 @@ from kb.settings import load_settings
 from kb.store import open_kb
 from tests.support.repo import KB_CLI, REPO, subprocess_env
 from tests.support.services import chroma_server, postgres_server, ray_head
+from tests.support.store import export_without_snippets
 
 SPECS = [REPO / "tests/data/specs_serving" / f"{n}.py" for n in
          ("paged_decode_softcap_window", "pool_decode_sinks", "varlen_prefix_causal", "chunked_prefill_causal_softcap")] + \
@@ -77,7 +78,7 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
     for s in SPECS:
         shutil.copy(s, specs / s.name)
     dump = tmp_path / "kb.jsonl"
-    ingested_kb.export_jsonl(dump)
+    export_without_snippets(ingested_kb, dump)  # the programs, tunables, measurements and lessons: what generation reads
     with postgres_server() as db_url, chroma_server(tmp_path / "chroma") as chroma:
         # token authentication (Ray's default for new clusters) with the token in the environment, as Ray's docs set it
         # up: the head, its workers and the driver share it; nothing is read from or written to ~/.ray

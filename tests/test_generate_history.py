@@ -14,7 +14,7 @@ from kb.settings import load_settings
 from kb.store import Kernel, open_kb
 from tests.support.generate_fixtures import QUICK
 from tests.support.repo import REPO
-from tests.support.store import make_kernel, make_source
+from tests.support.store import export_without_snippets, make_kernel, make_source
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -39,7 +39,7 @@ def test_regeneration_keeps_lineage_and_the_kb_round_trips(ingested_kb, embedder
     now = kb.get(first.kernel_id)
     assert (now.parent_id, now.file, now.created_at) == (born.parent_id, born.file, born.created_at)
     assert kb.doctor().ok
-    kb.export_jsonl(tmp_path / "kb.jsonl")
+    export_without_snippets(kb, tmp_path / "kb.jsonl")  # the lineage is what travels here
     with open_kb(load_settings(home=tmp_path / "fresh"), embedder=embedder) as fresh:
         counts = fresh.import_jsonl(tmp_path / "kb.jsonl")
         assert counts["kernels"] == len(kb.list_kernels()) == len(fresh.list_kernels())
