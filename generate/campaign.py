@@ -62,7 +62,6 @@ class CampaignReport:
 
     results: list[GenerateResult]
     retried: int = 0  # task attempts whose worker died and were submitted again
-    workers: int = 0  # CPUs the cluster offered when the campaign started
 
 
 def require_shared_kb(settings: Settings) -> None:
@@ -86,6 +85,10 @@ def _generate_task(settings: Settings, cwd: str, spec: str, options: GenerateOpt
     return generate_cached(kb, Path(spec), options, force=force, run_id=run_id)
 
 
+def _task_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+
+
 def _failed(spec: Path, run_id: str, why: str) -> GenerateResult:
     return GenerateResult(spec, run_id, False, None, (), {}, why)
 
@@ -101,7 +104,7 @@ class _Job:
     """One task's work: what to call it with, and which spec(s) it is for."""
 
     index: int
-    label: str  # the spec (generate) or specs (tune), for messages
+    label: str  # its spec, for messages
     attempt: int = 0
     run_id: str = ""  # generate: the run id this attempt records under
 
@@ -191,11 +194,10 @@ def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOpti
     the campaign); `on_done(result, finished, total)` as each spec finishes. Raises KeyboardInterrupt (with what was
     kept) on Ctrl-C, after cancelling the rest."""
     require_shared_kb(kb.settings)
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env = _task_env()
     cwd = os.getcwd()
     report = CampaignReport([_failed(p, "", "not run") for p in specs])
     with ray_session(address) as ray:
-        report.workers = int(ray.cluster_resources().get("CPU", 0))
         task = ray.remote(num_cpus=1, max_retries=0)(_generate_task).options(runtime_env={"env_vars": env})
 
         def submit(job: _Job) -> Any:
@@ -240,7 +242,7 @@ def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = 
     parts = [{**plan, "entries": entries} for entries in groups.values()]
     docs: list[dict | None] = [None] * len(parts)
     failures: list[str] = []
-    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    env = _task_env()
     with ray_session(address) as ray:
         if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
             raise KBError("the Ray cluster offers no GPU (`ray status`); kb tune --ray runs one num_gpus=1 task per "
