@@ -101,7 +101,7 @@ def _one_line(err: BaseException) -> str:
 
 @dataclass
 class _Job:
-    """One task's work: what to call it with, and which spec(s) it is for."""
+    """One spec's task: which spec, for messages, and its attempts."""
 
     index: int
     label: str  # its spec, for messages
