@@ -8,7 +8,12 @@ ModelNew's output is compared with the Model's (fp32 math on the same inputs), t
 replay (`triton.testing.do_bench`, median ms); the Model itself (torch: gathers the whole cache, then dense attention)
 is timed beside it. For decode, bandwidth counts the K and V bytes of each sequence's keys once (what a decode kernel
 must read), so GB/s against the GPU's HBM peak says how far the kernel is from the roofline; for packed and chunked
-prefill, TFLOP/s of the full per-sequence products (a chunk's queries times its sequence's context). Writes `<out>/serving_<gpu>.json`.
+prefill, TFLOP/s of the full per-sequence products (a chunk's queries times its sequence's context). A spec with a
+`WINDOW` has each sequence's keys clipped to the window (the keys its query can see).
+
+`--sweep` also times each paged decode ModelNew at batch 64 and 256 with 4K and 32K tokens per sequence (uniform
+lengths, random page tables, built on the GPU), graphed, against the measured device-to-device copy bandwidth
+(`environment()["copy_gbps"]`, bytes read + written). Writes `<out>/serving_<gpu>.json`.
 """
 
 from __future__ import annotations
@@ -16,16 +21,19 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import triton.testing
 
+from generate.tune_gpu import environment
 from kb.lower.runtime import import_file
 
 
-def check(path: Path, gen: Path) -> dict:
+def check(path: Path, gen: Path, vllm_src: Path | None = None) -> dict:
     spec = import_file(path, f"spec_{path.stem}")
     cand = import_file(gen / f"gen_{path.stem}.py", f"cand_{path.stem}")
     init = list(getattr(spec, "bench_init_inputs", spec.get_init_inputs)())
@@ -55,31 +63,112 @@ def check(path: Path, gen: Path) -> dict:
             del want
         else:
             res["model"] = f"not run: its dense fp32 tensors would take {model_gb:.0f} GB"
-        graph = torch.cuda.CUDAGraph()
-        new(*inputs)  # warm, outside the capture
-        with torch.cuda.graph(graph):
-            o_graph = new(*inputs)
-        graph.replay()
-        torch.cuda.synchronize()
-        res["graphed_max_abs"] = (o_graph.float() - got.float()).abs().max().item()
-        res["eager_ms"] = triton.testing.do_bench(lambda: new(*inputs), warmup=25, rep=200)
-        res["graph_ms"] = triton.testing.do_bench(graph.replay, warmup=25, rep=200)
+        timed = _timed(lambda: new(*inputs))
+        res["graphed_max_abs"] = timed.pop("graphed_max_abs")
+        res.update(timed)
+        res["baselines"] = _baselines(spec, model, inputs, got, vllm_src, res.get("graph_ms"))
         if run_model:
             res["model_ms"] = triton.testing.do_bench(lambda: model(*inputs), warmup=5, rep=50)
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
+    ms = res.get("graph_ms") or res["eager_ms"]
     if run_model:
-        res["vs_model"] = res["model_ms"] / res["graph_ms"]
+        res["vs_model"] = res["model_ms"] / ms
     if packed or chunked:  # FLOPs of the full per-sequence products, 4 * Hq * D * len_q * len_k (no causal halving)
         if chunked:
             lq, lk = named["query_start_loc"].long().diff(), named["seq_lens"].long()
         else:
             lq, lk = (x[1:] - x[:-1] for x in (inputs[3].long(), inputs[4].long()))
-        res["tflops_per_s"] = 4 * q.shape[1] * d * int((lq * lk).sum()) / 1e12 / (res["graph_ms"] / 1e3)
+        res["tflops_per_s"] = 4 * q.shape[1] * d * int((lq * lk).sum()) / 1e12 / (ms / 1e3)
         return res
-    kv_bytes = 2 * int(lengths.long().sum()) * hkv * d * k_cache.element_size()
-    res["kv_gbytes"] = kv_bytes / 1e9
-    res["graph_gb_per_s"] = kv_bytes / 1e9 / (res["graph_ms"] / 1e3)
+    res.update(_bandwidth(spec, lengths, hkv, d, k_cache.element_size(), ms))
     return res
+
+
+def _timed(fn: Callable[[], torch.Tensor]) -> dict:
+    """Eager and CUDA-graph-replay medians of fn (warmed outside the capture); a capture that fails is a result."""
+    out = fn()
+    res: dict = {"eager_ms": triton.testing.do_bench(fn, warmup=25, rep=200)}
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        res["graphed_max_abs"] = (o_graph.float() - out.float()).abs().max().item()
+        res["graph_ms"] = triton.testing.do_bench(graph.replay, warmup=25, rep=200)
+    except Exception as err:  # noqa: BLE001 - reported beside the eager time
+        res["graphed_max_abs"], res["graph_error"] = None, f"{type(err).__name__}: {err}"[:300]
+    return res
+
+
+def _baselines(spec: object, model: torch.nn.Module, inputs: list, got: torch.Tensor, vllm_src: Path | None,
+               new_graph_ms: float | None) -> dict:
+    """vLLM's unified_attention and FlexAttention on the same tensors: error against ModelNew's output, times, and
+    ModelNew's speed-up over each (graph replay against graph replay where both capture, else eager)."""
+    from bench.gpu.serving_baselines import baselines
+
+    out: dict = {}
+    for name, (fn, note) in baselines(spec, model, inputs, vllm_src).items():
+        row: dict = {"note": note}
+        if fn is not None:
+            try:
+                row["max_abs_vs_new"] = (fn().float() - got.float()).abs().max().item()
+                row.update(_timed(fn))
+                ms = row.get("graph_ms") or row["eager_ms"]
+                if new_graph_ms:
+                    row["new_speedup"] = ms / new_graph_ms
+            except Exception as err:  # noqa: BLE001 - one baseline's failure is a result
+                row["error"] = f"{type(err).__name__}: {err}"[:500]
+        out[name] = row
+        torch.cuda.empty_cache()
+    return out
+
+
+def _bandwidth(spec: object, lengths: torch.Tensor, hkv: int, d: int, elem: int, ms: float) -> dict:
+    keys = lengths.long()
+    window = getattr(spec, "WINDOW", None)
+    if window is not None:
+        keys = keys.clamp(max=window)
+    kv_bytes = 2 * int(keys.sum()) * hkv * d * elem
+    return {"kv_gbytes": kv_bytes / 1e9, "graph_gb_per_s": kv_bytes / 1e9 / (ms / 1e3)}
+
+
+def _decode_inputs(q_heads: int, shape: dict, batch: int, context: int) -> list:
+    """vLLM's paged decode tensors at one uniform context, built on the GPU (a 32K x 256 cache is ~34 GB)."""
+    hkv, d, page = shape["Hkv"], shape["D"], shape["PAGE"]
+    pages = context // page
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randperm(batch * pages, generator=g, device="cuda").reshape(batch, pages).to(torch.int32)
+    k_cache = torch.randn(batch * pages, page, hkv, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, q_heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    return [q, k_cache, v_cache, table, torch.full((batch,), context, dtype=torch.int32, device="cuda")]
+
+
+def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batches: tuple[int, ...] = (64, 256),
+          contexts: tuple[int, ...] = (4096, 32768)) -> list[dict]:
+    spec = import_file(path, f"spec_{path.stem}")
+    cand = import_file(gen / f"gen_{path.stem}.py", f"cand_{path.stem}")
+    init = list(getattr(spec, "bench_init_inputs", spec.get_init_inputs)())
+    model = spec.Model(*init).cuda()
+    new = cand.ModelNew(*init).cuda()
+    new.load_state_dict(model.state_dict())
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            inputs = _decode_inputs(spec.BENCH["Hq"], spec.BENCH, batch, context)
+            with torch.no_grad():
+                got = new(*inputs)
+                row = {"spec": path.stem, "batch": batch, "context": context, **_timed(lambda x=inputs: new(*x))}
+                ms = row.get("graph_ms") or row["eager_ms"]
+                row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, ms))
+                row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
+                row["baselines"] = _baselines(spec, model, inputs, got, vllm_src, row.get("graph_ms"))
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+            del inputs, got
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> None:
@@ -87,21 +176,33 @@ def main() -> None:
     ap.add_argument("--gen", type=Path, required=True, help="kb generate's --out directory")
     ap.add_argument("--specs", type=Path, default=Path("bench/heldout_serving"))
     ap.add_argument("--out", type=Path, default=Path("out/serving"))
+    ap.add_argument("--sweep", action="store_true", help="also time paged decode at batch 64/256 x 4K/32K tokens")
+    ap.add_argument("--vllm-src", type=Path, default=None,
+                    help="a directory holding vllm/v1/attention/ops/ of the pinned vLLM wheel (the KB cache's copy)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
+    env = environment("python -m bench.gpu.serving " + " ".join(sys.argv[1:]))
+    doc: dict = {"environment": env, "results": [], "decode_sweep": []}
+    out = args.out / f"serving_{torch.cuda.get_device_name().replace(' ', '_')}.json"
     for path in sorted(args.specs.glob("*.py")):
         if not (args.gen / f"gen_{path.stem}.py").is_file():
             continue
         try:
-            results.append(check(path, args.gen))
+            doc["results"].append(check(path, args.gen, args.vllm_src))
         except Exception as err:  # noqa: BLE001 - one spec's failure is a result
-            results.append({"spec": path.stem, "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]})
+            trace = traceback.format_exc()[-2000:]
+            doc["results"].append({"spec": path.stem, "error": f"{type(err).__name__}: {err}", "trace": trace})
         torch.cuda.empty_cache()
-        print(json.dumps(results[-1], default=str)[:600], flush=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "_")
-    (args.out / f"serving_{gpu}.json").write_text(json.dumps(results, indent=2, default=str))
-
+        print(json.dumps(doc["results"][-1], default=str), flush=True)
+        out.write_text(json.dumps(doc, indent=2, default=str))  # a run cut short keeps what it measured
+    if args.sweep:
+        for path in sorted(args.specs.glob("*decode*.py")):
+            if (args.gen / f"gen_{path.stem}.py").is_file():
+                try:
+                    doc["decode_sweep"] += sweep(path, args.gen, env["copy_gbps"], args.vllm_src)
+                except Exception as err:  # noqa: BLE001 - one spec's failure is a result
+                    doc["decode_sweep"].append({"spec": path.stem, "error": f"{type(err).__name__}: {err}"})
+                out.write_text(json.dumps(doc, indent=2, default=str))
 
 if __name__ == "__main__":
     main()
