@@ -7,8 +7,9 @@ The reference keeps its layout (token pool or page table, per-lane gathers, spli
 - mask_mod and score_mod are the spec's (its mask_mod holds the sequence's bound `kv_idx < seq_lens[b]`);
 - scores are placed at the spec's dense view: decode has one query row, q_idx = 0 (the lifted programs pass
   the query's position `kv_len - 1`, which their own mask never reads). A reference whose tile rows are the
-  query heads of a KV group (vLLM/SGLang's grouped kernels) cannot place a variant that reads `h` or `q_idx`
-  (rows differ in head, not in q_idx): refused, and the next reference is tried.
+  query heads of a KV group (vLLM/SGLang's grouped kernels: K/V read once per group) places them with its rows as
+  heads (`TileAt.head_rows`: row i is head h0 + i), so a variant reading `h` (ALiBi slopes, per-head tables) gets
+  each row's head; sinks are refused there (a grouped tile's initial state is one per tile, not per head).
 - sinks (`Spec.sinks`): the online softmax starts at m = sinks[h], l = 1 in the split that holds the
   sequence's first key (only there, so the combine counts the sink once).
 A packed varlen or chunked prefill spec takes a lifted packed prefill instead (`_transfer_packed`): its query rows
@@ -26,12 +27,12 @@ from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
 from kb.errors import KBError
 from kb.ir.algebra import conjuncts
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var
 from kb.ir.nodes import (
     Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
-from kb.ir.rename import fresh, keep_apart, names, rename
+from kb.ir.rename import fresh, keep_apart, local_names, names, rename
 from kb.ir.rewrite import map_stmts
 
 __all__ = ["transfer_serving", "fits_layout", "serving_params", "SERVING_STRATEGY"]
@@ -62,8 +63,8 @@ def _rows_are_heads(kernel: Kernel) -> bool:
     return False
 
 
-def _decode_at(at: TileAt) -> TileAt:
-    return TileAt(at.b, at.h, const(0), at.kv_start)
+def _decode_at(at: TileAt, head_rows: bool) -> TileAt:
+    return TileAt(at.b, at.h, const(0), at.kv_start, head_rows=head_rows)
 
 
 def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr) -> Kernel:
@@ -90,24 +91,61 @@ def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr) -> Kernel:
     return replace(kernel, body=map_stmts(kernel.body, start))
 
 
-def _rewrite(kernel: Kernel, target: Target, sinks: str | None) -> Kernel:
+def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset[str]) -> Kernel:
     loops = [st for st in kernel.body if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body))]
     if not loops:
         return kernel  # the split-KV combine: nothing variant-specific
-    reads = set().union(*(free_vars(e) for e in (target.score_mod, target.mask_mod) if e is not None))
-    reads |= {"h"} if sinks is not None else set()
-    if _rows_are_heads(kernel) and reads & {"h", "q_idx"}:
-        raise KBError(f"kernel {kernel.name} packs a GQA group's query heads into its tile rows; the variant reads "
-                      f"{' and '.join(sorted(reads & {'h', 'q_idx'}))}, which the rows do not carry")
+    grouped = _rows_are_heads(kernel)
+    if grouped and sinks is not None:
+        raise KBError(f"kernel {kernel.name} packs a GQA group's query heads into its tile rows; sinks start each "
+                      f"head's softmax at its own logit, which a grouped tile's initial state does not carry yet")
     if len(loops) > 1:
         raise KBError(f"kernel {kernel.name} has {len(loops)} KV loops; a serving transfer takes one")
     (loop,) = loops
-    at = next((_decode_at(st.at) for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
+    at = next((_decode_at(st.at, grouped) for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
     if at is None:
         raise KBError(f"kernel {kernel.name}: its KV loop applies no mask; cannot place the sequence's bound")
     new_loop = replace(loop, body=rewrite_loop_body(loop.body, target, Strategy.REUSE, at))
-    kernel = replace(kernel, body=tuple(new_loop if st is loop else st for st in kernel.body))
+    lets: tuple[Stmt, ...] = ()
+    first = _first_key(target.mask_mod, at)
+    if first is not None:  # a window: start each split's loop at the KV block of the first key the query can see
+        name = fresh("kv_first", taken)
+        lets = (Let(name, first),)
+        # split ranges are whole KV blocks from lo: a start inside a block would let its last block reach into the
+        # next split's keys (loads past the split's end are bounded by the sequence, not the split)
+        step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
+        block = Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (var(name), step)), step))
+        new_loop = replace(new_loop, lo=call("maximum", loop.lo, block))
+    i = kernel.body.index(loop)
+    kernel = replace(kernel, body=kernel.body[:i] + lets + (new_loop,) + kernel.body[i + 1:])
     return _with_sink(kernel, sinks, loop.lo)
+
+
+def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:
+    """The first key a decode query can see, from the mask's `kv_idx > E` / `kv_idx >= E` terms (E free of kv_idx,
+    at the tile's batch and head, q_idx 0 in the decode view), or None. Keys below it are masked, so a loop that
+    starts there visits a sliding window's keys only, not the whole sequence. A grouped tile's rows differ in head:
+    a bound that reads h is left to the mask."""
+    if mask is None:
+        return None
+    starts: list[Expr] = []
+    for t in conjuncts(mask):
+        if t.op in (ExprOp.GT, ExprOp.GE) and t.args[0] == var("kv_idx"):
+            e, strict = t.args[1], t.op is ExprOp.GT
+        elif t.op in (ExprOp.LT, ExprOp.LE) and t.args[1] == var("kv_idx"):
+            e, strict = t.args[0], t.op is ExprOp.LT
+        else:
+            continue
+        if "kv_idx" in free_vars(e) or (at.head_rows and "h" in free_vars(e)):
+            continue
+        e = substitute(e, {"b": at.b, "h": at.h, "q_idx": const(0)})
+        starts.append(Expr(ExprOp.ADD, (e, const(1))) if strict else e)
+    if not starts:
+        return None
+    first = starts[0]
+    for e in starts[1:]:
+        first = call("maximum", first, e)
+    return first
 
 
 def _map_exprs(node: Any, f: Callable[[Expr], Expr]) -> Any:
@@ -298,11 +336,12 @@ def transfer_serving(reference: Program, layout: ServingLayout, target: Target, 
     params += [a for a in target.aux if a.name not in names]
     if sinks is not None and sinks not in {p.name for p in params}:
         raise KBError(f"serving transfer: the sink tensor {sinks!r} is not among the spec's aux tensors")
+    taken = local_names(reference) | {p.name for p in params} | set(SCORE_MOD_PARAMS)
     return Program(
         name=name or f"{reference.name}__serving",
         params=tuple(params),
         schedule=replace(reference.schedule, head_pad=0),
-        kernels=tuple(_rewrite(k, target, sinks) for k in reference.kernels),
+        kernels=tuple(_rewrite(k, target, sinks, taken) for k in reference.kernels),
         score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, target.score_mod) if target.score_mod is not None else None,
         mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, target.mask_mod) if target.mask_mod is not None else None,
     )

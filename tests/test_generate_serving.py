@@ -19,9 +19,9 @@ from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer_serving import transfer_serving
 from kb.errors import KBError
-from kb.ir.expr import parse_expr
-from kb.ir.nodes import Init
-from kb.ir.text import parse_program
+from kb.ir.expr import const, parse_expr
+from kb.ir.nodes import Init, Mask, ScoreMod, walk_stmts
+from kb.ir.text import parse_program, print_program
 from kb.lower.runtime import import_file
 from tests.support.generate_fixtures import QUICK
 from tests.support.ir_programs import SERVING_TEXTS
@@ -29,6 +29,7 @@ from tests.support.repo import REPO
 
 SERVING = REPO / "tests" / "data" / "specs_serving"
 SOFTCAP_WINDOW = SERVING / "paged_decode_softcap_window.py"
+GQA_ALIBI = SERVING / "paged_gqa_decode_alibi_odd.py"  # reads the head: each row of a grouped tile its own
 
 
 def test_transfer_names_the_specs_tables_and_places_the_variant() -> None:
@@ -41,19 +42,28 @@ def test_transfer_names_the_specs_tables_and_places_the_variant() -> None:
     text = "\n".join(str(st) for st in p.kernels[0].body)
     assert "ScoreMod" in text
     assert p.score_mod is not None and "tanh" in str(p.score_mod.body)
+    # the 40-key window: each split's loop starts at the KV block of the first key the query sees, not at key 0
+    printed = print_program(p)
+    assert "let kv_first = seq_lens[b] - 41 + 1" in printed
+    assert "for n_start in range(maximum(0, kv_first // BLOCK_N * BLOCK_N), kv_len, BLOCK_N)" in printed
 
 
-def test_a_variant_reading_the_head_refuses_a_reference_whose_rows_are_heads() -> None:
+def test_a_grouped_reference_gives_each_tile_row_its_own_head() -> None:
     spec = load_spec(SOFTCAP_WINDOW)
     grouped = parse_program(SERVING_TEXTS["pool_decode"]
                             .replace("load qt = q[b, h:+1, :]", "load qt = q[b, h:+BLOCK_M, :]"))
-    target = target_for(spec)
-    with pytest.raises(KBError, match="packs a GQA group's query heads"):
-        transfer_serving(grouped, spec.layout, replace(target, score_mod=parse_expr("score + h")), name="t")
+    target = replace(target_for(spec), score_mod=parse_expr("score + h"))
+    p = transfer_serving(grouped, spec.layout, target, name="t")
+    placed = [st for st in walk_stmts(p.kernels[0].body) if isinstance(st, (ScoreMod, Mask))]
+    assert placed and all(st.at.head_rows and st.at.q_start == const(0) for st in placed)
+    assert "at (b, heads h, 0, " in print_program(p)  # row i of the tile is head h + i
+    sinks = load_spec(SERVING / "pool_decode_sinks.py")
+    with pytest.raises(KBError, match="sinks start each head's softmax"):
+        transfer_serving(grouped, sinks.layout, target_for(sinks), sinks=sinks.sinks, name="t")
 
 
 @pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
-@pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py",
+@pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py", GQA_ALIBI,
                                   SERVING / "varlen_prefix_causal.py", SERVING / "chunked_prefill_causal_softcap.py"],
                          ids=lambda p: p.stem)
 def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
@@ -66,6 +76,8 @@ def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingest
     assert "forward only" in report["backward"]["reason"]
     ref = ingested_kb.get(ingested_kb.get(r.kernel_id).parent_id)
     assert ref.family in ("vllm_triton", "sglang_triton")
+    if path == GQA_ALIBI:  # K/V read once per GQA group, ALiBi slopes per row
+        assert "grouped" in ref.name, ref.name
     # the user's call: the spec's own inputs, the cache as it is, the Model's state, output in q's dtype
     spec_mod = import_file(path, f"spec_{path.stem}")
     cand = import_file(r.files["candidate"], f"cand_{path.stem}")

@@ -280,3 +280,15 @@ def test_content_hash_is_identity() -> None:
     assert content_hash(parse_program(commented)) == hashes["causal"]
     tweaked = replace(causal(), schedule=replace(causal().schedule, num_stages=3))
     assert content_hash(tweaked) != hashes["causal"]
+
+
+def test_tile_rows_as_heads_round_trip() -> None:
+    """`at (b, heads h0, q, kv)`: a grouped decode tile whose row i is query head h0 + i (TileAt.head_rows)."""
+    p = FIXTURES["alibi"]()
+    text = print_program(p).replace("score_mod s at (b, h, ", "score_mod s at (b, heads h, ")
+    assert "heads h" in text
+    parsed = parse_program(text)
+    placed = [st for k in parsed.kernels for st in k.body if isinstance(st, For) for st in st.body
+              if getattr(st, "at", None) is not None and st.at.head_rows]
+    assert len(placed) == 1 and placed[0].at.h == var("h")
+    assert print_program(parsed) == text and parsed != p

@@ -284,3 +284,13 @@ def test_an_unknown_tile_shape_does_not_cascade() -> None:
 def test_printed_names_must_be_identifiers() -> None:
     msg = _msg(replace(plain(), name="fa4-sm90", kernels=(replace(plain().kernels[0], name="fwd kernel"),)))
     assert "program 'fa4-sm90': name must be an identifier" in msg and "kernel 'fwd kernel': name must be" in msg
+
+
+def test_tile_rows_as_heads_only_where_a_variant_is_applied() -> None:
+    p = alibi()
+    assert problems(_with_loop_body(p, lambda b: [replace(st, at=replace(st.at, head_rows=True))
+                                                  if isinstance(st, (Mask, ScoreMod)) else st for st in b])) == ()
+    guard = IfBlock(BlockClass.FULL, True, TileAt(E("b"), E("h"), E("m_start"), E("n_start"), head_rows=True),
+                    (Let("x", E("1")),))
+    assert "tile rows as query heads (`heads h`) only where a score_mod or mask is applied" in \
+        _msg(_with_loop_body(p, lambda b: [guard] + b))

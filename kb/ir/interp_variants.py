@@ -29,12 +29,20 @@ UNBOUNDED = 1 << 62  # the extent of a missing M or N dim (token-major and paged
 
 
 class TileCoords:
-    """Index grids of one tile: q_idx [rows, 1], kv_idx [1, cols], and which lanes are in range."""
+    """Index grids of one tile: q_idx [rows, 1], kv_idx [1, cols], and which lanes are in range. With `heads`
+    (h0, H): the rows are the query heads h0, h0 + 1, ... of the one query position q_start (TileAt.head_rows);
+    `h` is then the [rows, 1] head grid, and rows at heads >= H are out of range."""
 
-    def __init__(self, q_start: int, kv_start: int, rows: int, cols: int, M: int, N: int) -> None:
-        self.q_idx = (q_start + torch.arange(rows)).view(rows, 1)
+    def __init__(self, q_start: int, kv_start: int, rows: int, cols: int, M: int, N: int,
+                 heads: tuple[int, int] | None = None) -> None:
+        step = torch.zeros(rows, dtype=torch.long) if heads is not None else torch.arange(rows)
+        self.q_idx = (q_start + step).view(rows, 1)
         self.kv_idx = (kv_start + torch.arange(cols)).view(1, cols)
         self.in_range = (self.q_idx >= 0) & (self.q_idx < M) & (self.kv_idx >= 0) & (self.kv_idx < N)
+        self.h: torch.Tensor | None = None
+        if heads is not None:
+            self.h = (heads[0] + torch.arange(rows)).view(rows, 1)
+            self.in_range = self.in_range & (self.h < heads[1])
         self.shape = (rows, cols)
 
 
@@ -75,7 +83,7 @@ def eval_over_tile(
     score: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An expression over the variant names (score, b, h, q_idx, kv_idx) on the tile, broadcast to its shape."""
-    local = {**env, "b": b, "h": h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
+    local = {**env, "b": b, "h": h if coords.h is None else coords.h, "q_idx": coords.q_idx, "kv_idx": coords.kv_idx}
     if score is not None:
         local["score"] = score
     tensors = {name: ClampedAux(name, t, coords.in_range) for name, t in aux.items()}

@@ -318,9 +318,11 @@ class _Machine(StmtVisitor[None]):
         if tile.dim() != 2:
             raise KBError(f"{st.tile} must be a 2-D score tile, has shape {list(tile.shape)}")
         at = st.at
+        h = self._int(at.h, "h")
+        heads = (h, resolve_dim(self.p.param("q").shape[1], self.env)) if at.head_rows else None
         coords = TileCoords(self._int(at.q_start, "q_start"), self._int(at.kv_start, "kv_start"),
-                            tile.shape[0], tile.shape[1], self._bound("M"), self._bound("N"))
-        return coords, self._int(at.b, "b"), self._int(at.h, "h")
+                            tile.shape[0], tile.shape[1], self._bound("M"), self._bound("N"), heads)
+        return coords, self._int(at.b, "b"), h
 
     # -- statements
 

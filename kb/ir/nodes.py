@@ -194,12 +194,17 @@ Index = Union[Expr, Span, Full, Gather]
 class TileAt:
     """`(b, h, q_start, kv_start)` — where a BLOCK_M x BLOCK_N score tile sits: its batch and head and the
     first query row and key column, so element (i, j) has q_idx = q_start + i and kv_idx = kv_start + j.
-    Carried by score_mod, mask, `if block(...)`, score_mod_grad and aux_grad; iterating gives the four in order."""
+    Carried by score_mod, mask, `if block(...)`, score_mod_grad and aux_grad; iterating gives the four in order.
+
+    `head_rows` (text `at (b, heads h, q, kv)`, score_mod and mask only): the tile's rows are query heads of one query
+    position, as in a decode kernel that packs a GQA group into its rows (vLLM's and SGLang's grouped decode): element
+    (i, j) has head h + i, q_idx = q_start and kv_idx = kv_start + j."""
 
     b: Expr
     h: Expr
     q_start: Expr
     kv_start: Expr
+    head_rows: bool = False
 
     def __iter__(self) -> Iterator[Expr]:
         return iter((self.b, self.h, self.q_start, self.kv_start))

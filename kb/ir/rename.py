@@ -160,7 +160,7 @@ class _Renamer(StmtVisitor[Stmt]):
         return Expr(e.op, tuple(self.e(a) for a in e.args), e.value) if e.args else e
 
     def at(self, at: TileAt) -> TileAt:
-        return TileAt(*(self.e(x) for x in at))
+        return TileAt(self.e(at.b), self.e(at.h), self.e(at.q_start), self.e(at.kv_start), at.head_rows)
 
     def ix(self, ix: Index) -> Index:
         if isinstance(ix, Expr):

@@ -68,7 +68,10 @@ def _indices(ixs: tuple[Index, ...]) -> str:
 
 
 def _at(at: TileAt) -> str:
-    return ", ".join(print_expr(e) for e in at)
+    parts = [print_expr(e) for e in at]
+    if at.head_rows:
+        parts[1] = f"{_HEAD_ROWS}{parts[1]}"
+    return ", ".join(parts)
 
 
 class _Header(StmtVisitor[str]):
@@ -371,11 +374,19 @@ def _parse_indices(text: str, line: int, col: int) -> tuple[Index, ...]:
     return tuple(_parse_index(p, line, c) for p, c in items)
 
 
+_HEAD_ROWS = "heads "  # `at (b, heads h0, q, kv)`: the tile's rows are the query heads h0, h0 + 1, ...
+
+
 def _parse_at(m: re.Match, group: str, line: int, col0: int) -> TileAt:
     parts = _split_top(m.group(group), col0 + m.start(group), ",", line)
     if len(parts) != 4:
         raise _fail(line, col0 + m.start(group), f"expected 4 coordinates (b, h, q_start, kv_start), got {len(parts)}")
-    return TileAt(*(_expr(p, line, c) for p, c in parts))
+    head, col = parts[1]  # pieces come stripped
+    head_rows = head.startswith(_HEAD_ROWS)
+    if head_rows:
+        parts[1] = (head[len(_HEAD_ROWS):], col + len(_HEAD_ROWS))
+    b, h, q_start, kv_start = (_expr(p, line, c) for p, c in parts)
+    return TileAt(b, h, q_start, kv_start, head_rows)
 
 
 # ---------------------------------------------------------------- statements

@@ -154,10 +154,12 @@ def _scalar_exprs(env: _Env, *exprs: object) -> Iterator[str]:
         yield from _expr_problems(e, env.scalars, env.tiles, env.program, allow_tiles=False)
 
 
-def _tile_at(env: _Env, at: object) -> Iterator[str]:
+def _tile_at(env: _Env, at: object, head_rows_ok: bool = False) -> Iterator[str]:
     if not isinstance(at, TileAt):
         yield f"tile coordinates must be a TileAt(b, h, q_start, kv_start), got {at!r}"
         return
+    if at.head_rows and not head_rows_ok:
+        yield "tile rows as query heads (`heads h`) only where a score_mod or mask is applied"
     yield from _scalar_exprs(env, *at)
 
 
@@ -436,13 +438,13 @@ class StmtRules(StmtVisitor[Iterator["str | Problem"]]):
         if env.program.score_mod is None:
             yield "score_mod statement in a program without a score_mod function"
         yield from _scores_2d(env, st.tile)
-        yield from _tile_at(env, st.at)
+        yield from _tile_at(env, st.at, head_rows_ok=True)
 
     def s_mask(self, st: Mask, env: _Env) -> Iterator[str]:
         if st.use_mask_mod and env.program.mask_mod is None:
             yield "mask ... mask_mod in a program without a mask_mod function (use 'bounds')"
         yield from _scores_2d(env, st.tile)
-        yield from _tile_at(env, st.at)
+        yield from _tile_at(env, st.at, head_rows_ok=True)
 
     def s_onlinesoftmax(self, st: OnlineSoftmax, env: _Env) -> Iterator[str]:
         yield from _need_tiles(env, m=st.m, l=st.l, acc=st.acc, scores=st.scores, values=st.values)

@@ -540,6 +540,8 @@ class CudaKernelGen(KernelGenBase[_Tile], StmtVisitor[None]):
         self.sync()
 
     def variant_names(self, st: ScoreMod | Mask, tile: _Tile, c: list[str]) -> dict[str, Sym]:
+        if st.at.head_rows:
+            raise KBError(f"{st.op.value} {st.tile}: tile rows as query heads (a grouped decode) have no CUDA lowering")
         names = {d: self.names[d] for d in self.abi.dims}
         names.update({s.name: self.names[s.name] for s in self.scalar_params})
         names["b"] = Sym(f"({self.ex(st.at.b)})", Kind.INT, is_nonneg(st.at.b, self.ctx()))

@@ -323,6 +323,8 @@ class _MmaGen(CudaKernelGen):
         elements. Subexpressions free of `score` are hoisted: uniform ones once, q_idx-only ones once per fragment
         row (2 * KB_MT per thread), kv_idx-only ones once per fragment column (2 per n8 tile); integers are 32-bit
         wherever their ranges provably fit (q_idx < M + BLOCK_M, kv_idx < N + BLOCK_N with dims <= KB_DIM_LIMIT)."""
+        if st.at.head_rows:
+            raise KBError(f"{st.op.value} {st.tile}: tile rows as query heads (a grouped decode) have no CUDA lowering")
         names = {d: self.names[d] for d in self.abi.dims}
         names.update({q.name: self.names[q.name] for q in self.scalar_params})
         env = {d: self.ivals[d] for d in self.abi.dims}

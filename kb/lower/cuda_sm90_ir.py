@@ -221,7 +221,7 @@ class _HookGen(CudaKernelGen):
     def element(self, e: Expr, st: ScoreMod | Mask) -> tuple[str, Kind]:
         """`e` for kb_score, with its pieces that do not depend on kv_idx or the score moved into kb_row (computed
         once per CTA and thread row: the template's rows never change); (C++ code, kind)."""
-        if str(st.at.b) != "b" or str(st.at.h) != "h":
+        if str(st.at.b) != "b" or str(st.at.h) != "h" or st.at.head_rows:
             raise _fail(self.p, f"{st.op.value} at ({st.at.b}, {st.at.h}, ..) (b and h are accepted)")
         row = {**self.names, **{n: Sym(n, Kind.INT, True) for n in (*_ROW_ARGS, "kv_idx")},
                "score": Sym("kb_s", Kind.FLOAT)}

@@ -304,6 +304,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         names["h"] = self.index_sym(st.at.h)
         q_bc, kv_bc = ("[None, :]", "[:, None]") if tile.t else ("[:, None]", "[None, :]")
         names["q_idx"] = Sym(f"{om}{q_bc}", Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
+        if st.at.head_rows:  # rows are the query heads h, h + 1, ... of one query position (a grouped decode tile)
+            if tile.t:
+                raise KBError(f"{st.op.value} {st.tile}: a transposed tile cannot have its rows as query heads")
+            oh = self.offsets(st.at.h, tile.shape[0])
+            names["h"] = Sym(f"{oh}[:, None]", Kind.INT, is_nonneg(st.at.h, self.ctx()))
+            names["q_idx"] = Sym(wrap(self.ex(st.at.q_start)), Kind.INT, is_nonneg(st.at.q_start, self.ctx()))
         if self.pack is not None:  # every row has its own query head and position (pack_plans checked q_start)
             head, qpos = self.pack_rows(om)
             names["q_idx"] = Sym(f"{qpos}[:, None]", Kind.INT, True)

@@ -420,9 +420,9 @@ class TritonTiles(KernelGenBase[Tile]):
         `prefix[b]`) replaced by names loaded once before the outermost loop; `names` extended with them."""
         if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.at.b, st.at.h, st.at.q_start)):
             return e, names
-        q_offs = names["q_idx"].code.split("[")[0]
+        q_offs = names["h" if st.at.head_rows else "q_idx"].code.split("[")[0]  # the tile rows' offsets
         if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
-            return e, names  # the query offsets are made inside the loop: nothing to hoist them next to
+            return e, names  # the row offsets are made inside the loop: nothing to hoist them next to
         names = dict(names)
         ctx = self.ctx(names)
 
