@@ -34,76 +34,31 @@ import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
+from generate.spec_flex import FlexMods, trace_mods
+from generate.spec_kernelbench import ModelSpec, load_model
 from generate.spec_serving import ServingLayout, feature_mask, one_sequence
+from generate.spec_types import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.classify import features_from_variants
 from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, ExprOp, print_expr, var
 
-if TYPE_CHECKING:
-    from generate.spec_flex import FlexMods
-    from generate.spec_kernelbench import ModelSpec
-
+# Shapes, StateTensor, DTYPES and DTYPE_NAMES live in generate.spec_types (the loaders use them too); exported here as before
 __all__ = ["SpecKind", "Shapes", "StateTensor", "Spec", "load_spec", "import_spec_file", "spec_inputs", "spec_source_hash",
            "variants_attention", "DTYPES", "DTYPE_NAMES"]
 
 log = logging.getLogger(__name__)
-
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-Reference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SpecKind(Enum):
     KERNELBENCH = "kernelbench"
     FLEX = "flex"
     BOTH = "both"  # mods define the variants, Model the reference
-
-
-@dataclass(frozen=True)
-class Shapes:
-    B: int
-    Hq: int
-    Hkv: int
-    M: int  # seq_q
-    N: int  # seq_kv
-    D: int  # q and k's head dim
-    dtype: str  # one of DTYPES
-    Dv: int = 0  # v's (and the output's) head dim; 0 = D
-
-    def __post_init__(self) -> None:
-        if not self.Dv:
-            object.__setattr__(self, "Dv", self.D)
-
-    @property
-    def value_dim(self) -> bool:
-        """Does v have a head dim of its own (D_v != D_qk)?"""
-        return self.Dv != self.D
-
-    @property
-    def gqa_ratio(self) -> int:
-        return self.Hq // self.Hkv
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-
-@dataclass(frozen=True)
-class StateTensor:
-    """One entry of the spec Model's state_dict, as a candidate must hold it so that
-    `ModelNew.load_state_dict(Model.state_dict())` works and a new value takes effect."""
-
-    key: str  # the state_dict key, e.g. "attn.rel_bias"
-    parameter: bool  # an nn.Parameter (else a buffer)
-    aux: str | None  # the aux tensor the kernel reads it as (a 0-dim one as `aux[0]` of shape [1]); None: not read
-    baked: bool = False  # a buffer the kernel holds as the index expression its value equals (tril/band masks)
 
 
 @dataclass(frozen=True)
@@ -222,9 +177,6 @@ def load_spec(path: str | Path) -> Spec:
 
 
 def _load_spec(path: Path) -> Spec:
-    from generate.spec_flex import trace_mods
-    from generate.spec_kernelbench import load_model
-
     source_hash = spec_source_hash(path)
     module = import_spec_file(path)
     has_model = all(hasattr(module, n) for n in ("Model", "get_inputs", "get_init_inputs"))

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from generate.spec import Reference, Shapes
 from generate.spec_trace import tensor_namer, trace_mod
+from generate.spec_types import Reference, Shapes
 from kb.errors import KBError
 from kb.ir.expr import Expr, print_expr
 from kb.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS

@@ -17,9 +17,9 @@ from typing import Any, Mapping
 
 import torch
 
-from generate.spec import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
 from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference, visible_keys
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
+from generate.spec_types import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
 from kb.errors import KBError
 from kb.ir.expr import Expr, ExprOp, print_expr, walk
 

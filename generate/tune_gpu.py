@@ -25,15 +25,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import contextlib
-import datetime as dt
 import functools
-import importlib.util
-import inspect
 import json
 import math
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,88 +38,16 @@ from typing import Any, Callable
 
 import torch
 
-from kb.ir.design import Design, arch_of_capability, parse_design
+from generate.tune_gpu_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, bench_shapes, environment, flex_call,
+                                      load_candidate, load_file, make_inputs, sdpa_call, spec_mods, sync, time_call,
+                                      write_results)
+from generate.tune_gpu_bwd import main as backward_main
+from kb.ir.design import Design, parse_design
 
+# PLAN_SCHEMA, environment and bench_shapes live in generate.tune_gpu_common (the backward timer's too); exported here as before
 __all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "environment", "bench_shapes"]
 
 SCHEMA = "kernel-kb/tune/v1"
-PLAN_SCHEMA = "kernel-kb/tune-plan/v1"
-BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
-_SEED = 1234
-
-
-# ---- loading the files a user has ------------------------------------------------------------
-
-def _load(path: str, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def bench_shapes(spec: ModuleType, given: Any = None) -> list[dict]:
-    """The shapes to time a spec at: `given` (a plan entry's), else its `BENCH` (one dict or a list), else
-    `[{}]`, meaning the spec's own `get_inputs()` shape. A shape may carry `Dv`, v's head dim when it differs
-    from D (default D); the spec's `bench_inputs` reads it."""
-    given = given or getattr(spec, "BENCH", None)
-    if given is None:
-        return [{}]
-    return [dict(x) for x in given] if isinstance(given, (list, tuple)) else [dict(given)]
-
-
-def _inputs(spec: ModuleType, shape: dict, device: str) -> list:
-    torch.manual_seed(_SEED)
-    make = getattr(spec, "bench_inputs", None)
-    if make is not None and shape:
-        n_params = len(inspect.signature(make).parameters)
-        return list(make(device) if n_params == 1 else make(device, shape))
-    out = []
-    for t in spec.get_inputs():  # the spec's own (small) shape, floating tensors in bf16
-        t = t.to(device)
-        out.append(t.to(torch.bfloat16) if t.is_floating_point() else t)
-    return out
-
-
-def _init_args(spec: ModuleType, shape: dict) -> list:
-    if shape and hasattr(spec, "bench_init_inputs"):
-        return list(spec.bench_init_inputs())
-    return list(spec.get_init_inputs())
-
-
-_CANDIDATES: dict[Path, ModuleType] = {}
-
-
-def _candidate_module(path: str, tag: str) -> ModuleType:
-    """The candidate file's module, imported once per process, its per-shape design choices cleared. Once: the first
-    import registers the module's operator, and a later import's `kb_attention` runs that operator, i.e. the first
-    module's functions and design tables, which are the ones a sweep must pin and read."""
-    key = Path(path).resolve()
-    cand = _CANDIDATES.get(key)
-    if cand is None:
-        cand = _CANDIDATES[key] = _load(path, f"kb_tune_cand_{tag}")
-    for choices in ("_PICKED", "_BWD_PICKED"):
-        getattr(cand, choices, {}).clear()
-    return cand
-
-
-def _candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):  # noqa: ANN202
-    """(candidate module, ModelNew instance carrying the spec Model's parameters and buffers at this shape)."""
-    cand = _candidate_module(entry["candidate"], tag)
-    init = _init_args(spec, shape)
-    model = spec.Model(*init).to(device)
-    new = cand.ModelNew(*init).to(device)
-    for name, t in list(model.named_buffers()) + list(model.named_parameters()):
-        owner, _, leaf = name.rpartition(".")
-        target = new.get_submodule(owner) if owner else new
-        if hasattr(target, leaf):  # the spec's tensors at this shape, under the names the candidate uses
-            if leaf in target._parameters:
-                target._parameters[leaf] = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
-            else:
-                target._buffers[leaf] = t.detach().clone()
-    return cand, model, new
 
 
 class _Recorder:
@@ -148,48 +72,12 @@ def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[
     return rec.args, rec.kwargs, out
 
 
-# ---- baselines and reference --------------------------------------------------------------------
-
-def _mods(spec: ModuleType, inputs: list, model: torch.nn.Module) -> tuple[Callable | None, Callable | None] | None:
-    """(score_mod, mask_mod) from the spec's `flex_mods` for these inputs (and the Model, where it asks for
-    it), or None when the spec gives no `flex_mods`."""
-    make = getattr(spec, "flex_mods", None)
-    if make is None:
-        return None
-    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
-    return make(*inputs, **kwargs)
-
-
-def _flex(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
-    mods = _mods(spec, inputs, model)
-    if mods is None:
-        return None
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
-    torch._dynamo.config.recompile_limit = 256
-    torch._dynamo.config.cache_size_limit = 256
-    score_mod, mask_mod = mods
-    q, k, v = inputs[:3]
-    block_mask = None
-    if mask_mod is not None:
-        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    compiled = _compiled_flex(flex_attention)
-    scale = getattr(spec, "SCALE", None)
-    gqa = q.shape[1] != k.shape[1]
-    return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex(flex_attention):  # noqa: ANN001, ANN202
-    return torch.compile(flex_attention, dynamic=False)
-
+# ---- the reference and one implementation's record --------------------------------------------------------------------
 
 def _dense_reference(spec: ModuleType, inputs: list, model: torch.nn.Module) -> torch.Tensor | None:
     """Attention in fp32 from the spec's `flex_mods`, evaluated densely in row chunks (no compiler involved):
     the reference every implementation, FlexAttention included, is checked against."""
-    mods = _mods(spec, inputs, model)
+    mods = spec_mods(spec, inputs, model)
     if mods is None:
         return None
     score_mod, mask_mod = mods
@@ -218,57 +106,6 @@ def _dense_reference(spec: ModuleType, inputs: list, model: torch.nn.Module) -> 
     return out
 
 
-def _sdpa(spec: ModuleType, inputs: list) -> Callable[[], torch.Tensor] | None:
-    kind = getattr(spec, "SDPA", None)
-    if kind not in ("causal", "none"):
-        return None
-    import torch.nn.functional as F
-
-    q, k, v = inputs[:3]
-    scale = getattr(spec, "SCALE", None)
-    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal", scale=scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-
-
-def _attended_pairs(spec: ModuleType, inputs: list, model: torch.nn.Module) -> int:
-    """(q, kv) pairs the mask keeps, summed over the batch (mask_mod evaluated on the GPU, head 0)."""
-    q, k = inputs[0], inputs[1]
-    B, M, N = q.shape[0], q.shape[2], k.shape[2]
-    mask_mod = (_mods(spec, inputs, model) or (None, None))[1]
-    if mask_mod is None:
-        return B * M * N
-    dev, total = q.device, 0
-    kv = torch.arange(N, device=dev).view(1, -1)
-    h = torch.zeros((), dtype=torch.long, device=dev)
-    for b in range(B):
-        bt = torch.tensor(b, device=dev)
-        for r0 in range(0, M, 1024):
-            rows = torch.arange(r0, min(M, r0 + 1024), device=dev).view(-1, 1)
-            total += int(torch.as_tensor(mask_mod(bt, h, rows, kv)).expand(rows.shape[0], N).sum())
-    return total
-
-
-# ---- timing ------------------------------------------------------------------------------------
-
-def _time(fn: Callable[[], Any], trials: int) -> tuple[float, float]:
-    if not torch.cuda.is_available():  # the CPU dry run (tests): wall clock of the interpreter, not a measurement
-        walls = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            walls.append((time.perf_counter() - t0) * 1e3)
-        return sorted(walls)[1], max(walls) - min(walls)
-    from verify.timing import time_fn
-
-    t = time_fn(fn, warmup=5, trials=trials, drain=False)  # GPU time per call, launch overhead hidden (do_bench)
-    return t.median_ms, t.iqr_ms
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _err(out: Any, ref: torch.Tensor) -> float:
     o = out[0] if isinstance(out, tuple) else out
     return float((o.float() - ref.float()).abs().max())
@@ -281,12 +118,12 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
         return {**rec, "status": "n/a"}
     try:
         out = fn()
-        _sync()
+        sync()
         if ref is not None:
             rec["max_abs_err"] = _err(out, ref)
             if check and not rec["max_abs_err"] <= BF16_TOL:
                 return {**rec, "status": "wrong"}
-        ms, iqr = _time(fn, trials)
+        ms, iqr = time_call(fn, trials)
         return {**rec, "status": "ok", "ms": ms, "iqr_ms": iqr, "tflops": flops / ms / 1e9}
     except Exception as err:  # noqa: BLE001 - a design that cannot run is a result, not a crash
         return {**rec, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
@@ -302,7 +139,7 @@ def impl_ms(shape: dict, impl: str) -> float | None:
 
 
 def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str) -> dict:
-    spec = _load(entry["spec"], f"kb_tune_spec_{idx}")
+    spec = load_file(entry["spec"], f"kb_tune_spec_{idx}")
     out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
                            "kernel": entry.get("kernel"), "shapes": []}
     for j, shape in enumerate(bench_shapes(spec, entry.get("shapes"))):
@@ -316,21 +153,21 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
 def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, deadline: float, device: str) -> dict:
     if device == "cpu":
         shape = {}  # the CPU dry run works at the spec's own small shape
-    inputs = _inputs(spec, shape, device)
-    cand, model, new = _candidate(entry, spec, shape, device, tag)
+    inputs = make_inputs(spec, shape, device)
+    cand, model, new = load_candidate(entry, spec, shape, device, tag)
     q, k, v = inputs[:3]
     dims = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": k.shape[1], "M": q.shape[2], "N": k.shape[2], "D": q.shape[3]}
     if v.shape[3] != q.shape[3]:
         dims["Dv"] = v.shape[3]  # value heads of their own width (recorded only then)
-    pairs = _attended_pairs(spec, inputs, model)
+    pairs = attended_pairs(spec, inputs, model)
     flops = 2.0 * dims["Hq"] * (dims["D"] + dims.get("Dv", dims["D"])) * pairs  # q @ k^T and p @ v per attended pair
     res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops": flops}, "dtype": str(q.dtype).split(".")[-1]}
     res["shape"]["kv_bytes"] = sum(t.numel() * t.element_size() for t in inputs[1:3])  # decode reads K and V once
     try:
-        flex = _flex(spec, inputs, model) if device == "cuda" else None
+        flex = flex_call(spec, inputs, model) if device == "cuda" else None
     except Exception as err:  # noqa: BLE001 - FlexAttention failing to compile a variant is a result
         flex, res["flex_error"] = None, f"{type(err).__name__}: {str(err)[:300]}"
-    sdpa = _sdpa(spec, inputs)
+    sdpa = sdpa_call(spec, inputs)
     with torch.no_grad():
         ref = _dense_reference(spec, inputs, model)
         res["reference"] = "dense fp32 from flex_mods"
@@ -435,13 +272,13 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     """What one plan entry times at one of its shapes, as zero-argument calls: `emitted` (ModelNew as a user
     calls it), `flex`, `sdpa` where they apply, and `design TEXT` for each of the entry's designs. For
     profilers (bench.gpu.profile); no reference, no checks."""
-    spec = _load(entry["spec"], "kb_profile_spec")
+    spec = load_file(entry["spec"], "kb_profile_spec")
     shape = bench_shapes(spec, entry.get("shapes"))[shape_index] if device != "cpu" else {}  # CPU: the small shape
-    inputs = _inputs(spec, shape, device)
-    cand, model, new = _candidate(entry, spec, shape, device, "profile")
+    inputs = make_inputs(spec, shape, device)
+    cand, model, new = load_candidate(entry, spec, shape, device, "profile")
     args, kwargs, _ = _module_call(cand, new, inputs)
     impls: dict[str, Callable[[], Any] | None] = {
-        "emitted": lambda: new(*inputs), "flex": _flex(spec, inputs, model), "sdpa": _sdpa(spec, inputs),
+        "emitted": lambda: new(*inputs), "flex": flex_call(spec, inputs, model), "sdpa": sdpa_call(spec, inputs),
         "emitted-cuda": _emitted_cuda(entry, args, kwargs) if device == "cuda" else None}
     for text in entry["designs"]:
         impls[f"design {text}"] = functools.partial(cand.forward, *args, _design=_design_arg(text), **kwargs)
@@ -460,13 +297,13 @@ def _design_arg(text: str) -> tuple:
 def _warm(task: tuple[dict, int, int, str | None]) -> str:
     entry, idx, j, design = task
     try:
-        spec = _load(entry["spec"], f"kb_warm_spec_{idx}")
+        spec = load_file(entry["spec"], f"kb_warm_spec_{idx}")
         shape = bench_shapes(spec, entry.get("shapes"))[j]
-        inputs = _inputs(spec, shape, "cuda")
-        cand, model, new = _candidate(entry, spec, shape, "cuda", f"w{idx}_{j}")
+        inputs = make_inputs(spec, shape, "cuda")
+        cand, model, new = load_candidate(entry, spec, shape, "cuda", f"w{idx}_{j}")
         with torch.no_grad():
             if design is None:
-                flex = _flex(spec, inputs, model)
+                flex = flex_call(spec, inputs, model)
                 if flex is not None:
                     flex()
                 new(*inputs)
@@ -482,7 +319,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
 def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     tasks = []
     for i, e in enumerate(entries):
-        spec = _load(e["spec"], f"kb_count_spec_{i}")
+        spec = load_file(e["spec"], f"kb_count_spec_{i}")
         for j in range(len(bench_shapes(spec, e.get("shapes")))):
             tasks.append((e, i, j, None))
             tasks += [(e, i, j, d) for d in e["designs"]]
@@ -504,32 +341,7 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     print(f"warmed {done} of {len(tasks)} compiles with {workers} workers", flush=True)
 
 
-# ---- environment and driver -------------------------------------------------------------------
-
-def environment(command: str) -> dict:
-    import triton
-
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        driver = ""
-    props = torch.cuda.get_device_properties(0)
-    return {"gpu": torch.cuda.get_device_name(0), "arch": arch_of_capability(torch.cuda.get_device_capability(0)),
-            "sms": props.multi_processor_count, "driver": driver, "torch_version": torch.__version__,
-            "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "copy_gbps": _copy_bandwidth()}
-
-
-def _copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), the ceiling decode kernels are held to."""
-    from verify.timing import time_fn
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20, drain=False).median_ms
-    return round(2 * (1 << 30) / ms / 1e6, 1)
-
+# ---- driver -------------------------------------------------------------------------------------
 
 def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,
              command: str = "", device: str = "cuda", warm_s: float = 240.0) -> dict:
@@ -556,22 +368,9 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
         except Exception as err:  # noqa: BLE001 - one broken entry does not lose the others
             doc["entries"].append({"name": e["name"], "spec": e["spec"], "kernel": e.get("kernel"),
                                    "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
-        _write(out_path, doc)
+        write_results(out_path, doc)
         print(_summary_line(doc["entries"][-1], time.monotonic() - t0), flush=True)
     return doc
-
-
-def _write(path: Path, doc: dict) -> None:
-    """Write the results whole: through a temporary file renamed over a regular file (a reader never sees half a
-    document); straight into anything else that exists (/dev/null, a pipe), which a rename would replace."""
-    text = json.dumps(doc, indent=1)
-    if path.exists() and not path.is_file():
-        path.write_text(text)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _summary_line(entry: dict, seconds: float) -> str:
@@ -592,8 +391,6 @@ def _summary_line(entry: dict, seconds: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--backward" in argv:  # forward+backward instead: generate.tune_gpu_bwd, with its own options
-        from generate.tune_gpu_bwd import main as backward_main
-
         return backward_main([a for a in argv if a != "--backward"])
     ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backward", action="store_true",

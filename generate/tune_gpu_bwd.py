@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from generate import tune_gpu as fwd
+from generate import tune_gpu_common as common
 from generate.stages import ReportStatus
 from kb.ir.design import Design, arch_of_capability, parse_design
 
@@ -114,7 +114,7 @@ def suite_plan(suite: Path, from_dir: Path, tier: str | None = None) -> dict:
     entries = [{"name": r.spec.stem, "spec": str(r.spec), "candidate": str(Path(from_dir) / f"{output_stem(r.spec)}.py"),
                 "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)
                if tier is None or r.tier == tier]
-    return {"schema": fwd.PLAN_SCHEMA, "suite": str(suite), "entries": entries}
+    return {"schema": common.PLAN_SCHEMA, "suite": str(suite), "entries": entries}
 
 
 # ---- implementations as a training step calls them ----------------------------------------------------
@@ -214,7 +214,7 @@ def reference_grads(spec: ModuleType, inputs: list, model: torch.nn.Module, dout
     q, k, v = (t.detach().float().requires_grad_() for t in inputs[:3])
     aux = list(inputs[3:])
     with torch.enable_grad(), _exact_matmuls():
-        mods = fwd._mods(spec, [q, k, v, *aux], ref_model)
+        mods = common.spec_mods(spec, [q, k, v, *aux], ref_model)
         if mods is None:
             out = _out(ref_model(q, k, v, *aux)).float()
             out.backward(dout.float())
@@ -244,7 +244,7 @@ def _first_call(impl: Impl, dout: torch.Tensor) -> tuple[dict, torch.Tensor | No
         out.backward(dout.to(out.dtype))
     except Exception as err:  # noqa: BLE001 - a candidate without a backward is a result
         return {"status": "no_backward", "error": f"{type(err).__name__}: {str(err)[:300]}"}, None
-    fwd._sync()
+    common.sync()
     return {}, out.detach()
 
 
@@ -271,8 +271,8 @@ def _timed(impl: Impl, dout: torch.Tensor, trials: int) -> dict:
         with torch.no_grad():
             return impl.call()
 
-    ms, iqr = fwd._time(step, trials)
-    fwd_ms, _ = fwd._time(forward_only, trials)
+    ms, iqr = common.time_call(step, trials)
+    fwd_ms, _ = common.time_call(forward_only, trials)
     impl.zero_grads()
     return {"ms": ms, "iqr_ms": iqr, "fwd_ms": fwd_ms, "bwd_ms_est": ms - fwd_ms}
 
@@ -293,7 +293,7 @@ def bwd_record(label: str, impl: Impl | None, ref: Reference, flops: float, tria
         if missing:
             rec["missing_grads"] = missing
         bad = [n for n, e in rec["grad_err"].items() if not e <= GRAD_TOL]
-        if check and (bad or not rec["out_err"] <= fwd.BF16_TOL):
+        if check and (bad or not rec["out_err"] <= common.BF16_TOL):
             return {**rec, "status": "mismatch", "error": _mismatch_text(rec["out_err"], bad, missing)}
         timed = _timed(impl, ref.dout.to(out.dtype), trials)
         return {**rec, "status": "ok", **timed, "tflops": flops / timed["ms"] / 1e9}
@@ -306,7 +306,7 @@ def bwd_record(label: str, impl: Impl | None, ref: Reference, flops: float, tria
 
 
 def _mismatch_text(out_err: float, bad: list[str], missing: list[str]) -> str:
-    parts = [f"forward max abs err {out_err:.3g} > {fwd.BF16_TOL}"] if not out_err <= fwd.BF16_TOL else []
+    parts = [f"forward max abs err {out_err:.3g} > {common.BF16_TOL}"] if not out_err <= common.BF16_TOL else []
     parts += [f"gradient of {n} rel. Frobenius err > {GRAD_TOL}" for n in bad if n not in missing]
     parts += [f"no gradient for {n}" for n in missing]
     return "; ".join(parts)
@@ -324,7 +324,7 @@ class _Emitted:
 
 def _emitted_impl(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str, inputs: list) -> _Emitted:
     """ModelNew with the spec Model's values; the spec's learnable parameters trainable in it, by the same name."""
-    cand, model, new = fwd._candidate(entry, spec, shape, device, tag)
+    cand, model, new = common.load_candidate(entry, spec, shape, device, tag)
     names = list(_learnable(model))
     leaves = dict(zip("qkv", inputs[:3]))
     for n in names:
@@ -335,12 +335,12 @@ def _emitted_impl(entry: dict, spec: ModuleType, shape: dict, device: str, tag: 
 
 def _flex_impls(spec: ModuleType, inputs: list, model: torch.nn.Module, names: list[str]) -> tuple[Impl | None, Callable]:
     """FlexAttention with the Model's learnable parameters trainable, and a maker of the frozen-parameter variant."""
-    call = fwd._flex(spec, inputs, model)
+    call = common.flex_call(spec, inputs, model)
     leaves = {**dict(zip("qkv", inputs[:3])), **{n: model.get_parameter(n) for n in names}}
 
     def frozen() -> Impl | None:
         still = copy.deepcopy(model).requires_grad_(False)
-        c = fwd._flex(spec, inputs, still)
+        c = common.flex_call(spec, inputs, still)
         return None if c is None else Impl(c, dict(zip("qkv", inputs[:3])))
 
     return (None if call is None else Impl(call, leaves)), frozen
@@ -362,11 +362,11 @@ def _dout(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
 def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, device: str, deadline: float) -> dict:
     if device == "cpu":
         shape = {}  # the CPU dry run works at the spec's own small shape
-    inputs = _leaf_inputs(fwd._inputs(spec, shape, device))
+    inputs = _leaf_inputs(common.make_inputs(spec, shape, device))
     em = _emitted_impl(entry, spec, shape, device, tag, inputs)
     model, names = em.model, em.names
     dims = _shape_dims(inputs)
-    pairs = fwd._attended_pairs(spec, [t.detach() for t in inputs], model)
+    pairs = common.attended_pairs(spec, [t.detach() for t in inputs], model)
     f_fwd, f_bwd = fwd_bwd_flops(dims["Hq"], dims["D"], dims.get("Dv", dims["D"]), pairs)
     res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops_fwd": f_fwd, "flops_bwd": f_bwd,
                                      "flops": f_fwd + f_bwd}, "dtype": str(inputs[0].dtype).split(".")[-1],
@@ -445,7 +445,7 @@ def _baseline_records(spec: ModuleType, inputs: list, model: torch.nn.Module, na
         except Exception as err:  # noqa: BLE001 - FlexAttention failing to compile a variant is a result
             res["flex_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             recs.append({"impl": "flex", "status": "error", "error": res["flex_error"]})
-    sd = fwd._sdpa(spec, inputs)
+    sd = common.sdpa_call(spec, inputs)
     recs.append(bwd_record("sdpa", None if sd is None else Impl(sd, dict(zip("qkv", inputs[:3]))), ref, flops, trials,
                            check=False))
     return recs
@@ -492,8 +492,8 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
             return {**out, "error": f"kb generate: {report.get('status')}: {str(report.get('error'))[:300]}"}
     if not Path(entry["candidate"]).is_file():
         return {**out, "error": f"no candidate {entry['candidate']}: run `kb generate {entry['spec']} --out DIR` first"}
-    spec = fwd._load(entry["spec"], f"kb_bwd_spec_{idx}")
-    for j, shape in enumerate(fwd.bench_shapes(spec, entry.get("shapes"))):
+    spec = common.load_file(entry["spec"], f"kb_bwd_spec_{idx}")
+    for j, shape in enumerate(common.bench_shapes(spec, entry.get("shapes"))):
         if time.monotonic() > deadline:
             out["shapes"].append({"shape": shape, "skipped": "deadline"})
             continue
@@ -507,9 +507,9 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
     """Compile one (entry, shape): the emitted training step and FlexAttention's, or (`design`) one backward design."""
     entry, idx, j, design = task
     try:
-        spec = fwd._load(entry["spec"], f"kb_bwd_warm_spec_{idx}")
-        shape = fwd.bench_shapes(spec, entry.get("shapes"))[j]
-        inputs = _leaf_inputs(fwd._inputs(spec, shape, "cuda"))
+        spec = common.load_file(entry["spec"], f"kb_bwd_warm_spec_{idx}")
+        shape = common.bench_shapes(spec, entry.get("shapes"))[j]
+        inputs = _leaf_inputs(common.make_inputs(spec, shape, "cuda"))
         em = _emitted_impl(entry, spec, shape, "cuda", f"bw{idx}_{j}", inputs)
         if design is not None:
             with _backward_design(em.module, parse_design(design).as_tuple()):
@@ -540,9 +540,9 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
     tasks = []
     for i, e in enumerate(entries):
         if Path(e["candidate"]).is_file():
-            spec = fwd._load(e["spec"], f"kb_bwd_count_spec_{i}")
+            spec = common.load_file(e["spec"], f"kb_bwd_count_spec_{i}")
             designs = [None, *(e["designs"] if e.get("backward") else [])]
-            tasks += [(e, i, j, d) for j in range(len(fwd.bench_shapes(spec, e.get("shapes")))) for d in designs]
+            tasks += [(e, i, j, d) for j in range(len(common.bench_shapes(spec, e.get("shapes")))) for d in designs]
     if workers <= 1 or not tasks:
         return
     pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
@@ -642,8 +642,8 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
                       on_entry: Callable[[dict, float], None] | None = None) -> dict:
     """Time forward+backward for every entry of `plan` on this GPU; `device="cpu"` is a dry run at the specs' small
     shapes (Triton interpreter, wall-clock "times", no FlexAttention) for tests, never a measurement."""
-    if plan.get("schema") != fwd.PLAN_SCHEMA:
-        raise SystemExit(f"not a kernel-kb plan (schema {plan.get('schema')!r}, expected {fwd.PLAN_SCHEMA!r})")
+    if plan.get("schema") != common.PLAN_SCHEMA:
+        raise SystemExit(f"not a kernel-kb plan (schema {plan.get('schema')!r}, expected {common.PLAN_SCHEMA!r})")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("timing the backward needs a CUDA GPU; run this on the GPU machine")
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -652,7 +652,7 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
     if device == "cuda":
         _warm_all(entries, workers, warm_s)
     deadline = time.monotonic() + deadline_s
-    env = fwd.environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}
+    env = common.environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}
     doc: dict[str, Any] = {"schema": SCHEMA, "env": env, "flop_convention": FLOP_CONVENTION, "grad_tol": GRAD_TOL,
                            "entries": []}
     for i, e in enumerate(entries):
@@ -663,7 +663,7 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
             doc["entries"].append({"name": e["name"], "spec": e["spec"], "tier": e.get("tier"), "class": e.get("class"),
                                    "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
         doc["summary"] = summarize(doc)
-        fwd._write(out_path, doc)
+        common.write_results(out_path, doc)
         if on_entry is not None:
             on_entry(doc["entries"][-1], time.monotonic() - t0)
     return doc

@@ -31,9 +31,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ingest.lift_triton import LiftedProgram
 from ingest.lift_verify import dense_reference, verify_program
-from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.evaluate import eval_expr

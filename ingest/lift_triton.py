@@ -40,15 +40,15 @@ from kb.ir.nodes import (
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
-from ingest.model import LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.lift_triton_bwd import lift_backward  # backward kernels: recognised by dataflow, in their own module
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.triton_flags import flag_values, merge_skips
 from ingest.triton_dims import infer_dims
 from ingest.lift_verify import resolved_let, verify_decode, verify_packed, verify_program
 from ingest.triton_layout import DENSE, Layout, split_start
 from ingest.triton_regions import serving_regions
 from ingest.triton_exec import LOG2E, Event, KernelWalk, Loop, lane_to_idx, stride_indices, walk_kernel
-from ingest.triton_source import (
-    ENUMERATED_FLAGS, JitFn, TritonModule, Unknown, flag_policy, parse_module, specialize,
-)
+from ingest.triton_source import JitFn, TritonModule, parse_module, specialize
 from kb.ir.algebra import conjunction, conjuncts, from_poly, min_of, normal_compare, normal_form, scale_poly, to_poly
 
 __all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verify_packed", "verify_decode",
@@ -57,20 +57,6 @@ __all__ = ["LiftedProgram", "lift_file", "lift_module", "verify_program", "verif
 log = logging.getLogger(__name__)
 LIFTER_VERSION = "triton-ast-1"
 _DIMS = {"B", "Hq", "Hkv", "M", "N", "D", "BLOCK_M", "BLOCK_N", "NUM_SPLITS", "HEAD_PAD"}
-
-
-@dataclass(frozen=True)
-class LiftedProgram:
-    name: str
-    family: str
-    program: Program
-    provenance: Provenance
-    tunables: tuple[LiftedTunable, ...]
-    verified: bool
-    verify_note: str
-    features: Features
-    flags: tuple[tuple[str, bool], ...] = ()
-    notes: tuple[str, ...] = ()
 
 
 class _Skip(Exception):
@@ -115,63 +101,6 @@ def _snippet(ctx: _Ctx, kind: str, title: str, ir_text: str, start: int, end: in
 
 
 # ---------------------------------------------------------------- flags + tunables
-
-
-def flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
-    """Fixed constexpr values by policy, and the enumerated feature flags present in the kernel."""
-    params = {a.arg for a in fn.node.args.args}
-    fixed: dict[str, object] = {k: v for k, v in mod.module_values.items() if k not in params}  # globals read by value
-    enumerated: list[str] = []
-    names = list(fn.constexprs) + list(mod.module_consts)
-    for n in names:
-        if any(p.search(n) for p in ENUMERATED_FLAGS.values()):
-            enumerated.append(n)
-            continue
-        try:
-            fixed[n] = flag_policy(n)
-        except Unknown:
-            pass
-    for n in ast.walk(fn.node):  # local constexpr flags (`RCP_LN2: tl.constexpr = ...` are folded by specialize)
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
-            try:
-                fixed[n.target.id] = flag_policy(n.target.id)
-            except Unknown:
-                pass
-    fixed |= _specialised_paths(fn, set(fixed) | set(enumerated))
-    by_use = [n for n in fn.constexprs if n not in fixed and n not in enumerated and _switches(fn, mod, n)]
-    return fixed, enumerated + by_use[:MAX_FLAGS_BY_USE]
-
-
-MAX_FLAGS_BY_USE = 3  # at most 2**3 lifts of one kernel for flags known only by use
-
-
-def _switches(fn: JitFn, mod: TritonModule, name: str) -> bool:
-    """`name` is a feature flag by use: the whole test of an `if` (`if X:`, `if not X:`, `if X and Y:`) in the
-    kernel or a jit helper it calls. The names the policy knows are hints; this finds `causal`, `MASKED`, ..."""
-    def is_flag(test: ast.expr) -> bool:
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            return is_flag(test.operand)
-        if isinstance(test, ast.BoolOp):
-            return any(is_flag(v) for v in test.values)
-        return isinstance(test, ast.Name) and test.id == name
-
-    called = {c.func.id for c in ast.walk(fn.node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
-    bodies = [fn.node] + [g.node for g in (*mod.jit.values(), *mod.imported_jit.values()) if g.name in called]
-    return any(isinstance(n, (ast.If, ast.IfExp)) and is_flag(n.test) for body in bodies for n in ast.walk(body))
-
-
-def _specialised_paths(fn: JitFn, known: set[str]) -> dict[str, object]:
-    """A constexpr (not a size) that an `if X == literal:` tests selects the path written for that value
-    (SGLang's `if PAGE_SIZE == 1:` token-pool addressing); it is fixed to the literal."""
-    dims = infer_dims(fn.node, fn.node.body, {})
-    out: dict[str, object] = {}
-    for n in ast.walk(fn.node):
-        t = n.test if isinstance(n, ast.If) else None
-        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq) \
-                and isinstance(t.left, ast.Name) and isinstance(t.comparators[0], ast.Constant) \
-                and t.left.id in fn.constexprs and t.left.id not in known | set(dims):
-            out.setdefault(t.left.id, t.comparators[0].value)
-    return out
 
 
 def _block_keys(ctx: _Ctx, kernel: str) -> dict[str, str]:
@@ -1032,15 +961,6 @@ def _failing_alike(lifted: list, skips: list[tuple[str, str]], tried: int) -> bo
     return tried >= ALIKE_FAILURES and not lifted and len(skips) == tried and len({why for _, why in skips}) == 1
 
 
-def merge_skips(kernel: str, skips: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """One line per reason: flag combinations that failed alike are listed together."""
-    by_reason: dict[str, list[str]] = {}
-    for what, why in skips:
-        by_reason.setdefault(why, []).append(what[len(kernel) + 1:-1] if what.startswith(kernel + "[") else what)
-    return [(f"{kernel}[{' | '.join(labels)}]" if len(labels) < 3 else f"{kernel}[{len(labels)} flag combinations]", why)
-            for why, labels in by_reason.items()]
-
-
 def _without_length(p: Program, layout: Layout) -> Program:
     """`p` with the packed sequence's own key bound (`kv_idx < length[b]`) out of mask_mod: that is
     the ragged-KV bound a dense program has built in, not a variant mask (for classification only)."""
@@ -1090,8 +1010,6 @@ def lift_module(mod: TritonModule, provenance_base: Provenance, family: str) -> 
     ctx = _Ctx(mod, provenance_base, family)
     if not mod.jit:
         return LiftReport(provenance_base.file, skipped=(("file", "no @triton.jit kernel in the file"),))
-    from ingest.lift_triton_bwd import lift_backward  # backward kernels: recognised by dataflow, in their own module
-
     bwd = lift_backward(mod, provenance_base, family)
     ctx.backward = bwd.handled
     programs: list[LiftedProgram] = list(bwd.programs)

@@ -31,13 +31,14 @@ from kb.ir.nodes import (
     TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 from kb.ir.text import print_stmt_header
-from ingest.model import LiftedSnippet, LiftedTunable, Provenance
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, Provenance
 from ingest.triton_bwd_kernels import (
     Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
 )
 from ingest.triton_bwd_names import (
     Names, head_roles, index, lane_roles, positions, row_start, scale_param, sizes, source_index,
 )
+from ingest.triton_flags import flag_values, merge_skips
 from ingest.triton_grad import Probs, Refuse
 from ingest.triton_source import JitFn, TritonModule, Unknown, specialize
 from kb.ir.algebra import conjunction, conjuncts, normal_compare, normal_form
@@ -55,7 +56,7 @@ _HEAD_LOOP = (Expr(ExprOp.MUL, (var("hk"), Expr(ExprOp.FLOORDIV, (var("Hq"), var
 
 @dataclass
 class BackwardReport:
-    programs: list = field(default_factory=list)  # ingest.lift_triton.LiftedProgram
+    programs: list[LiftedProgram] = field(default_factory=list)
     snippets: list[LiftedSnippet] = field(default_factory=list)
     tunables: list[LiftedTunable] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -498,8 +499,6 @@ def _pick_delta(mod: TritonModule, part: _Part, deltas: list[_DeltaKernel], note
 
 
 def _flags(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[str]]:
-    from ingest.lift_triton import flag_values
-
     fixed, enumerated = flag_values(fn, mod)
     for n in fn.constexprs:
         if any(n.startswith(p) for p in _BWD_POLICY):
@@ -574,8 +573,6 @@ def _parts(rep: BackwardReport, mod: TritonModule, fn: JitFn) -> list[_Part]:
             skips.append((f"{fn.name}[{label}]", str(why)))
         except _WALK_ERRORS as err:
             skips.append((f"{fn.name}[{label}]", f"lifter error: {type(err).__name__}: {err}"))
-    from ingest.lift_triton import merge_skips
-
     merged = merge_skips(fn.name, skips)
     rep.skipped += merged
     rep.coverage += [(what, f"not lifted: {why}") for what, why in merged]
@@ -704,8 +701,7 @@ def _block_keys(p: _Part) -> dict[str, str]:
 
 
 def _checked(rep: BackwardReport, mod: TritonModule, part: _Part, prog: Program, notes: list[str], spans: list,
-             base: Provenance, family: str, tunables: list[LiftedTunable]):  # noqa: ANN202 - LiftedProgram | None
-    from ingest.lift_triton import LiftedProgram
+             base: Provenance, family: str, tunables: list[LiftedTunable]) -> LiftedProgram | None:
     from ingest.lift_verify import verify_backward
     from kb.ir.features import derive_features
     from kb.ir.validate import validate

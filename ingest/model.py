@@ -17,12 +17,14 @@ from enum import Enum
 from pathlib import Path
 
 from kb.features import Features
+from kb.ir.nodes import Program
 
 __all__ = [
     "SourceKind",
     "Provenance",
     "LiftedSnippet",
     "LiftedTunable",
+    "LiftedProgram",
     "FetchedSource",
     "LiftReport",
     "SNIPPET_KINDS",
@@ -127,6 +129,22 @@ class LiftedTunable:
 
 
 @dataclass(frozen=True)
+class LiftedProgram:
+    """One IR program lifted from a Triton kernel (forward or backward) for one flag combination, with what checked it."""
+
+    name: str
+    family: str
+    program: Program
+    provenance: Provenance
+    tunables: tuple[LiftedTunable, ...]
+    verified: bool
+    verify_note: str
+    features: Features
+    flags: tuple[tuple[str, bool], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class FetchedSource:
     distribution: str
     version: str
@@ -139,7 +157,7 @@ class FetchedSource:
 @dataclass(frozen=True)
 class LiftReport:
     file: str
-    programs: tuple = ()  # IR programs (Triton lifter only)
+    programs: tuple[LiftedProgram, ...] = ()  # IR programs (Triton lifter only)
     snippets: tuple[LiftedSnippet, ...] = ()
     tunables: tuple[LiftedTunable, ...] = ()
     skipped: tuple[tuple[str, str], ...] = field(default=())  # (what, reason)

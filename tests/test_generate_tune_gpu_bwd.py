@@ -310,10 +310,10 @@ def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
 
 def test_results_written_to_dev_null_leave_it_a_device(tmp_path: Path) -> None:
     """The timers write results whole through a rename, which must not replace /dev/null (or a pipe) by a file."""
-    from generate.tune_gpu import _write
+    from generate.tune_gpu_common import write_results
 
-    _write(Path(os.devnull), {"schema": SCHEMA})
+    write_results(Path(os.devnull), {"schema": SCHEMA})
     assert Path(os.devnull).is_char_device()
-    _write(tmp_path / "sub" / "r.json", {"schema": SCHEMA})
+    write_results(tmp_path / "sub" / "r.json", {"schema": SCHEMA})
     assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"schema": SCHEMA}
     assert not list((tmp_path / "sub").glob("*.tmp"))

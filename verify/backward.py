@@ -17,19 +17,17 @@ bits from run to run.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from verify.checks import identity_problem, storage_ptrs
+from verify.context import Ctx
 from verify.grads import GRAD_SLACK, compare_grad, cotangent, grad_scale, model_grads, torch_error
 from verify.guard import CallGuard
 from verify.load import SpecError
 from verify.memory import poison_allocator
 from verify.result import BackwardReport, Finding, Verdict
-
-if TYPE_CHECKING:
-    from verify.session import Ctx
 
 __all__ = ["BackwardChecks"]
 
@@ -45,7 +43,7 @@ class BackwardChecks:
                 inputs[i].requires_grad_(True)
         return inputs
 
-    def _check_backward(self, out: torch.Tensor, inputs: list[Any], ctx: "Ctx") -> Finding | None:
+    def _check_backward(self, out: torch.Tensor, inputs: list[Any], ctx: Ctx) -> Finding | None:
         """One guarded backward of the candidate's output against the fp32 reference gradients."""
         self._progress(ctx)
         if not out.requires_grad or out.grad_fn is None:
@@ -89,7 +87,7 @@ class BackwardChecks:
         """Triton kernels run by the interpreter (CPU), whose fp32 -> bf16 conversion truncates."""
         return self.device == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
-    def _candidate_params(self, ctx: "Ctx") -> tuple[list[torch.Tensor], Finding | None]:
+    def _candidate_params(self, ctx: Ctx) -> tuple[list[torch.Tensor], Finding | None]:
         """ModelNew's parameters named like Model's learnable ones (their state was copied by name)."""
         mine = dict(self.cand.named_parameters())
         for name in self.targets.params:
@@ -102,7 +100,7 @@ class BackwardChecks:
         return [mine[n] for n in self.targets.params], None
 
     def _candidate_grads(self, out: torch.Tensor, wrt: list[torch.Tensor], d_cast: torch.Tensor,
-                         ctx: "Ctx") -> tuple[list[torch.Tensor | None], Finding | None]:
+                         ctx: Ctx) -> tuple[list[torch.Tensor | None], Finding | None]:
         """The harness's one autograd call on the candidate's output, guarded (verify.guard, phase backward)."""
         for size in sorted({t.numel() * t.element_size() for t in wrt}):
             poison_allocator(size, self.device)
@@ -127,7 +125,7 @@ class BackwardChecks:
         return grads, None
 
     def _check_grad(self, label: str, got: torch.Tensor | None, want: torch.Tensor | None, e_torch: float,
-                    avoid: set[int], key: tuple[Any, ...], ctx: "Ctx") -> Finding | None:
+                    avoid: set[int], key: tuple[Any, ...], ctx: Ctx) -> Finding | None:
         kw: dict[str, Any] = dict(phase="backward", grad=label)
         if want is None:  # the spec's output does not depend on it
             return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 
 from verify.backward import BackwardChecks
 from verify.checks import compare, identity_problem, storage_ptrs
+from verify.context import Ctx
 from verify.grads import grad_targets
 from verify.guard import CallGuard
 from verify.inputs import make_inputs
@@ -40,14 +41,6 @@ from verify.timing import attention_bytes, attention_flops, composite_score, per
 __all__ = ["Session"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Ctx:
-    case: ShapeCase | None
-    dist: str
-    seed: int
-    step: str
 
 
 class Session(BackwardChecks):

@@ -28,19 +28,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sqlalchemy import func
 from sqlmodel import Session, select
 
 from kb.procs import VERIFY_TEMP, Owner, owner_of_temp
 from kb.store import db, writes
+from kb.store.handle import StoreHandle
 from kb.store.models import QUARANTINABLE, GenerationRun, Kernel, RunStatus
 from kb.store.records import COLLECTION_OF, EMBEDDED, embedding_doc
 from kb.store.rules import violations
-
-if TYPE_CHECKING:
-    from kb.store.kb import KnowledgeBase
 
 __all__ = ["DriftKind", "Drift", "DoctorReport", "run_doctor", "remove_orphan_temp_dirs", "IDENTITY_RULES"]
 
@@ -97,7 +94,7 @@ class DoctorReport:
 
 # -- records that break a rule: identity (hash_mismatch) or any other rule (invalid_record)
 
-def _record_issues(kb: KnowledgeBase) -> list[Drift]:
+def _record_issues(kb: StoreHandle) -> list[Drift]:
     out = []
     for table in QUARANTINABLE:
         with kb.read_session() as s:
@@ -111,7 +108,7 @@ def _record_issues(kb: KnowledgeBase) -> list[Drift]:
     return out
 
 
-def _quarantine(kb: KnowledgeBase, issues: list[Drift]) -> None:
+def _quarantine(kb: StoreHandle, issues: list[Drift]) -> None:
     """Set each row aside with its reason, then drop the embeddings of those that had one."""
     tables = {str(t.__tablename__): t for t in QUARANTINABLE}
 
@@ -129,7 +126,7 @@ def _quarantine(kb: KnowledgeBase, issues: list[Drift]) -> None:
         kb.vectors.delete(col, [d.id for d in issues if d.table == table.__tablename__])
 
 
-def _quarantined(kb: KnowledgeBase) -> dict[str, int]:
+def _quarantined(kb: StoreHandle) -> dict[str, int]:
     out: dict[str, int] = {}
     with kb.read_session() as s:
         for table in QUARANTINABLE:
@@ -139,7 +136,7 @@ def _quarantined(kb: KnowledgeBase) -> dict[str, int]:
     return out
 
 
-def _vector_issues(kb: KnowledgeBase) -> list[Drift]:
+def _vector_issues(kb: StoreHandle) -> list[Drift]:
     out: list[Drift] = []
     for col, table in EMBEDDED.items():
         with kb.read_session() as s:  # a quarantined row has no embedding
@@ -158,7 +155,7 @@ def _vector_issues(kb: KnowledgeBase) -> list[Drift]:
 
 # -- lineage: every parent_id names a kernel, and following parents always ends
 
-def _lineage_issues(kb: KnowledgeBase) -> list[Drift]:
+def _lineage_issues(kb: StoreHandle) -> list[Drift]:
     with kb.read_session() as s:
         rows = s.exec(select(Kernel.id, Kernel.parent_id, Kernel.created_at)).all()
     parent = {id_: p for id_, p, _ in rows}
@@ -181,7 +178,7 @@ def _lineage_issues(kb: KnowledgeBase) -> list[Drift]:
     return out
 
 
-def _fix_lineage(kb: KnowledgeBase, ids: list[str]) -> None:
+def _fix_lineage(kb: StoreHandle, ids: list[str]) -> None:
     def txn() -> None:
         with Session(kb.engines.write) as s:
             for id_ in ids:
@@ -195,7 +192,7 @@ def _fix_lineage(kb: KnowledgeBase, ids: list[str]) -> None:
 
 # -- runs: a run at `running` whose owning process is gone was killed (SIGKILL, power loss)
 
-def _run_issues(kb: KnowledgeBase) -> list[Drift]:
+def _run_issues(kb: StoreHandle) -> list[Drift]:
     with kb.read_session() as s:
         rows = s.exec(select(GenerationRun).where(GenerationRun.status == RunStatus.RUNNING.value)).all()
     out = []
@@ -209,7 +206,7 @@ def _run_issues(kb: KnowledgeBase) -> list[Drift]:
     return out
 
 
-def _fix_runs(kb: KnowledgeBase, issues: list[Drift]) -> None:
+def _fix_runs(kb: StoreHandle, issues: list[Drift]) -> None:
     def txn() -> None:
         with Session(kb.engines.write) as s:
             for d in issues:
@@ -246,7 +243,7 @@ def remove_orphan_temp_dirs(temp_root: Path) -> int:
     return len(gone)
 
 
-def run_doctor(kb: KnowledgeBase, fix: bool = False, temp_root: Path | None = None) -> DoctorReport:
+def run_doctor(kb: StoreHandle, fix: bool = False, temp_root: Path | None = None) -> DoctorReport:
     """Report issues; with `fix`, repair them and report what was repaired.
 
     `temp_root` (e.g. `tempfile.gettempdir()`) adds orphaned verify temp directories under it;

@@ -32,7 +32,8 @@ from sqlmodel import Session, SQLModel, select
 from kb.embed import Embedder, get_embedder
 from kb.errors import KBError
 from kb.settings import Settings
-from kb.store import db, writes
+from kb.store import db, portable, writes
+from kb.store.doctor import DoctorReport, run_doctor
 from kb.store.ids import PREFIXES
 from kb.store.models import (
     TABLE_BY_NAME,
@@ -301,20 +302,14 @@ class KnowledgeBase:
         return [(rows[i], dist) for i, dist in hits if i in ok]
 
     # -- maintenance -----------------------------------------------------------
-    def doctor(self, fix: bool = False):  # -> DoctorReport
-        from kb.store.doctor import run_doctor
-
+    def doctor(self, fix: bool = False) -> DoctorReport:
         return run_doctor(self, fix=fix)
 
     def export_jsonl(self, path: Path | str) -> Mapping[str, int]:
-        from kb.store.portable import export_jsonl
-
-        return export_jsonl(self, Path(path))
+        return portable.export_jsonl(self, Path(path))
 
     def import_jsonl(self, path: Path | str) -> Mapping[str, int]:
-        from kb.store.portable import import_jsonl
-
-        return import_jsonl(self, Path(path))
+        return portable.import_jsonl(self, Path(path))
 
 
 @contextmanager

@@ -29,7 +29,6 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
@@ -39,12 +38,10 @@ import kb as kb_pkg
 from kb.errors import KBError
 from kb.redact import redact_text
 from kb.store import writes
+from kb.store.handle import StoreHandle
 from kb.store.models import QUARANTINABLE, SCHEMA_VERSION, TABLE_BY_NAME, Kernel, utcnow
 from kb.store.records import FREE_TEXT, redact_record
 from kb.store.rules import INT64, check
-
-if TYPE_CHECKING:
-    from kb.store.kb import KnowledgeBase
 
 __all__ = ["FORMAT", "FOOTER", "FOOTER_SINCE", "export_jsonl", "import_jsonl", "parent_first"]
 
@@ -83,7 +80,7 @@ def _check_lineage(kernels: list[Kernel]) -> None:
         seen.add(k.id)
 
 
-def _rows(kb: KnowledgeBase) -> Iterator[tuple[str, SQLModel]]:
+def _rows(kb: StoreHandle) -> Iterator[tuple[str, SQLModel]]:
     with kb.read_session() as s:
         for name, model in TABLE_BY_NAME.items():  # in TABLES' dependency order
             if model is Kernel:
@@ -103,7 +100,7 @@ def _exported(row: SQLModel) -> dict:
     return data
 
 
-def export_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
+def export_jsonl(kb: StoreHandle, path: Path) -> dict[str, int]:
     """Write every row to `path` (atomically), header first and footer last; returns rows per table."""
     counts = {name: 0 for name in TABLE_BY_NAME}
     header = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "kernel_kb": kb_pkg.__version__, "exported_at": utcnow().isoformat()}
@@ -275,7 +272,7 @@ def _read(path: Path) -> dict[str, list[SQLModel]]:
     return out
 
 
-def import_jsonl(kb: KnowledgeBase, path: Path) -> dict[str, int]:
+def import_jsonl(kb: StoreHandle, path: Path) -> dict[str, int]:
     """Check the whole file, then upsert every record of `path` in one transaction, then embed what Chroma lacks.
 
     Returns rows per table. Importing the same file twice changes nothing.

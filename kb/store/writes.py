@@ -8,17 +8,14 @@ the same order (SQL commit first, embeddings after; see kb/store/kb.py for why).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from sqlmodel import Session, SQLModel
 
 from kb.store import db
+from kb.store.handle import StoreHandle
 from kb.store.models import Kernel
 from kb.store.records import COLLECTION_OF, embedding_doc
 from kb.store.vectors import COLLECTIONS
-
-if TYPE_CHECKING:
-    from kb.store.kb import KnowledgeBase
 
 __all__ = ["commit_rows", "embed_rows", "upsert"]
 
@@ -62,7 +59,7 @@ def commit_rows(engines: db.Engines, records: Sequence[SQLModel]) -> None:
     db.retrying(txn)
 
 
-def embed_rows(kb: KnowledgeBase, records: Sequence[SQLModel], force: bool = False) -> int:
+def embed_rows(kb: StoreHandle, records: Sequence[SQLModel], force: bool = False) -> int:
     """Embed and upsert those of `records` that have a collection (kernels, snippets, lessons) and whose
     document Chroma does not already hold (all of them with `force`); returns how many. One model call per
     chunk across all collections (the model call dominates the cost). Quarantined rows are never embedded."""

@@ -1,0 +1,237 @@
+"""What the forward and the backward GPU timers share (generate.tune_gpu, generate.tune_gpu_bwd).
+
+The plan schema and output tolerance, loading the user's spec and candidate files, the spec's inputs at a bench
+shape, the baselines (FlexAttention from the spec's `flex_mods`, SDPA where the spec says it applies), attended
+(q, kv) pairs for FLOP counts, timing, the environment record and writing a results document whole. Both timers
+import this module; the backward timer never imports the forward one (`python -m generate.tune_gpu --backward` hands
+its arguments to generate.tune_gpu_bwd's `main`). Needs torch and triton, not the KB.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+from kb.ir.design import arch_of_capability
+
+__all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "make_inputs", "load_candidate", "spec_mods",
+           "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results"]
+
+PLAN_SCHEMA = "kernel-kb/tune-plan/v1"
+BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
+_SEED = 1234
+
+
+# ---- loading the files a user has ------------------------------------------------------------
+
+def load_file(path: str, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_shapes(spec: ModuleType, given: Any = None) -> list[dict]:
+    """The shapes to time a spec at: `given` (a plan entry's), else its `BENCH` (one dict or a list), else
+    `[{}]`, meaning the spec's own `get_inputs()` shape. A shape may carry `Dv`, v's head dim when it differs
+    from D (default D); the spec's `bench_inputs` reads it."""
+    given = given or getattr(spec, "BENCH", None)
+    if given is None:
+        return [{}]
+    return [dict(x) for x in given] if isinstance(given, (list, tuple)) else [dict(given)]
+
+
+def make_inputs(spec: ModuleType, shape: dict, device: str) -> list:
+    torch.manual_seed(_SEED)
+    make = getattr(spec, "bench_inputs", None)
+    if make is not None and shape:
+        n_params = len(inspect.signature(make).parameters)
+        return list(make(device) if n_params == 1 else make(device, shape))
+    out = []
+    for t in spec.get_inputs():  # the spec's own (small) shape, floating tensors in bf16
+        t = t.to(device)
+        out.append(t.to(torch.bfloat16) if t.is_floating_point() else t)
+    return out
+
+
+def _init_args(spec: ModuleType, shape: dict) -> list:
+    if shape and hasattr(spec, "bench_init_inputs"):
+        return list(spec.bench_init_inputs())
+    return list(spec.get_init_inputs())
+
+
+_CANDIDATES: dict[Path, ModuleType] = {}
+
+
+def _candidate_module(path: str, tag: str) -> ModuleType:
+    """The candidate file's module, imported once per process, its per-shape design choices cleared. Once: the first
+    import registers the module's operator, and a later import's `kb_attention` runs that operator, i.e. the first
+    module's functions and design tables, which are the ones a sweep must pin and read."""
+    key = Path(path).resolve()
+    cand = _CANDIDATES.get(key)
+    if cand is None:
+        cand = _CANDIDATES[key] = load_file(path, f"kb_tune_cand_{tag}")
+    for choices in ("_PICKED", "_BWD_PICKED"):
+        getattr(cand, choices, {}).clear()
+    return cand
+
+
+def load_candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):  # noqa: ANN202
+    """(candidate module, ModelNew instance carrying the spec Model's parameters and buffers at this shape)."""
+    cand = _candidate_module(entry["candidate"], tag)
+    init = _init_args(spec, shape)
+    model = spec.Model(*init).to(device)
+    new = cand.ModelNew(*init).to(device)
+    for name, t in list(model.named_buffers()) + list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        target = new.get_submodule(owner) if owner else new
+        if hasattr(target, leaf):  # the spec's tensors at this shape, under the names the candidate uses
+            if leaf in target._parameters:
+                target._parameters[leaf] = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+            else:
+                target._buffers[leaf] = t.detach().clone()
+    return cand, model, new
+
+
+# ---- baselines ---------------------------------------------------------------------------------
+
+def spec_mods(spec: ModuleType, inputs: list, model: torch.nn.Module) -> tuple[Callable | None, Callable | None] | None:
+    """(score_mod, mask_mod) from the spec's `flex_mods` for these inputs (and the Model, where it asks for
+    it), or None when the spec gives no `flex_mods`."""
+    make = getattr(spec, "flex_mods", None)
+    if make is None:
+        return None
+    kwargs = {"model": model} if "model" in inspect.signature(make).parameters else {}
+    return make(*inputs, **kwargs)
+
+
+def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+    mods = spec_mods(spec, inputs, model)
+    if mods is None:
+        return None
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.cache_size_limit = 256
+    score_mod, mask_mod = mods
+    q, k, v = inputs[:3]
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    compiled = _compiled_flex(flex_attention)
+    scale = getattr(spec, "SCALE", None)
+    gqa = q.shape[1] != k.shape[1]
+    return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex(flex_attention):  # noqa: ANN001, ANN202
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def sdpa_call(spec: ModuleType, inputs: list) -> Callable[[], torch.Tensor] | None:
+    kind = getattr(spec, "SDPA", None)
+    if kind not in ("causal", "none"):
+        return None
+    import torch.nn.functional as F
+
+    q, k, v = inputs[:3]
+    scale = getattr(spec, "SCALE", None)
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal", scale=scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attended_pairs(spec: ModuleType, inputs: list, model: torch.nn.Module) -> int:
+    """(q, kv) pairs the mask keeps, summed over the batch (mask_mod evaluated on the GPU, head 0)."""
+    q, k = inputs[0], inputs[1]
+    B, M, N = q.shape[0], q.shape[2], k.shape[2]
+    mask_mod = (spec_mods(spec, inputs, model) or (None, None))[1]
+    if mask_mod is None:
+        return B * M * N
+    dev, total = q.device, 0
+    kv = torch.arange(N, device=dev).view(1, -1)
+    h = torch.zeros((), dtype=torch.long, device=dev)
+    for b in range(B):
+        bt = torch.tensor(b, device=dev)
+        for r0 in range(0, M, 1024):
+            rows = torch.arange(r0, min(M, r0 + 1024), device=dev).view(-1, 1)
+            total += int(torch.as_tensor(mask_mod(bt, h, rows, kv)).expand(rows.shape[0], N).sum())
+    return total
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+def time_call(fn: Callable[[], Any], trials: int) -> tuple[float, float]:
+    if not torch.cuda.is_available():  # the CPU dry run (tests): wall clock of the interpreter, not a measurement
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        return sorted(walls)[1], max(walls) - min(walls)
+    from verify.timing import time_fn
+
+    t = time_fn(fn, warmup=5, trials=trials, drain=False)  # GPU time per call, launch overhead hidden (do_bench)
+    return t.median_ms, t.iqr_ms
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- environment and results -------------------------------------------------------------------
+
+def environment(command: str) -> dict:
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = ""
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": torch.cuda.get_device_name(0), "arch": arch_of_capability(torch.cuda.get_device_capability(0)),
+            "sms": props.multi_processor_count, "driver": driver, "torch_version": torch.__version__,
+            "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "copy_gbps": _copy_bandwidth()}
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), the ceiling decode kernels are held to."""
+    from verify.timing import time_fn
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20, drain=False).median_ms
+    return round(2 * (1 << 30) / ms / 1e6, 1)
+
+
+def write_results(path: Path, doc: dict) -> None:
+    """Write the results whole: through a temporary file renamed over a regular file (a reader never sees half a
+    document); straight into anything else that exists (/dev/null, a pipe), which a rename would replace."""
+    text = json.dumps(doc, indent=1)
+    if path.exists() and not path.is_file():
+        path.write_text(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
