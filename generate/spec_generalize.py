@@ -23,14 +23,15 @@ def _dim_expr(a: int, b: int, d: int) -> Expr:
     """a*M + b*N + d with a, b in {-1, 0, 1}, written the way a person would (N - M + 2, not -1*M + ...)."""
     pos = [var(n) for n, c in (("N", b), ("M", a)) if c > 0]
     neg = [var(n) for n, c in (("M", a), ("N", b)) if c < 0]
-    e: Expr | None = pos[0] if pos else None
-    for t in pos[1:]:
-        e = Expr(ExprOp.ADD, (e, t))
+    e: Expr | None = None
+    for t in pos:
+        e = t if e is None else e + t
     for t in neg:
-        e = Expr(ExprOp.NEG, (t,)) if e is None else Expr(ExprOp.SUB, (e, t))
+        e = -t if e is None else e - t
     if e is None:
         return const(d)
-    return e if d == 0 else Expr(ExprOp.ADD if d > 0 else ExprOp.SUB, (e, const(abs(d))))
+    return e if d == 0 else e + d if d > 0 else e - abs(d)
+
 
 
 def generalize(e1: Expr | None, e2: Expr | None, dims1: tuple[int, int], dims2: tuple[int, int]) -> Expr | None:

@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import torch
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 
 __all__ = ["Sym", "dvar", "scalar_sym", "full", "arange", "load_leaf", "broadcast_to", "broadcast_shapes",
            "binary", "unary", "where", "permute", "unsqueeze", "squeeze", "expand", "view", "slice_", "select",
@@ -66,14 +66,14 @@ def arange(start: int | float, end: int | float, step: int | float, dtype: torch
     n = max(0, math.ceil((end - start) / step))
     e: Expr = dvar(0)
     if step != 1:
-        e = Expr(ExprOp.MUL, (const(step), e))
+        e = const(step) * e
     if start != 0:
-        e = Expr(ExprOp.ADD, (e, const(start)))
+        e = e + start
     return Sym((n,), e, dtype)
 
 
 def load_leaf(name: str, t: torch.Tensor) -> Sym:
-    return Sym(tuple(t.shape), Expr(ExprOp.LOAD, tuple(dvar(k) for k in range(t.dim())), name), t.dtype)
+    return Sym(tuple(t.shape), load(name, *(dvar(k) for k in range(t.dim()))), t.dtype)
 
 
 def _rename(e: Expr, mapping: dict[int, Expr]) -> Expr:
@@ -123,7 +123,7 @@ def unary(op: ExprOp, a: Sym, dtype: torch.dtype | None = None) -> Sym:
 def where(c: Sym, x: Sym, y: Sym, dtype: torch.dtype) -> Sym:
     shape = broadcast_shapes(c.shape, x.shape, y.shape)
     args = tuple(broadcast_to(s, shape).expr for s in (c, x, y))
-    return Sym(shape, Expr(ExprOp.WHERE, args), dtype)
+    return Sym(shape, call("where", *args), dtype)
 
 
 def permute(s: Sym, perm: Sequence[int]) -> Sym:
@@ -181,14 +181,14 @@ def view(s: Sym, shape: Sequence[int]) -> Sym:
     stride = 1
     for k in reversed(range(len(new))):
         if new[k] != 1:
-            term = dvar(k) if stride == 1 else Expr(ExprOp.MUL, (dvar(k), const(stride)))
-            flat = term if flat == const(0) else Expr(ExprOp.ADD, (term, flat))
+            term = dvar(k) if stride == 1 else dvar(k) * stride
+            flat = term if flat == const(0) else term + flat
         stride *= new[k]
     mapping = {}
     stride = 1
     for k in reversed(range(len(s.shape))):
-        idx = flat if stride == 1 else Expr(ExprOp.FLOORDIV, (flat, const(stride)))
-        mapping[k] = Expr(ExprOp.MOD, (idx, const(s.shape[k])))
+        idx = flat if stride == 1 else flat // stride
+        mapping[k] = idx % s.shape[k]
         stride *= s.shape[k]
     return Sym(new, _rename(s.expr, mapping), s.dtype)
 
@@ -198,9 +198,9 @@ def slice_(s: Sym, dim: int, start: int | None, end: int | None, step: int) -> S
     n = s.shape[dim]
     lo, hi, _ = slice(start, end, step).indices(n)
     size = max(0, math.ceil((hi - lo) / step))
-    idx: Expr = dvar(dim) if step == 1 else Expr(ExprOp.MUL, (dvar(dim), const(step)))
+    idx: Expr = dvar(dim) if step == 1 else dvar(dim) * step
     if lo:
-        idx = Expr(ExprOp.ADD, (idx, const(lo)))
+        idx = idx + lo
     shape = s.shape[:dim] + (size,) + s.shape[dim + 1:]
     return Sym(shape, _rename(s.expr, {dim: idx}), s.dtype)
 
@@ -247,7 +247,7 @@ def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True,
         n = s.shape[k]
         # negative indices wrap, as in torch
         if wrap and _may_be_negative(ix_expr) and not _nonnegative(ix.expr, bshape, known or {}):
-            ix_expr = Expr(ExprOp.MOD, (ix_expr, const(n)))
+            ix_expr = ix_expr % n
         mapping[k] = ix_expr
     shape = tuple(s.shape[k] for k in before) + bshape + tuple(s.shape[k] for k in after)
     return Sym(shape, _rename(s.expr, mapping), s.dtype)
@@ -298,13 +298,14 @@ def reduce(s: Sym, dims: Sequence[int] | None, op: ExprOp, keepdim: bool, dtype:
 
 def tril(s: Sym, diagonal: int = 0) -> Sym:
     i, j = dvar(len(s.shape) - 2), dvar(len(s.shape) - 1)
-    cond = Expr(ExprOp.LE, (j, i if diagonal == 0 else Expr(ExprOp.ADD, (i, const(diagonal)))))
+    cond = j <= (i if diagonal == 0 else i + diagonal)
     return Sym(s.shape, call("where", cond, s.expr, const(_zero(s.dtype))), s.dtype)
 
 
 def triu(s: Sym, diagonal: int = 0) -> Sym:
     i, j = dvar(len(s.shape) - 2), dvar(len(s.shape) - 1)
-    cond = Expr(ExprOp.GE, (j, i if diagonal == 0 else Expr(ExprOp.ADD, (i, const(diagonal)))))
+    cond = j >= (i if diagonal == 0 else i + diagonal)
+
     return Sym(s.shape, call("where", cond, s.expr, const(_zero(s.dtype))), s.dtype)
 
 

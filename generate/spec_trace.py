@@ -40,7 +40,7 @@ from generate.spec_sym import Sym
 from kb.errors import KBError
 from kb.ir.algebra import all_of, simplify
 from kb.ir.classify import fit_band
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, number, substitute, var, walk
 from kb.ir.nodes import SCHEDULE_CONSTANTS
 from kb.lower.triton_host import host_name_clash
 from verify.flex_mods import TensorIndexing, mod_functions
@@ -207,12 +207,12 @@ def _pattern_leaf(t: torch.Tensor) -> Sym | None:
 def _band_expr(i: Expr, j: Expr, lo: int | None, hi: int | None, prefix: int | None) -> Expr:
     parts: list[Expr] = []
     if hi is not None:
-        parts.append(Expr(ExprOp.LE, (j, i if hi == 0 else Expr(ExprOp.ADD, (i, const(hi))))))
+        parts.append(j <= (i if hi == 0 else i + hi))
     if lo is not None:
-        parts.append(Expr(ExprOp.LT, (Expr(ExprOp.SUB, (i, j)), const(1 - lo))))
+        parts.append(i - j < 1 - lo)
     cond = all_of(parts) if parts else const(True)
     if prefix:
-        cond = Expr(ExprOp.OR, (Expr(ExprOp.LT, (j, const(prefix))), cond))
+        cond = (j < prefix) | cond
     return cond
 
 
@@ -235,7 +235,7 @@ def _scalar(x: Any) -> float | None:
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
     if isinstance(x, Sym) and x.expr.op is ExprOp.CONST and not x.is_bool and math.prod(x.shape) == 1:
-        return float(x.expr.value)  # type: ignore[arg-type]
+        return float(number(x.expr))
     return None
 
 
@@ -315,7 +315,7 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
         if f is None:
             raise _err(node, st, f"{x.name} is combined elementwise with a tensor")
         prev = x.factor if x.factor is not None else const(1.0)
-        return replace(x, factor=Expr(ExprOp.MUL if pk == "mul" else ExprOp.DIV, (prev, f)))
+        return replace(x, factor=prev * f if pk == "mul" else prev / f)
     raise _err(node, st, f"unsupported op on attention input {x.name}")
 
 
@@ -441,7 +441,7 @@ def _start_scores(node: torch.fx.Node, q: Operand, k: Operand, shape: tuple[int,
     score = var("score")
     for f in (q.factor, k.factor):  # run-time scalars q or k were multiplied by: factors of every score
         if f is not None:
-            score = Expr(ExprOp.MUL, (score, f))
+            score = score * f
     return Sym(shape, score, _dtype_of(node))
 
 
@@ -546,7 +546,7 @@ def _cast(x: Sym, dtype: torch.dtype, node: torch.fx.Node, st: _State) -> Sym:
     if dtype == x.dtype:
         return x
     if dtype == torch.bool:
-        return Sym(x.shape, x.expr if x.is_bool else Expr(ExprOp.NE, (x.expr, const(0))), dtype)
+        return Sym(x.shape, x.expr if x.is_bool else x.expr.ne(0), dtype)
     if x.is_bool:
         one, zero = (const(1.0), const(0.0)) if dtype.is_floating_point else (const(1), const(0))
         return Sym(x.shape, call("where", x.expr, one, zero), dtype)
@@ -788,19 +788,17 @@ def _gelu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st:
     x = arg.expr
     approximate = args[1] if len(args) > 1 else kw.get("approximate", "none")
     if approximate == "tanh":
-        cube = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, x)), x))
-        inner = Expr(ExprOp.MUL, (const(math.sqrt(2.0 / math.pi)), Expr(ExprOp.ADD, (x, Expr(ExprOp.MUL, (const(0.044715), cube))))))
-        gate = call("tanh", inner)
+        gate = call("tanh", math.sqrt(2.0 / math.pi) * (x + 0.044715 * (x * x * x)))
     else:
-        gate = call("erf", Expr(ExprOp.MUL, (x, const(1.0 / math.sqrt(2.0)))))
-    e = Expr(ExprOp.MUL, (Expr(ExprOp.MUL, (x, const(0.5))), Expr(ExprOp.ADD, (const(1.0), gate))))
+        gate = call("erf", x * (1.0 / math.sqrt(2.0)))
+    e = x * 0.5 * (1.0 + gate)
     return Sym(arg.shape, e, _dtype_of(node))
 
 
 @_score_op("silu")
 def _silu(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     x = _sym(args[0], node, st)
-    return Sym(x.shape, Expr(ExprOp.MUL, (x.expr, call("sigmoid", x.expr))), _dtype_of(node))
+    return Sym(x.shape, x.expr * call("sigmoid", x.expr), _dtype_of(node))
 
 
 @_score_op("relu")
@@ -866,7 +864,7 @@ def _cat(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: 
     keys = S.broadcast_to(parts[0], shape[:-1] + (n,))
     sink = substitute(S.broadcast_to(parts[1], shape[:-1] + (1,)).expr, {f"_d{last}": const(0)})
     st.sink_cat = n
-    return Sym(shape, Expr(ExprOp.WHERE, (Expr(ExprOp.LT, (S.dvar(last), const(n))), keys.expr, sink)), _dtype_of(node))
+    return Sym(shape, call("where", S.dvar(last) < n, keys.expr, sink), _dtype_of(node))
 
 
 @_score_op("searchsorted")
@@ -904,7 +902,7 @@ def _split_mask(e: Expr) -> tuple[Expr, Expr | None]:
         if cy == const(False):
             return fx, _and(c, cx)
         if cx == const(False):
-            return fy, _and(Expr(ExprOp.NOT, (c,)), cy)
+            return fy, _and(~c, cy)
         return call("where", c, fx, fy), call("where", c, cx or const(True), cy or const(True))
     if e.op in (ExprOp.ADD, ExprOp.SUB):
         x, y = e.args
@@ -913,7 +911,7 @@ def _split_mask(e: Expr) -> tuple[Expr, Expr | None]:
         if cx is None and cy is None:
             return e, None
         return Expr(e.op, (fx, fy)), _and(cx, cy)
-    if e.op in (ExprOp.MUL, ExprOp.DIV) and e.args[1].op is ExprOp.CONST and float(e.args[1].value) > 0:  # type: ignore[arg-type]
+    if e.op in (ExprOp.MUL, ExprOp.DIV) and e.args[1].op is ExprOp.CONST and number(e.args[1]) > 0:
         fx, cx = _split_mask(e.args[0])
         return (e, None) if cx is None else (Expr(e.op, (fx, e.args[1])), cx)
     return e, None
@@ -924,20 +922,20 @@ def _and(a: Expr | None, b: Expr | None) -> Expr | None:
         return b
     if b is None:
         return a
-    return Expr(ExprOp.AND, (a, b))
+    return a & b
 
 
 def _per_sequence(e: Expr, ids: str, offsets: str) -> Expr:
     """Scores of packed query tokens t (chunked prefill) as scores of (sequence b, its query q_idx): token q_idx of
     sequence b is t = offsets[b] + q_idx, and its sequence id ids[t] (searchsorted right) is b + 1."""
-    b1 = Expr(ExprOp.ADD, (var("b"), const(1)))
+    b1 = var("b") + 1
 
     def seq(n: Expr) -> Expr:
         if n.op is ExprOp.LOAD and n.value == ids and n.args == (var("t"),):
             return b1
         return Expr(n.op, tuple(seq(a) for a in n.args), n.value) if n.args else n
 
-    start = Expr(ExprOp.LOAD, (var("b"),), offsets)
+    start = load(offsets, var("b"))
 
     def cancel(n: Expr) -> Expr:  # (offsets[b] + x) - offsets[b] -> x: the token's position in its chunk
         n = Expr(n.op, tuple(cancel(a) for a in n.args), n.value) if n.args else n
@@ -945,12 +943,12 @@ def _per_sequence(e: Expr, ids: str, offsets: str) -> Expr:
             return n.args[0].args[1]
         return n
 
-    return simplify(cancel(simplify(substitute(seq(e), {"t": Expr(ExprOp.ADD, (start, var("q_idx")))}))))
+    return simplify(cancel(simplify(substitute(seq(e), {"t": start + var("q_idx")}))))
 
 
 def _extract_scale(e: Expr) -> tuple[Expr, float]:
     """If every `score` sits in `score * c` (same c), fold c into the softmax scale."""
-    factors = {float(n.args[1].value) for n in walk(e)  # type: ignore[arg-type]
+    factors = {float(number(n.args[1])) for n in walk(e)
                if n.op is ExprOp.MUL and n.args[0] == var("score") and n.args[1].op is ExprOp.CONST}
     n_score = sum(1 for n in walk(e) if n == var("score"))
     n_scaled = sum(1 for n in walk(e) if n.op is ExprOp.MUL and n.args[0] == var("score") and n.args[1].op is ExprOp.CONST)
@@ -972,9 +970,9 @@ def _normalize_scale(e: Expr) -> Expr:
         return e
     e = Expr(e.op, tuple(_normalize_scale(a) for a in e.args), e.value)
     if e.op is ExprOp.DIV and e.args[0] == var("score") and e.args[1].op is ExprOp.CONST:
-        return Expr(ExprOp.MUL, (var("score"), const(1.0 / float(e.args[1].value))))  # type: ignore[arg-type]
+        return var("score") * (1.0 / number(e.args[1]))
     if e.op is ExprOp.MUL and e.args[1] == var("score") and e.args[0].op is ExprOp.CONST:
-        return Expr(ExprOp.MUL, (var("score"), e.args[0]))
+        return var("score") * e.args[0]
     return e
 
 
@@ -1162,7 +1160,7 @@ def _runtime_leaf(name: str, t: torch.Tensor, st: _State) -> Sym:
     as `name[0]` of a [1]-shaped aux tensor (the candidate passes `x.reshape(1)`)."""
     if t.dim() == 0:
         st.aux[name] = t.detach().reshape(1).clone()
-        return Sym(tuple(t.shape), Expr(ExprOp.LOAD, (const(0),), name), t.dtype)
+        return Sym(tuple(t.shape), load(name, const(0)), t.dtype)
     st.aux[name] = t.detach().clone()
     return S.load_leaf(name, t)
 
@@ -1302,7 +1300,7 @@ def _split_sink(x: Sym, n: int, node: torch.fx.Node, st: _State) -> tuple[Sym, E
     logit named by (b, h)). `where(j < n, keys, sink)` marks the column: the keys take its first branch, the sink its
     second with j = n, so ops applied after the cat (a scale, a cast) apply to both, exactly."""
     last = len(x.shape) - 1
-    marker = Expr(ExprOp.LT, (S.dvar(last), const(n)))
+    marker = S.dvar(last) < n
 
     def pick(e: Expr, branch: int) -> Expr:
         if e.op is ExprOp.WHERE and e.args[0] == marker:
@@ -1350,7 +1348,7 @@ def _sdpa(node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) 
         m = _sym(m, node, st)
         sc = S.where(m, sc, S.scalar_sym(-math.inf), sc.dtype) if m.is_bool else S.binary(ExprOp.ADD, sc, m)
     if a.get("is_causal"):
-        causal = Sym((1, 1, sc.shape[2], sc.shape[3]), Expr(ExprOp.LE, (S.dvar(3), S.dvar(2))), torch.bool)
+        causal = Sym((1, 1, sc.shape[2], sc.shape[3]), S.dvar(3) <= S.dvar(2), torch.bool)
         sc = S.where(causal, sc, S.scalar_sym(-math.inf), sc.dtype)
     st.logits = sc
     st.softmax_node = node
@@ -1487,7 +1485,8 @@ def trace_mod(
         raise KBError(f"{getattr(fn, '__name__', 'mod')}() returns shape {out.shape}; it must be elementwise")
     e = substitute(out.expr, {"_d0": const(0)})
     if boolean and not out.is_bool:
-        e = Expr(ExprOp.NE, (e, const(0)))
+        e = e.ne(0)
+
     e = simplify(e)
     used = {str(n.value) for n in walk(e) if n.op is ExprOp.LOAD}
     return e, {k: v for k, v in st.aux.items() if k in used}

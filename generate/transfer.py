@@ -209,7 +209,7 @@ def _bounds(loop: For, target: Target, strategy: Strategy, q_start: Expr, split_
             mlo, mhi = (substitute(e, {"m_start": q_start}) for e in bounds)
             step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
             if mlo != const(0):  # align to KV blocks, never below 0
-                mlo = call("maximum", const(0), Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (mlo, step)), step)))
+                mlo = call("maximum", const(0), mlo // step * step)
             lo = mlo if not split else call("maximum", lo, mlo)
             hi = call("minimum", hi, mhi)
     return lo, hi
@@ -228,7 +228,8 @@ def band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] |
         return None
     band = static[0]
     for t in static[1:]:
-        band = Expr(ExprOp.AND, (band, t))
+        band = band & t
+
     return mask_kv_bounds(band, dims)
 
 

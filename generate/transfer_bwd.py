@@ -246,5 +246,6 @@ def _aligned(lo: Expr, hi: Expr, block: str) -> tuple[Expr, Expr]:
         if lo.op is ExprOp.MAXIMUM and lo.args[0] == const(0):
             lo = lo.args[1]  # clamped again below, after rounding
         b = var(block)
-        lo = call("maximum", const(0), Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (lo, b)), b)))
+        lo = call("maximum", const(0), lo // b * b)
+
     return lo, hi

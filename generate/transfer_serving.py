@@ -27,7 +27,7 @@ from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
 from kb.errors import KBError
 from kb.ir.algebra import conjuncts
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var
 from kb.ir.nodes import (
     Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
@@ -70,12 +70,12 @@ def _decode_at(at: TileAt, head_rows: bool) -> TileAt:
 def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr) -> Kernel:
     """m starts at sinks[h] and l at 1 where this program's KV range starts at the sequence's first key (`lo == 0`);
     without sinks, at -inf and 0 (a reference generated for a spec with sinks started at its own)."""
-    first = Expr(ExprOp.EQ, (lo, const(0))) if lo != const(0) else None
+    first = lo.eq(0) if lo != const(0) else None
     states = {(st.m, st.l) for st in walk_stmts(kernel.body) if isinstance(st, OnlineSoftmax)}
     if len(states) != 1:
         raise KBError(f"kernel {kernel.name}: sinks need one online softmax state")
     ((m, l),) = states
-    sink = Expr(ExprOp.LOAD, (var("h"),), sinks) if sinks is not None else None
+    sink = load(sinks, var("h")) if sinks is not None else None
 
     def start(st: Stmt) -> Stmt:
         if not (isinstance(st, Init) and st.out in (m, l)):
@@ -114,7 +114,7 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
         # split ranges are whole KV blocks from lo: a start inside a block would let its last block reach into the
         # next split's keys (loads past the split's end are bounded by the sequence, not the split)
         step = var(loop.step) if isinstance(loop.step, str) else const(loop.step)
-        block = Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (var(name), step)), step))
+        block = var(name) // step * step
         new_loop = replace(new_loop, lo=call("maximum", loop.lo, block))
     i = kernel.body.index(loop)
     kernel = replace(kernel, body=kernel.body[:i] + lets + (new_loop,) + kernel.body[i + 1:])
@@ -139,7 +139,7 @@ def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:
         if "kv_idx" in free_vars(e) or (at.head_rows and "h" in free_vars(e)):
             continue
         e = substitute(e, {"b": at.b, "h": at.h, "q_idx": const(0)})
-        starts.append(Expr(ExprOp.ADD, (e, const(1))) if strict else e)
+        starts.append(e + 1 if strict else e)
     if not starts:
         return None
     first = starts[0]
@@ -194,18 +194,14 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
     if chunked and layout.lengths is None:
         raise KBError("serving transfer: a chunked prefill spec must bound each sequence's keys (`kv_idx < seq_lens[b]`)")
     b = var("b")
-    after = Expr(ExprOp.ADD, (b, const(1)))
-
-    def load(table: str, *at: Expr) -> Expr:
-        return Expr(ExprOp.LOAD, at, table)
+    after = b + 1
 
     def offsets(e: Expr) -> Expr:
         args = tuple(offsets(a) for a in e.args)
         if e.op is ExprOp.LOAD and e.value in (starts, lengths) and len(args) == 1:
             if e.value == starts:
                 return load(cu_q, args[0])
-            nxt = Expr(ExprOp.ADD, (args[0], const(1)))
-            return Expr(ExprOp.SUB, (load(cu_q, nxt), load(cu_q, args[0])))
+            return load(cu_q, args[0] + 1) - load(cu_q, args[0])
         return Expr(e.op, args, e.value) if args != e.args else e
 
     taken = set(names(reference)) | {cu_q, cu_k} | {a.name for a in target.aux}
@@ -213,11 +209,11 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
 
     def key_rows(span: Span, n: Expr) -> Span | Gather:
         if not chunked:
-            return Span(Expr(ExprOp.ADD, (var(k0), n)), span.size, Expr(ExprOp.ADD, (var(k0), var(k_len))))
-        pos = Expr(ExprOp.ADD, (n, var(j)))
-        slot = load(layout.table, b, Expr(ExprOp.FLOORDIV, (pos, var(page))))  # type: ignore[arg-type]
-        row = Expr(ExprOp.ADD, (Expr(ExprOp.MOD, (pos, var(page))), Expr(ExprOp.MUL, (var(page), slot))))
-        return Gather(j, span.size, row, Expr(ExprOp.LT, (pos, var(k_len))))
+            return Span(var(k0) + n, span.size, var(k0) + var(k_len))
+        pos = n + var(j)
+        slot = load(layout.table, b, pos // var(page))  # type: ignore[arg-type]
+        row = pos % var(page) + var(page) * slot
+        return Gather(j, span.size, row, pos < var(k_len))
 
     def kernel(k: Kernel) -> Kernel:
         k = replace(k, body=_map_exprs(k.body, offsets))
@@ -234,8 +230,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
                 return replace(st, index=(key_rows(st.index[0], n),) + st.index[1:])
             if isinstance(st, (Mask, ScoreMod)) and not chunked:
                 at = st.at
-                return replace(st, at=TileAt(const(0), at.h, Expr(ExprOp.ADD, (load(cu_q, b), at.q_start)),
-                                             Expr(ExprOp.ADD, (var(k0), at.kv_start))))
+                return replace(st, at=TileAt(const(0), at.h, load(cu_q, b) + at.q_start, var(k0) + at.kv_start))
             return st
 
         at = next((st.at for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
@@ -243,16 +238,15 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
             raise KBError(f"kernel {k.name}: its KV loop applies no mask; cannot place the sequence's bound")
         inner = rewrite_loop_body(loop.body, target, Strategy.REUSE, at)
         # a query block past its sequence's end (the grid covers the longest) visits no key
-        q_len = Expr(ExprOp.SUB, (load(cu_q, after), load(cu_q, b)))
+        q_len = load(cu_q, after) - load(cu_q, b)
         keys_hi: Expr = var(k_len)
         if causal:
-            last = Expr(ExprOp.ADD, (at.q_start, var("BLOCK_M")))
-            shift = call("maximum", const(0), Expr(ExprOp.SUB, (var(k_len), q_len)))
-            keys_hi = call("minimum", var(k_len), Expr(ExprOp.ADD, (last, shift)))
-        hi = call("where", Expr(ExprOp.LT, (at.q_start, q_len)), keys_hi, const(0))
+            shift = call("maximum", const(0), var(k_len) - q_len)
+            keys_hi = call("minimum", var(k_len), at.q_start + var("BLOCK_M") + shift)
+        hi = call("where", at.q_start < q_len, keys_hi, const(0))
         new_loop = replace(loop, lo=const(0), hi=hi, body=map_stmts(inner, keys))
         lets = (Let(k_len, load(layout.lengths, b)),) if chunked else (  # type: ignore[arg-type]
-            Let(k0, load(cu_k, b)), Let(k_len, Expr(ExprOp.SUB, (load(cu_k, after), load(cu_k, b)))))
+            Let(k0, load(cu_k, b)), Let(k_len, load(cu_k, after) - load(cu_k, b)))
         return replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
 
     if chunked:
@@ -268,7 +262,8 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         # out of range as the spec's tables indexed by q_idx / kv_idx are
         tokens = {"q": "M", "o": "M", "lse": "M", "k": "N", "v": "N"}
         added = [Param(t, (f"{t}_n0",), Dtype.I32, Role.AUX) for t in dict.fromkeys((cu_q, cu_k))]
-        batches = Expr(ExprOp.SUB, (var(f"{cu_q}_n0"), const(1)))
+        batches = var(f"{cu_q}_n0") - 1
+
     params = [replace(p, shape=(tokens[p.name], *p.shape[1:])) if p.name in tokens else p
               for p in reference.params if p.name not in (starts, lengths)]
     params = [replace(p, dtype=target.out_dtype if p.role is Role.OUT and target.out_dtype else target.dtype)

@@ -178,11 +178,12 @@ def _kv_loop(parts: _Parts, causal: bool) -> For:
         Load("kt", "k", (var("b"), var("hk"), Span(var("n_start"), "BLOCK_N"), Full())),
         Load(vt, "v", (var("b"), var("hk"), Span(var("n_start"), "BLOCK_N"), Full())),
         Dot(s, "qt", "kt", trans_b=True),
-        Elementwise(s, Expr(ExprOp.MUL, (var(s), var("sm_scale")))),
+        Elementwise(s, var(s) * var("sm_scale")),
         IfBlock(BlockClass.FULL, True, at, then=(Mask(s, at, use_mask_mod=causal),)),
         OnlineSoftmax(m, l, acc, s, vt),
     )
-    return For("n_start", const(0), Expr(ExprOp.MUL, (var("n_block_max"), var("BLOCK_N"))), "BLOCK_N", "reverse", body)
+    return For("n_start", const(0), var("n_block_max") * var("BLOCK_N"), "BLOCK_N", "reverse", body)
+
 
 
 def _program(parts: _Parts, tunable: LiftedTunable, causal: bool) -> Program:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kb.ir.expr import Expr, ExprOp, free_vars, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, free_vars, load, substitute, var
 from ingest.triton_exec import stride_indices
 from ingest.triton_grad import Probs, Refuse
 from kb.ir.algebra import normal_form
@@ -87,9 +87,9 @@ def _fused(names: Names, terms: list[Expr]) -> None:
         if idx.op in (ExprOp.FLOORDIV, ExprOp.MOD) and idx.args[0].op is ExprOp.VAR \
                 and str(idx.args[0].value).startswith("pid") and idx.args[1].op is ExprOp.VAR:
             pid, count = var(str(idx.args[0].value)), idx.args[1]
-            names.values[Expr(ExprOp.FLOORDIV, (pid, count))] = var("b")
-            names.values[Expr(ExprOp.MOD, (pid, count))] = var("h")
-            names.names[str(pid.value)] = Expr(ExprOp.ADD, (Expr(ExprOp.MUL, (var("b"), var("Hq"))), var("h")))
+            names.values[pid // count] = var("b")
+            names.values[pid % count] = var("h")
+            names.names[str(pid.value)] = var("b") * var("Hq") + var("h")
             names.names[str(count.value)] = var("Hq")
 
 
@@ -140,14 +140,14 @@ def _group_loop(names: Names, walk: TileWalk, q_head: Expr, k_head: Expr) -> Loo
     if len(loops) != 1 or k_head.op is not ExprOp.VAR:
         raise Refuse(f"the q head {q_head} is not a loop over the q heads of KV head {k_head}")
     loop = loops[0]
-    group = normal_form(Expr(ExprOp.SUB, (loop.hi, loop.lo)))
-    if normal_form(loop.lo) != normal_form(Expr(ExprOp.MUL, (k_head, group))) or normal_form(loop.step).value != 1:
+    group = normal_form(loop.hi - loop.lo)
+    if normal_form(loop.lo) != normal_form(k_head * group) or normal_form(loop.step).value != 1:
         raise Refuse(f"line {loop.line}: the q-head loop range({loop.lo}, {loop.hi}) is not hk * G .. hk * G + G")
     if group.op is ExprOp.FLOORDIV and all(a.op is ExprOp.VAR for a in group.args):
         names.names[str(group.args[0].value)] = var("Hq")
         names.names[str(group.args[1].value)] = var("Hkv")
     elif group.op is ExprOp.VAR:
-        names.names[str(group.value)] = Expr(ExprOp.FLOORDIV, (var("Hq"), var("Hkv")))
+        names.names[str(group.value)] = var("Hq") // var("Hkv")
     else:
         raise Refuse(f"line {loop.line}: the group size {group} is not X // Y or one parameter")
     _whole(names, k_head, "hk")
@@ -200,7 +200,7 @@ def index(names: Names, off: Expr, tensor: str, head: str, rows: str, d: bool = 
             found["d"] = Full()
         elif len(kinds) == 1 and kinds <= {"q", "kv"}:
             (kind,) = kinds
-            start = normal_form(Expr(ExprOp.SUB, (plain, var(next(iter(lanes_of(plain)))))))
+            start = normal_form(plain - var(next(iter(lanes_of(plain)))))
             if lanes_of(start):
                 raise Refuse(f"{tensor}: row index {plain} is not a start plus one lane")
             at = "m_start" if kind == "q" else "n_start"
@@ -230,7 +230,7 @@ def row_start(names: Names, t: TV) -> tuple[Expr, str]:
         plain = strip_tags(idx)
         rows = [lane for lane in lanes_of(plain) if names.lanes.get(lane) in ("q", "kv")]
         if rows:
-            return normal_form(Expr(ExprOp.SUB, (plain, var(rows[0])))), rows[0]
+            return normal_form(plain - var(rows[0])), rows[0]
     raise Refuse(f"line {t.line}: the tile has no row term")
 
 
@@ -240,7 +240,7 @@ def positions(names: Names, p: Probs, e: Expr) -> Expr:
     at = {}
     for t, pos in ((p.q, "q_idx"), (p.k, "kv_idx")):
         start, lane = row_start(names, t)
-        at[lane] = Expr(ExprOp.SUB, (var(pos), start))
+        at[lane] = var(pos) - start
     return _canonical(names, names.ir(normal_form(substitute(strip_tags(e), at))))
 
 
@@ -249,8 +249,8 @@ def _canonical(names: Names, e: Expr) -> Expr:
     if e.op is ExprOp.LOAD:
         return _aux_load(names, e)
     if e.op is ExprOp.ABS:
-        pos, neg = normal_form(args[0]), normal_form(Expr(ExprOp.NEG, (args[0],)))
-        return Expr(ExprOp.ABS, (min(pos, neg, key=str),))
+        pos, neg = normal_form(args[0]), normal_form(-args[0])
+        return call("abs", min(pos, neg, key=str))
     return Expr(e.op, args, e.value) if args else e
 
 
@@ -264,4 +264,5 @@ def _aux_load(names: Names, e: Expr) -> Expr:
     dims = [d for d in ("b", "h") if d in idx]
     name = str(e.value).lower()
     names.aux[name] = tuple({"b": "B", "h": "Hq"}[d] for d in dims)
-    return Expr(ExprOp.LOAD, tuple(var(d) for d in dims), name)
+    return load(name, *(var(d) for d in dims))
+

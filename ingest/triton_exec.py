@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, parse_expr, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, number, parse_expr, substitute, var, walk
 from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from kb.ir.algebra import from_poly, normal_form, to_poly
@@ -70,7 +70,7 @@ class BlockPtr:
         """The pointer of one tile element: base + sum((offset_i + lane_i) * stride_i)."""
         off = self.base.offset
         for o, lane, st in zip(offsets or self.offsets, self.lanes, self.strides):
-            off = Expr(ExprOp.ADD, (off, Expr(ExprOp.MUL, (Expr(ExprOp.ADD, (o, var(lane))), st))))
+            off = off + (o + var(lane)) * st
         return Ptr(self.base.base, off)
 
 
@@ -133,14 +133,13 @@ def _as_int(e: Expr) -> Expr:
 
 
 def _as_bool(e: Expr) -> Expr:
-    return e if _is_bool(e) else Expr(ExprOp.NE, (e, const(0)))
+    return e if _is_bool(e) else e.ne(0)
 
 
 def lane_to_idx(e: Expr, loop_var: str = "n_start") -> Expr:
     """Lanes to absolute indices: `_r = q_idx - m * BLOCK_M`, `_c = kv_idx - loop_var` (then simplified)."""
-    m_start = Expr(ExprOp.MUL, (var("m"), var("BLOCK_M")))
-    return normal_form(substitute(e, {"_r": Expr(ExprOp.SUB, (var("q_idx"), m_start)),
-                                   "_c": Expr(ExprOp.SUB, (var("kv_idx"), var(loop_var)))}))
+    m_start = var("m") * var("BLOCK_M")
+    return normal_form(substitute(e, {"_r": var("q_idx") - m_start, "_c": var("kv_idx") - var(loop_var)}))
 
 
 def _has_lanes(e: Expr) -> bool:
@@ -149,7 +148,7 @@ def _has_lanes(e: Expr) -> bool:
 
 def _num_of(e: Sym) -> float | None:
     if isinstance(e, Expr) and e.op is ExprOp.CONST and not isinstance(e.value, bool):
-        return float(e.value)  # type: ignore[arg-type]
+        return float(number(e))
     if isinstance(e, Expr) and e.op is ExprOp.NEG:
         v = _num_of(e.args[0])
         return None if v is None else -v
@@ -233,9 +232,9 @@ class _Walker:
             v = self.ev(n.operand)
             if isinstance(v, Expr):
                 if isinstance(n.op, ast.USub):
-                    return const(-v.value) if v.op is ExprOp.CONST else Expr(ExprOp.NEG, (v,))  # type: ignore[operator]
+                    return const(-number(v)) if v.op is ExprOp.CONST else -v
                 if isinstance(n.op, (ast.Not, ast.Invert)):
-                    return Expr(ExprOp.NOT, (_as_bool(v),))
+                    return ~_as_bool(v)
             return v if isinstance(v, Tile) else Opaque(ast.unparse(n))
         if isinstance(n, ast.BoolOp):
             vals = [self.ev(v) for v in n.values]
@@ -277,9 +276,9 @@ class _Walker:
         if isinstance(a, Ptr) and isinstance(b, Ptr) and op is ExprOp.ADD:
             a, b = self._offset_param(a, b), self._offset_param(b, a)
         if isinstance(a, Ptr) and isinstance(b, Expr) and op is ExprOp.ADD:
-            return Ptr(a.base, Expr(ExprOp.ADD, (a.offset, b)))
+            return Ptr(a.base, a.offset + b)
         if isinstance(b, Ptr) and isinstance(a, Expr) and op is ExprOp.ADD:
-            return Ptr(b.base, Expr(ExprOp.ADD, (b.offset, a)))
+            return Ptr(b.base, b.offset + a)
         if isinstance(a, Tile) or isinstance(b, Tile):
             deps = _deps(a) | _deps(b)
             other = b if isinstance(a, Tile) else a
@@ -290,10 +289,10 @@ class _Walker:
                 if len(scalars) == 1:
                     self._event("scale_param", n, scalars[0])
             if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
-                    and abs(float(other.value) - LOG2E) < 1e-6:  # type: ignore[arg-type]
+                    and abs(number(other) - LOG2E) < 1e-6:
                 deps = deps | {"log2e"}
             if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
-                    and abs(float(other.value) - math.log(2)) < 1e-6:  # type: ignore[arg-type]
+                    and abs(number(other) - math.log(2)) < 1e-6:
                 deps = deps | {"ln2"}
             if op is ExprOp.DIV and isinstance(b, Expr) and _num_of(b) is not None and abs(_num_of(b) - LOG2E) < 1e-6:
                 deps = deps | {"ln2"}
@@ -307,7 +306,7 @@ class _Walker:
                         break
             if op in (ExprOp.ADD, ExprOp.SUB) and isinstance(other, Expr) and _has_lanes(other) \
                     and ("score" in _deps(a) or "score" in _deps(b)):
-                self._event("score_term", n, other if op is ExprOp.ADD else Expr(ExprOp.NEG, (other,)))
+                self._event("score_term", n, other if op is ExprOp.ADD else -other)
             return Tile(deps)
         if isinstance(a, Expr) and isinstance(b, Expr):
             if op in (ExprOp.ADD, ExprOp.SUB, ExprOp.MUL):
@@ -402,8 +401,7 @@ class _Walker:
             bp, deltas = self.ev(n.args[0]), self._exprs(n.args[1])
             if not isinstance(bp, BlockPtr) or deltas is None or len(deltas) != len(bp.offsets):
                 return self._unknown(n, "tl.advance of something that is not a block pointer")
-            return BlockPtr(bp.base, bp.strides, tuple(Expr(ExprOp.ADD, (o, d)) for o, d in zip(bp.offsets, deltas)),
-                            bp.lanes)
+            return BlockPtr(bp.base, bp.strides, tuple(o + d for o, d in zip(bp.offsets, deltas)), bp.lanes)
         if name == "load":
             return self._load(n)
         if name == "store":
@@ -516,7 +514,7 @@ class _Walker:
         if free_vars(off) & set(LANES) == {"_c"}:  # a vector over the KV lanes: an index (table) or a term
             idx = sorted(_stride_indices(off, self._index_names()), key=lambda t: t[0] == "")  # contiguous dim last
             self._event("index_load", n, (ptr.base, tuple(idx)))
-            return Expr(ExprOp.LOAD, tuple(e for _, e in idx), ptr.base.lower())
+            return load(ptr.base.lower(), *(e for _, e in idx))
         if _has_lanes(off):
             self._event("load", n, (ptr.base, off))
             self.load_lanes[ptr.base] = frozenset(free_vars(off) & set(LANES))
@@ -526,7 +524,7 @@ class _Walker:
         if idx is None:
             return self._unknown(n, f"scalar load from {ptr.base} with non-strided offset {off}")
         self._event("aux_load", n, (ptr.base, tuple(idx)))
-        return Expr(ExprOp.LOAD, tuple(e for _, e in idx), ptr.base.lower())
+        return load(ptr.base.lower(), *(e for _, e in idx))
 
     # ---- statements
     def run(self, body: list[ast.stmt]) -> bool:
@@ -633,11 +631,12 @@ class _Walker:
         cond = _as_bool(test)
         before = dict(self.env)
         outer_cond = self.cond
-        self.cond = cond if outer_cond is None else Expr(ExprOp.AND, (outer_cond, cond))
+        self.cond = cond if outer_cond is None else outer_cond & cond
         cont = self.run(st.body)
         then_env = self.env
         self.env = dict(before)
-        self.cond = Expr(ExprOp.NOT, (cond,)) if outer_cond is None else Expr(ExprOp.AND, (outer_cond, Expr(ExprOp.NOT, (cond,))))
+        self.cond = ~cond if outer_cond is None else outer_cond & ~cond
+
         cont_else = self.run(st.orelse)
         else_env = self.env
         self.cond = outer_cond

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kb.ir.expr import Expr, ExprOp, const
+from kb.ir.expr import Expr, ExprOp, const, number
 from ingest.triton_exec import LOG2E, MASK_FILL
 from kb.ir.algebra import from_poly, normal_form, scale_poly, to_poly
 from ingest.triton_tiles import TV, LoopNode
@@ -86,7 +86,7 @@ class Term:
 
 
 def _mul(a: Expr, b: Expr) -> Expr:
-    return normal_form(Expr(ExprOp.MUL, (a, b)))
+    return normal_form(a * b)
 
 
 def product(scalars: list[Expr]) -> Expr:
@@ -98,7 +98,7 @@ def product(scalars: list[Expr]) -> Expr:
 
 def _fill(x: object) -> float | None:
     if isinstance(x, Expr) and x.op is ExprOp.CONST and not isinstance(x.value, bool):
-        return float(x.value)  # type: ignore[arg-type]
+        return float(number(x))
     if isinstance(x, Expr) and x.op is ExprOp.NEG and isinstance(x.args[0], Expr):
         v = _fill(x.args[0])
         return None if v is None else -v
@@ -121,7 +121,7 @@ def linear(x: TV | Expr, masks: list[Expr] | None = None) -> list[tuple[Expr, TV
         tiles = [a for a in x.args if isinstance(a, TV)]
         scalar = next((a for a in x.args if isinstance(a, Expr)), None)
         if len(tiles) == 1 and scalar is not None and (x.op == "mul" or x.args[1] is scalar):
-            s = scalar if x.op == "mul" else Expr(ExprOp.DIV, (const(1), scalar))
+            s = scalar if x.op == "mul" else 1 / scalar
             return [(_mul(s, c), t) for c, t in linear(tiles[0], masks)]
     if x.op == "where" and masks is not None and isinstance(x.args[0], TV) and (f := _fill(x.args[1])) is not None \
             and f <= MASK_FILL:
@@ -136,7 +136,7 @@ def _strip_scalars(x: TV) -> tuple[TV, list[Expr]]:
         s = next(a for a in x.args if isinstance(a, Expr))
         if x.op == "div" and x.args[1] is not s:
             break
-        scalars.append(s if x.op == "mul" else Expr(ExprOp.DIV, (const(1), s)))
+        scalars.append(s if x.op == "mul" else 1 / s)
         x = next(a for a in x.args if isinstance(a, TV))
     return x, scalars
 
@@ -257,7 +257,8 @@ def _factors(x: TV) -> tuple[list[TV], list[Expr]]:
         return tiles, scalars
     if x.op == "div" and isinstance(x.args[1], Expr) and isinstance(x.args[0], TV):
         t, s = _factors(x.args[0])
-        return t, s + [Expr(ExprOp.DIV, (const(1), x.args[1]))]
+        return t, s + [1 / x.args[1]]
+
     return [x], []
 
 

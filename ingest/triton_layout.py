@@ -61,8 +61,7 @@ class Layout:
         """The index of a [BLOCK_N, D] k or v tile of the KV block at `n_start`."""
         if not self.decode:
             return self.rows(head, n_start, "BLOCK_N")
-        lane = Expr(ExprOp.ADD, (n_start, var("j")))
-        valid = Expr(ExprOp.LT, (lane, var("kv_len")))
+        valid = n_start + var("j") < var("kv_len")
         return (Gather("j", "BLOCK_N", self.kv_row, valid), var(head), Full())  # type: ignore[arg-type]
 
     def rows(self, head: str, first: Expr, size: str, *, head_dim: bool = True) -> tuple[Index, ...]:
@@ -74,9 +73,8 @@ class Layout:
             return (var("b"), Span(var(head), 1)) + tail
         if not self.packed:
             return (var("b"), var(head), Span(first, size)) + tail
-        at = Expr(ExprOp.ADD, (var("q0"), first))
-        end = Expr(ExprOp.ADD, (var("q0"), var("q_len")))
-        return (Span(at, size, until=end), var(head)) + tail
+        return (Span(var("q0") + first, size, until=var("q0") + var("q_len")), var(head)) + tail
+
 
     def params(self) -> list[Param]:
         if self.decode:

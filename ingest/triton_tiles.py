@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 from ingest.triton_exec import Opaque, Ptr
 from ingest.triton_source import JitFn, TritonModule, Unknown, const_eval, node_file
 from kb.ir.algebra import from_poly, normal_form, to_poly
@@ -146,7 +146,7 @@ def _is_bool(e: Expr) -> bool:
 
 
 def _as_bool(e: Expr) -> Expr:
-    return e if _is_bool(e) else Expr(ExprOp.NE, (e, const(0)))
+    return e if _is_bool(e) else e.ne(0)
 
 
 _BIN = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv", ast.Mod: "mod",
@@ -313,11 +313,11 @@ class _TileWalker:
         v = self.ev(n.operand)
         if isinstance(v, Expr):
             if isinstance(n.op, ast.USub):
-                return const(-v.value) if v.op is ExprOp.CONST and not isinstance(v.value, bool) else Expr(ExprOp.NEG, (v,))  # type: ignore[operator]
+                return -v  # a numeric constant folds
             if isinstance(n.op, (ast.Not, ast.Invert)):
                 if v.op is ExprOp.CONST and isinstance(v.value, bool):
                     return const(not v.value)  # a flag bound through an inlined helper's parameter
-                return Expr(ExprOp.NOT, (_as_bool(v),))
+                return ~_as_bool(v)
         if isinstance(v, TV) and isinstance(n.op, ast.USub):
             return TV("neg", (v,), v.lanes, n.lineno)
         return self._unknown(n, f"unary {ast.unparse(n)}")
@@ -330,7 +330,7 @@ class _TileWalker:
         if isinstance(a, Ptr) and isinstance(b, Expr) and op in ("add", "sub"):
             return Ptr(a.base, Expr(_EXPR_BIN[op], (a.offset, b)))
         if isinstance(b, Ptr) and isinstance(a, Expr) and op == "add":
-            return Ptr(b.base, Expr(ExprOp.ADD, (b.offset, a)))
+            return Ptr(b.base, b.offset + a)
         if isinstance(a, Expr) and isinstance(b, Expr):
             if op in ("floordiv", "mod") and b == const(1):
                 return a if op == "floordiv" else const(0)
@@ -427,7 +427,7 @@ class _TileWalker:
         off = normal_form(ptr.offset)
         lanes = _axes(off)
         if not lanes:  # a scalar (a table or aux value): an index expression
-            return Expr(ExprOp.LOAD, (off,), ptr.base)
+            return load(ptr.base, off)
         return TV("load", (), lanes, n.lineno, (Ptr(ptr.base, off), other))
 
     def _store(self, n: ast.Call, kind: str, kw: dict) -> Sym:
@@ -568,8 +568,7 @@ class _TileWalker:
             if not isinstance(d, Expr):
                 continue
             k = _trip_scaled(d, i, lo, step)
-            out[name] = Ptr(cur.base, Expr(ExprOp.ADD, (cur.offset, k))) if isinstance(cur, Ptr) \
-                else Expr(ExprOp.ADD, (cur, k))
+            out[name] = Ptr(cur.base, cur.offset + k) if isinstance(cur, Ptr) else cur + k
         return out
 
     def _if(self, st: ast.If) -> bool:
@@ -583,11 +582,11 @@ class _TileWalker:
             return self._early_exit(st, cond)
         before = dict(self.env)
         outer = self.cond
-        self.cond = cond if outer is None else Expr(ExprOp.AND, (outer, cond))
+        self.cond = cond if outer is None else outer & cond
         cont = self.run(st.body)
         then_env, self.env = self.env, dict(before)
-        neg = Expr(ExprOp.NOT, (cond,))
-        self.cond = neg if outer is None else Expr(ExprOp.AND, (outer, neg))
+        neg = ~cond
+        self.cond = neg if outer is None else outer & neg
         cont_else = self.run(st.orelse)
         else_env, self.cond = self.env, outer
         self.env = {**else_env, **{k: _merge(cond, v, else_env.get(k), st.lineno) for k, v in then_env.items()
@@ -632,9 +631,9 @@ def _stored_names(st: ast.For) -> set[str]:
 
 def _trip_scaled(d: Expr, i: Expr, lo: Expr, step: Expr) -> Expr:
     """(i - lo) / step * d, exactly: step divides every monomial of d (`BLOCK_M * stride`) or is 1."""
-    span = Expr(ExprOp.SUB, (i, lo))
+    span = i - lo
     if step == const(1):
-        return normal_form(Expr(ExprOp.MUL, (span, d)))
+        return normal_form(span * d)
     poly = to_poly(d)
     if step.op is ExprOp.VAR and poly and all(step in mono for mono in poly):
         per = {}
@@ -642,8 +641,9 @@ def _trip_scaled(d: Expr, i: Expr, lo: Expr, step: Expr) -> Expr:
             rest = list(mono)
             rest.remove(step)
             per[tuple(rest)] = c
-        return normal_form(Expr(ExprOp.MUL, (span, from_poly(per))))
-    return Expr(ExprOp.MUL, (Expr(ExprOp.FLOORDIV, (span, step)), d))
+        return normal_form(span * from_poly(per))
+    return span // step * d
+
 
 
 def walk_tiles(mod: TritonModule, fn: JitFn, body: list[ast.stmt], consts: dict[str, object]) -> TileWalk:

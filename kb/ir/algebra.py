@@ -23,7 +23,7 @@ import math
 from functools import reduce
 from typing import Callable
 
-from kb.ir.expr import Expr, ExprOp, const, free_vars, number, print_expr
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, number, print_expr, var
 
 __all__ = [
     "SIMPLIFY_RULES", "FLIP", "NEGATE", "is_pow2", "next_pow2", "is_int_const", "conjuncts", "disjuncts", "terms", "all_of", "any_of",
@@ -138,7 +138,7 @@ def linear_form(e: Expr, x: str = "q_idx", y: str = "kv_idx") -> tuple[int, int,
         for k, rest in (e.args, e.args[::-1]):
             if is_int_const(k):
                 n, lin = int(number(k)), linear_form(rest, x, y)
-                return None if lin is None else (n * lin[0], n * lin[1], Expr(ExprOp.MUL, (k, lin[2])))
+                return None if lin is None else (n * lin[0], n * lin[1], k * lin[2])
     return None
 
 
@@ -200,7 +200,7 @@ def _de_morgan(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     if a.op not in (ExprOp.AND, ExprOp.OR):
         return None
     inv = ExprOp.OR if a.op is ExprOp.AND else ExprOp.AND
-    return simplify(Expr(inv, tuple(Expr(ExprOp.NOT, (x,)) for x in a.args)))
+    return simplify(Expr(inv, tuple(~x for x in a.args)))
 
 
 def _not_const(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
@@ -235,7 +235,7 @@ def _where_bool(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     if _is_bool(x, True) and _is_bool(y, False):
         return c
     if _is_bool(x, False) and _is_bool(y, True):
-        return simplify(Expr(ExprOp.NOT, (c,)))
+        return simplify(~c)
     return None
 
 
@@ -245,7 +245,7 @@ def _compare_where_of_constants(op: ExprOp, args: tuple[Expr, ...]) -> Expr | No
         return None
     c, x, y = args[0].args
     if x.op is ExprOp.CONST and y.op is ExprOp.CONST:
-        return simplify(Expr(ExprOp.WHERE, (c, Expr(op, (x, args[1])), Expr(op, (y, args[1])))))
+        return simplify(call("where", c, Expr(op, (x, args[1])), Expr(op, (y, args[1]))))
     return None
 
 
@@ -263,8 +263,8 @@ def _add_negative(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     """a + (-c) -> a - c; a + (-b) -> a - b."""
     a, b = args
     if _is_num(b) and number(b) < 0:
-        return Expr(ExprOp.SUB, (a, const(-number(b))))
-    return Expr(ExprOp.SUB, (a, b.args[0])) if b.op is ExprOp.NEG else None
+        return a - const(-number(b))
+    return a - b.args[0] if b.op is ExprOp.NEG else None
 
 
 def _offsets(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
@@ -273,14 +273,14 @@ def _offsets(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
         return None
     inner, c1 = args[0].args
     total = (number(c1) if args[0].op is ExprOp.ADD else -number(c1)) + (number(args[1]) if op is ExprOp.ADD else -number(args[1]))
-    return simplify(Expr(ExprOp.ADD, (inner, const(total))))
+    return simplify(inner + total)
 
 
 def _sub_zero(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     a, b = args
     if _is_const(b, 0):
         return a
-    return simplify(Expr(ExprOp.NEG, (b,))) if _is_const(a, 0) else None
+    return simplify(-b) if _is_const(a, 0) else None
 
 
 def _mul_units(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
@@ -289,14 +289,14 @@ def _mul_units(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
         return a
     if _is_const(a, 1):
         return b
-    return Expr(ExprOp.NEG, (b,)) if _is_const(a, -1) else None
+    return -b if _is_const(a, -1) else None
 
 
 def _mul_constants(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     """(a * c1) * c2 -> a * (c1 * c2)."""
     a, b = args
     if b.op is ExprOp.CONST and a.op is ExprOp.MUL and a.args[1].op is ExprOp.CONST:
-        return simplify(Expr(ExprOp.MUL, (a.args[0], const(number(a.args[1]) * number(b)))))
+        return simplify(a.args[0] * (number(a.args[1]) * number(b)))
     return None
 
 
@@ -344,7 +344,7 @@ def tidy_int(e: Expr) -> Expr:
         if a.op is ExprOp.NEG:
             return a.args[0]
         if a.op is ExprOp.SUB:
-            return tidy_int(Expr(ExprOp.SUB, (a.args[1], a.args[0])))
+            return tidy_int(a.args[1] - a.args[0])
     if e.op in (ExprOp.ADD, ExprOp.SUB):
         a, b = args
         if is_int_const(a) and is_int_const(b):
@@ -361,7 +361,7 @@ def tidy_int(e: Expr) -> Expr:
             # (x +- c1) +- c2 -> x + (+-c1 +- c2)
             c = (number(a.args[1]) if a.op is ExprOp.ADD else -number(a.args[1])) \
                 + (number(b) if e.op is ExprOp.ADD else -number(b))
-            return tidy_int(Expr(ExprOp.ADD, (a.args[0], const(c))))
+            return tidy_int(a.args[0] + c)
     if e.op is ExprOp.MUL:
         a, b = args
         if is_int_const(a) and a.value == 1:
@@ -435,7 +435,7 @@ def _mono_expr(m: Monomial) -> Expr:
         return const(1)
     out = m[0]
     for a in m[1:]:
-        out = Expr(ExprOp.MUL, (out, a))
+        out = out * a
     return out
 
 
@@ -453,9 +453,9 @@ def from_poly(p: Poly) -> Expr:
     for m in sorted(p, key=_order):
         c = p[m]
         mag = abs(c)
-        term = const(mag) if not m else (_mono_expr(m) if mag == 1 else Expr(ExprOp.MUL, (const(mag), _mono_expr(m))))
+        term = const(mag) if not m else (_mono_expr(m) if mag == 1 else mag * _mono_expr(m))
         if out is None:
-            out = term if c > 0 else (const(c) if not m else Expr(ExprOp.NEG, (term,)))
+            out = term if c > 0 else (const(c) if not m else -term)
         else:
             out = Expr(ExprOp.ADD if c > 0 else ExprOp.SUB, (out, term))
     assert out is not None
@@ -479,7 +479,8 @@ def normal_compare(op: ExprOp, lhs: Expr, rhs: Expr) -> Expr:
     d = _add(to_poly(lhs), to_poly(rhs), -1)
     left = {m: c for m, c in d.items() if c > 0}
     right = {m: -c for m, c in d.items() if c < 0}
-    q = Expr(ExprOp.VAR, (), "q_idx")
+    q = var("q_idx")
+
     if any(q in m for m in right) and not any(q in m for m in left):
         left, right, op = right, left, FLIP[op]
     return Expr(op, (from_poly(left), from_poly(right)))

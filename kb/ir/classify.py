@@ -230,7 +230,7 @@ def classify_mask(expr: Expr | None, dims: tuple[int, int] | None = None) -> Mas
     if free:
         conj = free[0]
         for t in free[1:]:
-            conj = Expr(ExprOp.AND, (conj, t))
+            conj = conj & t
         fitted = _band_of(conj, dims)
         if fitted is None:
             kinds.add("custom")
@@ -291,15 +291,16 @@ def mask_kv_bounds(expr: Expr | None, dims: tuple[int, int] | None = None) -> tu
         return None
     M0, N0 = dims or DEFAULT_GRID
     m_start, block_m, M, N = var("m_start"), var("BLOCK_M"), var("M"), var("N")
-    shift = Expr(ExprOp.SUB, (N, M)) if mc.bottom_right else None
+    shift = N - M if mc.bottom_right else None
 
     def offset(base: Expr, k: int) -> Expr:
         if shift is not None:
-            base = Expr(ExprOp.ADD, (base, shift))
+            base = base + shift
             k -= N0 - M0
-        return base if k == 0 else Expr(ExprOp.ADD if k > 0 else ExprOp.SUB, (base, const(abs(k))))
+        return base if k == 0 else base + k if k > 0 else base - abs(k)
 
-    hi = N if mc.band_hi is None else call("minimum", N, offset(Expr(ExprOp.ADD, (m_start, block_m)), mc.band_hi))
+    hi = N if mc.band_hi is None else call("minimum", N, offset(m_start + block_m, mc.band_hi))
+
     lo = const(0) if mc.band_lo is None else call("maximum", const(0), offset(m_start, mc.band_lo))
     return lo, hi
 

@@ -82,7 +82,7 @@ def _ratio(a: Expr, b: Expr) -> Expr:
     """a / b, 0 where b is 0 (a centre only has to be finite and the same along the row)."""
     if b.op is ExprOp.CONST and not _is(b, 0):
         return _div(a, b)
-    return call("where", Expr(ExprOp.NE, (b, const(0))), _div(a, b), const(0))
+    return call("where", b.ne(0), _div(a, b), const(0))
 
 
 def _fold(e: Expr) -> Expr:
@@ -121,27 +121,21 @@ def _is(e: Expr, v: float) -> bool:
 
 
 def _add(a: Expr, b: Expr) -> Expr:
-    return b if _is(a, 0) else a if _is(b, 0) else Expr(ExprOp.ADD, (a, b))
+    return b if _is(a, 0) else a if _is(b, 0) else a + b
 
 
 def _sub(a: Expr, b: Expr) -> Expr:
-    return a if _is(b, 0) else _neg(b) if _is(a, 0) else Expr(ExprOp.SUB, (a, b))
+    return a if _is(b, 0) else -b if _is(a, 0) else a - b
 
 
 def _mul(a: Expr, b: Expr) -> Expr:
     if _is(a, 0) or _is(b, 0):
         return const(0)
-    return b if _is(a, 1) else a if _is(b, 1) else Expr(ExprOp.MUL, (a, b))
+    return b if _is(a, 1) else a if _is(b, 1) else a * b
 
 
 def _div(a: Expr, b: Expr) -> Expr:
-    return const(0) if _is(a, 0) else a if _is(b, 1) else Expr(ExprOp.DIV, (a, b))
-
-
-def _neg(a: Expr) -> Expr:
-    if a.op is ExprOp.CONST and isinstance(a.value, (int, float)) and not isinstance(a.value, bool):
-        return const(-a.value)
-    return Expr(ExprOp.NEG, (a,))
+    return const(0) if _is(a, 0) else a if _is(b, 1) else a / b
 
 
 def _where(c: Expr, a: Expr, b: Expr) -> Expr:
@@ -149,7 +143,7 @@ def _where(c: Expr, a: Expr, b: Expr) -> Expr:
 
 
 _BUILDERS: dict[ExprOp, Callable[..., Expr]] = {ExprOp.ADD: _add, ExprOp.SUB: _sub, ExprOp.MUL: _mul, ExprOp.DIV: _div,
-                                               ExprOp.NEG: _neg}
+                                               ExprOp.NEG: Expr.__neg__}  # `-x` folds a numeric constant
 
 
 # ---------------------------------------------------------------- rules: (args, d args) -> derivative
@@ -167,7 +161,7 @@ def _d_tanh(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
 
 def _d_erf(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
     # erf'(x) = 2 / sqrt(pi) * exp(-x^2)
-    return _mul(_mul(const(2.0 / math.sqrt(math.pi)), call("exp", _neg(_mul(x[0], x[0])))), d[0])
+    return _mul(_mul(const(2.0 / math.sqrt(math.pi)), call("exp", -_mul(x[0], x[0]))), d[0])
 
 
 def _d_sigmoid(x: tuple[Expr, ...], d: list[Expr]) -> Expr:
@@ -180,7 +174,7 @@ _RULES = {
     ExprOp.SUB: lambda x, d: _sub(d[0], d[1]),
     ExprOp.MUL: lambda x, d: _add(_mul(d[0], x[1]), _mul(x[0], d[1])),
     ExprOp.DIV: _d_div,
-    ExprOp.NEG: lambda x, d: _neg(d[0]),
+    ExprOp.NEG: lambda x, d: -d[0],
     ExprOp.WHERE: lambda x, d: _where(x[0], d[1], d[2]),
     ExprOp.EXP: lambda x, d: _mul(call("exp", x[0]), d[0]),
     ExprOp.EXP2: lambda x, d: _mul(_mul(const(math.log(2.0)), call("exp2", x[0])), d[0]),
@@ -188,8 +182,9 @@ _RULES = {
     ExprOp.TANH: _d_tanh,
     ExprOp.SIGMOID: _d_sigmoid,
     ExprOp.ERF: _d_erf,
-    ExprOp.ABS: lambda x, d: _mul(call("where", Expr(ExprOp.LT, (x[0], const(0))), const(-1), const(1)), d[0]),
+    ExprOp.ABS: lambda x, d: _mul(call("where", x[0] < 0, const(-1), const(1)), d[0]),
     ExprOp.SQRT: lambda x, d: _div(d[0], _mul(const(2), call("sqrt", x[0]))),
-    ExprOp.MAXIMUM: lambda x, d: _where(Expr(ExprOp.GE, (x[0], x[1])), d[0], d[1]),
-    ExprOp.MINIMUM: lambda x, d: _where(Expr(ExprOp.LE, (x[0], x[1])), d[0], d[1]),
+    ExprOp.MAXIMUM: lambda x, d: _where(x[0] >= x[1], d[0], d[1]),
+    ExprOp.MINIMUM: lambda x, d: _where(x[0] <= x[1], d[0], d[1]),
+
 }

@@ -10,8 +10,9 @@ Its text form is a subset of Python expression syntax, so it is parsed with `ast
 Invariants:
 - `parse_expr(print_expr(e)) == e` for every well-formed `e` (printing is canonical:
   minimal parentheses by precedence, floats in `repr` form). Well-formed includes: a NEG
-  never wraps a numeric constant (negative constants are folded, as the parser does;
-  build them with `const(-x)`).
+  never wraps a numeric constant (negative constants are folded, as the parser and `-e`
+  do; build them with `const(-x)` or `-const(x)`).
+
 - `&`, `|`, `~` are Python's (and torch's): logical and/or/not on boolean operands, bitwise on integer
   operands (a boolean beside an integer counts as 0 or 1); `<<` and `>>` shift integers (`>>` is
   arithmetic: floor division by a power of two, as in Python).
@@ -125,22 +126,105 @@ class Expr:
     def __str__(self) -> str:
         return print_expr(self)
 
-    # Operator sugar so builders and tests read like the text form.
-    def __add__(self, o: "Expr | int | float") -> "Expr":
-        return Expr(ExprOp.ADD, (self, _lift(o)))
+    # Operator sugar so builders and tests read like the text form: `score + slopes[h] * (kv_idx - q_idx)`.
+    # A Python number beside an Expr becomes `const(x)` (its type kept: 2 is an int, 2.0 a float), on
+    # either side (`2 * e` is `const(2) * e`). `==` and `!=` stay structural (Exprs are dict keys and
+    # set members): build the comparisons with `e.eq(o)` and `e.ne(o)`. `<`, `<=`, `>`, `>=` build
+    # Exprs, so an Expr is never ordered (and `0 < e` is Python's reflection, `e > 0`). `&`, `|`, `~`
+    # are the IR's AND, OR, NOT (logical on booleans, bitwise on integers, as printed).
+    def __add__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.ADD, self, o)
 
-    def __sub__(self, o: "Expr | int | float") -> "Expr":
-        return Expr(ExprOp.SUB, (self, _lift(o)))
+    def __radd__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.ADD, o, self)
 
-    def __mul__(self, o: "Expr | int | float") -> "Expr":
-        return Expr(ExprOp.MUL, (self, _lift(o)))
+    def __sub__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.SUB, self, o)
 
-    def __truediv__(self, o: "Expr | int | float") -> "Expr":
-        return Expr(ExprOp.DIV, (self, _lift(o)))
+    def __rsub__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.SUB, o, self)
+
+    def __mul__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.MUL, self, o)
+
+    def __rmul__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.MUL, o, self)
+
+    def __truediv__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.DIV, self, o)
+
+    def __rtruediv__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.DIV, o, self)
+
+    def __floordiv__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.FLOORDIV, self, o)
+
+    def __rfloordiv__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.FLOORDIV, o, self)
+
+    def __mod__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.MOD, self, o)
+
+    def __rmod__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.MOD, o, self)
+
+    def __lshift__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.SHL, self, o)
+
+    def __rshift__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.SHR, self, o)
+
+    def __neg__(self) -> Expr:
+        """`-e`; a numeric constant is folded (`-const(2) == const(-2)`), as the parser folds `-2`."""
+        if self.op is ExprOp.CONST and not isinstance(self.value, bool):
+            return const(-number(self))
+        return Expr(ExprOp.NEG, (self,))
+
+    def __lt__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.LT, self, o)
+
+    def __le__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.LE, self, o)
+
+    def __gt__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.GT, self, o)
+
+    def __ge__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.GE, self, o)
+
+    def eq(self, o: Operand) -> Expr:
+        """The comparison `self == o` as an Expr (Python's `==` on Exprs is structural equality)."""
+        return _bin(ExprOp.EQ, self, o)
+
+    def ne(self, o: Operand) -> Expr:
+        """The comparison `self != o` as an Expr."""
+        return _bin(ExprOp.NE, self, o)
+
+    def __and__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.AND, self, o)
+
+    def __rand__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.AND, o, self)
+
+    def __or__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.OR, self, o)
+
+    def __ror__(self, o: Operand) -> Expr:
+        return _bin(ExprOp.OR, o, self)
+
+    def __invert__(self) -> Expr:
+        return Expr(ExprOp.NOT, (self,))
 
 
-def _lift(x: "Expr | int | float | bool") -> Expr:
+Operand = Expr | int | float | bool  # what the operator sugar accepts beside an Expr
+
+
+def _lift(x: Operand) -> Expr:
     return x if isinstance(x, Expr) else const(x)
+
+
+def _bin(op: ExprOp, a: Operand, b: Operand) -> Expr:
+    return Expr(op, (_lift(a), _lift(b)))
 
 
 def const(value: int | float | bool) -> Expr:

@@ -32,7 +32,7 @@ import torch
 
 from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
-from kb.ir.expr import Expr, ExprOp
+from kb.ir.expr import Expr
 from kb.ir.interp_softmax import combine, finalize, online_softmax_step
 from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
 from kb.ir.interp_softmax import probs, softmax_grad
@@ -422,7 +422,8 @@ class _Machine(StmtVisitor[None]):
         for index, partial in aux_partials(body, st.aux):
             centre = row_centre(body, index, partial) if st.lse is not None else None
             if centre is not None:
-                partial = Expr(ExprOp.SUB, (partial, centre))
+                partial = partial - centre
+
             value = ds * eval_over_tile(partial, coords, env, self.aux, b, h, s)
             where = coords.in_range
             pos = [eval_over_tile(i, coords, self.variant_env, self.aux, b, h, s).long()[where] for i in index]

@@ -79,7 +79,7 @@ def _linear_bounds(e: Expr, not_int: set[str]) -> LinearBounds | None:
     lower: list[Expr] = []
     upper: list[Expr] = []
     for atom in conjuncts(e):
-        lin = linear_form(Expr(ExprOp.SUB, atom.args)) if atom.op in _BOUNDS else None
+        lin = linear_form(atom.args[0] - atom.args[1]) if atom.op in _BOUNDS else None
         if lin is None or (lin[0], lin[1]) == (0, 0) or not _int_expr(lin[2]) \
                 or (free_vars(lin[2]) | loaded_tensors(lin[2])) & not_int:
             return None
@@ -113,8 +113,8 @@ def _block_tests(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -> tu
     q0, k0 = st.at.q_start, st.at.kv_start
     q1 = call("minimum", q0 + var("BLOCK_M"), var(m_dim)) - 1
     k1 = call("minimum", k0 + var("BLOCK_N"), var(n_dim)) - 1
-    empty = [Expr(ExprOp.GT, (q0, q1)), Expr(ExprOp.GT, (k0, k1))]
-    full = [Expr(ExprOp.LE, (q0, q1)), Expr(ExprOp.LE, (k0 + var("BLOCK_N"), var(n_dim)))]
+    empty = [q0 > q1, k0 > k1]
+    full = [q0 <= q1, k0 + var("BLOCK_N") <= var(n_dim)]
     if plan.kind is BlockMaskKind.ANALYTIC:
         tests = [_disjunct_tests(d, (q0, q1), (k0, k1), {"b": st.at.b, "h": st.at.h}) for d in plan.disjuncts]
         if len(tests) == 1:
@@ -133,7 +133,7 @@ def block_class_test(plan: BlockMaskPlan, st: IfBlock, m_dim: str, n_dim: str) -
         return full
     if st.cls is BlockClass.EMPTY:
         return empty
-    return Expr(ExprOp.AND, (Expr(ExprOp.NOT, (empty,)), Expr(ExprOp.NOT, (full,))))
+    return ~empty & ~full
 
 
 def _form_range(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
@@ -160,9 +160,9 @@ def _disjunct_tests(d: LinearBounds, q: tuple[Expr, Expr], k: tuple[Expr, Expr],
     g_min, g_max = _form_range(d, q, k)
     lower = [substitute(x, at) for x in d.lower]
     upper = [substitute(x, at) for x in d.upper]
-    empty = [Expr(ExprOp.LT, (g_max, x)) for x in lower] + [Expr(ExprOp.GT, (g_min, x)) for x in upper]
-    empty += [Expr(ExprOp.GT, (x, y)) for x in lower for y in upper]
-    full = [Expr(ExprOp.GE, (g_min, x)) for x in lower] + [Expr(ExprOp.LE, (g_max, x)) for x in upper]
+    empty = [g_max < x for x in lower] + [g_min > x for x in upper]
+    empty += [x > y for x in lower for y in upper]
+    full = [g_min >= x for x in lower] + [g_max <= x for x in upper]
     return empty, full
 
 
@@ -188,8 +188,7 @@ def full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict
         elif d.beta == 1:
             last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
     if d.beta == 0:  # the rows alone decide: every block or none
-        rows = all_of([Expr(ExprOp.GE, (a_min, substitute(x, at))) for x in d.lower]
-                    + [Expr(ExprOp.LE, (a_max, substitute(x, at))) for x in d.upper])
+        rows = all_of([a_min >= substitute(x, at) for x in d.lower] + [a_max <= substitute(x, at) for x in d.upper])
         first = call("where", rows, first, n)
     return first, last
 
@@ -199,8 +198,9 @@ def union_span(a: tuple[Expr, Expr], b: tuple[Expr, Expr]) -> tuple[Expr, Expr]:
     (f1, l1), (f2, l2) = a, b
     if f1 == f2:
         return f1, call("maximum", l1, l2)
-    meet = Expr(ExprOp.AND, (Expr(ExprOp.LE, (f2, l1 + 1)), Expr(ExprOp.LE, (f1, l2 + 1))))
-    longer = Expr(ExprOp.GE, (l1 - f1, l2 - f2))
+    meet = (f2 <= l1 + 1) & (f1 <= l2 + 1)
+    longer = l1 - f1 >= l2 - f2
+
     return (call("where", meet, call("minimum", f1, f2), call("where", longer, f1, f2)),
             call("where", meet, call("maximum", l1, l2), call("where", longer, l1, l2)))
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp, free_vars
+from kb.ir.expr import Expr, ExprOp, const, free_vars, var
+
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax,
     Program, Role, ScoreMod, Span, Stmt, Store, VALUE_DIM,
@@ -312,10 +313,10 @@ class _MmaGen(CudaKernelGen):
         if st.tile != self.s_name or (st.use_mask_mod and mask_mod is None):
             raise self.fail(f"mask {st.tile}")
         self.emit(f"// mask {st.tile}: kv_idx < {self.n_dim}" + (f" & ({mask_mod.body})" if mask_mod is not None else ""))
-        n = Expr(ExprOp.CONST, value=int(self.n_dim)) if self.n_dim.isdigit() else Expr(ExprOp.VAR, value=self.n_dim)
-        keep = Expr(ExprOp.LT, (Expr(ExprOp.VAR, value="kv_idx"), n))
+        n = const(int(self.n_dim)) if self.n_dim.isdigit() else var(self.n_dim)
+        keep = var("kv_idx") < n
         if mask_mod is not None:
-            keep = Expr(ExprOp.AND, (keep, mask_mod.body))
+            keep = keep & mask_mod.body
         self.variant(st, keep, lambda v, kind: f"if (!{v}) kb_sv = -INFINITY;")
 
     def variant(self, st: ScoreMod | Mask, body: Expr, assign: Callable[[str, Kind], str]) -> None:
@@ -353,7 +354,8 @@ class _MmaGen(CudaKernelGen):
                 self.hoisted += 1
                 name = f"kb_h{self.hoisted}"
                 levels["uniform" if not dep else "row" if "q_idx" in dep else "col"].append((name, e))
-                return Expr(ExprOp.VAR, value=name)
+                return var(name)
+
             return Expr(e.op, tuple(hoist(a) for a in e.args), e.value) if e.args else e
 
         elem = hoist(body)

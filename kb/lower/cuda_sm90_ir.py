@@ -27,7 +27,7 @@ from typing import Callable
 
 from kb.errors import KBError
 from kb.ir.evaluate import Value, eval_expr
-from kb.ir.expr import Expr, ExprOp, free_vars
+from kb.ir.expr import Expr, ExprOp, free_vars, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param,
     Program, Role, ScoreMod, Span, Stmt,
@@ -243,7 +243,8 @@ class _HookGen(CudaKernelGen):
             name = f"kb_r{len(self.fields)}"
             code = lower_cexpr(e, ctx, self.width(ctx, set(_ROW_ARGS)))
             self.fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng))
-            return Expr(ExprOp.VAR, value=name)
+            return var(name)
+
         return Expr(e.op, tuple(self.hoist(a, ctx) for a in e.args), e.value) if e.args else e
 
     def env(self) -> dict[str, Ival]:

@@ -16,7 +16,8 @@ from enum import Enum
 from typing import Callable, Iterable, Mapping
 
 from kb.errors import KBError
-from kb.ir.expr import Expr, ExprOp
+from kb.ir.expr import Expr, ExprOp, number
+
 from kb.ir.nodes import SCHEDULE_CONSTANTS, Dtype, Param
 
 __all__ = ["ExprTarget", "Kind", "DTYPE_KIND", "Sym", "AuxRef", "ExprContext", "visible_names", "CMP_OPS", "FLOAT_CALLS", "BITWISE_OPS", "lookup",
@@ -132,7 +133,8 @@ def is_nonneg(e: Expr, ctx: ExprContext) -> bool:
     """Conservative proof that an integer expression is >= 0."""
     op = e.op
     if op is ExprOp.CONST:
-        return not isinstance(e.value, bool) and e.value >= 0  # type: ignore[operator]
+        return not isinstance(e.value, bool) and number(e) >= 0
+
     if op is ExprOp.VAR:
         return lookup(e, ctx).nonneg
     if op in (ExprOp.ADD, ExprOp.MUL, ExprOp.FLOORDIV, ExprOp.CDIV, ExprOp.MINIMUM):

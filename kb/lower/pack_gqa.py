@@ -44,7 +44,8 @@ class PackPlan:
 
     def group_head(self) -> Expr:
         """`h // (Hq // Hkv)`: the KV head, the only form in which the head axis may appear as a scalar."""
-        return Expr(ExprOp.FLOORDIV, (var(self.head), Expr(ExprOp.FLOORDIV, (var(self.hq), var(self.hkv)))))
+        return var(self.head) // (var(self.hq) // var(self.hkv))
+
 
     def extent(self, axis: str, e: Expr) -> Expr:
         """A grid axis extent of the packed kernel: Hkv heads, cdiv(G * M, BLOCK_M) query blocks."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from string import Template
 
-from kb.ir.expr import Expr, ExprOp, call, const
+from kb.ir.expr import Expr, ExprOp, call, const, var
 from kb.ir.nodes import IfBlock, Program, is_backward, serving_constructs, walk_stmts
 from kb.lower.triton_options import LowerOptions
 
@@ -71,7 +71,8 @@ def clamped_index(index: Expr, valid: str) -> Expr:
         return index
     args = tuple(clamped_index(a, valid) for a in index.args)
     if index.op is ExprOp.LOAD:
-        args = tuple(call("where", Expr(ExprOp.VAR, (), valid), a, const(0)) if a.op is not ExprOp.CONST else a
+        args = tuple(call("where", var(valid), a, const(0))
+ if a.op is not ExprOp.CONST else a
                      for a in args)
     return Expr(index.op, args, index.value)
 

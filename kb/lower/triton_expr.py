@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import math
 
-from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors
+from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, number
+
 from kb.lower.expr_context import (
     CMP_OPS, FLOAT_CALLS, ExprContext, ExprTarget, Kind, aux_ref, expr_kind, index_guards_by_position, is_bitwise,
     is_nonneg, lookup,
@@ -80,7 +81,8 @@ def lower_expr(e: Expr, ctx: ExprContext) -> str:
         return f"({args[0]} {op.value} {args[1]})"
     if op is ExprOp.TRUNC:
         if e.args[0].op is ExprOp.CONST and not isinstance(e.args[0].value, bool):
-            return str(math.trunc(e.args[0].value))  # type: ignore[arg-type]
+            return str(math.trunc(number(e.args[0])))
+
         return _lower_trunc(args[0], expr_kind(e.args[0], ctx), dev)
     if op in FLOAT_CALLS and dev and expr_kind(e.args[0], ctx) is not Kind.FLOAT:
         args[0] = f"({args[0]}).to(tl.float32)"

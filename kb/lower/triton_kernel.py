@@ -409,7 +409,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if len(index) != len(grad.shape):
                 raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
             if centre is not None:
-                partial = Expr(ExprOp.SUB, (partial, centre))
+                partial = partial - centre
             self.aux_scatter(st.grad, grad, index, f"{ds} * {wrap(strip_parens(lower_expr(partial, self.ctx(names))))}",
                              in_range, names, self.tile(st.tile).t)
 
@@ -746,10 +746,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         op = "!=" if st.negate else "=="
         if self.plan.kind is BlockMaskKind.TABLE:
             bq, bk = var("BLOCK_M"), var("BLOCK_N")
-            aligned = Expr(ExprOp.AND, (Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.q_start, bq)), const(0))),
-                                        Expr(ExprOp.EQ, (Expr(ExprOp.MOD, (st.at.kv_start, bk)), const(0)))))
+            aligned = (st.at.q_start % bq).eq(0) & (st.at.kv_start % bk).eq(0)
             cell = load("__bc", st.at.b if self.plan.per_b else const(0), st.at.h if self.plan.per_h else const(0),
-                        Expr(ExprOp.FLOORDIV, (st.at.q_start, bq)), Expr(ExprOp.FLOORDIV, (st.at.kv_start, bk)))
+                        st.at.q_start // bq, st.at.kv_start // bk)
+
             aux = {**self.aux, "__bc": AuxRef("bc_ptr", tuple(f"stride_bc_{i}" for i in range(4)),
                                               ("bc_nb", "bc_nh", "bc_nm", "bc_nn"), Kind.INT)}
             cls = lower_expr(call("where", aligned, cell, const(PARTIAL)), self.ctx(aux=aux))
