@@ -61,7 +61,7 @@ def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, targe
         t0 = time.perf_counter()
         try:
             program = transfer_serving(ref_program, spec.layout, target, sinks=spec.sinks, name=name,
-                                       causal=spec.features.causal)
+                                       causal=spec.features.causal, derived=spec.derived_aux)
             validate(program)
         except KBError as err:
             yield Candidate(ref.id, SERVING_STRATEGY, None, "", time.perf_counter() - t0,

@@ -20,14 +20,17 @@ gathered as the decode programs gather it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from dataclasses import replace
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
 from kb.errors import KBError
-from kb.ir.algebra import conjuncts
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var
+from kb.ir.algebra import conjuncts, simplify
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 from kb.ir.nodes import (
     Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
@@ -175,8 +178,42 @@ def _varlen_params(reference: Program) -> tuple[str, str, str]:
     return next(n for n in ints if n != lengths[0]), lengths[0], scalars[0]
 
 
+def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, tuple[str, bool]]) -> Target | None:
+    """A varlen spec's variants as they read inside the kernel of sequence `b`: the spec writes them over the dense
+    view (B = 1, global token positions) and finds a token's sequence through ids = searchsorted(cu_seqlens, x,
+    right=True); every query and key a packed program's tile holds belongs to its sequence b, so those ids read
+    b + 1 (six gathers per score become scalars of the program), and keys past the sequence's end, which the ids
+    used to mask, are bounded by `kv_idx < cu_k[b + 1]`. None when the spec's expressions read the dense batch `b`
+    (always 0) or no ids."""
+    cu_q, cu_k = layout.table, layout.table_k or layout.table
+    ids = {n for n, (src, right) in derived.items() if right and src in (cu_q, cu_k)}
+    exprs = [e for e in (target.score_mod, target.mask_mod) if e is not None]
+    if not ids or any("b" in free_vars(e) for e in exprs):
+        return None
+    seq = var("b") + 1
+
+    def read(e: Expr) -> Expr:
+        args = tuple(read(a) for a in e.args)
+        if e.op is ExprOp.LOAD and e.value in ids and len(args) == 1:
+            return seq
+        return Expr(e.op, args, e.value) if args != e.args else e
+
+    score = simplify(read(target.score_mod)) if target.score_mod is not None else None
+    bound = var("kv_idx") < load(cu_k, seq)  # type: ignore[arg-type]
+    mask = bound
+    if target.mask_mod is not None:  # `ids[q_idx] == ids[kv_idx]` (one sequence) now reads b + 1 == b + 1: dropped
+        kept = [t for t in conjuncts(simplify(read(target.mask_mod))) if not (t.op is ExprOp.EQ and t.args[0] == t.args[1])]
+        mask = functools.reduce(operator.and_, [*kept, bound])
+    used = set().union(*(_loaded(e) for e in (score, mask) if e is not None))
+    return replace(target, score_mod=score, mask_mod=mask, aux=tuple(a for a in target.aux if a.name in used))
+
+
+def _loaded(e: Expr) -> set[str]:
+    return {str(x.value) for x in walk(e) if x.op is ExprOp.LOAD}
+
+
 def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, name: str | None,
-                     causal: bool) -> Program:
+                     causal: bool, derived: Mapping[str, tuple[str, bool]]) -> Program:
     """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's packed
     queries, q rows from cu_q[b] (cu_seqlens_q; a chunked prefill's query_start_loc), each query block visiting its
     sequence's keys up to its diagonal when `causal` (bottom-right: kv <= q + max(0, k_len - q_len)), else all (the
@@ -195,6 +232,8 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         raise KBError("serving transfer: a chunked prefill spec must bound each sequence's keys (`kv_idx < seq_lens[b]`)")
     b = var("b")
     after = b + 1
+    local = None if chunked else _per_sequence(target, layout, derived)
+    target = local or target
 
     def offsets(e: Expr) -> Expr:
         args = tuple(offsets(a) for a in e.args)
@@ -230,7 +269,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
                 return replace(st, index=(key_rows(st.index[0], n),) + st.index[1:])
             if isinstance(st, (Mask, ScoreMod)) and not chunked:
                 at = st.at
-                return replace(st, at=TileAt(const(0), at.h, load(cu_q, b) + at.q_start, var(k0) + at.kv_start))
+                return replace(st, at=TileAt(b if local else const(0), at.h, load(cu_q, b) + at.q_start, var(k0) + at.kv_start))
             return st
 
         at = next((st.at for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
@@ -298,14 +337,15 @@ def fits_layout(reference: Program, layout: ServingLayout) -> bool:
 
 
 def transfer_serving(reference: Program, layout: ServingLayout, target: Target, *, sinks: str | None = None,
-                     name: str | None = None, causal: bool = False) -> Program:
+                     name: str | None = None, causal: bool = False,
+                     derived: Mapping[str, tuple[str, bool]] | None = None) -> Program:
     """The lifted serving program `reference` computing the spec's variant over the spec's own inputs; `causal`: the
     spec's mask is causal (generate.spec classifies it), so a packed prefill's query block skips the keys past its
-    diagonal."""
+    diagonal; `derived` (Spec.derived_aux): the aux tensors the candidate computes from an input (sequence ids)."""
     if layout.kind in ("varlen", "chunked"):
         if sinks is not None:
             raise KBError(f"serving transfer: sinks on a {layout.describe} prefill are not transferred yet")
-        return _transfer_packed(reference, layout, target, name, causal)
+        return _transfer_packed(reference, layout, target, name, causal, derived or {})
     if layout.lengths is None:
         raise KBError("serving transfer: the spec bounds no sequence's keys (`kv_idx < seq_lens[b]`); a paged decode "
                       "kernel reads each sequence's keys up to its length")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingest
     assert ref.family in ("vllm_triton", "sglang_triton")
     if path == GQA_ALIBI:  # K/V read once per GQA group, ALiBi slopes per row
         assert "grouped" in ref.name, ref.name
+    if path.stem.startswith("varlen"):  # inside sequence b's program, a token's sequence id is b + 1: no id tables
+        program = ingested_kb.get(r.kernel_id).ir_text
+        assert not set(load_spec(path).derived_aux) & set(re.findall(r"\w+", program))
+        assert "kv_idx < cu_seqlens_k[b + 1]" in program and "b == b" not in program
     # the user's call: the spec's own inputs, the cache as it is, the Model's state, output in q's dtype
     spec_mod = import_file(path, f"spec_{path.stem}")
     cand = import_file(r.files["candidate"], f"cand_{path.stem}")
