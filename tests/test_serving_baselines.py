@@ -42,7 +42,8 @@ def vllm_src(monkeypatch: pytest.MonkeyPatch) -> Path:
 # the interpreter divides the rows past a sequence's last query by their zero sum (never stored); eager Flex warns
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)], ids=["bf16", "fp32"])
+# fp32: both baselines match the Model to rounding (1e-4), so the check is tight; bf16 adds nothing but tolerance
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4)], ids=["fp32"])
 @pytest.mark.parametrize("name", SPECS)
 def test_each_baseline_computes_the_spec(name: str, dtype: torch.dtype, tol: float, vllm_src: Path) -> None:
     spec = import_file(HELDOUT / f"{name}.py", f"spec_{name}")
