@@ -48,8 +48,8 @@ stmt        := "let" NAME "=" EXPR
              | "dot" NAME "=" (NAME | "trans(" NAME ")") "@" (NAME | "trans(" NAME ")")
              | "elementwise" NAME "=" EXPR
              | "reduce" NAME "=" ("max"|"sum") "(" NAME "," INT ")"
-             | "score_mod" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")"
-             | "mask" NAME "at" "(" EXPR "," EXPR "," EXPR "," EXPR ")" ("mask_mod" | "bounds")
+             | "score_mod" NAME "at" "(" EXPR "," ["heads"] EXPR "," EXPR "," EXPR ")"
+             | "mask" NAME "at" "(" EXPR "," ["heads"] EXPR "," EXPR "," EXPR ")" ("mask_mod" | "bounds")
              | "online_softmax" "(" NAME "," NAME "," NAME ")" "+=" NAME "@" NAME
              | "finalize" NAME "," NAME "=" "(" NAME "," NAME "," NAME ")"
              | "combine" NAME "," NAME "=" "(" NAME "," NAME ")"
