@@ -30,7 +30,7 @@ from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
 from kb.errors import KBError
 from kb.ir.algebra import conjuncts, simplify
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var
 from kb.ir.nodes import (
     Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
@@ -145,10 +145,7 @@ def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:
         starts.append(e + 1 if strict else e)
     if not starts:
         return None
-    first = starts[0]
-    for e in starts[1:]:
-        first = call("maximum", first, e)
-    return first
+    return functools.reduce(lambda a, e: call("maximum", a, e), starts)
 
 
 def _map_exprs(node: Any, f: Callable[[Expr], Expr]) -> Any:
@@ -204,12 +201,8 @@ def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, t
     if target.mask_mod is not None:  # `ids[q_idx] == ids[kv_idx]` (one sequence) now reads b + 1 == b + 1: dropped
         kept = [t for t in conjuncts(simplify(read(target.mask_mod))) if not (t.op is ExprOp.EQ and t.args[0] == t.args[1])]
         mask = functools.reduce(operator.and_, [*kept, bound])
-    used = set().union(*(_loaded(e) for e in (score, mask) if e is not None))
+    used = set().union(*(loaded_tensors(e) for e in (score, mask) if e is not None))
     return replace(target, score_mod=score, mask_mod=mask, aux=tuple(a for a in target.aux if a.name in used))
-
-
-def _loaded(e: Expr) -> set[str]:
-    return {str(x.value) for x in walk(e) if x.op is ExprOp.LOAD}
 
 
 def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, name: str | None,
