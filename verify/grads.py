@@ -85,6 +85,7 @@ class GradTargets:
 
 def grad_targets(layout: Layout, inputs: list[Any], model: nn.Module) -> GradTargets:
     """q, k, v (every floating tensor input when no q/k/v layout was found) and Model's trainable parameters."""
+    names: tuple[str, ...]
     if layout.qkv is not None:
         positions, names = tuple(layout.qkv), ("q", "k", "v")
     else:

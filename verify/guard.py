@@ -32,7 +32,7 @@ import _thread
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.variable import Variable
@@ -214,9 +214,9 @@ class CallGuard:
         self._orig_start, self._orig_raw = threading.Thread.start, _thread.start_new_thread
         guard = self
 
-        def start(th: threading.Thread) -> None:
-            guard._thread_started(th.name)
-            return guard._orig_start(th)
+        def start(self: threading.Thread) -> None:  # named as Thread.start's parameter, which it replaces
+            guard._thread_started(self.name)
+            return guard._orig_start(self)
 
         def raw(*a: Any, **k: Any) -> Any:
             guard._thread_started("_thread.start_new_thread")
@@ -227,7 +227,8 @@ class CallGuard:
         self._hook = register_module_forward_pre_hook(self._module_call)
         self._engine = Variable._execution_engine
         if self.strict and self.phase == "backward":
-            Variable._execution_engine = _EngineWatch(self._engine, self)
+            # a duck-typed stand-in: it forwards everything but run_backward to the engine it wraps
+            Variable._execution_engine = cast("torch._C._ImperativeEngine", _EngineWatch(self._engine, self))
         self._mode.__enter__()
         return self
 

@@ -99,8 +99,8 @@ def _flex_spec(path: Path, module: ModuleType) -> Spec:
         model_cls, get_inputs, get_init_inputs, shapes = flex_entry_points(module)
     except ValueError as err:
         raise SpecError(f"spec {path}: {err}") from None
-    mods = [getattr(module, n, None) for n in ("score_mod", "mask_mod")]
-    fixed = data_bound_dims(*(m if callable(m) else None for m in mods),
+    score_mod, mask_mod = (m if callable(m) else None for m in (getattr(module, n, None) for n in ("score_mod", "mask_mod")))
+    fixed = data_bound_dims(score_mod, mask_mod,
                             {"B": shapes.B, "Hq": shapes.Hq, "M": shapes.M, "N": shapes.N})
     return Spec(
         path=path.resolve(), module=module, model_cls=model_cls, get_inputs=get_inputs,

@@ -55,6 +55,12 @@ def own_case(inputs: list[Any], layout: Layout) -> ShapeCase | None:
     return ShapeCase(B, Hq, k.shape[1], Sq, k.shape[2], D, dtype_name(q.dtype), "spec", v.shape[3])
 
 
+def _hint_case(hint: tuple[int, ...], dtype: str) -> ShapeCase:
+    """A SHAPE_HINTS entry (6 or 7 ints, as verify.load checks): B, Hq, Hkv, Sq, Skv, D and optionally Dv."""
+    B, Hq, Hkv, Sq, Skv, D = hint[:6]
+    return ShapeCase(B, Hq, Hkv, Sq, Skv, D, dtype, "hint", hint[6] if len(hint) > 6 else 0)
+
+
 def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[ShapeCase], list[str]]:
     """Shape cases to run, the spec's own first, and notes on what could not be varied."""
     layout = find_layout(inputs)
@@ -63,7 +69,7 @@ def plan_cases(spec: Spec, inputs: list[Any], max_cases: int) -> tuple[list[Shap
     if own is None:
         notes.append("no [B, H, S, D] q/k/v tensors found in get_inputs(): only the spec's own inputs are used")
         return [], notes
-    cases = [own] + [ShapeCase(*h[:6], own.dtype, "hint", *h[6:]) for h in spec.shape_hints]  # type: ignore[misc]
+    cases = [own] + [_hint_case(h, own.dtype) for h in spec.shape_hints]
     can_vary = spec.get_inputs_for is not None or not layout.has_shaped_extras
     if can_vary:
         cases += _seq_variants(spec, own)

@@ -77,6 +77,12 @@ def _reference_use(node: ast.AST, spec_module: str) -> str | None:
     return None
 
 
+def _lineno(node: ast.AST) -> int:
+    """The line of a node a check flagged: always an expression or a statement, which carry one."""
+    assert isinstance(node, (ast.expr, ast.stmt)), node
+    return node.lineno
+
+
 def _dotted(node: ast.AST) -> str:
     parts = []
     while isinstance(node, ast.Attribute):
@@ -131,7 +137,7 @@ def _grad_mode_in_backward(tree: ast.AST) -> list[tuple[str, int]]:
 def _autograd_findings(tree: ast.AST, kernel_aliases: set[str]) -> list[StaticFinding]:
     names = _autograd_names(tree)
     found = [StaticFinding(Verdict.forbidden_call, "autograd", f"candidate calls {what}: gradients must come from its "
-                           "own backward kernels, not torch autograd", node.lineno, "backward")
+                           "own backward kernels, not torch autograd", _lineno(node), "backward")
              for node in ast.walk(tree) if (what := _autograd_call(node, names, kernel_aliases))]
     found += [StaticFinding(Verdict.forbidden_call, "autograd", f"backward calls {what}: a backward that records a graph "
                             "has torch differentiate a re-computation", line, "backward")
@@ -163,20 +169,20 @@ def scan_candidate(path: Path, spec_path: Path, torch_baseline: bool, backward: 
                 what = _reference_use(sub, spec_module) or _forbidden_call(sub, aliases)
                 if what:
                     found.append(StaticFinding(Verdict.hack_suspected, "fallback",
-                                               f"except handler falls back to {what}", sub.lineno))
+                                               f"except handler falls back to {what}", _lineno(sub)))
                     break
     for node in ast.walk(tree):
         what = _reference_use(node, spec_module)
         if what:
             found.append(StaticFinding(Verdict.hack_suspected, "calls_reference",
-                                       f"candidate uses {what} (the reference or dynamic code loading)", node.lineno))
+                                       f"candidate uses {what} (the reference or dynamic code loading)", _lineno(node)))
     if not torch_baseline:
         for node in ast.walk(tree):
             what = _forbidden_call(node, aliases)
             if what:
                 found.append(StaticFinding(Verdict.forbidden_call, what,
                                            f"candidate calls {what}; use --torch-baseline for plain torch re-implementations",
-                                           node.lineno))
+                                           _lineno(node)))
         if backward:
             found += _autograd_findings(tree, aliases)
     return found
