@@ -17,16 +17,17 @@ bits from run to run.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from verify.checks import identity_problem, storage_ptrs
 from verify.context import Ctx
-from verify.grads import GRAD_SLACK, compare_grad, cotangent, grad_scale, model_grads, torch_error
+from verify.grads import GRAD_SLACK, GradTargets, compare_grad, cotangent, grad_scale, model_grads, torch_error
 from verify.guard import CallGuard
-from verify.load import SpecError
+from verify.load import Spec, SpecError
 from verify.memory import poison_allocator
+from verify.options import VerifyOptions
 from verify.result import BackwardReport, Finding, Verdict
 
 __all__ = ["BackwardChecks"]
@@ -35,6 +36,24 @@ __all__ = ["BackwardChecks"]
 class BackwardChecks:
     """Mixin for Session: needs its spec, opts, device, ref_model, cand, targets, _finding, _error,
     _progress, _expected_dtype, and the counters set in Session.__init__."""
+
+    # set by Session (verify.session) before any method here runs
+    spec: Spec
+    opts: VerifyOptions
+    device: str
+    ref_model: torch.nn.Module
+    cand: torch.nn.Module
+    targets: GradTargets
+    bwd_calls: int
+    grad_err: float
+    torch_err: float
+    _last_grads: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    if TYPE_CHECKING:  # Session's methods, declared for the checker only
+        def _progress(self, ctx: Ctx) -> None: ...
+        def _finding(self, verdict: Verdict, message: str, ctx: Ctx, **kw: Any) -> Finding: ...
+        def _error(self, err: BaseException, ctx: Ctx, what: str = "", phase: str = "forward") -> Finding: ...
+        def _expected_dtype(self) -> torch.dtype: ...
 
     def _leaves(self, inputs: list[Any]) -> list[Any]:
         """With `backward`, the differentiated inputs become leaves that require grad (in place: fresh tensors)."""

@@ -184,6 +184,7 @@ class Session(BackwardChecks):
             return self._error(error, ctx), out
         finding = self._check_output(out, inputs, saved, ptrs, ref, expected_dtype, ctx)
         if finding is None and self.opts.backward:
+            assert isinstance(out, torch.Tensor)  # _check_output finds anything else
             finding = self._check_backward(out, inputs, replace(ctx, step=ctx.step + ", backward"))
         return finding, out
 
@@ -255,9 +256,11 @@ class Session(BackwardChecks):
             with tf32(True):  # baselines run as users run them: TF32 on for fp32
                 base = time_fn(lambda: self.native_model(*inputs), o.warmup, o.trials, o.flush_bytes)
         limit = self._limit_ms(inputs)
+        # no q/k/v layout, no roofline: the hardware-anchored term is unknown (was a TypeError in min(None, ...))
+        perf = perf_term(cand.median_ms, base.median_ms, limit) if limit is not None else None
         return TimingReport(timed=True, candidate_ms=cand.median_ms, candidate_iqr_ms=cand.iqr_ms,
                             baseline_ms=base.median_ms, baseline_iqr_ms=base.iqr_ms, limit_ms=limit,
-                            speedup=base.median_ms / cand.median_ms, perf_term=perf_term(cand.median_ms, base.median_ms, limit))
+                            speedup=base.median_ms / cand.median_ms, perf_term=perf)
 
     def _limit_ms(self, inputs: list[Any]) -> float | None:
         if self.layout.qkv is None:
