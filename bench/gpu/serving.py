@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
+from bench.gpu.serving_baselines import baselines
 from generate.tune_gpu import environment
 from kb.lower.runtime import import_file
 
@@ -70,7 +71,7 @@ def check(path: Path, gen: Path, vllm_src: Path | None = None) -> dict:
         if run_model:
             res["model_ms"] = triton.testing.do_bench(lambda: model(*inputs), warmup=5, rep=50)
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
-    ms = res.get("graph_ms") or res["eager_ms"]
+    ms = _ms(res)
     if run_model:
         res["vs_model"] = res["model_ms"] / ms
     if packed or chunked:  # FLOPs of the full per-sequence products, 4 * Hq * D * len_q * len_k (no causal halving)
@@ -101,12 +102,15 @@ def _timed(fn: Callable[[], torch.Tensor]) -> dict:
     return res
 
 
+def _ms(row: dict) -> float:
+    """The graph replay's median where the capture worked, else the eager one."""
+    return row.get("graph_ms") or row["eager_ms"]
+
+
 def _baselines(spec: object, model: torch.nn.Module, inputs: list, got: torch.Tensor, vllm_src: Path | None,
                new_graph_ms: float | None) -> dict:
     """vLLM's unified_attention and FlexAttention on the same tensors: error against ModelNew's output, times, and
     ModelNew's speed-up over each (graph replay against graph replay where both capture, else eager)."""
-    from bench.gpu.serving_baselines import baselines
-
     out: dict = {}
     for name, (fn, note) in baselines(spec, model, inputs, vllm_src).items():
         row: dict = {"note": note}
@@ -114,7 +118,7 @@ def _baselines(spec: object, model: torch.nn.Module, inputs: list, got: torch.Te
             try:
                 row["max_abs_vs_new"] = (fn().float() - got.float()).abs().max().item()
                 row.update(_timed(fn))
-                ms = row.get("graph_ms") or row["eager_ms"]
+                ms = _ms(row)
                 if new_graph_ms:
                     row["new_speedup"] = ms / new_graph_ms
             except Exception as err:  # noqa: BLE001 - one baseline's failure is a result
@@ -133,15 +137,16 @@ def _bandwidth(spec: object, lengths: torch.Tensor, hkv: int, d: int, elem: int,
     return {"kv_gbytes": kv_bytes / 1e9, "graph_gb_per_s": kv_bytes / 1e9 / (ms / 1e3)}
 
 
-def _decode_inputs(q_heads: int, shape: dict, batch: int, context: int) -> list:
-    """vLLM's paged decode tensors at one uniform context, built on the GPU (a 32K x 256 cache is ~34 GB)."""
-    hkv, d, page = shape["Hkv"], shape["D"], shape["PAGE"]
+def _decode_inputs(shape: dict, batch: int, context: int) -> list:
+    """vLLM's paged decode tensors (the spec's BENCH heads and page size) at one uniform context, built on the GPU
+    (a 32K x 256 cache is ~34 GB)."""
+    hq, hkv, d, page = shape["Hq"], shape["Hkv"], shape["D"], shape["PAGE"]
     pages = context // page
     g = torch.Generator(device="cuda").manual_seed(0)
     table = torch.randperm(batch * pages, generator=g, device="cuda").reshape(batch, pages).to(torch.int32)
     k_cache = torch.randn(batch * pages, page, hkv, d, generator=g, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(batch, q_heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, hq, d, generator=g, device="cuda", dtype=torch.bfloat16)
     return [q, k_cache, v_cache, table, torch.full((batch,), context, dtype=torch.int32, device="cuda")]
 
 
@@ -156,11 +161,11 @@ def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batche
     rows = []
     for batch in batches:
         for context in contexts:
-            inputs = _decode_inputs(spec.BENCH["Hq"], spec.BENCH, batch, context)
+            inputs = _decode_inputs(spec.BENCH, batch, context)
             with torch.no_grad():
                 got = new(*inputs)
                 row = {"spec": path.stem, "batch": batch, "context": context, **_timed(lambda x=inputs: new(*x))}
-                ms = row.get("graph_ms") or row["eager_ms"]
+                ms = _ms(row)
                 row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, ms))
                 row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
                 row["baselines"] = _baselines(spec, model, inputs, got, vllm_src, row.get("graph_ms"))

@@ -423,7 +423,6 @@ class _Machine(StmtVisitor[None]):
             centre = row_centre(body, index, partial) if st.lse is not None else None
             if centre is not None:
                 partial = partial - centre
-
             value = ds * eval_over_tile(partial, coords, env, self.aux, b, h, s)
             where = coords.in_range
             pos = [eval_over_tile(i, coords, self.variant_env, self.aux, b, h, s).long()[where] for i in index]
