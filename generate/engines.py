@@ -16,7 +16,7 @@ from generate.spec import Spec
 from generate.stages import Stage
 from generate.target import target_for
 from generate.transfer import Target, transfer
-from generate.transfer_serving import SERVING_STRATEGY, fits_layout, transfer_serving
+from generate.transfer_serving import SERVING_STRATEGY, fits_layout, groups_heads, transfer_serving
 from kb.errors import KBError
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
@@ -54,6 +54,8 @@ def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, targe
     assert spec.layout is not None
     fitting = [(ref, prog) for ref in found.kernels
                if fits_layout(prog := parse_program(kb.get(ref.id).ir_text), spec.layout)]  # type: ignore[union-attr]
+    if spec.features.gqa_ratio > 1:  # a grouped tile reads each KV head's keys once, not once per query head
+        fitting.sort(key=lambda rp: not groups_heads(rp[1]))
     if not fitting and found.kernels:
         yield Candidate(found.kernels[0].id, SERVING_STRATEGY, None, "", 0.0, Failure(
             Stage.TRANSFER, Verdict.compile_error, f"no retrieved reference is a {spec.layout.describe} program"))

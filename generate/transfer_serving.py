@@ -9,12 +9,13 @@ The reference keeps its layout (token pool or page table, per-lane gathers, spli
   the query's position `kv_len - 1`, which their own mask never reads). A reference whose tile rows are the
   query heads of a KV group (vLLM/SGLang's grouped kernels: K/V read once per group) places them with its rows as
   heads (`TileAt.head_rows`: row i is head h0 + i), so a variant reading `h` (ALiBi slopes, per-head tables) gets
-  each row's head; sinks are refused there (a grouped tile's initial state is one per tile, not per head).
+  each row's head.
 - sinks (`Spec.sinks`): the online softmax starts at m = sinks[h], l = 1 in the split that holds the
-  sequence's first key (only there, so the combine counts the sink once).
+  sequence's first key (only there, so the combine counts the sink once); on a grouped tile each row starts at
+  its own head's sink (a [BLOCK_M] tile of sinks loaded over the q tile's head span).
 A packed varlen or chunked prefill spec takes a lifted packed prefill instead (`_transfer_packed`): its query rows
 come from the spec's offsets, its keys from the packed keys or, for a chunked prefill, from the paged cache
-gathered as the decode programs gather it.
+gathered as the decode programs gather it; with sinks, each query block's softmax starts at its head's sink.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from kb.errors import KBError
 from kb.ir.algebra import conjuncts, simplify
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var
 from kb.ir.nodes import (
-    Dtype, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
+    Dtype, Elementwise, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, ScoreMod, Span, Stmt, TileAt, VariantFn,
     MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.rename import fresh, keep_apart, local_names, names, rename
 from kb.ir.rewrite import map_stmts
 
-__all__ = ["transfer_serving", "fits_layout", "serving_params", "SERVING_STRATEGY"]
+__all__ = ["transfer_serving", "fits_layout", "groups_heads", "serving_params", "SERVING_STRATEGY"]
 
 SERVING_STRATEGY = "serving"  # the attempt's strategy name: the reference's layout kept, its variant slots filled
 
@@ -58,38 +59,49 @@ def serving_params(reference: Program) -> tuple[str, str]:
     return tables[0], lengths[0]
 
 
-def _rows_are_heads(kernel: Kernel) -> bool:
-    """Does the kernel's q tile span several query heads (a GQA group packed into the tile rows)?"""
+def _head_rows(kernel: Kernel) -> Span | None:
+    """The head span of the kernel's q tile when it spans several query heads (a GQA group packed into the tile
+    rows), else None."""
     for st in walk_stmts(kernel.body):
         if isinstance(st, Load) and st.tensor == "q" and len(st.index) > 1 and isinstance(st.index[1], Span):
-            return st.index[1].size != 1
-    return False
+            return st.index[1] if st.index[1].size != 1 else None
+    return None
+
+
+def groups_heads(reference: Program) -> bool:
+    """Does a kernel of `reference` put a GQA group's query heads in its tile rows (K/V read once per group)?"""
+    return any(_head_rows(k) is not None for k in reference.kernels)
 
 
 def _decode_at(at: TileAt, head_rows: bool) -> TileAt:
     return TileAt(at.b, at.h, const(0), at.kv_start, head_rows=head_rows)
 
 
-def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr) -> Kernel:
+def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr, taken: frozenset[str] = frozenset()) -> Kernel:
     """m starts at sinks[h] and l at 1 where this program's KV range starts at the sequence's first key (`lo == 0`);
-    without sinks, at -inf and 0 (a reference generated for a spec with sinks started at its own)."""
+    without sinks, at -inf and 0 (a reference generated for a spec with sinks started at its own). On a grouped
+    tile (rows are heads) m starts from a tile of sinks over the rows' heads; rows past the group read -inf."""
     first = lo.eq(0) if lo != const(0) else None
     states = {(st.m, st.l) for st in walk_stmts(kernel.body) if isinstance(st, OnlineSoftmax)}
     if len(states) != 1:
         raise KBError(f"kernel {kernel.name}: sinks need one online softmax state")
     ((m, l),) = states
-    sink = load(sinks, var("h")) if sinks is not None else None
+    rows = _head_rows(kernel) if sinks is not None else None
+    sink = load(sinks, var("h")) if sinks is not None and rows is None else None
+    tile = fresh("sink_rows", taken) if rows is not None else ""
 
-    def start(st: Stmt) -> Stmt:
+    def start(st: Stmt) -> Stmt | tuple[Stmt, ...]:
         if not (isinstance(st, Init) and st.out in (m, l)):
             return st
-        if sink is None:
+        if sinks is None:
             return replace(st, fill=float("-inf") if st.out == m else 0.0)
-        if first is None:
-            return replace(st, fill=sink if st.out == m else 1.0)
-        # another split starts empty: the sink is counted once
-        empty = const(float("-inf") if st.out == m else 0.0)
-        return replace(st, fill=call("where", first, sink if st.out == m else const(1.0), empty))
+        empty = const(float("-inf") if st.out == m else 0.0)  # another split starts empty: the sink is counted once
+        if st.out == l:
+            return replace(st, fill=1.0 if first is None else call("where", first, const(1.0), empty))
+        if rows is not None:
+            m0 = var(tile) if first is None else call("where", first, var(tile), var(m))
+            return (replace(st, fill=float("-inf")), Load(tile, sinks, (rows,), other=float("-inf")), Elementwise(m, m0))
+        return replace(st, fill=sink if first is None else call("where", first, sink, empty))
 
     return replace(kernel, body=map_stmts(kernel.body, start))
 
@@ -98,10 +110,7 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
     loops = [st for st in kernel.body if isinstance(st, For) and any(isinstance(s, OnlineSoftmax) for s in walk_stmts(st.body))]
     if not loops:
         return kernel  # the split-KV combine: nothing variant-specific
-    grouped = _rows_are_heads(kernel)
-    if grouped and sinks is not None:
-        raise KBError(f"kernel {kernel.name} packs a GQA group's query heads into its tile rows; sinks start each "
-                      f"head's softmax at its own logit, which a grouped tile's initial state does not carry yet")
+    grouped = _head_rows(kernel) is not None
     if len(loops) > 1:
         raise KBError(f"kernel {kernel.name} has {len(loops)} KV loops; a serving transfer takes one")
     (loop,) = loops
@@ -121,7 +130,7 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
         new_loop = replace(new_loop, lo=call("maximum", loop.lo, block))
     i = kernel.body.index(loop)
     kernel = replace(kernel, body=kernel.body[:i] + lets + (new_loop,) + kernel.body[i + 1:])
-    return _with_sink(kernel, sinks, loop.lo)
+    return _with_sink(kernel, sinks, loop.lo, taken)
 
 
 def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:
@@ -175,13 +184,14 @@ def _varlen_params(reference: Program) -> tuple[str, str, str]:
     return next(n for n in ints if n != lengths[0]), lengths[0], scalars[0]
 
 
-def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, tuple[str, bool]]) -> Target | None:
+def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, tuple[str, bool]],
+                  keep: frozenset[str] = frozenset()) -> Target | None:
     """A varlen spec's variants as they read inside the kernel of sequence `b`: the spec writes them over the dense
     view (B = 1, global token positions) and finds a token's sequence through ids = searchsorted(cu_seqlens, x,
     right=True); every query and key a packed program's tile holds belongs to its sequence b, so those ids read
     b + 1 (six gathers per score become scalars of the program), and keys past the sequence's end, which the ids
     used to mask, are bounded by `kv_idx < cu_k[b + 1]`. None when the spec's expressions read the dense batch `b`
-    (always 0) or no ids."""
+    (always 0) or no ids. Aux tensors the variants no longer read go, except those in `keep` (the sinks)."""
     cu_q, cu_k = layout.table, layout.table_k or layout.table
     ids = {n for n, (src, right) in derived.items() if right and src in (cu_q, cu_k)}
     exprs = [e for e in (target.score_mod, target.mask_mod) if e is not None]
@@ -201,12 +211,12 @@ def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, t
     if target.mask_mod is not None:  # `ids[q_idx] == ids[kv_idx]` (one sequence) now reads b + 1 == b + 1: dropped
         kept = [t for t in conjuncts(simplify(read(target.mask_mod))) if not (t.op is ExprOp.EQ and t.args[0] == t.args[1])]
         mask = functools.reduce(operator.and_, [*kept, bound])
-    used = set().union(*(loaded_tensors(e) for e in (score, mask) if e is not None))
+    used = set(keep).union(*(loaded_tensors(e) for e in (score, mask) if e is not None))
     return replace(target, score_mod=score, mask_mod=mask, aux=tuple(a for a in target.aux if a.name in used))
 
 
 def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, name: str | None,
-                     causal: bool, derived: Mapping[str, tuple[str, bool]]) -> Program:
+                     causal: bool, derived: Mapping[str, tuple[str, bool]], sinks: str | None) -> Program:
     """A lifted packed prefill (q, k, v share one start/length table: self-attention packing) over the spec's packed
     queries, q rows from cu_q[b] (cu_seqlens_q; a chunked prefill's query_start_loc), each query block visiting its
     sequence's keys up to its diagonal when `causal` (bottom-right: kv <= q + max(0, k_len - q_len)), else all (the
@@ -225,7 +235,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         raise KBError("serving transfer: a chunked prefill spec must bound each sequence's keys (`kv_idx < seq_lens[b]`)")
     b = var("b")
     after = b + 1
-    local = None if chunked else _per_sequence(target, layout, derived)
+    local = None if chunked else _per_sequence(target, layout, derived, frozenset({sinks} - {None}))
     target = local or target
 
     def offsets(e: Expr) -> Expr:
@@ -279,7 +289,8 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         new_loop = replace(loop, lo=const(0), hi=hi, body=map_stmts(inner, keys))
         lets = (Let(k_len, load(layout.lengths, b)),) if chunked else (  # type: ignore[arg-type]
             Let(k0, load(cu_k, b)), Let(k_len, load(cu_k, after) - load(cu_k, b)))
-        return replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
+        k = replace(k, body=lets + tuple(new_loop if st is loop else st for st in k.body))
+        return _with_sink(k, sinks, const(0), frozenset(taken)) if sinks is not None else k
 
     if chunked:
         # packed query tokens T (q, o, lse); the cache's token rows (k, v; a paged cache's flatten(0, 1))
@@ -336,9 +347,9 @@ def transfer_serving(reference: Program, layout: ServingLayout, target: Target, 
     spec's mask is causal (generate.spec classifies it), so a packed prefill's query block skips the keys past its
     diagonal; `derived` (Spec.derived_aux): the aux tensors the candidate computes from an input (sequence ids)."""
     if layout.kind in ("varlen", "chunked"):
-        if sinks is not None:
-            raise KBError(f"serving transfer: sinks on a {layout.describe} prefill are not transferred yet")
-        return _transfer_packed(reference, layout, target, name, causal, derived or {})
+        if sinks is not None and sinks not in {a.name for a in target.aux}:
+            raise KBError(f"serving transfer: the sink tensor {sinks!r} is not among the spec's aux tensors")
+        return _transfer_packed(reference, layout, target, name, causal, derived or {}, sinks)
     if layout.lengths is None:
         raise KBError("serving transfer: the spec bounds no sequence's keys (`kv_idx < seq_lens[b]`); a paged decode "
                       "kernel reads each sequence's keys up to its length")

@@ -19,7 +19,6 @@ from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer_serving import transfer_serving
-from kb.errors import KBError
 from kb.ir.expr import const, parse_expr
 from kb.ir.nodes import Init, Mask, ScoreMod, walk_stmts
 from kb.ir.text import parse_program, print_program
@@ -58,14 +57,17 @@ def test_a_grouped_reference_gives_each_tile_row_its_own_head() -> None:
     placed = [st for st in walk_stmts(p.kernels[0].body) if isinstance(st, (ScoreMod, Mask))]
     assert placed and all(st.at.head_rows and st.at.q_start == const(0) for st in placed)
     assert "at (b, heads h, 0, " in print_program(p)  # row i of the tile is head h + i
+    # sinks: each row starts at its own head's sink logit (rows past the group at -inf)
     sinks = load_spec(SERVING / "pool_decode_sinks.py")
-    with pytest.raises(KBError, match="sinks start each head's softmax"):
-        transfer_serving(grouped, sinks.layout, target_for(sinks), sinks=sinks.sinks, name="t")
+    printed = print_program(transfer_serving(grouped, sinks.layout, target_for(sinks), sinks=sinks.sinks, name="t"))
+    assert "load sink_rows = sinks[h:+BLOCK_M] other -inf" in printed, printed
+    assert "elementwise m_i = sink_rows" in printed and "init l_i = full(1; 1.0) f32" in printed
 
 
 @pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
 @pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py", GQA_ALIBI,
-                                  SERVING / "varlen_prefix_causal.py", SERVING / "chunked_prefill_causal_softcap.py"],
+                                  SERVING / "varlen_prefix_causal.py", SERVING / "varlen_sinks.py",
+                                  SERVING / "chunked_prefill_causal_softcap.py"],
                          ids=lambda p: p.stem)
 def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
                                                                           path: Path) -> None:
@@ -77,12 +79,13 @@ def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingest
     assert "forward only" in report["backward"]["reason"]
     ref = ingested_kb.get(ingested_kb.get(r.kernel_id).parent_id)
     assert ref.family in ("vllm_triton", "sglang_triton")
-    if path == GQA_ALIBI:  # K/V read once per GQA group, ALiBi slopes per row
+    if path in (GQA_ALIBI, SERVING / "pool_decode_sinks.py"):  # K/V read once per GQA group; ALiBi, sinks per row
         assert "grouped" in ref.name, ref.name
     if path.stem.startswith("varlen"):  # inside sequence b's program, a token's sequence id is b + 1: no id tables
         program = ingested_kb.get(r.kernel_id).ir_text
         assert not set(load_spec(path).derived_aux) & set(re.findall(r"\w+", program))
-        assert "kv_idx < cu_seqlens_k[b + 1]" in program and "b == b" not in program
+        layout = load_spec(path).layout
+        assert f"kv_idx < {layout.table_k or layout.table}[b + 1]" in program and "b == b" not in program
     # the user's call: the spec's own inputs, the cache as it is, the Model's state, output in q's dtype
     spec_mod = import_file(path, f"spec_{path.stem}")
     cand = import_file(r.files["candidate"], f"cand_{path.stem}")
