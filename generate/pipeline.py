@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -581,9 +581,10 @@ def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: 
     left = _budget_left(options)
     if left <= 0:
         return Verdict.timeout, f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"
+    serving = asdict(spec.layout) if spec.layout is not None else None
     res = verify(spec.path, candidate, VerifyOptions(distributions=options.verify_distributions,
                                                      max_cases=options.verify_max_cases, determinism=True, timeout_s=left,
-                                                     backward=backward))
+                                                     backward=backward, serving=serving))
     return res.verdict, _verify_detail(res)
 
 

@@ -73,6 +73,8 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
     verdict = finding.verdict if finding else Verdict.passed
     shapes = f"{len(session.cases_run)} shapes" if session.cases_run else "the spec's own inputs"  # a serving layout
     message = finding.message if finding else f"passed {session.calls} calls over {shapes}"
+    if finding is None and session.serving_checked:
+        message += f" and its serving-layout variants ({'; '.join(session.serving_checked)})"
     if finding is None and opts.backward:
         message += f", gradients of {', '.join(session.targets.labels)} checked on {session.bwd_calls} backward calls"
     if finding is None and spec.fixed_dims:

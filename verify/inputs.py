@@ -55,11 +55,12 @@ def fill_distribution(inputs: list[Any], layout: Layout, dist: str, gen: torch.G
     return out
 
 
-def make_inputs(spec: Spec, layout: Layout, case: ShapeCase | None, dist: str, seed: int, device: str) -> list[Any]:
-    """Fresh inputs for `case` (None: the spec's own inputs) with q/k/v drawn from `dist`."""
+def make_inputs(spec: Spec, layout: Layout, case: ShapeCase | None, dist: str, seed: int, device: str,
+                base: list[Any] | None = None) -> list[Any]:
+    """Fresh inputs for `case` (None: the spec's own inputs, or `base` when given) with q/k/v drawn from `dist`."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    base = _base_inputs(spec, layout, case)
+    base = list(base) if base is not None else _base_inputs(spec, layout, case)
     base = [x.to(device) if isinstance(x, torch.Tensor) else x for x in base]
     return fill_distribution(base, layout, dist, gen)
 

@@ -34,6 +34,9 @@ class VerifyOptions:
     flush_bytes: int = 256 << 20  # larger than any L2 (H200: 60 MiB)
     peak_tflops: float = 989.0  # dense bf16 of an H200 SXM; a bench run passes the measured one
     peak_gbps: float = 4800.0
+    # a serving spec's layout by forward argument name (kind, k, v, table, lengths, table_k, q_offsets): the
+    # session adds calls with pages moved and shared, ragged and empty sequences (verify.serving_cases)
+    serving: dict[str, str | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

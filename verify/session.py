@@ -30,6 +30,7 @@ from verify.context import Ctx
 from verify.grads import grad_targets
 from verify.guard import CallGuard
 from verify.inputs import make_inputs
+from verify.serving_cases import serving_variants
 from verify.load import Spec, SpecError
 from verify.memory import measure_peak, poison_allocator
 from verify.options import VerifyOptions
@@ -49,6 +50,7 @@ class Session(BackwardChecks):
         self.calls, self.max_abs, self.max_rel = 0, 0.0, 0.0
         self.cand_peak, self.ref_peak, self.mem_method = 0.0, 0.0, ""
         self.cases_run: list[ShapeCase] = []
+        self.serving_checked: list[str] = []  # the serving-layout variants that passed (verify.serving_cases)
         self.notes: list[str] = []
         torch.manual_seed(seed)
         init = list(spec.get_init_inputs())
@@ -82,7 +84,24 @@ class Session(BackwardChecks):
             finding = self._run_case(ci, case)
             if finding:
                 return finding
-        return self._redrawn_parameters(cases[0] if cases else None)
+        finding = self._serving_layouts() if self.opts.serving else None
+        return finding or self._redrawn_parameters(cases[0] if cases else None)
+
+    def _serving_layouts(self) -> Finding | None:
+        """One call on each serving-layout variant of the spec's own inputs (verify.serving_cases): pages moved and
+        shared, ragged and empty sequences."""
+        assert self.opts.serving is not None
+        dist = self.opts.distributions[0]
+        variants = serving_variants(self.spec.model_cls, self.own_inputs, self.opts.serving, self.seed + 300)
+        for i, (what, base) in enumerate(variants):
+            ctx = Ctx(None, dist, self.seed + 300 + i, f"serving layout: {what}")
+            inputs = self._leaves(make_inputs(self.spec, self.layout, None, dist, ctx.seed, self.device, base=base))
+            finding, _ = self._checked_call(inputs, reference_output(self.ref_model, inputs), ctx)
+            if finding:
+                return finding
+            self.notes.append(f"serving layout checked: {what}")
+            self.serving_checked.append(what)
+        return None
 
     def _redrawn_parameters(self, case: ShapeCase | None) -> Finding | None:
         """One more call with every learned tensor of Model (an nn.Parameter of at least one dim) redrawn as N(0, 3),
