@@ -123,7 +123,7 @@ def check(name: str, dtype: Dtype, cache: Path) -> bool:
     return ok_all
 
 
-def bench(cache: Path, schedules: list[tuple[int, int, int]]) -> None:
+def bench(cache: Path, schedules: list[tuple[int, ...]]) -> None:  # (BLOCK_M, BLOCK_N, num_warps) each
     B, H, S, D = 2, 16, 2048, 128
     for (bm, bn, warps), name in itertools.product(schedules, ("plain", "causal")):
         p = FIXTURES[name](dtype=Dtype.BF16)
@@ -186,11 +186,13 @@ def _time(fn, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def _try_build_sm90(name: str, dtype: Dtype, cache: Path, head_dim: int) -> None:
+def _try_build_sm90(name: str, dtype: Dtype, cache: Path, head_dim: int) -> bool:
     try:
         _kernel(name, dtype, cache, head_dim)
+        return True
     except Exception as err:  # noqa: BLE001 - check() reports it again
         print(f"{name:16s} {dtype.value:5s} D={head_dim} BUILD: {str(err)[:300]}", flush=True)
+        return False
 
 
 def _try_build(name: str, dtype: Dtype, cache: Path) -> bool:

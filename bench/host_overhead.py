@@ -67,9 +67,10 @@ def stubbed(path: Path) -> types.ModuleType:
     for name in dir(mod):
         if name.endswith("_kernel") and hasattr(getattr(mod, name), "arg_names"):
             setattr(mod, name, _Kernel(getattr(mod, name)))
-    mod._interpreting = lambda t: False
-    torch.cuda.get_device_capability = lambda d=None: (9, 0)
-    torch.cuda.get_device_properties = lambda d=None: types.SimpleNamespace(multi_processor_count=132)
+    setattr(mod, "_interpreting", lambda t: False)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    # a stand-in with the one field the module reads, not a real _CudaDeviceProperties
+    setattr(torch.cuda, "get_device_properties", lambda d=None: types.SimpleNamespace(multi_processor_count=132))
     mod.DESIGNS.setdefault("sm90", {})[128] = [(16, 64, 0, 4, 3, True, True)]
     return mod
 
@@ -97,10 +98,10 @@ def main() -> None:
         out["kb_attention_no_grad_us"] = cpu_us(lambda: mod.kb_attention(q, k, v), args.calls)
         out["operator_us"] = cpu_us(lambda: mod._OP(q, k, v, None), args.calls)
     planned = mod._kb_planned
-    mod._kb_planned = lambda key, inputs, run: run(None)  # record nothing, so every call takes the whole path
+    setattr(mod, "_kb_planned", lambda key, inputs, run: run(None))  # record nothing, so every call takes the whole path
     mod._PLANS.clear()
     out["forward_no_plan_us"] = cpu_us(lambda: mod.forward(q, k, v), args.calls)
-    mod._kb_planned = planned
+    setattr(mod, "_kb_planned", planned)
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}, indent=2))
 
 

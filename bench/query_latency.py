@@ -121,7 +121,9 @@ def service_times(args: argparse.Namespace, res: dict[str, object]) -> None:
         specs = sorted((ROOT / "tests" / "data" / "specs").glob("*.py"))
         with httpx.Client(base_url=url, timeout=120) as http:
             texts = []
-            new_ms, seen_ms, text_ms = [], [], []
+            new_ms: list[float] = []
+            seen_ms: list[float] = []
+            text_ms: list[float] = []
             for i, path in enumerate(specs * (1 + args.requests // len(specs))):
                 if i >= args.requests:
                     break

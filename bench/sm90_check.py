@@ -256,7 +256,7 @@ def run_timing(libs: dict, report: Report, args) -> None:
                 q, k, v = make_inputs(B, H, H, S, S, D, "bhsd")
                 o = torch.empty_like(q)
                 lse = torch.empty(B, H, S, device="cuda", dtype=torch.float32)
-                row = {"B": B, "H": H, "S": S, "D": D, "mask": mask}
+                row: dict[str, int | str | float | None] = {"B": B, "H": H, "S": S, "D": D, "mask": mask}
                 line = [f"S={S:5d} D={D:3d} {mask:6s}"]
                 for var, path in libs.items():
                     if path is None or var.mask != mask or var.head_dim != D or var.schedule in report.bad_schedules:
@@ -267,10 +267,10 @@ def run_timing(libs: dict, report: Report, args) -> None:
                     row[f"kb_{var.schedule}_ms"] = ms
                     line.append(f"kb/{var.schedule} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s")
                 for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
-                    ms = sdpa_time(backend, q, k, v, causal, args)
-                    row[f"sdpa_{backend.lower()}_ms"] = ms
-                    if ms is not None:
-                        line.append(f"{backend.split('_')[0].lower()} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TF/s")
+                    sdpa_ms = sdpa_time(backend, q, k, v, causal, args)
+                    row[f"sdpa_{backend.lower()}_ms"] = sdpa_ms
+                    if sdpa_ms is not None:
+                        line.append(f"{backend.split('_')[0].lower()} {sdpa_ms:7.3f} ms {flops / sdpa_ms / 1e9:6.1f} TF/s")
                 print("  ".join(line), flush=True)
                 report.timings.append(row)
 

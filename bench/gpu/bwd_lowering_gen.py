@@ -3,6 +3,7 @@ KV-outer program with dq by atomics (mod_NAME.py) and with dq by a separate pass
 Usage (here, no GPU): PYTHONPATH=. python3 bench/gpu/bwd_lowering_gen.py DIR"""
 import sys
 from pathlib import Path
+from typing import Any
 from kb.ir.design import Design
 from kb.ir.nodes import Dtype, Param, Role, Schedule
 from kb.lower.triton_bwd import lower_autograd
@@ -13,7 +14,7 @@ OUT.mkdir(parents=True, exist_ok=True)
 W = 1024
 SLIDE = "n_start // BLOCK_M * BLOCK_M"
 CAUSAL_HI = "minimum(N, m_start + BLOCK_M)"
-V = {  # name: (forward kwargs, backward kwargs)
+V: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name: (forward kwargs, backward kwargs)
  "plain": (dict(), dict()),
  "causal": (dict(mask_mod="q_idx >= kv_idx", hi=CAUSAL_HI, block_classes=True),
             dict(mask_mod="q_idx >= kv_idx", m_lo=SLIDE, block_classes=True)),

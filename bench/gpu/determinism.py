@@ -29,7 +29,9 @@ def _grads(new: torch.nn.Module, ins: list[torch.Tensor], dout: torch.Tensor) ->
     for p in new.parameters():
         p.grad = None
     new(*leaves).backward(dout)
-    return [t.grad.clone() for t in leaves if t.is_floating_point()] + [p.grad.clone() for p in new.parameters()]
+    grads = [t.grad for t in leaves if t.is_floating_point()] + [p.grad for p in new.parameters()]
+    assert all(g is not None for g in grads), "backward gave a float input or a parameter no gradient"
+    return [g.clone() for g in grads if g is not None]
 
 
 def measure(spec_path: Path, gen: Path, runs: int) -> dict:

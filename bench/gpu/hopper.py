@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ def main(out: Path, deadline_s: float) -> None:
         flops = 4.0 * B * H * D * pairs
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        impls = []
+        impls: list[tuple[str, Callable[..., torch.Tensor] | Exception]] = []  # (label, run or why it could not build)
         for be, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
             def run(backend=backend, q=q, k=k, v=v):
                 with sdpa_kernel([backend]):
@@ -98,7 +99,7 @@ def main(out: Path, deadline_s: float) -> None:
             except Exception as err:  # noqa: BLE001
                 impls.append((label, err))
         for label, fn in impls:
-            rec = {"kind": "time", "variant": variant, "impl": label}
+            rec: dict[str, str | float] = {"kind": "time", "variant": variant, "impl": label}
             if time.time() - t0 > deadline_s:
                 rec["error"] = "skipped: deadline"
             elif isinstance(fn, Exception):

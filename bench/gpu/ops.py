@@ -30,7 +30,7 @@ import time
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -95,7 +95,7 @@ def check_compile(new: torch.nn.Module, ins: list, differentiable: bool) -> dict
     """fullgraph=True against eager, forward and (where the kernel has one) backward; max relative error."""
     net = Net(new, ins[0].shape[-1], ins[0].dtype).to(ins[0].device)
     ins = [t.detach().requires_grad_() if t.is_floating_point() else t for t in ins]
-    compiled = torch.compile(net, fullgraph=True)
+    compiled = cast(torch.nn.Module, torch.compile(net, fullgraph=True))  # compiling a Module gives an OptimizedModule
     if not differentiable:
         with torch.no_grad():
             out, got = net(*ins), compiled(*ins)
@@ -278,7 +278,7 @@ def main() -> None:
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     torch._dynamo.config.cache_size_limit = 64
-    result = {"schema": "kernel-kb/ops/v1", "env": _env(), "specs": []}
+    result: dict[str, Any] = {"schema": "kernel-kb/ops/v1", "env": _env(), "specs": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ops_{'h200' if gpu and 'H200' in torch.cuda.get_device_name() else 'gpu' if gpu else 'cpu'}.json"
     for stem in args.only.split(","):

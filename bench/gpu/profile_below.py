@@ -42,6 +42,7 @@ def main(plan: Path, results: Path, out_dir: Path, most: int, timeout: int) -> N
                    *(x for s in SECTIONS for x in ("--section", s)),
                    sys.executable, "-m", "bench.gpu.profile", str(plan), name, impl]
             path = out_dir / f"ncu_{name}_{impl}.txt"
+            status: int | str  # the exit code, or "timeout"
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
                 path.write_text(done.stdout + done.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["CaseSummary", "summarize", "geomean", "summary_table"]
@@ -39,9 +40,10 @@ def summarize(doc: dict) -> list[CaseSummary]:
     return out
 
 
-def geomean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+def geomean(xs: Iterable[float | None]) -> float | None:
+    """Of the positive values (a missing speed-up is None and left out); None where there are none."""
+    pos = [x for x in xs if x is not None and x > 0]
+    return math.exp(sum(math.log(x) for x in pos) / len(pos)) if pos else None
 
 
 def _f(x: float | None, fmt: str = "{:.0f}") -> str:

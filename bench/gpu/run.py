@@ -231,8 +231,8 @@ def run_case(case, env: dict, peak: float, tune: bool, ablate: bool) -> list[Rec
     ref = outs.get(ref_name) if ref_name else None
     records: list[Record] = []
     for name, source, fn, extra in impls:
-        st, err = status[name]
-        rec = Record(impl=name, source=source, status=st, error=err, schedule=extra.get("schedule"),
+        st, msg = status[name]
+        rec = Record(impl=name, source=source, status=st, error=msg, schedule=extra.get("schedule"),
                      content_hash=extra.get("content_hash"), **base)
         if st == "ok":
             o = outs[name]

@@ -25,6 +25,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton.testing
@@ -107,7 +108,7 @@ def _ms(row: dict) -> float:
     return row.get("graph_ms") or row["eager_ms"]
 
 
-def _baselines(spec: object, model: torch.nn.Module, inputs: list, got: torch.Tensor, vllm_src: Path | None,
+def _baselines(spec: ModuleType, model: torch.nn.Module, inputs: list, got: torch.Tensor, vllm_src: Path | None,
                new_graph_ms: float | None) -> dict:
     """vLLM's unified_attention and FlexAttention on the same tensors: error against ModelNew's output, times, and
     ModelNew's speed-up over each (graph replay against graph replay where both capture, else eager)."""
@@ -164,7 +165,11 @@ def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batche
             inputs = _decode_inputs(spec.BENCH, batch, context)
             with torch.no_grad():
                 got = new(*inputs)
-                row = {"spec": path.stem, "batch": batch, "context": context, **_timed(lambda x=inputs: new(*x))}
+
+                def call(x: list = inputs) -> torch.Tensor:  # this iteration's inputs, bound here (deleted below)
+                    return new(*x)
+
+                row = {"spec": path.stem, "batch": batch, "context": context, **_timed(call)}
                 ms = _ms(row)
                 row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, ms))
                 row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps

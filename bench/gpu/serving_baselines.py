@@ -31,10 +31,13 @@ import sys
 import types
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import AuxOutput, FlexKernelOptions
 
 __all__ = ["baselines", "load_vllm_unified_attention"]
 
@@ -156,10 +159,10 @@ def _vllm_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: 
         _, k_cache, v_cache, table, seq_lens = inputs
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # one query per sequence
         if stem == "paged_decode_window_sinks":  # vLLM keeps key j when q_pos - j < window_size[0] + 1
-            extra = dict(window_size=(spec.WINDOW - 1, 0), sinks=model.sinks.detach().float().contiguous())
+            extra = dict(window_size=(spec.WINDOW - 1, 0), sinks=cast(Tensor, model.sinks).detach().float().contiguous())
             note = f"window_size=({spec.WINDOW - 1}, 0), sinks fp32"
         else:  # the kernel adds slope * (j - context_len), context_len = seq_len - 1 for a decode query: the spec's bias
-            extra, note = dict(alibi_slopes=model.slopes.float().contiguous()), "alibi_slopes = Model.slopes"
+            extra, note = dict(alibi_slopes=cast(Tensor, model.slopes).float().contiguous()), "alibi_slopes = Model.slopes"
         fn = _vllm(ua, q, k_cache, v_cache, table, cu_q, seq_lens, 1, scale, **extra)
         return fn, f"unified_attention, decode (max_seqlen_q=1), causal, {note}; no repack"
     if stem == "varlen_prefill_softcap":
@@ -216,7 +219,7 @@ def _flex_decode(
 
     b, max_pages = table.shape
     pages, page = k_cache.shape[:2]
-    paged = PagedAttention(pages, page, b, device=q.device)
+    paged = PagedAttention(pages, page, b, device=str(q.device))
     paged.page_table[:, :max_pages] = table
     logical = torch.arange(max_pages, device=q.device).expand(b, -1)
     paged.physical_to_logical.scatter_(1, table.long(), logical)
@@ -229,8 +232,10 @@ def _flex_decode(
     def run() -> Tensor:
         res = flex_attention(q4, k, v, score, block_mask, q.shape[-1] ** -0.5, enable_gqa=True, return_aux=aux)
         if sinks is None:
-            return res.squeeze(2)
-        o, a = res  # a sink joins the denominator only: o * sum / (sum + e^sink) = o * sigmoid(lse - sink)
+            return cast(Tensor, res).squeeze(2)  # return_aux=None: the output alone
+        o, a = cast("tuple[Tensor, AuxOutput]", res)  # return_aux=aux, which asks for the lse
+        assert a.lse is not None
+        # a sink joins the denominator only: o * sum / (sum + e^sink) = o * sigmoid(lse - sink)
         return (o.float() * torch.sigmoid(a.lse - sinks[None, :, None]).unsqueeze(-1)).to(q.dtype).squeeze(2)
 
     return _compiled(run, compile)
@@ -247,12 +252,12 @@ def _flex_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: 
         def in_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return (kv_idx <= last[b]) & (kv_idx > last[b] - window)
 
-        sinks = model.sinks.detach().float()
+        sinks = cast(Tensor, model.sinks).detach().float()
         fn = _flex_decode(q, k_cache, v_cache, table, seq_lens, compile, in_window, sinks=sinks)
         return fn, "flex_attention + PagedAttention block mask (window), sinks as o * sigmoid(lse - sink) after it"
     if stem == "paged_gqa_decode_alibi":
         _, k_cache, v_cache, table, seq_lens = inputs
-        last, slopes = seq_lens - 1, model.slopes
+        last, slopes = seq_lens - 1, cast(Tensor, model.slopes)
 
         def in_seq(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return kv_idx <= last[b]
@@ -303,7 +308,7 @@ def _flex_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: 
         # a block mask over physical slots: its KV blocks are pages, so the kernel's BLOCK_N may not exceed PAGE
         mask = create_block_mask(prefix_lm, 1, None, tq, pages * page, device=dev, BLOCK_SIZE=(128, page), _compile=compile)
         k, v, q4 = _cache_view(k_cache), _cache_view(v_cache), q.transpose(0, 1)[None]
-        opts = {"BLOCK_N": page} if compile else None
+        opts: FlexKernelOptions | None = {"BLOCK_N": page} if compile else None
 
         def run() -> Tensor:
             o = flex_attention(q4, k, v, None, mask, scale=q.shape[-1] ** -0.5, enable_gqa=True, kernel_options=opts)
@@ -319,6 +324,7 @@ def baselines(
 ) -> dict[str, Baseline]:
     """{"vllm_unified": (fn, note), "flex_paged": (fn, note)} for one held-out serving spec (named by its file) and
     the inputs its Model takes; fn() returns the Model's output shape and dtype, or is None with the reason in note."""
+    assert spec_module.__file__ is not None  # a spec is loaded from its file
     stem = Path(spec_module.__file__).stem
     if vllm_src is None:
         vllm: Baseline = (None, "no vLLM source given (--vllm-src)")

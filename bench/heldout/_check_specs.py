@@ -35,6 +35,7 @@ BENCH_KEYS = {"B", "Hq", "Hkv", "M", "N", "D"}
 
 def load(path: Path):
     spec = importlib.util.spec_from_file_location(f"heldout_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -28,8 +28,9 @@ def get_init_inputs():
 
 def bench_inputs(device: str) -> list[torch.Tensor]:
     b, hq, hkv, s, d = (BENCH[x] for x in ("B", "Hq", "Hkv", "M", "D"))
-    kw = dict(device=device, dtype=torch.bfloat16)
-    return [torch.randn(b, hq, s, d, **kw), torch.randn(b, hkv, s, d, **kw), torch.randn(b, hkv, s, d, **kw)]
+    return [torch.randn(b, hq, s, d, device=device, dtype=torch.bfloat16),
+            torch.randn(b, hkv, s, d, device=device, dtype=torch.bfloat16),
+            torch.randn(b, hkv, s, d, device=device, dtype=torch.bfloat16)]
 
 
 def flex_mods(*inputs):

@@ -6,6 +6,8 @@ q: [B, Hq, M, D], k/v: [B, Hkv, N, D], o: [B, Hq, M, D], lse: [B, Hq, M].
 
 from __future__ import annotations
 
+from typing import Callable
+
 from kb.ir.expr import Expr, parse_expr as E
 from kb.ir.nodes import (
     AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init,
@@ -327,7 +329,7 @@ def causal_bwd(dtype: Dtype = Dtype.F32) -> Program:
                     block_classes=True)
 
 
-FIXTURES = {
+FIXTURES: dict[str, Callable[..., Program]] = {
     "plain": plain,
     "causal": causal,
     "sliding_window": sliding_window,
