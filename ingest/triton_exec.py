@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, number, parse_expr, substitute, var, walk
+from ingest.model import as_int
 from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from kb.ir.algebra import from_poly, normal_form, to_poly
@@ -274,7 +275,8 @@ class _Walker:
         if op is None:
             return self._unknown(n, f"operator {type(n.op).__name__}")
         if isinstance(a, Ptr) and isinstance(b, Ptr) and op is ExprOp.ADD:
-            a, b = self._offset_param(a, b), self._offset_param(b, a)
+            pa, pb = a, b  # both calls see the two pointers (mypy re-types a before checking the second)
+            a, b = self._offset_param(pa, pb), self._offset_param(pb, pa)
         if isinstance(a, Ptr) and isinstance(b, Expr) and op is ExprOp.ADD:
             return Ptr(a.base, a.offset + b)
         if isinstance(b, Ptr) and isinstance(a, Expr) and op is ExprOp.ADD:
@@ -294,7 +296,7 @@ class _Walker:
             if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
                     and abs(number(other) - math.log(2)) < 1e-6:
                 deps = deps | {"ln2"}
-            if op is ExprOp.DIV and isinstance(b, Expr) and _num_of(b) is not None and abs(_num_of(b) - LOG2E) < 1e-6:
+            if op is ExprOp.DIV and isinstance(b, Expr) and (nb := _num_of(b)) is not None and abs(nb - LOG2E) < 1e-6:
                 deps = deps | {"ln2"}
             if op is ExprOp.MUL and isinstance(a, Tile) and isinstance(b, Tile):
                 product = self._product(a, b)
@@ -360,8 +362,8 @@ class _Walker:
         if isinstance(n.func, ast.Attribute) and name == "to":
             return self.ev(n.func.value)
         if name == "program_id":
-            axis = int(const_eval(n.args[0], {})) if n.args else int(const_eval(kw["axis"], {}))  # type: ignore[arg-type]
-            return self.overrides.get(f"pid{axis}", var(f"pid{axis}"))
+            pid_axis = as_int(const_eval(n.args[0], {})) if n.args else as_int(const_eval(kw["axis"], {}))
+            return self.overrides.get(f"pid{pid_axis}", var(f"pid{pid_axis}"))
         if name == "arange":
             hi = self.ev(n.args[1])
             lane = "_r" if hi == var("BLOCK_M") else "_c" if hi == var("BLOCK_N") else "_d"
@@ -678,7 +680,7 @@ def _scalar_params(fn: ast.FunctionDef) -> set[str]:
     return out
 
 
-def _load_ctx(t: ast.AST) -> ast.AST:
+def _load_ctx(t: ast.AST) -> ast.expr:
     c = ast.parse(ast.unparse(t), mode="eval").body
     return ast.copy_location(c, t)
 
@@ -694,7 +696,7 @@ def _load_base(deps: frozenset[str]) -> str:
 _INDEX_VARS = {"pid0", "pid1", "pid2", "b", "h", "m", "s", "hk", "BLOCK_M", "BLOCK_N", *LANES}
 
 
-def _pid_vars(e: Expr) -> set[str]:
+def _pid_vars(e: Expr) -> frozenset[str]:
     return free_vars(e) & {"pid0", "pid1", "pid2"}
 
 
