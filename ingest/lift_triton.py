@@ -976,12 +976,10 @@ def _features(p: Program, flags: dict[str, bool], split: bool, layout: Layout = 
     from kb.ir.features import derive_features
 
     f = replace(derive_features(_without_length(p, layout)), varlen=derive_features(p).varlen)
-    changes: dict[str, object] = {"split_kv": split or f.split_kv, "return_lse": True}
+    f = replace(f, split_kv=split or f.split_kv, return_lse=True)
     if any(v and "ALIBI" in k for k, v in flags.items()):
-        changes["alibi"] = True
-        if f.score_mod == "none":
-            changes["score_mod"] = "alibi"
-    return replace(f, **changes)
+        f = replace(f, alibi=True, score_mod="alibi" if f.score_mod == "none" else f.score_mod)
+    return f
 
 
 def _spans_to_snippets(ctx: _Ctx, lifted: _Lifted, flags: dict[str, bool]) -> None:

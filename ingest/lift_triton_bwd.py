@@ -735,7 +735,9 @@ def _add_spans(rep: BackwardReport, prog: Program, spans: list, base: Provenance
             continue
         seen.add((kind, file, start, end))
         prov = replace(base, file=file, line_start=start, line_end=end, lifter="triton", lifter_version=BWD_LIFTER_VERSION)
-        feats = {"backward": True} | ({"causal": True} if prog.mask_mod is not None else {})
+        feats: dict[str, object] = {"backward": True}
+        if prog.mask_mod is not None:
+            feats["causal"] = True
         rep.snippets.append(LiftedSnippet(kind, f"{kind.replace('_', ' ')} ({file.rsplit('/', 1)[-1]}:{start})", ir,
                                           _excerpt(mod, base, file, start, end), feats, prov))
 

@@ -52,6 +52,11 @@ class TV:
     line: int
     info: object = None
 
+    def load_ptr(self) -> Ptr:
+        """The pointer a `load` reads."""
+        assert self.op == "load" and isinstance(self.info, tuple) and isinstance(self.info[0], Ptr)
+        return self.info[0]
+
 
 @dataclass
 class Effect:
