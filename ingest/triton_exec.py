@@ -94,8 +94,47 @@ class Event:
     kind: str  # score_dot, pv_dot, scale, finite_fill, mask, score_term, rowmax, colmax, rowsum, colsum, exp, exp2, log, log2, store, load, rescale, where_tile
     line: int
     file: str
-    payload: object = None
+    payload: object = None  # its shape depends on the kind: read it through the typed views below
     cond: Expr | None = None  # runtime condition the event sits under
+
+    def expr(self) -> Expr:
+        """mask, score_term, scale: the condition or term."""
+        assert isinstance(self.payload, Expr), self.kind
+        return self.payload
+
+    def name(self) -> str:
+        """pv_dot: the v tensor; scale_param: the parameter; reload: the tensor."""
+        assert isinstance(self.payload, str), self.kind
+        return self.payload
+
+    def deps(self) -> frozenset[str]:
+        """rowmax, colsum, exp2, ...: the idioms the operand came from."""
+        assert isinstance(self.payload, frozenset), self.kind
+        return self.payload
+
+    def operands(self) -> tuple[str, str]:
+        """score_dot: the q and k tensors."""
+        assert isinstance(self.payload, tuple), self.kind
+        q, k = self.payload
+        return q, k
+
+    def loaded(self) -> tuple[str, Expr]:
+        """load: the tensor and the offset read."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, offset = self.payload
+        return base, offset
+
+    def indexed(self) -> tuple[str, tuple[tuple[str, Expr], ...]]:
+        """aux_load, index_load: the tensor and its (stride, index) terms."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, terms = self.payload
+        return base, terms
+
+    def stored(self) -> tuple[str | None, frozenset[str], Expr | None]:
+        """store: the tensor and the offset (None for a pointer not understood), and the idioms of the value."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, deps, offset = self.payload
+        return base, deps, offset
 
 
 @dataclass
