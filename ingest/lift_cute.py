@@ -224,7 +224,7 @@ def _init_default_tunables(tree: ast.Module, family: str, prov) -> list[LiftedTu
             continue
         args = init.args.args[len(init.args.args) - len(init.args.defaults):]
         params: dict[str, object] = {_DEFAULTS[a.arg]: d.value for a, d in zip(args, init.args.defaults)
-                  if a.arg in _DEFAULTS and isinstance(d, ast.Constant)}
+                                     if a.arg in _DEFAULTS and isinstance(d, ast.Constant)}
         if "block_m" in params or "block_n" in params:
             arch = re.search(r"Sm(\d+)", cls.name)
             out.append(LiftedTunable(family, f"sm{arch.group(1)}" if arch else FAMILY_ARCH.get(family, "any"), 0, "any",
