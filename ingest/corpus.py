@@ -86,6 +86,7 @@ def _relative(path: Path, source: FetchedSource) -> str:
 
 
 def lift_source(source: FetchedSource, manifest: Manifest | None = None) -> list[LiftReport]:
+    missing: list[tuple[str, str]]
     if manifest is None or source.kind is SourceKind.LOCAL:
         targets, missing = local_targets(source), []
     else:

@@ -34,6 +34,14 @@ def _walk(node: Node) -> Iterator[Node]:
         yield from _walk(c)
 
 
+def _field(node: Node, name: str) -> Node:
+    """A child the grammar requires; tree-sitter's error recovery can still leave it out (then ValueError)."""
+    child = node.child_by_field_name(name)
+    if child is None:
+        raise ValueError(f"{node.type} without {name}")
+    return child
+
+
 def _eval(node: Node, env: dict[str, int | bool]) -> int | bool:
     """Evaluate a constant C++ integer/boolean expression (raises KeyError/ValueError otherwise)."""
     t = node.type
@@ -49,16 +57,16 @@ def _eval(node: Node, env: dict[str, int | bool]) -> int | bool:
     if t == "parenthesized_expression":
         return _eval(node.named_children[0], env)
     if t == "unary_expression":
-        op = node.child_by_field_name("operator").type
-        v = _eval(node.child_by_field_name("argument"), env)
+        op = _field(node, "operator").type
+        v = _eval(_field(node, "argument"), env)
         return (not v) if op == "!" else -v
     if t == "conditional_expression":
-        cond = _eval(node.child_by_field_name("condition"), env)
-        return _eval(node.child_by_field_name("consequence" if cond else "alternative"), env)
+        cond = _eval(_field(node, "condition"), env)
+        return _eval(_field(node, "consequence" if cond else "alternative"), env)
     if t == "binary_expression":
-        a = _eval(node.child_by_field_name("left"), env)
-        b = _eval(node.child_by_field_name("right"), env)
-        op = node.child_by_field_name("operator").type
+        a = _eval(_field(node, "left"), env)
+        b = _eval(_field(node, "right"), env)
+        op = _field(node, "operator").type
         ops = {"+": a + b, "-": a - b, "*": a * b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b,
                "==": a == b, "!=": a != b, "&&": bool(a and b), "||": bool(a or b)}
         if op == "/":
@@ -72,12 +80,12 @@ def _conditions(node: Node, stop: Node, f: CudaFile) -> list[str]:
     child, parent = node, node.parent
     while parent is not None and parent != stop:
         if parent.type == "if_statement":
-            cond = collapse(f.node_text(parent.child_by_field_name("condition")))
+            cond = collapse(f.node_text(_field(parent, "condition")))
             cond = cond.replace("constexpr", "").strip()
             cond = cond[1:-1].strip() if cond.startswith("(") and cond.endswith(")") else cond
             alt = parent.child_by_field_name("alternative")
             conds.append(f"!({cond})" if alt is not None and child == alt else cond)
-        elif parent.type == "call_expression" and f.node_text(parent.child_by_field_name("function")).endswith("_SWITCH"):
+        elif parent.type == "call_expression" and f.node_text(_field(parent, "function")).endswith("_SWITCH"):
             pass  # FOO_SWITCH(cond, Name, lambda) only binds Name; conditions on Name follow inside
         child, parent = parent, parent.parent
     return [re.sub(r"^!\(!(\w+)\)$", r"\1", c) for c in reversed(conds)]
@@ -101,9 +109,9 @@ def fa2_launch_tunables(f: CudaFile) -> list[RawTunable]:
         envs = [_const_env(fn, f, {})] if m else [_const_env(fn, f, {"Headdim": d}) for d in hdims]
         for env in envs:
             for n in _walk(fn):
-                if n.type != "template_type" or f.node_text(n.child_by_field_name("name")) != "Flash_fwd_kernel_traits":
+                if n.type != "template_type" or f.node_text(_field(n, "name")) != "Flash_fwd_kernel_traits":
                     continue
-                args = n.child_by_field_name("arguments").named_children
+                args = _field(n, "arguments").named_children
                 try:
                     values = [_eval(a, env) for a in args[:6]]
                 except (KeyError, ValueError, AttributeError, IndexError):
@@ -140,7 +148,7 @@ def fa2_bwd_launch_tunables(f: CudaFile) -> list[RawTunable]:
         if m is None:
             continue
         for n in _walk(fn):
-            if n.type != "template_type" or f.node_text(n.child_by_field_name("name")) != "Flash_bwd_kernel_traits":
+            if n.type != "template_type" or f.node_text(_field(n, "name")) != "Flash_bwd_kernel_traits":
                 continue
             stmt = n
             while stmt.parent is not None and stmt.type != "expression_statement":
@@ -150,7 +158,7 @@ def fa2_bwd_launch_tunables(f: CudaFile) -> list[RawTunable]:
                 try:
                     if not all(_eval_cond(c, env) == want for c, want in _branches(stmt, fn)):
                         continue
-                    values = [_eval(a, env) for a in n.child_by_field_name("arguments").named_children[:9]]
+                    values = [_eval(a, env) for a in _field(n, "arguments").named_children[:9]]
                 except (KeyError, ValueError, AttributeError, IndexError):
                     continue
                 params: dict = dict(zip(_BWD_TRAITS_PARAMS, values))
@@ -171,7 +179,7 @@ def _branches(node: Node, stop: Node) -> list[tuple[Node, bool]]:
     while parent is not None and parent != stop:
         if parent.type == "if_statement":
             alt = parent.child_by_field_name("alternative")
-            out.append((parent.child_by_field_name("condition"), not (alt is not None and child == alt)))
+            out.append((_field(parent, "condition"), not (alt is not None and child == alt)))
         child, parent = parent, parent.parent
     return out
 
@@ -189,7 +197,7 @@ def _const_env(fn: Node, f: CudaFile, seed: dict[str, int]) -> dict[str, int | b
             for d in n.children_by_field_name("declarator"):
                 if d.type == "init_declarator":
                     try:
-                        env[f.node_text(d.child_by_field_name("declarator"))] = _eval(d.child_by_field_name("value"), env)
+                        env[f.node_text(_field(d, "declarator"))] = _eval(_field(d, "value"), env)
                     except (KeyError, ValueError, AttributeError):
                         pass
     return env
@@ -208,9 +216,9 @@ def cutlass_runner_tunables(f: CudaFile) -> list[RawTunable]:
         fn_text = f.node_text(fn)
         hd = re.search(r"using\s+HeadDim\s*=\s*_(\d+)\s*;", fn_text)
         for call in (n for n in _walk(fn) if n.type == "call_expression"):
-            if f.node_text(call.child_by_field_name("function")) != "run":
+            if f.node_text(_field(call, "function")) != "run":
                 continue
-            args = call.child_by_field_name("arguments").named_children
+            args = _field(call, "arguments").named_children
             shape = _SHAPE.match(collapse(f.node_text(args[0]))) if args else None
             if shape is None:
                 continue

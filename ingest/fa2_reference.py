@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ingest.lift_verify import dense_reference, verify_program
-from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance, as_int
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
@@ -218,8 +218,8 @@ def _program(parts: _Parts, tunable: LiftedTunable, causal: bool) -> Program:
     )
     grid = (GridAxis("b", var("B")), GridAxis("h", var("Hq")), GridAxis("m", parse_expr("cdiv(M, BLOCK_M)")))
     p = tunable.params
-    sched = Schedule(block_m=int(p["block_m"]), block_n=int(p["block_n"]), num_warps=int(p["num_warps"]),
-                     num_stages=int(p.get("num_stages", 1)), head_pad=tunable.head_dim, kv_order="reverse")
+    sched = Schedule(block_m=as_int(p["block_m"]), block_n=as_int(p["block_n"]), num_warps=as_int(p["num_warps"]),
+                     num_stages=as_int(p.get("num_stages", 1)), head_pad=tunable.head_dim, kv_order="reverse")
     mask_mod = VariantFn("mask_mod", MASK_MOD_PARAMS, _expr(parts.mask_causal)) if causal else None
     name = f"{FAMILY}_fwd_hdim{tunable.head_dim}_{tunable.arch}" + ("_causal" if causal else "")
     return Program(name, params, sched, (Kernel("flash_fwd_kernel", grid, body),), mask_mod=mask_mod)

@@ -195,11 +195,12 @@ def _config_tunables(tree: ast.Module, family: str, prov) -> list[LiftedTunable]
             call = ret.value
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in fields_of):
                 continue
-            if not all(isinstance(a, (ast.Constant, ast.Name)) for a in call.args):
+            args = [a for a in call.args if isinstance(a, (ast.Constant, ast.Name))]
+            if len(args) != len(call.args):
                 continue
             conds = _conditions(fn, ret) or []
             params: dict[str, object] = {}
-            for name, a in zip(fields_of[call.func.id], call.args):
+            for name, a in zip(fields_of[call.func.id], args):
                 # The nearest assignment above the return (branches assign the same name differently).
                 prior = [v for line, n, v in assigns if n == a.id and line < ret.lineno] if isinstance(a, ast.Name) else []
                 value = a.value if isinstance(a, ast.Constant) else (prior[-1] if prior else a.id)
@@ -222,8 +223,8 @@ def _init_default_tunables(tree: ast.Module, family: str, prov) -> list[LiftedTu
         if init is None:
             continue
         args = init.args.args[len(init.args.args) - len(init.args.defaults):]
-        params = {_DEFAULTS[a.arg]: d.value for a, d in zip(args, init.args.defaults)
-                  if a.arg in _DEFAULTS and isinstance(d, ast.Constant)}
+        params: dict[str, object] = {_DEFAULTS[a.arg]: d.value for a, d in zip(args, init.args.defaults)
+                                     if a.arg in _DEFAULTS and isinstance(d, ast.Constant)}
         if "block_m" in params or "block_n" in params:
             arch = re.search(r"Sm(\d+)", cls.name)
             out.append(LiftedTunable(family, f"sm{arch.group(1)}" if arch else FAMILY_ARCH.get(family, "any"), 0, "any",

@@ -36,12 +36,12 @@ from kb.features import Features
 from kb.ir.expr import (Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
                         walk as walk_expr)
 from kb.ir.nodes import (
-    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Init, Kernel, Let, Load, Mask,
+    Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, GridAxis, Index, Init, Kernel, Let, Load, Mask,
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
 from ingest.lift_triton_bwd import lift_backward  # backward kernels: recognised by dataflow, in their own module
-from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance, as_int
 from ingest.triton_flags import flag_values, merge_skips
 from ingest.triton_dims import infer_dims
 from ingest.lift_verify import resolved_let, verify_decode, verify_packed, verify_program
@@ -140,13 +140,13 @@ def _default_schedule(ctx: _Ctx, kernel: str, tunables: list[LiftedTunable]) -> 
     """The default config: launch constants if the launch fixes blocks, else the arch-neutral autotune config."""
     launch = [t for t in tunables if t.condition == f"launch of {kernel}" and "block_m" in t.params]
     neutral = [t for t in tunables if t.condition.endswith("()") and t.arch == "any"]
-    pick = (launch or neutral or [t for t in tunables if t.condition.endswith("()")] or [None])[0]
+    pick = next(iter(launch or neutral or [t for t in tunables if t.condition.endswith("()")]), None)
     if pick is None:
         return Schedule(block_m=64, block_n=64, num_warps=4, num_stages=1), "no config found: 64x64 default"
     p = pick.params
     nw = p.get("num_warps", 4)
-    sched = Schedule(block_m=int(p.get("block_m", 64)), block_n=int(p.get("block_n", 64)),
-                     num_warps=nw if isinstance(nw, int) else 4, num_stages=int(p.get("num_stages", 1)))
+    sched = Schedule(block_m=as_int(p.get("block_m", 64)), block_n=as_int(p.get("block_n", 64)),
+                     num_warps=nw if isinstance(nw, int) else 4, num_stages=as_int(p.get("num_stages", 1)))
     return sched, f"schedule from {pick.condition} (line {pick.provenance.line_start})"
 
 
@@ -155,7 +155,7 @@ def _default_schedule(ctx: _Ctx, kernel: str, tunables: list[LiftedTunable]) -> 
 
 def _loads(walk: KernelWalk, base: str) -> list[Event]:
     evs = walk.events + [e for lp in walk.loops for e in lp.events]
-    return [e for e in evs if e.kind == "load" and e.payload[0] == base]
+    return [e for e in evs if e.kind == "load" and e.loaded()[0] == base]
 
 
 @dataclass
@@ -180,7 +180,7 @@ def _terms(walk: KernelWalk, base: str) -> list[tuple[str, Expr]]:
     loads = _loads(walk, base)
     if not loads:
         raise _Skip(f"no tile load of {base}")
-    return stride_indices(_resolve(loads[0].payload[1], walk))
+    return stride_indices(_resolve(loads[0].loaded()[1], walk))
 
 
 def _pid(e: Expr) -> str | None:
@@ -293,7 +293,7 @@ def _grouped_sizes(walk: KernelWalk, k_base: str, names: set[str]) -> dict[str, 
                     and sub.args[1].args[0].op is ExprOp.VAR:
                 out[str(sub.args[1].args[0].value)] = E("Hq // Hkv")
     for e in _events(walk, "mask"):
-        for c in conjuncts(e.payload):
+        for c in conjuncts(e.expr()):
             if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and c.args[1].op is ExprOp.VAR \
                     and str(c.args[1].value) in names - set(out):
                 out[str(c.args[1].value)] = var("Hq")
@@ -327,29 +327,29 @@ def _layout(walk: KernelWalk, q_base: str, k_base: str) -> Layout:
 
     Packed k and v tiles must read rows `start + kv_idx` of the same sequence (self-attention)."""
     q_loads = _loads(walk, q_base)
-    if q_loads and "g" in free_vars(_resolve(q_loads[0].payload[1], walk)):
+    if q_loads and "g" in free_vars(_resolve(q_loads[0].loaded()[1], walk)):
         return _grouped_layout(walk, q_loads[0], k_base)
-    if q_loads and "_r" not in free_vars(q_loads[0].payload[1]):
-        strided = [str(i) for st, i in stride_indices(_resolve(q_loads[0].payload[1], walk)) if st and "_d" in free_vars(i)]
+    if q_loads and "_r" not in free_vars(q_loads[0].loaded()[1]):
+        strided = [str(i) for st, i in stride_indices(_resolve(q_loads[0].loaded()[1], walk)) if st and "_d" in free_vars(i)]
         if strided:  # e.g. the query heads of a grouped decode tile: not one q row per (b, h)
             raise _Skip(f"line {q_loads[0].line}: decode q tile has lanes beyond the head dim ({', '.join(strided)})")
         return _decode_layout(walk, k_base)
-    start = _row_term(q_loads[0].payload[1])[0] if q_loads else None
+    start = _row_term(q_loads[0].loaded()[1])[0] if q_loads else None
     if start is None:
         return DENSE
-    v_bases = {e.payload for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
+    v_bases = {e.name() for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
     for lp in walk.loops:
         for e in lp.events:
-            if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
-                at, row = _row_term(e.payload[1])
+            if e.kind == "load" and e.loaded()[0] in {k_base} | v_bases:
+                at, row = _row_term(e.loaded()[1])
                 if at != start or row is None or lane_to_idx(row, lp.var) != var("kv_idx"):
-                    raise _Skip(f"line {e.line}: packed {e.payload[0]} rows are not {start} + kv_idx "
+                    raise _Skip(f"line {e.line}: packed {e.loaded()[0]} rows are not {start} + kv_idx "
                                 f"(only self-attention over packed sequences lifts)")
     for lp in walk.loops:
         for e in lp.events:
             if e.kind != "mask":
                 continue
-            for c in conjuncts(lane_to_idx(e.payload, lp.var)):
+            for c in conjuncts(lane_to_idx(e.expr(), lp.var)):
                 if c.op is ExprOp.LT:
                     c = normal_compare(c.op, c.args[0], c.args[1])
                     if c.args[0] == var("kv_idx") and any(x.op is ExprOp.LOAD for x in walk_expr(c.args[1])):
@@ -361,9 +361,9 @@ def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
     """A decode tile over the query heads of group `g`: the head rows `h0 + lane` bounded in the score mask
     (`h0 + lane < Y`) give the first head `h0` and the end (`until`), and the q pointer must step by them
     along its `lane` stride; KV rows as for a decode row."""
-    offset = _resolve(q_load.payload[1], walk)
+    offset = _resolve(q_load.loaded()[1], walk)
     strides = [st for st, idx in stride_indices(offset) if idx == var("_r")]
-    conds = [c for e in _events(walk, "mask") for c in conjuncts(_resolve(e.payload, walk))
+    conds = [c for e in _events(walk, "mask") for c in conjuncts(_resolve(e.expr(), walk))
              if c.op is ExprOp.LT and "_r" in free_vars(c.args[0]) and "_c" not in free_vars(c)]
     rows = list(dict.fromkeys(c.args[0] for c in conds))
     if len(strides) != 1 or len(rows) != 1:
@@ -379,13 +379,13 @@ def _grouped_layout(walk: KernelWalk, q_load: Event, k_base: str) -> Layout:
 def _kv_row(e: Event, lp: Loop, walk: KernelWalk) -> Expr:
     """The pool row of KV lane `j` in a gathered k/v load: the row term (the one with the lane `_c`), or
     `page * P + token` for a page term beside a `X % P` token term (a page cache read as flattened rows)."""
-    rows = [idx for _, idx in stride_indices(_resolve(e.payload[1], walk)) if "_c" in free_vars(idx)]
+    rows = [idx for _, idx in stride_indices(_resolve(e.loaded()[1], walk)) if "_c" in free_vars(idx)]
     tok = [r for r in rows if r.op is ExprOp.MOD]
     if len(rows) == 2 and len(tok) == 1:
         page = next(r for r in rows if r is not tok[0])
         rows = [Expr(ExprOp.ADD, (Expr(ExprOp.MUL, (page, tok[0].args[1])), tok[0]))]
     if len(rows) != 1 or not any(x.op is ExprOp.LOAD for x in walk_expr(rows[0])):
-        raise _Skip(f"line {e.line}: {e.payload[0]} rows {[str(r) for r in rows]} are not one table lookup per KV lane")
+        raise _Skip(f"line {e.line}: {e.loaded()[0]} rows {[str(r) for r in rows]} are not one table lookup per KV lane")
     return normal_form(substitute(rows[0], {"_c": var("j")}))
 
 
@@ -400,15 +400,15 @@ def _split_free(bound: Expr) -> Expr:
 
 def _decode_layout(walk: KernelWalk, k_base: str) -> Layout:
     """One q row per (b, h); k and v lanes gathered at the same table row, bounded by the sequence length."""
-    v_bases = {e.payload for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
+    v_bases = {e.name() for lp in walk.loops for e in lp.events if e.kind == "pv_dot"}
     rows: dict[str, Expr] = {}
     length = None
     for lp in walk.loops:
         for e in lp.events:
-            if e.kind == "load" and e.payload[0] in {k_base} | v_bases:
-                rows[e.payload[0]] = _kv_row(e, lp, walk)
+            if e.kind == "load" and e.loaded()[0] in {k_base} | v_bases:
+                rows[e.loaded()[0]] = _kv_row(e, lp, walk)
             if e.kind == "mask" and length is None:
-                for c in conjuncts(lane_to_idx(e.payload, lp.var)):
+                for c in conjuncts(lane_to_idx(e.expr(), lp.var)):
                     c = normal_compare(c.op, c.args[0], c.args[1]) if c.op is ExprOp.LT else c
                     if c.op is ExprOp.LT and c.args[0] == var("kv_idx"):
                         length = _split_free(c.args[1])
@@ -444,12 +444,12 @@ def _kv_head(walk: KernelWalk, k_base: str) -> Expr:
     if not loads:
         raise _Skip("k pointer offset not understood")
     lets = {str(it[1]) for it in walk.lets if it[0] == "let"}
-    heads = [idx for _, idx in stride_indices(normal_form(loads[0].payload[1]), lets)
+    heads = [idx for _, idx in stride_indices(normal_form(loads[0].loaded()[1]), lets)
              if {"h", "g"} & free_vars(_resolve(idx, walk)) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) == 1:
         return heads[0]
     # a let that mixes head and rows (`row0 = (b * H + h) * N` of a flattened view): decompose with lets substituted
-    heads = [idx for _, idx in stride_indices(_resolve(loads[0].payload[1], walk))
+    heads = [idx for _, idx in stride_indices(_resolve(loads[0].loaded()[1], walk))
              if {"h", "g"} & free_vars(idx) and not free_vars(idx) & {"_c", "_d", "_r"}]
     if len(heads) != 1:
         raise _Skip(f"no single head index in the k pointer ({len(heads)} found)")
@@ -496,7 +496,7 @@ def _launched_in_log2(ctx: _Ctx, fn: JitFn, walk: KernelWalk, overrides: dict[st
 
 def _log2_units(walk: KernelWalk) -> bool:
     for e in _events(walk, "scale"):
-        for mono, c in to_poly(e.payload).items():
+        for mono, c in to_poly(e.expr()).items():
             if var("sm_scale") in mono and abs(abs(c) - LOG2E) < 1e-6:
                 return True
     return False
@@ -512,7 +512,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
     if missing:
         raise _Skip(f"KV loop at line {lp.line}: online-softmax idioms missing: {sorted(missing)}")
     for e in lp.events:
-        if e.kind == "exp2" and not (log2 or "log2e" in e.payload):
+        if e.kind == "exp2" and not (log2 or "log2e" in e.deps()):
             raise _Skip(f"line {e.line}: exp2 on natural-log scores (no log2(e) folding found)")
         if e.kind == "exp" and log2:
             raise _Skip(f"line {e.line}: exp on log2-scaled scores")
@@ -526,7 +526,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
             raise _Skip(f"line {e.line}: an additive score term (ALiBi, bias) in a grouped decode tile: the IR has one "
                         f"head `h` per tile, its variant functions cannot read the head of each row")
         if e.kind == "mask":
-            cond = lane_to_idx(e.payload, lp.var)
+            cond = lane_to_idx(e.expr(), lp.var)
             if cond.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE):
                 cond = normal_compare(cond.op, cond.args[0], cond.args[1])
             fv = free_vars(cond)
@@ -540,6 +540,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                 spans.append(("mask_causal", str(cond), e.line, e.line, e.file))
             elif "kv_idx" in fv and (layout.packed or layout.decode):  # no dim N: the sequence's length bounds kv
                 if layout.decode:  # a split's end: the length here, the split's range in the loop bounds
+                    assert layout.length is not None
                     cond = normal_compare(ExprOp.LT, var("kv_idx"), layout.length)
                 _check_names(cond, {"kv_idx", "b", "h"} | _DIMS, "mask")
                 if cond not in mask_terms:
@@ -555,7 +556,7 @@ def _loop_ir(lp: Loop, walk: KernelWalk, log2: bool, mask_terms: list[Expr], sco
                 raise _Skip(f"line {e.line}: mask condition {cond} has no kv/q index")
             masked = True
         elif e.kind == "score_term":
-            term = lane_to_idx(e.payload, lp.var)
+            term = lane_to_idx(e.expr(), lp.var)
             if log2:
                 term = from_poly(scale_poly(to_poly(term), 1 / LOG2E))
             _check_names(term, {"q_idx", "kv_idx", "b", "h"} | _DIMS, "score term")
@@ -595,7 +596,7 @@ def _kvconjuncts(e: Event) -> Expr | None:
     """A grouped decode's score mask without the bounds of its head rows (the q span's `until`); None when only
     those remain. A condition mixing head rows and keys (a per-head window, a sink) is refused."""
     keep = []
-    for c in conjuncts(e.payload):
+    for c in conjuncts(e.expr()):
         lanes = free_vars(c) & {"_r", "_c"}
         if lanes == {"_r", "_c"}:
             raise _Skip(f"line {e.line}: mask {c} reads each row's head in a grouped decode tile: the IR has one "
@@ -621,8 +622,10 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     score_terms: list[Expr] = []
     lets: list = [Let("m_start", E("m * BLOCK_M"))]
     if layout.grouped:
+        assert layout.head0 is not None
         lets += [Let("h0", layout.head0)]
     if layout.decode:
+        assert layout.length is not None
         lets += [Let("kv_len", layout.length)]
         if any(t.role is Role.SCALAR for t in layout.tables):
             notes.append("page cache read as flattened token rows [pages * PAGE_SIZE, Hkv, D]: the source's page "
@@ -636,6 +639,7 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
     if layout.packed:
         if split_axis is not None:
             raise _Skip("split-KV over packed sequences: not lifted yet")
+        assert layout.start is not None and layout.length is not None
         lets += [Let("q0", layout.start), Let("q_len", layout.length)]
     rows: int | str = 1 if layout.decode and not layout.grouped else "BLOCK_M"
     prologue = [
@@ -661,13 +665,13 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         body.append(loop)
     # epilogue: stores at kernel scope
     stores = [e for e in walk.events if e.kind == "store"]
-    o_stores = [e for e in stores if "pv" in e.payload[1]]
-    stat_stores = [e for e in stores if "pv" not in e.payload[1] and ({"rowsum", "rowmax"} & e.payload[1])]
+    o_stores = [e for e in stores if "pv" in e.stored()[1]]
+    stat_stores = [e for e in stores if "pv" not in e.stored()[1] and ({"rowsum", "rowmax"} & e.stored()[1])]
     if not o_stores:
         raise _Skip("no store of the accumulator")
-    normalized = "rowsum" in o_stores[0].payload[1]
+    normalized = "rowsum" in o_stores[0].stored()[1]
     for e in stat_stores:
-        if "log2" in e.payload[1] and "ln2" not in e.payload[1]:
+        if "log2" in e.stored()[1] and "ln2" not in e.stored()[1]:
             raise _Skip(f"line {e.line}: LSE stored in log2 units")
     spans.append(("epilogue", "finalize ot, lt = (m_i, l_i, acc)", min(e.line for e in stores),
                   max(e.line for e in stores), o_stores[0].file))
@@ -686,9 +690,12 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
         notes.append(f"early exit at lines {walk.early_exits}: fully masked query blocks (the IR runs the empty loop)")
     body.append(Finalize("ot", "lt", "m_i", "l_i", "acc"))
     params = layout.params() + [Param("sm_scale", (), Dtype.F32, Role.SCALAR)]
-    tables = loaded_tensors(layout.start) | loaded_tensors(layout.length) if layout.packed else frozenset()
+    tables: frozenset[str] = frozenset()
+    if layout.packed:
+        assert layout.start is not None and layout.length is not None
+        tables = loaded_tensors(layout.start) | loaded_tensors(layout.length)
     for e in _events(walk, "aux_load"):
-        base, idx = e.payload
+        base, idx = e.indexed()
         if any(t.name == base.lower() for t in layout.tables):
             continue
         dims = tuple({"b": "B", "h": "Hq"}.get(str(i), "?") for _, i in idx)
@@ -696,8 +703,9 @@ def _assemble(ctx: _Ctx, walk: KernelWalk, hk: Expr, split_axis: str | None, lay
             raise _Skip(f"line {e.line}: auxiliary load {base}{[str(i) for _, i in idx]} not indexed by (b, h)")
         if not any(p.name == base.lower() for p in params):  # sequence offsets and lengths are integers
             params.append(Param(base.lower(), dims, Dtype.I32 if base.lower() in tables else Dtype.F32, Role.AUX))
-    grid = (GridAxis("b", E("B")), GridAxis("h", E("Hq")))
+    grid: tuple[GridAxis, ...] = (GridAxis("b", E("B")), GridAxis("h", E("Hq")))
     grid += () if layout.decode else (GridAxis("m", layout.query_blocks()),)
+    kernels: tuple[Kernel, ...]
     if split_axis is not None and layout.decode:
         kernels = _decode_split_kernels(grid, body, params, layout)
     elif split_axis is None:
@@ -743,9 +751,11 @@ def _decode_split_kernels(grid: tuple[GridAxis, ...], body: list, params: list[P
                           ) -> tuple[Kernel, Kernel]:
     """A decode split kernel storing each split's normalized rows and LSE (one head, or the heads of group `g`),
     and the kernel combining them per (b, h)."""
-    o_row, l_row = (var("b"), var("s"), Span(var("h"), 1)), (var("b"), Full(), Span(var("h"), 1))
+    o_row: tuple[Index, ...] = (var("b"), var("s"), Span(var("h"), 1))
+    l_row = (var("b"), Full(), Span(var("h"), 1))
     split_grid = grid
     if layout.grouped:  # group g holds heads h0 = g * C ..: the grid covers Hq in steps of C
+        assert layout.head0 is not None
         o_row = (var("b"), var("s"), layout.rows("h", var("h0"), "BLOCK_M", head_dim=False)[1])
         step = normal_form(substitute(layout.head0, {"g": const(1)}))
         split_grid = (grid[0], GridAxis("g", call("cdiv", var("Hq"), step)))
@@ -808,11 +818,11 @@ def _walk(ctx: _Ctx, fn: JitFn, consts: dict[str, object], overrides: dict[str, 
     return walk_kernel(ctx.mod, fn.node, body, dict(consts), overrides, values)
 
 
-def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, object]) -> JitFn | None:
+def _combine_kernel(ctx: _Ctx, split_fn: JitFn, split_walk: KernelWalk, flags: dict[str, bool]) -> JitFn | None:
     """The reduce kernel of a split-KV pair: reads what the split kernel stores, max/sum over splits
     (AMD: `tl.max`/`tl.sum` over a split axis), or a loop over the splits merging one (lse, o) at a time
     (vLLM, SGLang: `tl.maximum` of scalars); matched by parameter names, else the one such kernel in the file."""
-    stored = {e.payload[0] for e in split_walk.events if e.kind == "store"}
+    stored = {e.stored()[0] for e in split_walk.events if e.kind == "store"}
     named, merging = [], []
     for name, fn in ctx.mod.jit.items():
         if fn is split_fn or any(_is_matmul(n) for n in ast.walk(fn.node)):
@@ -880,20 +890,20 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
             dots = [e for e in first.events + [x for lp in first.loops for x in lp.events] if e.kind == "score_dot"]
             if not dots:
                 raise _Skip("no tl.dot of a q tile with a k tile")
-            q_base, k_base = dots[0].payload
+            q_base, k_base = dots[0].operands()
             roles = _roles(first, q_base, k_base)
             _kv_roles(first, k_base, roles)
             if var("g") in roles.overrides.values():  # grouped decode: the sizes the walk took for M
                 sized = {p for p, role in first.params.items() if role == "dim:M"}
                 named = _walk(ctx, fn, consts, {**roles.overrides, **{p: var(p) for p in sized}}, roles.values)
                 roles.overrides.update(_grouped_sizes(named, k_base, sized))
-            scale = {e.payload for e in _events(first, "scale_param")}
+            scale = {e.name() for e in _events(first, "scale_param")}
             if len(scale) == 1 and not _events(first, "scale"):
                 roles.overrides[scale.pop()] = var("sm_scale")  # the scalar that multiplies the scores
             overrides, found = roles.overrides, roles.found
             pids = {f"pid{i}" for i in range(3)} - set(found.values())
             split_axis = None
-            loop_names = set()
+            loop_names: set[str] = set()
             for lp in first.loops:
                 loop_names |= free_vars(lp.lo) | free_vars(lp.hi)
             lets = {it[1]: it[2] for it in first.lets if it[0] == "let"}
@@ -976,12 +986,10 @@ def _features(p: Program, flags: dict[str, bool], split: bool, layout: Layout = 
     from kb.ir.features import derive_features
 
     f = replace(derive_features(_without_length(p, layout)), varlen=derive_features(p).varlen)
-    changes: dict[str, object] = {"split_kv": split or f.split_kv, "return_lse": True}
+    f = replace(f, split_kv=split or f.split_kv, return_lse=True)
     if any(v and "ALIBI" in k for k, v in flags.items()):
-        changes["alibi"] = True
-        if f.score_mod == "none":
-            changes["score_mod"] = "alibi"
-    return replace(f, **changes)
+        f = replace(f, alibi=True, score_mod="alibi" if f.score_mod == "none" else f.score_mod)
+    return f
 
 
 def _spans_to_snippets(ctx: _Ctx, lifted: _Lifted, flags: dict[str, bool]) -> None:

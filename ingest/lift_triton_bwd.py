@@ -31,7 +31,7 @@ from kb.ir.nodes import (
     TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
 from kb.ir.text import print_stmt_header
-from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, Provenance
+from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, Provenance, as_int
 from ingest.triton_bwd_kernels import (
     Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
 )
@@ -41,7 +41,7 @@ from ingest.triton_bwd_names import (
 from ingest.triton_flags import flag_values, merge_skips
 from ingest.triton_grad import Probs, Refuse
 from ingest.triton_source import JitFn, TritonModule, Unknown, specialize
-from kb.ir.algebra import conjunction, conjuncts, normal_compare, normal_form
+from kb.ir.algebra import all_of, conjuncts, normal_compare, normal_form
 from ingest.triton_tiles import TV, LoopNode, TileWalk, walk_tiles
 
 __all__ = ["BackwardReport", "lift_backward", "BWD_LIFTER_VERSION"]
@@ -277,7 +277,7 @@ def _kv_outer(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
     scope += [For("h", *_HEAD_LOOP, 1, "forward", tuple(loops))] if group is not None else loops
     scope += [Store("dk", rows, "dk_acc"), Store("dv", rows, "dv_acc")]
     head = GridAxis("hk", var("Hkv")) if group is not None else GridAxis("h", var("Hq"))
-    body: list = [] if group is not None else [Let("hk", var("h"))]
+    body = [] if group is not None else [Let("hk", var("h"))]
     if serial is None:
         body += scope
     else:
@@ -366,7 +366,7 @@ def _dq_pass(walk: TileWalk, fn: JitFn, flags: dict[str, bool]) -> _Part:
     rows = index(names, d.store.ptr.offset, "dq", "h", "q")
     per_head: list = _row_loads(names, d.p, d.loops[0].ds.dout, d.loops[0].ds.delta)
     per_head += [Init("dqa", ("BLOCK_M", "HEAD_PAD"), 0.0, Dtype.F32)] + loops + [Store("dq", rows, "dqa")]
-    body: list = [Let("m_start", Expr(ExprOp.MUL, (var("m"), var("BLOCK_M"))))]
+    body = [Let("m_start", Expr(ExprOp.MUL, (var("m"), var("BLOCK_M"))))]
     body += [Let("hk", var("h"))] + per_head if group is None else [For("h", *_HEAD_LOOP, 1, "forward", tuple(per_head))]
     head = GridAxis("hk", var("Hkv")) if group is not None else GridAxis("h", var("Hq"))
     kernel = Kernel("bwd_dq", (GridAxis("b", var("B")), head, GridAxis("m", Expr(ExprOp.CDIV, (var("M"), var("BLOCK_M"))))),
@@ -462,7 +462,7 @@ def _program(name: str, pre: _DeltaKernel, dkdv: _Part, dq: _Part | None, schedu
             score = Expr(ExprOp.ADD, (score, t))
     return Program(name, params, schedule, (pre.kernel, dkdv.kernel, dq.kernel if dq is not None else _convert_kernel()),
                    score_mod=VariantFn("score_mod", SCORE_MOD_PARAMS, score) if score is not None else None,
-                   mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, conjunction(dkdv.masks)) if dkdv.masks else None)
+                   mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, all_of(dkdv.masks)) if dkdv.masks else None)
 
 
 def _launch_args(mod: TritonModule, kernel: str) -> dict[str, str] | None:
@@ -645,7 +645,7 @@ def _schedule(tunables: list[LiftedTunable], flags: dict[str, bool]) -> tuple[Sc
         return Schedule(block_m=64, block_n=64, num_warps=4, num_stages=1), "no config found: 64x64 default"
     t = fits[0]
     nw, ns = t.params.get("num_warps", 4), t.params.get("num_stages", 1)
-    return (Schedule(block_m=int(t.params["block_m"]), block_n=int(t.params["block_n"]),  # type: ignore[arg-type]
+    return (Schedule(block_m=as_int(t.params["block_m"]), block_n=as_int(t.params["block_n"]),
                      num_warps=nw if isinstance(nw, int) else 4, num_stages=ns if isinstance(ns, int) else 1),
             f"schedule from {t.condition} (line {t.provenance.line_start})")
 
@@ -735,7 +735,9 @@ def _add_spans(rep: BackwardReport, prog: Program, spans: list, base: Provenance
             continue
         seen.add((kind, file, start, end))
         prov = replace(base, file=file, line_start=start, line_end=end, lifter="triton", lifter_version=BWD_LIFTER_VERSION)
-        feats = {"backward": True} | ({"causal": True} if prog.mask_mod is not None else {})
+        feats: dict[str, object] = {"backward": True}
+        if prog.mask_mod is not None:
+            feats["causal"] = True
         rep.snippets.append(LiftedSnippet(kind, f"{kind.replace('_', ' ')} ({file.rsplit('/', 1)[-1]}:{start})", ir,
                                           _excerpt(mod, base, file, start, end), feats, prov))
 

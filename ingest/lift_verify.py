@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from kb.errors import KBError
 from kb.ir.evaluate import dense_scores_mask
 from kb.ir.expr import Expr, free_vars, loaded_tensors, var
-from kb.ir.nodes import Dtype, Let, Load, Program, Role, walk_stmts
+from kb.ir.nodes import Dtype, Gather, Let, Load, Program, Role, walk_stmts
 
 __all__ = ["verify_program", "verify_packed", "verify_decode", "verify_backward", "dense_reference", "resolved_let"]
 
@@ -71,7 +72,7 @@ def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tupl
             scale = 1.0 / math.sqrt(D)
             aux = {prm.name: torch.rand(*(B if d == "B" else Hq for d in prm.shape), generator=g) * 0.5
                    for prm in p.params if prm.role is Role.AUX}
-            inputs = {"q": q, "k": k, "v": v, "sm_scale": scale, **aux}
+            inputs: dict[str, torch.Tensor | float] = {"q": q, "k": k, "v": v, "sm_scale": scale, **aux}
             try:
                 out = run_program(prog, inputs)
             except KBError as err:
@@ -141,7 +142,8 @@ def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
         for b, n in enumerate(lens):
             for x, d in zip((q, k, v), dense):
                 d[b, :, :n] = x[start[b]:start[b] + n].transpose(0, 1)
-        ro, rl = dense_reference(p, *dense, scale, tables)
+        dense_q, dense_k, dense_v = dense
+        ro, rl = dense_reference(p, dense_q, dense_k, dense_v, scale, tables)
         for b, n in enumerate(lens):
             got_o = out["o"][start[b]:start[b] + n].transpose(0, 1).float()
             got_l = out["lse"][start[b]:start[b] + n].transpose(0, 1)
@@ -161,7 +163,9 @@ def _decode_exprs(p: Program) -> tuple[Expr, Expr]:
     """(kv_len, the gathered k row) of a decode program, lets substituted."""
     split = p.kernels[0]
     load = next(st for st in walk_stmts(split.body) if isinstance(st, Load) and st.tensor == "k")
-    return resolved_let(split.body, "kv_len"), load.index[0].index
+    rows = load.index[0]
+    assert isinstance(rows, Gather), rows  # a decode program gathers its KV rows through a table
+    return resolved_let(split.body, "kv_len"), rows.index
 
 
 def _length_fills(kv_len: Expr, lens: tuple[int, ...]) -> dict[str, torch.Tensor] | None:
@@ -170,7 +174,7 @@ def _length_fills(kv_len: Expr, lens: tuple[int, ...]) -> dict[str, torch.Tensor
 
 
 def _pool_fills(p: Program, lens: tuple[int, ...], tables: dict[str, torch.Tensor], g: torch.Generator
-                ) -> tuple[dict[str, object], list[list[int]], int]:
+                ) -> tuple[dict[str, torch.Tensor | int], list[list[int]], int]:
     """The index table, page size and pool size of a serving cache holding sequence b's token t at a random
     slot: a token pool (`table[b, t]`, or `table[start(b) + t]` over a B+1 starts table) or, with an
     integer scalar (the page size), a page table `table[b, t // PAGE]` over pages of PAGE slots."""
@@ -183,7 +187,7 @@ def _pool_fills(p: Program, lens: tuple[int, ...], tables: dict[str, torch.Tenso
     first = list(itertools.accumulate((0,) + tuple(units)))
     unit_of = [perm[first[b]:first[b] + u] for b, u in enumerate(units)]
     slots = [[unit_of[b][t // unit] * unit + t % unit for t in range(n)] for b, n in enumerate(lens)]
-    fills: dict[str, object] = {name: _PAGE for name in paged}
+    fills: dict[str, torch.Tensor | int] = {name: _PAGE for name in paged}
     starts = next((t for t in tables.values() if len(t) == len(lens) + 1 and int(t[-1]) == sum(lens)), None)
     for name in sorted(loaded_tensors(row) - set(tables)):
         prm = p.param(name)
@@ -232,7 +236,8 @@ def verify_decode(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
                                                            **tables, **fills})
         except KBError as err:
             return False, f"interpreter error at block {sched.block_n}, lengths {lens}: {err}"
-        ro, rl = dense_reference(p, q, *dense, scale, tables)
+        dense_k, dense_v = dense
+        ro, rl = dense_reference(p, q, dense_k, dense_v, scale, tables)
         err_o = (out["o"].float() - ro[:, :, 0]).abs().max().item()
         err_l = (out["lse"] - rl[:, :, 0]).abs().max().item()
         worst = max(worst, err_o, err_l)
@@ -244,7 +249,8 @@ def verify_decode(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
                   f"(Hq, Hkv) = {' and '.join(dict.fromkeys(f'({c[2]}, {c[3]})' for c in cases))}, D={D}")
 
 
-def dense_reference(p: Program, q, k, v, scale, aux) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_reference(p: Program, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    aux: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     B, Hq, M, D = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     kf = k.float().repeat_interleave(Hq // Hkv, 1)
@@ -286,11 +292,11 @@ def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bo
                 return False, f"interpreter error at block {sched.block_m}x{sched.block_n}, M={M} N={N}: {err}"
             for name in ("dq", "dk", "dv"):
                 want = grads[name]
-                err = ((out[name].float() - want).abs().max() / (1.0 + want.abs().max())).item()
-                worst = max(worst, err)
-                if not err < 1e-2:  # gradients are stored in the program's 16-bit dtype
+                rel_err = ((out[name].float() - want).abs().max() / (1.0 + want.abs().max())).item()
+                worst = max(worst, rel_err)
+                if not rel_err < 1e-2:  # gradients are stored in the program's 16-bit dtype
                     return False, (f"{name} mismatch at block {sched.block_m}x{sched.block_n}, M={M} N={N} D={D}: "
-                                   f"max error {err:.2e} relative to 1 + max |{name}|")
+                                   f"max error {rel_err:.2e} relative to 1 + max |{name}|")
     cases = "; ".join(f"Hq={c[0]} Hkv={c[1] if gqa else c[0]} M={c[2]} N={c[3]} D={c[4]}" for _, sh in runs for c in sh)
     return True, (f"interpreter dq, dk, dv == torch autograd of dense fp32 attention (max error {worst:.1e} relative "
                   f"to 1 + max |grad|; {cases}; blocks {p.schedule.block_m}x{p.schedule.block_n} and 16x16)")

@@ -30,6 +30,7 @@ __all__ = [
     "SNIPPET_KINDS",
     "IR_STATEMENT_HEADS",
     "ir_is_statement",
+    "as_int",
 ]
 
 
@@ -87,6 +88,13 @@ def ir_is_statement(ir_text: str) -> bool:
     """True when `ir_text` is an IR statement line rather than an expression."""
     head, _, rest = ir_text.strip().partition(" ")
     return head in IR_STATEMENT_HEADS and bool(rest) and rest[0] not in "=<>!+-*/%&|"
+
+
+def as_int(value: object) -> int:
+    """int() of an untyped value (a tunable's param, a constant folded from source); TypeError where int() has none."""
+    if not isinstance(value, (int, float, str, bytes)):
+        raise TypeError(f"int() cannot take {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)

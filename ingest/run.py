@@ -97,7 +97,8 @@ def _with_fa2_reference(reports: list[LiftReport], src: FetchedSource) -> list[L
     except ImportError:
         return reports
     cuda = [r for r in reports if "flash_attn/src" in r.file
-            and any(x.provenance.lifter == "cuda" for x in (*r.snippets, *r.tunables))]
+            and (any(s.provenance.lifter == "cuda" for s in r.snippets)
+                 or any(t.provenance.lifter == "cuda" for t in r.tunables))]
     if not cuda:
         return reports
     try:

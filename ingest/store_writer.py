@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any, cast
 
 from ingest.model import FetchedSource, SourceKind, LiftedSnippet, LiftedTunable, LiftReport, Provenance
 from kb.features import Features
@@ -47,8 +48,10 @@ def source_row(src: FetchedSource) -> Source:
 
 def _snippet(s: LiftedSnippet, sid: str, kernel_id: str | None = None) -> Snippet:
     p = s.provenance
+    # Features field names (LiftedSnippet checks them), each with a value of its field's type
+    features = cast("dict[str, Any]", s.features)
     return Snippet(kind=s.kind, title=s.title, ir_text=s.ir_text, text=s.text,
-                   features_json=Features(**s.features).to_json() if s.features else "{}",
+                   features_json=Features(**features).to_json() if features else "{}",
                    source_id=sid, kernel_id=kernel_id, file=p.file, line_start=p.line_start, line_end=p.line_end,
                    lifter_version=f"{p.lifter}/{p.lifter_version}")
 

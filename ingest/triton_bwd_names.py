@@ -200,6 +200,7 @@ def index(names: Names, off: Expr, tensor: str, head: str, rows: str, d: bool = 
             found["d"] = Full()
         elif len(kinds) == 1 and kinds <= {"q", "kv"}:
             (kind,) = kinds
+            assert kind is not None  # kinds <= {"q", "kv"}
             start = normal_form(plain - var(next(iter(lanes_of(plain)))))
             if lanes_of(start):
                 raise Refuse(f"{tensor}: row index {plain} is not a start plus one lane")

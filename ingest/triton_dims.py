@@ -19,6 +19,7 @@ walker then falls back to its table of known names).
 from __future__ import annotations
 
 import ast
+from typing import TypeGuard
 
 __all__ = ["infer_dims", "is_range_call", "RANGE_CALLS", "BLOCK_MAKERS"]
 
@@ -29,7 +30,7 @@ RANGE_CALLS = ("range", "tl.range", "tl.static_range", "triton.language.range", 
 BLOCK_MAKERS = ("make_block_ptr", "make_tensor_descriptor", "_experimental_make_tensor_descriptor")
 
 
-def is_range_call(n: ast.AST) -> bool:
+def is_range_call(n: ast.AST) -> TypeGuard[ast.Call]:
     """`range(...)`, `tl.range(...)` or `tl.static_range(...)`: the loops the walker can follow."""
     return isinstance(n, ast.Call) and ast.unparse(n.func) in RANGE_CALLS
 
@@ -99,7 +100,7 @@ def _block_sizes(stmts: list[ast.stmt], params: set[str]) -> dict[str, str]:
     derived = _derived(stmts)
     for st in stmts:
         if isinstance(st, ast.For) and (step := _range_step(st, names)) in params:
-            dims[step] = "BLOCK_N"  # type: ignore[index]
+            dims[step] = "BLOCK_N"
     for st in stmts:
         value = getattr(st, "value", None)
         if not isinstance(st, (ast.Assign, ast.AnnAssign)) or value is None:
@@ -135,7 +136,7 @@ class _Uses:
                 out |= self.lanes.get(n.id, set())
             x = _arange_extent(n, self.names)
             if x in self.blocks:
-                out.add({"BLOCK_M": "q", "BLOCK_N": "kv", "HEAD_PAD": "d"}[self.blocks[x]])  # type: ignore[index]
+                out.add({"BLOCK_M": "q", "BLOCK_N": "kv", "HEAD_PAD": "d"}[self.blocks[x]])
         return out
 
     def params_of(self, e: ast.AST) -> set[str]:

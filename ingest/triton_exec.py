@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, number, parse_expr, substitute, var, walk
+from ingest.model import as_int
 from ingest.triton_dims import BLOCK_MAKERS, infer_dims, is_range_call
 from ingest.triton_source import TritonModule, Unknown, const_eval, node_file
 from kb.ir.algebra import from_poly, normal_form, to_poly
@@ -93,8 +94,47 @@ class Event:
     kind: str  # score_dot, pv_dot, scale, finite_fill, mask, score_term, rowmax, colmax, rowsum, colsum, exp, exp2, log, log2, store, load, rescale, where_tile
     line: int
     file: str
-    payload: object = None
+    payload: object = None  # its shape depends on the kind: read it through the typed views below
     cond: Expr | None = None  # runtime condition the event sits under
+
+    def expr(self) -> Expr:
+        """mask, score_term, scale: the condition or term."""
+        assert isinstance(self.payload, Expr), self.kind
+        return self.payload
+
+    def name(self) -> str:
+        """pv_dot: the v tensor; scale_param: the parameter; reload: the tensor."""
+        assert isinstance(self.payload, str), self.kind
+        return self.payload
+
+    def deps(self) -> frozenset[str]:
+        """rowmax, colsum, exp2, ...: the idioms the operand came from."""
+        assert isinstance(self.payload, frozenset), self.kind
+        return self.payload
+
+    def operands(self) -> tuple[str, str]:
+        """score_dot: the q and k tensors."""
+        assert isinstance(self.payload, tuple), self.kind
+        q, k = self.payload
+        return q, k
+
+    def loaded(self) -> tuple[str, Expr]:
+        """load: the tensor and the offset read."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, offset = self.payload
+        return base, offset
+
+    def indexed(self) -> tuple[str, tuple[tuple[str, Expr], ...]]:
+        """aux_load, index_load: the tensor and its (stride, index) terms."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, terms = self.payload
+        return base, terms
+
+    def stored(self) -> tuple[str | None, frozenset[str], Expr | None]:
+        """store: the tensor and the offset (None for a pointer not understood), and the idioms of the value."""
+        assert isinstance(self.payload, tuple), self.kind
+        base, deps, offset = self.payload
+        return base, deps, offset
 
 
 @dataclass
@@ -274,7 +314,8 @@ class _Walker:
         if op is None:
             return self._unknown(n, f"operator {type(n.op).__name__}")
         if isinstance(a, Ptr) and isinstance(b, Ptr) and op is ExprOp.ADD:
-            a, b = self._offset_param(a, b), self._offset_param(b, a)
+            pa, pb = a, b  # both calls see the two pointers (mypy re-types a before checking the second)
+            a, b = self._offset_param(pa, pb), self._offset_param(pb, pa)
         if isinstance(a, Ptr) and isinstance(b, Expr) and op is ExprOp.ADD:
             return Ptr(a.base, a.offset + b)
         if isinstance(b, Ptr) and isinstance(a, Expr) and op is ExprOp.ADD:
@@ -294,7 +335,7 @@ class _Walker:
             if op is ExprOp.MUL and isinstance(other, Expr) and other.op is ExprOp.CONST \
                     and abs(number(other) - math.log(2)) < 1e-6:
                 deps = deps | {"ln2"}
-            if op is ExprOp.DIV and isinstance(b, Expr) and _num_of(b) is not None and abs(_num_of(b) - LOG2E) < 1e-6:
+            if op is ExprOp.DIV and isinstance(b, Expr) and (nb := _num_of(b)) is not None and abs(nb - LOG2E) < 1e-6:
                 deps = deps | {"ln2"}
             if op is ExprOp.MUL and isinstance(a, Tile) and isinstance(b, Tile):
                 product = self._product(a, b)
@@ -360,8 +401,8 @@ class _Walker:
         if isinstance(n.func, ast.Attribute) and name == "to":
             return self.ev(n.func.value)
         if name == "program_id":
-            axis = int(const_eval(n.args[0], {})) if n.args else int(const_eval(kw["axis"], {}))  # type: ignore[arg-type]
-            return self.overrides.get(f"pid{axis}", var(f"pid{axis}"))
+            pid_axis = as_int(const_eval(n.args[0], {})) if n.args else as_int(const_eval(kw["axis"], {}))
+            return self.overrides.get(f"pid{pid_axis}", var(f"pid{pid_axis}"))
         if name == "arange":
             hi = self.ev(n.args[1])
             lane = "_r" if hi == var("BLOCK_M") else "_c" if hi == var("BLOCK_N") else "_d"
@@ -678,7 +719,7 @@ def _scalar_params(fn: ast.FunctionDef) -> set[str]:
     return out
 
 
-def _load_ctx(t: ast.AST) -> ast.AST:
+def _load_ctx(t: ast.AST) -> ast.expr:
     c = ast.parse(ast.unparse(t), mode="eval").body
     return ast.copy_location(c, t)
 
@@ -694,7 +735,7 @@ def _load_base(deps: frozenset[str]) -> str:
 _INDEX_VARS = {"pid0", "pid1", "pid2", "b", "h", "m", "s", "hk", "BLOCK_M", "BLOCK_N", *LANES}
 
 
-def _pid_vars(e: Expr) -> set[str]:
+def _pid_vars(e: Expr) -> frozenset[str]:
     return free_vars(e) & {"pid0", "pid1", "pid2"}
 
 

@@ -31,10 +31,10 @@ def flag_values(fn: JitFn, mod: TritonModule) -> tuple[dict[str, object], list[s
             fixed[n] = flag_policy(n)
         except Unknown:
             pass
-    for n in ast.walk(fn.node):  # local constexpr flags (`RCP_LN2: tl.constexpr = ...` are folded by specialize)
-        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+    for node in ast.walk(fn.node):  # local constexpr flags (`RCP_LN2: tl.constexpr = ...` are folded by specialize)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             try:
-                fixed[n.target.id] = flag_policy(n.target.id)
+                fixed[node.target.id] = flag_policy(node.target.id)
             except Unknown:
                 pass
     fixed |= _specialised_paths(fn, set(fixed) | set(enumerated))

@@ -17,6 +17,7 @@ backward pass.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kb.ir.expr import Expr, ExprOp, const, number
@@ -164,8 +165,8 @@ def same_load(a: TV, b: TV) -> bool:
     """Two loads of the same tensor at the same offsets (the same tile)."""
     if a is b:
         return True
-    return is_load(a) and is_load(b) and a.info[0].base == b.info[0].base \
-        and normal_form(a.info[0].offset) == normal_form(b.info[0].offset)  # type: ignore[index]
+    return is_load(a) and is_load(b) and a.load_ptr().base == b.load_ptr().base \
+        and normal_form(a.load_ptr().offset) == normal_form(b.load_ptr().offset)
 
 
 def _row_vector(x: object) -> bool:
@@ -212,7 +213,7 @@ def probs(x: TV) -> Probs:
                  tuple(normal_form(_mul(cc, t)) for cc, t in extra), x.op == "exp2", x.line)
 
 
-def softmax_grad(x: TV, p_of: "callable") -> SoftmaxGrad:  # type: ignore[valid-type]
+def softmax_grad(x: TV, p_of: Callable[[TV], Probs]) -> SoftmaxGrad:
     """dS = P * (dP - delta) * scalars, with P recognised by `p_of`; raises Refuse. A zero fill
     `where(mask, dS, 0)` is P's mask again (P is 0 there) and is looked through."""
     node = x
@@ -286,7 +287,7 @@ def _grown(v: TV, base: TV | None, loop: LoopNode | None) -> list[Term]:
     if len(own) != 1 or normal_form(own[0][0]) != const(1) or any(isinstance(t, Expr) for _, t in parts):
         raise Refuse(f"line {loop.line}: the loop does not add tiles to its carried value")
     terms = [Term(t, loop, c) for c, t in parts if t is not own[0][1]]  # type: ignore[arg-type]
-    return _grown(own[0][1], base, loop) + terms  # type: ignore[arg-type]
+    return _grown(own[0][1], base, loop) + terms
 
 
 def _grows(t: TV, base: TV | None, loop: LoopNode) -> bool:

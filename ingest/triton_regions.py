@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from typing import TypeGuard
 
 __all__ = ["Region", "serving_regions"]
 
@@ -56,7 +57,7 @@ def _value_names(node: ast.AST) -> frozenset[str]:
     return frozenset().union(*(_value_names(c) for c in ast.iter_child_nodes(node)))
 
 
-def _is_call(node: ast.AST, suffix: str) -> bool:
+def _is_call(node: ast.AST, suffix: str) -> TypeGuard[ast.Call]:
     return isinstance(node, ast.Call) and ast.unparse(node.func).endswith(suffix)
 
 

@@ -17,6 +17,7 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 __all__ = ["TritonModule", "JitFn", "ConfigEntry", "LaunchSite", "parse_module", "specialize", "const_eval",
            "Unknown", "flag_policy", "node_file"]
@@ -197,7 +198,8 @@ def _collect_configs(mod: TritonModule) -> None:
     for n in ast.walk(mod.tree):
         if isinstance(n, ast.Call) and ast.unparse(n.func) in ("triton.Config", "Config") and n.args:
             try:
-                params = dict(_literal(n.args[0]))  # type: ignore[arg-type]
+                # the kwargs of a Config are a dict literal; dict() raises on anything else
+                params = dict(cast("dict[str | None, object]", _literal(n.args[0])))
             except Unknown:
                 continue
             for kw in n.keywords:  # num_warps=, num_stages=; a callable (`pre_hook=init_to_zero("DQ")`) is left out
@@ -335,7 +337,7 @@ def const_eval(node: ast.AST, consts: dict[str, object]) -> object:
                 return False
         raise Unknown(ast.unparse(node))
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
-        sides = []
+        sides: list[object] = []
         for x in (node.left, node.comparators[0]):
             if isinstance(x, ast.Name) and consts.get(x.id, None) is NOT_NONE:
                 sides.append(NOT_NONE)

@@ -52,6 +52,11 @@ class TV:
     line: int
     info: object = None
 
+    def load_ptr(self) -> Ptr:
+        """The pointer a `load` reads."""
+        assert self.op == "load" and isinstance(self.info, tuple) and isinstance(self.info[0], Ptr)
+        return self.info[0]
+
 
 @dataclass
 class Effect:
@@ -559,8 +564,10 @@ class _TileWalker:
         loop-invariant: x is `x0 + (i - lo) / step * d` in iteration i."""
         out: dict[str, Sym] = {}
         for s in st.body:
-            name, delta = _increment(s)
-            if name is None or not isinstance(cur := self.env.get(name), (Ptr, Expr)):
+            if (inc := _increment(s)) is None:
+                continue
+            name, delta = inc
+            if not isinstance(cur := self.env.get(name), (Ptr, Expr)):
                 continue
             if any(isinstance(n, ast.Name) and n.id in _stored_names(st) for n in ast.walk(delta)):
                 continue
@@ -615,14 +622,14 @@ def _merge(cond: Expr, a: Sym, b: Sym | None, line: int) -> Sym:
     return Opaque(f"differs by branch at line {line}")
 
 
-def _increment(s: ast.stmt) -> tuple[str | None, ast.AST | None]:
+def _increment(s: ast.stmt) -> tuple[str, ast.expr] | None:
     if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.target, ast.Name):
         return s.target.id, s.value
     if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name) \
             and isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add) \
             and isinstance(s.value.left, ast.Name) and s.value.left.id == s.targets[0].id:
         return s.targets[0].id, s.value.right
-    return None, None
+    return None
 
 
 def _stored_names(st: ast.For) -> set[str]:
