@@ -99,10 +99,17 @@ is ignored."""
 class SnippetLike(Protocol):
     """What a snippet needs for a prompt (retrieve.hybrid.RankedSnippet has these)."""
 
-    kind: str
-    title: str
-    ir_text: str
-    where: str
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def ir_text(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
 
 
 def _fenced(lang: str, text: str) -> str:
