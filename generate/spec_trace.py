@@ -779,7 +779,7 @@ def _full_like(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any]
 @_score_op("new_ones", "new_zeros", "new_full")
 def _new_full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`x.new_ones(size)` and kin (FlexAttention's `and_masks`, `or_masks` and `noop_mask` start from one)."""
-    value = {"new_ones": 1, "new_zeros": 0}.get(pk, args[2] if len(args) > 2 else kw["fill_value"])
+    value = {"new_ones": 1, "new_zeros": 0}.get(pk, args[2] if len(args) > 2 else kw.get("fill_value", 0))
     return S.full(_out_shape(node) or (), value, _dtype_of(node))
 
 
