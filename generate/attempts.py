@@ -18,7 +18,7 @@ import torch
 
 from generate.serving_bind import bind, program_inputs
 from generate.spec import Spec, spec_inputs
-from generate.spec_serving import dense_output
+from generate.spec_serving import ServingReference, dense_output
 from generate.stages import Stage
 from generate.transfer import STRATEGY_ORDER, Strategy
 from kb.errors import KBError
@@ -99,7 +99,7 @@ def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
     """Run `program` in the interpreter on the spec's inputs; None if it matches the spec's reference."""
     q, k, v = spec_inputs(spec, seed)
     inputs: dict = {"q": q, "k": k, "v": v, "sm_scale": spec.softmax_scale}
-    args = spec.reference.args(q, k, v) if spec.layout is not None else {}  # type: ignore[attr-defined]
+    args = spec.reference.args(q, k, v) if isinstance(spec.reference, ServingReference) else {}
     try:
         if spec.layout is not None:  # a serving program runs on the spec's own paged inputs holding q, k, v
             inputs |= program_inputs(bind(program, spec.layout), args)
@@ -122,12 +122,12 @@ def check_program(program: Program, spec: Spec, seed: int = 0) -> str | None:
     if spec.layout is not None and spec.layout.kind == "chunked":  # rows past a sequence's chunk: NaN padding in both
         pad = torch.isnan(ref) & torch.isnan(out)
         out, ref = out.masked_fill(pad, 0.0), ref.masked_fill(pad, 0.0)
-    err = (out.float() - ref).abs()
+    abs_err = (out.float() - ref).abs()
     bad = torch.isnan(out).any().item()
     tol = IR_CHECK_TOL.get(spec.shapes.dtype, 1e-4) * max(1.0, ref.abs().max().item())
-    if bad or err.max().item() > tol:
-        b, h, m, _ = (err.nan_to_num(1e9) == err.nan_to_num(1e9).max()).nonzero()[0].tolist()
-        return (f"IR output differs from the spec reference: max abs err {err.nan_to_num(float('inf')).max().item():.3g} "
+    if bad or abs_err.max().item() > tol:
+        b, h, m, _ = (abs_err.nan_to_num(1e9) == abs_err.nan_to_num(1e9).max()).nonzero()[0].tolist()
+        return (f"IR output differs from the spec reference: max abs err {abs_err.nan_to_num(float('inf')).max().item():.3g} "
                 f"(tolerance {tol:.3g}) first at b={b}, h={h}, q row {m}; nan={bool(bad)}")
     return None
 

@@ -29,6 +29,7 @@ from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.lower.cuda_dispatch import CudaDispatch
 from kb.store.kb import KnowledgeBase
+from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
@@ -78,7 +79,7 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     if not found.kernels:
         raise KBError("the KB holds no backward reference program; run `kb ingest --all` first")
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
-    programs = {r.id: parse_program(kb.get(r.id).ir_text) for r in found.kernels}  # type: ignore[union-attr]
+    programs = {r.id: parse_program(kb.get_row(Kernel, r.id).ir_text) for r in found.kernels}
     gqa = spec.shapes.Hq != spec.shapes.Hkv
     ranked = sorted(found.kernels, key=lambda r: (deterministic and nondeterminism(programs[r.id]) is not None,
                                                   gqa and not per_kv_head(programs[r.id]),

@@ -130,7 +130,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
-                     **({} if given else {"include_dashboard": False}))
+                     include_dashboard=None if given else False)  # None: Ray's default
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise KBError(f"cannot reach the Ray cluster at {given}: {_one_line(err)}") from None
         finally:  # ray.init installs its own (exit at once): Ctrl-C and SIGTERM must reach the cancelling in _drive
@@ -144,7 +144,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
 
 
 def _drive(ray: Any, jobs: list[_Job], submit: Callable[[_Job], Any], retries: int,
-           finish: Callable[[_Job, Any, str], None], lost: Callable[[_Job, str], None]) -> int:
+           finish: Callable[[_Job, Any, str], None], lost: Callable[[_Job, str], object]) -> int:
     """Run `jobs` (`submit(job)` -> an object ref) to the end: `finish(job, value, why)` once per job (value None and
     `why` set when it failed), `lost(job, why)` for each attempt that did not finish (its worker died, it raised, it
     was cancelled). A job whose worker died is submitted again, `retries` times at most. Returns the resubmissions;

@@ -38,9 +38,14 @@ def reference_grads(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     aux = {n: t.detach().float().requires_grad_(n in grads) if t.is_floating_point() else t
            for n, t in spec.aux.items()}
     variants_attention(spec, qf, kf, vf, aux).backward(dout.float())
-    out = {"dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in (("dq", qf), ("dk", kf), ("dv", vf)):
+        grad = t.grad
+        assert grad is not None  # q, k and v all reach the output
+        out[name] = grad
     for n, g in grads.items():
-        out[g] = aux[n].grad if aux[n].grad is not None else torch.zeros_like(aux[n])
+        grad = aux[n].grad
+        out[g] = grad if grad is not None else torch.zeros_like(aux[n])
     return out
 
 
@@ -90,10 +95,10 @@ def check_backward_program(backward: Program, forward: Program, spec: Spec, lear
             return f"backward program does not produce {name}"
         if out.shape != ref.shape:
             return f"{name} shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
-        err = (out.float() - ref).abs().nan_to_num(float("inf"))
+        abs_err = (out.float() - ref).abs().nan_to_num(float("inf"))
         bound = tol * max(1.0, ref.abs().max().item()) + GRAD_SLACK * torch_error(lowp.get(name), ref)
-        if err.max().item() > bound:
-            at = tuple((err == err.max()).nonzero()[0].tolist())
-            return (f"IR gradient {name} differs from autograd of the spec: max abs err {err.max().item():.3g} "
+        if abs_err.max().item() > bound:
+            at = tuple((abs_err == abs_err.max()).nonzero()[0].tolist())
+            return (f"IR gradient {name} differs from autograd of the spec: max abs err {abs_err.max().item():.3g} "
                     f"(tolerance {bound:.3g}) first at {at}")
     return None

@@ -38,7 +38,7 @@ def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | No
     """Compile the CUDA source with nvcc for the spec's head dims (`head_dim_v`: a value head dim of its own)."""
     from kb.lower.cuda_build import BuildMode, build
 
-    defines = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
+    defines: tuple[str, ...] = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
     if head_dim_v is not None:
         defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)
     try:

@@ -159,7 +159,7 @@ def cuda_pairs(kb, arch: str, lowering: str) -> list[CudaPair]:  # noqa: ANN001 
     for r in rows:
         tri = triton.get((r.kernel_id, r.shape_json, r.gpu, r.measured_at))
         kernel = kb.find(r.kernel_id) if r.design_json == want and tri else None
-        if isinstance(kernel, Kernel) and kb.skip_unusable([kernel]):
+        if tri and isinstance(kernel, Kernel) and kb.skip_unusable([kernel]):
             pairs.append(CudaPair(r.kernel_id, Features.from_json(kernel.features_json), r.gpu, json.loads(r.shape_json),
                                   f"{r.measured_at:%Y-%m-%d}", tri, r.ms))
     return sorted(pairs, key=lambda p: (p.measured_at, p.kernel_id))

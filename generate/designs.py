@@ -88,7 +88,8 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
     `backward`: the expert backward kernels' configurations only (and the reverse: a backward kernel's
     tiles say nothing about the forward's); stages: 1 where the source turns double buffering off, else 2;
     no tensor descriptors (the backward lowering does not use them)."""
-    same, other = [], []
+    same: list[Design] = []
+    other: list[Design] = []
     for t_arch, head_dim, params in tunables:
         if head_dim not in (0, bucket) or not t_arch.startswith("sm") or bool(params.get("split_kv")) != decode:
             continue

@@ -21,7 +21,7 @@ from kb.errors import KBError
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.store.kb import KnowledgeBase
-from kb.store.models import Lesson
+from kb.store.models import Kernel, Lesson
 from retrieve.hybrid import QueryResult
 from verify.result import Verdict
 
@@ -35,7 +35,7 @@ def rule_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, lessons: 
         yield from _serving_candidates(kb, spec, found, target, name)
         return
     for ref in found.kernels:
-        ref_program = parse_program(kb.get(ref.id).ir_text)  # type: ignore[union-attr]
+        ref_program = parse_program(kb.get_row(Kernel, ref.id).ir_text)
         for strategy in plan_strategies(spec, ref, lessons):
             t0 = time.perf_counter()
             try:
@@ -53,7 +53,7 @@ def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, targe
     of another layout (dense kernels retrieved for the variant) are passed over without an attempt."""
     assert spec.layout is not None
     fitting = [(ref, prog) for ref in found.kernels
-               if fits_layout(prog := parse_program(kb.get(ref.id).ir_text), spec.layout)]  # type: ignore[union-attr]
+               if fits_layout(prog := parse_program(kb.get_row(Kernel, ref.id).ir_text), spec.layout)]
     if spec.features.gqa_ratio > 1:  # a grouped tile reads each KV head's keys once, not once per query head
         fitting.sort(key=lambda rp: not groups_heads(rp[1]))
     if not fitting and found.kernels:
@@ -78,6 +78,6 @@ def llm_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, max_attemp
 
     engine = LLMEngine(kb.settings)
     ref = found.kernels[0]
-    reference_ir = kb.get(ref.id).ir_text  # type: ignore[union-attr]
+    reference_ir = kb.get_row(Kernel, ref.id).ir_text
     return engine.candidates(spec_summary(spec), reference_ir, [snippet_text(s) for s in found.snippets],
                              found.lessons, ref.id, max_attempts=max_attempts)

@@ -111,7 +111,7 @@ class LLMEngine:
         """(answer text, seconds, prompt tokens, completion tokens); OpenAIError on failure."""
         t0 = time.perf_counter()
         resp = self.client.chat.completions.create(
-            model=self.settings.llm_model, messages=list(messages),  # type: ignore[arg-type]
+            model=self.settings.llm_model, messages=list(messages),
             temperature=self.settings.llm_temperature)
         seconds = time.perf_counter() - t0
         if not resp.choices or resp.choices[0].message.content is None:

@@ -65,7 +65,8 @@ def _check_doc(doc: Any, where: str) -> None:
     if not isinstance(doc, dict) or doc.get("schema") not in (SCHEMA, SCHEMA_BACKWARD):
         raise KBError(f"{where} is not a kernel-kb tune results file (schema {SCHEMA!r} or {SCHEMA_BACKWARD!r})")
     env = doc.get("env")
-    missing = [k for k in _ENV_NEEDS if not isinstance(env, dict) or not env.get(k)]
+    env = env if isinstance(env, dict) else {}
+    missing = [k for k in _ENV_NEEDS if not env.get(k)]
     if missing:
         raise KBError(f"{where}: unattributed measurements: env lacks {', '.join(missing)}",
                       hint="only results written by `python -m generate.tune_gpu` / `kb tune` on a GPU are imported")
@@ -96,7 +97,8 @@ def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # n
             raise KBError(f"{label}: a {type(r).__name__} that breaks the KB's rules: {'; '.join(broken)}; "
                           "nothing was imported")
     kb.write_records([r for _, r in staged])
-    return ImportSummary(*(sum(isinstance(r, t) for _, r in staged) for t in (Kernel, PerfRecord, Lesson)), len(entries))
+    kernels, perf_records, lessons = (sum(isinstance(r, t) for _, r in staged) for t in (Kernel, PerfRecord, Lesson))
+    return ImportSummary(kernels, perf_records, lessons, len(entries))
 
 
 def _entry_records(kb, entry: dict, env: dict, label: str, staged: list, backward: bool) -> list:  # noqa: ANN001

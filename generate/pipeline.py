@@ -153,7 +153,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
     run.spec_hash = spec.source_hash
     run.error = Owner.current().note  # while running: its process, so `kb doctor` can tell a run whose process died
     run_id = kb.write_run(run)
-    run = kb.get(run_id)  # type: ignore[assignment]
+    run = kb.get_row(GenerationRun, run_id)
     run.error = ""  # the run's final write replaces the owner note
     options = replace(options, deadline=deadline,
                       designs=options.designs if options.designs is not None else _designs(kb, spec, options),
@@ -164,6 +164,7 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
         options = replace(options, cuda_pairs={lowering: cuda_pairs(kb, target, lowering) if options.memory else []
                                                for lowering in CUDA_LOWERINGS})
     with staging_dir(out_dir) as stage:
+        bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackward
         bwd = _NoBackward("not run: the forward kernel did not pass" if options.backward else "not asked (--no-backward)")
         if spec.layout is not None:
             bwd = _NoBackward(f"not built: {spec.layout.describe} kernels are forward only (serving)")
@@ -434,6 +435,7 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
         status = ReportStatus.VERIFIED
     else:
         status = ReportStatus.UNVERIFIED
+    report: dict[str, object]
     report = {"status": status.value, "spec": str(spec.path), "run_id": run.id, "kernel_id": kernel.id if kernel else None,
               "kernel_was_in_kb": existing is not None, "reference_id": ref,
               "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),

@@ -19,14 +19,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
+    # the messages openai's client takes; at run time a plain dict, so that the rule engine never imports openai
+    from openai.types.chat import ChatCompletionMessageParam as Message
+
     from generate.spec import Spec
+else:
+    Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 
 __all__ = [
     "GRAMMAR", "SYSTEM_PROMPT", "MAX_SNIPPETS", "MAX_LESSONS", "MAX_SOURCE_CHARS", "Message",
     "SnippetLike", "spec_summary", "snippet_text", "user_prompt", "feedback_prompt", "initial_messages",
 ]
-
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 
 MAX_SNIPPETS = 6
 MAX_LESSONS = 8
@@ -99,10 +102,17 @@ is ignored."""
 class SnippetLike(Protocol):
     """What a snippet needs for a prompt (retrieve.hybrid.RankedSnippet has these)."""
 
-    kind: str
-    title: str
-    ir_text: str
-    where: str
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def ir_text(self) -> str: ...
+
+    @property
+    def where(self) -> str: ...
 
 
 def _fenced(lang: str, text: str) -> str:

@@ -85,8 +85,8 @@ def _bind_chunked(program: Program, layout: ServingLayout) -> ServingBinding:
     if len(grid) != 1 or len(page) != 1 or len(program.param("k").shape) != 3 \
             or any(t not in {p.name for p in program.params} for t in tables):
         raise KBError(f"program {program.name} is not a chunked prefill over {', '.join(map(str, tables))}")
-    pairs = (("q", layout.q), ("k", layout.k), ("v", layout.v), *((t, t) for t in tables))
-    return ServingBinding(pairs, True, page[0], grid[0])  # type: ignore[misc]
+    pairs = (("q", layout.q), ("k", layout.k), ("v", layout.v), *((t, t) for t in tables if t is not None))
+    return ServingBinding(pairs, True, page[0], grid[0])
 
 
 def program_inputs(binding: ServingBinding, args: Mapping[str, Any]) -> dict[str, Any]:

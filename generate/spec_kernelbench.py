@@ -270,11 +270,11 @@ def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, k
     return tuple(fixed)
 
 
-def _init_names(cls: type) -> tuple[str, ...]:
+def _init_names(cls: type[torch.nn.Module]) -> tuple[str, ...]:
     """Model.__init__'s parameters as source text (`n_heads`, `window=64`, `*args`, `**kwargs`), self excluded."""
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-    return tuple(prefix.get(p.kind, "") + (p.name if p.default is p.empty else f"{p.name}={p.default!r}") for p in params)
+    prefix = {"VAR_POSITIONAL": "*", "VAR_KEYWORD": "**"}
+    return tuple(prefix.get(p.kind.name, "") + (p.name if p.default is p.empty else f"{p.name}={p.default!r}") for p in params)
 
 
 def _instantiate(module: Any, path: Path) -> tuple[torch.nn.Module, list[Any]]:

@@ -52,10 +52,17 @@ class ServingLayout:
     q: str
     k: str  # the cache / pool (paged, pool) or packed keys (varlen)
     v: str
-    table: str | None  # block_table / req_to_token (paged, pool, chunked), cu_seqlens (varlen: the queries')
+    table: str  # block_table / req_to_token (paged, pool, chunked), cu_seqlens (varlen: the queries')
     lengths: str | None  # the input bounding each sequence's keys (`kv_idx < seq_lens[b]`), if the spec masks by one
     table_k: str | None = None  # varlen: the keys' own offsets (cu_seqlens_k) when they are not the queries'
     q_offsets: str | None = None  # chunked: the packed queries' offsets (query_start_loc [B + 1])
+
+    @property
+    def chunk_offsets(self) -> str:
+        """q_offsets of a chunked layout, the one kind that packs its queries."""
+        if self.q_offsets is None:
+            raise ValueError(f"a {self.kind} layout has no query offsets")
+        return self.q_offsets
 
     @property
     def describe(self) -> str:
@@ -114,7 +121,8 @@ def _paged_layout(traced: Any, pages: bool, path: Path) -> ServingLayout:
     if set(gathers) != {traced.k, traced.v} or len(set(gathers.values())) != 1:
         raise KBError(f"{path}: k and v must both be read through one table (got {gathers or 'none'}): "
                       f"{traced.k}[block_table] and {traced.v}[block_table]")
-    lengths = {length_input(t) for t in conjuncts(traced.mask_mod)} - {None} if traced.mask_mod is not None else set()
+    terms = conjuncts(traced.mask_mod) if traced.mask_mod is not None else []
+    lengths = {name for name in map(length_input, terms) if name is not None}
     return ServingLayout("paged" if pages else "pool", traced.q, traced.k, traced.v,
                          gathers[traced.k], min(lengths) if lengths else None)
 
@@ -125,7 +133,7 @@ def _chunked_layout(traced: Any, inputs: Mapping[str, Any], path: Path) -> Servi
         raise KBError(f"{path}: chunked prefill reads a paged cache [NUM_PAGES, PAGE, Hkv, D] "
                       f"({traced.k}[block_table].flatten(1, 2)[seq]); a token pool gathered per query token is not supported")
     layout = replace(_paged_layout(traced, True, path), kind="chunked", q_offsets=traced.token_seq[1])
-    offsets, table, q = inputs[layout.q_offsets], inputs[layout.table], inputs[layout.q]  # type: ignore[index]
+    offsets, table, q = inputs[layout.chunk_offsets], inputs[layout.table], inputs[layout.q]
     if offsets.dim() != 1 or offsets.numel() != table.shape[0] + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != q.shape[0]:
         raise KBError(f"{path}: {layout.q_offsets} must hold the offsets of {layout.table}'s {table.shape[0]} sequences' "
                       f"tokens in {layout.q}, [0, ..., {q.shape[0]}]")
@@ -191,10 +199,10 @@ def dense_shapes(layout: ServingLayout, inputs: Mapping[str, torch.Tensor]) -> t
     if layout.kind == "varlen":
         T, Hq, D = q.shape
         return 1, Hq, k.shape[1], T, k.shape[0], D, v.shape[-1]
-    table = inputs[layout.table]  # type: ignore[index]
+    table = inputs[layout.table]
     per_row = k.shape[1] if layout.kind != "pool" else 1
     if layout.kind == "chunked":
-        chunks = inputs[layout.q_offsets].diff()  # type: ignore[index]
+        chunks = inputs[layout.chunk_offsets].diff()
         return table.shape[0], q.shape[1], k.shape[-2], int(chunks.max()) if chunks.numel() else 0, \
             table.shape[1] * per_row, q.shape[2], v.shape[-1]
     B, Hq, D = q.shape
@@ -247,7 +255,7 @@ def visible_keys(layout: ServingLayout, named: Mapping[str, torch.Tensor], mask:
     _, keep = dense_scores_mask(torch.zeros(B, Hq, M, N), None, mask, env, aux)
     keep = keep.expand(B, Hq, M, N)
     if layout.kind == "chunked":  # rows past a sequence's chunk are padding
-        keep = keep & (torch.arange(M)[None, :] < named[layout.q_offsets].diff()[:, None])[:, None, :, None]  # type: ignore[index]
+        keep = keep & (torch.arange(M)[None, :] < named[layout.chunk_offsets].diff()[:, None])[:, None, :, None]
     return keep.any(dim=2).any(dim=1) & _valid_keys(named, layout)
 
 
@@ -271,7 +279,7 @@ def _packed_queries(named: Mapping[str, torch.Tensor], layout: ServingLayout, q:
 
 def _token_rows(named: Mapping[str, torch.Tensor], layout: ServingLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, row in its chunk) of each packed query token."""
-    offsets = named[layout.q_offsets].long()  # type: ignore[index]
+    offsets = named[layout.chunk_offsets].long()
     t = torch.arange(named[layout.q].shape[0])
     seq = torch.searchsorted(offsets, t, right=True) - 1
     return seq, t - offsets[seq]
@@ -279,7 +287,7 @@ def _token_rows(named: Mapping[str, torch.Tensor], layout: ServingLayout) -> tup
 
 def _slots(named: Mapping[str, torch.Tensor], layout: ServingLayout) -> torch.Tensor:
     """[B, N] long: the cache row (pool token, or page * PAGE + slot) each dense key is read from."""
-    table = named[layout.table].long()  # type: ignore[index]
+    table = named[layout.table].long()
     if layout.kind == "pool":
         return table
     page = named[layout.k].shape[1]

@@ -219,10 +219,11 @@ def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True,
     wrap as in torch unless `wrap` is False (an embedding lookup, where torch refuses them) or the index is
     nonnegative wherever it is read: over the dims, with the loads of `known` tensors (sequence ids derived
     from offsets, whatever the offsets) evaluated."""
-    present = [k for k, ix in enumerate(indices) if ix is not None]
+    given = {k: ix for k, ix in enumerate(indices) if ix is not None}
+    present = list(given)
     if not present:
         return s
-    bshape = broadcast_shapes(*(indices[k].shape for k in present))  # type: ignore[union-attr]
+    bshape = broadcast_shapes(*(ix.shape for ix in given.values()))
     contiguous = present == list(range(present[0], present[-1] + 1))
     first = present[0] if contiguous else 0
     rest = [k for k in range(len(s.shape)) if k not in present]
@@ -242,7 +243,7 @@ def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True,
         pos += 1
     mapping: dict[int, Expr] = {k: dvar(p) for k, p in out_pos.items()}
     for k in present:
-        ix = broadcast_to(indices[k], bshape)  # type: ignore[arg-type]
+        ix = broadcast_to(given[k], bshape)
         ix_expr = _rename(ix.expr, {j: dvar(bstart + j) for j in range(nb)})
         n = s.shape[k]
         # negative indices wrap, as in torch

@@ -161,7 +161,7 @@ def _op_name(node: torch.fx.Node) -> str:
 def _packet(node: torch.fx.Node) -> str:
     t = node.target
     if hasattr(t, "_overloadpacket"):
-        return t._overloadpacket.__name__  # type: ignore[union-attr]
+        return t._overloadpacket.__name__
     return getattr(t, "__name__", str(t))
 
 
@@ -294,7 +294,7 @@ def _operand_op(pk: str, node: torch.fx.Node, x: Operand, args: list[Any], st: _
                              "(one index by the [B, MAX_PAGES] table, then flatten(1, 2))")
     if pk == "repeat_interleave":
         reps, dim = args[1], (args[2] if len(args) > 2 else node.kwargs.get("dim"))
-        if not isinstance(reps, int) or dim is None or x.labels[dim % len(x.labels)] != "h":
+        if not isinstance(reps, int) or not isinstance(dim, int) or x.labels[dim % len(x.labels)] != "h":
             raise _err(node, st, f"repeat_interleave of {x.name} other than over the head dim by a constant")
         return replace(x, rep=x.rep * reps, shape=out_shape)
     if pk == "repeat":
@@ -504,7 +504,9 @@ def _finish(node: torch.fx.Node, probs: Any, v: Any, st: _State) -> _Output:
 def _matmul(node: torch.fx.Node, a: Any, b: Any, st: _State) -> Any:
     if isinstance(b, Operand):
         b = _resolved(b, st)
-    ranks = (len(node.args[0].meta["val"].shape), len(node.args[1].meta["val"].shape))  # type: ignore[union-attr]
+    x, y = node.args[:2]
+    assert isinstance(x, torch.fx.Node) and isinstance(y, torch.fx.Node)  # the tensor operands are graph nodes
+    ranks = (len(x.meta["val"].shape), len(y.meta["val"].shape))
     subscripts = _matmul_subscripts(*ranks) if min(ranks) >= 2 else ("", "", "")
     if isinstance(a, Operand) and isinstance(b, Operand):
         return _qk_product(node, _resolved(a, st), b, subscripts, "Q @ K^T", st)
@@ -777,7 +779,7 @@ def _full_like(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any]
 @_score_op("new_ones", "new_zeros", "new_full")
 def _new_full(pk: str, node: torch.fx.Node, args: list[Any], kw: dict[str, Any], st: _State) -> Sym:
     """`x.new_ones(size)` and kin (FlexAttention's `and_masks`, `or_masks` and `noop_mask` start from one)."""
-    value = {"new_ones": 1, "new_zeros": 0}.get(pk, args[2] if len(args) > 2 else kw.get("fill_value"))
+    value = {"new_ones": 1, "new_zeros": 0}.get(pk, args[2] if len(args) > 2 else kw.get("fill_value", 0))
     return S.full(_out_shape(node) or (), value, _dtype_of(node))
 
 
@@ -1055,7 +1057,9 @@ def _sources(n: Any) -> tuple[set[torch.fx.Node], bool]:
 def _product_operands(n: torch.fx.Node) -> list[Any]:
     pk = _packet(n)
     if pk == "einsum":
-        return list(n.args[1])
+        operands = n.args[1]  # einsum(equation, [operands])
+        assert isinstance(operands, (list, tuple))
+        return list(operands)
     return list(n.args[:3] if pk == "scaled_dot_product_attention" else n.args[:2])
 
 
@@ -1173,22 +1177,22 @@ def _attr_leaf(gm: torch.fx.GraphModule, node: torch.fx.Node, st: _State) -> Sym
         st.n_const += 1
     else:
         name = aux_name(key)
-    kind = st.state_kinds.get(key) if key is not None else None
-    if kind is not None and (kind == "parameter" or t.numel() == 1):
+    state_key = key if key is not None and key in st.state_kinds else None  # the state_dict key of a parameter or buffer
+    if state_key is not None and (st.state_kinds[state_key] == "parameter" or t.numel() == 1):
         # learnable (or loadable) state: its value at call time, not at trace time
-        st.state[name] = key  # type: ignore[assignment]
+        st.state[name] = state_key
         return _runtime_leaf(name, t, st)
     leaf = _const_leaf(t, name)
-    if kind is not None and not any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
-        st.baked.add(key)  # type: ignore[arg-type]
+    if state_key is not None and not any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
+        st.baked.add(state_key)
     if leaf.expr.op is ExprOp.LOAD or any(n.op is ExprOp.LOAD for n in walk(leaf.expr)):
         base, i = name, 1
         while name in st.aux and not torch.equal(st.aux[name], t):
             name = f"{base}_{i}"
             i += 1
         st.aux[name] = t.detach().clone()
-        if kind is not None:
-            st.state[name] = key  # type: ignore[assignment]
+        if state_key is not None:
+            st.state[name] = state_key
         leaf = S.load_leaf(name, t)
     return leaf
 
@@ -1402,10 +1406,11 @@ def trace_attention(
         else:
             env[node] = _runtime_leaf(name, x, st)  # an extra forward input: its value at call time
     out = _run(gm, env, st)
-    if not isinstance(out, _Output) or st.logits is None or st.q is None or st.k is None or st.v is None:
+    if not isinstance(out, _Output) or st.logits is None or st.softmax_node is None \
+            or st.q is None or st.k is None or st.v is None:
         raise KBError("the spec's forward does not compute softmax(q @ k^T) @ v (no attention pattern found)",
                       hint="see docs/specs.md for the supported attention patterns")
-    score, mask, c = _variants(st.logits, st.softmax_node, st)  # type: ignore[arg-type]
+    score, mask, c = _variants(st.logits, st.softmax_node, st)
     used = set().union(*(e and {n.value for n in walk(e) if n.op is ExprOp.LOAD} or set() for e in (score, mask, st.sink)))
     aux = {k: v for k, v in st.aux.items() if k in used}
     return TracedAttention(score, mask, st.q.scale * st.k.scale * c, st.q.name, st.k.name, st.v.name,
@@ -1453,9 +1458,10 @@ class _Mod(torch.nn.Module):
         super().__init__()
         self.fn = fn
         anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # else: errors name no line
-        for f in mod_functions([fn]) if anchor is not None else ():
-            if (f.__module__ or "").split(".")[0] != "torch":  # torch's own frames (and_masks, F.relu) name no user line
-                anchor(f)
+        if anchor is not None:
+            for f in mod_functions([fn]):
+                if (f.__module__ or "").split(".")[0] != "torch":  # torch's own frames (and_masks, F.relu) name no user line
+                    anchor(f)
 
     def forward(self, *args: torch.Tensor) -> Any:
         return self.fn(*args)

@@ -92,8 +92,8 @@ def _params_for(reference: Program, target: Target) -> tuple[Param, ...]:
         if p.role is Role.SCALAR and p.name != "sm_scale":
             continue
         if p.role in _IO_ROLES and p.dtype in (Dtype.F32, Dtype.BF16, Dtype.F16) and p.name != "lse":
-            wide_out = p.role is Role.OUT and target.out_dtype is not None
-            p = replace(p, dtype=target.out_dtype if wide_out else target.dtype)
+            out_dtype = target.out_dtype if p.role is Role.OUT else None
+            p = replace(p, dtype=out_dtype if out_dtype is not None else target.dtype)
         kept.append(p)
     names = {p.name for p in kept}
     extra = [Param(s, (), Dtype.F32, Role.SCALAR) for s in target.scalars if s not in names]

@@ -231,13 +231,17 @@ def _loop_bounds(loop: For, at: TileAt, mask: Expr | None, dims: tuple[int, int]
         return full
     if not kv_outer:
         band = band_bounds(mask, dims)
-        return full if band is None else _aligned(*(substitute(e, {"m_start": at.q_start}) for e in band), "BLOCK_N")
+        if band is None:
+            return full
+        lo, hi = (substitute(e, {"m_start": at.q_start}) for e in band)
+        return _aligned(lo, hi, "BLOCK_N")
     swapped = substitute(mask, {"q_idx": var("kv_idx"), "kv_idx": var("q_idx")})
     band = band_bounds(swapped, dims[::-1] if dims else None)
     if band is None:
         return full
     roles = {"m_start": at.kv_start, "BLOCK_M": var("BLOCK_N"), "M": var("N"), "N": var("M")}
-    return _aligned(*(substitute(e, roles) for e in band), "BLOCK_M")
+    lo, hi = (substitute(e, roles) for e in band)
+    return _aligned(lo, hi, "BLOCK_M")
 
 
 def _aligned(lo: Expr, hi: Expr, block: str) -> tuple[Expr, Expr]:

@@ -101,6 +101,7 @@ def _with_sink(kernel: Kernel, sinks: str | None, lo: Expr, taken: frozenset[str
         if rows is not None:
             m0 = var(tile) if first is None else call("where", first, var(tile), var(m))
             return (replace(st, fill=float("-inf")), Load(tile, sinks, (rows,), other=float("-inf")), Elementwise(m, m0))
+        assert sink is not None  # sinks given, one head per tile
         return replace(st, fill=sink if first is None else call("where", first, sink, empty))
 
     return replace(kernel, body=map_stmts(kernel.body, start))
@@ -206,7 +207,7 @@ def _per_sequence(target: Target, layout: ServingLayout, derived: Mapping[str, t
         return Expr(e.op, args, e.value) if args != e.args else e
 
     score = simplify(read(target.score_mod)) if target.score_mod is not None else None
-    bound = var("kv_idx") < load(cu_k, seq)  # type: ignore[arg-type]
+    bound = var("kv_idx") < load(cu_k, seq)
     mask = bound
     if target.mask_mod is not None:  # `ids[q_idx] == ids[kv_idx]` (one sequence) now reads b + 1 == b + 1: dropped
         kept = [t for t in conjuncts(simplify(read(target.mask_mod))) if not (t.op is ExprOp.EQ and t.args[0] == t.args[1])]
@@ -235,7 +236,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         raise KBError("serving transfer: a chunked prefill spec must bound each sequence's keys (`kv_idx < seq_lens[b]`)")
     b = var("b")
     after = b + 1
-    local = None if chunked else _per_sequence(target, layout, derived, frozenset({sinks} - {None}))
+    local = None if chunked else _per_sequence(target, layout, derived, frozenset(() if sinks is None else (sinks,)))
     target = local or target
 
     def offsets(e: Expr) -> Expr:
@@ -253,7 +254,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         if not chunked:
             return Span(var(k0) + n, span.size, var(k0) + var(k_len))
         pos = n + var(j)
-        slot = load(layout.table, b, pos // var(page))  # type: ignore[arg-type]
+        slot = load(layout.table, b, pos // var(page))
         row = pos % var(page) + var(page) * slot
         return Gather(j, span.size, row, pos < var(k_len))
 
@@ -297,7 +298,7 @@ def _transfer_packed(reference: Program, layout: ServingLayout, target: Target, 
         rows = fresh("ROWS", taken)
         tokens = {"q": "T", "o": "T", "lse": "T", "k": rows, "v": rows}
         added = [Param(cu_q, (f"{cu_q}_n0",), Dtype.I32, Role.AUX),
-                 Param(layout.table, ("B", fresh("MAX_PAGES", taken)), Dtype.I32, Role.AUX),  # type: ignore[arg-type]
+                 Param(layout.table, ("B", fresh("MAX_PAGES", taken)), Dtype.I32, Role.AUX),
                  Param(layout.lengths, ("B",), Dtype.I32, Role.AUX), Param(page, (), Dtype.I32, Role.SCALAR)]  # type: ignore[arg-type]
         batches: Expr = var("B")
     else:
@@ -357,7 +358,7 @@ def transfer_serving(reference: Program, layout: ServingLayout, target: Target, 
     claimed = {a.name for a in target.aux} | set(target.scalars) | {layout.table, layout.lengths} - {"sm_scale"}
     reference = keep_apart(reference, claimed)
     renames = {old: new for old, new in ((table, layout.table), (lengths, layout.lengths)) if old != new}
-    taken = {p.name for p in reference.params}
+    taken = frozenset(p.name for p in reference.params)
     for old, new in renames.items():
         if new in taken:
             raise KBError(f"reference {reference.name} has a param {new!r} of its own; cannot name its {old} so")

@@ -57,10 +57,10 @@ def _resolve(kb, target: str, from_dir: Path, backward: bool = False) -> tuple[P
         if back.get("status") not in (ReportStatus.VERIFIED, ReportStatus.UNVERIFIED) or not back.get("kernel_id"):
             raise KBError(f"{cand} has no backward to tune ({back.get('status') or 'none'}: "
                           f"{str(back.get('reason') or '')[:200]})", hint="generate it without --no-backward first")
-        return spec_path, cand, kb.get(back["kernel_id"])  # type: ignore[return-value]
+        return spec_path, cand, kb.get(back["kernel_id"])
     if kernel is None:
         kernel = kb.get(report["kernel_id"])
-    return spec_path, cand, kernel  # type: ignore[return-value]
+    return spec_path, cand, kernel
 
 
 def _kernel_payload(k: Kernel) -> dict:

@@ -54,7 +54,9 @@ class _Recorder:
     """Stands in for the module's `forward` once, to learn the arguments ModelNew passes it."""
 
     def __init__(self, fn: Callable) -> None:
-        self.fn, self.args, self.kwargs = fn, (), {}
+        self.fn = fn
+        self.args: tuple = ()
+        self.kwargs: dict[str, Any] = {}
 
     def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
         self.args, self.kwargs = args, kwargs
@@ -63,12 +65,12 @@ class _Recorder:
 
 def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any]:
     rec = _Recorder(cand.forward)
-    cand.forward = rec
+    setattr(cand, "forward", rec)
     try:
         with torch.no_grad():
             out = new(*inputs)
     finally:
-        cand.forward = rec.fn
+        setattr(cand, "forward", rec.fn)
     return rec.args, rec.kwargs, out
 
 
@@ -360,7 +362,7 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
     deadline = time.monotonic() + deadline_s  # for the timing; the warm-up has its own budget (run 7 lost its
     # whole deadline to compiling)
     env = environment(command or " ".join(sys.argv)) if device == "cuda" else {"gpu": "", "arch": "", "dry_run": "cpu"}
-    doc = {"schema": SCHEMA, "env": env, "entries": []}
+    doc: dict[str, Any] = {"schema": SCHEMA, "env": env, "entries": []}
     for i, e in enumerate(entries):
         t0 = time.monotonic()
         try:

@@ -111,9 +111,10 @@ def suite_plan(suite: Path, from_dir: Path, tier: str | None = None) -> dict:
     is `gen_<stem>.py` in `from_dir`, at the spec's BENCH shape, no designs."""
     from generate.outputs import output_stem
 
-    entries = [{"name": r.spec.stem, "spec": str(r.spec), "candidate": str(Path(from_dir) / f"{output_stem(r.spec)}.py"),
-                "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)
-               if tier is None or r.tier == tier]
+    entries: list[dict[str, Any]] = [
+        {"name": r.spec.stem, "spec": str(r.spec), "candidate": str(Path(from_dir) / f"{output_stem(r.spec)}.py"),
+         "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)
+        if tier is None or r.tier == tier]
     return {"schema": common.PLAN_SCHEMA, "suite": str(suite), "entries": entries}
 
 
@@ -396,13 +397,14 @@ def _backward_design(module: ModuleType, design: tuple) -> Iterator[None]:
     and head dim, and its program design (the interpreter's, and the GPU's fallback pool); choices are made afresh
     (the module's per-shape choices are cleared on the way in and out)."""
     saved = module.BWD_DESIGNS, module.BWD_PROGRAM_DESIGN
-    module.BWD_DESIGNS = {arch: {b: (design,) for b in (16, 32, 64, 128, 256)} for arch in {*saved[0], _arch()}}
-    module.BWD_PROGRAM_DESIGN = design
+    setattr(module, "BWD_DESIGNS", {arch: {b: (design,) for b in (16, 32, 64, 128, 256)} for arch in {*saved[0], _arch()}})
+    setattr(module, "BWD_PROGRAM_DESIGN", design)
     module._BWD_PICKED.clear()
     try:
         yield
     finally:
-        module.BWD_DESIGNS, module.BWD_PROGRAM_DESIGN = saved
+        setattr(module, "BWD_DESIGNS", saved[0])
+        setattr(module, "BWD_PROGRAM_DESIGN", saved[1])
         module._BWD_PICKED.clear()
 
 

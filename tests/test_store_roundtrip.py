@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from kb.errors import KBError
 from kb.settings import load_settings
-from kb.store import Kernel, open_kb
+from kb.store import GenerationRun, Kernel, open_kb
 from tests.support.store import (
     make_kernel,
     make_measured,
@@ -105,6 +108,13 @@ def test_kernel_id_is_content_hash(kb) -> None:  # noqa: ANN001
     kid = kb.write_kernel(k)
     assert kid == "k-" + hashlib.sha256(k.ir_text.encode()).hexdigest()[:16]
     assert kb.get(kid).content_hash == hashlib.sha256(k.ir_text.encode()).hexdigest()
+
+
+def test_get_row_reads_one_table(kb) -> None:  # noqa: ANN001
+    kid = kb.write_kernel(make_kernel(6))
+    assert kb.get_row(Kernel, kid) == kb.get(kid)
+    with pytest.raises(KBError, match="is a Kernel, not a GenerationRun"):
+        kb.get_row(GenerationRun, kid)
 
 
 def test_list_kernels_filters(kb) -> None:  # noqa: ANN001

@@ -211,6 +211,13 @@ class KnowledgeBase:
             raise KBError(f"no record with id {id_!r}", hint="ids look like k-…, s-…, src-…; see `kb stats` / `kb query`")
         return rec
 
+    def get_row(self, table: type[R], id_: str) -> R:
+        """Like `get`, for an id known to name a row of `table`; a record of another table raises `KBError`."""
+        rec = self.get(id_)
+        if not isinstance(rec, table):
+            raise KBError(f"{id_!r} is a {type(rec).__name__}, not a {table.__name__}")
+        return rec
+
     def list(self, table: type[R], **filters: object) -> list[R]:
         """All rows of `table` whose columns equal `filters`, ordered by id."""
         cols = table.model_fields
