@@ -199,9 +199,9 @@ def test_generated_code_shape() -> None:
     assert "(offs_r[:, None] < (q0 + q_len))" in varlen  # `until` joins the extent tests of q's rows
     assert "tl.dot(" not in paged.split("PROGRAM = ")[0]  # one query row: broadcast multiply-sums, no tl.dot
     assert "tl.dot(" not in varlen.split("PROGRAM = ")[0]  # nor K = BLOCK_N = 8 (GPUs want K >= 16 for 16-bit)
-    assert "page * stride_k_0" in paged and "tl.load(block_table_ptr" in paged  # the page-table load indexes k
+    assert "page.to(tl.int64) * stride_k_0" in paged and "tl.load(block_table_ptr" in paged  # the page-table load indexes k
     assert "tl.where(_lane_ok, (n_start + offs_r), 0)" in pool  # an invalid lane's table index is clamped
-    assert pool.count("_rows = tl.load(req_to_token_ptr") == 1  # K and V share one table lookup
+    assert pool.count("_rows = (tl.load(req_to_token_ptr") == 1  # K and V share one table lookup
     assert "DESIGNS = {}" in pool and "PROGRAM_DESIGN = (16, 8, 1, 4, 1, False, False)" in pool
 
 
@@ -221,3 +221,22 @@ def test_cuda_lowering_still_refuses_serving_layouts() -> None:
     for name in SERVING:
         with pytest.raises(KBError, match=r"not supported yet|must be \[B, H, S, D\]"):
             lower_cuda(_program(name))
+
+
+def test_rows_whose_element_offset_passes_int32(cache_dir: Path) -> None:
+    # a KV cache of millions of token rows: row * row stride passes 2**31 elements (256 x 32K tokens x 8 heads x 64 on
+    # a GPU; here a few rows of a pool whose row stride is 2**23 elements, in storage the OS never backs, as only the
+    # rows written and read are touched)
+    stride, pool = 1 << 23, 300
+    storage = torch.empty(pool * stride, dtype=torch.bfloat16)
+    inputs = _pool_inputs(torch.Generator().manual_seed(7), [3, 13], torch.bfloat16)
+    rows = torch.tensor([5, 290, 260, 299, 256, 257, 258, 259, 261, 262, 263, 264, 265, 266, 267, 1], dtype=torch.int32)
+    inputs["req_to_token"] = rows[:13].repeat(2, 1)
+    for name in ("k", "v"):
+        big = storage.as_strided((pool, HKV, D), (stride, D, 1), storage_offset=0 if name == "k" else HKV * D)
+        big[rows.long()] = torch.randn(len(rows), HKV, D, generator=torch.Generator().manual_seed(8)).to(big.dtype)
+        inputs[name] = big
+    k_tm, _ = pool_to_token_major(inputs["k"], inputs["req_to_token"], [3, 13])
+    v_tm, _ = pool_to_token_major(inputs["v"], inputs["req_to_token"], [3, 13])
+    got = TritonKernel.from_program(_program("pool_decode", torch.bfloat16), cache_dir).run(inputs)
+    torch.testing.assert_close(got["o"].float(), _decode_reference(inputs["q"], k_tm, v_tm, [3, 13]), atol=2e-2, rtol=2e-2)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from kb.ir.algebra import next_pow2
-from kb.ir.expr import Expr, ExprOp, free_vars, var, walk
+from kb.ir.expr import Expr, ExprOp, free_vars, loaded_tensors, var, walk
 from kb.ir.nodes import (
     BlockClass, Dtype, For, Gather, IfBlock, Kernel, Let, Load, Mask, Param, Program, Role, SCHEDULE_CONSTANTS, ScoreMod,
     Span, VALUE_DIM, is_backward, walk_stmts,
@@ -115,6 +115,7 @@ class TritonTiles(KernelGenBase[Tile]):
         self.kv_major = self.backward and pack is None and any(
             isinstance(x, For) and str(x.step) == "BLOCK_M" for x in walk_stmts(k.body))
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
+        self.table_reads: set[str] = set()  # scalars bound to a value read from a tensor (a page number)
         self.region: Region | None = None  # set while lowering one part of a split KV loop
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
         self.fold_next: dict[str, str] = {}
@@ -146,7 +147,16 @@ class TritonTiles(KernelGenBase[Tile]):
             and not ir_name.endswith("_ptr") and not ir_name.startswith(("stride_", "offs_", "bc_")) else f"v_{ir_name}"
         return code
 
+    def reads_table(self, e: Expr) -> bool:
+        """Does `e` depend on a value read from a tensor (a page number, a sequence's start)? Such an index times a
+        row stride passes 2**31 elements in a serving engine's cache, so its address term is computed in int64."""
+        return bool(loaded_tensors(e) or free_vars(e) & self.table_reads)
+
     def bind_scalar(self, name: str, e: Expr) -> str:
+        if self.reads_table(e):
+            self.table_reads.add(name)
+        else:
+            self.table_reads.discard(name)
         code = self.local(name)
         sym = Sym(code, expr_kind(e, self.ctx()), is_nonneg(e, self.ctx()))
         self._invalidate(code)
@@ -242,7 +252,10 @@ class TritonTiles(KernelGenBase[Tile]):
                 pos += 1
                 continue
             if isinstance(item, Expr):
-                terms.append(f"{wrap(self.ex(item))} * {stride}")
+                code = wrap(self.ex(item))
+                if self.serving and self.reads_table(item):  # a page number: int64, as gathered rows are
+                    code = f"{code}.to(tl.int64)"
+                terms.append(f"{code} * {stride}")
                 scalar_ok += self.scalar_bounds(item, d)
                 continue
             if isinstance(item, Gather):
@@ -267,7 +280,8 @@ class TritonTiles(KernelGenBase[Tile]):
                 offs = self.offsets(None, size)
                 guard = False
             bc = offs + bcast(pos, rank)
-            terms.append(f"{bc} * {stride}")
+            big = self.serving and isinstance(item, Span) and self.reads_table(item.start)  # packed tokens past 2**31
+            terms.append(f"{bc}.to(tl.int64) * {stride}" if big else f"{bc} * {stride}")
             extent = self._dim(d)
             if self.sig.even_d and d == "D" and size == "HEAD_PAD":
                 even.append(f"({bc} < {extent})")
@@ -331,7 +345,9 @@ class TritonTiles(KernelGenBase[Tile]):
             self.names["_lane_ok"] = Sym(ok, Kind.BOOL)
             index = self.ex(clamped_index(g.index, "_lane_ok"))
             lane_free = g.var not in free_vars(g.index)
-            self.emit(f"{rows} = {index}{f' + 0 * {lanes}' if lane_free else ''}  # each lane's row (table loads clamped)")
+            # int64: a cache's rows times its row stride pass 2**31 elements (256 sequences x 32K tokens x 512)
+            self.emit(f"{rows} = ({index}{f' + 0 * {lanes}' if lane_free else ''}).to(tl.int64)  # each lane's row "
+                      f"(table loads clamped)")
         finally:
             for n in (g.var, "_lane_ok"):
                 self.names.pop(n, None)

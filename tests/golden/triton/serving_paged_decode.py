@@ -504,8 +504,8 @@ def _decode_kernel(
     for n_start in range(0, kv_len, BLOCK_N):
         page = tl.load(block_table_ptr + b * stride_block_table_0 + (n_start // BLOCK_N) * stride_block_table_1, mask=((n_start // BLOCK_N) < MAX_PAGES), other=0)
         offs_r = 0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + page * stride_k_0 + offs_r[:, None] * stride_k_1 + hk * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE), False) if EVEN_D else tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE) & (offs_d[None, :] < D), False)), other=0.0)
-        vt = tl.load(v_ptr + page * stride_v_0 + offs_r[:, None] * stride_v_1 + hk * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE), False) if EVEN_D else tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE) & (offs_d[None, :] < D), False)), other=0.0)
+        kt = tl.load(k_ptr + page.to(tl.int64) * stride_k_0 + offs_r[:, None] * stride_k_1 + hk * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE), False) if EVEN_D else tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE) & (offs_d[None, :] < D), False)), other=0.0)
+        vt = tl.load(v_ptr + page.to(tl.int64) * stride_v_0 + offs_r[:, None] * stride_v_1 + hk * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE), False) if EVEN_D else tl.where((page >= 0) & (page < NUM_PAGES) & (hk < Hkv), (offs_r[:, None] < PAGE) & (offs_d[None, :] < D), False)), other=0.0)
         s = tl.sum(qt.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], 2)  # a side below 16: no tl.dot
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
@@ -595,7 +595,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-a193fcf7f06aa8bb'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_a193fcf7f06aa8bb_06aeff72'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_a193fcf7f06aa8bb_a993aee3'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('block_table', 'seq_lens')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

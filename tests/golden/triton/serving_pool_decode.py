@@ -501,7 +501,7 @@ def _decode_kernel(
     for n_start in range(0, kv_len, BLOCK_N):
         offs_r = tl.arange(0, BLOCK_N)
         _lane_ok = ((n_start + offs_r) < kv_len)  # gathered lanes in use
-        _rows = tl.load(req_to_token_ptr + tl.where(_lane_ok, b, 0) * stride_req_to_token_0 + tl.where(_lane_ok, (n_start + offs_r), 0) * stride_req_to_token_1, mask=(tl.where(_lane_ok, b, 0) >= 0) & (tl.where(_lane_ok, b, 0) < B) & (tl.where(_lane_ok, (n_start + offs_r), 0) >= 0) & (tl.where(_lane_ok, (n_start + offs_r), 0) < MAX_CTX), other=0)  # each lane's row (table loads clamped)
+        _rows = (tl.load(req_to_token_ptr + tl.where(_lane_ok, b, 0) * stride_req_to_token_0 + tl.where(_lane_ok, (n_start + offs_r), 0) * stride_req_to_token_1, mask=(tl.where(_lane_ok, b, 0) >= 0) & (tl.where(_lane_ok, b, 0) < B) & (tl.where(_lane_ok, (n_start + offs_r), 0) >= 0) & (tl.where(_lane_ok, (n_start + offs_r), 0) < MAX_CTX), other=0)).to(tl.int64)  # each lane's row (table loads clamped)
         kt = tl.load(k_ptr + _rows[:, None] * stride_k_0 + hk * stride_k_1 + offs_d[None, :] * stride_k_2, mask=(tl.where((hk < Hkv), (_lane_ok[:, None]) & (_rows[:, None] >= 0) & (_rows[:, None] < POOL), False) if EVEN_D else tl.where((hk < Hkv), (_lane_ok[:, None]) & (_rows[:, None] >= 0) & (_rows[:, None] < POOL) & (offs_d[None, :] < D), False)), other=0.0)
         vt = tl.load(v_ptr + _rows[:, None] * stride_v_0 + hk * stride_v_1 + offs_d[None, :] * stride_v_2, mask=(tl.where((hk < Hkv), (_lane_ok[:, None]) & (_rows[:, None] >= 0) & (_rows[:, None] < POOL), False) if EVEN_D else tl.where((hk < Hkv), (_lane_ok[:, None]) & (_rows[:, None] >= 0) & (_rows[:, None] < POOL) & (offs_d[None, :] < D), False)), other=0.0)
         s = tl.sum(qt.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], 2)  # a side below 16: no tl.dot
@@ -592,7 +592,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-7f706cf432f1f287'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_7f706cf432f1f287_72236713'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_7f706cf432f1f287_1c97df7d'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('req_to_token', 'seq_lens')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

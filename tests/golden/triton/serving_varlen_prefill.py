@@ -498,14 +498,14 @@ def _fwd_kernel(
     m_start = m * BLOCK_M
     offs_r = q0 + m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
-    qt = tl.load(q_ptr + offs_r[:, None] * stride_q_0 + h * stride_q_1 + offs_d[None, :] * stride_q_2, mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)), other=0.0)
+    qt = tl.load(q_ptr + offs_r[:, None].to(tl.int64) * stride_q_0 + h * stride_q_1 + offs_d[None, :] * stride_q_2, mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)), other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
     for n_start in range(0, tl.minimum(q_len, (m_start + BLOCK_M)), BLOCK_N):
         offs_r2 = q0 + n_start + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + offs_r2[:, None] * stride_k_0 + hk * stride_k_1 + offs_d[None, :] * stride_k_2, mask=(tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)), False) if EVEN_D else tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)) & (offs_d[None, :] < D), False)), other=0.0)
-        vt = tl.load(v_ptr + offs_r2[:, None] * stride_v_0 + hk * stride_v_1 + offs_d[None, :] * stride_v_2, mask=(tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)), False) if EVEN_D else tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)) & (offs_d[None, :] < D), False)), other=0.0)
+        kt = tl.load(k_ptr + offs_r2[:, None].to(tl.int64) * stride_k_0 + hk * stride_k_1 + offs_d[None, :] * stride_k_2, mask=(tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)), False) if EVEN_D else tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)) & (offs_d[None, :] < D), False)), other=0.0)
+        vt = tl.load(v_ptr + offs_r2[:, None].to(tl.int64) * stride_v_0 + hk * stride_v_1 + offs_d[None, :] * stride_v_2, mask=(tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)), False) if EVEN_D else tl.where((hk < Hkv), (offs_r2[:, None] < T) & (offs_r2[:, None] >= 0) & (offs_r2[:, None] < (q0 + q_len)) & (offs_d[None, :] < D), False)), other=0.0)
         s = tl.sum(qt.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], 2)  # a side below 16: no tl.dot
         # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
         s = s if POS_sm_scale else s * sm_scale
@@ -524,8 +524,8 @@ def _fwd_kernel(
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
-    tl.store(o_ptr + offs_r[:, None] * stride_o_0 + h * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(o_ptr.dtype.element_ty), mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)))
-    tl.store(lse_ptr + offs_r * stride_lse_0 + h * stride_lse_1, lt.to(lse_ptr.dtype.element_ty), mask=(offs_r < T) & (offs_r >= 0) & (offs_r < (q0 + q_len)))
+    tl.store(o_ptr + offs_r[:, None].to(tl.int64) * stride_o_0 + h * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(o_ptr.dtype.element_ty), mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)))
+    tl.store(lse_ptr + offs_r.to(tl.int64) * stride_lse_0 + h * stride_lse_1, lt.to(lse_ptr.dtype.element_ty), mask=(offs_r < T) & (offs_r >= 0) & (offs_r < (q0 + q_len)))
 
 
 PROGRAM = 'varlen_prefill'
@@ -596,7 +596,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-9593c80590642966'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_9593c80590642966_42189233'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_9593c80590642966_749a677d'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('b_start_loc', 'b_seq_len')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('max_seq_len',)  # then its float scalars, then sm_scale
