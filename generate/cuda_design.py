@@ -31,6 +31,7 @@ __all__ = ["CUDA_LOWERINGS", "CudaChoice", "CudaPair", "CudaPlan", "choose_cuda"
 log = logging.getLogger(__name__)
 
 MAX_ACC_REGS = 96  # fp32 score + output fragment registers per thread that the variants keep without spills (ptxas, sm_80/sm_90a)
+DISPATCH_MIN_SIMILARITY = 0.9  # a measured kernel at least this alike (perf_similarity) lets the `.cu` run for another
 CUDA_LOWERINGS = ("sm90_wgmma", "tensor_cores", "portable")  # choose_cuda's, in its order of preference
 
 
@@ -169,13 +170,20 @@ def forward_dispatch(pairs: list[CudaPair], target: Features, bucket: int, kerne
     """Whether the `.cu` should run for `target` at head-dim `bucket`, and the measurement that says so.
 
     The kernel's own pairs decide when there are any; otherwise the pairs of other kernels, weighted by how alike they
-    are in what decides speed (`perf_similarity`, as design ranking weighs sweeps). The `.cu` runs when the weighted
-    geometric mean of (Triton ms / `.cu` ms) is above 1; without a measurement at this bucket, the Triton module runs."""
+    are in what decides speed (`perf_similarity`, as design ranking weighs sweeps), provided one of them is alike
+    (`DISPATCH_MIN_SIMILARITY`: the `.cu`'s speed against Triton swings from 0.27x to 1.26x with the mask and score_mod,
+    run 16, so a plain kernel's measurement says nothing about a document mask's or a decode's). The `.cu` runs when
+    the weighted geometric mean of (Triton ms / `.cu` ms) is above 1; without such a measurement at this bucket, the
+    Triton module runs."""
     at = [p for p in pairs if p.shape.get("D") and head_bucket(int(p.shape["D"])) == bucket]
     own = [p for p in at if p.kernel_id == kernel_id]
     used = own or at
     if not used:
         return False, "the Triton module runs: no `.cu` of this lowering was measured beside its Triton module here"
+    nearest = max(perf_similarity(target, p.features) for p in used)
+    if not own and nearest < DISPATCH_MIN_SIMILARITY - 1e-9:  # similarities are sums of float weights
+        return False, (f"the Triton module runs: no kernel alike was measured with its `.cu` here (the nearest of "
+                       f"{len(used)} is {nearest:.2f} alike; {DISPATCH_MIN_SIMILARITY} needed)")
     weights = [1.0 if own else math.exp(8.0 * (perf_similarity(target, p.features) - 1.0)) for p in used]
     mean = math.exp(sum(w * math.log(p.speedup) for w, p in zip(weights, used)) / sum(weights))
     best = max(zip(weights, used), key=lambda wp: wp[0])[1]

@@ -161,3 +161,7 @@ def test_measured_cu_records_decide_where_the_cu_runs(tuned) -> None:
     assert not forward_dispatch([pair, slower], features, bucket, "k-another")[0]  # its own record decides
     assert not forward_dispatch([pair], features, bucket * 2, r.kernel_id)[0]  # never measured at this head dim
     assert not forward_dispatch([], features, bucket)[0]
+    # a kernel unlike every measured one (a decode against a prefill's pair) runs Triton, whatever the pair says
+    unlike = replace(features, decode=True, split_kv=True, mask="document")
+    runs, why = forward_dispatch([pair], unlike, bucket, "k-another")
+    assert not runs and "no kernel alike" in why
