@@ -678,10 +678,13 @@ def _op_setup(ctx, inputs, output):
     ctx.scalars, ctx.sm_scale = inputs[3 + len(_KB_AUX):-1], inputs[-1]
     ctx.save_for_backward(q, k, v, output[0], output[1], *aux)
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # lse and the fp32 O get no gradient: no zero tensors filled for them
 
 
 def _op_grads(ctx, dout, *_not_differentiable):
     q, k, v, o, lse, *aux = ctx.saved_tensors
+    if dout is None:  # the loss does not read o
+        return (None,) * (3 + len(_KB_AUX) + len(_KB_SCALARS) + 1)
     named = dict(zip(_KB_AUX, aux))
     scalars = dict(zip(_KB_SCALARS, ctx.scalars))
     grads = _OP_BWD(q, k, v, o, dout.to(q.dtype).contiguous(), lse, *(named[n] for n in _KB_BWD_AUX),
