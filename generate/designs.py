@@ -153,7 +153,9 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
         scores: dict[Design, float] = {}
         near = [(s, math.exp(8.0 * (perf_similarity(target, s.features) - 1.0))) for s in sweeps
                 if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode
-                and s.features.backward == target.backward]
+                and s.features.backward == target.backward
+                # a learnable table's gradient adds atomics per tile: a frozen twin's best tile is not its best (run 16)
+                and (not target.backward or s.features.learned_table == target.learned_table)]
         total = sum(w for _, w in near)
         for sweep, w in near:
             for d, rel in sweep.relative().items():

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
-from generate.backward import BackwardBuilt, build_backward, nondeterminism
+from generate.backward import BackwardBuilt, build_backward, learnable_aux, nondeterminism
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import CUDA_LOWERINGS, CudaChoice, CudaPair, CudaPlan, choose_cuda, cuda_pairs, cuda_plan, forward_dispatch
@@ -559,7 +559,8 @@ def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions, *, backwar
     archs = list(dict.fromkeys([target, "sm90", "sm80"]))
     buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
     value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
-    features = replace(spec.features, backward=True) if backward else spec.features
+    features = replace(spec.features, backward=True, learned_table=bool(learnable_aux(spec))) if backward \
+        else spec.features
     return design_table(kb, features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
 
 

@@ -40,6 +40,7 @@ class Features:
     arch: str = "any"  # "sm80", "sm90", "sm100", or "any"
     backward: bool = False  # a backward program: dq, dk, dv from the saved lse (kb.ir.nodes.is_backward)
     sinks: bool = False  # a sink logit (per head, learned: gpt-oss) joins the softmax's denominator and carries no value
+    learned_table: bool = False  # a backward that also reduces a learnable aux tensor's gradient (kb.ir.nodes.AuxGrad)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

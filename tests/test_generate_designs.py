@@ -62,6 +62,17 @@ def test_measured_sweeps_of_the_nearest_class_lead() -> None:
     assert all(d.num_splits == AUTO_SPLITS or d.num_splits > 1 for d in rank_designs(DECODE, "sm90", 128, [], FA2))
 
 
+def test_a_learnable_tables_backward_is_not_ranked_by_its_frozen_twins_sweeps() -> None:
+    from dataclasses import replace
+
+    frozen = replace(CAUSAL, score_mod="relative_bias", backward=True)
+    learned = replace(frozen, learned_table=True)
+    sweep = Sweep("k1", frozen, "sm90", 128, ((A, 1.0), (C, 0.5)))  # C won for the frozen table
+    assert rank_designs(frozen, "sm90", 128, [sweep], FA2)[0] == C
+    assert rank_designs(learned, "sm90", 128, [sweep], FA2)[0] != C  # its atomics change the best tile
+    assert rank_designs(learned, "sm90", 128, [replace(sweep, features=learned)], FA2)[0] == C
+
+
 def test_design_table_reads_measured_records_and_tunables(kb) -> None:
     kid = kb.write_kernel(Kernel(name="c", family="generated", origin="generated", ir_text="program c\n",
                                  features_json=CAUSAL.to_json(), head_dim=128))

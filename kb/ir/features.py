@@ -8,7 +8,8 @@ Rules (each reads the program, optionally with concrete `shapes` B, Hq, Hkv, M, 
 - head_dim: shapes["D"]; else schedule.head_pad when set; else an integer last dim of q;
   else 0, meaning "any head dim" (a program generic in D).
 - dtype: q's dtype, spelled as specs spell it ("fp32", "bf16", "fp16").
-- backward: the program recomputes probabilities from a saved lse (`probs`), `kb.ir.nodes.is_backward`.
+- backward: the program recomputes probabilities from a saved lse (`probs`), `kb.ir.nodes.is_backward`;
+  learned_table: it also reduces a learnable aux tensor's gradient (`aux_grad`).
 - split_kv: a grid axis whose extent uses NUM_SPLITS, or a `combine` statement.
 - decode: split_kv with num_splits > 1, or decode-shaped `shapes` (seq_q <= 16, seq_kv >= 8 seq_q).
 - return_lse: an out param named `lse` is stored.
@@ -33,7 +34,7 @@ from typing import Iterator, Mapping
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
 from kb.ir.nodes import (
-    Combine, Dtype, For, Full, Gather, Init, Let, Load, OnlineSoftmax, Program, Role, Span, Stmt, Store, is_backward, walk_stmts,
+    Combine, Dtype, For, Full, Gather, Init, Let, Load, OnlineSoftmax, Program, Role, Span, Stmt, Store, aux_gradients, is_backward, walk_stmts,
 )
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse", "has_sinks"]
@@ -186,7 +187,7 @@ def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
     )
     decode = feats.decode or (split and p.schedule.num_splits > 1)
     feats = feats if decode == feats.decode else replace(feats, decode=decode, cross=False)
-    return replace(feats, backward=True) if is_backward(p) else feats
+    return replace(feats, backward=True, learned_table=bool(aux_gradients(p))) if is_backward(p) else feats
 
 
 derive = derive_features  # the name kb/features.py's docstring uses
