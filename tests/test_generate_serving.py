@@ -66,8 +66,7 @@ def test_a_grouped_reference_gives_each_tile_row_its_own_head() -> None:
 
 @pytest.mark.network  # the session KB ingests the real vLLM and SGLang releases
 @pytest.mark.parametrize("path", [SOFTCAP_WINDOW, SERVING / "pool_decode_sinks.py", GQA_ALIBI,
-                                  SERVING / "varlen_prefix_causal.py", SERVING / "varlen_sinks.py",
-                                  SERVING / "chunked_prefill_causal_softcap.py"],
+                                  SERVING / "varlen_prefix_causal.py", SERVING / "chunked_prefill_causal_softcap.py"],
                          ids=lambda p: p.stem)
 def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingested_kb, tmp_path: Path,
                                                                           path: Path) -> None:

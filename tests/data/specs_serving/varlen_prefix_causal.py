@@ -1,6 +1,7 @@
 """Packed varlen prefill over cached prefixes (flash_attn_varlen form): each sequence has more keys than queries
 (len_k = len_q + a cached prefix), causal aligned bottom-right (query i of a sequence sees keys j <= i + len_k - len_q),
-GQA 2:1, fp16. A test serving spec (the held-out ones are in bench/heldout_serving)."""
+GQA 2:1, with a learned attention sink per query head (gpt-oss prefill), fp16. A test serving spec (the held-out ones
+are in bench/heldout_serving)."""
 import torch
 import torch.nn as nn
 
@@ -10,6 +11,10 @@ LENS_K = (40, 9, 70, 100)
 
 
 class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sinks = nn.Parameter(torch.tensor([1.5, -0.5, 0.0, 3.0]))
+
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q):
         tq, tk, d = q.shape[0], k.shape[0], q.shape[-1]
         seq_q = torch.searchsorted(cu_seqlens_q, torch.arange(tq), right=True) - 1
@@ -23,7 +28,9 @@ class Model(nn.Module):
         vv = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1).transpose(0, 1)
         s = (q.float().transpose(0, 1) @ kk.transpose(1, 2)) / d ** 0.5
         s = s.masked_fill(~allowed[None], float("-inf"))
-        return (torch.softmax(s, dim=-1) @ vv).transpose(0, 1).to(q.dtype)
+        sink = self.sinks.float()[:, None, None].expand(-1, tq, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        return (p @ vv).transpose(0, 1).to(q.dtype)
 
 
 def get_inputs():

@@ -1,5 +1,6 @@
 """Packed varlen prefill (flash_attn_varlen form), causal within each sequence, with a learned attention sink per
-query head (gpt-oss prefill), GQA 2:1, bf16. A test serving spec (the held-out ones are in bench/heldout_serving)."""
+query head (gpt-oss prefill), GQA 2:1, bf16; queries and keys share one offsets tensor, so the verifier's re-split
+applies (tests/test_verify_serving_cases.py). A test serving spec (the held-out ones are in bench/heldout_serving)."""
 import torch
 import torch.nn as nn
 
