@@ -18,7 +18,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
-    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, full_span, kv_reach, union_span,
+    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, full_span, kv_reach, transposed, union_span,
 )
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
@@ -104,6 +104,13 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     def block(self, body: tuple[Stmt, ...]) -> None:
         self.offs.append({})
         before = len(self.lines)
+        self.statements(body)
+        if len(self.lines) == before:
+            self.emit("pass")
+        self.offs.pop()
+
+    def statements(self, body: tuple[Stmt, ...]) -> None:
+        """`body` in the current scope, a dot fused into the accumulation that follows it (backward)."""
         float_scalars = {q.name for q in self.sig.scalars if DTYPE_KIND[q.dtype] is Kind.FLOAT}
         fused: set[int] = set()
         for i, st in enumerate(body):
@@ -120,9 +127,6 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 fused.add(i + 1)
                 continue
             self.visit(st)
-        if len(self.lines) == before:
-            self.emit("pass")
-        self.offs.pop()
 
     def split_dim(self, st: Load) -> int | None:
         """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
@@ -551,13 +555,19 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{o} = {o} / _w_safe[:, None]")
 
     def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form."""
+        """(b, h, the other start) of the loop's tile when the loop can be split by block class in closed form: a KV
+        loop, or the query loop of a KV-outer backward kernel (without the split every step of its loop sits under
+        a block-class branch, which keeps Triton from pipelining the loads of q, dO, lse and Δ)."""
         plan = self.plan
         if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
                 or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts) \
                 or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
             return None
-        return self.loop_tile(st, ("forward", "reverse"))
+        return self.loop_tile(st, ("forward", "reverse"), self.loop_axis(st))
+
+    def loop_axis(self, st: For) -> str:
+        """"q" for a KV-major kernel's loop over query tiles (step BLOCK_M), else "kv"."""
+        return "q" if self.kv_major and str(st.step) == "BLOCK_M" else "kv"
 
     def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
@@ -582,18 +592,20 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             return all(self.multiple_of(a, unit) for a in e.args)
         return e.op is ExprOp.NEG and self.multiple_of(e.args[0], unit)
 
-    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",)) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own tile."""
-        if self.region is not None or st.order not in orders or str(st.step) != "BLOCK_N":
+    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",), axis: str = "kv") -> tuple[Expr, Expr, Expr] | None:
+        """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own
+        tile; on the "q" axis, (b, h, kv_start) of a BLOCK_M loop over query tiles."""
+        step, moving, fixed = ("BLOCK_N", "kv_start", "q_start") if axis == "kv" else ("BLOCK_M", "q_start", "kv_start")
+        if self.region is not None or st.order not in orders or str(st.step) != step:
             return None
         stmts = list(walk_stmts(st.body))
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
-        at = (tests[0].at.b, tests[0].at.h, tests[0].at.q_start)
+        at = (tests[0].at.b, tests[0].at.h, getattr(tests[0].at, fixed))
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(x.at.kv_start != var(st.var) or (x.at.b, x.at.h, x.at.q_start) != at for x in tests):
+        if any(getattr(x.at, moving) != var(st.var) or (x.at.b, x.at.h, getattr(x.at, fixed)) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
@@ -646,29 +658,38 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         return big if g is not None and g.below == small and big in self.sig.dims else None
 
     def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
-        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order)."""
+        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order). On the
+        "q" axis the same over query tiles at a fixed KV tile: the bounds transposed, and no block of a KV tile
+        past N is full."""
         v = self.local(st.var)
-        q0 = at[2]
-        q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
+        axis = self.loop_axis(st)
+        own, block, fixed_dim, fixed_block = ((self.n_dim, "BLOCK_N", self.m_dim, "BLOCK_M") if axis == "kv"
+                                              else (self.m_dim, "BLOCK_M", self.n_dim, "BLOCK_N"))
+        f0 = at[2]
+        f1 = call("minimum", f0 + var(fixed_block), var(fixed_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
-        spans = [full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
-            or [(st.lo, var(self.n_dim) - var("BLOCK_N"))]
+        bounds = self.plan.disjuncts if axis == "kv" else tuple(transposed(d) for d in self.plan.disjuncts)
+        spans = [full_span(d, (f0, f1), st.lo, var(own), sub, block) for d in bounds] \
+            or [(st.lo, var(own) - var(block))]
         first, last = spans[0]
         for f, l in spans[1:]:
             first, last = union_span((first, last), (f, l))
+        if axis == "q":
+            first = call("where", f0 + var("BLOCK_N") <= var(self.n_dim), first, var(own))
         hi_expr = st.hi
-        if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
-        self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
+        if len(bounds) > 1:  # a union: past the last position any disjunct can reach, every block is empty
+            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (f0, f1), var(own), sub) for d in bounds]))
+        what_loop = "KV loop" if axis == "kv" else "query loop (KV-outer)"
+        self.emit(f"# {what_loop} split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.position(st.lo)}")
         self.emit(f"{hi} = {self.position(tidy_int(hi_expr))}")
-        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
+        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), {block})")
         self.emit(f"_full_first_{v} = {self.position(tidy_int(first))}")
         self.emit(f"_full_last_{v} = {self.position(tidy_int(last))}")
-        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
+        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), {block}), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
-                  f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
+                  f"(_full_last_{v} - {lo}) // {block} + 1, 0), _i_a_{v}), _n_iter_{v})")
         parts = [("0", f"_i_a_{v}", False), (f"_i_a_{v}", f"_i_b_{v}", True), (f"_i_b_{v}", f"_n_iter_{v}", False)]
         if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
             parts.reverse()
@@ -680,12 +701,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if st.order == "reverse":
                 it = f"_it_{v}"
                 self.emit(f"for {it} in range(0, {i_hi} - {i_lo}):  # {what} blocks, descending")
-                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * BLOCK_N")
+                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * {block}")
             else:
-                a = lo if i_lo == "0" else f"{lo} + {i_lo} * BLOCK_N"
-                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * BLOCK_N"
-                self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {what} blocks")
-            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL)
+                a = lo if i_lo == "0" else f"{lo} + {i_lo} * {block}"
+                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * {block}"
+                self.emit(f"for {v} in {self.loop_range(st, a, b, block)}:  # {what} blocks")
+            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL, axis)
             self.depth += 1
             self.block(st.body)
             self.depth -= 1
@@ -726,9 +747,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if holds is not None:
                 cond = f"{'not ' if st.negate else ''}block is {st.cls.value}"
                 self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
-                taken = st.then if holds != st.negate else st.orelse
-                for sub in taken:
-                    self.visit(sub)
+                self.statements(st.then if holds != st.negate else st.orelse)
                 return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")

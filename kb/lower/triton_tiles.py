@@ -73,18 +73,21 @@ class Signature:
 
 @dataclass(frozen=True)
 class Region:
-    """One part of a split KV loop: the block classes its tiles at (b, h, q_start, var) can have."""
+    """One part of a split loop: the block classes its tiles at (b, h, q_start, var) can have. A KV loop's variable is
+    the tile's kv_start; a backward KV-outer kernel's query loop (`axis` "q") steps q_start by BLOCK_M instead."""
 
-    var: str  # the IR loop variable (the tile's kv_start)
-    at: tuple[Expr, Expr, Expr]  # (b, h, q_start) shared by every mask / block test in the loop
+    var: str  # the IR loop variable (the tile's kv_start, or q_start on the "q" axis)
+    at: tuple[Expr, Expr, Expr]  # (b, h, the other start) shared by every mask / block test in the loop
     classes: frozenset[BlockClass]
+    axis: str = "kv"
 
     @property
     def full(self) -> bool:
         return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
-        return st.at.kv_start == var(self.var) and (st.at.b, st.at.h, st.at.q_start) == self.at
+        moving, fixed = (st.at.kv_start, st.at.q_start) if self.axis == "kv" else (st.at.q_start, st.at.kv_start)
+        return moving == var(self.var) and (st.at.b, st.at.h, fixed) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
@@ -270,9 +273,9 @@ class TritonTiles(KernelGenBase[Tile]):
                 size = str(item.size)
                 offs = self.offsets(item.start, size)
                 guard = not is_nonneg(item.start, self.ctx())
-                # a full block lies inside [0, N): n_start + BLOCK_N <= N
+                # a full block lies inside [0, N): n_start + BLOCK_N <= N (or [0, M) on a query loop's axis)
                 in_full_block = self.region is not None and self.region.full and item.start == var(self.region.var) \
-                    and size == "BLOCK_N" and d == self.n_dim
+                    and (size, d) == (("BLOCK_N", self.n_dim) if self.region.axis == "kv" else ("BLOCK_M", self.m_dim))
                 if item.until is not None:
                     lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")
             else:
