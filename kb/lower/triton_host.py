@@ -41,7 +41,7 @@ __all__ = ["HostEntry", "HOST_NAMES", "host_name_clash", "check_host_names", "ou
 HOST_NAMES = frozenset(dir(builtins)) | {
     "math", "os", "torch", "triton", "tl", "weakref", "logging", "forward", "backward", "kb_attention",
     "block_class_table", "ForwardArgumentError", "PROGRAM", "DESIGNS", "PROGRAM_DESIGN", "KERNEL_ID", "OP_NAME",
-    "NO_BACKWARD", "kw", "dims", "launch", "design", "key", "plan", "rec", "table", "bc", "kvl", "block_class",
+    "NO_BACKWARD", "kw", "dims", "launch", "design", "key", "plan", "rec", "table", "bc", "kvl", "qvl", "block_class",
     "only_table", "table_only", "aux_and_scalars", "classes", "aux", "scalars", "missing", "named", "grads", "learned",
     "wanted", "aux_grads", "ctx", "inputs", "output", "ops", "fwd", "bwd", "tma", "num_warps", "num_stages", "PACK",
     "USE_TMA", "WARP_SPEC", "HEAD_PAD", "HEAD_PAD_V", "EVEN_D", "EVEN_DV", "NUM_SPLITS", "BLOCK_M", "BLOCK_N"}
@@ -329,10 +329,10 @@ _TABLE = Template('''\
         # block classes of mask_mod (not decidable in closed form): one GPU program per tile
         classes = lambda bc: ${class_kernel}[(bc.numel(),)](${args}, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
         # rebuilt only when the mask's inputs change (compared by content), as FlexAttention's block mask is built once
-        table = block_class if block_class is not None else _cached_table((${key}), (${inputs}), lambda: _hblock_table(_hblock_classes(classes, ${nb}, ${nh}, ${m}, ${n}, BLOCK_M, BLOCK_N, ${device})))
+        table = block_class if block_class is not None else _cached_table((${key}), (${inputs}), lambda: _hblock_table(_hblock_classes(classes, ${nb}, ${nh}, ${m}, ${n}, BLOCK_M, BLOCK_N, ${device})${by_kv}))
         if table_only:
             return table
-        bc, kvl = table
+        ${unpack} = table
 ''')
 
 _TMA = Template('''\
@@ -418,6 +418,7 @@ def _table_build(p: Program, sig: Signature, plan: BlockMaskPlan, entry: HostEnt
                      + [q.name for q in scalars] + ["bc", "*bc.stride()", "*bc.shape[1:]"])
     key = f"{entry.table_tag}BLOCK_M, BLOCK_N, {', '.join(sig.dims)}, {scalars_used}{',' if scalars_used else ''}"
     return _TABLE.substitute(class_kernel=entry.class_kernel, args=args, key=key,
+                             by_kv=", by_kv=True" if sig.q_lists else "", unpack="bc, kvl, qvl" if sig.q_lists else "bc, kvl",
                              inputs=", ".join(tensors_used) + ("," if tensors_used else ""),
                              nb=str(qshape[0]) if plan.per_b else "1", nh=str(qshape[1]) if plan.per_h else "1",
                              m=qshape[2], n=p.param("k").shape[2], device=device)
@@ -462,6 +463,7 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
     """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`; the kernels in
     `swap` between two exchanges of BLOCK_M and BLOCK_N when the design asks for it (Design.dq_swap)."""
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
+    table_args += ["qvl", "*qvl.stride()"] if sig.q_lists else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
                      + [q.name for q in sig.scalars] + table_args)
     constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())

@@ -570,13 +570,16 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         return "q" if self.kv_major and str(st.step) == "BLOCK_M" else "kv"
 
     def indexed_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) of the loop's tile when the KV loop can run over the host's block lists."""
+        """(b, h, the other start) of the loop's tile when the loop can run over the host's block lists: a KV loop
+        over a query-block row's lists, or a KV-outer backward kernel's query loop over a KV-block column's."""
         if not self.opts.indexed_kv_loop or not self.sig.table or self.pack is not None:
             return None
         # the lists visit partial, then full blocks, ascending, whatever the IR's order (the order only moves
         # rounding): a reverse loop over a table would otherwise branch on every block up to its bound
-        at = self.loop_tile(st, ("forward", "reverse"))
-        if at is None or not self.multiple_of(at[2], "BLOCK_M") or not self.multiple_of(st.lo, "BLOCK_N"):
+        axis = self.loop_axis(st)
+        at = self.loop_tile(st, ("forward", "reverse"), axis)
+        fixed, own = ("BLOCK_M", "BLOCK_N") if axis == "kv" else ("BLOCK_N", "BLOCK_M")
+        if at is None or not self.multiple_of(at[2], fixed) or not self.multiple_of(st.lo, own):
             return None
         return at
 
@@ -714,28 +717,36 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.end_hoist(started)
 
     def indexed_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
-        """Two loops over the host's lists of partial, then full, KV blocks of this tile row in [lo, hi)."""
+        """Two loops over the host's lists of partial, then full, KV blocks of this tile row in [lo, hi) (on the "q"
+        axis: of query blocks of this KV-block column, from the transposed lists qvl)."""
         v = self.local(st.var)
         b = self.ex(at[0]) if self.plan.per_b else "0"
         h = self.ex(at[1]) if self.plan.per_h else "0"
-        row, j_lo, j_hi = f"_kvl_row_{v}", f"_j_lo_{v}", f"_j_hi_{v}"
-        self.emit("# KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block")
+        axis = self.loop_axis(st)
+        lists, fixed, own, count = ("kvl", "BLOCK_M", "BLOCK_N", "bc_nn") if axis == "kv" else ("qvl", "BLOCK_N", "BLOCK_M", "bc_nm")
+        if axis == "q":
+            self.sig.q_lists = True
+        row, j_lo, j_hi = f"_{lists}_row_{v}", f"_j_lo_{v}", f"_j_hi_{v}"
+        if axis == "kv":
+            self.emit("# KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block")
+        else:
+            self.emit("# query loop over the host's block lists (qvl[b, h, n_block, class] = cumulative counts, then block")
         self.emit("# indices): partial blocks, then full blocks (no mask code); empty blocks are never visited")
-        self.emit(f"{row} = kvl_ptr + {wrap(b)} * stride_kvl_0 + {wrap(h)} * stride_kvl_1 "
-                  f"+ ({wrap(self.ex(at[2]))} // BLOCK_M) * stride_kvl_2")
+        self.emit(f"{row} = {lists}_ptr + {wrap(b)} * stride_{lists}_0 + {wrap(h)} * stride_{lists}_1 "
+                  f"+ ({wrap(self.ex(at[2]))} // {fixed}) * stride_{lists}_2")
         lo = self.ex(st.lo)
-        self.emit(f"{j_lo} = {lo if is_nonneg(st.lo, self.ctx()) else f'tl.maximum({lo}, 0)'} // BLOCK_N")
-        self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, BLOCK_N), bc_nn), {j_lo})")
+        self.emit(f"{j_lo} = {lo if is_nonneg(st.lo, self.ctx()) else f'tl.maximum({lo}, 0)'} // {own}")
+        self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, {own}), {count}), {j_lo})")
         started = self.start_hoist(st)
         for cls in (BlockClass.PARTIAL, BlockClass.FULL):
-            lst, it = f"_kvl_{cls.value}_{v}", f"_i_{cls.value}_{v}"
-            self.emit(f"{lst} = {row} + {CLASS_CODE[cls] - PARTIAL} * stride_kvl_3")
+            lst, it = f"_{lists}_{cls.value}_{v}", f"_i_{cls.value}_{v}"
+            self.emit(f"{lst} = {row} + {CLASS_CODE[cls] - PARTIAL} * stride_{lists}_3")
             self._invalidate(v)
             self.names[st.var] = Sym(v, Kind.INT, True)
-            self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_kvl_4), tl.load({lst} + {j_hi} * stride_kvl_4)):")
+            self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_{lists}_4), tl.load({lst} + {j_hi} * stride_{lists}_4)):")
             self.depth += 1
-            self.emit(f"{v} = tl.load({lst} + (bc_nn + 1 + {it}) * stride_kvl_4) * BLOCK_N  # {cls.value} blocks")
-            self.region = Region(st.var, at, frozenset({cls}))
+            self.emit(f"{v} = tl.load({lst} + ({count} + 1 + {it}) * stride_{lists}_4) * {own}  # {cls.value} blocks")
+            self.region = Region(st.var, at, frozenset({cls}), axis, inside=axis == "kv")
             self.block(st.body)
             self.region = None
             self.depth -= 1

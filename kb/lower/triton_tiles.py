@@ -56,6 +56,7 @@ class Signature:
     tma: bool = False  # USE_TMA constexpr (LowerOptions.tma)
     ws: bool = False  # WARP_SPEC constexpr (LowerOptions.warp_specialize, with tma)
     tma_tensors: list[str] = field(default_factory=list)  # tensors with a descriptor form somewhere
+    q_lists: bool = False  # qvl: the table's block lists per KV-block column (a backward's query loops run over them)
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
@@ -64,6 +65,8 @@ class Signature:
         if self.table:
             out += ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nb", "bc_nh", "bc_nm", "bc_nn"]
             out += ["kvl_ptr", *(f"stride_kvl_{i}" for i in range(5))]
+        if self.q_lists:
+            out += ["qvl_ptr", *(f"stride_qvl_{i}" for i in range(5))]
         return out
 
     def constexprs(self) -> list[str]:
@@ -80,6 +83,9 @@ class Region:
     at: tuple[Expr, Expr, Expr]  # (b, h, the other start) shared by every mask / block test in the loop
     classes: frozenset[BlockClass]
     axis: str = "kv"
+    # do the full blocks' moving tiles lie inside their dim? A KV tile does (the class table and the closed-form split
+    # both ask it); a query tile from the table's lists may pass M, so its loads keep their row guard
+    inside: bool = True
 
     @property
     def full(self) -> bool:
@@ -274,7 +280,8 @@ class TritonTiles(KernelGenBase[Tile]):
                 offs = self.offsets(item.start, size)
                 guard = not is_nonneg(item.start, self.ctx())
                 # a full block lies inside [0, N): n_start + BLOCK_N <= N (or [0, M) on a query loop's axis)
-                in_full_block = self.region is not None and self.region.full and item.start == var(self.region.var) \
+                in_full_block = self.region is not None and self.region.full and self.region.inside \
+                    and item.start == var(self.region.var) \
                     and (size, d) == (("BLOCK_N", self.n_dim) if self.region.axis == "kv" else ("BLOCK_M", self.m_dim))
                 if item.until is not None:
                     lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")

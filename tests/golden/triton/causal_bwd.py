@@ -198,7 +198,10 @@ def _witness(tensors):
     return tuple((weakref.ref(t), t._version) for t in tensors)
 
 
-def _hblock_table(bc):
+def _hblock_table(bc, by_kv=False):
+    """(classes, block lists per query-block row[, per KV-block column: a backward's KV-outer query loops])."""
+    if by_kv:
+        return bc, _hblock_lists(bc), _hblock_lists(bc.transpose(2, 3))
     return bc, _hblock_lists(bc)
 
 

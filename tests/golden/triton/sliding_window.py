@@ -198,7 +198,10 @@ def _witness(tensors):
     return tuple((weakref.ref(t), t._version) for t in tensors)
 
 
-def _hblock_table(bc):
+def _hblock_table(bc, by_kv=False):
+    """(classes, block lists per query-block row[, per KV-block column: a backward's KV-outer query loops])."""
+    if by_kv:
+        return bc, _hblock_lists(bc), _hblock_lists(bc.transpose(2, 3))
     return bc, _hblock_lists(bc)
 
 
@@ -634,7 +637,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-617634b6aefe633a'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_617634b6aefe633a_4526a4d7'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_617634b6aefe633a_1197bd51'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
