@@ -367,6 +367,18 @@ def test_generated_code_shape_follows_fa2() -> None:
                    for k in causal_bwd().kernels for st in walk_stmts(k.body))
 
 
+@pytest.mark.parametrize("name, lists", [("causal", False), ("sliding_window", False), ("document", True)])
+def test_the_query_loop_of_the_dkdv_kernel_runs_full_blocks_without_branch_or_mask(name: str, lists: bool) -> None:
+    """Every step of a KV-outer query loop under a block-class branch keeps Triton from pipelining its loads: the loop
+    is split in closed form (analytic masks) or runs over the table's block lists per KV-block column."""
+    src = lower_program(CASES[name].program())
+    dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
+    full = dkdv.split("# full blocks", 1)[1]
+    full = full.split("# partial blocks", 1)[0] if not lists else full
+    assert ("qvl_ptr" in dkdv) == lists and ("split by block class" in dkdv) != lists
+    assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
+
+
 def test_compiles_for_sm90() -> None:
     """The real Triton compiler (no GPU): every backward kernel compiles for sm_90 at D = 128 with bf16 inputs."""
     from kb.lower.triton_aot import compile_for_arch
