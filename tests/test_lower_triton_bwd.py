@@ -368,15 +368,19 @@ def test_generated_code_shape_follows_fa2() -> None:
 
 
 @pytest.mark.parametrize("name, lists", [("causal", False), ("sliding_window", False), ("document", True)])
-def test_the_query_loop_of_the_dkdv_kernel_runs_full_blocks_without_branch_or_mask(name: str, lists: bool) -> None:
-    """Every step of a KV-outer query loop under a block-class branch keeps Triton from pipelining its loads: the loop
-    is split in closed form (analytic masks) or runs over the table's block lists per KV-block column."""
+def test_the_query_loop_of_the_dkdv_kernel_runs_a_tables_lists_and_keeps_an_analytic_mask_under_its_branch(
+        name: str, lists: bool) -> None:
+    """With a block-class table the KV-outer query loop visits the table's lists per KV-block column (no empty blocks,
+    full ones without mask code); with a closed-form mask every step stays under its block-class branch, which keeps
+    Triton from pipelining the loop (measured faster for this kernel than the split, pipelined loop: run 17)."""
     src = lower_program(CASES[name].program())
     dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
-    full = dkdv.split("# full blocks", 1)[1]
-    full = full.split("# partial blocks", 1)[0] if not lists else full
-    assert ("qvl_ptr" in dkdv) == lists and ("split by block class" in dkdv) != lists
-    assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
+    assert ("qvl_ptr" in dkdv) == lists and "split by block class" not in dkdv
+    if lists:
+        full = dkdv.split("# full blocks", 1)[1]
+        assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
+    else:
+        assert "if not _is_full:" in dkdv
 
 
 def test_compiles_for_sm90() -> None:

@@ -83,9 +83,6 @@ class Region:
     at: tuple[Expr, Expr, Expr]  # (b, h, the other start) shared by every mask / block test in the loop
     classes: frozenset[BlockClass]
     axis: str = "kv"
-    # do the full blocks' moving tiles lie inside their dim? A KV tile does (the class table and the closed-form split
-    # both ask it); a query tile from the table's lists may pass M, so its loads keep their row guard
-    inside: bool = True
 
     @property
     def full(self) -> bool:
@@ -279,10 +276,10 @@ class TritonTiles(KernelGenBase[Tile]):
                 size = str(item.size)
                 offs = self.offsets(item.start, size)
                 guard = not is_nonneg(item.start, self.ctx())
-                # a full block lies inside [0, N): n_start + BLOCK_N <= N (or [0, M) on a query loop's axis)
-                in_full_block = self.region is not None and self.region.full and self.region.inside \
-                    and item.start == var(self.region.var) \
-                    and (size, d) == (("BLOCK_N", self.n_dim) if self.region.axis == "kv" else ("BLOCK_M", self.m_dim))
+                # a full block lies inside [0, N): n_start + BLOCK_N <= N; a full query block of the table's lists may
+                # pass M (the class table asks only its KV tile to be whole), so its loads keep their row guard
+                in_full_block = self.region is not None and self.region.full and self.region.axis == "kv" \
+                    and item.start == var(self.region.var) and size == "BLOCK_N" and d == self.n_dim
                 if item.until is not None:
                     lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")
             else:
