@@ -63,15 +63,40 @@ class _Recorder:
         return self.fn(*args, **kwargs)
 
 
-def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any]:
+class _CudaRecorder:
+    """Stands in for the module's `.cu` dispatch once: a call the `.cu` answers never reaches `forward`."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.args: tuple = ()
+        self.kwargs: dict[str, Any] = {}
+        self.ran = False
+
+    def __call__(self, q, k, v, sm_scale, named):  # noqa: ANN001, ANN204
+        self.args, self.kwargs = (q, k, v), {"sm_scale": sm_scale, **named}
+        out = self.fn(q, k, v, sm_scale, named)
+        self.ran = out is not None
+        return out
+
+
+def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any, str]:
+    """forward()'s arguments as ModelNew passes them, ModelNew's output, and which implementation answered (the
+    module's `.cu` or its Triton kernels)."""
     rec = _Recorder(cand.forward)
+    cuda = _CudaRecorder(cand._cuda_forward) if hasattr(cand, "_cuda_forward") else None
     setattr(cand, "forward", rec)
+    if cuda is not None:
+        setattr(cand, "_cuda_forward", cuda)
     try:
         with torch.no_grad():
             out = new(*inputs)
     finally:
         setattr(cand, "forward", rec.fn)
-    return rec.args, rec.kwargs, out
+        if cuda is not None:
+            setattr(cand, "_cuda_forward", cuda.fn)
+    if cuda is not None and cuda.ran:
+        return cuda.args, cuda.kwargs, out, ".cu"
+    return rec.args, rec.kwargs, out, "triton"
 
 
 # ---- the reference and one implementation's record --------------------------------------------------------------------
@@ -176,7 +201,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
         if ref is None:
             ref = sdpa() if sdpa is not None else model(*inputs)
             res["reference"] = "sdpa" if sdpa is not None else "spec Model"
-        args, kwargs, _ = _module_call(cand, new, inputs)
+        args, kwargs, _, res["emitted_runs"] = _module_call(cand, new, inputs)
         picked = dict(cand._PICKED)
         res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
         records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
@@ -278,7 +303,7 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     shape = bench_shapes(spec, entry.get("shapes"))[shape_index] if device != "cpu" else {}  # CPU: the small shape
     inputs = make_inputs(spec, shape, device)
     cand, model, new = load_candidate(entry, spec, shape, device, "profile")
-    args, kwargs, _ = _module_call(cand, new, inputs)
+    args, kwargs, _, _ = _module_call(cand, new, inputs)
     impls: dict[str, Callable[[], Any] | None] = {
         "emitted": lambda: new(*inputs), "flex": flex_call(spec, inputs, model), "sdpa": sdpa_call(spec, inputs),
         "emitted-cuda": _emitted_cuda(entry, args, kwargs) if device == "cuda" else None}
@@ -310,7 +335,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
                     flex()
                 new(*inputs)
             else:
-                args, kwargs, _ = _module_call(cand, new, inputs)
+                args, kwargs, _, _ = _module_call(cand, new, inputs)
                 cand.forward(*args, _design=_design_arg(design), **kwargs)
         torch.cuda.synchronize()
         return "ok"
@@ -383,10 +408,11 @@ def _summary_line(entry: dict, seconds: float) -> str:
         recs = {r["impl"]: r for r in s.get("records", [])}
         best = min((r for r in s.get("records", []) if r["impl"].startswith("design") and r["status"] == "ok"),
                    key=lambda r: r["ms"], default=None)
-        em, fx = recs.get("emitted", {}), recs.get("flex", {})
-        parts.append(f"D{s.get('shape', {}).get('D')}: emitted {em.get('ms', math.nan):.3f} ms ({s.get('emitted_design')}), "
+        em, fx, sd = recs.get("emitted", {}), recs.get("flex", {}), recs.get("sdpa", {})
+        runs = "the .cu" if s.get("emitted_runs") == ".cu" else s.get("emitted_design")
+        parts.append(f"D{s.get('shape', {}).get('D')}: emitted {em.get('ms', math.nan):.3f} ms ({runs}), "
                      f"best {best['ms'] if best else math.nan:.3f} ({best['design'] if best else '-'}), "
-                     f"flex {fx.get('ms', math.nan):.3f}")
+                     f"flex {fx.get('ms', math.nan):.3f}, sdpa {sd.get('ms', math.nan):.3f}")
     return f"{entry['name']} [{seconds:.0f}s]: " + "; ".join(parts)
 
 

@@ -165,3 +165,31 @@ def test_measured_cu_records_decide_where_the_cu_runs(tuned) -> None:
     unlike = replace(features, decode=True, split_kv=True, mask="document")
     runs, why = forward_dispatch([pair], unlike, bucket, "k-another")
     assert not runs and "no kernel alike" in why
+
+
+def test_the_bench_learns_forward_arguments_when_the_cu_answers_the_call() -> None:
+    """A module that dispatches to its `.cu` never calls forward(): the bench takes the arguments from the dispatch
+    (run 17 lost four held-out specs to an IndexError there) and says which implementation ran."""
+    import types
+
+    import torch
+
+    from generate.tune_gpu import _module_call
+
+    src = (
+        "import torch\n"
+        "def forward(q, k, v, *, sm_scale=None, **aux):\n    return (q + 1, None)\n"
+        "def _cuda_forward(q, k, v, sm_scale, named):\n    return (q * 2, None) if CU else None\n"
+        "class ModelNew(torch.nn.Module):\n"
+        "    def forward(self, q, k, v):\n"
+        "        out = _cuda_forward(q, k, v, 0.5, {'bias': v})\n"
+        "        return (out if out is not None else forward(q, k, v, sm_scale=0.5, bias=v))[0]\n")
+    for cu, runs in ((True, ".cu"), (False, "triton")):
+        cand = types.ModuleType("cand")
+        exec(compile(src, "cand.py", "exec"), cand.__dict__)  # noqa: S102 - the test's own source
+        cand.CU = cu
+        q, k, v = (torch.full((1, 1, 2, 4), float(i)) for i in (1, 2, 3))
+        args, kwargs, out, ran = _module_call(cand, cand.ModelNew(), [q, k, v])
+        assert ran == runs and len(args) == 3 and all(a is b for a, b in zip(args, (q, k, v)))
+        assert kwargs["sm_scale"] == 0.5 and kwargs["bias"] is v
+        assert torch.equal(out, q * 2 if cu else q + 1)
