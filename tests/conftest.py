@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
+# one thread per process: the run has a worker per core, and torch's OpenMP pool in every worker and every process a
+# test starts (verify children, CLI runs, the KB builder: they inherit it) otherwise sizes itself to the whole machine;
+# on 2 cores the spinning pools made each test of a full run several times slower than alone
+os.environ["OMP_NUM_THREADS"] = "1"
 
-from kb.embed import SentenceEmbedder, get_embedder
-from kb.settings import Settings, load_settings
-from tests.support.generate_fixtures import INGEST_SUMMARY
-from tests.support.ingested import HOME_NAME, shared_ingested
-from tests.support.repo import REPO
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kb.embed import SentenceEmbedder, get_embedder  # noqa: E402
+from kb.settings import Settings, load_settings  # noqa: E402
+from tests.support.generate_fixtures import INGEST_SUMMARY  # noqa: E402
+from tests.support.ingested import HOME_NAME, shared_ingested  # noqa: E402
+from tests.support.repo import REPO  # noqa: E402
+
+torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
 # ---- hermetic caches: a warm machine must not hide a failure (a kernel that only "compiles"
 # because ~/.triton/cache already holds it). Every compiler cache of this run, and of every
