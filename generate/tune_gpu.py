@@ -51,52 +51,38 @@ SCHEMA = "kernel-kb/tune/v1"
 
 
 class _Recorder:
-    """Stands in for the module's `forward` once, to learn the arguments ModelNew passes it."""
+    """Stands in for a module function once, to learn the arguments ModelNew passes it and what it returned."""
 
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
         self.args: tuple = ()
         self.kwargs: dict[str, Any] = {}
+        self.out: Any = None
 
     def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
         self.args, self.kwargs = args, kwargs
-        return self.fn(*args, **kwargs)
-
-
-class _CudaRecorder:
-    """Stands in for the module's `.cu` dispatch once: a call the `.cu` answers never reaches `forward`."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.args: tuple = ()
-        self.kwargs: dict[str, Any] = {}
-        self.ran = False
-
-    def __call__(self, q, k, v, sm_scale, named):  # noqa: ANN001, ANN204
-        self.args, self.kwargs = (q, k, v), {"sm_scale": sm_scale, **named}
-        out = self.fn(q, k, v, sm_scale, named)
-        self.ran = out is not None
-        return out
+        self.out = self.fn(*args, **kwargs)
+        return self.out
 
 
 def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any, str]:
     """forward()'s arguments as ModelNew passes them, ModelNew's output, and which implementation answered (the
-    module's `.cu` or its Triton kernels)."""
-    rec = _Recorder(cand.forward)
-    cuda = _CudaRecorder(cand._cuda_forward) if hasattr(cand, "_cuda_forward") else None
-    setattr(cand, "forward", rec)
-    if cuda is not None:
-        setattr(cand, "_cuda_forward", cuda)
+    module's `.cu`, whose dispatch `_cuda_forward(q, k, v, sm_scale, named)` returns None when it declines and a call
+    it answers never reaches forward(), or its Triton kernels)."""
+    recs = {name: _Recorder(getattr(cand, name)) for name in ("forward", "_cuda_forward") if hasattr(cand, name)}
+    for name, rec in recs.items():
+        setattr(cand, name, rec)
     try:
         with torch.no_grad():
             out = new(*inputs)
     finally:
-        setattr(cand, "forward", rec.fn)
-        if cuda is not None:
-            setattr(cand, "_cuda_forward", cuda.fn)
-    if cuda is not None and cuda.ran:
-        return cuda.args, cuda.kwargs, out, ".cu"
-    return rec.args, rec.kwargs, out, "triton"
+        for name, rec in recs.items():
+            setattr(cand, name, rec.fn)
+    cuda = recs.get("_cuda_forward")
+    if cuda is not None and cuda.out is not None:
+        q, k, v, sm_scale, named = cuda.args
+        return (q, k, v), {"sm_scale": sm_scale, **named}, out, ".cu"
+    return recs["forward"].args, recs["forward"].kwargs, out, "triton"
 
 
 # ---- the reference and one implementation's record --------------------------------------------------------------------
