@@ -23,7 +23,7 @@ from kb.lower.block_mask import (
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
-from kb.lower.triton_tiles import Region, Tile, TritonTiles
+from kb.lower.triton_tiles import AXES, Region, Tile, TritonTiles
 
 __all__ = ["TritonKernelGen"]
 
@@ -579,10 +579,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             return None
         # the lists visit partial, then full blocks, ascending, whatever the IR's order (the order only moves
         # rounding): a reverse loop over a table would otherwise branch on every block up to its bound
-        axis = self.loop_axis(st)
-        at = self.loop_tile(st, ("forward", "reverse"), axis)
-        fixed, own = ("BLOCK_M", "BLOCK_N") if axis == "kv" else ("BLOCK_N", "BLOCK_M")
-        if at is None or not self.multiple_of(at[2], fixed) or not self.multiple_of(st.lo, own):
+        ax = AXES[self.loop_axis(st)]
+        at = self.loop_tile(st, ("forward", "reverse"), ax.name)
+        if at is None or not self.multiple_of(at[2], ax.fixed_block) or not self.multiple_of(st.lo, ax.step):
             return None
         return at
 
@@ -601,17 +600,17 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",), axis: str = "kv") -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own
         tile; on the "q" axis, (b, h, kv_start) of a BLOCK_M loop over query tiles."""
-        step, moving, fixed = ("BLOCK_N", "kv_start", "q_start") if axis == "kv" else ("BLOCK_M", "q_start", "kv_start")
-        if self.region is not None or st.order not in orders or str(st.step) != step:
+        ax = AXES[axis]
+        if self.region is not None or st.order not in orders or str(st.step) != ax.step:
             return None
         stmts = list(walk_stmts(st.body))
         tests = [x for x in stmts if isinstance(x, (Mask, IfBlock))]
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
-        at = (tests[0].at.b, tests[0].at.h, getattr(tests[0].at, fixed))
+        at = (tests[0].at.b, tests[0].at.h, getattr(tests[0].at, ax.fixed))
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(getattr(x.at, moving) != var(st.var) or (x.at.b, x.at.h, getattr(x.at, fixed)) != at for x in tests):
+        if any(getattr(x.at, ax.moving) != var(st.var) or (x.at.b, x.at.h, getattr(x.at, ax.fixed)) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
@@ -716,15 +715,13 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         v = self.local(st.var)
         b = self.ex(at[0]) if self.plan.per_b else "0"
         h = self.ex(at[1]) if self.plan.per_h else "0"
-        axis = self.loop_axis(st)
-        lists, fixed, own, count = ("kvl", "BLOCK_M", "BLOCK_N", "bc_nn") if axis == "kv" else ("qvl", "BLOCK_N", "BLOCK_M", "bc_nm")
-        if axis == "q":
+        ax = AXES[self.loop_axis(st)]
+        lists, fixed, own, count = ax.lists, ax.fixed_block, ax.step, ax.count
+        if ax.name == "q":
             self.sig.q_lists = True
         row, j_lo, j_hi = f"_{lists}_row_{v}", f"_j_lo_{v}", f"_j_hi_{v}"
-        if axis == "kv":
-            self.emit("# KV loop over the host's block lists (kvl[b, h, m_block, class] = cumulative counts, then block")
-        else:
-            self.emit("# query loop over the host's block lists (qvl[b, h, n_block, class] = cumulative counts, then block")
+        what, block = ("KV", "m_block") if ax.name == "kv" else ("query", "n_block")
+        self.emit(f"# {what} loop over the host's block lists ({lists}[b, h, {block}, class] = cumulative counts, then block")
         self.emit("# indices): partial blocks, then full blocks (no mask code); empty blocks are never visited")
         self.emit(f"{row} = {lists}_ptr + {wrap(b)} * stride_{lists}_0 + {wrap(h)} * stride_{lists}_1 "
                   f"+ ({wrap(self.ex(at[2]))} // {fixed}) * stride_{lists}_2")
@@ -740,7 +737,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_{lists}_4), tl.load({lst} + {j_hi} * stride_{lists}_4)):")
             self.depth += 1
             self.emit(f"{v} = tl.load({lst} + ({count} + 1 + {it}) * stride_{lists}_4) * {own}  # {cls.value} blocks")
-            self.region = Region(st.var, at, frozenset({cls}), axis)
+            self.region = Region(st.var, at, frozenset({cls}), ax.name)
             self.block(st.body)
             self.region = None
             self.depth -= 1

@@ -28,7 +28,7 @@ from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_options import LowerOptions
 
 
-__all__ = ["Tile", "Signature", "Region", "TritonTiles"]
+__all__ = ["Tile", "Signature", "LoopAxis", "AXES", "Region", "TritonTiles"]
 
 _RESERVED = {"tl", "triton", "torch", "math", "os", "range", "float", "int", "max", "min", "pid", "dims", "grid"}
 
@@ -75,6 +75,25 @@ class Signature:
 
 
 @dataclass(frozen=True)
+class LoopAxis:
+    """What a loop over tiles steps along: a KV loop moves kv_start by BLOCK_N at a fixed q_start (block lists per
+    query-block row, `kvl`); a KV-outer backward kernel's query loop moves q_start by BLOCK_M (lists per KV-block
+    column, `qvl`)."""
+
+    name: str
+    step: str  # the loop's step (its own tile side)
+    fixed_block: str  # the fixed tile's side
+    moving: str  # TileAt field the loop variable is
+    fixed: str  # TileAt field shared by the loop's tiles
+    lists: str  # the host's block lists read by the loop
+    count: str  # the lists' length (a bc_* dim)
+
+
+AXES = {"kv": LoopAxis("kv", "BLOCK_N", "BLOCK_M", "kv_start", "q_start", "kvl", "bc_nn"),
+        "q": LoopAxis("q", "BLOCK_M", "BLOCK_N", "q_start", "kv_start", "qvl", "bc_nm")}
+
+
+@dataclass(frozen=True)
 class Region:
     """One part of a split loop: the block classes its tiles at (b, h, q_start, var) can have. A KV loop's variable is
     the tile's kv_start; a backward KV-outer kernel's query loop (`axis` "q") steps q_start by BLOCK_M instead."""
@@ -89,8 +108,8 @@ class Region:
         return self.classes == {BlockClass.FULL}
 
     def covers(self, st: Mask | IfBlock) -> bool:
-        moving, fixed = (st.at.kv_start, st.at.q_start) if self.axis == "kv" else (st.at.q_start, st.at.kv_start)
-        return moving == var(self.var) and (st.at.b, st.at.h, fixed) == self.at
+        ax = AXES[self.axis]
+        return getattr(st.at, ax.moving) == var(self.var) and (st.at.b, st.at.h, getattr(st.at, ax.fixed)) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
