@@ -240,6 +240,21 @@ def test_operator_fake_sizes_outputs_symbolically(cache_dir: Path) -> None:
         assert o.dtype == torch.bfloat16 and o_saved.shape == qh.shape and o_saved.dtype == torch.float32
 
 
+def test_bf16_call_stores_o_and_its_fp32_copy_together(cache_dir: Path) -> None:
+    """A bf16 call that will need a backward gets o in bf16 and the fp32 O the backward's Δ reads from the same
+    store (no conversion kernel after it): o is the copy to within a bf16 unit (the interpreter's cast truncates where
+    the GPU's rounds to nearest) and the copy is the kernel's fp32 result, not rounded to bf16."""
+    mod, _ = load_module(lower_autograd(FIXTURES["causal"](), _causal_bwd()), "op_o32", cache_dir)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 37, 16).to(torch.bfloat16) for _ in range(3))
+    o, lse, o32 = mod._OP(q, k, v, None)
+    assert o.dtype == torch.bfloat16 and o32.dtype == torch.float32 and o32.shape == o.shape
+    assert ((o.float() - o32).abs() <= o32.abs() * 2.0**-7).all()
+    assert not torch.equal(o32, o32.to(torch.bfloat16).float())
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert (o32 - ref).abs().max() < 2e-2
+
+
 # ------------------------------------------------------------------ launch plans
 
 

@@ -80,14 +80,14 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     from kb.lower.triton_host import kernel_fn_name
 
     module = load_module(lower_program(p, options), p.name)[0]
-    tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR}
+    tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR} | {"o32_ptr": "*fp32"}
     scalars = {q.name for q in p.params if q.role is Role.SCALAR}
     s = p.schedule
     head_pad = s.head_pad_for(head_dim, DOT_MIN_K)
     head_pad_v = s.value_head_pad_for(head_dim_v, DOT_MIN_K)
     consts = {**s.tile_constants(), "HEAD_PAD": head_pad,
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
-              "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v}
+              "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v, "O32": False}
     out = []
     for k in p.kernels:
         fn = getattr(module, kernel_fn_name(k))

@@ -205,12 +205,12 @@ class HostEntry:
     returns: tuple[str, ...] = ()  # the returned expressions; () = the OUT params
     table_helper: bool = True  # emit block_class_table()
     plans: bool = True  # replay launch plans (_Plan) for repeated call signatures; needs plain returns and no table
-    exact_o: bool = True  # `_o_dtype=`: o in another dtype than the inputs' (fp32 for a backward's Δ; kb.lower.triton_op)
+    exact_o: bool = True  # `_o32=`: o also written in fp32 (a backward's Δ; kb.lower.triton_op), where o follows the inputs
     swap_kernels: tuple[str, ...] = ()  # launched with BLOCK_M and BLOCK_N exchanged by a dq_swap design (triton_bwd)
 
 
 _HOST_FUNCTION = Template('''\
-def ${fn}(${params}, _design=None,${o_dtype} **aux_and_scalars):
+def ${fn}(${params}, _design=None,${o32} **aux_and_scalars):
     """Run `${program}`. Returns (${returned}). Aux tensors: ${aux_names}; scalars: ${scalar_names}.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.${o_doc}${plan_doc}"""
 ${fast}    kw = dict(aux_and_scalars)
@@ -283,12 +283,12 @@ def host_function(p: Program, sig: Signature, plan: BlockMaskPlan, packs: dict |
     key = ", ".join([f"_tkey({q.name})" for q in ins] + [f'_tkey(aux_and_scalars.get("{q.name}"))' for q in aux]
                     + [f"_skey({q.name})" if q.name == "sm_scale" else f'_skey(aux_and_scalars.get("{q.name}"))'
                        for q in scalars] + ["_design and tuple(_design)", "len(aux_and_scalars)"]
-                   + (["_o_dtype"] if entry.exact_o else []))
+                   + (["_o32"] if sig.o32 else []))
     recorded = _tuple_body([q.name for q in (*ins, *aux)])
     return _lines(_HOST_FUNCTION.substitute(
-        fn=entry.name, program=p.name, o_dtype=" _o_dtype=None," if entry.exact_o else "",
-        o_doc=("\n    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward)."
-               if entry.exact_o else ""),
+        fn=entry.name, program=p.name, o32=" _o32=False," if sig.o32 else "",
+        o_doc=("\n    `_o32=True` also writes o in fp32 and returns that copy last (the operator's O for the backward)."
+               if sig.o32 else ""),
         params=", ".join(q.name for q in ins) + ", *" + (", sm_scale=None" if any(q.name == "sm_scale" for q in scalars) else ""),
         returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)),
         aux_names=", ".join(q.name for q in aux) or "none", scalar_names=", ".join(q.name for q in scalars) or "none",
@@ -376,9 +376,10 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
         pack=pack, num_splits=_num_splits(p, hctx, packs, device),
         head_pad=str(p.schedule.fixed_head_pad) if p.schedule.fixed_head_pad else f"max({DOT_MIN_K}, triton.next_power_of_2(D))",
         constexprs=_constexpr_values(sig), table=_table_build(p, sig, plan, entry, device) if sig.table else "",
-        allocate=_block(_allocations(p, entry, device)), tma=_tma_choice(p, sig),
+        allocate=_block(_allocations(p, sig, entry, device)), tma=_tma_choice(p, sig),
         launches=_launches(p, sig, hctx, packs, entry.swap_kernels),
-        returned=", ".join(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)))
+        returned=", ".join((*(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)),
+                            *(["*((o32,) if _o32 else ())"] if sig.o32 else []))))
 
 
 def _num_splits(p: Program, hctx: ExprContext, packs: dict | str, device: str) -> str:
@@ -402,6 +403,7 @@ def _constexpr_values(sig: Signature) -> str:
     if sig.even_dv:
         lines.append(f"        EVEN_DV = HEAD_PAD_V == {VALUE_DIM}")
     lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
+    lines += ["        O32 = _o32"] if sig.o32 else []
     return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
 
 
@@ -424,15 +426,15 @@ def _table_build(p: Program, sig: Signature, plan: BlockMaskPlan, entry: HostEnt
                              m=qshape[2], n=p.param("k").shape[2], device=device)
 
 
-def _allocations(p: Program, entry: HostEntry, device: str) -> list[str]:
-    """The outputs (in the inputs' dtype where they follow it) and the scratch tensors; accumulated ones zeroed."""
+def _allocations(p: Program, sig: Signature, entry: HostEntry, device: str) -> list[str]:
+    """The outputs (in the inputs' dtype where they follow it), o's fp32 copy when asked (`_o32`; else o itself
+    stands in for the pointer the kernels do not use) and the scratch tensors; accumulated ones zeroed."""
     first_in = next(q for q in p.params if q.role is Role.IN)
     lines = []
     for q in (q for q in p.params if q.role is Role.OUT):
-        dtype = out_dtype(q, first_in)
-        if q.name == "o" and entry.exact_o and dtype == f"{first_in.name}.dtype":
-            dtype = f"(_o_dtype or {dtype})"
-        lines.append(_allocation(q, dtype, entry, device))
+        lines.append(_allocation(q, out_dtype(q, first_in), entry, device))
+        if q.name == "o" and sig.o32:
+            lines.append(_allocation(q, "torch.float32", entry, device).replace(" o = ", " o32 = ", 1) + " if _o32 else o")
     for q in (q for q in p.params if q.role is Role.SCRATCH):
         lines.append(_allocation(q, TORCH_DTYPE[q.dtype], entry, device))
     return lines
@@ -465,7 +467,7 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
     table_args += ["qvl", "*qvl.stride()"] if sig.q_lists else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
-                     + [q.name for q in sig.scalars] + table_args)
+                     + [q.name for q in sig.scalars] + table_args + (["o32"] if sig.o32 else []))
     constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
     out = ""
     for k in p.kernels:

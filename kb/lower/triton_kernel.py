@@ -165,11 +165,15 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         desc = self.tma_desc(st.tensor, st.index)
         if desc is None:
             self.emit(plain)
-            return
-        self.emit("if USE_TMA:")
-        self.emit(f"    {desc[0]}.store([{desc[1]}], {value})")
-        self.emit("else:")
-        self.emit(f"    {plain}")
+        else:
+            self.emit("if USE_TMA:")
+            self.emit(f"    {desc[0]}.store([{desc[1]}], {value})")
+            self.emit("else:")
+            self.emit(f"    {plain}")
+        if st.tensor == "o" and self.sig.o32:
+            copy = f"o32_ptr{ptr[len('o_ptr'):]}, {self.oriented(st.value, False)}.to(tl.float32)"
+            self.emit("if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)")
+            self.emit(f"    tl.store({copy}" + (f", mask={mask})" if mask else ")"))
 
     def s_init(self, st: Init) -> None:
         for d in st.shape:

@@ -173,15 +173,14 @@ _KB_FORWARD_CUDA = '''def _kb_forward(q, k, v, *, sm_scale=None, **aux_and_scala
 _FORWARD = Template('''\
     return _kb_forward(q, k, v, sm_scale=sm_scale${kwargs})''')
 
-# the backward reads an fp32 O (Δ = rowsum(dO∘O) exact as an fp32-math spec's own gradient): forward() writes O in fp32,
-# the user gets it in the inputs' dtype, the fp32 copy is a third, non-differentiable output saved for the backward
-# (empty for fp32 inputs, whose O is already fp32)
+# the backward reads an fp32 O (Δ = rowsum(dO∘O) exact as an fp32-math spec's own gradient): forward() writes o in the
+# inputs' dtype for the user and, in the same store, an fp32 copy, a third, non-differentiable output saved for the
+# backward (empty for fp32 inputs, whose o is already fp32)
 _FORWARD_EXACT_O = Template('''\
-    outs = forward(q, k, v, sm_scale=sm_scale${kwargs}, _o_dtype=torch.float32)
-    o = outs[${o_index}]
     if q.dtype == torch.float32:
-        return (*outs, o.new_empty(0))
-    return (*(o.to(q.dtype) if i == ${o_index} else t for i, t in enumerate(outs)), o)''')
+        outs = forward(q, k, v, sm_scale=sm_scale${kwargs})
+        return (*outs, outs[${o_index}].new_empty(0))
+    return forward(q, k, v, sm_scale=sm_scale${kwargs}, _o32=True)''')
 
 _RAISE = Template('''\
     raise NotImplementedError(f"kernel_kb.{OP_NAME} (program ${fwd}) has no backward: {NO_BACKWARD}")''')

@@ -57,6 +57,7 @@ class Signature:
     ws: bool = False  # WARP_SPEC constexpr (LowerOptions.warp_specialize, with tma)
     tma_tensors: list[str] = field(default_factory=list)  # tensors with a descriptor form somewhere
     q_lists: bool = False  # qvl: the table's block lists per KV-block column (a backward's query loops run over them)
+    o32: bool = False  # o32_ptr and O32: the store of o also writes an fp32 copy (the operator's O for the backward)
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
@@ -67,11 +68,12 @@ class Signature:
             out += ["kvl_ptr", *(f"stride_kvl_{i}" for i in range(5))]
         if self.q_lists:
             out += ["qvl_ptr", *(f"stride_qvl_{i}" for i in range(5))]
-        return out
+        return out + (["o32_ptr"] if self.o32 else [])  # o's strides: o32 is allocated like o
 
     def constexprs(self) -> list[str]:
         return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
-            + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else [])
+            + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
+            + (["O32"] if self.o32 else [])
 
 
 @dataclass(frozen=True)

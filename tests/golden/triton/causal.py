@@ -481,6 +481,7 @@ def _fwd_kernel(
     Hkv,
     N,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -488,6 +489,7 @@ def _fwd_kernel(
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -577,6 +579,8 @@ def _fwd_kernel(
         _desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))
     else:
         tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+    if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+        tl.store(o32_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
@@ -590,12 +594,12 @@ DESIGNS = {}
 PROGRAM_DESIGN = (16, 16, 1, 4, 1, True, False)
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scalars):
     """Run `causal`. Returns (o, lse). Aux tensors: none; scalars: sm_scale.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
-    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward).
+    `_o32=True` also writes o in fp32 and returns that copy last (the operator's O for the backward).
     A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
-    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o_dtype)
+    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o32)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan.replay((q, k, v))
@@ -622,14 +626,16 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), (_o_dtype or q.dtype), q.device)
+        O32 = _o32
+        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
+        o32 = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), torch.float32, q.device) if _o32 else o
         lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
         USE_TMA = tma and _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
         _kb_launch(rec, _fwd_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
-            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
-        return o, lse
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
+        return o, lse, *((o32,) if _o32 else ())
 
     design = tuple(_design) if _design is not None else _choose_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
     return _kb_planned(key, (q, k, v), lambda rec: launch(design, rec=rec))
@@ -637,7 +643,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-9dbbf98c490a07cb'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_9dbbf98c490a07cb_7c743542'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_9dbbf98c490a07cb_eaec434c'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

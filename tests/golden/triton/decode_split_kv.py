@@ -492,6 +492,7 @@ def _split_kernel(
     Hkv,
     N,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -500,6 +501,7 @@ def _split_kernel(
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M), split: NUM_SPLITS), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -636,6 +638,7 @@ def _combine_kernel(
     Hkv,
     N,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -644,6 +647,7 @@ def _combine_kernel(
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -674,6 +678,8 @@ def _combine_kernel(
         _desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))
     else:
         tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+    if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+        tl.store(o32_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
@@ -721,6 +727,7 @@ def _split_packed_kernel(
     Hkv,
     N,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -729,6 +736,7 @@ def _split_packed_kernel(
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M), split: NUM_SPLITS), flattened; the last axis varies fastest
     # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
@@ -864,6 +872,7 @@ def _combine_packed_kernel(
     Hkv,
     N,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -872,6 +881,7 @@ def _combine_packed_kernel(
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
@@ -902,6 +912,8 @@ def _combine_packed_kernel(
         ot += _w_sp[:, None] * tl.load(o_part_ptr + b * stride_o_part_0 + _sp * stride_o_part_2 + offs_m_start_head[:, None] * stride_o_part_1 + offs_m_start_pos[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)), other=0.0)
     ot = ot / _w_safe[:, None]
     tl.store(o_ptr + b * stride_o_0 + offs_m_start_head[:, None] * stride_o_1 + offs_m_start_pos[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+    if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+        tl.store(o32_ptr + b * stride_o_0 + offs_m_start_head[:, None] * stride_o_1 + offs_m_start_pos[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(tl.float32), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + offs_m_start_head * stride_lse_1 + offs_m_start_pos * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
 
 
@@ -915,12 +927,12 @@ DESIGNS = {}
 PROGRAM_DESIGN = (16, 16, 3, 4, 1, True, True)
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scalars):
     """Run `decode_split_kv`. Returns (o, lse). Aux tensors: none; scalars: sm_scale.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
-    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward).
+    `_o32=True` also writes o in fp32 and returns that copy last (the operator's O for the backward).
     A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
-    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o_dtype)
+    key = (_tkey(q), _tkey(k), _tkey(v), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o32)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan.replay((q, k, v))
@@ -951,7 +963,9 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
         PAD_NUM_SPLITS = triton.next_power_of_2(NUM_SPLITS)
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), (_o_dtype or q.dtype), q.device)
+        O32 = _o32
+        o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
+        o32 = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), torch.float32, q.device) if _o32 else o
         lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
         o_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M, D,), torch.float32, q.device)
         lse_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M,), torch.float32, q.device)
@@ -959,21 +973,21 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
         USE_TMA = tma and _use_tma((q, k, v, o_part, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
         if PACK:
             _kb_launch(rec, _split_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) * NUM_SPLITS,), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
         else:
             _kb_launch(rec, _split_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
         if PACK:
             _kb_launch(rec, _combine_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
         else:
             _kb_launch(rec, _combine_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA)
-        return o, lse
+                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
+        return o, lse, *((o32,) if _o32 else ())
 
     design = tuple(_design) if _design is not None else _choose_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
     return _kb_planned(key, (q, k, v), lambda rec: launch(design, rec=rec))
@@ -981,7 +995,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-76c767c541e03eb4'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_76c767c541e03eb4_856a60d7'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_76c767c541e03eb4_15c73372'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

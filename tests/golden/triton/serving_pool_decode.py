@@ -481,12 +481,14 @@ def _decode_kernel(
     Hkv,
     MAX_CTX,
     sm_scale,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -526,6 +528,8 @@ def _decode_kernel(
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
     tl.store(o_ptr + b * stride_o_0 + offs_h[:, None] * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(o_ptr.dtype.element_ty), mask=((offs_h[:, None] < Hq) if EVEN_D else (offs_h[:, None] < Hq) & (offs_d[None, :] < D)))
+    if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+        tl.store(o32_ptr + b * stride_o_0 + offs_h[:, None] * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(tl.float32), mask=((offs_h[:, None] < Hq) if EVEN_D else (offs_h[:, None] < Hq) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + b * stride_lse_0 + offs_h * stride_lse_1, lt.to(lse_ptr.dtype.element_ty), mask=(offs_h < Hq))
 
 
@@ -542,12 +546,12 @@ def _own_design(t, D, key, launch):
     return PROGRAM_DESIGN
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scalars):
     """Run `pool_decode`. Returns (o, lse). Aux tensors: req_to_token, seq_lens; scalars: sm_scale.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
-    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward).
+    `_o32=True` also writes o in fp32 and returns that copy last (the operator's O for the backward).
     A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
-    key = (_tkey(q), _tkey(k), _tkey(v), _tkey(aux_and_scalars.get("req_to_token")), _tkey(aux_and_scalars.get("seq_lens")), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o_dtype)
+    key = (_tkey(q), _tkey(k), _tkey(v), _tkey(aux_and_scalars.get("req_to_token")), _tkey(aux_and_scalars.get("seq_lens")), _skey(sm_scale), _design and tuple(_design), len(aux_and_scalars), _o32)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan.replay((q, k, v, aux_and_scalars["req_to_token"], aux_and_scalars["seq_lens"]))
@@ -582,12 +586,14 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        o = _kb_alloc(rec, torch.empty, (B, Hq, D,), (_o_dtype or q.dtype), q.device)
+        O32 = _o32
+        o = _kb_alloc(rec, torch.empty, (B, Hq, D,), q.dtype, q.device)
+        o32 = _kb_alloc(rec, torch.empty, (B, Hq, D,), torch.float32, q.device) if _o32 else o
         lse = _kb_alloc(rec, torch.empty, (B, Hq,), torch.float32, q.device)
         _kb_launch(rec, _decode_kernel, (B * Hq,), (
-            q, k, v, o, lse, req_to_token, seq_lens, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *req_to_token.stride(), *seq_lens.stride(), B, Hq, D, POOL, Hkv, MAX_CTX, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale)
-        return o, lse
+            q, k, v, o, lse, req_to_token, seq_lens, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *req_to_token.stride(), *seq_lens.stride(), B, Hq, D, POOL, Hkv, MAX_CTX, sm_scale, o32,
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, O32=O32)
+        return o, lse, *((o32,) if _o32 else ())
 
     design = tuple(_design) if _design is not None else _own_design(q, D, (q.device, q.dtype, B, Hq, D, POOL, Hkv, MAX_CTX), launch)
     return _kb_planned(key, (q, k, v, req_to_token, seq_lens), lambda rec: launch(design, rec=rec))
@@ -595,7 +601,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-7f706cf432f1f287'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_7f706cf432f1f287_d15a1a5a'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_7f706cf432f1f287_9adf906a'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('req_to_token', 'seq_lens')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale

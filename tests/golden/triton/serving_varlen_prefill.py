@@ -480,12 +480,14 @@ def _fwd_kernel(
     B,
     sm_scale,
     max_seq_len,
+    o32_ptr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     POS_sm_scale: tl.constexpr,
+    O32: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(max_seq_len, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -528,6 +530,8 @@ def _fwd_kernel(
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
     tl.store(o_ptr + offs_r[:, None].to(tl.int64) * stride_o_0 + h * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(o_ptr.dtype.element_ty), mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)))
+    if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+        tl.store(o32_ptr + offs_r[:, None].to(tl.int64) * stride_o_0 + h * stride_o_1 + offs_d[None, :] * stride_o_2, ot.to(tl.float32), mask=((offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) if EVEN_D else (offs_r[:, None] < T) & (offs_r[:, None] >= 0) & (offs_r[:, None] < (q0 + q_len)) & (offs_d[None, :] < D)))
     tl.store(lse_ptr + offs_r.to(tl.int64) * stride_lse_0 + h * stride_lse_1, lt.to(lse_ptr.dtype.element_ty), mask=(offs_r < T) & (offs_r >= 0) & (offs_r < (q0 + q_len)))
 
 
@@ -544,12 +548,12 @@ def _own_design(t, D, key, launch):
     return PROGRAM_DESIGN
 
 
-def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_scalars):
+def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scalars):
     """Run `varlen_prefill`. Returns (o, lse). Aux tensors: b_start_loc, b_seq_len; scalars: sm_scale, max_seq_len.
     The design (tiles, warps, stages) is chosen per GPU and shape from DESIGNS; `_design=` forces one.
-    `_o_dtype=` writes o in that dtype instead of the inputs' (the operator's fp32 O for the backward).
+    `_o32=True` also writes o in fp32 and returns that copy last (the operator's O for the backward).
     A call with the same shapes, strides, dtypes, alignment and scalars as an earlier one replays its launches."""
-    key = (_tkey(q), _tkey(k), _tkey(v), _tkey(aux_and_scalars.get("b_start_loc")), _tkey(aux_and_scalars.get("b_seq_len")), _skey(sm_scale), _skey(aux_and_scalars.get("max_seq_len")), _design and tuple(_design), len(aux_and_scalars), _o_dtype)
+    key = (_tkey(q), _tkey(k), _tkey(v), _tkey(aux_and_scalars.get("b_start_loc")), _tkey(aux_and_scalars.get("b_seq_len")), _skey(sm_scale), _skey(aux_and_scalars.get("max_seq_len")), _design and tuple(_design), len(aux_and_scalars), _o32)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan.replay((q, k, v, aux_and_scalars["b_start_loc"], aux_and_scalars["b_seq_len"]))
@@ -586,12 +590,14 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
-        o = _kb_alloc(rec, torch.empty, (T, Hq, D,), (_o_dtype or q.dtype), q.device)
+        O32 = _o32
+        o = _kb_alloc(rec, torch.empty, (T, Hq, D,), q.dtype, q.device)
+        o32 = _kb_alloc(rec, torch.empty, (T, Hq, D,), torch.float32, q.device) if _o32 else o
         lse = _kb_alloc(rec, torch.empty, (T, Hq,), torch.float32, q.device)
         _kb_launch(rec, _fwd_kernel, (B * Hq * (_hcdiv(max_seq_len, BLOCK_M)),), (
-            q, k, v, o, lse, b_start_loc, b_seq_len, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *b_start_loc.stride(), *b_seq_len.stride(), T, Hq, D, Hkv, B, sm_scale, max_seq_len,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale)
-        return o, lse
+            q, k, v, o, lse, b_start_loc, b_seq_len, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *b_start_loc.stride(), *b_seq_len.stride(), T, Hq, D, Hkv, B, sm_scale, max_seq_len, o32,
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, O32=O32)
+        return o, lse, *((o32,) if _o32 else ())
 
     design = tuple(_design) if _design is not None else _own_design(q, D, (q.device, q.dtype, T, Hq, D, Hkv, B), launch)
     return _kb_planned(key, (q, k, v, b_start_loc, b_seq_len), lambda rec: launch(design, rec=rec))
@@ -599,7 +605,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o_dtype=None, **aux_and_sc
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-9593c80590642966'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_9593c80590642966_20b0d6dc'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_9593c80590642966_e5edeb87'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('b_start_loc', 'b_seq_len')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('max_seq_len',)  # then its float scalars, then sm_scale
