@@ -122,7 +122,9 @@ PACKED_DECODE_GRID = ((64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 3), (64, 2, 
 # give a separate dq pass the transposed tile (the tutorial's BLOCK_M2 x BLOCK_N2 = 128 x 32 beside 32 x 128).
 BACKWARD_GRID = ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (128, 128, 8, 1),
                  (32, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 2), (32, 128, 8, 3))
-BACKWARD_SWAP_GRID = ((64, 128, 8, 2), (32, 128, 4, 2), (64, 128, 4, 3), (32, 128, 8, 3))
+# (64, 128, 8, 3) swapped: FlexAttention's own backward tiles for D=128 on Hopper (BLOCK_M1=64, BLOCK_N1=128, the dQ
+# pass transposed)
+BACKWARD_SWAP_GRID = ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 128, 4, 3), (32, 128, 8, 3))
 
 
 def default_designs(decode: bool, backward: bool = False) -> list[Design]:

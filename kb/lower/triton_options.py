@@ -16,7 +16,8 @@ class LowerOptions:
       becomes three loops: partial blocks, full blocks (no mask code, unmasked K/V loads), partial
       blocks. Full blocks form one interval of kv_start, computed in closed form per program.
     - fold_scale: `s = s * c` (c a positive scalar param, checked on the host) followed only by
-      masks and online_softmax is folded into the softmax's exp2 argument (one FMA per score).
+      masks and online_softmax is folded into the softmax's exp2 argument (one FMA per score). Forward only: the
+      same fold in the backward (and dS's scale deferred to the accumulators) measured no faster (run 18).
     - even_headdim: loads/stores over the head dim drop the `< D` mask when D == HEAD_PAD (constexpr), and
       those over the value head dim the `< Dv` mask when Dv == HEAD_PAD_V (EVEN_DV).
     - heavy_first: grids whose last axis moves the KV loop bound (causal-like) run that axis in
