@@ -23,6 +23,7 @@ from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from generate.stages import Stage
 from kb.errors import KBError
+from kb.features import Features
 from kb.ir.expr import free_vars, var
 from kb.ir.nodes import AuxGrad, Probs, Program, Role, Store, walk_stmts
 from kb.ir.text import parse_program, print_program
@@ -33,7 +34,8 @@ from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "per_kv_head", "learnable_aux", "nondeterminism",
+__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "backward_structure", "measured_structures",
+           "per_kv_head", "learnable_aux", "nondeterminism",
            "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
@@ -67,8 +69,9 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     its query heads) come first, since one per query head cannot write a shared KV head's gradient; then
     those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
-    training batch sizes. The refinement reorders retrieval's top `_POOL`; two more references than the forward's
-    are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
+    training batch sizes; then, with `memory`, the structure (dq by atomics, or in a pass of its own) that measured
+    faster for kernels like this one (`measured_structures`). The refinement reorders retrieval's top `_POOL`; two
+    more references than the forward's are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
     (no atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
     kept in the combined module."""
     from generate.transfer_bwd import backward_target, transfer_backward
@@ -81,9 +84,12 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
     programs = {r.id: parse_program(kb.get_row(Kernel, r.id).ir_text) for r in found.kernels}
     gqa = spec.shapes.Hq != spec.shapes.Hkv
+    measured = measured_structures(kb, features) if memory else {}
     ranked = sorted(found.kernels, key=lambda r: (deterministic and nondeterminism(programs[r.id]) is not None,
                                                   gqa and not per_kv_head(programs[r.id]),
-                                                  not block_parallel(programs[r.id])))[:references + 2]  # stable
+                                                  not block_parallel(programs[r.id]),
+                                                  -measured.get(backward_structure(programs[r.id]), 0.0)))
+    ranked = ranked[:references + 2]  # stable: retrieval's order where nothing above tells two apart
     outcomes: list[AttemptOutcome] = []
     for ref in ranked:
         t0 = time.perf_counter()
@@ -134,6 +140,27 @@ def nondeterminism(p: Program) -> str | None:
     why = [f"{', '.join(summed)} accumulated with atomics"] if summed else []
     why += [f"table gradient {', '.join(tables)} accumulated with atomics"] if tables else []
     return "; ".join(why) or None
+
+
+def backward_structure(p: Program) -> str:
+    """How backward program `p` computes dq: "dq atomics" (FA2: the dK/dV kernel adds each tile's dq into an fp32
+    buffer a last kernel converts) or "dq pass" (the AMD kernel's: a Q-outer kernel recomputes P for dq alone)."""
+    q_shape = p.param("q").shape
+    summed = {s.tensor for k in p.kernels for s in walk_stmts(k.body) if isinstance(s, Store) and s.accumulate}
+    return "dq atomics" if any(p.param(t).shape == q_shape for t in summed) else "dq pass"
+
+
+def measured_structures(kb: KnowledgeBase, target: Features) -> dict[str, float]:
+    """{structure: its speed relative to the fastest} from the KB's backward sweeps where one spec was timed with
+    both structures (`generate.designs.structure_scores`); empty when none was."""
+    from generate.designs import structure_scores, sweeps_from_kb
+
+    sweeps = [s for s in sweeps_from_kb(kb) if s.features.backward]
+    kinds: dict[str, str] = {}
+    for s in sweeps:
+        if s.kernel_id not in kinds:
+            kinds[s.kernel_id] = backward_structure(parse_program(kb.get_row(Kernel, s.kernel_id).ir_text))
+    return structure_scores(sweeps, kinds, target)
 
 
 def per_kv_head(p: Program) -> bool:

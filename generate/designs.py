@@ -29,7 +29,7 @@ from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket
 
 __all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
-           "sweeps_from_kb", "tunable_rows", "design_table", "TABLE_DEPTH"]
+           "sweeps_from_kb", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH"]
 
 TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to survive a design that does not fit
 _SCORE_COST = {"none": 0, "alibi": 1, "relative_bias": 1, "bias_table": 1, "softcap": 2, "custom": 2}
@@ -49,10 +49,14 @@ class Sweep:
     arch: str
     bucket: int
     times: tuple[tuple[Design, float], ...]
+    case: tuple[str, str, str, str] = ("", "", "", "")  # (spec hash, shape, arch, gpu): what else was timed alike
 
     def relative(self) -> dict[Design, float]:
         best = min(ms for _, ms in self.times)
         return {d: best / ms for d, ms in self.times}
+
+    def best_ms(self) -> float:
+        return min(ms for _, ms in self.times)
 
 
 def _decode(f: Features) -> bool:
@@ -192,8 +196,34 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
         d = json.loads(shape_json).get("D") or kernel.head_dim or 128
         times = {Design.from_dict(json.loads(r.design_json)): r.ms for r in recs}
         out.append(Sweep(kid, Features.from_json(kernel.features_json), rec_arch, head_bucket(int(d)),
-                         tuple(sorted(times.items()))))
+                         tuple(sorted(times.items())), (kernel.spec_hash, shape_json, rec_arch, recs[0].gpu)))
     return out
+
+
+def structure_scores(sweeps: Sequence[Sweep], structure_of: dict[str, str], target: Features) -> dict[str, float]:
+    """How fast each program structure ran for kernels like `target`: the similarity-weighted mean, over cases where
+    one spec was timed at one shape on one GPU with two or more structures, of the structure's best time relative to
+    the fastest structure's (1.0: it won). `structure_of`: kernel id -> its structure (kernels not in it are not
+    compared). Empty when nothing was compared: retrieval's order stands."""
+    cases: dict[tuple[str, str, str, str], dict[str, tuple[float, Features]]] = {}
+    for s in sweeps:
+        kind = structure_of.get(s.kernel_id)
+        if kind is None or not s.case[0] or s.features.learned_table != target.learned_table:
+            continue  # a learnable table's gradient changes which structure wins (as it changes the best tile)
+        best = cases.setdefault(s.case, {})
+        if kind not in best or s.best_ms() < best[kind][0]:
+            best[kind] = (s.best_ms(), s.features)
+    total: dict[str, float] = {}
+    weight: dict[str, float] = {}
+    for by_kind in cases.values():
+        if len(by_kind) < 2:
+            continue
+        fastest = min(ms for ms, _ in by_kind.values())
+        for kind, (ms, feats) in by_kind.items():
+            w = math.exp(8.0 * (perf_similarity(target, feats) - 1.0))
+            total[kind] = total.get(kind, 0.0) + w * fastest / ms
+            weight[kind] = weight.get(kind, 0.0) + w
+    return {k: total[k] / weight[k] for k in total}
 
 
 def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001

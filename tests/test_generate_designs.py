@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from generate.designs import Sweep, default_designs, design_table, expert_designs, perf_similarity, rank_designs
+from generate.designs import (Sweep, default_designs, design_table, expert_designs, perf_similarity, rank_designs,
+                              structure_scores)
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket, parse_design
@@ -89,3 +90,52 @@ def test_design_table_reads_measured_records_and_tunables(kb) -> None:
     assert table["sm80"][128][0] == Design(128, 64, 4, 2)
     assert design_table(kb, CAUSAL, ["sm90"], [128], memory=False)["sm90"][128][0] != B
     assert len(kb.list(PerfRecord)) == 2
+
+
+def test_structures_are_compared_only_where_one_spec_was_timed_with_both() -> None:
+    from dataclasses import replace
+
+    bwd = replace(CAUSAL, backward=True)
+    case = ("spec-a", '{"D": 128}', "sm90", "NVIDIA H100")
+    atomics = Sweep("k-a", bwd, "sm90", 128, ((A, 2.0), (C, 1.5)), case)  # its best: 1.5 ms
+    dq_pass = Sweep("k-p", bwd, "sm90", 128, ((A, 1.2),), case)
+    alone = Sweep("k-b", bwd, "sm90", 128, ((A, 0.1),), ("spec-b", '{"D": 128}', "sm90", "NVIDIA H100"))
+    kinds = {"k-a": "dq atomics", "k-p": "dq pass", "k-b": "dq atomics"}
+    scores = structure_scores([atomics, dq_pass, alone], kinds, bwd)
+    assert scores == {"dq pass": 1.0, "dq atomics": pytest.approx(1.2 / 1.5)}
+    assert structure_scores([atomics, alone], kinds, bwd) == {}  # nothing timed both ways: retrieval's order stands
+    on_h200 = replace(dq_pass, case=(*case[:3], "NVIDIA H200"))
+    assert structure_scores([atomics, on_h200], kinds, bwd) == {}  # two GPUs are not one comparison
+    learned = replace(bwd, score_mod="relative_bias", learned_table=True)
+    assert structure_scores([atomics, dq_pass], kinds, learned) == {}  # frozen twins do not decide for a learned table
+
+
+def test_backward_structure_tells_atomic_dq_from_a_dq_pass() -> None:
+    from generate.backward import backward_structure, nondeterminism
+    from tests.support.ir_programs import backward
+
+    fa2 = backward("b_atomic", mask_mod="q_idx >= kv_idx")
+    amd = backward("b_pass", mask_mod="q_idx >= kv_idx", dq_pass=("0", "N"))
+    assert backward_structure(fa2) == "dq atomics" and nondeterminism(fa2)
+    assert backward_structure(amd) == "dq pass" and nondeterminism(amd) is None
+
+
+def test_measured_structures_read_backward_sweeps_from_the_kb(kb) -> None:
+    from dataclasses import replace
+
+    from generate.backward import measured_structures
+    from kb.ir.text import print_program
+    from tests.support.ir_programs import backward
+
+    bwd = replace(CAUSAL, backward=True)
+    records = []
+    for program, ms in ((backward("b_atomic", mask_mod="q_idx >= kv_idx"), 2.0),
+                        (backward("b_pass", mask_mod="q_idx >= kv_idx", dq_pass=("0", "N")), 1.0)):
+        kid = kb.write_kernel(Kernel(name=program.name, family="generated", origin="generated", head_dim=128,
+                                     ir_text=print_program(program), features_json=bwd.to_json(), spec_hash="s1"))
+        r = make_measured(kid)
+        r.arch, r.design_json, r.ms, r.shape_json = "sm90", json.dumps(A.to_dict()), ms, json.dumps({"D": 128})
+        records.append(r)
+    assert measured_structures(kb, bwd) == {}  # no records yet
+    kb.write_perf(records)
+    assert measured_structures(kb, bwd) == {"dq pass": 1.0, "dq atomics": pytest.approx(0.5)}
