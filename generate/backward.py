@@ -22,6 +22,7 @@ from generate.outputs import OutputError
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from generate.stages import Stage
+from generate.designs import STRUCTURE_MARGIN, backward_structure, structure_scores, sweeps_from_kb
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.expr import free_vars, var
@@ -70,7 +71,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
     training batch sizes; then, with `memory`, the structure (dq by atomics, or in a pass of its own) that measured
-    faster for kernels like this one (`measured_structures`). The refinement reorders retrieval's top `_POOL`; two
+    faster for kernels like this one by at least STRUCTURE_MARGIN (`measured_structures`). `designs`: the forward's
+    design table and a function giving the backward's for a structure (each ranked by its own sweeps). The refinement reorders retrieval's top `_POOL`; two
     more references than the forward's are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
     (no atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
     kept in the combined module."""
@@ -84,11 +86,11 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     target = backward_target(forward, learnable_aux(spec), (spec.shapes.M, spec.shapes.N))
     programs = {r.id: parse_program(kb.get_row(Kernel, r.id).ir_text) for r in found.kernels}
     gqa = spec.shapes.Hq != spec.shapes.Hkv
-    measured = measured_structures(kb, features) if memory else {}
+    preferred = _preferred(measured_structures(kb, features)) if memory else None
     ranked = sorted(found.kernels, key=lambda r: (deterministic and nondeterminism(programs[r.id]) is not None,
                                                   gqa and not per_kv_head(programs[r.id]),
                                                   not block_parallel(programs[r.id]),
-                                                  -measured.get(backward_structure(programs[r.id]), 0.0)))
+                                                  preferred is not None and backward_structure(programs[r.id]) != preferred))
     ranked = ranked[:references + 2]  # stable: retrieval's order where nothing above tells two apart
     outcomes: list[AttemptOutcome] = []
     for ref in ranked:
@@ -142,25 +144,18 @@ def nondeterminism(p: Program) -> str | None:
     return "; ".join(why) or None
 
 
-def backward_structure(p: Program) -> str:
-    """How backward program `p` computes dq: "dq atomics" (FA2: the dK/dV kernel adds each tile's dq into an fp32
-    buffer a last kernel converts) or "dq pass" (the AMD kernel's: a Q-outer kernel recomputes P for dq alone)."""
-    q_shape = p.param("q").shape
-    summed = {s.tensor for k in p.kernels for s in walk_stmts(k.body) if isinstance(s, Store) and s.accumulate}
-    return "dq atomics" if any(p.param(t).shape == q_shape for t in summed) else "dq pass"
-
-
 def measured_structures(kb: KnowledgeBase, target: Features) -> dict[str, float]:
     """{structure: its speed relative to the fastest} from the KB's backward sweeps where one spec was timed with
     both structures (`generate.designs.structure_scores`); empty when none was."""
-    from generate.designs import structure_scores, sweeps_from_kb
+    return structure_scores([s for s in sweeps_from_kb(kb) if s.features.backward], target)
 
-    sweeps = [s for s in sweeps_from_kb(kb) if s.features.backward]
-    kinds: dict[str, str] = {}
-    for s in sweeps:
-        if s.kernel_id not in kinds:
-            kinds[s.kernel_id] = backward_structure(parse_program(kb.get_row(Kernel, s.kernel_id).ir_text))
-    return structure_scores(sweeps, kinds, target)
+
+def _preferred(measured: dict[str, float]) -> str | None:
+    """The structure that measured clearly faster (by STRUCTURE_MARGIN), or None (retrieval's order stands)."""
+    if len(measured) < 2:
+        return None
+    (best, first), (_, second) = sorted(measured.items(), key=lambda kv: -kv[1])[:2]
+    return best if first - second >= STRUCTURE_MARGIN else None
 
 
 def per_kv_head(p: Program) -> bool:
@@ -174,7 +169,8 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
     from kb.lower.triton_bwd import lower_autograd
 
     try:
-        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1], cuda=cuda)
+        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1](backward_structure(program)),
+                             cuda=cuda)
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem)
     except OutputError:

@@ -27,9 +27,12 @@ from dataclasses import dataclass, replace
 
 from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket
+from kb.ir.nodes import Program, Store, walk_stmts
+from kb.ir.text import parse_program
 
 __all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
-           "sweeps_from_kb", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH"]
+           "sweeps_from_kb", "backward_structure", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH",
+           "STRUCTURE_MARGIN"]
 
 TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to survive a design that does not fit
 _SCORE_COST = {"none": 0, "alibi": 1, "relative_bias": 1, "bias_table": 1, "softcap": 2, "custom": 2}
@@ -50,6 +53,7 @@ class Sweep:
     bucket: int
     times: tuple[tuple[Design, float], ...]
     case: tuple[str, str, str, str] = ("", "", "", "")  # (spec hash, shape, arch, gpu): what else was timed alike
+    structure: str = ""  # a backward kernel's dq structure (backward_structure); "" for a forward kernel
 
     def relative(self) -> dict[Design, float]:
         best = min(ms for _, ms in self.times)
@@ -67,6 +71,14 @@ def _span_class(f: Features) -> str:
     return "unbounded" if not f.kv_span else "narrow" if f.kv_span <= NARROW_SPAN else "wide"
 
 
+def backward_structure(p: Program) -> str:
+    """How backward program `p` computes dq: "dq atomics" (FA2: the dK/dV kernel adds each tile's dq into an fp32
+    buffer a last kernel converts) or "dq pass" (the AMD kernel's: a Q-outer kernel recomputes P for dq alone)."""
+    q_shape = p.param("q").shape
+    summed = {s.tensor for k in p.kernels for s in walk_stmts(k.body) if isinstance(s, Store) and s.accumulate}
+    return "dq atomics" if any(p.param(t).shape == q_shape for t in summed) else "dq pass"
+
+
 def perf_similarity(a: Features, b: Features) -> float:
     """In [0, 1]: how alike two kernels are in what decides their best design."""
     w = PERF_FEATURE_WEIGHTS
@@ -76,6 +88,9 @@ def perf_similarity(a: Features, b: Features) -> float:
             "span": _span_class(a) == _span_class(b),
             "gqa": (a.gqa_ratio > 1) == (b.gqa_ratio > 1), "cross": a.cross == b.cross, "dtype": a.dtype == b.dtype}
     return sum(w[k] for k, ok in same.items() if ok)
+
+
+STRUCTURE_MARGIN = 0.03  # a structure leads only when measured this much faster: closer is the call-to-call spread
 
 
 def _int(v: object) -> int | None:
@@ -150,9 +165,10 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
 
 def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Sweep],
                  tunables: Iterable[tuple[str, int, dict]], *, memory: bool = True,
-                 value_bucket: int | None = None) -> list[Design]:
+                 value_bucket: int | None = None, structure: str | None = None) -> list[Design]:
     """Every candidate design for `target` on `arch` at head-dim `bucket`, most promising first
-    (`value_bucket`: the value head dim's bucket when v is wider or narrower than q/k)."""
+    (`value_bucket`: the value head dim's bucket when v is wider or narrower than q/k; `structure`: a backward
+    kernel's dq structure, whose sweeps alone rank its designs, as a learnable table's do)."""
     decode = _decode(target)
     measured: list[Design] = []
     if memory:
@@ -161,7 +177,8 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
                 if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode
                 and s.features.backward == target.backward
                 # a learnable table's gradient adds atomics per tile: a frozen twin's best tile is not its best (run 16)
-                and (not target.backward or s.features.learned_table == target.learned_table)]
+                and (not target.backward or s.features.learned_table == target.learned_table)
+                and (structure is None or s.structure == structure)]
         total = sum(w for _, w in near)
         for sweep, w in near:
             for d, rel in sweep.relative().items():
@@ -189,26 +206,29 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 
     for r in rows:
         groups.setdefault((r.kernel_id, r.shape_json, r.arch, r.gpu), []).append(r)
     out = []
+    structures: dict[str, str] = {}
     for (kid, shape_json, rec_arch, _), recs in sorted(groups.items()):
         kernel = kb.find(kid)
         if not isinstance(kernel, Kernel) or not kb.skip_unusable([kernel]):
             continue
         d = json.loads(shape_json).get("D") or kernel.head_dim or 128
         times = {Design.from_dict(json.loads(r.design_json)): r.ms for r in recs}
-        out.append(Sweep(kid, Features.from_json(kernel.features_json), rec_arch, head_bucket(int(d)),
-                         tuple(sorted(times.items())), (kernel.spec_hash, shape_json, rec_arch, recs[0].gpu)))
+        features = Features.from_json(kernel.features_json)
+        if features.backward and kid not in structures:
+            structures[kid] = backward_structure(parse_program(kernel.ir_text))
+        out.append(Sweep(kid, features, rec_arch, head_bucket(int(d)), tuple(sorted(times.items())),
+                         (kernel.spec_hash, shape_json, rec_arch, recs[0].gpu), structures.get(kid, "")))
     return out
 
 
-def structure_scores(sweeps: Sequence[Sweep], structure_of: dict[str, str], target: Features) -> dict[str, float]:
-    """How fast each program structure ran for kernels like `target`: the similarity-weighted mean, over cases where
+def structure_scores(sweeps: Sequence[Sweep], target: Features) -> dict[str, float]:
+    """How fast each backward structure ran for kernels like `target`: the similarity-weighted mean, over cases where
     one spec was timed at one shape on one GPU with two or more structures, of the structure's best time relative to
-    the fastest structure's (1.0: it won). `structure_of`: kernel id -> its structure (kernels not in it are not
-    compared). Empty when nothing was compared: retrieval's order stands."""
+    the fastest structure's (1.0: it won). Empty when nothing was compared: retrieval's order stands."""
     cases: dict[tuple[str, str, str, str], dict[str, tuple[float, Features]]] = {}
     for s in sweeps:
-        kind = structure_of.get(s.kernel_id)
-        if kind is None or not s.case[0] or s.features.learned_table != target.learned_table:
+        kind = s.structure
+        if not kind or not s.case[0] or s.features.learned_table != target.learned_table:
             continue  # a learnable table's gradient changes which structure wins (as it changes the best tile)
         best = cases.setdefault(s.case, {})
         if kind not in best or s.best_ms() < best[kind][0]:
@@ -234,11 +254,12 @@ def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
 
 
 def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,  # noqa: ANN001
-                 memory: bool = True, depth: int = TABLE_DEPTH,
-                 value_bucket: int | None = None) -> dict[str, dict[int, tuple[Design, ...]]]:
-    """{arch: {bucket: the top `depth` designs}} for an emitted module (`value_bucket`: see rank_designs)."""
+                 memory: bool = True, depth: int = TABLE_DEPTH, value_bucket: int | None = None,
+                 structure: str | None = None) -> dict[str, dict[int, tuple[Design, ...]]]:
+    """{arch: {bucket: the top `depth` designs}} for an emitted module (`value_bucket`, `structure`: see
+    rank_designs)."""
     sweeps = sweeps_from_kb(kb) if memory else []
     tunables = tunable_rows(kb)
     return {arch: {b: tuple(rank_designs(target, arch, b, sweeps, tunables, memory=memory,
-                                         value_bucket=value_bucket)[:depth]) for b in buckets}
+                                         value_bucket=value_bucket, structure=structure)[:depth]) for b in buckets}
             for arch in archs}

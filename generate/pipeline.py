@@ -226,7 +226,8 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             kb, spec, built.program, memory=options.memory, references=options.references,
             verify_fn=lambda cand: _verify(spec, cand, options, backward=True) if options.verify_kernel else
             (Verdict.not_run, "kernel verification skipped (--no-verify)"),
-            designs=(options.designs, _designs(kb, spec, options, backward=True)), stage=stage, stem=_name(spec),
+            designs=(options.designs, lambda structure: _designs(kb, spec, options, backward=True, structure=structure)),
+            stage=stage, stem=_name(spec),
             first_n=first_n, deterministic=options.deterministic, cuda=built.dispatch)
     except OutputError:
         raise  # the run fails here: no attempt can write its files
@@ -551,17 +552,19 @@ def resolve_target(target: str, default: str) -> str:
     return default
 
 
-def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions, *, backward: bool = False) -> DesignTable:
+def _designs(kb: KnowledgeBase, spec: Spec, options: GenerateOptions, *, backward: bool = False,
+             structure: str | None = None) -> DesignTable:
     """The designs the emitted module carries: the target arch first, sm80/sm90 beside it, for the spec's
     head-dim bucket and the common 64/128 buckets, ranked by what the KB knows (measured sweeps with memory on);
-    `backward`: those of its backward kernels."""
+    `backward`: those of its backward kernels, of dq structure `structure` (generate.designs.backward_structure)."""
     target = resolve_target(options.target, kb.settings.target_arch)
     archs = list(dict.fromkeys([target, "sm90", "sm80"]))
     buckets = sorted({head_bucket(spec.shapes.D), 64, 128})
     value_bucket = head_bucket(spec.shapes.Dv) if spec.shapes.value_dim else None
     features = replace(spec.features, backward=True, learned_table=bool(learnable_aux(spec))) if backward \
         else spec.features
-    return design_table(kb, features, archs, buckets, memory=options.memory, value_bucket=value_bucket)
+    return design_table(kb, features, archs, buckets, memory=options.memory, value_bucket=value_bucket,
+                        structure=structure)
 
 
 _GRACE_S = 5.0  # the watchdog fires this long after the spec's deadline (see generate())

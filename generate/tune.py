@@ -17,13 +17,14 @@ import dataclasses
 import json
 from pathlib import Path
 
-from generate.designs import rank_designs, sweeps_from_kb, tunable_rows
+from generate.designs import backward_structure, rank_designs, sweeps_from_kb, tunable_rows
 from generate.outputs import output_stem
 from generate.spec import import_spec_file
 from generate.stages import ReportStatus
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import arch_of_capability, head_bucket
+from kb.ir.text import parse_program
 from kb.store.models import Kernel
 
 __all__ = ["make_plan", "plan_entries", "DEFAULT_MAX_DESIGNS"]
@@ -89,7 +90,9 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
             f = dataclasses.replace(feats, head_dim=d, arch=arch)
             dv = shape.get("Dv")
             vb = head_bucket(dv) if dv else None
-            on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True, value_bucket=vb)[:max_designs]
+            st = backward_structure(parse_program(kernel.ir_text)) if backward else None
+            on = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=True, value_bucket=vb,
+                              structure=st)[:max_designs]
             off = rank_designs(f, arch, head_bucket(d), sweeps, tunables, memory=False, value_bucket=vb)[:max_designs]
             timed = list(dict.fromkeys((on if memory else off) + (off if memory else on))) if max_designs else []
             name = spec_path.stem + (f"_d{d}" if len(shapes) > 1 else "")

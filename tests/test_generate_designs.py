@@ -97,21 +97,24 @@ def test_structures_are_compared_only_where_one_spec_was_timed_with_both() -> No
 
     bwd = replace(CAUSAL, backward=True)
     case = ("spec-a", '{"D": 128}', "sm90", "NVIDIA H100")
-    atomics = Sweep("k-a", bwd, "sm90", 128, ((A, 2.0), (C, 1.5)), case)  # its best: 1.5 ms
-    dq_pass = Sweep("k-p", bwd, "sm90", 128, ((A, 1.2),), case)
-    alone = Sweep("k-b", bwd, "sm90", 128, ((A, 0.1),), ("spec-b", '{"D": 128}', "sm90", "NVIDIA H100"))
-    kinds = {"k-a": "dq atomics", "k-p": "dq pass", "k-b": "dq atomics"}
-    scores = structure_scores([atomics, dq_pass, alone], kinds, bwd)
+    atomics = Sweep("k-a", bwd, "sm90", 128, ((A, 2.0), (C, 1.5)), case, "dq atomics")  # its best: 1.5 ms
+    dq_pass = Sweep("k-p", bwd, "sm90", 128, ((A, 1.2),), case, "dq pass")
+    alone = Sweep("k-b", bwd, "sm90", 128, ((A, 0.1),), ("spec-b", '{"D": 128}', "sm90", "NVIDIA H100"), "dq atomics")
+    scores = structure_scores([atomics, dq_pass, alone], bwd)
     assert scores == {"dq pass": 1.0, "dq atomics": pytest.approx(1.2 / 1.5)}
-    assert structure_scores([atomics, alone], kinds, bwd) == {}  # nothing timed both ways: retrieval's order stands
+    assert structure_scores([atomics, alone], bwd) == {}  # nothing timed both ways: retrieval's order stands
     on_h200 = replace(dq_pass, case=(*case[:3], "NVIDIA H200"))
-    assert structure_scores([atomics, on_h200], kinds, bwd) == {}  # two GPUs are not one comparison
+    assert structure_scores([atomics, on_h200], bwd) == {}  # two GPUs are not one comparison
     learned = replace(bwd, score_mod="relative_bias", learned_table=True)
-    assert structure_scores([atomics, dq_pass], kinds, learned) == {}  # frozen twins do not decide for a learned table
+    assert structure_scores([atomics, dq_pass], learned) == {}  # frozen twins do not decide for a learned table
+    # a structure's designs are ranked by its own sweeps: C won with atomic dq, A is all the dq pass measured
+    assert rank_designs(bwd, "sm90", 128, [atomics, dq_pass], FA2, structure="dq atomics")[0] == C
+    assert rank_designs(bwd, "sm90", 128, [atomics, dq_pass], FA2, structure="dq pass")[0] == A
 
 
 def test_backward_structure_tells_atomic_dq_from_a_dq_pass() -> None:
-    from generate.backward import backward_structure, nondeterminism
+    from generate.backward import nondeterminism
+    from generate.designs import backward_structure
     from tests.support.ir_programs import backward
 
     fa2 = backward("b_atomic", mask_mod="q_idx >= kv_idx")
@@ -139,3 +142,11 @@ def test_measured_structures_read_backward_sweeps_from_the_kb(kb) -> None:
     assert measured_structures(kb, bwd) == {}  # no records yet
     kb.write_perf(records)
     assert measured_structures(kb, bwd) == {"dq pass": 1.0, "dq atomics": pytest.approx(0.5)}
+
+
+def test_a_structure_leads_only_when_measured_clearly_faster() -> None:
+    from generate.backward import _preferred
+
+    assert _preferred({"dq pass": 1.0, "dq atomics": 0.92}) == "dq pass"
+    assert _preferred({"dq pass": 0.996, "dq atomics": 0.985}) is None  # within the spread of two calls
+    assert _preferred({"dq atomics": 1.0}) is None and _preferred({}) is None
