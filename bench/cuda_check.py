@@ -154,14 +154,14 @@ def bench_mma(cache: Path, traits: list[MmaTraits], out: dict) -> None:
             try:
                 with sdpa_kernel([be]):
                     base[label] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), 20)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 print(f"{label} unavailable: {err}", flush=True)
         flops = 4 * B * H * S * S * D / (2 if causal else 1)  # the causal count for every masked variant
         for t in traits:
             try:
                 kern = CudaKernel.from_program(with_traits(p, t), cache, tensor_cores=True, defines=(f"KB_HEAD_PAD_ONLY={D}",))
                 ms = _time(lambda: kern.run({**dev, **scalars}), 20)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 print(f"time {name} D={D} S={S} {t}: ERROR {str(err)[:300]}", flush=True)
                 continue
             row = {"variant": name, "B": B, "H": H, "S": S, "D": D, "traits": str(t), "ms": ms,
@@ -190,7 +190,7 @@ def _try_build_sm90(name: str, dtype: Dtype, cache: Path, head_dim: int) -> bool
     try:
         _kernel(name, dtype, cache, head_dim)
         return True
-    except Exception as err:  # noqa: BLE001 - check() reports it again
+    except Exception as err:
         print(f"{name:16s} {dtype.value:5s} D={head_dim} BUILD: {str(err)[:300]}", flush=True)
         return False
 
@@ -234,7 +234,7 @@ def main() -> int:
         for n, d in cases:
             try:
                 ok &= check(n, d, Path(args.cache))
-            except Exception as err:  # noqa: BLE001 - report and go on
+            except Exception as err:
                 ok = False
                 print(f"{n:16s} {d.value:5s} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
         print("ALL PASS" if ok else "SOME FAILED", flush=True)
@@ -271,7 +271,7 @@ def _main_mma(args: argparse.Namespace, names: list[str], dtypes: list[Dtype]) -
         for dt, name in itertools.product(dtypes, names):
             try:
                 passed = check(name, dt, Path(args.cache))
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 passed = False
                 print(f"{name:16s} {dt.value:5s} {t} ERROR {type(err).__name__}: {str(err)[:2000]}", flush=True)
             out["checks"].append({"traits": str(t), "fixture": name, "dtype": dt.value, "passed": passed})

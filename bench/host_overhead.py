@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class _Compiled:
     """A compiled kernel whose launch does nothing."""
 
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+    def __getitem__(self, grid):
         return lambda *args: None
 
 
@@ -39,7 +39,7 @@ class _Kernel:
     """A JIT kernel whose launch runs the part of Triton's JIT dispatch that needs no GPU (the binder that specialises
     every argument, and the cache key; built for an sm90 target) and returns a compiled kernel that does nothing."""
 
-    def __init__(self, fn) -> None:  # noqa: ANN001
+    def __init__(self, fn) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
         from triton.runtime.jit import create_function_from_signature
@@ -48,10 +48,10 @@ class _Kernel:
         self.binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
         self.keys: dict = {}
 
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+    def __getitem__(self, grid):
         from triton.runtime.jit import compute_cache_key
 
-        def launch(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        def launch(*args, **kw):
             _, specialization, options = self.binder(*args, **kw, debug=False, instrumentation_mode="")
             compute_cache_key(self.keys, specialization, options)
             return _Compiled()

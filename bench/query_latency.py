@@ -61,7 +61,7 @@ def _drop_page_cache() -> None:
         raise SystemExit(f"--cold needs to drop the page cache (root): {err}") from None
 
 
-def _median(runs: int, argv: list[str] | tuple[str, ...], env_of) -> dict[str, float]:  # noqa: ANN001
+def _median(runs: int, argv: list[str] | tuple[str, ...], env_of) -> dict[str, float]:
     times = []
     for _ in range(runs):
         env = env_of()

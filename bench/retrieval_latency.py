@@ -65,7 +65,7 @@ class HashEmbedder:
     Queries themselves always use the real model.
     """
 
-    def __init__(self, real) -> None:  # noqa: ANN001
+    def __init__(self, real) -> None:
         self.name, self.dim = real.name, len(real.embed(["dimension probe"])[0])
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -79,7 +79,7 @@ class HashEmbedder:
 class TimedEmbedder:
     """The real model, with the time spent in it summed (to split query latency)."""
 
-    def __init__(self, inner) -> None:  # noqa: ANN001
+    def __init__(self, inner) -> None:
         self.inner, self.name, self.seconds = inner, inner.name, 0.0
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
@@ -93,7 +93,7 @@ def _pct(xs: Sequence[float], q: int) -> float:
     return statistics.quantiles(xs, n=100)[q - 1]
 
 
-def time_queries(kb, specs, n: int, filters: Filters) -> dict[str, float]:  # noqa: ANN001
+def time_queries(kb, specs, n: int, filters: Filters) -> dict[str, float]:
     for sp in specs[:5]:
         query(kb, sp.text, sp.target, filters=filters)  # warm-up: model, caches, SQLite pages
     ms, rest = [], []

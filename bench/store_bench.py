@@ -41,7 +41,7 @@ def synthetic_kernel(i: int) -> Kernel:
 
 
 class TimedEmbedder:
-    def __init__(self, inner) -> None:  # noqa: ANN001
+    def __init__(self, inner) -> None:
         self.inner, self.name, self.seconds, self.texts = inner, inner.name, 0.0, 0
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:

@@ -109,7 +109,7 @@ class _KBGroup(TyperGroup):
                 _set_handler(signal.SIGTERM, previous)
 
 
-def _set_handler(signum: int, handler):  # noqa: ANN001, ANN202
+def _set_handler(signum: int, handler):
     """signal.signal, or None where it cannot be set (not the main thread)."""
     try:
         return signal.signal(signum, handler)

@@ -89,7 +89,7 @@ def tune_cmd(
     out.print(f"stored {summary.perf_records} measured records and {summary.lessons} lessons; raw results in {raw}", markup=False)
 
 
-def _tune_on_ray(kb, plan: dict, raw: Path, command: str, address: str | None, retries: int,  # noqa: ANN001
+def _tune_on_ray(kb, plan: dict, raw: Path, command: str, address: str | None, retries: int,
                  as_json: bool) -> None:
     """`kb tune --ray`: one num_gpus=1 task per spec (generate.campaign); each spec's results document is kept beside
     `raw` (`raw` with `.N` before its suffix, one per spec) and imported as `kb perf import` would."""

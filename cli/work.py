@@ -165,7 +165,7 @@ def _verify_cmd() -> None:
     from verify.cli import verify_command
 
     @functools.wraps(verify_command)
-    def verify_cmd(*args, **kwargs) -> None:  # noqa: ANN002, ANN003 - typer reads verify_command's signature
+    def verify_cmd(*args, **kwargs) -> None:
         code = verify_command(*args, **kwargs)
         if code:
             raise typer.Exit(code)

@@ -61,7 +61,7 @@ def learnable_aux(spec: Spec) -> tuple[str, ...]:
 
 
 def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
-                   verify_fn, designs, stage: Path, stem: str, first_n: int,  # noqa: ANN001
+                   verify_fn, designs, stage: Path, stem: str, first_n: int,
                    deterministic: bool = False, cuda: CudaDispatch | None = None) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
     """Try the ranked backward references in order; (the first that passes, every attempt).
 
@@ -164,7 +164,7 @@ def per_kv_head(p: Program) -> bool:
     return bool(writers) and all(any(ax.extent == var("Hkv") for ax in k.grid) for k in writers)
 
 
-def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,  # noqa: ANN001
+def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,
              stage: Path, stem: str, cuda: CudaDispatch | None) -> BackwardBuilt | Failure:
     from kb.lower.triton_bwd import lower_autograd
 

@@ -147,7 +147,7 @@ class CudaPair:
         return f"{self.speedup:.2f}x the Triton module for {self.kernel_id} on {self.gpu} at {where} ({self.measured_at[:10]})"
 
 
-def cuda_pairs(kb, arch: str, lowering: str) -> list[CudaPair]:  # noqa: ANN001 - KnowledgeBase
+def cuda_pairs(kb, arch: str, lowering: str) -> list[CudaPair]:
     """Every measured `.cu` of `lowering` on `arch` beside the Triton module of the same kernel, shape, GPU and run."""
     from kb.store import Kernel, PerfRecord
 

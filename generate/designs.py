@@ -123,7 +123,7 @@ def expert_designs(tunables: Iterable[tuple[str, int, dict]], arch: str, bucket:
             stages = 1
         try:
             d = Design(16 if decode else bm, bn, warps, stages, AUTO_SPLITS if decode else 1, tma=not backward)
-        except Exception:  # noqa: BLE001 - a configuration Triton cannot express (e.g. 192-wide tiles)
+        except Exception:
             continue
         (same if t_arch == arch else other).append(d)
     return list(dict.fromkeys(same + other))
@@ -196,7 +196,7 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
 
 # ---- reading the KB --------------------------------------------------------------------------
 
-def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:  # noqa: ANN001 - kb.store.KnowledgeBase
+def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:
     """Measured designs grouped per (kernel, shape, arch, gpu): the performance memory."""
     from kb.store import Kernel, PerfRecord
 
@@ -246,14 +246,14 @@ def structure_scores(sweeps: Sequence[Sweep], target: Features) -> dict[str, flo
     return {k: total[k] / weight[k] for k in total}
 
 
-def tunable_rows(kb) -> list[tuple[str, int, dict]]:  # noqa: ANN001
+def tunable_rows(kb) -> list[tuple[str, int, dict]]:
     """Every expert tunable of the KB as (arch, head dim or 0, launch parameters)."""
     from kb.store import Tunable
 
     return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.usable(Tunable)]
 
 
-def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,  # noqa: ANN001
+def design_table(kb, target: Features, archs: Sequence[str], buckets: Sequence[int], *,
                  memory: bool = True, depth: int = TABLE_DEPTH, value_bucket: int | None = None,
                  structure: str | None = None) -> dict[str, dict[int, tuple[Design, ...]]]:
     """{arch: {bucket: the top `depth` designs}} for an emitted module (`value_bucket`, `structure`: see

@@ -76,7 +76,7 @@ def _check_doc(doc: Any, where: str) -> None:
         raise KBError(f"{where}: env.date {env['date']!r} is not an ISO date") from err
 
 
-def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # noqa: ANN001 - KnowledgeBase
+def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:
     """Write the kernels, measured records and lessons of `doc` in one transaction; a document with any malformed
     part, or a record that breaks a rule, is refused whole (nothing written), naming the entry and why."""
     _check_doc(doc, where)
@@ -101,7 +101,7 @@ def import_results(kb, doc: dict, where: str = "results") -> ImportSummary:  # n
     return ImportSummary(kernels, perf_records, lessons, len(entries))
 
 
-def _entry_records(kb, entry: dict, env: dict, label: str, staged: list, backward: bool) -> list:  # noqa: ANN001
+def _entry_records(kb, entry: dict, env: dict, label: str, staged: list, backward: bool) -> list:
     """The records one results entry adds: its kernel (unless the KB or `staged` has it), measured records, lessons.
     `backward`: a training-step sweep (`kb tune --backward`), whose kernel must be a backward program."""
     if entry.get("error") or not entry.get("shapes"):
@@ -217,7 +217,7 @@ def corpus_results() -> list[Path]:
     return corpus_files("measured/*.json")
 
 
-def import_corpus(kb) -> ImportSummary:  # noqa: ANN001 - KnowledgeBase
+def import_corpus(kb) -> ImportSummary:
     """Import every shipped results file (idempotent: the same measurement is the same row)."""
     totals = [0, 0, 0, 0]
     for path in corpus_results():

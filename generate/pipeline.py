@@ -302,7 +302,7 @@ def _judge(spec: Spec, program: Program, untrusted: bool, options: GenerateOptio
         if failure:
             return Failure(Stage.IR_CHECK, Verdict.numeric_mismatch, failure)
         return _realise(spec, program, options, stage)
-    except Exception as err:  # noqa: BLE001 - an LLM's program may break the interpreter in any way
+    except Exception as err:
         if not untrusted:
             raise
         log.debug("judging an untrusted program raised", exc_info=True)
@@ -594,7 +594,7 @@ def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: 
     return res.verdict, _verify_detail(res)
 
 
-def _verify_detail(res) -> str:  # noqa: ANN001 - verify.VerifyResult
+def _verify_detail(res) -> str:
     return (f"{res.message} (seed {res.seed}, {res.calls} calls, {len(res.cases)} shapes, "
             f"max abs err {res.max_abs_err:.3g})")
 

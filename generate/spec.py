@@ -149,7 +149,7 @@ def import_spec_file(path: Path) -> Any:
     sys.modules[name] = module
     try:
         mod_spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 - the user's file failed to import
+    except Exception as err:
         raise KBError(f"cannot import spec file {path}: {type(err).__name__}: {err}") from None
     except SystemExit as err:
         raise KBError(f"cannot import spec file {path}: it called sys.exit({err.code!r})") from None

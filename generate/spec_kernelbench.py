@@ -173,7 +173,7 @@ def _check_constants(module: Any, model: torch.nn.Module, names: set[str], path:
     torch.manual_seed(1)
     try:
         again = module.Model(*module.get_init_inputs())
-    except Exception:  # noqa: BLE001 - it constructed once with seed 0; nothing to compare
+    except Exception:
         return
     first, second = dict(_model_tensors(model)), dict(_model_tensors(again))
     random = sorted(k for k, t in first.items() if aux_name(k) in names and k in second
@@ -203,7 +203,7 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
         args[vi] = torch.randn(*inputs[vi].shape[:2], n + dn, inputs[vi].shape[3], dtype=inputs[vi].dtype)
         try:
             again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
-        except Exception:  # noqa: BLE001 - the spec only works at its own shapes (or M == N): try the next delta
+        except Exception:
             continue
         dims1, dims2 = (m, n), (m + dm, n + dn)
         return (generalize(traced.score_mod, again.score_mod, dims1, dims2),
@@ -240,7 +240,7 @@ def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qk
         args[i] = torch.randn(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype)
     try:
         again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
-    except Exception:  # noqa: BLE001 - e.g. a per-head buffer sized for the spec's heads: the kernel reads it at run time
+    except Exception:
         return None
     return None if _same_variants(traced, again) else int(inputs[qkv[0]].shape[1])
 
@@ -263,7 +263,7 @@ def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, k
             torch.manual_seed(0)
             other = module.Model(*changed).eval()
             again = trace_attention(other, inputs, names, tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
-        except Exception:  # noqa: BLE001 - the Model does not build or run with that value: nothing to say
+        except Exception:
             continue
         if not _same_variants(traced, again):
             fixed.append((i, param.name, value))
@@ -283,7 +283,7 @@ def _instantiate(module: Any, path: Path) -> tuple[torch.nn.Module, list[Any]]:
         model = module.Model(*module.get_init_inputs())
         model.eval()
         inputs = list(module.get_inputs())
-    except Exception as err:  # noqa: BLE001 - the user's code failed
+    except Exception as err:
         raise KBError(f"{path}: building Model(*get_init_inputs()) / get_inputs() failed: {type(err).__name__}: {err}") from None
     if not isinstance(model, torch.nn.Module):
         raise KBError(f"{path}: Model is not a torch.nn.Module")

@@ -265,7 +265,7 @@ def _nonnegative(e: Expr, shape: tuple[int, ...], known: Mapping[str, torch.Tens
     env = {f"_d{k}": torch.arange(n).view([n if j == k else 1 for j in range(len(shape))]) for k, n in enumerate(shape)}
     try:
         return bool((torch.as_tensor(eval_expr(e, env, dict(known))) >= 0).all())
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
 
 

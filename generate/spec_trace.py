@@ -1096,7 +1096,7 @@ def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str, source: s
         return make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*inputs)
     except KBError:
         raise
-    except Exception as err:  # noqa: BLE001 - tracing failures are the user's spec
+    except Exception as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         at = _user_line(err, source)
         offsets = _offsets_input(inputs, input_names)

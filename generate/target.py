@@ -27,7 +27,7 @@ def _index_dims(exprs: list[Expr], tensor: str, rank: int) -> list[set[str]]:
     return dims
 
 
-def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param:  # noqa: ANN001 - a torch.Tensor
+def _aux_param(name: str, t, exprs: list[Expr], self_attention: bool) -> Param:
     """Symbolic where the index says which dim a position runs over (doc_ids[b, q_idx] -> [B, M]), else concrete."""
     implied = _index_dims(exprs, name, t.dim())
     # a position indexed by both q_idx and kv_idx (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) runs over N

@@ -32,7 +32,7 @@ __all__ = ["make_plan", "plan_entries", "DEFAULT_MAX_DESIGNS"]
 DEFAULT_MAX_DESIGNS = 10
 
 
-def _resolve(kb, target: str, from_dir: Path, backward: bool = False) -> tuple[Path, Path, Kernel]:  # noqa: ANN001
+def _resolve(kb, target: str, from_dir: Path, backward: bool = False) -> tuple[Path, Path, Kernel]:
     """(spec path, candidate path, kernel row) for a spec file or a generated kernel id; `backward`: the kernel row
     is the candidate's backward kernel (the one its designs belong to)."""
     if target.startswith("k-"):
@@ -70,7 +70,7 @@ def _kernel_payload(k: Kernel) -> dict:
     return {f: getattr(k, f) for f in keep}
 
 
-def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
+def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,
                  memory: bool = True, backward: bool = False) -> list[dict]:
     """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept
     (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`). `backward`: the designs of
@@ -102,7 +102,7 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
     return entries
 
 
-def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,  # noqa: ANN001
+def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,
               memory: bool = True, backward: bool = False) -> dict:
     from generate.tune_gpu import PLAN_SCHEMA
 

@@ -59,7 +59,7 @@ class _Recorder:
         self.kwargs: dict[str, Any] = {}
         self.out: Any = None
 
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+    def __call__(self, *args, **kwargs):
         self.args, self.kwargs = args, kwargs
         self.out = self.fn(*args, **kwargs)
         return self.out
@@ -138,7 +138,7 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
                 return {**rec, "status": "wrong"}
         ms, iqr = time_call(fn, trials)
         return {**rec, "status": "ok", "ms": ms, "iqr_ms": iqr, "tflops": flops / ms / 1e9}
-    except Exception as err:  # noqa: BLE001 - a design that cannot run is a result, not a crash
+    except Exception as err:
         return {**rec, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
     finally:
         if torch.cuda.is_available():
@@ -178,7 +178,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     res["shape"]["kv_bytes"] = sum(t.numel() * t.element_size() for t in inputs[1:3])  # decode reads K and V once
     try:
         flex = flex_call(spec, inputs, model) if device == "cuda" else None
-    except Exception as err:  # noqa: BLE001 - FlexAttention failing to compile a variant is a result
+    except Exception as err:
         flex, res["flex_error"] = None, f"{type(err).__name__}: {str(err)[:300]}"
     sdpa = sdpa_call(spec, inputs)
     with torch.no_grad():
@@ -270,7 +270,7 @@ def _emitted_cuda(entry: dict, args: tuple, kwargs: dict) -> Callable[[], Any] |
     try:
         kern = CudaKernel.from_source(parse_program(ir.read_text()), cu.read_text(), cu.parent / "cuda-build",
                                       defines=defines)
-    except Exception as err:  # noqa: BLE001 - a .cu that does not build is recorded as an error, not a crash
+    except Exception as err:
         failure = err
 
         def fail() -> None:
@@ -325,7 +325,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
                 cand.forward(*args, _design=_design_arg(design), **kwargs)
         torch.cuda.synchronize()
         return "ok"
-    except Exception as err:  # noqa: BLE001 - the timed process records the error
+    except Exception as err:
         return f"{type(err).__name__}: {err}"[:200]
 
 
@@ -378,7 +378,7 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
         t0 = time.monotonic()
         try:
             doc["entries"].append(_run_entry(e, i, trials, deadline, device))
-        except Exception as err:  # noqa: BLE001 - one broken entry does not lose the others
+        except Exception as err:
             doc["entries"].append({"name": e["name"], "spec": e["spec"], "kernel": e.get("kernel"),
                                    "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
         write_results(out_path, doc)

@@ -235,7 +235,7 @@ def _first_call(impl: Impl, dout: torch.Tensor) -> tuple[dict, torch.Tensor | No
     impl.zero_grads()
     try:
         out = _out(impl.call())
-    except Exception as err:  # noqa: BLE001 - an implementation that cannot run is a result
+    except Exception as err:
         return {"status": "error", "error": f"forward: {type(err).__name__}: {str(err)[:300]}"}, None
     if not isinstance(out, torch.Tensor) or out.grad_fn is None:
         return {"status": "no_backward", "error": "the output has no grad_fn: a forward-only candidate"}, None
@@ -243,7 +243,7 @@ def _first_call(impl: Impl, dout: torch.Tensor) -> tuple[dict, torch.Tensor | No
         return {"status": "mismatch", "error": f"output shape {tuple(out.shape)} != {tuple(dout.shape)}"}, None
     try:
         out.backward(dout.to(out.dtype))
-    except Exception as err:  # noqa: BLE001 - a candidate without a backward is a result
+    except Exception as err:
         return {"status": "no_backward", "error": f"{type(err).__name__}: {str(err)[:300]}"}, None
     common.sync()
     return {}, out.detach()
@@ -298,7 +298,7 @@ def bwd_record(label: str, impl: Impl | None, ref: Reference, flops: float, tria
             return {**rec, "status": "mismatch", "error": _mismatch_text(rec["out_err"], bad, missing)}
         timed = _timed(impl, ref.dout.to(out.dtype), trials)
         return {**rec, "status": "ok", **timed, "tflops": flops / timed["ms"] / 1e9}
-    except Exception as err:  # noqa: BLE001 - a failure while timing is a result, not a crash
+    except Exception as err:
         return {**rec, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
     finally:
         impl.zero_grads()
@@ -444,7 +444,7 @@ def _baseline_records(spec: ModuleType, inputs: list, model: torch.nn.Module, na
             recs.append(bwd_record("flex", flex, ref, flops, trials, check=False))
             if names and recs[-1]["status"] == "error":
                 recs.append(bwd_record("flex (table grad off)", frozen(), ref, flops, trials, check=False))
-        except Exception as err:  # noqa: BLE001 - FlexAttention failing to compile a variant is a result
+        except Exception as err:
             res["flex_error"] = f"{type(err).__name__}: {str(err)[:300]}"
             recs.append({"impl": "flex", "status": "error", "error": res["flex_error"]})
     sd = common.sdpa_call(spec, inputs)
@@ -525,7 +525,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
                     _warm_one(impl)
         torch.cuda.synchronize()
         return "ok"
-    except Exception as err:  # noqa: BLE001 - the timed process records the error
+    except Exception as err:
         return f"{type(err).__name__}: {err}"[:200]
 
 
@@ -661,7 +661,7 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
         t0 = time.monotonic()
         try:
             doc["entries"].append(_run_entry(e, i, trials, deadline, device))
-        except Exception as err:  # noqa: BLE001 - one broken entry does not lose the others
+        except Exception as err:
             doc["entries"].append({"name": e["name"], "spec": e["spec"], "tier": e.get("tier"), "class": e.get("class"),
                                    "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
         doc["summary"] = summarize(doc)

@@ -91,7 +91,7 @@ def _candidate_module(path: str, tag: str) -> ModuleType:
     return cand
 
 
-def load_candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):  # noqa: ANN202
+def load_candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):
     """(candidate module, ModelNew instance carrying the spec Model's parameters and buffers at this shape)."""
     cand = _candidate_module(entry["candidate"], tag)
     init = _init_args(spec, shape)
@@ -142,7 +142,7 @@ def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callabl
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_flex(flex_attention):  # noqa: ANN001, ANN202
+def _compiled_flex(flex_attention):
     return torch.compile(flex_attention, dynamic=False)
 
 

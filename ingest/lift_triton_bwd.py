@@ -670,7 +670,7 @@ def _tunables(mod: TritonModule, part: _Part, dq: _Part | None, base: Provenance
     return out
 
 
-def _launch_params(mod: TritonModule, p: _Part, site, keys: dict[str, str]) -> dict[str, object]:  # noqa: ANN001
+def _launch_params(mod: TritonModule, p: _Part, site, keys: dict[str, str]) -> dict[str, object]:
     """Block sizes, warps and stages at a launch: keywords, or positional launcher locals (`BM, BN = 32, 128`)."""
     local = _launcher_literals(mod, site.line)
     given = {**{a.arg: local.get(name) for a, name in zip(p.fn.node.args.args, site.args) if name is not None},

@@ -63,7 +63,7 @@ def _tunable(t: LiftedTunable, sid: str) -> Tunable:
                    file=p.file, line_start=p.line_start, line_end=p.line_end)
 
 
-def _kernel(lp, sid: str) -> Kernel:  # noqa: ANN001 - ingest.lift_triton.LiftedProgram
+def _kernel(lp, sid: str) -> Kernel:
     p = lp.provenance
     return Kernel(name=lp.name, family=lp.family, origin="ingest", ir_text=print_program(lp.program),
                   features_json=lp.features.to_json(), arch=lp.features.arch, dtype=lp.features.dtype,

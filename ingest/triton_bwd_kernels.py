@@ -179,7 +179,7 @@ def _accumulated(walk: TileWalk) -> list[tuple[Effect, tuple, list[Term], str]]:
     return out
 
 
-def _role(c) -> str | None:  # noqa: ANN001 - Contraction
+def _role(c) -> str | None:
     for x, other in ((c.a, c.b), (c.b, c.a)):
         if is_probs(x):
             return "dv"

@@ -9,21 +9,21 @@ import os
 # on 2 cores the spinning pools made each test of a full run several times slower than alone
 os.environ["OMP_NUM_THREADS"] = "1"
 
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from pathlib import Path  # noqa: E402
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from kb.embed import SentenceEmbedder, get_embedder  # noqa: E402
-from kb.settings import Settings, load_settings  # noqa: E402
-from tests.support.generate_fixtures import INGEST_SUMMARY  # noqa: E402
-from tests.support.ingested import HOME_NAME, shared_ingested  # noqa: E402
-from tests.support.repo import REPO  # noqa: E402
+from kb.embed import SentenceEmbedder, get_embedder
+from kb.settings import Settings, load_settings
+from tests.support.generate_fixtures import INGEST_SUMMARY
+from tests.support.ingested import HOME_NAME, shared_ingested
+from tests.support.repo import REPO
 
 torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
@@ -82,7 +82,7 @@ def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
 
 
 @pytest.fixture(scope="session")
-def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:  # noqa: ANN001
+def ingested_home(tmp_path_factory: pytest.TempPathFactory, embedder) -> Path:
     """A KB home with the whole pinned corpus ingested (`kb ingest --all`; downloads cached in .kb-test-cache), built
     once per run (tests.support.ingested): with workers, in the run's base temp directory they share."""
     base = tmp_path_factory.getbasetemp()
@@ -113,7 +113,7 @@ def ingested_kb_settings(ingested_home: Path, tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-def ingested_kb(ingested_kb_settings: Settings, embedder) -> Iterator:  # noqa: ANN001
+def ingested_kb(ingested_kb_settings: Settings, embedder) -> Iterator:
     from kb.store import open_kb
 
     with open_kb(ingested_kb_settings, embedder=embedder) as kb:

@@ -13,26 +13,26 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
 
-import importlib.util  # noqa: E402
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
+import importlib.util
+import re
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from generate.check_backward import check_backward_program  # noqa: E402
-from generate.spec import load_spec  # noqa: E402
-from generate.target import target_for  # noqa: E402
-from generate.transfer import Strategy, transfer  # noqa: E402
-from generate.transfer_bwd import backward_target, transfer_backward  # noqa: E402
-from kb.ir.derive import ROW_LSE, aux_partials, row_centre  # noqa: E402
-from kb.ir.expr import parse_expr, print_expr  # noqa: E402
-from kb.ir.interpret import run_program  # noqa: E402
-from kb.ir.nodes import AuxGrad, Role, aux_gradients, walk_stmts  # noqa: E402
-from kb.ir.rename import names  # noqa: E402
-from kb.ir.text import parse_program, print_program  # noqa: E402
-from kb.ir.validate import validate  # noqa: E402
-from tests.support.backward import GOLDEN, REFERENCE, SPECS, transferred_programs  # noqa: E402
+from generate.check_backward import check_backward_program
+from generate.spec import load_spec
+from generate.target import target_for
+from generate.transfer import Strategy, transfer
+from generate.transfer_bwd import backward_target, transfer_backward
+from kb.ir.derive import ROW_LSE, aux_partials, row_centre
+from kb.ir.expr import parse_expr, print_expr
+from kb.ir.interpret import run_program
+from kb.ir.nodes import AuxGrad, Role, aux_gradients, walk_stmts
+from kb.ir.rename import names
+from kb.ir.text import parse_program, print_program
+from kb.ir.validate import validate
+from tests.support.backward import GOLDEN, REFERENCE, SPECS, transferred_programs
 
 SCALARS = {  # case -> spec file in tests/data/specs
     "temperature": "temperature_learnable.py",  # s * self.t, fp32, causal
@@ -42,7 +42,7 @@ SCALARS = {  # case -> spec file in tests/data/specs
 }
 
 
-def _import(path: Path):  # noqa: ANN202
+def _import(path: Path):
     spec = importlib.util.spec_from_file_location(f"{path.stem}_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
@@ -199,7 +199,7 @@ def test_fp64_reference_widens_a_specs_own_fp32_casts() -> None:
             self.t = torch.nn.Parameter(torch.tensor(0.7))
             self.table = torch.arange(8.0)  # a plain fp32 attribute: never converted by .double()
 
-        def forward(self, q, k, v):  # noqa: ANN001, ANN201
+        def forward(self, q, k, v):
             s = q.float() @ k.float().transpose(-1, -2) * self.t + self.table
             return torch.softmax(s, -1) @ v.float()
 

@@ -70,7 +70,7 @@ def _title(pid: int) -> str:
 
 
 @pytest.mark.network  # the session KB ingests the pinned releases
-def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested_kb, tmp_path: Path,  # noqa: ANN001
+def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested_kb, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     specs = tmp_path / "specs"
     specs.mkdir()
@@ -152,7 +152,7 @@ print(json.dumps(run_tune_campaign(plan, address=sys.argv[1], device="cpu")))
 """
 
 
-def test_a_campaign_needs_the_shared_kb_and_a_reachable_cluster(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_campaign_needs_the_shared_kb_and_a_reachable_cluster(kb, tmp_path: Path) -> None:
     from generate.campaign import ray_session
 
     home = ["--home", str(kb.settings.home)]

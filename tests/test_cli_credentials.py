@@ -47,7 +47,7 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def services(pg_url: str, tmp_path: Path, embedder) -> Iterator[tuple[Settings, dict[str, str], FakeLLMServer]]:  # noqa: ANN001
+def services(pg_url: str, tmp_path: Path, embedder) -> Iterator[tuple[Settings, dict[str, str], FakeLLMServer]]:
     """A KB on PostgreSQL + a Chroma server holding one reference program, and a `kb` environment for it."""
     with chroma_server(tmp_path / "chroma") as chroma, FakeLLMServer() as llm:
         settings = load_settings(home=tmp_path / "kb", db_url=pg_url,
@@ -68,7 +68,7 @@ def services(pg_url: str, tmp_path: Path, embedder) -> Iterator[tuple[Settings, 
                     conn.exec_driver_sql(f"DELETE FROM {table.__tablename__}")
 
 
-def _stored_text(settings: Settings, embedder) -> str:  # noqa: ANN001
+def _stored_text(settings: Settings, embedder) -> str:
     """Every SQL row and every Chroma document and metadata, as one text."""
     import chromadb
 
@@ -84,7 +84,7 @@ def _stored_text(settings: Settings, embedder) -> str:  # noqa: ANN001
     return "\n".join(parts)
 
 
-def test_no_password_reaches_output_rows_reports_logs_or_exports(services, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_no_password_reaches_output_rows_reports_logs_or_exports(services, tmp_path: Path, embedder) -> None:
     settings, env, llm = services
     spec = tmp_path / "causal.py"
     shutil.copy(REPO / "examples/specs/causal_d64.py", spec)

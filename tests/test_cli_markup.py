@@ -26,7 +26,7 @@ def _kb(home: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_kb_text_with_markup_prints_as_text(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_kb_text_with_markup_prints_as_text(tmp_path: Path, embedder) -> None:
     home = tmp_path / "kb"
     with open_kb(load_settings(home=home), embedder=embedder) as kb:
         odd = make_kernel(0)

@@ -35,7 +35,7 @@ def _kb(home: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture
-def filled(tmp_path: Path, embedder) -> tuple[Path, list[str]]:  # noqa: ANN001
+def filled(tmp_path: Path, embedder) -> tuple[Path, list[str]]:
     home = tmp_path / "kb"
     with open_kb(load_settings(home=home), embedder=embedder) as kb:
         src = kb.write_source(make_source())
@@ -49,7 +49,7 @@ def test_version_comes_from_the_package_metadata() -> None:
     assert res.returncode == 0 and res.stdout == f"kernel-kb {version}\n", res.stderr
 
 
-def test_tables_in_a_pipe_keep_whole_ids_and_paths(filled, tmp_path: Path) -> None:  # noqa: ANN001
+def test_tables_in_a_pipe_keep_whole_ids_and_paths(filled, tmp_path: Path) -> None:
     home, ids = filled
     mine = tmp_path / "mine"
     (mine / LONG_DIR).mkdir(parents=True)
@@ -67,7 +67,7 @@ def test_tables_in_a_pipe_keep_whole_ids_and_paths(filled, tmp_path: Path) -> No
     assert "…" not in ingested.stdout + found.stdout
 
 
-def test_every_command_prints_whole_ids_when_not_a_terminal(filled, embedder, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+def test_every_command_prints_whole_ids_when_not_a_terminal(filled, embedder, capsys: pytest.CaptureFixture[str]) -> None:
     home, ids = filled
     env = {"COLUMNS": NARROW}
     shown = runner.invoke(app, ["--home", str(home), "show", ids[0]], env=env)
@@ -107,7 +107,7 @@ def test_verify_prints_its_table_through_the_same_console(tmp_path: Path) -> Non
     assert any(line.split("│")[2].strip() == str(cheat) for line in res.stdout.splitlines() if "│ candidate" in line)
 
 
-def test_generate_failures_go_to_stderr_and_json_to_stdout(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_generate_failures_go_to_stderr_and_json_to_stdout(kb, tmp_path: Path) -> None:
     args = ["--home", str(kb.settings.home), "generate", str(REFUSED_SPEC), "--out", str(tmp_path / "out")]
     res = runner.invoke(app, [*args, "--json"])
     assert res.exit_code == 1, res.output
@@ -133,7 +133,7 @@ def test_a_spec_path_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.network  # the session KB ingests the real corpus
-def test_generate_json_reports_what_it_published(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
+def test_generate_json_reports_what_it_published(ingested_kb_settings, tmp_path: Path) -> None:
     spec = REPO / "examples" / "specs" / "sliding_window.py"
     res = runner.invoke(app, ["--home", str(ingested_kb_settings.home), "generate", str(spec), "--out", str(tmp_path / "out"),
                               "--no-verify", "--no-backward", "--json"])

@@ -22,12 +22,12 @@ from tests.support.store import make_kernel, make_snippets, make_source
 runner = CliRunner()
 
 
-def kb_cli(home: Path, *args: str):  # noqa: ANN201
+def kb_cli(home: Path, *args: str):
     return runner.invoke(app, ["--home", str(home), *args])
 
 
 @pytest.fixture
-def filled(tmp_path: Path, embedder) -> tuple[Path, str]:  # noqa: ANN001
+def filled(tmp_path: Path, embedder) -> tuple[Path, str]:
     home = tmp_path / "kb"
     with open_kb(load_settings(home=home), embedder=embedder) as kb:
         src = kb.write_source(make_source())
@@ -46,7 +46,7 @@ def test_init_is_idempotent(tmp_path: Path) -> None:
     assert (tmp_path / "kb" / "kb.sqlite").is_file() and (tmp_path / "kb" / "chroma").is_dir()
 
 
-def test_stats(filled) -> None:  # noqa: ANN001
+def test_stats(filled) -> None:
     home, _ = filled
     res = kb_cli(home, "stats", "--json")
     assert res.exit_code == 0, res.output
@@ -55,7 +55,7 @@ def test_stats(filled) -> None:  # noqa: ANN001
     assert "perf_records" in kb_cli(home, "stats").output
 
 
-def test_show_kernel_prints_ir_features_provenance(filled) -> None:  # noqa: ANN001
+def test_show_kernel_prints_ir_features_provenance(filled) -> None:
     home, kid = filled
     res = kb_cli(home, "show", kid)
     assert res.exit_code == 0, res.output
@@ -66,7 +66,7 @@ def test_show_kernel_prints_ir_features_provenance(filled) -> None:  # noqa: ANN
     assert json.loads(kb_cli(home, "show", kid, "--json").output)["id"] == kid
 
 
-def test_show_other_tables(filled) -> None:  # noqa: ANN001
+def test_show_other_tables(filled) -> None:
     home, _ = filled
     with open_kb(load_settings(home=home)) as kb:
         snippet = kb.list(Snippet)[0]
@@ -74,7 +74,7 @@ def test_show_other_tables(filled) -> None:  # noqa: ANN001
     assert res.exit_code == 0 and "Snippet " + snippet.id in res.output and f"kind: {snippet.kind}" in res.output
 
 
-def test_doctor_and_fix(filled, embedder) -> None:  # noqa: ANN001
+def test_doctor_and_fix(filled, embedder) -> None:
     home, kid = filled
     assert kb_cli(home, "doctor").exit_code == 0
     with open_kb(load_settings(home=home), embedder=embedder) as kb:
@@ -86,7 +86,7 @@ def test_doctor_and_fix(filled, embedder) -> None:  # noqa: ANN001
     assert json.loads(kb_cli(home, "doctor", "--json").output)["ok"] is True
 
 
-def test_export_import(filled, tmp_path: Path) -> None:  # noqa: ANN001
+def test_export_import(filled, tmp_path: Path) -> None:
     home, kid = filled
     dump = tmp_path / "dump.jsonl"
     res = kb_cli(home, "export", str(dump))

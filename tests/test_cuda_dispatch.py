@@ -97,7 +97,7 @@ def test_the_cu_is_built_once_and_cached_by_content(tmp_path: Path, monkeypatch:
     lib = nvcc_preamble._cuda_build(str(src), "sm_80")
     assert Path(lib).parent == tmp_path / "cache" / "cuda" and Path(lib).is_file()
 
-    def no_nvcc(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def no_nvcc(*args, **kwargs):
         raise AssertionError("nvcc ran again for a cached build")
 
     monkeypatch.setattr(subprocess, "run", no_nvcc)

@@ -24,7 +24,7 @@ def test_model_loads_lazily_once() -> None:
     assert get_embedder(Settings()) is get_embedder(Settings())
 
 
-def test_vectors_are_normalised_and_batch_independent(embedder) -> None:  # noqa: ANN001
+def test_vectors_are_normalised_and_batch_independent(embedder) -> None:
     texts = [f"causal mask with head dim {d}" for d in (32, 64, 128)] + ["logit softcap tanh"]
     small = SentenceEmbedder(batch_size=2)
     small._model = embedder._load()  # same weights, different batch size
@@ -35,7 +35,7 @@ def test_vectors_are_normalised_and_batch_independent(embedder) -> None:  # noqa
     assert embedder.embed([]) == []
 
 
-def test_similar_texts_are_closer(embedder) -> None:  # noqa: ANN001
+def test_similar_texts_are_closer(embedder) -> None:
     q, near, far = embedder.embed(["sliding window attention mask", "local window mask for attention", "download a wheel from pypi"])
     dot = lambda u, v: sum(x * y for x, y in zip(u, v))  # noqa: E731
     assert dot(q, near) > dot(q, far)
@@ -64,7 +64,7 @@ def reference_vectors() -> list[list[float]]:
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, reference_vectors, backend: str) -> None:  # noqa: ANN001
+def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, reference_vectors, backend: str) -> None:
     from kb.bert import BertEncoder
 
     texts = _ir_texts()
@@ -95,7 +95,7 @@ def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: 
     assert not is_mean_pooled_bert(tmp_path / "missing")
 
 
-def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(kb) -> None:  # noqa: ANN001
+def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(kb) -> None:
     """`kb query TEXT` is the interactive path: what it imports is its start-up time (issue: instant queries)."""
     import subprocess
     import sys

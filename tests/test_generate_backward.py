@@ -11,16 +11,16 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set before triton is imported
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from generate.pipeline import GenerateOptions, generate  # noqa: E402
-from kb.features import Features  # noqa: E402
-from kb.ir.nodes import is_backward  # noqa: E402
-from kb.ir.text import parse_program  # noqa: E402
-from kb.store.models import Kernel  # noqa: E402
-from tests.support.generate_fixtures import QUICK  # noqa: E402
-from tests.support.repo import REPO  # noqa: E402
+from generate.pipeline import GenerateOptions, generate
+from kb.features import Features
+from kb.ir.nodes import is_backward
+from kb.ir.text import parse_program
+from kb.store.models import Kernel
+from tests.support.generate_fixtures import QUICK
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -34,7 +34,7 @@ CLASSES = {
 }
 
 
-def _load(path: Path):  # noqa: ANN202
+def _load(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]

@@ -33,7 +33,7 @@ ARGS = ["generate", str(SPEC), "--no-backward", "--target", "sm90"]
 runner = CliRunner()
 
 
-def _kb(home: Path, *args: str):  # noqa: ANN202 - click's Result
+def _kb(home: Path, *args: str):
     res = runner.invoke(app, ["--home", str(home), *args], env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
     return res
@@ -47,7 +47,7 @@ def _report(out: Path) -> dict:
     return json.loads((out / f"{STEM}.report.json").read_text())
 
 
-def _rows(home: Path, embedder) -> dict[str, int]:  # noqa: ANN001
+def _rows(home: Path, embedder) -> dict[str, int]:
     with open_kb(load_settings(home=home), embedder=embedder, create=False) as kb:
         return dict(kb.counts().rows)
 
@@ -69,7 +69,7 @@ def _copy(home: Path, tmp_path: Path) -> Path:
     return mine
 
 
-def test_a_second_generate_is_served_from_the_cache(generated, embedder, tmp_path: Path,  # noqa: ANN001
+def test_a_second_generate_is_served_from_the_cache(generated, embedder, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     home, out1 = generated
     first = _report(out1)
@@ -90,7 +90,7 @@ def test_a_second_generate_is_served_from_the_cache(generated, embedder, tmp_pat
     assert manifest["parts"]["target"] == "sm90"
 
 
-def test_force_regenerates_and_refreshes_the_entry(generated, embedder, tmp_path: Path) -> None:  # noqa: ANN001
+def test_force_regenerates_and_refreshes_the_entry(generated, embedder, tmp_path: Path) -> None:
     home = _copy(generated[0], tmp_path)
     first = _report(generated[1])
     before = _rows(home, embedder)
@@ -105,7 +105,7 @@ def test_force_regenerates_and_refreshes_the_entry(generated, embedder, tmp_path
 
 
 @pytest.fixture
-def kb_of(generated, embedder) -> Iterator:  # noqa: ANN001
+def kb_of(generated, embedder) -> Iterator:
     with open_kb(load_settings(home=generated[0]), embedder=embedder, create=False) as kb:
         yield kb
 
@@ -113,7 +113,7 @@ def kb_of(generated, embedder) -> Iterator:  # noqa: ANN001
 OPTS = GenerateOptions(backward=False, target="sm90")  # what `kb generate --no-backward --target sm90` passes
 
 
-def test_a_changed_spec_misses(kb_of, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_changed_spec_misses(kb_of, tmp_path: Path) -> None:
     assert lookup(kb_of, cache_key(kb_of, SPEC, OPTS)) is not None
     same = tmp_path / "elsewhere" / SPEC.name
     same.parent.mkdir()
@@ -127,7 +127,7 @@ def test_a_changed_spec_misses(kb_of, tmp_path: Path) -> None:  # noqa: ANN001
     assert lookup(kb_of, cache_key(kb_of, renamed, OPTS)) is None
 
 
-def test_the_key_covers_every_option_that_changes_the_output(kb_of) -> None:  # noqa: ANN001
+def test_the_key_covers_every_option_that_changes_the_output(kb_of) -> None:
     base = cache_key(kb_of, SPEC, OPTS).digest
     changed = [replace(OPTS, target="sm80"), replace(OPTS, backward=True), replace(OPTS, memory=False),
                replace(OPTS, verify_kernel=False), replace(OPTS, engine="llm"), replace(OPTS, compile_cuda=False),
@@ -138,7 +138,7 @@ def test_the_key_covers_every_option_that_changes_the_output(kb_of) -> None:  # 
     assert cache_key(kb_of, SPEC, replace(OPTS, max_attempts=2, timeout_s=30.0, references=1)).digest == base
 
 
-def test_new_expert_or_measured_knowledge_changes_the_key_and_write_back_does_not(ingested_kb) -> None:  # noqa: ANN001
+def test_new_expert_or_measured_knowledge_changes_the_key_and_write_back_does_not(ingested_kb) -> None:
     base = cache_key(ingested_kb, SPEC, OPTS).digest
     ingested_kb.write_lesson(Lesson(kind="strategy_reuse", text="a lesson a run wrote back"))
     assert cache_key(ingested_kb, SPEC, OPTS).digest == base
@@ -160,7 +160,7 @@ def test_the_code_digest_follows_every_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["file changed", "kernel unverified"])
-def test_an_entry_the_kb_no_longer_vouches_for_is_dropped(generated, embedder, tmp_path: Path, damage: str) -> None:  # noqa: ANN001
+def test_an_entry_the_kb_no_longer_vouches_for_is_dropped(generated, embedder, tmp_path: Path, damage: str) -> None:
     home = _copy(generated[0], tmp_path)
     with open_kb(load_settings(home=home), embedder=embedder, create=False) as kb:
         key = cache_key(kb, SPEC, OPTS)
@@ -178,7 +178,7 @@ def test_an_entry_the_kb_no_longer_vouches_for_is_dropped(generated, embedder, t
         assert not entry.path.exists(), "a stale entry is removed, never served later"
 
 
-def test_a_failed_run_is_never_cached(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_failed_run_is_never_cached(ingested_kb, tmp_path: Path) -> None:
     r = generate_cached(ingested_kb, REPO / "tests/data/specs_bad/op_after_softmax.py",
                         GenerateOptions(out_dir=tmp_path, **QUICK))
     assert not r.succeeded and r.cached is None

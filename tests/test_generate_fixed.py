@@ -23,7 +23,7 @@ pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn r
 SPEC = REPO / "tests" / "data" / "specs_state" / "alibi_slopes_in_forward.py"
 
 
-def _module(path: Path, name: str):  # noqa: ANN202
+def _module(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -42,7 +42,7 @@ def _runs(home: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.network  # the session KB ingests the pinned releases
-def test_out_dir_on_a_full_tmpfs(ingested_kb_settings, tiny_tmpfs: Path) -> None:  # noqa: ANN001
+def test_out_dir_on_a_full_tmpfs(ingested_kb_settings, tiny_tmpfs: Path) -> None:
     home = ingested_kb_settings.home
     proc = subprocess.run([*KB_CLI, "--home", str(home), "generate", str(SPEC), "--out", str(tiny_tmpfs), "--no-backward"],
                           cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
@@ -54,7 +54,7 @@ def test_out_dir_on_a_full_tmpfs(ingested_kb_settings, tiny_tmpfs: Path) -> None
     assert [p.name for p in tiny_tmpfs.iterdir()] in ([], ["gen_causal_d64.report.json"])  # no half-written kernel
 
 
-def test_out_dir_full_simulated(ingested_kb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_out_dir_full_simulated(ingested_kb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(path: Path, data: bytes) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
@@ -65,8 +65,8 @@ def test_out_dir_full_simulated(ingested_kb, tmp_path: Path, monkeypatch: pytest
     assert not list((tmp_path / "out").glob("gen_causal_d64.py"))
 
 
-def test_kb_full_keeps_the_published_files(ingested_kb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    def full(records):  # noqa: ANN001, ANN202
+def test_kb_full_keeps_the_published_files(ingested_kb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(records):
         raise OperationalError("INSERT", {}, Exception("database or disk is full"))
 
     kernels_before = len(ingested_kb.list(Kernel))

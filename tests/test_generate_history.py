@@ -101,7 +101,7 @@ def test_an_interrupted_run_publishes_nothing(ingested_kb, tmp_path: Path, monke
     out.mkdir()
     (out / "gen_sliding_window.py").write_text("# an older run's candidate\n")
 
-    def stop(*args, **kwargs):  # noqa: ANN002, ANN003
+    def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pipeline, "_verify", stop)

@@ -69,7 +69,7 @@ def test_stopped_generate_leaves_no_half_written_kernel_and_no_process(ingested_
     assert verify_dirs(tmp_path) == [] and _doctor(env).returncode == 0
 
 
-def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path,  # noqa: ANN001
+def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A spec's --timeout is shared: once an attempt has spent it, no further attempt starts, and the run says so.
     The verifier is stood in for by one that spends the whole budget (a real 1 s budget could run out while tracing
@@ -79,7 +79,7 @@ def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path,  
 
     spent: list[bool] = []
 
-    def verify_spending_the_budget(spec, candidate, options, *, backward=False):  # noqa: ANN001, ANN202
+    def verify_spending_the_budget(spec, candidate, options, *, backward=False):
         spent.append(True)
         return Verdict.timeout, "timed out: the verifier used the spec's whole budget"
 

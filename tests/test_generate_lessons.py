@@ -30,7 +30,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_refused_llm_connection_writes_no_lesson(ingested_kb_settings, embedder, tmp_path: Path) -> None:  # noqa: ANN001
+def test_refused_llm_connection_writes_no_lesson(ingested_kb_settings, embedder, tmp_path: Path) -> None:
     settings = replace(ingested_kb_settings, llm_base_url=f"http://127.0.0.1:{_closed_port()}/v1", llm_model="m",
                        llm_timeout_s=2.0)
     with open_kb(settings, embedder=embedder) as kb:

@@ -26,7 +26,7 @@ QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, backward=Fals
 
 
 @pytest.fixture
-def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):  # noqa: ANN001, F811
+def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):
     from kb.settings import load_settings
 
     home = tmp_path / "kb"
@@ -37,7 +37,7 @@ def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):  # noqa: AN
         yield kb
 
 
-def _programs(kb) -> tuple[str, str]:  # noqa: ANN001
+def _programs(kb) -> tuple[str, str]:
     """(a correct answer, a numerically wrong one) for SPEC, built from an ingested reference."""
     spec = load_spec(SPEC)
     from kb.features import Features
@@ -67,13 +67,13 @@ def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: P
     assert llm_kb.get(r.kernel_id).parent_id
 
 
-def test_what_an_llm_program_raises_is_a_failed_attempt(llm_kb, fake_llm, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_what_an_llm_program_raises_is_a_failed_attempt(llm_kb, fake_llm, tmp_path: Path, monkeypatch) -> None:
     import generate.pipeline as pipeline
 
     good, _ = _programs(llm_kb)
     real, calls = pipeline.check_program, []
 
-    def breaks_once(program, spec):  # noqa: ANN001, ANN202 - the interpreter failing on an untrusted program
+    def breaks_once(program, spec):
         calls.append(program)
         if len(calls) == 1:
             raise RuntimeError("shape mismatch in dot")
@@ -91,7 +91,7 @@ def test_what_an_llm_program_raises_is_a_failed_attempt(llm_kb, fake_llm, tmp_pa
 
 @pytest.mark.parametrize("reply,needle", [(http_error(500, "model overloaded"), "overloaded"),
                                            (delayed(5.0, "late"), "did not answer")])
-def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path: Path, reply, needle: str) -> None:  # noqa: ANN001, F811
+def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path: Path, reply, needle: str) -> None:
     kernels_before = len(llm_kb.list_kernels())
     fake_llm.script(reply)
     r = generate(llm_kb, SPEC, GenerateOptions(engine="llm", out_dir=tmp_path / "out", **QUICK))

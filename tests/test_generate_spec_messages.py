@@ -27,7 +27,7 @@ def test_tracing_names_the_construct(name: str, says: str, line: str) -> None:
     assert "second matmul" not in msg
 
 
-def _model_spec(path, *forward: str):  # noqa: ANN001, ANN202
+def _model_spec(path, *forward: str):
     """A KernelBench spec at `path` whose Model.forward(q, k, v) is the lines `forward` (line 4 is the first)."""
     path.write_text(
         "import torch, torch.nn as nn\n"
@@ -39,7 +39,7 @@ def _model_spec(path, *forward: str):  # noqa: ANN001, ANN202
     return path
 
 
-def test_two_attentions_are_named(tmp_path) -> None:  # noqa: ANN001
+def test_two_attentions_are_named(tmp_path) -> None:
     p = _model_spec(tmp_path / "two.py", "a = torch.softmax(q @ k.transpose(-2, -1), -1) @ v",
                     "return torch.softmax(a @ k.transpose(-2, -1), -1) @ v")
     with pytest.raises(KBError, match=r"several attentions in one spec \(torch.fx saw 4 matmuls\).*two.py:5"):
@@ -51,7 +51,7 @@ def test_random_unregistered_tensor_is_named() -> None:
         load_spec(REPO / "tests" / "data" / "specs_state" / "random_attribute.py")
 
 
-def test_an_unsupported_op_lists_the_supported_ones(tmp_path) -> None:  # noqa: ANN001
+def test_an_unsupported_op_lists_the_supported_ones(tmp_path) -> None:
     p = _model_spec(tmp_path / "sin.py", "s = torch.sin(q @ k.transpose(-2, -1))", "return torch.softmax(s, -1) @ v")
     with pytest.raises(KBError) as err:
         load_spec(p)
@@ -68,7 +68,7 @@ def test_docs_list_the_supported_ops() -> None:
     assert listed == supported_ops(), "docs/specs.md's list of supported ops drifted from generate.spec_trace"
 
 
-def _flex_spec(path, body: str, shapes: str = "dict(B=1, H=2, S=16, D=8)"):  # noqa: ANN001, ANN202
+def _flex_spec(path, body: str, shapes: str = "dict(B=1, H=2, S=16, D=8)"):
     """A FlexAttention spec at `path` with mask_mod's body `body` (its line 5) and a 16 x 200 int table T."""
     path.write_text("import torch\n"
                     f"SHAPES = {shapes}\n"
@@ -78,13 +78,13 @@ def _flex_spec(path, body: str, shapes: str = "dict(B=1, H=2, S=16, D=8)"):  # n
     return path
 
 
-def test_flex_mod_errors_name_the_mod_line(tmp_path) -> None:  # noqa: ANN001
+def test_flex_mod_errors_name_the_mod_line(tmp_path) -> None:
     p = _flex_spec(tmp_path / "sin_mask.py", "return torch.sin(q_idx.float()) > 0")
     with pytest.raises(KBError, match=r"aten op sin.default, at .*sin_mask.py:5: return torch.sin"):
         load_spec(p)
 
 
-def test_flex_reduction_is_unrolled_up_to_a_limit(tmp_path) -> None:  # noqa: ANN001
+def test_flex_reduction_is_unrolled_up_to_a_limit(tmp_path) -> None:
     ok = load_spec(_flex_spec(tmp_path / "any4.py", "return (T[q_idx][:4] == kv_idx % 7).any(-1)"))
     assert ok.variants_text().count("T[q_idx,") == 4
     with pytest.raises(KBError, match=r"a reduction over 200 elements \(more than 64 are not unrolled.*any.dim.*any200.py:5"):
@@ -93,12 +93,12 @@ def test_flex_reduction_is_unrolled_up_to_a_limit(tmp_path) -> None:  # noqa: AN
 
 @pytest.mark.parametrize("dtype,name", [("torch.bfloat16", "bf16"), ("'bfloat16'", "bf16"), ("torch.float16", "fp16"),
                                         ("'fp32'", "fp32")])
-def test_flex_shapes_dtype_spellings(tmp_path, dtype: str, name: str) -> None:  # noqa: ANN001
+def test_flex_shapes_dtype_spellings(tmp_path, dtype: str, name: str) -> None:
     p = _flex_spec(tmp_path / "dt.py", "return q_idx >= kv_idx", f"dict(B=1, H=2, S=16, D=8, dtype={dtype})")
     assert load_spec(p).shapes.dtype == name
 
 
-def test_flex_shapes_refuse_other_dtypes(tmp_path) -> None:  # noqa: ANN001
+def test_flex_shapes_refuse_other_dtypes(tmp_path) -> None:
     p = _flex_spec(tmp_path / "dt.py", "return q_idx >= kv_idx", "dict(B=1, H=2, S=16, D=8, dtype=torch.int32)")
     with pytest.raises(KBError, match=r"SHAPES dtype torch.int32 is not one of fp32, bf16, fp16"):
         load_spec(p)

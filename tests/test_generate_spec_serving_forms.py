@@ -144,7 +144,7 @@ def test_a_sink_per_query_is_named(tmp_path: Path) -> None:
         load_spec(p)
 
 
-def test_generate_refuses_what_no_transfer_writes(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_generate_refuses_what_no_transfer_writes(kb, tmp_path: Path) -> None:
     out, path = tmp_path / "out", DENSE_SINKS
     why = "generation for dense specs with attention sinks is not supported yet (paged and token-pool decode"
     res = CliRunner().invoke(app, ["--home", str(kb.settings.home), "generate", str(path), "--out", str(out)],

@@ -14,11 +14,11 @@ from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set before triton is imported
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from generate.pipeline import GenerateOptions, generate  # noqa: E402
-from tests.support.repo import REPO  # noqa: E402
+from generate.pipeline import GenerateOptions, generate
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
@@ -26,7 +26,7 @@ SPECS = REPO / "tests" / "data" / "specs_state"
 QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=False, max_attempts=3, backward=False)
 
 
-def _import(path: Path, name: str):  # noqa: ANN202
+def _import(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -34,7 +34,7 @@ ENV = H200_ENV
 
 
 @pytest.fixture(scope="module")
-def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
+def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):
     """Generate, plan and dry-run once per module (the slow part); tests get copies of the KB it leaves."""
     base = tmp_path_factory.mktemp("tuned")
     out = base / "out"
@@ -47,7 +47,7 @@ def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def tuned(_generated, embedder, tmp_path: Path) -> Iterator:  # noqa: ANN001
+def tuned(_generated, embedder, tmp_path: Path) -> Iterator:
     """A private copy of the generated KB, so each test's import starts from the same state."""
     home, r, plan, doc = _generated
     shutil.copytree(home, tmp_path / "kb")
@@ -103,7 +103,7 @@ def test_a_lesson_names_the_head_dim_that_was_timed() -> None:
      r"results: entry 1 \(.*\): a PerfRecord that breaks the KB's rules: shape_json .*D is '64', not a positive int"),
     (lambda d: d["entries"][0]["shapes"][0].update(records="oops"), r"entry 1 \(.*\): malformed \(TypeError: string indices"),
 ])
-def test_malformed_or_unattributed_results_are_refused_whole(tuned, damage, message) -> None:  # noqa: ANN001
+def test_malformed_or_unattributed_results_are_refused_whole(tuned, damage, message) -> None:
     kb, r, _, doc = tuned
     bad = copy.deepcopy(dict(doc, env=dict(ENV)))
     bad["entries"][0]["shapes"][0]["records"][-1].update(status="ok", ms=1.0)
@@ -186,7 +186,7 @@ def test_the_bench_learns_forward_arguments_when_the_cu_answers_the_call() -> No
         "        return (out if out is not None else forward(q, k, v, sm_scale=0.5, bias=v))[0]\n")
     for cu, runs in ((True, ".cu"), (False, "triton")):
         cand = types.ModuleType("cand")
-        exec(compile(src, "cand.py", "exec"), cand.__dict__)  # noqa: S102 - the test's own source
+        exec(compile(src, "cand.py", "exec"), cand.__dict__)
         cand.CU = cu
         q, k, v = (torch.full((1, 1, 2, 4), float(i)) for i in (1, 2, 3))
         args, kwargs, out, ran = _module_call(cand, cand.ModelNew(), [q, k, v])

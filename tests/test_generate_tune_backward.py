@@ -39,7 +39,7 @@ ENV = {**H200_ENV, "command": "python -m generate.tune_gpu_bwd plan.json r.json"
 
 
 @pytest.fixture(scope="module")
-def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN202
+def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathFactory):
     """Generate (with a backward), plan the backward's designs and dry-run them once per module."""
     base = tmp_path_factory.mktemp("tuned_bwd")
     out = base / "out"
@@ -53,7 +53,7 @@ def _generated(ingested_home: Path, embedder, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture
-def tuned(_generated, embedder, tmp_path: Path) -> Iterator:  # noqa: ANN001
+def tuned(_generated, embedder, tmp_path: Path) -> Iterator:
     """A private copy of the generated KB, so each test's import starts from the same state."""
     home, out, r, plan, doc = _generated
     shutil.copytree(home, tmp_path / "kb")
@@ -96,7 +96,7 @@ def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pyte
     entry = {**plan["entries"][0], "designs": plan["entries"][0]["designs"][:1]}
     real = bwd._backward_design
 
-    def falls_back(module, design):  # noqa: ANN001, ANN202 - the module runs its own design, as after OutOfResources
+    def falls_back(module, design):
         return real(module, (*design[:3], design[3] * 2, *design[4:]))
 
     monkeypatch.setattr(bwd, "_backward_design", falls_back)

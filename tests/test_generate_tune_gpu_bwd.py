@@ -273,7 +273,7 @@ def test_without_a_gpu_the_cli_says_so_in_one_line(module: str, tmp_path: Path) 
 # ---- a candidate kb generate wrote (needs the session KB) --------------------------------------------------
 
 @pytest.mark.network
-def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb, tmp_path: Path) -> None:
     """The timer's contract with what `kb generate` emits: ModelNew's learnable table (registered under the spec
     Model's key) is made trainable and its gradient checked beside dq, dk, dv."""
     from generate.pipeline import GenerateOptions, generate

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.network
 REQUIRED_KINDS = {"mask_causal", "mask_local", "alibi", "softcap", "dropout", "split_kv_combine", "paged_kv", "gqa", "varlen"}
 
 
-def test_corpus_coverage(ingested_kb) -> None:  # noqa: ANN001
+def test_corpus_coverage(ingested_kb) -> None:
     kernels = ingested_kb.list(Kernel)
     snippets = ingested_kb.list(Snippet)
     triton = [k for k in kernels if k.family.startswith("fa2_triton") and k.verified]

@@ -185,7 +185,7 @@ def _renamed(text: str) -> str:
     return re.sub(r"\b(" + "|".join(RENAMES) + r")\b", lambda m: RENAMES[m.group(1)], text)
 
 
-def _body(p) -> str:  # noqa: ANN001
+def _body(p) -> str:
     return print_program(p.program).split("\n", 1)[1]
 
 

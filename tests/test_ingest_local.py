@@ -24,7 +24,7 @@ def _tree(root: Path) -> Path:
     return root
 
 
-def _files(summary) -> dict[str, tuple[tuple[str, str], ...]]:  # noqa: ANN001 - ingest.run.IngestSummary
+def _files(summary) -> dict[str, tuple[tuple[str, str], ...]]:
     return {f.file: f.skipped for s in summary.sources for f in s.files}
 
 

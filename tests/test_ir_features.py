@@ -94,7 +94,7 @@ def test_constant_and_custom_variants() -> None:
     assert derive_features(weird).mask == "custom"
 
 
-def _with_loads(p: Program, fn) -> Program:  # noqa: ANN001 - fn(Load) -> Load
+def _with_loads(p: Program, fn) -> Program:
     def block(stmts: tuple) -> tuple:
         return tuple(fn(st) if isinstance(st, Load) else replace(st, body=block(st.body)) if isinstance(st, For) else st
                      for st in stmts)

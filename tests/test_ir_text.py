@@ -107,7 +107,7 @@ def _rand_expr(rng: random.Random, depth: int = 4) -> Expr:
     return _rand_leaf(rng)
 
 
-def _rand_stmt_change(st, rng: random.Random):  # noqa: ANN001, ANN202 - any statement in, same kind out
+def _rand_stmt_change(st, rng: random.Random):
     e = lambda: _rand_expr(rng, 3)  # noqa: E731
     match st:
         case Let():

@@ -57,7 +57,7 @@ def test_trunc_result_indexes_a_table() -> None:
     assert got.tolist() == (torch.div(d.abs(), 2, rounding_mode="trunc") * 10.0).tolist()
 
 
-def _with_until(until: str):  # noqa: ANN202 - a Program
+def _with_until(until: str):
     """plain() whose q load is bounded by `until`."""
     k = plain().kernels[0]
     body = tuple(replace(st, index=tuple(replace(ix, until=parse_expr(until)) if isinstance(ix, Span) else ix

@@ -37,14 +37,14 @@ def _loop_index(p: Program) -> int:
     return next(i for i, st in enumerate(_body(p)) if isinstance(st, For))
 
 
-def _with_loop_body(p: Program, fn) -> Program:  # noqa: ANN001 - fn: tuple -> tuple
+def _with_loop_body(p: Program, fn) -> Program:
     body = list(_body(p))
     i = _loop_index(p)
     body[i] = replace(body[i], body=tuple(fn(list(body[i].body))))
     return _with_body(p, body)
 
 
-def _set(items: list, i: int, value) -> list:  # noqa: ANN001
+def _set(items: list, i: int, value) -> list:
     items[i] = value
     return items
 

@@ -221,7 +221,7 @@ def test_bad_value_tensor_is_a_one_line_error(tmp_path: Path, v_shape: str, says
 
 
 @pytest.fixture
-def reference_kb(kb):  # noqa: ANN001 - a KB holding two hand-written reference programs (no network)
+def reference_kb(kb):
     from kb.store import Kernel
 
     for p in (causal(), alibi()):
@@ -231,7 +231,7 @@ def reference_kb(kb):  # noqa: ANN001 - a KB holding two hand-written reference 
 
 
 @pytest.mark.parametrize("score", ["", _SOFTCAP], ids=["causal", "softcap"])
-def test_generate_end_to_end_and_verify(reference_kb, tmp_path: Path, score: str) -> None:  # noqa: ANN001
+def test_generate_end_to_end_and_verify(reference_kb, tmp_path: Path, score: str) -> None:
     spec = _spec(tmp_path, "dv_softcap" if score else "dv_causal", score=score)
     opts = GenerateOptions(out_dir=tmp_path / "out", verify_distributions=("normal",), verify_max_cases=1, backward=False,
                            compile_cuda=False)

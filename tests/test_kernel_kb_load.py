@@ -37,7 +37,7 @@ def loaded(ingested_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield settings, kernel_kb.load(SPEC, settings=settings, target="sm90", backward=False)
 
 
-def _runs(settings: Settings, embedder) -> int:  # noqa: ANN001
+def _runs(settings: Settings, embedder) -> int:
     with open_kb(settings, embedder=embedder, create=False) as kb:
         return kb.counts().rows["generation_runs"]
 
@@ -55,7 +55,7 @@ def _report(module: ModuleType) -> dict:
     return json.loads(Path(module.__file__).with_name(f"{STEM}.report.json").read_text())
 
 
-def test_load_by_spec_returns_a_module_that_computes_the_spec(loaded) -> None:  # noqa: ANN001
+def test_load_by_spec_returns_a_module_that_computes_the_spec(loaded) -> None:
     _, mod = loaded
     q, k, v = _qkv()
     o, lse = mod.forward(q, k, v)
@@ -65,7 +65,7 @@ def test_load_by_spec_returns_a_module_that_computes_the_spec(loaded) -> None:  
     assert _report(mod)["status"] == "verified"
 
 
-def test_loading_a_spec_again_is_a_cache_hit_and_the_same_module(loaded, embedder) -> None:  # noqa: ANN001
+def test_loading_a_spec_again_is_a_cache_hit_and_the_same_module(loaded, embedder) -> None:
     settings, mod = loaded
     runs = _runs(settings, embedder)
     assert kernel_kb.load(SPEC, settings=settings, target="sm90", backward=False) is mod
@@ -73,7 +73,7 @@ def test_loading_a_spec_again_is_a_cache_hit_and_the_same_module(loaded, embedde
     assert _runs(settings, embedder) == runs, "a hit generates nothing"
 
 
-def test_load_by_kernel_id(loaded) -> None:  # noqa: ANN001
+def test_load_by_kernel_id(loaded) -> None:
     settings, mod = loaded
     kid = _report(mod)["kernel_id"]
     by_id = kernel_kb.load(kid, settings=settings)
@@ -83,7 +83,7 @@ def test_load_by_kernel_id(loaded) -> None:  # noqa: ANN001
     torch.testing.assert_close(by_id.forward(q, k, v)[0], _reference(q, k, v), atol=1e-4, rtol=1e-4)
 
 
-def test_load_by_output_directory_or_file(loaded, tmp_path: Path) -> None:  # noqa: ANN001
+def test_load_by_output_directory_or_file(loaded, tmp_path: Path) -> None:
     settings, _ = loaded
     out = tmp_path / "out"
     published = kernel_kb.load(SPEC, settings=settings, target="sm90", backward=False, out=out)  # a hit, published
@@ -102,7 +102,7 @@ def _one_line_error(what: object, match: str, **kw: object) -> None:
     assert "\n" not in str(err.value)
 
 
-def test_a_directory_of_several_specs_names_them(loaded, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_directory_of_several_specs_names_them(loaded, tmp_path: Path) -> None:
     _, mod = loaded
     src = Path(mod.__file__).parent
     for name in ("gen_a", "gen_b"):
@@ -112,7 +112,7 @@ def test_a_directory_of_several_specs_names_them(loaded, tmp_path: Path) -> None
     assert kernel_kb.load(tmp_path / "gen_a.py").__file__ == str((tmp_path / "gen_a.py").resolve())
 
 
-def test_bad_input_is_one_kberror_line(loaded, embedder, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bad_input_is_one_kberror_line(loaded, embedder, tmp_path: Path) -> None:
     settings, _ = loaded
     _one_line_error(tmp_path / "nope.py", "no such spec file, output directory or kernel id")
     _one_line_error("k-0000000000000000", "no kernel k-0000000000000000 in the KB", settings=settings)

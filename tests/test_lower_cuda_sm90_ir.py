@@ -21,7 +21,7 @@ from tests.support.cuda import nvcc_or_skip
 from tests.support.ir_programs import FIXTURES
 
 
-def _two_loops(name: str):  # noqa: ANN202
+def _two_loops(name: str):
     """The fixture with its KV loop split in two at a BLOCK_N-aligned point (AMD's full-then-masked loops)."""
     p = FIXTURES[name](dtype=Dtype.BF16)
     k = p.kernels[0]
@@ -36,7 +36,7 @@ def _two_loops(name: str):  # noqa: ANN202
     return dataclasses.replace(p, kernels=(dataclasses.replace(k, body=k.body[:i] + (first, second) + k.body[i + 1:]),))
 
 
-def _rename(st, old: str, new: str):  # noqa: ANN001, ANN202
+def _rename(st, old: str, new: str):
     from kb.ir.expr import Expr, substitute, var
 
     changes = {}

@@ -34,7 +34,7 @@ def _qkv(B: int, Hq: int, Hkv: int, M: int, N: int, D: int, dtype: torch.dtype, 
     return [torch.randn(B, h, n, D, generator=g).to(dtype) for h, n in ((Hq, M), (Hkv, N), (Hkv, N))]
 
 
-def _run(p, design: tuple, qkv: list[torch.Tensor], tag: str, **kw) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+def _run(p, design: tuple, qkv: list[torch.Tensor], tag: str, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     mod = load_module(lower_program(p), f"decode_{tag}")[0]
     return mod.forward(*qkv, _design=design, **kw)
 
@@ -183,7 +183,7 @@ def _generate(home: Path, spec: Path, out: Path) -> dict:
 
 
 @pytest.mark.network  # the session KB ingests the real flash-attn release
-def test_generate_decode_spec_packs_gqa(ingested_kb_settings, tmp_path: Path) -> None:  # noqa: ANN001
+def test_generate_decode_spec_packs_gqa(ingested_kb_settings, tmp_path: Path) -> None:
     # 8 query heads on 2 KV heads, one token over 70 cached keys, bf16 (examples/specs/decode_gqa_splitkv.py is the
     # same at 32/8 heads and 2048 keys, D = 128: about 30 s more of the interpreter for the same decisions)
     spec = ROOT / "tests" / "support" / "verify_fixtures" / "decode_gqa_spec.py"

@@ -23,12 +23,12 @@ TABLE = {"sm90": {64: (Design(128, 64, 4, 3), Design(64, 64, 4, 3))},
          "sm80": {64: (Design(64, 32, 4, 2),)}}
 
 
-def _module(name: str = "causal", dtype: Dtype = Dtype.F32, tag: str = ""):  # noqa: ANN202
+def _module(name: str = "causal", dtype: Dtype = Dtype.F32, tag: str = ""):
     p = FIXTURES[name](dtype=dtype)
     return p, load_module(lower_program(p, designs=TABLE), f"designs_{name}{tag}")[0]
 
 
-def _qkv(dtype: torch.dtype, M: int = 37, N: int = 37, D: int = 24, Hkv: int = 2):  # noqa: ANN202
+def _qkv(dtype: torch.dtype, M: int = 37, N: int = 37, D: int = 24, Hkv: int = 2):
     g = torch.Generator().manual_seed(1)
     return [torch.randn(2, s, n, D, generator=g).to(dtype) for s, n in ((2, M), (Hkv, N), (Hkv, N))]
 
@@ -68,14 +68,14 @@ class _FakeGPU:
     def __init__(self, too_big: set) -> None:
         self.too_big, self.calls = too_big, []
 
-    def __call__(self, design):  # noqa: ANN001, ANN204
+    def __call__(self, design):
         self.calls.append(design)
         if design in self.too_big:
             raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
         return "outputs"
 
 
-def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:  # noqa: ANN001
+def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(mod, "_interpreting", lambda t: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
 
@@ -91,7 +91,7 @@ def test_listed_gpu_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPa
     assert mod._choose_design(t, 48, ("k2",), _FakeGPU(set())) == first  # D=48 pads to the 64 bucket
 
 
-def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     _, mod = _module(tag="_tune")
     _as_gpu(mod, monkeypatch, (8, 9))
     fake_ms = {TABLE["sm90"][64][0].as_tuple(): 2.0, TABLE["sm90"][64][1].as_tuple(): 1.5,

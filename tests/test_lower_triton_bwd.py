@@ -251,7 +251,7 @@ def test_autograd_function_end_to_end(name: str, cache_dir: Path) -> None:
         torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
 
-def _import(path: Path):  # noqa: ANN202
+def _import(path: Path):
     spec = importlib.util.spec_from_file_location(f"{path.stem}_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(mod)  # type: ignore[union-attr]

@@ -34,7 +34,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def learnable(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def learnable(tmp_path_factory: pytest.TempPathFactory):
     """(spec module, candidate module): the rule engine's forward + backward of a spec with a learnable relative-bias
     table, written as kb generate writes it (ModelNew calls kb_attention)."""
     from generate.candidate import write_candidate
@@ -64,7 +64,7 @@ class _Net(torch.nn.Module):
         self.proj = torch.nn.Linear(d, d)
         self.attention = attention
 
-    def forward(self, q, k, v):  # noqa: ANN001, ANN201
+    def forward(self, q, k, v):
         return self.attention(self.proj(q), k, v)
 
 
@@ -84,7 +84,7 @@ def _grads(net: torch.nn.Module, ins: list[torch.Tensor], dout: torch.Tensor) ->
     return out.detach(), [t.grad.clone() for t in ins] + [p.grad.clone() for p in net.parameters()]
 
 
-def test_compiled_fullgraph_model_trains_like_eager(learnable) -> None:  # noqa: ANN001
+def test_compiled_fullgraph_model_trains_like_eager(learnable) -> None:
     """torch.compile(fullgraph=True) (Inductor) of a model calling the generated kernel: the same outputs and gradients
     of q, k, v, the projection and the learnable bias table as eager; Dynamo sees one op, never the host code."""
     spec_mod, cand = learnable
@@ -101,7 +101,7 @@ def test_compiled_fullgraph_model_trains_like_eager(learnable) -> None:  # noqa:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_dynamic_lengths_do_not_recompile_per_length(learnable) -> None:  # noqa: ANN001
+def test_dynamic_lengths_do_not_recompile_per_length(learnable) -> None:
     """The fake implementation sizes outputs from symbolic shapes: after the first length change Dynamo marks the
     length dynamic, and further lengths reuse that graph."""
     spec_mod, cand = learnable
@@ -164,7 +164,7 @@ def test_default_reason_and_its_replacement() -> None:
         with_backward_reason(lower_autograd(FIXTURES["causal"](), _causal_bwd()), "why")
 
 
-def _causal_bwd():  # noqa: ANN202
+def _causal_bwd():
     from tests.support.ir_programs import causal_bwd
 
     return causal_bwd()
@@ -199,7 +199,7 @@ def test_direct_path_only_for_plain_eager_tensors() -> None:
         assert pre._direct((t,))
 
     class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
     with Watch():
@@ -285,7 +285,7 @@ class _FakeCompiled:
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
+    def __getitem__(self, grid):
         x, y, z = grid[0], grid[1], grid[2]
         return lambda *args: self.calls.append(("compiled", (x, y, z), args))
 
@@ -298,8 +298,8 @@ class _FakeJit:
     def __init__(self) -> None:
         self.calls: list = []
 
-    def __getitem__(self, grid):  # noqa: ANN001, ANN204
-        def run(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+    def __getitem__(self, grid):
+        def run(*args, **kw):
             self.calls.append(("jit", grid, args, kw))
             return _FakeCompiled(self.calls)
         return run
@@ -311,7 +311,7 @@ def test_plans_launch_compiled_kernels_with_every_argument_in_signature_order() 
     fn = _FakeJit()
     x = torch.randn(8)
 
-    def host(x, rec):  # noqa: ANN001, ANN202 - as a generated launch(design, rec=rec) allocates and launches
+    def host(x, rec):
         o = pre._kb_alloc(rec, torch.empty, (8,), x.dtype, x.device)
         pre._kb_launch(rec, fn, (3,), (x, o, 8), 4, 2, BLOCK=16, EVEN=True)
         return (o,)
@@ -341,7 +341,7 @@ def test_aux_names_never_clash_with_the_host_code() -> None:
         lower_program(clashing)
 
 
-def test_model_new_takes_the_state_of_a_model_built_with_other_constructor_arguments(learnable) -> None:  # noqa: ANN001
+def test_model_new_takes_the_state_of_a_model_built_with_other_constructor_arguments(learnable) -> None:
     """ModelNew(8, 80).load_state_dict(Model(8, 80).state_dict()): the table sized by other arguments than generation's
     (4 heads, 64 positions: [4, 127]) is adopted, the kernel computes with it (its `n - 1` offset is N - 1, found by
     tracing the spec at a shorter length too), and its gradient flows to that same Parameter."""

@@ -120,7 +120,7 @@ def _passes(kern: Kernel, f: Features, flt: Filters) -> bool:
             and not (not flt.memory and kern.origin == "generated"))
 
 
-def _brute_force(kb, text: str, target: Features | None, k: int, flt: Filters, mode: str,  # noqa: ANN001
+def _brute_force(kb, text: str, target: Features | None, k: int, flt: Filters, mode: str,
                  w: dict[str, float]) -> list[tuple[str, float]]:
     """Every kernel row scored on its own: sum of {embedding, perf, structural terms}, sorted by (-score, id)."""
     sims = {}

@@ -17,13 +17,13 @@ SPECS = Path(__file__).resolve().parents[1] / "tests/data/specs"
 EVAL = Filters(programs_only=True, memory=False)  # as bench/eval_retrieval.py ranks
 
 
-def _ranked(kb, name: str):  # noqa: ANN001, ANN202
+def _ranked(kb, name: str):
     spec = load_spec(SPECS / name)
     return query(kb, describe_target(spec.features, *spec.variant_strings()), spec.features, k=50, filters=EVAL,
                  mode="hybrid").kernels
 
 
-def test_varlen_spec_ranks_the_serving_varlen_prefill_programs_first(ingested_kb) -> None:  # noqa: ANN001
+def test_varlen_spec_ranks_the_serving_varlen_prefill_programs_first(ingested_kb) -> None:
     ranked = _ranked(ingested_kb, "varlen_prefill_causal.py")
     varlen_causal = [r for r in ranked if r.features.varlen and r.features.causal]
     families = {r.family for r in varlen_causal}
@@ -36,7 +36,7 @@ def test_varlen_spec_ranks_the_serving_varlen_prefill_programs_first(ingested_kb
     assert plain[0].features.varlen and label_family(plain[0].family, plain[0].features) == "serving_triton"
 
 
-def test_paged_decode_spec_ranks_the_serving_paged_decode_programs_first(ingested_kb) -> None:  # noqa: ANN001
+def test_paged_decode_spec_ranks_the_serving_paged_decode_programs_first(ingested_kb) -> None:
     ranked = _ranked(ingested_kb, "decode_paged_gqa.py")
     paged = [r for r in ranked if r.features.paged_kv and r.features.decode]
     assert {r.family for r in paged} >= {"sglang_triton", "vllm_triton"}  # both split decodes lifted
@@ -45,7 +45,7 @@ def test_paged_decode_spec_ranks_the_serving_paged_decode_programs_first(ingeste
     assert all(label_family(r.family, r.features) == "serving_triton" and r.terms["paged_same"] > 0 for r in top)
 
 
-def test_kb_query_explains_a_serving_spec(ingested_kb_settings) -> None:  # noqa: ANN001
+def test_kb_query_explains_a_serving_spec(ingested_kb_settings) -> None:
     res = CliRunner().invoke(app, ["--home", str(ingested_kb_settings.home), "query", str(SPECS / "varlen_prefill_causal.py"),
                                    "-k", "3", "--json", "--no-memory"])
     assert res.exit_code == 0, res.output

@@ -34,7 +34,7 @@ def _query(home: Path, spec: Path) -> tuple[dict, bool]:
     return json.loads(run.stdout), "TORCH True" in run.stderr
 
 
-def test_asked_again_a_spec_is_not_traced(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_asked_again_a_spec_is_not_traced(kb, tmp_path: Path) -> None:
     spec = tmp_path / "specs" / "prefix_lm.py"
     spec.parent.mkdir()
     shutil.copy(SPEC, spec)

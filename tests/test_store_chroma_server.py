@@ -40,7 +40,7 @@ def chroma(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ChromaSe
         yield server
 
 
-def kb_cli(*args: str):  # noqa: ANN201 - a click Result; KB_HOME and KB_CHROMA_URL come from the environment
+def kb_cli(*args: str):
     return runner.invoke(app, list(args))
 
 
@@ -85,7 +85,7 @@ def _sql_count(home: Path, table: str) -> int:
         return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
 
 
-def test_chroma_stopping_mid_write_is_one_line_and_doctor_repairs(chroma: ChromaServer, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_chroma_stopping_mid_write_is_one_line_and_doctor_repairs(chroma: ChromaServer, tmp_path: Path, embedder) -> None:
     home = Path(load_settings().home)
     unreachable = f"kb: error: cannot reach Chroma at {chroma.url}"
 

@@ -12,7 +12,7 @@ from tests.support.repo import REPO, subprocess_env
 from tests.support.store import SNIPPETS_PER_KERNEL
 
 
-def test_two_writers_lose_nothing(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_two_writers_lose_nothing(tmp_path: Path, embedder) -> None:
     open_kb(load_settings(home=tmp_path), embedder=embedder).close()  # `kb init` first, as users do
     # Overlapping ranges: kernels 6..11 are written by both processes.
     procs = [

@@ -21,7 +21,7 @@ def _writer(home: Path, start: int, count: int, *extra: str) -> subprocess.Popen
     )
 
 
-def _assert_whole(kb, committed: list[str]) -> None:  # noqa: ANN001
+def _assert_whole(kb, committed: list[str]) -> None:
     """Every committed kernel is intact, and every kernel present has all of its rows."""
     kernels = {k.id: k for k in kb.list(Kernel)}
     assert set(committed) <= set(kernels)
@@ -31,7 +31,7 @@ def _assert_whole(kb, committed: list[str]) -> None:  # noqa: ANN001
     assert len(kb.list(Snippet)) == SNIPPETS_PER_KERNEL * len(kernels)
 
 
-def _doctor_to_zero(kb) -> None:  # noqa: ANN001
+def _doctor_to_zero(kb) -> None:
     kb.doctor(fix=True)
     after = kb.doctor()
     assert after.ok, after.summary()
@@ -39,7 +39,7 @@ def _doctor_to_zero(kb) -> None:  # noqa: ANN001
     assert kb.counts().vectors["snippets"] == kb.counts().rows["snippets"]
 
 
-def test_kill_between_sql_commit_and_embedding(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_kill_between_sql_commit_and_embedding(tmp_path: Path, embedder) -> None:
     # Upsert calls: kernel 0's kernels + snippets (2), kernel 1's (2), then kernel 2's first: die there.
     proc = _writer(tmp_path, 0, 10, "--kill-at-upsert", "5")
     stdout, stderr = proc.communicate(timeout=300)
@@ -55,7 +55,7 @@ def test_kill_between_sql_commit_and_embedding(tmp_path: Path, embedder) -> None
         _doctor_to_zero(kb)
 
 
-def test_kill_at_an_arbitrary_moment(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_kill_at_an_arbitrary_moment(tmp_path: Path, embedder) -> None:
     proc = _writer(tmp_path, 0, 200)
     committed: list[str] = []
     assert proc.stdout is not None

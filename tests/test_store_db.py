@@ -103,7 +103,7 @@ def test_missing_kb_without_create(tmp_path: Path) -> None:
     assert not (tmp_path / "none").exists()
 
 
-def test_other_embedding_model_is_refused(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_other_embedding_model_is_refused(tmp_path: Path, embedder) -> None:
     open_kb(load_settings(home=tmp_path), embedder=embedder).close()
     with pytest.raises(KBError, match="built with 'all-MiniLM-L6-v2'"):
         open_kb(load_settings(home=tmp_path, embed_model="/models/other"))

@@ -9,7 +9,7 @@ from kb.store import DriftKind
 from tests.support.store import make_kernel, make_snippets
 
 
-def test_detects_and_repairs_each_kind_of_drift(kb, embedder) -> None:  # noqa: ANN001
+def test_detects_and_repairs_each_kind_of_drift(kb, embedder) -> None:
     ids = [kb.write_kernel(make_kernel(i), snippets=make_snippets(i)) for i in range(3)]
     assert kb.doctor().ok
 
@@ -36,7 +36,7 @@ def test_detects_and_repairs_each_kind_of_drift(kb, embedder) -> None:  # noqa: 
     assert ids[1] not in [h[0] for h in kb.vector_query("kernels", aside.ir_text, k=3)]
 
 
-def test_vector_query_drops_orphans(kb, embedder) -> None:  # noqa: ANN001
+def test_vector_query_drops_orphans(kb, embedder) -> None:
     kid = kb.write_kernel(make_kernel(0))
     doc = "program attn_0 exactly"
     kb.vectors.upsert("kernels", ["k-ghost00000000000"], embedder.embed([doc]), [doc], [{"doc_hash": "x"}])

@@ -24,18 +24,18 @@ def _dead_pid() -> int:
     return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout)
 
 
-def _sql(kb, statements: list[tuple[str, tuple]]) -> None:  # noqa: ANN001
+def _sql(kb, statements: list[tuple[str, tuple]]) -> None:
     """Raw writes with foreign keys off: the damage an older kernel-kb or a hand edit could leave."""
     with sqlite3.connect(kb.engines.target.path) as con:
         for sql, args in statements:
             con.execute(sql, args)
 
 
-def _run(kb, spec: str, note: str, status: str = "running") -> str:  # noqa: ANN001
+def _run(kb, spec: str, note: str, status: str = "running") -> str:
     return kb.write_run(GenerationRun(spec_path=spec, engine="rule", status=status, error=note))
 
 
-def test_runs_whose_process_is_gone_are_marked_interrupted(kb) -> None:  # noqa: ANN001
+def test_runs_whose_process_is_gone_are_marked_interrupted(kb) -> None:
     me = Owner.current()
     dead = _run(kb, "dead.py", Owner(_dead_pid(), me.host, 1).note)
     reused = _run(kb, "reused.py", Owner(me.pid, me.host, me.start + 1).note)  # this pid, another process's start
@@ -55,7 +55,7 @@ def test_runs_whose_process_is_gone_are_marked_interrupted(kb) -> None:  # noqa:
     assert [kb.get(r).status for r in (alive, elsewhere, finished)] == ["running", "running", "failed"]
 
 
-def test_broken_and_cyclic_lineage_is_cut_and_reported(kb) -> None:  # noqa: ANN001
+def test_broken_and_cyclic_lineage_is_cut_and_reported(kb) -> None:
     src = kb.write_source(make_source())
     a, b, c, d, e = (kb.write_kernel(make_kernel(i, src)) for i in range(5))
     t0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -76,7 +76,7 @@ def test_broken_and_cyclic_lineage_is_cut_and_reported(kb) -> None:  # noqa: ANN
     assert [k.id for k in kb.lineage(b)] == [b, c]
 
 
-def test_cli_doctor_json_reports_and_fixes_every_kind(kb, kb_settings, tmp_path: Path,  # noqa: ANN001
+def test_cli_doctor_json_reports_and_fixes_every_kind(kb, kb_settings, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     tmp = tmp_path / "tmp"
     orphan = tmp / f"kb-verify-{_dead_pid()}-123-abcd1234"  # left by a SIGKILLed kb verify

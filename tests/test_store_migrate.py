@@ -13,7 +13,7 @@ from kb.store.models import QUARANTINABLE, SCHEMA_VERSION
 from tests.support.store import make_kernel, make_measured, make_source
 
 
-def _make_old(home: Path, embedder, version: int) -> str:  # noqa: ANN001
+def _make_old(home: Path, embedder, version: int) -> str:
     """A KB as schema `version` left it: 2 has no `quarantine` columns; 1 also no perf_records.arch/design_json."""
     with open_kb(load_settings(home=home), embedder=embedder) as kb:
         kid = kb.write_kernel(make_kernel(0, kb.write_source(make_source())))
@@ -29,7 +29,7 @@ def _make_old(home: Path, embedder, version: int) -> str:  # noqa: ANN001
     return kid
 
 
-def test_schema_1_is_migrated_in_place(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_schema_1_is_migrated_in_place(tmp_path: Path, embedder) -> None:
     kid = _make_old(tmp_path, embedder, 1)
     with open_kb(load_settings(home=tmp_path), embedder=embedder) as kb:
         (old,) = kb.list(PerfRecord, kernel_id=kid)
@@ -43,7 +43,7 @@ def test_schema_1_is_migrated_in_place(tmp_path: Path, embedder) -> None:  # noq
             assert con.execute(text("SELECT value FROM kb_meta WHERE key = 'schema_version'")).scalar() == str(SCHEMA_VERSION)
 
 
-def test_schema_2_gains_quarantine_columns(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_schema_2_gains_quarantine_columns(tmp_path: Path, embedder) -> None:
     kid = _make_old(tmp_path, embedder, 2)
     with open_kb(load_settings(home=tmp_path), embedder=embedder) as kb:
         assert kb.get(kid).quarantine == "" and kb.usable(Kernel) == kb.list(Kernel)

@@ -46,7 +46,7 @@ def _rows(home: Path) -> int:
 
 
 @pytest.fixture
-def export(tmp_path: Path, embedder) -> Path:  # noqa: ANN001
+def export(tmp_path: Path, embedder) -> Path:
     """An export of a KB holding a row of every table (10 records)."""
     with open_kb(load_settings(home=tmp_path / "src"), embedder=embedder) as kb:
         src = kb.write_source(make_source())
@@ -135,14 +135,14 @@ def test_an_export_from_before_the_footer_imports_with_a_warning(export: Path, t
     assert _rows(tmp_path / "kb") == 9
 
 
-def test_export_import_export_gives_the_same_file_body(export: Path, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_export_import_export_gives_the_same_file_body(export: Path, tmp_path: Path, embedder) -> None:
     with open_kb(load_settings(home=tmp_path / "copy"), embedder=embedder) as kb:
         assert sum(kb.import_jsonl(export).values()) == 9
         kb.export_jsonl(tmp_path / "again.jsonl")
     assert export.read_text().splitlines()[1:] == (tmp_path / "again.jsonl").read_text().splitlines()[1:]
 
 
-def test_quarantined_rows_travel_with_their_reason(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_quarantined_rows_travel_with_their_reason(tmp_path: Path, embedder) -> None:
     with open_kb(load_settings(home=tmp_path / "a"), embedder=embedder) as kb:
         kid = kb.write_kernel(make_kernel(0))
         with kb.engines.write.begin() as conn:  # a lesson an older kernel-kb stored, whose features are not typed
@@ -159,7 +159,7 @@ def test_quarantined_rows_travel_with_their_reason(tmp_path: Path, embedder) -> 
         assert report.ok and report.quarantined == {"lessons": 1}
 
 
-def test_credentials_stored_by_an_older_kernel_kb_are_not_exported(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_credentials_stored_by_an_older_kernel_kb_are_not_exported(tmp_path: Path, embedder) -> None:
     with open_kb(load_settings(home=tmp_path / "a"), embedder=embedder) as kb:
         run_id = kb.write_run(GenerationRun(spec_path="s.py", status="failed"))
         kid = kb.write_kernel(make_kernel(0), perf=[make_measured("")])

@@ -57,7 +57,7 @@ def _settings(home: Path, url: str) -> Settings:
 
 
 @pytest.fixture
-def pg_kb(pg_url: str, tmp_path: Path, embedder) -> Iterator[KnowledgeBase]:  # noqa: ANN001
+def pg_kb(pg_url: str, tmp_path: Path, embedder) -> Iterator[KnowledgeBase]:
     with open_kb(_settings(tmp_path / "kb", pg_url), embedder=embedder) as kb:
         assert kb.engines.target.dialect is Dialect.POSTGRESQL
         yield kb
@@ -88,7 +88,7 @@ def test_write_kernels_and_snippets_idempotently(pg_kb: KnowledgeBase) -> None:
     assert pg_kb.doctor().ok
 
 
-def test_postgresql_round_trip(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_postgresql_round_trip(pg_url: str, tmp_path: Path, embedder) -> None:
     s = _settings(tmp_path, pg_url)
     with open_kb(s, embedder=embedder) as kb:
         assert kb.engines.target.dialect is Dialect.POSTGRESQL
@@ -104,7 +104,7 @@ def test_postgresql_round_trip(pg_url: str, tmp_path: Path, embedder) -> None:  
         assert again.counts().rows["kernels"] == 1
 
 
-def test_concurrent_writers_lose_nothing(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_concurrent_writers_lose_nothing(pg_url: str, tmp_path: Path, embedder) -> None:
     home = tmp_path / "kb"
     open_kb(_settings(home, pg_url), embedder=embedder).close()  # `kb init` first, as users do
     # three real processes; overlapping ranges: 4..7 and 8..11 are each written by two of them
@@ -160,7 +160,7 @@ def _records(path: Path) -> list[str]:
     return sorted(path.read_text().splitlines()[1:])  # line 1 is the header with its timestamp
 
 
-def test_export_import_into_a_second_database(pg_kb: KnowledgeBase, pg_server: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_export_import_into_a_second_database(pg_kb: KnowledgeBase, pg_server: str, tmp_path: Path, embedder) -> None:
     _fill(pg_kb)
     first = tmp_path / "a.jsonl"
     counts = pg_kb.export_jsonl(first)
@@ -179,7 +179,7 @@ def test_export_import_into_a_second_database(pg_kb: KnowledgeBase, pg_server: s
         assert other.counts().rows == pg_kb.counts().rows
 
 
-def test_newer_schema_version_is_refused(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_newer_schema_version_is_refused(pg_url: str, tmp_path: Path, embedder) -> None:
     s = _settings(tmp_path / "kb", pg_url)
     with open_kb(s, embedder=embedder) as kb, kb.engines.write.begin() as conn:
         conn.execute(text("UPDATE kb_meta SET value = :v WHERE key = 'schema_version'"), {"v": str(SCHEMA_VERSION + 1)})
@@ -193,7 +193,7 @@ def test_newer_schema_version_is_refused(pg_url: str, tmp_path: Path, embedder) 
         f"kb: error: {shown} has schema version {SCHEMA_VERSION + 1}, newer than this kernel-kb's {SCHEMA_VERSION} (upgrade kernel-kb)"]
 
 
-def test_ranking_sees_kernels_another_writer_commits(pg_url: str, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_ranking_sees_kernels_another_writer_commits(pg_url: str, tmp_path: Path, embedder) -> None:
     """The ranking table is cached per process and re-read only when the WAL position moved (retrieve.hybrid's gate):
     a kernel committed by another connection is ranked by the next query, and an idle database costs no rescan."""
     from retrieve.hybrid import Filters, _db_version, query

@@ -21,7 +21,7 @@ from tests.support.store import (
 )
 
 
-def _fill(kb) -> str:  # noqa: ANN001
+def _fill(kb) -> str:
     src = kb.write_source(make_source())
     kid = kb.write_kernel(make_kernel(0, src), snippets=make_snippets(0, src), tunables=[make_tunable(0, src)])
     child = make_kernel(1, src)
@@ -38,7 +38,7 @@ def _records(path: Path) -> list[str]:
     return sorted(path.read_text().splitlines()[1:])  # line 1 is the header with its timestamp
 
 
-def test_every_table_round_trips(kb, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_every_table_round_trips(kb, tmp_path: Path, embedder) -> None:
     _fill(kb)
     first = tmp_path / "a.jsonl"
     counts = kb.export_jsonl(first)
@@ -58,7 +58,7 @@ def test_every_table_round_trips(kb, tmp_path: Path, embedder) -> None:  # noqa:
         assert fresh.counts().rows == kb.counts().rows
 
 
-def test_rows_equal_field_by_field_after_import(kb, tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_rows_equal_field_by_field_after_import(kb, tmp_path: Path, embedder) -> None:
     cid = _fill(kb)
     kb.export_jsonl(tmp_path / "a.jsonl")
     with open_kb(load_settings(home=tmp_path / "other"), embedder=embedder) as fresh:
@@ -69,7 +69,7 @@ def test_rows_equal_field_by_field_after_import(kb, tmp_path: Path, embedder) ->
         assert [k.id for k in fresh.lineage(cid)] == [cid, original.parent_id]
 
 
-def test_same_kernel_twice_is_one_row(kb) -> None:  # noqa: ANN001
+def test_same_kernel_twice_is_one_row(kb) -> None:
     src = kb.write_source(make_source())
     a = kb.write_kernel(make_kernel(7, src), snippets=make_snippets(7, src))
     b = kb.write_kernel(make_kernel(7, src), snippets=make_snippets(7, src))
@@ -79,13 +79,13 @@ def test_same_kernel_twice_is_one_row(kb) -> None:  # noqa: ANN001
     assert kb.counts().vectors["kernels"] == 1
 
 
-def test_rewrite_does_not_reembed_unchanged_rows(kb_settings, embedder) -> None:  # noqa: ANN001
+def test_rewrite_does_not_reembed_unchanged_rows(kb_settings, embedder) -> None:
     calls: list[int] = []
 
     class Counting:
         name = embedder.name
 
-        def embed(self, texts):  # noqa: ANN001, ANN202
+        def embed(self, texts):
             calls.append(len(texts))
             return embedder.embed(texts)
 
@@ -101,7 +101,7 @@ def test_rewrite_does_not_reembed_unchanged_rows(kb_settings, embedder) -> None:
         assert sum(calls) == 5  # verified is in the metadata, so the kernel is re-upserted
 
 
-def test_kernel_id_is_content_hash(kb) -> None:  # noqa: ANN001
+def test_kernel_id_is_content_hash(kb) -> None:
     import hashlib
 
     k = make_kernel(5)
@@ -110,14 +110,14 @@ def test_kernel_id_is_content_hash(kb) -> None:  # noqa: ANN001
     assert kb.get(kid).content_hash == hashlib.sha256(k.ir_text.encode()).hexdigest()
 
 
-def test_get_row_reads_one_table(kb) -> None:  # noqa: ANN001
+def test_get_row_reads_one_table(kb) -> None:
     kid = kb.write_kernel(make_kernel(6))
     assert kb.get_row(Kernel, kid) == kb.get(kid)
     with pytest.raises(KBError, match="is a Kernel, not a GenerationRun"):
         kb.get_row(GenerationRun, kid)
 
 
-def test_list_kernels_filters(kb) -> None:  # noqa: ANN001
+def test_list_kernels_filters(kb) -> None:
     for i in range(6):
         kb.write_kernel(make_kernel(i))
     sm90 = kb.list_kernels(arch="sm90")
@@ -127,7 +127,7 @@ def test_list_kernels_filters(kb) -> None:  # noqa: ANN001
     assert [h[0] for h in hits] == [sm90[0].id if sm90[0].head_dim == 128 else sm90[1].id]
 
 
-def test_export_lines_are_tagged_json(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_export_lines_are_tagged_json(kb, tmp_path: Path) -> None:
     _fill(kb)
     kb.export_jsonl(tmp_path / "x.jsonl")
     lines = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]

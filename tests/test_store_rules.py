@@ -41,7 +41,7 @@ def test_unknown_kind_and_naive_datetime() -> None:
     assert "measured_at is timezone-aware (use datetime.now(UTC))" in v
 
 
-def test_kernel_with_wrong_hash_is_refused(kb) -> None:  # noqa: ANN001
+def test_kernel_with_wrong_hash_is_refused(kb) -> None:
     k = make_kernel(1)
     k.content_hash = "0" * 64
     with pytest.raises(KBError, match="content_hash is sha256"):
@@ -49,14 +49,14 @@ def test_kernel_with_wrong_hash_is_refused(kb) -> None:  # noqa: ANN001
     assert kb.counts().rows["kernels"] == 0
 
 
-def test_bad_snippet_rolls_back_whole_kernel(kb) -> None:  # noqa: ANN001
+def test_bad_snippet_rolls_back_whole_kernel(kb) -> None:
     snippets = make_snippets(2) + [Snippet(kind="mask", features_json="[1]", text="x")]
     with pytest.raises(KBError, match="features_json is a JSON list, not an object"):
         kb.write_kernel(make_kernel(2), snippets=snippets)
     assert kb.counts().rows["kernels"] == 0 and kb.counts().rows["snippets"] == 0
 
 
-def test_dangling_reference_is_a_kb_error_and_rolls_back(kb) -> None:  # noqa: ANN001
+def test_dangling_reference_is_a_kb_error_and_rolls_back(kb) -> None:
     k = make_kernel(3, source_id="src-doesnotexist0000")
     with pytest.raises(KBError, match="write rejected"):
         kb.write_kernel(k, snippets=make_snippets(3))
@@ -64,17 +64,17 @@ def test_dangling_reference_is_a_kb_error_and_rolls_back(kb) -> None:  # noqa: A
     assert sum(kb.counts().vectors.values()) == 0
 
 
-def test_perf_kernel_id_defaults_to_its_kernel(kb) -> None:  # noqa: ANN001
+def test_perf_kernel_id_defaults_to_its_kernel(kb) -> None:
     kid = kb.write_kernel(make_kernel(4), perf=[make_measured(""), make_reported("")])
     assert {p.kernel_id for p in kb.list(PerfRecord)} == {kid}
 
 
-def test_unknown_id_raises(kb) -> None:  # noqa: ANN001
+def test_unknown_id_raises(kb) -> None:
     with pytest.raises(KBError, match="no record with id 'k-0000'"):
         kb.get("k-0000")
     assert kb.find("zz-unknown") is None
 
 
-def test_kernel_requires_ir_text(kb) -> None:  # noqa: ANN001
+def test_kernel_requires_ir_text(kb) -> None:
     with pytest.raises(KBError, match="ir_text is required"):
         kb.write_kernel(Kernel(ir_text=""))

@@ -53,7 +53,7 @@ def _measured(kernel_id: str, design: object = DESIGN, shape: object = None) -> 
     (DESIGN, {"D": "64"}, "D is '64', not a positive int"),
     (DESIGN, {"D": 0}, "D is 0, not a positive int"),
 ])
-def test_an_odd_measured_design_is_refused(kb, design: object, shape: object, why: str) -> None:  # noqa: ANN001
+def test_an_odd_measured_design_is_refused(kb, design: object, shape: object, why: str) -> None:
     kid = kb.write_kernel(make_kernel(0))
     with pytest.raises(KBError, match="invalid PerfRecord") as caught:
         kb.write_perf([_measured(kid, design, shape)])
@@ -81,7 +81,7 @@ def test_typed_features_params_and_identity() -> None:
 
 # -- on import: refused whole, with file:line
 
-def _export_with(tmp_path: Path, embedder, damage) -> Path:  # noqa: ANN001
+def _export_with(tmp_path: Path, embedder, damage) -> Path:
     with open_kb(load_settings(home=tmp_path / "src"), embedder=embedder) as kb:
         kid = kb.write_kernel(make_kernel(0, kb.write_source(make_source())))
         kb.write_perf([_measured(kid)])
@@ -93,7 +93,7 @@ def _line_of(path: Path, table: str) -> int:
     return next(n for n, line in enumerate(path.read_text().splitlines(), 1) if f'"table": "{table}"' in line)
 
 
-def test_kb_import_refuses_an_odd_design_naming_file_and_line(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_kb_import_refuses_an_odd_design_naming_file_and_line(tmp_path: Path, embedder) -> None:
     def odd(records: list[dict]) -> list[dict]:
         perf = next(r for r in records if r["table"] == "perf_records")["data"]
         perf["design_json"] = json.dumps({**DESIGN, "block_m": 100, "tma": "yes"})
@@ -109,7 +109,7 @@ def test_kb_import_refuses_an_odd_design_naming_file_and_line(tmp_path: Path, em
     assert json.loads(_kb(tmp_path / "kb", "stats", "--json").stdout)["rows"]["kernels"] == 0  # nothing of it
 
 
-def test_kb_import_refuses_a_kernel_whose_id_is_not_its_content_hash(tmp_path: Path, embedder) -> None:  # noqa: ANN001
+def test_kb_import_refuses_a_kernel_whose_id_is_not_its_content_hash(tmp_path: Path, embedder) -> None:
     def forged(records: list[dict]) -> list[dict]:
         kernel = next(r for r in records if r["table"] == "kernels")["data"]
         kernel["ir_text"] += "# something else\n"
@@ -174,7 +174,7 @@ def test_stored_odd_records_never_stop_generation(ingested_kb_settings: Settings
     assert "quarantine: invalid_record: design_json" in _kb(home, "show", odd[0]).stdout
 
 
-def test_quarantined_rows_are_left_out_without_a_warning(kb, caplog) -> None:  # noqa: ANN001
+def test_quarantined_rows_are_left_out_without_a_warning(kb, caplog) -> None:
     kid = kb.write_kernel(make_kernel(0))
     kb.write_perf([_measured(kid)])
     with kb.engines.write.begin() as conn:
@@ -189,7 +189,7 @@ def test_quarantined_rows_are_left_out_without_a_warning(kb, caplog) -> None:  #
     assert kb.usable(Tunable) == [] and kb.usable(Kernel) == [kb.get(kid)]
 
 
-def test_doctor_flags_a_stored_kernel_whose_id_is_not_its_content_hash(kb, tmp_path: Path) -> None:  # noqa: ANN001
+def test_doctor_flags_a_stored_kernel_whose_id_is_not_its_content_hash(kb, tmp_path: Path) -> None:
     kid = kb.write_kernel(make_kernel(0))
     with kb.engines.write.begin() as conn:  # a copy stored under an id that names another program
         conn.execute(text("INSERT INTO kernels SELECT 'k-00000000deadbeef', name, family, origin, ir_text, content_hash, "

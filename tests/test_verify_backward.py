@@ -125,12 +125,12 @@ class _NestedAutograd(torch.autograd.Function):
     """Backward asks torch autograd for a gradient of a graph recorded earlier (no op under enable_grad)."""
 
     @staticmethod
-    def forward(ctx, x, leaf, graph):  # noqa: ANN001, ANN205
+    def forward(ctx, x, leaf, graph):
         ctx.leaf, ctx.graph = leaf, graph
         return x * 2
 
     @staticmethod
-    def backward(ctx, g):  # noqa: ANN001, ANN205
+    def backward(ctx, g):
         (dleaf,) = torch.autograd.grad(ctx.graph, ctx.leaf, torch.ones_like(ctx.graph))
         return g * 2 + 0 * dleaf.sum(), None, None
 

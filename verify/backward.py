@@ -96,7 +96,7 @@ class BackwardChecks:
             else:
                 ref = model_grads(self.ref_model, inputs, self.targets, d_out)
                 lowp = model_grads(self.ref_model, inputs, self.targets, d_out, emulate=dtype, truncate=self._interpreted())
-        except Exception as err:  # noqa: BLE001 - spec code
+        except Exception as err:
             raise SpecError(f"the spec's Model has no usable backward: {type(err).__name__}: {err}") from err
         errs = [torch_error(lo, r) for lo, r in zip(lowp, ref)]
         self.torch_err = max([self.torch_err] + [e / grad_scale(r) for e, r in zip(errs, ref) if r is not None])
@@ -131,7 +131,7 @@ class BackwardChecks:
                 grads = list(torch.autograd.grad(out, wrt, d_cast, allow_unused=True))
                 if self.device == "cuda":
                     torch.cuda.synchronize()
-        except Exception as err:  # noqa: BLE001 - candidate code
+        except Exception as err:
             error = err
         if guard.violation:
             v = guard.violation

@@ -146,7 +146,7 @@ def data_bound_dims(score_mod: Mod | None, mask_mod: Mod | None, sizes: Mapping[
         grown = [sizes[d] + (d == dim) for d in DIMS]
         try:
             evaluate_mods(torch.zeros(grown, device=data[0][1].device), score_mod, mask_mod)
-        except Exception as err:  # noqa: BLE001 - any failure one step past the spec's size: the data ends there
+        except Exception as err:
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             fixed[dim] = first
     return fixed

@@ -118,7 +118,7 @@ class DtypeEmulation(TorchDispatchMode):
             return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).reshape(t.shape)
         return t.to(self.dtype).to(torch.float32)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view:
             return out
@@ -138,7 +138,7 @@ class Float64(TorchDispatchMode):
             return t.double()
         return torch.float64 if t is torch.float32 else t
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.is_mutable:  # in place into a tensor that exists: its dtype stays
             return func(*args, **(kwargs or {}))
         return tree_map(self._widen, func(*tree_map(self._widen, args), **tree_map(self._widen, kwargs or {})))

@@ -89,7 +89,7 @@ class _OpWatch(TorchDispatchMode):
         super().__init__()
         self.guard = guard
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         g = self.guard
         if g.strict and g.violation is None and g.phase == "backward" and _records_graph(func, args, kwargs):
             g.violation = Violation(

@@ -71,7 +71,7 @@ def load_spec(path: Path) -> Spec:
         raise SpecError(f"spec file {path} does not exist")
     try:
         module = _import_file(path, "_kb_verify_spec")
-    except Exception as err:  # noqa: BLE001 - any import failure of a user file is a user mistake
+    except Exception as err:
         raise SpecError(f"spec {path} does not import: {type(err).__name__}: {err}") from err
     if is_flex_module(module):
         return _flex_spec(path, module)
@@ -123,7 +123,7 @@ def load_candidate(path: Path) -> type:
         raise SpecError(f"candidate file {path} does not exist")
     try:
         module = _import_file(path, "_kb_verify_candidate")
-    except BaseException as err:  # noqa: BLE001 - SyntaxError, ImportError, SystemExit...
+    except BaseException as err:
         raise CandidateImportError(f"candidate does not import: {type(err).__name__}: {err}",
                                    traceback.format_exc(limit=-3)) from err
     if not hasattr(module, "ModelNew"):

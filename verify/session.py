@@ -74,7 +74,7 @@ class Session(BackwardChecks):
             torch.manual_seed(self.seed)
             self.cand = self.cand_cls(*self.init).to(self.device)
             shared = _share_weights(self.native_model, self.cand)
-        except Exception as err:  # noqa: BLE001 - candidate code
+        except Exception as err:
             return self._error(err, Ctx(None, "-", self.seed, "construct ModelNew"))
         if shared:
             self.notes.append(f"weights shared from Model by name: {', '.join(shared)}")
@@ -120,7 +120,7 @@ class Session(BackwardChecks):
                 ref_params[name].copy_(p.float())
         try:
             _share_weights(self.native_model, self.cand)
-        except Exception as err:  # noqa: BLE001 - candidate code (its load_state_dict hooks)
+        except Exception as err:
             return self._error(err, Ctx(case, "-", self.seed + 77, "share redrawn parameters"))
         self.notes.append(f"one call with learned parameters redrawn as N(0, 3): {', '.join(n for n, _ in redrawn)}")
         dist = self.opts.distributions[0]
@@ -135,7 +135,7 @@ class Session(BackwardChecks):
             inputs = self._leaves(make_inputs(self.spec, self.layout, case, dist, ctx.seed, self.device))
             try:
                 ref = reference_output(self.ref_model, inputs)
-            except Exception as err:  # noqa: BLE001 - spec code rejecting a planned shape
+            except Exception as err:
                 if case is None or case.origin == "spec":
                     raise SpecError(f"spec's Model fails on its own get_inputs(): {type(err).__name__}: {err}") from err
                 self.notes.append(f"shape {case.label()} dropped: the spec's Model rejects it ({type(err).__name__})")
@@ -191,7 +191,7 @@ class Session(BackwardChecks):
                     out = self.cand(*inputs)
                     if self.device == "cuda":
                         torch.cuda.synchronize()
-            except Exception as err:  # noqa: BLE001 - candidate code
+            except Exception as err:
                 error = err
         self.calls += 1
         if self.calls > 1:  # the first call pays for JIT compilation and lazy imports

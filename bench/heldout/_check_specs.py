@@ -168,7 +168,7 @@ def main():
                 assert min(vdelta, dc) > 1e-2, "SDPA=None but SDPA matches"
                 sdpa_msg = "None (differs)"
             bench_msg = check_bench(mod)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             status = f"FAIL: {type(e).__name__}: {e}"
             failures.append(name)
         rows.append((name, small, dt_msg, f"{err:.2e}", f"{tol:.0e}", f"{vdelta:.2f}", sdpa_msg, bench_msg, status))

@@ -557,7 +557,7 @@ _RULES = StmtRules()
 def _header(st: Stmt) -> str:
     try:
         return print_stmt_header(st)
-    except Exception:  # noqa: BLE001 - a malformed node (the rules say why) cannot be printed
+    except Exception:
         return f"{st.op.value} ..."
 
 

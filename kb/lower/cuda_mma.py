@@ -190,7 +190,7 @@ class _TileRef:
 class _MmaGen(CudaKernelGen):
     """FA2-shaped kernel body: see the module docstring for what it accepts."""
 
-    def __init__(self, p: Program, k: Kernel, abi, plan) -> None:  # noqa: ANN001
+    def __init__(self, p: Program, k: Kernel, abi, plan) -> None:
         super().__init__(p, k, abi, plan)
         self.role: dict[str, str] = {}  # IR tile name -> q | s | m | l | acc | o | lse
         self.q_tile: str | None = None

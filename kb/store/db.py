@@ -103,7 +103,7 @@ def _sqlite_engine(url: str, begin: str) -> Engine:
     engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001
+    def _on_connect(dbapi_conn, _record) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves (pysqlite's own is DEFERRED-only)
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
@@ -113,7 +113,7 @@ def _sqlite_engine(url: str, begin: str) -> Engine:
         cur.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn) -> None:  # noqa: ANN001
+    def _on_begin(conn) -> None:
         conn.exec_driver_sql(begin)
 
     return engine

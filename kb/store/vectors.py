@@ -94,7 +94,7 @@ def _client(target: ChromaTarget):  # -> chromadb.ClientAPI
 class VectorStore:
     """Upsert, delete, list and query embeddings in the kernel-kb collections."""
 
-    def __init__(self, client, target: ChromaTarget, model_name: str) -> None:  # noqa: ANN001
+    def __init__(self, client, target: ChromaTarget, model_name: str) -> None:
         self.target = target
         self.model_name = model_name
         self._client = client
@@ -113,7 +113,7 @@ class VectorStore:
                 hint="start the Chroma server; rows already committed to the database stay, and `kb doctor --fix` embeds them",
             ) from err
 
-    def _collection(self, name: str):  # noqa: ANN202
+    def _collection(self, name: str):
         with self._served():
             col = self._client.get_or_create_collection(
                 name, metadata={"hnsw:space": "cosine", "embed_model": self.model_name}, embedding_function=None

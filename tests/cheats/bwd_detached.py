@@ -6,7 +6,7 @@ from pathlib import Path
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support" / "verify_fixtures"))
-from triton_flash_bwd import flash_forward  # noqa: E402
+from triton_flash_bwd import flash_forward
 
 
 class ModelNew(nn.Module):

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support" / "verify_fixtures"))
-from triton_flash_bwd import flash_forward  # noqa: E402
+from triton_flash_bwd import flash_forward
 
 _MM = getattr(torch, "mat" + "mul")
 _SM = getattr(torch, "soft" + "max")

@@ -70,7 +70,7 @@ def _completion(model: str, text: str, prompt_chars: int) -> dict[str, Any]:
 class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("fake llm: " + format, *args)
 
     def _send(self, status: int, body: dict[str, Any]) -> None:
@@ -87,14 +87,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, message: str) -> None:
         self._send(status, {"error": {"message": message, "type": "fake_error", "code": status}})
 
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+    def do_GET(self) -> None:
         if self.path.rstrip("/") == "/v1/models":
             self._send(200, {"object": "list", "data": [
                 {"id": self.server.owner.model, "object": "model", "created": 0, "owned_by": "fake"}]})
         else:
             self._error(404, f"no route {self.path}")
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+    def do_POST(self) -> None:
         if self.path.rstrip("/") != "/v1/chat/completions":
             self._error(404, f"no route {self.path}")
             return

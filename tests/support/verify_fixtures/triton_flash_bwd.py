@@ -223,14 +223,14 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         o, lse = flash_forward(q, k, v, causal)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         return o
 
     @staticmethod
-    def backward(ctx, do: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, do: torch.Tensor):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.causal)
         return dq, dk, dv, None
