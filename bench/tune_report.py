@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from generate.tune_gpu import impl_ms
+from generate.tune_schema import impl_ms
 
 WITHIN = 1.02  # "reached the best": within 2% of the fastest correct design
 

@@ -1,6 +1,6 @@
 """`kb tune` and `kb perf import`: designs measured on a GPU, written back as performance memory.
 
-Both are thin shells over `generate.tune` (plans, the design order), `generate.tune_gpu` (the timing)
+Both are thin shells over `generate.tune` (plans, the design order), `bench.gpu.tune` (the timing)
 and `generate.perf_import` (the one-transaction write-back).
 """
 
@@ -59,7 +59,7 @@ def tune_cmd(
         arch = target if target != "auto" else settings_of(ctx).target_arch
         _write_plan(make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory,
                               backward=backward), plan, then="kb perf import RESULTS.json",
-                    runner="generate.tune_gpu_bwd" if backward else "generate.tune_gpu")
+                    runner="bench.gpu.tune_bwd" if backward else "bench.gpu.tune")
         return
     if ray_address is not None and not use_ray:
         raise KBError("--ray-address is for --ray campaigns; add --ray")
@@ -72,15 +72,14 @@ def tune_cmd(
         return
     arch = require_gpu()
     from generate.perf_import import import_results
-    from generate.tune_gpu import run_plan
-    from generate.tune_gpu_bwd import run_plan_backward
+    from bench.gpu.tune import time_plan
 
     doc_plan = make_plan(kb, targets, from_dir, arch, max_designs=max_designs, memory=not no_memory, backward=backward)
     raw = results or (kb.settings.home / "tune-last.json")
     command = "kb tune " + ("--backward " if backward else "") + " ".join(targets)
     with err.status(f"timing {sum(len(e['designs']) for e in doc_plan['entries'])} "
                     f"{'backward ' if backward else ''}designs on {esc(arch)} …"):
-        doc = (run_plan_backward if backward else run_plan)(doc_plan, raw, command=command)
+        doc = time_plan(doc_plan, raw, backward=backward, command=command)
     summary = import_results(kb, doc, str(raw))
     if as_json:
         out.print_json(json.dumps(doc))
@@ -93,13 +92,14 @@ def _tune_on_ray(kb, plan: dict, raw: Path, command: str, address: str | None, r
                  as_json: bool) -> None:
     """`kb tune --ray`: one num_gpus=1 task per spec (generate.campaign); each spec's results document is kept beside
     `raw` (`raw` with `.N` before its suffix, one per spec) and imported as `kb perf import` would."""
+    from bench.gpu.tune import time_plan
     from generate.campaign import run_tune_campaign
     from generate.perf_import import import_results
 
     if retries < 0:
         raise KBError("--ray-retries must be 0 or more")
     with err.status(f"timing {sum(len(e['designs']) for e in plan['entries'])} designs on the Ray cluster's GPUs …"):
-        docs, failures, retried = run_tune_campaign(plan, address=address, command=command, retries=retries,
+        docs, failures, retried = run_tune_campaign(plan, timer=time_plan, address=address, command=command, retries=retries,
                                                     on_done=lambda spec, doc, why: err.print(
                                                         f"{spec}: {'timed' if doc is not None else 'failed: ' + why}",
                                                         markup=False))
@@ -133,7 +133,7 @@ def bench_cmd(
 ) -> None:
     """Time what `kb generate` emitted (ModelNew as a user calls it; the module with its block table kept) beside
     compiled FlexAttention (block mask built once) and SDPA, on this GPU; every output checked against a dense
-    fp32 reference first. Without a GPU, --plan writes the work for one (`python -m generate.tune_gpu`)."""
+    fp32 reference first. Without a GPU, --plan writes the work for one (`python -m bench.gpu.tune`)."""
     from generate.tune import make_plan, require_gpu
 
     specs = _spec_targets([str(p) for p in suite])
@@ -142,7 +142,7 @@ def bench_cmd(
         _write_plan(make_plan(kb, specs, from_dir, settings_of(ctx).target_arch, max_designs=0), plan)
         return
     arch = require_gpu()
-    from generate.tune_gpu import run_plan
+    from bench.gpu.tune import run_plan
 
     doc_plan = make_plan(kb, specs, from_dir, arch, max_designs=0)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def bench_cmd(
 @perf_app.command("import")
 def perf_import_cmd(
     ctx: typer.Context,
-    files: list[Path] = typer.Argument(..., help="Results files written by `python -m generate.tune_gpu`, `python -m generate.tune_gpu_bwd` (a `kb tune --backward` plan) or `kb tune --results`."),
+    files: list[Path] = typer.Argument(..., help="Results files written by `python -m bench.gpu.tune`, `python -m bench.gpu.tune_bwd` (a `kb tune --backward` plan) or `kb tune --results`."),
 ) -> None:
     """Store measured designs from a GPU machine: kernels, `measured` perf records and lessons, one transaction per file.
     Files that do not say where they were measured (GPU, driver, versions, command, date) are refused."""
@@ -178,7 +178,7 @@ def _spec_targets(targets: list[str]) -> list[str]:
     return out_
 
 
-def _write_plan(doc: dict, path: Path, then: str = "", runner: str = "generate.tune_gpu") -> None:
+def _write_plan(doc: dict, path: Path, then: str = "", runner: str = "bench.gpu.tune") -> None:
     path.write_text(json.dumps(doc, indent=1))
     out.print(f"plan for {len(doc['entries'])} spec/shape entries written to {path}; on a GPU machine run\n"
               f"  python -m {runner} {path} RESULTS.json" + (f"\nthen here: {then}" if then else ""), markup=False)

@@ -218,24 +218,23 @@ def run_campaign(kb: KnowledgeBase, specs: Sequence[Path], options: GenerateOpti
     return report
 
 
-def _tune_task(cwd: str, plan: dict, backward: bool, command: str, device: str) -> dict:
+def _tune_task(timer: Callable[..., dict], cwd: str, plan: dict, backward: bool, command: str, device: str) -> dict:
     """One spec's designs timed on the GPU Ray gave this task (CUDA_VISIBLE_DEVICES), from the driver's working
     directory (the plan's spec and candidate paths are the driver's): its results document."""
-    from generate.tune_gpu import run_plan
-    from generate.tune_gpu_bwd import run_plan_backward
-
     os.chdir(cwd)
     with tempfile.TemporaryDirectory(prefix="kb-tune-") as tmp:
-        return (run_plan_backward if backward else run_plan)(plan, Path(tmp) / "results.json", command=command,
-                                                             device=device)
+        return timer(plan, Path(tmp) / "results.json", backward=backward, command=command, device=device)
 
 
-def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = "", retries: int = 2,
-                      device: str = "cuda", on_done: Callable[[str, dict | None, str], None] | None = None,
+def run_tune_campaign(plan: dict, *, timer: Callable[..., dict], address: str | None = None, command: str = "",
+                      retries: int = 2, device: str = "cuda",
+                      on_done: Callable[[str, dict | None, str], None] | None = None,
                       ) -> tuple[list[dict], list[str], int]:
     """`plan`'s entries timed as Ray tasks, one per spec (`num_gpus=1`: Ray gives each its own GPU); (the results
     documents, each with the environment of the GPU it ran on, in the plan's order; one line per spec whose task
-    failed; resubmissions after a worker died). `device="cpu"`: the CPU dry run of the timing code (tests)."""
+    failed; resubmissions after a worker died). `timer(plan, out_path, *, backward, command, device)`: the GPU timer
+    each task runs (bench.gpu.tune.time_plan; the harness sits above this package). `device="cpu"`: the CPU dry run
+    of the timing code (tests)."""
     groups: dict[str, list[dict]] = {}
     for entry in plan["entries"]:
         groups.setdefault(entry["spec"], []).append(entry)
@@ -258,8 +257,8 @@ def run_tune_campaign(plan: dict, *, address: str | None = None, command: str = 
 
         jobs = [_Job(i, spec) for i, spec in enumerate(groups)]
         cwd = os.getcwd()
-        retried = _drive(ray, jobs, lambda job: task.remote(cwd, parts[job.index], bool(plan.get("backward")), command,
-                                                            device), retries, finish, lambda job, why: None)
+        retried = _drive(ray, jobs, lambda job: task.remote(timer, cwd, parts[job.index], bool(plan.get("backward")),
+                                                            command, device), retries, finish, lambda job, why: None)
     return [d for d in docs if d is not None], failures, retried
 
 

@@ -1,6 +1,6 @@
 """Measurements from a GPU machine into the KB: `kb perf import RESULTS.json` (and `kb tune`'s write-back).
 
-A results document (`generate.tune_gpu`, schema `kernel-kb/tune/v1`; or `generate.tune_gpu_bwd` from a
+A results document (`bench.gpu.tune`, schema `kernel-kb/tune/v1`; or `bench.gpu.tune_bwd` from a
 `kb tune --backward` plan, schema `kernel-kb/tune-backward/v1`, whose kernels are backward programs and whose
 records time one training step per backward design) becomes, in ONE transaction:
 - the kernel each entry timed (its IR record travels with the results, so a KB that never generated
@@ -25,7 +25,7 @@ from typing import Any
 
 from sqlmodel import SQLModel
 
-from generate.tune_gpu import impl_ms
+from generate.tune_schema import SCHEMA, SCHEMA_BACKWARD, impl_ms
 from kb.data_files import corpus_files
 from kb.errors import KBError
 from kb.features import Features
@@ -37,8 +37,6 @@ from kb.store.rules import violations
 
 __all__ = ["ImportSummary", "import_results", "load_results", "impl_ms", "import_corpus", "corpus_results", "cuda_impl"]
 
-SCHEMA = "kernel-kb/tune/v1"  # generate.tune_gpu.SCHEMA; repeated so importing needs no torch
-SCHEMA_BACKWARD = "kernel-kb/tune-backward/v1"  # generate.tune_gpu_bwd.SCHEMA: training steps per backward design
 _ENV_NEEDS = ("gpu", "driver", "arch", "command", "date", "torch_version", "triton_version")
 
 
@@ -69,7 +67,7 @@ def _check_doc(doc: Any, where: str) -> None:
     missing = [k for k in _ENV_NEEDS if not env.get(k)]
     if missing:
         raise KBError(f"{where}: unattributed measurements: env lacks {', '.join(missing)}",
-                      hint="only results written by `python -m generate.tune_gpu` / `kb tune` on a GPU are imported")
+                      hint="only results written by `python -m bench.gpu.tune` / `kb tune` on a GPU are imported")
     try:
         datetime.fromisoformat(env["date"])
     except ValueError as err:

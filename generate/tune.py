@@ -3,11 +3,11 @@
 For each spec (or generated kernel) the candidate that `kb generate` wrote is taken from its output
 directory, the designs are enumerated in the order the KB's performance memory ranks them for the
 target arch (`generate.designs`; `--no-memory` uses the expert tunables and default grid only), the
-GPU half (`generate.tune_gpu`) times them beside FlexAttention and SDPA, and `generate.perf_import`
+GPU half (`bench.gpu.tune`) times them beside FlexAttention and SDPA, and `generate.perf_import`
 writes the measured records and a lesson in one transaction.
 
 Without a GPU here, `make_plan` writes the same work as a plan file: run
-`python -m generate.tune_gpu PLAN RESULTS` on a GPU machine (it needs torch and triton, not the KB),
+`python -m bench.gpu.tune PLAN RESULTS` on a GPU machine (it needs torch and triton, not the KB),
 then `kb perf import RESULTS` here.
 """
 
@@ -21,6 +21,7 @@ from generate.designs import backward_structure, rank_designs, sweeps_from_kb, t
 from generate.outputs import output_stem
 from generate.spec import import_spec_file
 from generate.stages import ReportStatus
+from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import arch_of_capability, head_bucket
@@ -74,10 +75,8 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
                  memory: bool = True, backward: bool = False) -> list[dict]:
     """One entry per (spec, bench shape): the designs to time, in the memory-on order, with both orders kept
     (`max_designs=0`: none, only the candidate as emitted and the baselines: `kb bench`). `backward`: the designs of
-    the candidate's backward kernel, timed as training steps (`generate.tune_gpu_bwd`); the entry's kernel is that
+    the candidate's backward kernel, timed as training steps (`bench.gpu.tune_bwd`); the entry's kernel is that
     backward kernel, so the measured records become the backward's performance memory."""
-    from generate.tune_gpu import bench_shapes
-
     sweeps = sweeps_from_kb(kb, arch)
     tunables = tunable_rows(kb)
     entries = []
@@ -104,8 +103,6 @@ def plan_entries(kb, targets: list[str], from_dir: Path, arch: str, *, max_desig
 
 def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs: int = DEFAULT_MAX_DESIGNS,
               memory: bool = True, backward: bool = False) -> dict:
-    from generate.tune_gpu import PLAN_SCHEMA
-
     return {"schema": PLAN_SCHEMA, "arch": arch, "memory": memory, "backward": backward,
             "entries": plan_entries(kb, targets, from_dir, arch, max_designs=max_designs, memory=memory,
                                     backward=backward)}
@@ -117,6 +114,6 @@ def require_gpu() -> str:
 
     if not torch.cuda.is_available():
         raise KBError("kb tune needs a CUDA GPU to time designs, and this machine has none",
-                      hint="`kb tune SPEC --plan PLAN.json` writes the work here; run `python -m generate.tune_gpu "
+                      hint="`kb tune SPEC --plan PLAN.json` writes the work here; run `python -m bench.gpu.tune "
                            "PLAN.json RESULTS.json` on a GPU machine, then `kb perf import RESULTS.json`")
     return arch_of_capability(torch.cuda.get_device_capability())

@@ -141,6 +141,7 @@ def test_a_ray_campaign_survives_a_killed_worker_and_equals_a_local_run(ingested
 _TUNE_ON_RAY = """
 import json, sys
 from pathlib import Path
+from bench.gpu.tune import time_plan
 from generate.campaign import run_tune_campaign
 from generate.tune import make_plan
 from kb.settings import load_settings
@@ -148,7 +149,7 @@ from kb.store import open_kb
 
 with open_kb(load_settings()) as kb:
     plan = make_plan(kb, ["specs/softcap_plain.py"], Path("ray"), "sm90", max_designs=1)
-print(json.dumps(run_tune_campaign(plan, address=sys.argv[1], device="cpu")))
+print(json.dumps(run_tune_campaign(plan, timer=time_plan, address=sys.argv[1], device="cpu")))
 """
 
 

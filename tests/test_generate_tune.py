@@ -18,7 +18,7 @@ import pytest
 from generate.perf_import import import_results, load_results
 from generate.pipeline import GenerateOptions, generate
 from generate.tune import make_plan
-from generate.tune_gpu import SCHEMA, run_plan
+from bench.gpu.tune import SCHEMA, run_plan
 from kb.errors import KBError
 from kb.ir.design import parse_design
 from kb.settings import load_settings
@@ -174,7 +174,7 @@ def test_the_bench_learns_forward_arguments_when_the_cu_answers_the_call() -> No
 
     import torch
 
-    from generate.tune_gpu import _module_call
+    from bench.gpu.tune import _module_call
 
     src = (
         "import torch\n"

@@ -22,7 +22,7 @@ from generate.designs import design_table, rank_designs, sweeps_from_kb, tunable
 from generate.perf_import import import_results
 from generate.pipeline import GenerateOptions, generate
 from generate.tune import make_plan
-from generate.tune_gpu_bwd import SCHEMA, run_plan_backward
+from bench.gpu.tune_bwd import SCHEMA, run_plan_backward
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import Design, parse_design
@@ -35,7 +35,7 @@ from tests.support.repo import KB_CLI, REPO
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
 
 SPEC = REPO / "tests" / "data" / "specs_tune" / "causal_small_bf16.py"
-ENV = {**H200_ENV, "command": "python -m generate.tune_gpu_bwd plan.json r.json", "date": "2026-12-05T12:00:00+00:00"}
+ENV = {**H200_ENV, "command": "python -m bench.gpu.tune_bwd plan.json r.json", "date": "2026-12-05T12:00:00+00:00"}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_each_design_is_a_checked_training_step(tuned) -> None:
 def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A design the GPU cannot run makes the module fall back to another; its time must not be recorded as the
     design's."""
-    import generate.tune_gpu_bwd as bwd
+    import bench.gpu.tune_bwd as bwd
 
     _, _, _, plan, _ = tuned
     entry = {**plan["entries"][0], "designs": plan["entries"][0]["designs"][:1]}
@@ -168,7 +168,7 @@ def test_kb_tune_backward_plan_from_the_cli(tuned, tmp_path: Path) -> None:
                           "--target", "sm90", "--max-designs", "3"], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "python -m generate.tune_gpu_bwd" in res.stdout
+    assert "python -m bench.gpu.tune_bwd" in res.stdout
     doc = json.loads(plan.read_text())
     assert doc["backward"] and [len(e["designs"]) for e in doc["entries"]] == [3]
     assert all(isinstance(parse_design(d), Design) for d in doc["entries"][0]["designs"])
@@ -183,7 +183,7 @@ def test_kb_tune_backward_plan_from_the_cli(tuned, tmp_path: Path) -> None:
 
 
 def test_the_summary_line_names_the_best_design(tuned) -> None:
-    from generate.tune_gpu_bwd import summary_line
+    from bench.gpu.tune_bwd import summary_line
 
     _, _, _, _, doc = tuned
     line = summary_line(doc["entries"][0], 1.0)

@@ -4,7 +4,7 @@
         --section LaunchStats --section WarpStateStats python3 -m bench.gpu.profile PLAN.json ENTRY IMPL
 
 PLAN is a `kb tune --plan` file, ENTRY a plan entry's name (the spec's stem), IMPL `emitted` (ModelNew as a
-user calls it), `flex`, `sdpa` or `design TEXT`; built by `generate.tune_gpu.entry_impls` exactly as
+user calls it), `flex`, `sdpa` or `design TEXT`; built by `bench.gpu.tune.entry_impls` exactly as
 `kb tune` times them. Only the launch between cudaProfilerStart and Stop is profiled.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from generate.tune_gpu import entry_impls
+from bench.gpu.tune import entry_impls
 
 
 def main(plan: Path, entry_name: str, impl: str, shape: int, warmup: int) -> None:

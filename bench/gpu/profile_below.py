@@ -1,4 +1,4 @@
-"""Nsight Compute on the entries of a `tune_gpu` results file whose emitted kernel is slower than its anchor.
+"""Nsight Compute on the entries of a `bench.gpu.tune` results file whose emitted kernel is slower than its anchor.
 
     python3 -m bench.gpu.profile_below PLAN.json RESULTS.json OUT_DIR [--most 4] [--timeout 60]
 
@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from generate.tune_gpu import impl_ms
+from generate.tune_schema import impl_ms
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
             "MemoryWorkloadAnalysis")

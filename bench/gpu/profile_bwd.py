@@ -3,7 +3,7 @@
     python -m bench.gpu.profile_bwd --suite bench/heldout/backward_suite.txt --from .kbgen/hb15 --only causal_d128_bf16
         document_causal [--steps 5] [--out DIR]
 
-Each implementation is built as `generate.tune_gpu_bwd` times it (the spec's BENCH shape, the same inputs and
+Each implementation is built as `bench.gpu.tune_bwd` times it (the spec's BENCH shape, the same inputs and
 upstream gradient), warmed up, then `steps` training steps run under torch.profiler (CUPTI kernel times, no replay).
 Prints, per implementation, the kernels by total GPU time per step, and writes `<out>/profile_bwd.json`.
 Not a benchmark: the profiler adds host overhead; kernel times are what it is for.
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from generate import tune_gpu_common as common
-from generate.tune_gpu_bwd import Impl, _dout, _emitted_impl, _flex_impls, _leaf_inputs, _out, _shape_dims, suite_plan
+from bench.gpu import tune_common as common
+from bench.gpu.tune_bwd import Impl, _dout, _emitted_impl, _flex_impls, _leaf_inputs, _out, _shape_dims, suite_plan
 
 
 def _kernels(impl: Impl, dout: torch.Tensor, steps: int) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.gpu.run [SUITE] [--out DIR] [--deadline-s S] [--no-tune]
 
-Not what users get: `kb bench` times the files `kb generate` emitted (generate.tune_gpu). This harness
+Not what users get: `kb bench` times the files `kb generate` emitted (bench.gpu.tune). This harness
 re-lowers `bench/kernels/*.kbir` with the product's default designs (generate.designs, no KB) and with
 lowering options switched off, to see what each part of the lowering is worth; its "generated*"
 records are those ablations.
@@ -131,7 +131,7 @@ def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) 
         return lambda: kern.run({**inputs, **extra})["o"]
 
     # An ablation: the program re-lowered here, launched with the product's first default design (this harness
-    # has no KB); what `kb generate` emits, with the designs the KB chose, is timed by `kb bench` (generate.tune_gpu)
+    # has no KB); what `kb generate` emits, with the designs the KB chose, is timed by `kb bench` (bench.gpu.tune)
     grid = default_designs(decode=False)
     default = grid[0].apply(prog)
     sched = dataclasses.asdict(default.schedule)

@@ -31,7 +31,7 @@ import torch
 import triton.testing
 
 from bench.gpu.serving_baselines import baselines
-from generate.tune_gpu import environment
+from bench.gpu.tune import environment
 from kb.lower.runtime import import_file
 
 

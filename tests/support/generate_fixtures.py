@@ -13,5 +13,5 @@ QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, compile_cuda=
 # the `env` a results document from the H200 carries (what `kb perf import` requires); tests put it on CPU dry runs
 # to exercise the import, which is never done with real results of a dry run
 H200_ENV = {"gpu": "NVIDIA H200", "arch": "sm90", "sms": 132, "driver": "580.159.04", "torch_version": "2.11.0+cu130",
-            "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m generate.tune_gpu plan.json r.json",
+            "triton_version": "3.6.0", "cuda": "13.0", "command": "python -m bench.gpu.tune plan.json r.json",
             "date": "2026-12-03T12:00:00+00:00"}

@@ -1,9 +1,9 @@
 """Forward+backward of generated candidates on a GPU, beside FlexAttention and SDPA (issue #15's bench).
 
-    python -m generate.tune_gpu_bwd PLAN.json RESULTS.json [--trials 20] [--deadline-s 300] [--workers 12]
-    python -m generate.tune_gpu_bwd --suite bench/heldout/backward_suite.txt --from out/heldout RESULTS.json
-    python -m generate.tune_gpu --backward ...                      (the same, through the forward timer's CLI)
-    TRITON_INTERPRET=1 python -m generate.tune_gpu_bwd --cpu-dry-run ...   (no GPU: small shapes, not measurements)
+    python -m bench.gpu.tune_bwd PLAN.json RESULTS.json [--trials 20] [--deadline-s 300] [--workers 12]
+    python -m bench.gpu.tune_bwd --suite bench/heldout/backward_suite.txt --from out/heldout RESULTS.json
+    python -m bench.gpu.tune --backward ...                      (the same, through the forward timer's CLI)
+    TRITON_INTERPRET=1 python -m bench.gpu.tune_bwd --cpu-dry-run ...   (no GPU: small shapes, not measurements)
 
 The plan is the forward timer's (`kb bench --plan`; a forward plan's designs are ignored: a backward candidate
 picks its own), `kb tune --backward --plan`'s (its entries carry the backward kernel and the backward designs to
@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from generate import tune_gpu_common as common
+from bench.gpu import tune_common as common
+from generate.tune_schema import SCHEMA_BACKWARD as SCHEMA
 from generate.stages import ReportStatus
 from kb.ir.design import Design, arch_of_capability, parse_design
 
@@ -62,7 +63,6 @@ __all__ = ["SCHEMA", "GRAD_TOL", "FLOP_CONVENTION", "SuiteRow", "Impl", "Referen
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "kernel-kb/tune-backward/v1"
 GRAD_TOL = 2e-2  # relative Frobenius error allowed per gradient (bf16 inputs and outputs, fp32 reference)
 FLOP_CONVENTION = ("forward 2*Hq*pairs*(D+Dv), backward 2*Hq*pairs*(3*D+2*Dv) (S recomputed, dV, dP, dQ, dK); "
                    "with Dv=D: 4*D and 10*D per attended (q, kv) pair (summed over the batch) and query head; "
@@ -673,7 +673,7 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu_bwd", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.tune_bwd", description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", type=Path, help="PLAN.json RESULTS.json, or RESULTS.json with --suite")
     ap.add_argument("--suite", type=Path, help="a suite file (bench/heldout/backward_suite.txt) instead of a plan")
     ap.add_argument("--from", dest="from_dir", type=Path, default=Path("out"), help="with --suite: kb generate's --out")
@@ -690,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plan = suite_plan(a.suite, a.from_dir, a.tier) if a.suite else json.loads(a.paths[0].read_text())
     doc = run_plan_backward(plan, a.paths[-1], deadline_s=a.deadline_s, workers=a.workers, trials=a.trials,
-                            warm_s=a.warm_s, command="python -m generate.tune_gpu_bwd " + " ".join(argv),
+                            warm_s=a.warm_s, command="python -m bench.gpu.tune_bwd " + " ".join(argv),
                             device="cpu" if a.cpu_dry_run else "cuda",
                             on_entry=lambda e, s: print(summary_line(e, s), flush=True))
     print(_totals_line(doc["summary"]), flush=True)

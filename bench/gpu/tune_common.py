@@ -1,10 +1,10 @@
-"""What the forward and the backward GPU timers share (generate.tune_gpu, generate.tune_gpu_bwd).
+"""What the forward and the backward GPU timers share (bench.gpu.tune, bench.gpu.tune_bwd).
 
 The plan schema and output tolerance, loading the user's spec and candidate files, the spec's inputs at a bench
 shape, the baselines (FlexAttention from the spec's `flex_mods`, SDPA where the spec says it applies), attended
 (q, kv) pairs for FLOP counts, timing, the environment record and writing a results document whole. Both timers
-import this module; the backward timer never imports the forward one (`python -m generate.tune_gpu --backward` hands
-its arguments to generate.tune_gpu_bwd's `main`). Needs torch and triton, not the KB.
+import this module; the backward timer never imports the forward one (`python -m bench.gpu.tune --backward` hands
+its arguments to bench.gpu.tune_bwd's `main`). Needs torch and triton, not the KB.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any, Callable
 
 import torch
 
+from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import arch_of_capability
 
 __all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "make_inputs", "load_candidate", "spec_mods",
            "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results"]
 
-PLAN_SCHEMA = "kernel-kb/tune-plan/v1"
 BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
 _SEED = 1234
 
@@ -44,16 +44,6 @@ def load_file(path: str, name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def bench_shapes(spec: ModuleType, given: Any = None) -> list[dict]:
-    """The shapes to time a spec at: `given` (a plan entry's), else its `BENCH` (one dict or a list), else
-    `[{}]`, meaning the spec's own `get_inputs()` shape. A shape may carry `Dv`, v's head dim when it differs
-    from D (default D); the spec's `bench_inputs` reads it."""
-    given = given or getattr(spec, "BENCH", None)
-    if given is None:
-        return [{}]
-    return [dict(x) for x in given] if isinstance(given, (list, tuple)) else [dict(given)]
 
 
 def make_inputs(spec: ModuleType, shape: dict, device: str) -> list:

@@ -1,4 +1,4 @@
-"""Timing the backward (`generate.tune_gpu_bwd`) and the backward held-out suite, without a GPU.
+"""Timing the backward (`bench.gpu.tune_bwd`) and the backward held-out suite, without a GPU.
 
 The GPU numbers come from the device machine; here: the new held-out spec keeps the held-out contract and
 gives its table a gradient, the suite names issue #15's classes, the FLOP convention, the fp32 reference,
@@ -22,8 +22,8 @@ from types import ModuleType, SimpleNamespace
 import pytest
 import torch
 
-from generate.tune_gpu import PLAN_SCHEMA
-from generate.tune_gpu_bwd import (GRAD_TOL, SCHEMA, fwd_bwd_flops, read_suite, reference_grads, rel_fro,
+from bench.gpu.tune import PLAN_SCHEMA
+from bench.gpu.tune_bwd import (GRAD_TOL, SCHEMA, fwd_bwd_flops, read_suite, reference_grads, rel_fro,
                                    run_plan_backward, suite_plan, summarize, summary_line)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def test_summary_geomean_over_specs_and_core() -> None:
 
 # ---- without a GPU -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("module", ["generate.tune_gpu_bwd", "generate.tune_gpu --backward"])
+@pytest.mark.parametrize("module", ["bench.gpu.tune_bwd", "bench.gpu.tune --backward"])
 def test_without_a_gpu_the_cli_says_so_in_one_line(module: str, tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -298,7 +298,7 @@ def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb,
 
 def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "generate.tune_gpu_bwd", "--cpu-dry-run", "--suite", str(HELDOUT / "backward_suite.txt"),
+    cmd = [sys.executable, "-m", "bench.gpu.tune_bwd", "--cpu-dry-run", "--suite", str(HELDOUT / "backward_suite.txt"),
            "--tier", "core", "--from", str(tmp_path), str(tmp_path / "r.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -310,7 +310,7 @@ def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
 
 def test_results_written_to_dev_null_leave_it_a_device(tmp_path: Path) -> None:
     """The timers write results whole through a rename, which must not replace /dev/null (or a pipe) by a file."""
-    from generate.tune_gpu_common import write_results
+    from bench.gpu.tune_common import write_results
 
     write_results(Path(os.devnull), {"schema": SCHEMA})
     assert Path(os.devnull).is_char_device()

@@ -1,7 +1,7 @@
 """The GPU half of `kb tune`: time a generated kernel's designs beside FlexAttention and SDPA, in one process.
 
-    python -m generate.tune_gpu PLAN.json RESULTS.json [--deadline-s 540] [--workers 12]
-    python -m generate.tune_gpu --backward PLAN.json RESULTS.json      (forward+backward: generate.tune_gpu_bwd)
+    python -m bench.gpu.tune PLAN.json RESULTS.json [--deadline-s 540] [--workers 12]
+    python -m bench.gpu.tune --backward PLAN.json RESULTS.json      (forward+backward: bench.gpu.tune_bwd)
 
 A plan (written by `kb tune --plan`, or built in-process by `kb tune` on a GPU machine) lists entries:
 the spec file, the candidate file `kb generate` wrote (`ModelNew` + the Triton module's `forward`), the
@@ -38,16 +38,17 @@ from typing import Any, Callable
 
 import torch
 
-from generate.tune_gpu_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, bench_shapes, environment, flex_call,
+from bench.gpu.tune_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, bench_shapes, environment, flex_call,
                                       load_candidate, load_file, make_inputs, sdpa_call, spec_mods, sync, time_call,
                                       write_results)
-from generate.tune_gpu_bwd import main as backward_main
+from bench.gpu.tune_bwd import main as backward_main
+from bench.gpu.tune_bwd import run_plan_backward
+from generate.tune_schema import SCHEMA, impl_ms
 from kb.ir.design import Design, parse_design
 
-# PLAN_SCHEMA, environment and bench_shapes live in generate.tune_gpu_common (the backward timer's too); exported here as before
-__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "environment", "bench_shapes"]
+# PLAN_SCHEMA, environment and bench_shapes live in bench.gpu.tune_common (the backward timer's too); exported here as before
+__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "time_plan", "environment", "bench_shapes", "impl_ms"]
 
-SCHEMA = "kernel-kb/tune/v1"
 
 
 class _Recorder:
@@ -143,12 +144,6 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def impl_ms(shape: dict, impl: str) -> float | None:
-    """The median ms of `impl` in one shape of a results document, when it ran correctly."""
-    rec = next((r for r in shape.get("records", []) if r["impl"] == impl and r.get("status") == "ok"), None)
-    return rec["ms"] if rec else None
 
 
 def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str) -> dict:
@@ -356,6 +351,12 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
 
 # ---- driver -------------------------------------------------------------------------------------
 
+def time_plan(plan: dict, out_path: Path, *, backward: bool = False, command: str = "", device: str = "cuda") -> dict:
+    """`plan` timed on this GPU: its designs (`run_plan`), or as training steps (`backward`: bench.gpu.tune_bwd); what
+    `kb tune` and its Ray campaign (generate.campaign, which takes the timer as an argument) run."""
+    return (run_plan_backward if backward else run_plan)(plan, out_path, command=command, device=device)
+
+
 def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,
              command: str = "", device: str = "cuda", warm_s: float = 240.0) -> dict:
     """Time every entry of `plan` on this GPU; `device="cpu"` is a dry run of the same code at the specs' small
@@ -404,11 +405,11 @@ def _summary_line(entry: dict, seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--backward" in argv:  # forward+backward instead: generate.tune_gpu_bwd, with its own options
+    if "--backward" in argv:  # forward+backward instead: bench.gpu.tune_bwd, with its own options
         return backward_main([a for a in argv if a != "--backward"])
-    ap = argparse.ArgumentParser(prog="python -m generate.tune_gpu", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("--backward", action="store_true",
-                    help="time forward+backward (python -m generate.tune_gpu_bwd; see its --help for its options)")
+                    help="time forward+backward (python -m bench.gpu.tune_bwd; see its --help for its options)")
     ap.add_argument("plan", type=Path)
     ap.add_argument("results", type=Path)
     ap.add_argument("--deadline-s", type=float, default=300.0,
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     plan = json.loads(a.plan.read_text())
     run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials, warm_s=a.warm_s,
-             command="python -m generate.tune_gpu " + " ".join(argv))
+             command="python -m bench.gpu.tune " + " ".join(argv))
     return 0
 
 
