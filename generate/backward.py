@@ -35,9 +35,8 @@ from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "backward_structure", "measured_structures",
-           "per_kv_head", "learnable_aux", "nondeterminism",
-           "BACKWARD_STRATEGY"]
+__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
+           "nondeterminism", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
 _POOL = 12  # backward references ranked by retrieval before the structural refinement picks the ones tried
@@ -71,10 +70,11 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     those whose tile kernels run in parallel over sequence blocks, since a program per (batch, head) that
     walks every KV block itself (FA2's non-sequence-parallel mode) leaves most of a large GPU idle at
     training batch sizes; then, with `memory`, the structure (dq by atomics, or in a pass of its own) that measured
-    faster for kernels like this one by at least STRUCTURE_MARGIN (`measured_structures`). `designs`: the forward's
-    design table and a function giving the backward's for a structure (each ranked by its own sweeps). The refinement reorders retrieval's top `_POOL`; two
-    more references than the forward's are tried: an IR check costs seconds. `deterministic`: only backwards whose gradients are bitwise reproducible
-    (no atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
+    faster for kernels like this one by at least STRUCTURE_MARGIN (`measured_structures`). The refinement reorders
+    retrieval's top `_POOL`; two more references than the forward's are tried: an IR check costs seconds.
+    `designs`: the forward's design table and a function giving the backward's for a dq structure (each structure's
+    designs ranked by its own sweeps). `deterministic`: only backwards whose gradients are bitwise reproducible (no
+    atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
     kept in the combined module."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
