@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.gpu.tune_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, bench_shapes, environment, flex_call,
+from bench.gpu.tune_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, check_run, bench_shapes, environment, flex_call,
                                       load_candidate, load_file, make_inputs, sdpa_call, spec_mods, sync, time_call,
                                       write_results)
 from bench.gpu.tune_bwd import main as backward_main
@@ -361,12 +361,7 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
              command: str = "", device: str = "cuda", warm_s: float = 240.0) -> dict:
     """Time every entry of `plan` on this GPU; `device="cpu"` is a dry run of the same code at the specs' small
     shapes under the Triton interpreter (no baselines but SDPA, wall-clock "times"; for tests, never imported)."""
-    if plan.get("schema") != PLAN_SCHEMA:
-        raise SystemExit(f"not a kernel-kb tune plan (schema {plan.get('schema')!r}, expected {PLAN_SCHEMA!r})")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kb tune needs a CUDA GPU; run this where one is, then `kb perf import` the results")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("the CPU dry run needs TRITON_INTERPRET=1, set before triton is first imported")
+    check_run(plan, device, "kb tune needs a CUDA GPU; run this where one is, then `kb perf import` the results")
     entries = plan["entries"]
     if device == "cuda":
         _warm_all(entries, workers, warm_s)

@@ -644,12 +644,7 @@ def run_plan_backward(plan: dict, out_path: Path, *, deadline_s: float = 300.0, 
                       on_entry: Callable[[dict, float], None] | None = None) -> dict:
     """Time forward+backward for every entry of `plan` on this GPU; `device="cpu"` is a dry run at the specs' small
     shapes (Triton interpreter, wall-clock "times", no FlexAttention) for tests, never a measurement."""
-    if plan.get("schema") != common.PLAN_SCHEMA:
-        raise SystemExit(f"not a kernel-kb plan (schema {plan.get('schema')!r}, expected {common.PLAN_SCHEMA!r})")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("timing the backward needs a CUDA GPU; run this on the GPU machine")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("the CPU dry run needs TRITON_INTERPRET=1, set before triton is first imported")
+    common.check_run(plan, device, "timing the backward needs a CUDA GPU; run this on the GPU machine")
     entries = plan["entries"]
     if device == "cuda":
         _warm_all(entries, workers, warm_s)

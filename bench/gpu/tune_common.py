@@ -27,7 +27,7 @@ import torch
 from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import arch_of_capability
 
-__all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "make_inputs", "load_candidate", "spec_mods",
+__all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
            "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results"]
 
 BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
@@ -44,6 +44,17 @@ def load_file(path: str, name: str) -> ModuleType:
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def check_run(plan: dict, device: str, no_gpu: str) -> None:
+    """Exit with a one-line reason unless `plan` is a tune plan and `device` can run it: a CUDA GPU (else `no_gpu`),
+    or the CPU dry run under the Triton interpreter."""
+    if plan.get("schema") != PLAN_SCHEMA:
+        raise SystemExit(f"not a kernel-kb tune plan (schema {plan.get('schema')!r}, expected {PLAN_SCHEMA!r})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(no_gpu)
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("the CPU dry run needs TRITON_INTERPRET=1, set before triton is first imported")
 
 
 def make_inputs(spec: ModuleType, shape: dict, device: str) -> list:
