@@ -434,15 +434,17 @@ def _allocations(p: Program, sig: Signature, entry: HostEntry, device: str) -> l
     for q in (q for q in p.params if q.role is Role.OUT):
         lines.append(_allocation(q, out_dtype(q, first_in), entry, device))
         if q.name == "o" and sig.o32:
-            lines.append(_allocation(q, "torch.float32", entry, device).replace(" o = ", " o32 = ", 1) + " if _o32 else o")
+            lines.append(_allocation(q, "torch.float32", entry, device, name="o32") + " if _o32 else o")
     for q in (q for q in p.params if q.role is Role.SCRATCH):
         lines.append(_allocation(q, TORCH_DTYPE[q.dtype], entry, device))
     return lines
 
 
-def _allocation(q: Param, dtype: str, entry: HostEntry, device: str) -> str:
+def _allocation(q: Param, dtype: str, entry: HostEntry, device: str, name: str | None = None) -> str:
+    """`name` (default q's) = a tensor of q's shape in `dtype`, zero-filled where the kernels accumulate into q."""
     alloc = "zeros" if q.name in entry.zeroed else "empty"
-    return f"        {q.name} = _kb_alloc(rec, torch.{alloc}, ({', '.join(str(d) for d in q.shape)},), {dtype}, {device})"
+    return (f"        {name or q.name} = _kb_alloc(rec, torch.{alloc}, ({', '.join(str(d) for d in q.shape)},), {dtype}, "
+            f"{device})")
 
 
 def _tma_choice(p: Program, sig: Signature) -> str:
