@@ -52,7 +52,7 @@ class Sweep:
     arch: str
     bucket: int
     times: tuple[tuple[Design, float], ...]
-    case: tuple[str, str, str, str] = ("", "", "", "")  # (spec hash, shape, arch, gpu): what else was timed alike
+    case: tuple[str, str, str] = ("", "", "")  # (spec hash, shape, gpu): with `arch`, what else was timed alike
     structure: str = ""  # a backward kernel's dq structure (backward_structure); "" for a forward kernel
 
     def relative(self) -> dict[Design, float]:
@@ -217,7 +217,7 @@ def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:
         if features.backward and kid not in structures:
             structures[kid] = backward_structure(parse_program(kernel.ir_text))
         out.append(Sweep(kid, features, rec_arch, head_bucket(int(d)), tuple(sorted(times.items())),
-                         (kernel.spec_hash, shape_json, rec_arch, recs[0].gpu), structures.get(kid, "")))
+                         (kernel.spec_hash, shape_json, recs[0].gpu), structures.get(kid, "")))
     return out
 
 
@@ -225,12 +225,12 @@ def structure_scores(sweeps: Sequence[Sweep], target: Features) -> dict[str, flo
     """How fast each backward structure ran for kernels like `target`: the similarity-weighted mean, over cases where
     one spec was timed at one shape on one GPU with two or more structures, of the structure's best time relative to
     the fastest structure's (1.0: it won). Empty when nothing was compared: retrieval's order stands."""
-    cases: dict[tuple[str, str, str, str], dict[str, tuple[float, Features]]] = {}
+    cases: dict[tuple[str, ...], dict[str, tuple[float, Features]]] = {}
     for s in sweeps:
         kind = s.structure
         if not kind or not s.case[0] or s.features.learned_table != target.learned_table:
             continue  # a learnable table's gradient changes which structure wins (as it changes the best tile)
-        best = cases.setdefault(s.case, {})
+        best = cases.setdefault((*s.case, s.arch), {})
         if kind not in best or s.best_ms() < best[kind][0]:
             best[kind] = (s.best_ms(), s.features)
     total: dict[str, float] = {}

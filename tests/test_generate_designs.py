@@ -96,14 +96,14 @@ def test_structures_are_compared_only_where_one_spec_was_timed_with_both() -> No
     from dataclasses import replace
 
     bwd = replace(CAUSAL, backward=True)
-    case = ("spec-a", '{"D": 128}', "sm90", "NVIDIA H100")
+    case = ("spec-a", '{"D": 128}', "NVIDIA H100")
     atomics = Sweep("k-a", bwd, "sm90", 128, ((A, 2.0), (C, 1.5)), case, "dq atomics")  # its best: 1.5 ms
     dq_pass = Sweep("k-p", bwd, "sm90", 128, ((A, 1.2),), case, "dq pass")
-    alone = Sweep("k-b", bwd, "sm90", 128, ((A, 0.1),), ("spec-b", '{"D": 128}', "sm90", "NVIDIA H100"), "dq atomics")
+    alone = Sweep("k-b", bwd, "sm90", 128, ((A, 0.1),), ("spec-b", '{"D": 128}', "NVIDIA H100"), "dq atomics")
     scores = structure_scores([atomics, dq_pass, alone], bwd)
     assert scores == {"dq pass": 1.0, "dq atomics": pytest.approx(1.2 / 1.5)}
     assert structure_scores([atomics, alone], bwd) == {}  # nothing timed both ways: retrieval's order stands
-    on_h200 = replace(dq_pass, case=(*case[:3], "NVIDIA H200"))
+    on_h200 = replace(dq_pass, case=(*case[:2], "NVIDIA H200"))
     assert structure_scores([atomics, on_h200], bwd) == {}  # two GPUs are not one comparison
     learned = replace(bwd, score_mod="relative_bias", learned_table=True)
     assert structure_scores([atomics, dq_pass], learned) == {}  # frozen twins do not decide for a learned table
