@@ -144,6 +144,10 @@ BACKWARD_GRID = ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3
 # (64, 128, 8, 3) swapped: FlexAttention's own backward tiles for D=128 on Hopper (BLOCK_M1=64, BLOCK_N1=128, the dQ
 # pass transposed)
 BACKWARD_SWAP_GRID = ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 128, 4, 3), (32, 128, 8, 3))
+# (block_m, block_n, warps, stages, dq_swap) with the dK/dV kernel's query loop split by block class (Design.q_split):
+# the fastest dK/dV kernels at causal D=128 on an H100 (run 19: 64x64 w4 s2 8.39 ms, 64x128 w8 s2 8.67, against 9.40
+# for the best unsplit one); at 3 stages the split loses (9.2-9.9), which sweeps decide per kernel
+BACKWARD_QSPLIT_GRID = ((64, 64, 4, 2, False), (64, 128, 8, 2, True), (64, 128, 8, 2, False))
 
 
 def default_designs(decode: bool, backward: bool = False) -> list[Design]:
@@ -152,7 +156,8 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     q tiles (its KV-outer loop holds K, V, dK and dV tiles at once) and no tensor descriptors."""
     if backward:
         return [Design(m, n, w, s, tma=False) for m, n, w, s in BACKWARD_GRID] \
-            + [Design(m, n, w, s, tma=False, dq_swap=True) for m, n, w, s in BACKWARD_SWAP_GRID]
+            + [Design(m, n, w, s, tma=False, dq_swap=True) for m, n, w, s in BACKWARD_SWAP_GRID] \
+            + [Design(m, n, w, s, tma=False, dq_swap=x, q_split=True) for m, n, w, s, x in BACKWARD_QSPLIT_GRID]
     if decode:
         return [Design(16, n, w, s, AUTO_SPLITS, pack_gqa=True) for n, w, s in PACKED_DECODE_GRID] \
             + [Design(16, n, w, s, AUTO_SPLITS) for n, w, s in ((64, 4, 2), (128, 4, 2), (64, 4, 3), (128, 8, 3),

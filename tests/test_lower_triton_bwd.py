@@ -368,19 +368,31 @@ def test_generated_code_shape_follows_fa2() -> None:
 
 
 @pytest.mark.parametrize("name, lists", [("causal", False), ("sliding_window", False), ("document", True)])
-def test_the_query_loop_of_the_dkdv_kernel_runs_a_tables_lists_and_keeps_an_analytic_mask_under_its_branch(
-        name: str, lists: bool) -> None:
+def test_the_query_loop_of_the_dkdv_kernel_is_split_by_block_class_when_the_design_asks(name: str, lists: bool) -> None:
     """With a block-class table the KV-outer query loop visits the table's lists per KV-block column (no empty blocks,
-    full ones without mask code); with a closed-form mask every step stays under its block-class branch, which keeps
-    Triton from pipelining the loop (measured faster for this kernel than the split, pipelined loop: run 17)."""
+    full ones without mask code); with a closed-form mask it is emitted both ways under the SPLIT_Q constexpr
+    (Design.q_split): split, its full blocks run without branch or mask (so Triton pipelines their loads), else every
+    step stays under its block-class branch."""
     src = lower_program(CASES[name].program())
     dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
-    assert ("qvl_ptr" in dkdv) == lists and "split by block class" not in dkdv
+    assert ("qvl_ptr" in dkdv) == lists and ("SPLIT_Q" in dkdv) != lists
     if lists:
         full = dkdv.split("# full blocks", 1)[1]
-        assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
     else:
-        assert "if not _is_full:" in dkdv
+        split, plain = dkdv.split("if SPLIT_Q:", 1)[1].split("else:  # every query block", 1)
+        assert "query loop (KV-outer) split by block class" in split and "if not _is_full:" in plain
+        full = split.split("# full blocks", 1)[1].split("# partial blocks", 1)[0]
+        assert "SPLIT_Q = len(design) > 8 and bool(design[8])" in src
+    assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "gqa", "rel_bias", "causal_dq_pass", "empty_rows"])
+def test_a_q_split_design_gives_autograds_gradients(name: str, cache_dir: Path) -> None:
+    """The split query loop (partial, full, partial query blocks at each KV tile) over lengths no tile divides, with
+    a KV tile wider and one narrower than the query tile."""
+    for design in (Design(16, 32, 4, 1, tma=False, q_split=True), Design(32, 16, 4, 1, tma=False, q_split=True)):
+        assert parse_design(str(design)) == design and Design.from_tuple(design.as_tuple()) == design
+        _check(name, cache_dir, M=37, N=45, design=design)
 
 
 def test_compiles_for_sm90() -> None:

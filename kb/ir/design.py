@@ -7,7 +7,7 @@ module serves many designs. The code shape (which loops exist, block skipping, m
 from the IR and the lowering, never from the design. A `DesignTable` maps a target arch and a
 head-dim bucket to designs ordered best first.
 
-Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`), ` notma`, ` pack` and ` dqswap` when they differ
+Text form: `128x64 w4 s3` plus ` split8` (or ` split-auto`), ` notma`, ` pack`, ` dqswap` and ` qsplit` when they differ
 from the defaults; `parse_design(str(d)) == d`.
 
 A design is valid or does not exist: construction checks types (ints are ints, `tma` and `pack_gqa`
@@ -35,8 +35,8 @@ SHARED_MEMORY_BYTES = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm89": 99 * 1024,
                        "sm100": 227 * 1024, "sm120": 99 * 1024}
 MAX_SPLITS = 1024  # split-KV programs per (batch, head, query block); more is never useful
 DESIGN_RULES = "blocks are powers of two in [16, 256], warps a power of two <= 16, stages in [1, 8], " \
-               f"num_splits in [0, {MAX_SPLITS}] (0 = chosen at launch), tma, pack_gqa and dq_swap true or false"
-_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)((?: pack)?)((?: dqswap)?)")
+               f"num_splits in [0, {MAX_SPLITS}] (0 = chosen at launch), tma, pack_gqa, dq_swap and q_split true or false"
+_TEXT = re.compile(r"(\d+)x(\d+) w(\d+) s(\d+)((?: split(?:\d+|-auto))?)((?: notma)?)((?: pack)?)((?: dqswap)?)((?: qsplit)?)")
 
 
 @dataclass(frozen=True, order=True)
@@ -54,11 +54,14 @@ class Design:
     # keys per step, the transpose of the KV-outer dK/dV kernel's tile (the Triton tutorial's BLOCK_M2 = BLOCK_N1,
     # BLOCK_N2 = BLOCK_M1); ignored by forwards and by backwards with a block table or no such kernel
     dq_swap: bool = False
+    # backward only: the KV-outer dK/dV kernel's query loop split by block class in closed form (partial, full blocks
+    # without a branch, partial), so Triton pipelines its q/dO loads; ignored where the loop cannot be split
+    q_split: bool = False
 
     def __post_init__(self) -> None:
         ints = ("block_m", "block_n", "num_warps", "num_stages", "num_splits")
         typed = all(type(getattr(self, f)) is int for f in ints) \
-            and all(type(getattr(self, f)) is bool for f in ("tma", "pack_gqa", "dq_swap"))
+            and all(type(getattr(self, f)) is bool for f in ("tma", "pack_gqa", "dq_swap", "q_split"))
         if not typed or not (all(is_pow2(getattr(self, f)) for f in ("block_m", "block_n", "num_warps"))
                              and 16 <= self.block_m <= 256 and 16 <= self.block_n <= 256 and self.num_warps <= 16
                              and 1 <= self.num_stages <= 8 and 0 <= self.num_splits <= MAX_SPLITS):
@@ -67,25 +70,30 @@ class Design:
     def __str__(self) -> str:
         split = "" if self.num_splits == 1 else (" split-auto" if self.num_splits == AUTO_SPLITS else f" split{self.num_splits}")
         return (f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}{split}{'' if self.tma else ' notma'}"
-                f"{' pack' if self.pack_gqa else ''}{' dqswap' if self.dq_swap else ''}")
+                f"{' pack' if self.pack_gqa else ''}{' dqswap' if self.dq_swap else ''}{' qsplit' if self.q_split else ''}")
 
     def as_tuple(self) -> tuple:
-        """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa), then True for a dq_swap design: the
-        launch parameters in an emitted module (whose runtime reads the eighth entry only in a backward)."""
+        """(BLOCK_M, BLOCK_N, NUM_SPLITS, num_warps, num_stages, tma, pack_gqa), then dq_swap and q_split when either
+        is set: the launch parameters in an emitted module (whose runtime reads the last two only in a backward)."""
         t = (self.block_m, self.block_n, self.num_splits, self.num_warps, self.num_stages, self.tma, self.pack_gqa)
+        if self.q_split:
+            return (*t, self.dq_swap, True)
         return (*t, True) if self.dq_swap else t
 
     @classmethod
     def from_tuple(cls, t: tuple) -> Design:
         """The inverse of `as_tuple` (an emitted module's launch parameters); a 6-tuple (before GQA packing) packs nothing."""
         bm, bn, splits, warps, stages, tma, *rest = t
-        return cls(bm, bn, warps, stages, splits, bool(tma), bool(rest and rest[0]), bool(rest[1:] and rest[1]))
+        return cls(bm, bn, warps, stages, splits, bool(tma), bool(rest and rest[0]), bool(rest[1:] and rest[1]),
+                   bool(rest[2:] and rest[2]))
 
     def to_dict(self) -> dict[str, int | bool]:
-        """The stored form; `dq_swap` only when set, so records of designs without it read as they always did."""
+        """The stored form; `dq_swap` and `q_split` only when set, so records of designs without them read as they
+        always did."""
         d = dataclasses.asdict(self)
-        if not self.dq_swap:
-            del d["dq_swap"]
+        for flag in ("dq_swap", "q_split"):
+            if not d[flag]:
+                del d[flag]
         return d
 
     @classmethod
@@ -128,7 +136,7 @@ def parse_design(text: str) -> Design:
     split = m.group(5).strip()
     splits = 1 if not split else (AUTO_SPLITS if split == "split-auto" else int(split[5:]))
     return Design(int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), splits, not m.group(6), bool(m.group(7)),
-                  bool(m.group(8)))
+                  bool(m.group(8)), bool(m.group(9)))
 
 
 def head_bucket(head_dim: int) -> int:

@@ -20,7 +20,7 @@ from kb.ir.nodes import BlockClass, IfBlock, Program, Role
 from kb.lower.expr_context import DTYPE_KIND, Kind
 
 __all__ = ["BlockMaskKind", "LinearBounds", "BlockMaskPlan", "plan_block_mask", "block_class_test", "EMPTY", "PARTIAL",
-           "FULL", "CLASS_CODE", "full_span", "union_span", "kv_reach"]
+           "FULL", "CLASS_CODE", "full_span", "union_span", "kv_reach", "transposed"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 CLASS_CODE = {BlockClass.EMPTY: EMPTY, BlockClass.PARTIAL: PARTIAL, BlockClass.FULL: FULL}  # host-table codes
@@ -173,20 +173,28 @@ def _part_range(coef: int, lo: Expr, hi: Expr) -> tuple[Expr, Expr]:
     return (lo, hi) if coef == 1 else (Expr(ExprOp.NEG, (hi,)), Expr(ExprOp.NEG, (lo,)))
 
 
-def full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr]) -> tuple[Expr, Expr]:
-    """[first, last]: the kv_start values whose whole BLOCK_N tile (rows q) satisfies `d`, within [lo, n - BLOCK_N]."""
+def transposed(d: LinearBounds) -> LinearBounds:
+    """`d` with the roles of q_idx and kv_idx exchanged: for a loop over query tiles at a fixed KV tile (the backward's
+    KV-outer dK/dV kernel), full_span and kv_reach of the transposed bounds give its query tiles' spans."""
+    return LinearBounds(d.beta, d.alpha, d.lower, d.upper)
+
+
+def full_span(d: LinearBounds, q: tuple[Expr, Expr], lo: Expr, n: Expr, at: dict[str, Expr],
+              block: str = "BLOCK_N") -> tuple[Expr, Expr]:
+    """[first, last]: the kv_start values whose whole `block` tile (rows q) satisfies `d`, within [lo, n - block]."""
     a_min, a_max = _part_range(d.alpha, *q)
-    first, last = lo, n - var("BLOCK_N")
+    size = var(block)
+    first, last = lo, n - size
     for x in (substitute(x, at) for x in d.lower):  # g_min >= L
         if d.beta == -1:
-            last = call("minimum", last, a_min - var("BLOCK_N") + 1 - x)
+            last = call("minimum", last, a_min - size + 1 - x)
         elif d.beta == 1:
             first = call("maximum", first, x - a_min)
     for x in (substitute(x, at) for x in d.upper):  # g_max <= U
         if d.beta == -1:
             first = call("maximum", first, a_max - x)
         elif d.beta == 1:
-            last = call("minimum", last, x - a_max - var("BLOCK_N") + 1)
+            last = call("minimum", last, x - a_max - size + 1)
     if d.beta == 0:  # the rows alone decide: every block or none
         rows = all_of([a_min >= substitute(x, at) for x in d.lower] + [a_max <= substitute(x, at) for x in d.upper])
         first = call("where", rows, first, n)

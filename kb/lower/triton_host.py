@@ -404,6 +404,7 @@ def _constexpr_values(sig: Signature) -> str:
         lines.append(f"        EVEN_DV = HEAD_PAD_V == {VALUE_DIM}")
     lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
     lines += ["        O32 = _o32"] if sig.o32 else []
+    lines += ["        SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split"] if sig.q_split else []
     return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
 
 

@@ -18,7 +18,7 @@ from kb.ir.nodes import (
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
-    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, full_span, kv_reach, union_span,
+    CLASS_CODE, PARTIAL, BlockMaskKind, block_class_test, full_span, kv_reach, transposed, union_span,
 )
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
@@ -559,18 +559,14 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{o} = {o} / _w_safe[:, None]")
 
     def split_at(self, st: For) -> tuple[Expr, Expr, Expr] | None:
-        """(b, h, q_start) of the loop's tile when the KV loop can be split by block class in closed form.
-
-        Not a KV-outer backward kernel's query loop: split the same way (transposed bounds), its full part ran
-        without a branch and Triton pipelined its loads, and on an H100 (run 17) the dK/dV kernel took 12.6 ms
-        instead of 9.6 (causal D=128) and 1.42 instead of 0.76 (a 100-key window); under the branch it is not
-        pipelined. Over a table's block lists (indexed_for) it measured faster (documents 2.64 vs 3.23 ms)."""
+        """(b, h, the other start) of the loop's tile when the loop can be split by block class in closed form: a KV
+        loop, or the query loop of a KV-outer backward kernel (which s_for emits both ways, for Design.q_split)."""
         plan = self.plan
-        if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE or self.loop_axis(st) == "q" \
+        if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
                 or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts) \
                 or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
             return None
-        return self.loop_tile(st, ("forward", "reverse"))
+        return self.loop_tile(st, ("forward", "reverse"), self.loop_axis(st))
 
     def loop_axis(self, st: For) -> str:
         """"q" for a KV-major kernel's loop over query tiles (step BLOCK_M), else "kv"."""
@@ -622,6 +618,21 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
 
     def s_for(self, st: For) -> None:
         at = self.split_at(st)
+        if at is not None and self.loop_axis(st) == "q":
+            # a KV-outer query loop: both forms, the design picks (Design.q_split). Split, its full part runs without
+            # a branch and Triton pipelines its q/dO loads, which at the right stages measured 8-11% faster (run 19,
+            # causal D=128) and at the wrong ones up to 2x slower (run 17); under the per-step branch it is not
+            # pipelined. Sweeps decide.
+            self.sig.q_split = True
+            self.emit("if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks")
+            self.depth += 1
+            self.split_for(st, at)
+            self.depth -= 1
+            self.emit("else:  # every query block under its block-class branch")
+            self.depth += 1
+            self.plain_for(st)
+            self.depth -= 1
+            return
         if at is not None:
             self.split_for(st, at)
             return
@@ -629,6 +640,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if at is not None:
             self.indexed_for(st, at)
             return
+        self.plain_for(st)
+
+    def plain_for(self, st: For) -> None:
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
@@ -667,29 +681,38 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         return big if g is not None and g.below == small and big in self.sig.dims else None
 
     def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
-        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order)."""
+        """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order). On the
+        "q" axis the same over query tiles at a fixed KV tile: the bounds transposed, and no block of a KV tile
+        past N is full."""
         v = self.local(st.var)
-        q0 = at[2]
-        q1 = call("minimum", q0 + var("BLOCK_M"), var(self.m_dim)) - 1
+        axis = self.loop_axis(st)
+        own, block, fixed_dim, fixed_block = ((self.n_dim, "BLOCK_N", self.m_dim, "BLOCK_M") if axis == "kv"
+                                              else (self.m_dim, "BLOCK_M", self.n_dim, "BLOCK_N"))
+        f0 = at[2]
+        f1 = call("minimum", f0 + var(fixed_block), var(fixed_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
-        spans = [full_span(d, (q0, q1), st.lo, var(self.n_dim), sub) for d in self.plan.disjuncts] \
-            or [(st.lo, var(self.n_dim) - var("BLOCK_N"))]
+        bounds = self.plan.disjuncts if axis == "kv" else tuple(transposed(d) for d in self.plan.disjuncts)
+        spans = [full_span(d, (f0, f1), st.lo, var(own), sub, block) for d in bounds] \
+            or [(st.lo, var(own) - var(block))]
         first, last = spans[0]
         for f, l in spans[1:]:
             first, last = union_span((first, last), (f, l))
+        if axis == "q":
+            first = call("where", f0 + var("BLOCK_N") <= var(self.n_dim), first, var(own))
         hi_expr = st.hi
-        if len(self.plan.disjuncts) > 1:  # a union: past the last key any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (q0, q1), var(self.n_dim), sub) for d in self.plan.disjuncts]))
-        self.emit("# KV loop split by block class: partial blocks, full blocks (no mask code), partial blocks")
+        if len(bounds) > 1:  # a union: past the last position any disjunct can reach, every block is empty
+            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (f0, f1), var(own), sub) for d in bounds]))
+        what_loop = "KV loop" if axis == "kv" else "query loop (KV-outer)"
+        self.emit(f"# {what_loop} split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
         self.emit(f"{lo} = {self.position(st.lo)}")
         self.emit(f"{hi} = {self.position(tidy_int(hi_expr))}")
-        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), BLOCK_N)")
+        self.emit(f"_n_iter_{v} = tl.cdiv(tl.maximum({hi} - {lo}, 0), {block})")
         self.emit(f"_full_first_{v} = {self.position(tidy_int(first))}")
         self.emit(f"_full_last_{v} = {self.position(tidy_int(last))}")
-        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), BLOCK_N), _n_iter_{v})")
+        self.emit(f"_i_a_{v} = tl.minimum(tl.cdiv(tl.maximum(_full_first_{v} - {lo}, 0), {block}), _n_iter_{v})")
         self.emit(f"_i_b_{v} = tl.minimum(tl.maximum(tl.where(_full_last_{v} >= {lo}, "
-                  f"(_full_last_{v} - {lo}) // BLOCK_N + 1, 0), _i_a_{v}), _n_iter_{v})")
+                  f"(_full_last_{v} - {lo}) // {block} + 1, 0), _i_a_{v}), _n_iter_{v})")
         parts = [("0", f"_i_a_{v}", False), (f"_i_a_{v}", f"_i_b_{v}", True), (f"_i_b_{v}", f"_n_iter_{v}", False)]
         if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
             parts.reverse()
@@ -701,12 +724,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             if st.order == "reverse":
                 it = f"_it_{v}"
                 self.emit(f"for {it} in range(0, {i_hi} - {i_lo}):  # {what} blocks, descending")
-                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * BLOCK_N")
+                self.emit(f"    {v} = {lo} + ({i_hi} - 1 - {it}) * {block}")
             else:
-                a = lo if i_lo == "0" else f"{lo} + {i_lo} * BLOCK_N"
-                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * BLOCK_N"
-                self.emit(f"for {v} in {self.loop_range(st, a, b, 'BLOCK_N')}:  # {what} blocks")
-            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL)
+                a = lo if i_lo == "0" else f"{lo} + {i_lo} * {block}"
+                b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * {block}"
+                self.emit(f"for {v} in {self.loop_range(st, a, b, block)}:  # {what} blocks")
+            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL, axis)
             self.depth += 1
             self.block(st.body)
             self.depth -= 1
@@ -741,7 +764,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_{lists}_4), tl.load({lst} + {j_hi} * stride_{lists}_4)):")
             self.depth += 1
             self.emit(f"{v} = tl.load({lst} + ({count} + 1 + {it}) * stride_{lists}_4) * {own}  # {cls.value} blocks")
-            self.region = Region(st.var, at, frozenset({cls}), ax.name)
+            self.region = Region(st.var, at, frozenset({cls}), ax.name, inside=ax.name == "kv")
             self.block(st.body)
             self.region = None
             self.depth -= 1

@@ -58,6 +58,7 @@ class Signature:
     tma_tensors: list[str] = field(default_factory=list)  # tensors with a descriptor form somewhere
     q_lists: bool = False  # qvl: the table's block lists per KV-block column (a backward's query loops run over them)
     o32: bool = False  # o32_ptr and O32: the store of o also writes an fp32 copy (the operator's O for the backward)
+    q_split: bool = False  # SPLIT_Q constexpr: a KV-outer query loop split by block class when the design asks (q_split)
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
@@ -73,7 +74,7 @@ class Signature:
     def constexprs(self) -> list[str]:
         return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
             + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
-            + (["O32"] if self.o32 else [])
+            + (["O32"] if self.o32 else []) + (["SPLIT_Q"] if self.q_split else [])
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class Region:
     at: tuple[Expr, Expr, Expr]  # (b, h, the other start) shared by every mask / block test in the loop
     classes: frozenset[BlockClass]
     axis: str = "kv"
+    # do the full blocks' moving tiles lie inside their dim? A KV tile does (the class table and the closed-form split
+    # both ask it); a query tile from the table's lists may pass M, so its loads keep their row guard
+    inside: bool = True
 
     @property
     def full(self) -> bool:
@@ -297,10 +301,10 @@ class TritonTiles(KernelGenBase[Tile]):
                 size = str(item.size)
                 offs = self.offsets(item.start, size)
                 guard = not is_nonneg(item.start, self.ctx())
-                # a full block lies inside [0, N): n_start + BLOCK_N <= N; a full query block of the table's lists may
-                # pass M (the class table asks only its KV tile to be whole), so its loads keep their row guard
-                in_full_block = self.region is not None and self.region.full and self.region.axis == "kv" \
-                    and item.start == var(self.region.var) and size == "BLOCK_N" and d == self.n_dim
+                # a full block lies inside [0, N): n_start + BLOCK_N <= N (or [0, M) on a query loop's axis)
+                in_full_block = self.region is not None and self.region.full and self.region.inside \
+                    and item.start == var(self.region.var) \
+                    and (size, d) == (("BLOCK_N", self.n_dim) if self.region.axis == "kv" else ("BLOCK_M", self.m_dim))
                 if item.until is not None:
                     lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")
             else:

@@ -556,6 +556,7 @@ def _bwd_preprocess_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SPLIT_Q: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -641,6 +642,7 @@ def _bwd_dkdv_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SPLIT_Q: tl.constexpr,
 ):
     # grid (b: B, hk: Hkv, n: cdiv(N, BLOCK_N)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -657,30 +659,105 @@ def _bwd_dkdv_kernel(
     dk_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
     dv_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
     for h in range(hk * (Hq // Hkv), (hk + 1) * (Hq // Hkv), 1):
-        for m_start in range((n_start // BLOCK_M) * BLOCK_M, M, BLOCK_M):
-            offs_m_start = m_start + tl.arange(0, BLOCK_M)
-            qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-            gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-            lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, mask=(offs_m_start < M), other=float("inf"))
-            dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2, mask=(offs_m_start < M), other=0.0)
-            s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
-            s = s * sm_scale
-            sm = s
-            # block class in closed form (analytic) for the tile at (m_start, n_start)
-            _is_full = ((m_start <= (tl.minimum((m_start + BLOCK_M), M) - 1)) & ((n_start + BLOCK_N) <= N)) & ((m_start + (1 - tl.minimum((n_start + BLOCK_N), N))) >= 0)
-            if not _is_full:
+        if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks
+            # query loop (KV-outer) split by block class: partial blocks, full blocks (no mask code), partial blocks
+            _kv_lo_m_start = (n_start // BLOCK_M) * BLOCK_M
+            _kv_hi_m_start = M
+            _n_iter_m_start = tl.cdiv(tl.maximum(_kv_hi_m_start - _kv_lo_m_start, 0), BLOCK_M)
+            _full_first_m_start = tl.where(((n_start + BLOCK_N) <= N), tl.maximum(((n_start // BLOCK_M) * BLOCK_M), (tl.minimum((n_start + BLOCK_N), N) - 1)), M)
+            _full_last_m_start = M - BLOCK_M
+            _i_a_m_start = tl.minimum(tl.cdiv(tl.maximum(_full_first_m_start - _kv_lo_m_start, 0), BLOCK_M), _n_iter_m_start)
+            _i_b_m_start = tl.minimum(tl.maximum(tl.where(_full_last_m_start >= _kv_lo_m_start, (_full_last_m_start - _kv_lo_m_start) // BLOCK_M + 1, 0), _i_a_m_start), _n_iter_m_start)
+            for m_start in range(_kv_lo_m_start, _kv_lo_m_start + _i_a_m_start * BLOCK_M, BLOCK_M):  # partial blocks
+                offs_m_start = m_start + tl.arange(0, BLOCK_M)
+                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, mask=(offs_m_start < M), other=float("inf"))
+                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2, mask=(offs_m_start < M), other=0.0)
+                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
+                s = s * sm_scale
+                sm = s
+                # `not block is full` is True in every block of this part of the split loop
                 sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
-            # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
-            _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
-            p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
-            dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
-            dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
-            ds = p * (dp - dt[None, :])
-            # score_mod_grad ds: d score_mod / d score is 1 here
-            ds = ds * sm_scale
-            dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
-            dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
-            tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
+                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
+                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+                ds = p * (dp - dt[None, :])
+                # score_mod_grad ds: d score_mod / d score is 1 here
+                ds = ds * sm_scale
+                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+            for m_start in range(_kv_lo_m_start + _i_a_m_start * BLOCK_M, _kv_lo_m_start + _i_b_m_start * BLOCK_M, BLOCK_M):  # full blocks
+                offs_m_start2 = m_start + tl.arange(0, BLOCK_M)
+                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start2[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start2[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start2 * stride_lse_2)
+                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start2 * stride_delta_2)
+                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
+                s = s * sm_scale
+                sm = s
+                # `not block is full` is False in every block of this part of the split loop
+                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
+                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
+                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+                ds = p * (dp - dt[None, :])
+                # score_mod_grad ds: d score_mod / d score is 1 here
+                ds = ds * sm_scale
+                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start2[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=(None if EVEN_D else (offs_d[None, :] < D)), sem="relaxed")
+            for m_start in range(_kv_lo_m_start + _i_b_m_start * BLOCK_M, _kv_hi_m_start, BLOCK_M):  # partial blocks
+                offs_m_start3 = m_start + tl.arange(0, BLOCK_M)
+                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start3[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start3[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start3 * stride_lse_2, mask=(offs_m_start3 < M), other=float("inf"))
+                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start3 * stride_delta_2, mask=(offs_m_start3 < M), other=0.0)
+                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
+                s = s * sm_scale
+                sm = s
+                # `not block is full` is True in every block of this part of the split loop
+                sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start3[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
+                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
+                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
+                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+                ds = p * (dp - dt[None, :])
+                # score_mod_grad ds: d score_mod / d score is 1 here
+                ds = ds * sm_scale
+                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start3[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+        else:  # every query block under its block-class branch
+            for m_start in range((n_start // BLOCK_M) * BLOCK_M, M, BLOCK_M):
+                offs_m_start4 = m_start + tl.arange(0, BLOCK_M)
+                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start4[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start4[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start4 * stride_lse_2, mask=(offs_m_start4 < M), other=float("inf"))
+                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start4 * stride_delta_2, mask=(offs_m_start4 < M), other=0.0)
+                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
+                s = s * sm_scale
+                sm = s
+                # block class in closed form (analytic) for the tile at (m_start, n_start)
+                _is_full = ((m_start <= (tl.minimum((m_start + BLOCK_M), M) - 1)) & ((n_start + BLOCK_N) <= N)) & ((m_start + (1 - tl.minimum((n_start + BLOCK_N), N))) >= 0)
+                if not _is_full:
+                    sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start4[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
+                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
+                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
+                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+                ds = p * (dp - dt[None, :])
+                # score_mod_grad ds: d score_mod / d score is 1 here
+                ds = ds * sm_scale
+                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start4[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
     tl.store(dk_ptr + b * stride_dk_0 + hk * stride_dk_1 + offs_n_start[:, None] * stride_dk_2 + offs_d[None, :] * stride_dk_3, dk_acc.to(dk_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
     tl.store(dv_ptr + b * stride_dv_0 + hk * stride_dv_1 + offs_n_start[:, None] * stride_dv_2 + offs_d[None, :] * stride_dv_3, dv_acc.to(dv_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
 
@@ -752,6 +829,7 @@ def _bwd_dq_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
+    SPLIT_Q: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -804,6 +882,7 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         if HEAD_PAD < D:
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
+        SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split
         dq = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
         dk = _kb_alloc(rec, torch.empty, (B, Hkv, N, D,), q.dtype, q.device)
         dv = _kb_alloc(rec, torch.empty, (B, Hkv, N, D,), q.dtype, q.device)
@@ -811,13 +890,13 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         dq_acc = _kb_alloc(rec, torch.zeros, (B, Hq, M, D,), torch.float32, q.device)
         _kb_launch(rec, _bwd_preprocess_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
         _kb_launch(rec, _bwd_dkdv_kernel, (B * Hkv * (_hcdiv(N, BLOCK_N)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
         _kb_launch(rec, _bwd_dq_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
         return dq, dk, dv
 
     design = tuple(_design) if _design is not None else _choose_bwd_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
