@@ -168,6 +168,24 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     return [Design(m, n, w, s) for m, n, w, s in grid] + [Design(128, 128, 8, 3, tma=False), Design(128, 64, 4, 3, tma=False)]
 
 
+def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]]) -> list[Design]:
+    """Designs timed in the weighted sweeps, best first: a design's score is its time relative to each sweep's best,
+    averaged over the sweeps that timed it (weights: similarity), scaled down when none of those sweeps is at least
+    half as alike as the most alike one. A sweep that did not time a design says nothing about it, so a design added
+    to the grid later and timed beside the old ones is not outvoted by the sweeps from before it existed."""
+    if not near:
+        return []
+    top = max(w for _, w in near)
+    num: dict[Design, float] = {}
+    den: dict[Design, float] = {}
+    for sweep, w in near:
+        for d, rel in sweep.relative().items():
+            num[d] = num.get(d, 0.0) + w * rel
+            den[d] = den.get(d, 0.0) + w
+    scores = {d: num[d] / den[d] * min(1.0, den[d] / (0.5 * top)) for d in num}
+    return sorted(scores, key=lambda d: (-scores[d], d))
+
+
 def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Sweep],
                  tunables: Iterable[tuple[str, int, dict]], *, memory: bool = True,
                  value_bucket: int | None = None, structure: str | None = None) -> list[Design]:
@@ -177,18 +195,13 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
     decode = _decode(target)
     measured: list[Design] = []
     if memory:
-        scores: dict[Design, float] = {}
         near = [(s, math.exp(8.0 * (perf_similarity(target, s.features) - 1.0))) for s in sweeps
                 if s.arch == arch and s.bucket == bucket and _decode(s.features) == decode
                 and s.features.backward == target.backward
                 # a learnable table's gradient adds atomics per tile: a frozen twin's best tile is not its best (run 16)
                 and (not target.backward or s.features.learned_table == target.learned_table)
                 and (structure is None or s.structure == structure)]
-        total = sum(w for _, w in near)
-        for sweep, w in near:
-            for d, rel in sweep.relative().items():
-                scores[d] = scores.get(d, 0.0) + w * rel / total
-        measured = sorted(scores, key=lambda d: (-scores[d], d))
+        measured = _ranked_by_sweeps(near)
     ranked = measured + expert_designs(tunables, arch, bucket, decode, target.backward) \
         + default_designs(decode, target.backward)
     if decode and target.gqa_ratio != 1 and not any(d.pack_gqa for d in measured):

@@ -63,6 +63,16 @@ def test_measured_sweeps_of_the_nearest_class_lead() -> None:
     assert all(d.num_splits == AUTO_SPLITS or d.num_splits > 1 for d in rank_designs(DECODE, "sm90", 128, [], FA2))
 
 
+def test_a_design_added_later_ranks_by_the_sweeps_that_timed_it() -> None:
+    """Two old sweeps of causal kernels timed A and B; a new one timed a new design C beside them and C won: C leads
+    (a sweep that never timed C says nothing about it). A design timed only by a distant class's sweep does not."""
+    old = [Sweep(f"k{i}", CAUSAL, "sm90", 128, ((A, 1.0), (B, 1.1))) for i in range(2)]
+    new = Sweep("k9", CAUSAL, "sm90", 128, ((A, 1.0), (B, 1.1), (C, 0.9)))
+    assert rank_designs(CAUSAL, "sm90", 128, [*old, new], FA2)[:3] == [C, A, B]
+    far = Sweep("k8", Features(mask="document", head_dim=128, softcap=True), "sm90", 128, ((C, 0.5), (A, 2.0)))
+    assert rank_designs(CAUSAL, "sm90", 128, [*old, far], FA2)[:2] == [A, B]
+
+
 def test_a_learnable_tables_backward_is_not_ranked_by_its_frozen_twins_sweeps() -> None:
     from dataclasses import replace
 
