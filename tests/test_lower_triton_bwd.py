@@ -386,6 +386,22 @@ def test_the_query_loop_of_the_dkdv_kernel_is_split_by_block_class_when_the_desi
     assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
 
 
+def test_split_partial_query_blocks_leave_empty_blocks_to_the_mask() -> None:
+    """`if block is not empty` around a masked body: in the split loop's partial parts it is dropped (an empty block's
+    scores are all masked, so it adds 0; the branch measured costly), in the unsplit loop it stays."""
+    dkdv = lower_program(CASES["empty_rows"].program()).split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
+    split, plain = dkdv.split("if SPLIT_Q:", 1)[1].split("else:  # every query block", 1)
+    assert "_is_empty" not in split and "left to the mask" in split and "if not _is_empty:" in plain
+
+
+def test_a_gqa_group_loop_has_a_constant_trip_count() -> None:
+    """The loop over a KV head's query heads runs GQA_GROUP = Hq // Hkv (a constexpr) times: one head per KV head
+    folds the loop away."""
+    src = lower_program(CASES["gqa"].program())
+    assert "for h in range(hk * GQA_GROUP, hk * GQA_GROUP + GQA_GROUP, 1):" in src and "GQA_GROUP = Hq // Hkv" in src
+    assert "(Hq // Hkv)" not in src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
+
+
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "alibi", "gqa", "rel_bias", "causal_dq_pass", "empty_rows"])
 def test_a_q_split_design_gives_autograds_gradients(name: str, cache_dir: Path) -> None:
     """The split query loop (partial, full, partial query blocks at each KV tile) over lengths no tile divides, with

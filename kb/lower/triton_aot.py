@@ -87,7 +87,8 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     head_pad_v = s.value_head_pad_for(head_dim_v, DOT_MIN_K)
     consts = {**s.tile_constants(), "HEAD_PAD": head_pad,
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
-              "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v, "O32": False}
+              "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v, "O32": False,
+              "SPLIT_Q": False, "GQA_GROUP": 1}
     out = []
     for k in p.kernels:
         fn = getattr(module, kernel_fn_name(k))

@@ -644,6 +644,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
 
     def plain_for(self, st: For) -> None:
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
+        group = self.group_loop(st)
+        if group is not None:
+            # a constant trip count: with one query head per KV head the loop folds away (run 19, H100: the runtime
+            # bound cost the causal D=128 backward 0.6 of 8.4 ms)
+            lo, hi = f"{group} * GQA_GROUP", f"{group} * GQA_GROUP + GQA_GROUP"
+            self.sig.gqa_group = True
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
         sym = self.loop_sym(st, loop_var, self.loop_below(st))
@@ -663,6 +669,19 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.block(st.body)
         self.depth -= 1
         self.end_hoist(started)
+
+    def group_loop(self, st: For) -> str | None:
+        """The grid axis g of a loop over a GQA group's query heads, `range(g * (H // G), (g + 1) * (H // G), 1)`
+        with H and G dims (GQA_GROUP = H // G at launch), else None."""
+        lo, hi = st.lo, st.hi
+        if str(st.step) != "1" or lo.op is not ExprOp.MUL or hi.op is not ExprOp.MUL or lo.args[1] != hi.args[1]:
+            return None
+        ratio, g = lo.args[1], lo.args[0]
+        g1 = hi.args[0]
+        if ratio.op is not ExprOp.FLOORDIV or g.op is not ExprOp.VAR or g1.op is not ExprOp.ADD or g1.args != (g, const(1)) \
+                or [str(a.value) for a in ratio.args if a.op is ExprOp.VAR] != list(self.sig.group_dims):
+            return None
+        return self.ex(g)
 
     def loop_below(self, st: For) -> str | None:
         """The dim a loop variable stays below, when the bound says so: `hi` a dim, or a GQA group's head range
@@ -778,6 +797,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
                 self.statements(st.then if holds != st.negate else st.orelse)
                 return
+            if self.masks_empty_blocks(st):
+                self.emit("# `not block is empty` left to the mask: an empty block's scores are all masked, so it adds 0")
+                self.statements(st.then)
+                return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
         self.depth += 1
@@ -788,6 +811,16 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.depth += 1
             self.block(st.orelse)
             self.depth -= 1
+
+    def masks_empty_blocks(self, st: IfBlock) -> bool:
+        """In a partial part of a split KV-outer query loop, is `if block is not empty` redundant? Its body masks every
+        score of a partial block (so of an empty one: P = 0, dS = 0, every product and atomic adds 0). A branch there
+        measured costly: the split dK/dV kernel at causal D=128 took 4.97 ms with it, 4.14 without (run 19, H100)."""
+        region = self.region
+        return region is not None and region.axis == "q" and region.classes == _SPLIT_PARTIAL \
+            and st.cls is BlockClass.EMPTY and st.negate and not st.orelse \
+            and any(isinstance(x, Mask) or (isinstance(x, IfBlock) and x.cls is BlockClass.FULL and x.negate
+                                            and any(isinstance(y, Mask) for y in x.then)) for x in st.then)
 
     def block_condition(self, st: IfBlock) -> str:
         code = CLASS_CODE[st.cls]

@@ -557,6 +557,7 @@ def _bwd_preprocess_kernel(
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT_Q: tl.constexpr,
+    GQA_GROUP: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -643,6 +644,7 @@ def _bwd_dkdv_kernel(
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT_Q: tl.constexpr,
+    GQA_GROUP: tl.constexpr,
 ):
     # grid (b: B, hk: Hkv, n: cdiv(N, BLOCK_N)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -658,7 +660,7 @@ def _bwd_dkdv_kernel(
     vt = tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
     dk_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
     dv_acc = tl.full([BLOCK_N, HEAD_PAD], 0.0, tl.float32)
-    for h in range(hk * (Hq // Hkv), (hk + 1) * (Hq // Hkv), 1):
+    for h in range(hk * GQA_GROUP, hk * GQA_GROUP + GQA_GROUP, 1):
         if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks
             # query loop (KV-outer) split by block class: partial blocks, full blocks (no mask code), partial blocks
             _kv_lo_m_start = (n_start // BLOCK_M) * BLOCK_M
@@ -830,6 +832,7 @@ def _bwd_dq_kernel(
     HEAD_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     SPLIT_Q: tl.constexpr,
+    GQA_GROUP: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -883,6 +886,7 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
             raise ForwardArgumentError(f"schedule head_pad={HEAD_PAD} is smaller than the head dim D={D}")
         EVEN_D = HEAD_PAD == D
         SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split
+        GQA_GROUP = Hq // Hkv
         dq = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
         dk = _kb_alloc(rec, torch.empty, (B, Hkv, N, D,), q.dtype, q.device)
         dv = _kb_alloc(rec, torch.empty, (B, Hkv, N, D,), q.dtype, q.device)
@@ -890,13 +894,13 @@ def backward(q, k, v, o, dout, lse, *, sm_scale=None, _design=None, **aux_and_sc
         dq_acc = _kb_alloc(rec, torch.zeros, (B, Hq, M, D,), torch.float32, q.device)
         _kb_launch(rec, _bwd_preprocess_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q, GQA_GROUP=GQA_GROUP)
         _kb_launch(rec, _bwd_dkdv_kernel, (B * Hkv * (_hcdiv(N, BLOCK_N)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q, GQA_GROUP=GQA_GROUP)
         _kb_launch(rec, _bwd_dq_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
             q, k, v, o, dout, lse, dq, dk, dv, delta, dq_acc, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *dout.stride(), *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *delta.stride(), *dq_acc.stride(), B, Hq, M, D, Hkv, N, sm_scale,
-        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q)
+        ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, EVEN_D=EVEN_D, SPLIT_Q=SPLIT_Q, GQA_GROUP=GQA_GROUP)
         return dq, dk, dv
 
     design = tuple(_design) if _design is not None else _choose_bwd_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
