@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kb.lower.interpreter_fixes import install as install_interpreter_fixes
 from verify.load import CandidateImportError, SpecError, check_signatures, load_candidate, load_spec
 from verify.options import VerifyOptions
 from verify.result import Finding, Verdict, VerifyResult
@@ -63,6 +64,8 @@ def run_in_process(spec_path: Path, cand_path: Path, opts: VerifyOptions, progre
         return early(Finding(f.verdict, f"static scan: {f.message} (line {f.line})", op=f.op, detail=f"{cand_path}:{f.line}",
                              phase=f.phase))
     sys.path.insert(0, str(cand_path.resolve().parent))  # candidates may import their sibling modules
+    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter bugs are not the candidate's (bf16 dots)
+        install_interpreter_fixes()
     try:
         cand_cls = load_candidate(cand_path)
     except CandidateImportError as err:
