@@ -44,7 +44,7 @@ def _measured(kernel_id: str, design: object = DESIGN, shape: object = None) -> 
 
 @pytest.mark.parametrize("design,shape,why", [
     ({**DESIGN, "block_m": 100}, None, "blocks are powers of two in [16, 256]"),
-    ({**DESIGN, "tma": "yes"}, None, "tma, pack_gqa and dq_swap true or false"),
+    ({**DESIGN, "tma": "yes"}, None, "tma, pack_gqa, dq_swap and q_split true or false"),
     ({**DESIGN, "num_warps": 2**70}, None, "warps a power of two <= 16"),
     ({"block_m": 128, "block_n": 64}, None, "missing ['num_warps', 'num_stages']"),
     ({**DESIGN, "swizzle": 8}, None, "unknown keys ['swizzle']"),
