@@ -168,22 +168,30 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
     return [Design(m, n, w, s) for m, n, w, s in grid] + [Design(128, 128, 8, 3, tma=False), Design(128, 64, 4, 3, tma=False)]
 
 
+NEAR = 0.5  # a sweep at least this fraction of the most alike sweep's weight is near: the near sweeps decide
+
+
 def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]]) -> list[Design]:
-    """Designs timed in the weighted sweeps, best first: a design's score is its time relative to each sweep's best,
-    averaged over the sweeps that timed it (weights: similarity), scaled down when none of those sweeps is at least
-    half as alike as the most alike one. A sweep that did not time a design says nothing about it, so a design added
-    to the grid later and timed beside the old ones is not outvoted by the sweeps from before it existed."""
+    """Designs timed in the weighted sweeps, best first. The near sweeps (weight at least NEAR x the most alike one's)
+    decide: a design's score is its time relative to each sweep's best, averaged over the near sweeps that timed it
+    (weighted by similarity); designs only farther sweeps timed follow, ranked the same way over those. A sweep that
+    did not time a design says nothing about it (a design added to the grid later is not outvoted by the sweeps from
+    before it existed), and a class whose best tile differs (windows, where 64x64 wins by 15-30%) does not outvote a
+    near class's own sweeps (run 19: it put 64x64 first for causal D=128, 4% behind the transposed 64x128 there)."""
     if not near:
         return []
     top = max(w for _, w in near)
-    num: dict[Design, float] = {}
-    den: dict[Design, float] = {}
-    for sweep, w in near:
-        for d, rel in sweep.relative().items():
-            num[d] = num.get(d, 0.0) + w * rel
-            den[d] = den.get(d, 0.0) + w
-    scores = {d: num[d] / den[d] * min(1.0, den[d] / (0.5 * top)) for d in num}
-    return sorted(scores, key=lambda d: (-scores[d], d))
+    tiers = ([x for x in near if x[1] >= NEAR * top], [x for x in near if x[1] < NEAR * top])
+    ranked: list[Design] = []
+    for tier in tiers:
+        num: dict[Design, float] = {}
+        den: dict[Design, float] = {}
+        for sweep, w in tier:
+            for d, rel in sweep.relative().items():
+                num[d] = num.get(d, 0.0) + w * rel
+                den[d] = den.get(d, 0.0) + w
+        ranked += sorted((d for d in num if d not in ranked), key=lambda d: (-num[d] / den[d], d))
+    return ranked
 
 
 def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Sweep],

@@ -73,6 +73,16 @@ def test_a_design_added_later_ranks_by_the_sweeps_that_timed_it() -> None:
     assert rank_designs(CAUSAL, "sm90", 128, [*old, far], FA2)[:2] == [A, B]
 
 
+def test_near_sweeps_decide_and_farther_ones_do_not_outvote_them() -> None:
+    """The causal sweep puts B 1% ahead of A; five window sweeps (a class whose best tile differs) put A far ahead:
+    B leads for a causal kernel, and a design only the window sweeps timed comes after the near sweep's designs."""
+    window = Features(mask="sliding_window", causal=True, sliding_window=True, kv_span=101, head_dim=128)
+    near = Sweep("k1", CAUSAL, "sm90", 128, ((A, 1.01), (B, 1.0)))
+    far = [Sweep(f"w{i}", window, "sm90", 128, ((A, 1.0), (B, 1.3), (C, 0.9))) for i in range(5)]
+    assert perf_similarity(CAUSAL, window) < perf_similarity(CAUSAL, CAUSAL)
+    assert rank_designs(CAUSAL, "sm90", 128, [near, *far], FA2)[:3] == [B, A, C]
+
+
 def test_a_learnable_tables_backward_is_not_ranked_by_its_frozen_twins_sweeps() -> None:
     from dataclasses import replace
 
