@@ -1,0 +1,89 @@
+"""How well design ranking predicts: leave one spec out of the KB's measured sweeps, rank designs for it from the
+rest, and read how fast the first design its own sweep timed ran relative to that sweep's best (1.0: the best).
+
+`python -m bench.design_ranking [--json]` on the KB of the settings (`kb ingest --all` loads the shipped sweeps).
+Rules compared: `generate.designs._ranked_by_sweeps` as shipped, and variants of its two choices (which sweeps are
+near enough to decide; whether a sweep that did not time a design scores it 0 or says nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+
+from generate.designs import Sweep, _decode, _ranked_by_sweeps, perf_similarity
+from kb.ir.design import Design
+
+Rule = Callable[[Sequence[tuple[Sweep, float]]], list[Design]]
+
+
+def variant(near_frac: float, untimed_zero: bool) -> Rule:
+    """Tiers: sweeps with weight >= near_frac x the top decide, the rest follow (0: one tier)."""
+    def rank(near: Sequence[tuple[Sweep, float]]) -> list[Design]:
+        top = max(w for _, w in near)
+        tiers = [[x for x in near if x[1] >= near_frac * top], [x for x in near if x[1] < near_frac * top]]
+        out: list[Design] = []
+        for tier in (t for t in tiers if t):
+            num: dict[Design, float] = {}
+            den: dict[Design, float] = {}
+            for sweep, w in tier:
+                for d, rel in sweep.relative().items():
+                    num[d] = num.get(d, 0.0) + w * rel
+                    den[d] = den.get(d, 0.0) + w
+            total = sum(w for _, w in tier)
+            score = {d: num[d] / (total if untimed_zero else den[d]) for d in num}
+            out += sorted((d for d in score if d not in out), key=lambda d: (-score[d], d))
+        return out
+    return rank
+
+
+def leave_one_out(sweeps: Sequence[Sweep], rule: Rule, backward: bool) -> list[float]:
+    """Per sweep with 3+ designs: its relative speed at the first design `rule` ranks (among those it timed) from the
+    other specs' sweeps, weighted as `rank_designs` weighs them."""
+    out = []
+    for t in sweeps:
+        if t.features.backward != backward or len(t.times) < 3:
+            continue
+        near = [(s, math.exp(8.0 * (perf_similarity(t.features, s.features) - 1.0))) for s in sweeps
+                if s.arch == t.arch and s.bucket == t.bucket and _decode(s.features) == _decode(t.features)
+                and s.features.backward == backward
+                and (not backward or s.features.learned_table == t.features.learned_table)
+                and s.case[0] != t.case[0] and s.kernel_id != t.kernel_id]
+        rel = t.relative()
+        ranked = [d for d in rule(near) if d in rel] if near else []
+        if ranked:
+            out.append(rel[ranked[0]])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+    from generate.designs import sweeps_from_kb
+    from kb.settings import load_settings
+    from kb.store import open_kb
+
+    sweeps = sweeps_from_kb(open_kb(load_settings()))
+    rules: dict[str, Rule] = {"shipped": _ranked_by_sweeps}
+    rules |= {f"near>={f} untimed={'0' if z else 'silent'}": variant(f, z) for f in (0.0, 0.25, 0.5, 0.8) for z in (True, False)}
+    rows = []
+    for backward in (False, True):
+        for name, rule in rules.items():
+            v = leave_one_out(sweeps, rule, backward)
+            if v:
+                rows.append({"kind": "backward" if backward else "forward", "rule": name, "targets": len(v),
+                             "geomean": math.exp(sum(map(math.log, v)) / len(v)), "min": min(v),
+                             "within_2pct": sum(x >= 0.98 for x in v)})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"{r['kind']:8s} {r['rule']:26s} n={r['targets']:3d} geomean {r['geomean']:.3f} min {r['min']:.3f} "
+              f"within 2%: {r['within_2pct']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
