@@ -405,7 +405,7 @@ def _constexpr_values(sig: Signature) -> str:
     lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
     lines += ["        O32 = _o32"] if sig.o32 else []
     lines += ["        SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split"] if sig.q_split else []
-    lines += [f"        GQA_GROUP = {sig.group_dims[0]} // {sig.group_dims[1]}"] if sig.gqa_group else []
+    lines += [f"        GQA_GROUP = {sig.gqa_group[0]} // {sig.gqa_group[1]}"] if sig.gqa_group is not None else []
     return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
 
 

@@ -644,12 +644,13 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
 
     def plain_for(self, st: For) -> None:
         lo, hi, step = self.ex(st.lo), self.ex(st.hi), str(st.step)
-        group = self.group_loop(st)
+        group = self.head_group(st)
         if group is not None:
             # a constant trip count: with one query head per KV head the loop folds away (run 19, H100: the runtime
             # bound cost the causal D=128 backward 0.6 of 8.4 ms)
-            lo, hi = f"{group} * GQA_GROUP", f"{group} * GQA_GROUP + GQA_GROUP"
-            self.sig.gqa_group = True
+            g = self.ex(var(group[0]))
+            lo, hi = f"{g} * GQA_GROUP", f"{g} * GQA_GROUP + GQA_GROUP"
+            self.sig.gqa_group = group[1:]
         loop_var = self.local(st.var)
         self._invalidate(loop_var)
         sym = self.loop_sym(st, loop_var, self.loop_below(st))
@@ -670,34 +671,32 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.depth -= 1
         self.end_hoist(started)
 
-    def group_loop(self, st: For) -> str | None:
-        """The grid axis g of a loop over a GQA group's query heads, `range(g * (H // G), (g + 1) * (H // G), 1)`
-        with H and G dims (GQA_GROUP = H // G at launch), else None."""
+    def head_group(self, st: For) -> tuple[str, str, str] | None:
+        """(g, H, G) for a loop over a GQA group's query heads, `range(g * (H // G), (g + 1) * (H // G), 1)` with g a
+        variable and H, G dims, else None."""
         lo, hi = st.lo, st.hi
-        if str(st.step) != "1" or lo.op is not ExprOp.MUL or hi.op is not ExprOp.MUL or lo.args[1] != hi.args[1]:
+        if str(st.step) != "1" or lo.op is not ExprOp.MUL or hi.op is not ExprOp.MUL:
             return None
-        ratio, g = lo.args[1], lo.args[0]
-        g1 = hi.args[0]
-        if ratio.op is not ExprOp.FLOORDIV or g.op is not ExprOp.VAR or g1.op is not ExprOp.ADD or g1.args != (g, const(1)) \
-                or [str(a.value) for a in ratio.args if a.op is ExprOp.VAR] != list(self.sig.group_dims):
+        (g, ratio), (g1, ratio1) = lo.args, hi.args
+        if ratio != ratio1 or ratio.op is not ExprOp.FLOORDIV or g.op is not ExprOp.VAR \
+                or g1.op is not ExprOp.ADD or g1.args != (g, const(1)) \
+                or any(a.op is not ExprOp.VAR or str(a.value) not in self.sig.dims for a in ratio.args):
             return None
-        return self.ex(g)
+        big, small = (str(a.value) for a in ratio.args)
+        return str(g.value), big, small
 
     def loop_below(self, st: For) -> str | None:
         """The dim a loop variable stays below, when the bound says so: `hi` a dim, or a GQA group's head range
-        `(g + 1) * (H // G)` with g a grid axis below G (aux loads indexed by it then need no guard)."""
+        with g a grid axis below G (aux loads indexed by it then need no guard)."""
         hi = st.hi
         if hi.op is ExprOp.VAR and str(hi.value) in self.sig.dims:
             return str(hi.value)
-        if hi.op is not ExprOp.MUL or not self.backward:
+        group = self.head_group(st) if self.backward else None
+        if group is None:
             return None
-        g1, ratio = hi.args
-        if ratio.op is not ExprOp.FLOORDIV or g1.op is not ExprOp.ADD or g1.args[1] != const(1) \
-                or g1.args[0].op is not ExprOp.VAR or any(a.op is not ExprOp.VAR for a in ratio.args):
-            return None
-        g = self.names.get(str(g1.args[0].value))
-        big, small = (str(a.value) for a in ratio.args)
-        return big if g is not None and g.below == small and big in self.sig.dims else None
+        g, big, small = group
+        sym = self.names.get(g)
+        return big if sym is not None and sym.below == small else None
 
     def split_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
         """Three loops over [lo, hi): partial blocks, then full blocks, then partial blocks (ascending order). On the

@@ -59,8 +59,7 @@ class Signature:
     q_lists: bool = False  # qvl: the table's block lists per KV-block column (a backward's query loops run over them)
     o32: bool = False  # o32_ptr and O32: the store of o also writes an fp32 copy (the operator's O for the backward)
     q_split: bool = False  # SPLIT_Q constexpr: a KV-outer query loop split by block class when the design asks (q_split)
-    gqa_group: bool = False  # GQA_GROUP constexpr (= Hq // Hkv): the trip count of a loop over a GQA group's heads
-    group_dims: tuple[str, ...] = ("Hq", "Hkv")  # the dims whose ratio GQA_GROUP is
+    gqa_group: tuple[str, str] | None = None  # (H, G): GQA_GROUP = H // G constexpr, a GQA group loop's trip count
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
@@ -77,7 +76,7 @@ class Signature:
         return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
             + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
             + (["O32"] if self.o32 else []) + (["SPLIT_Q"] if self.q_split else []) \
-            + (["GQA_GROUP"] if self.gqa_group else [])
+            + (["GQA_GROUP"] if self.gqa_group is not None else [])
 
 
 @dataclass(frozen=True)
