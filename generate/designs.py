@@ -145,8 +145,9 @@ BACKWARD_GRID = ((64, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3
 # pass transposed)
 BACKWARD_SWAP_GRID = ((64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 128, 4, 3), (32, 128, 8, 3))
 # (block_m, block_n, warps, stages, dq_swap) with the dK/dV kernel's query loop split by block class (Design.q_split):
-# the fastest dK/dV kernels at causal D=128 on an H100 (run 19: 64x64 w4 s2 8.39 ms, 64x128 w8 s2 8.67, against 9.40
-# for the best unsplit one); at 3 stages the split loses (9.2-9.9), which sweeps decide per kernel
+# a hand-written copy of the causal D=128 dK/dV kernel ran fastest so (run 19, H100: 64x64 w4 s2 8.39 ms, 64x128 w8 s2
+# 8.67, against 9.40 unsplit; at 3 stages 9.2-9.9); generated, the split won ALiBi D=128 and lost to windows and
+# unions (run 19's tuning sweep), so sweeps decide per kernel
 BACKWARD_QSPLIT_GRID = ((64, 64, 4, 2, False), (64, 128, 8, 2, True), (64, 128, 8, 2, False))
 
 

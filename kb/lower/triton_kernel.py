@@ -620,9 +620,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         at = self.split_at(st)
         if at is not None and self.loop_axis(st) == "q":
             # a KV-outer query loop: both forms, the design picks (Design.q_split). Split, its full part runs without
-            # a branch and Triton pipelines its q/dO loads, which at the right stages measured 8-11% faster (run 19,
-            # causal D=128) and at the wrong ones up to 2x slower (run 17); under the per-step branch it is not
-            # pipelined. Sweeps decide.
+            # a branch and Triton pipelines its q/dO loads: 8-11% faster at the right stages in a hand-written copy
+            # of the causal D=128 kernel (run 19), up to 2x slower at the wrong ones (run 17); generated, it won ALiBi
+            # and lost to windows. Under the per-step branch the loop is not pipelined. Sweeps decide.
             self.sig.q_split = True
             self.emit("if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks")
             self.depth += 1
