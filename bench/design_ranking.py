@@ -9,6 +9,7 @@ near enough to decide; whether a sweep that did not time a design scores it 0 or
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -20,23 +21,8 @@ Rule = Callable[[Sequence[tuple[Sweep, float]]], list[Design]]
 
 
 def variant(near_frac: float, untimed_zero: bool) -> Rule:
-    """Tiers: sweeps with weight >= near_frac x the top decide, the rest follow (0: one tier)."""
-    def rank(near: Sequence[tuple[Sweep, float]]) -> list[Design]:
-        top = max(w for _, w in near)
-        tiers = [[x for x in near if x[1] >= near_frac * top], [x for x in near if x[1] < near_frac * top]]
-        out: list[Design] = []
-        for tier in (t for t in tiers if t):
-            num: dict[Design, float] = {}
-            den: dict[Design, float] = {}
-            for sweep, w in tier:
-                for d, rel in sweep.relative().items():
-                    num[d] = num.get(d, 0.0) + w * rel
-                    den[d] = den.get(d, 0.0) + w
-            total = sum(w for _, w in tier)
-            score = {d: num[d] / (total if untimed_zero else den[d]) for d in num}
-            out += sorted((d for d in score if d not in out), key=lambda d: (-score[d], d))
-        return out
-    return rank
+    """The shipped rule with its two choices set otherwise (near_frac 0: every sweep in one tier)."""
+    return functools.partial(_ranked_by_sweeps, near_frac=near_frac, untimed_zero=untimed_zero)
 
 
 def leave_one_out(sweeps: Sequence[Sweep], rule: Rule, backward: bool) -> list[float]:

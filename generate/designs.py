@@ -172,24 +172,29 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
 NEAR = 0.25  # a sweep at least this fraction of the most alike sweep's weight is near: the near sweeps decide
 
 
-def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]]) -> list[Design]:
-    """Designs timed in the weighted sweeps, best first. The near sweeps (weight at least NEAR x the most alike one's)
-    decide: a design's score is the weighted mean over them of its time relative to each sweep's best (0 where a
+def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]], near_frac: float = NEAR,
+                      untimed_zero: bool = True) -> list[Design]:
+    """Designs timed in the weighted sweeps, best first. The near sweeps (weight at least `near_frac` x the most alike
+    one's) decide: a design's score is the weighted mean over them of its time relative to each sweep's best (0 where a
     sweep did not time it); designs only farther sweeps timed follow, scored the same way over those. Chosen by
-    leave-one-spec-out on the shipped sweeps (`python -m bench.design_ranking`, run 19): the first timed design
-    within 0.934 (forward) and 0.962 (backward) of each held-out sweep's best, geomean, against 0.929 / 0.959 with
-    every sweep voting; averaging only over the sweeps that timed a design scored lower (0.928 / 0.941), and a
+    leave-one-spec-out on the shipped sweeps (`python -m bench.design_ranking`, run 19, which also tries other
+    `near_frac` and `untimed_zero=False`: a sweep that did not time a design says nothing about it): the first timed
+    design within 0.934 (forward) and 0.962 (backward) of each held-out sweep's best, geomean, against 0.929 / 0.959
+    with every sweep voting; averaging only over the sweeps that timed a design scored lower (0.928 / 0.941), and a
     threshold of 0.5 let one forward pick fall to 0.42."""
     if not near:
         return []
     top = max(w for _, w in near)
     ranked: list[Design] = []
-    for tier in ([x for x in near if x[1] >= NEAR * top], [x for x in near if x[1] < NEAR * top]):
-        total = sum(w for _, w in tier)
-        scores: dict[Design, float] = {}
+    for tier in ([x for x in near if x[1] >= near_frac * top], [x for x in near if x[1] < near_frac * top]):
+        num: dict[Design, float] = {}
+        den: dict[Design, float] = {}
         for sweep, w in tier:
             for d, rel in sweep.relative().items():
-                scores[d] = scores.get(d, 0.0) + w * rel / total
+                num[d] = num.get(d, 0.0) + w * rel
+                den[d] = den.get(d, 0.0) + w
+        total = sum(w for _, w in tier)
+        scores = {d: num[d] / (total if untimed_zero else den[d]) for d in num}
         ranked += sorted((d for d in scores if d not in ranked), key=lambda d: (-scores[d], d))
     return ranked
 
