@@ -57,10 +57,10 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from verify.checks import TOLERANCES, Comparison
+from verify.dispatch_mode import WatchMode
 from verify.reference import tf32
 from verify.shapes import Layout
 
@@ -101,7 +101,7 @@ def cotangent(shape: torch.Size, seed: int, device: str) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=gen).to(device)
 
 
-class DtypeEmulation(TorchDispatchMode):
+class DtypeEmulation(WatchMode):
     """Round every fp32 tensor an op produces to `dtype` (and back), as if torch stored it in `dtype`.
 
     Views keep their base's values (not rounded, aliasing kept); in-place and `out=` ops are rounded in place.
@@ -118,7 +118,7 @@ class DtypeEmulation(TorchDispatchMode):
             return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).reshape(t.shape)
         return t.to(self.dtype).to(torch.float32)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.is_view:
             return out
@@ -128,7 +128,7 @@ class DtypeEmulation(TorchDispatchMode):
         return tree_map(self._round, out)
 
 
-class Float64(TorchDispatchMode):
+class Float64(WatchMode):
     """Compute every op in fp64: fp32 operands, dtype arguments and results are widened (a spec's own `.float()`,
     an fp32 constant it builds). With a float64 copy of the Model and float64 inputs, autograd sees fp64 only."""
 
@@ -138,7 +138,7 @@ class Float64(TorchDispatchMode):
             return t.double()
         return torch.float64 if t is torch.float32 else t
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
         if func._schema.is_mutable:  # in place into a tensor that exists: its dtype stays
             return func(*args, **(kwargs or {}))
         return tree_map(self._widen, func(*tree_map(self._widen, args), **tree_map(self._widen, kwargs or {})))

@@ -37,8 +37,8 @@ from typing import Any, cast
 import torch
 from torch.autograd.variable import Variable
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from verify.dispatch_mode import WatchMode
 from verify.result import Verdict
 
 __all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES", "PHASES", "TRANSPARENT_NAMESPACES"]
@@ -84,12 +84,12 @@ def forbidden_op(func: Any) -> str | None:
     return None
 
 
-class _OpWatch(TorchDispatchMode):
+class _OpWatch(WatchMode):
     def __init__(self, guard: "CallGuard") -> None:
         super().__init__()
         self.guard = guard
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def dispatch(self, func, types, args=(), kwargs=None):
         g = self.guard
         if g.strict and g.violation is None and g.phase == "backward" and _records_graph(func, args, kwargs):
             g.violation = Violation(
