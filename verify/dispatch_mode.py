@@ -5,7 +5,9 @@ torch wraps every subclass's `__torch_dispatch__` in `torch._disable_dynamo`, so
 handler; that wrapper imports torch._dynamo at its first call, about 1.5 s on 2 cores, which was half of every
 verification child's run. Dynamo can trace a frame only once it is imported (its frame hook is installed by
 `torch.compile` and friends, which import it first), so the same guarantee holds with a lookup per op: while
-torch._dynamo is absent the handler runs as it is, afterwards through `torch._dynamo.disable`.
+torch._dynamo is absent the handler runs as it is, afterwards through `torch._dynamo.disable`. `undynamoed` takes
+the same wrapper off a function the handler calls (a `torch.library.custom_op`'s kernel), which the handler's own
+`disable(recursive=True)` then covers.
 """
 
 from __future__ import annotations
@@ -13,9 +15,19 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["WatchMode"]
+__all__ = ["WatchMode", "undynamoed"]
+
+_DISABLE_DYNAMO_CODE = torch._disable_dynamo(lambda: None).__code__  # the wrapper's code (making one imports nothing)
+
+
+def undynamoed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` without torch's `_disable_dynamo` wrapper (one layer, only that one), for calls inside a WatchMode."""
+    if getattr(fn, "__code__", None) is _DISABLE_DYNAMO_CODE and hasattr(fn, "__wrapped__"):
+        return fn.__wrapped__
+    return fn
 
 
 class WatchMode(TorchDispatchMode):

@@ -38,7 +38,7 @@ import torch
 from torch.autograd.variable import Variable
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from verify.dispatch_mode import WatchMode
+from verify.dispatch_mode import WatchMode, undynamoed
 from verify.result import Verdict
 
 __all__ = ["CallGuard", "Violation", "forbidden_op", "FORBIDDEN_OPS", "FORBIDDEN_PREFIXES", "PHASES", "TRANSPARENT_NAMESPACES"]
@@ -135,7 +135,8 @@ def _python_impl(func: Any, args: Any) -> Any:
         return None
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
     fns = opdef._backend_fns
-    return fns.get(device) or fns.get(None)
+    impl = fns.get(device) or fns.get(None)
+    return None if impl is None else undynamoed(impl)
 
 
 def _has_tensor(args: Any) -> bool:
