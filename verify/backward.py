@@ -23,7 +23,8 @@ import torch
 
 from verify.checks import identity_problem, storage_ptrs
 from verify.context import Ctx
-from verify.grads import GRAD_SLACK, GradTargets, compare_grad, cotangent, grad_scale, model_grads, torch_error
+from verify.grads import (GRAD_SLACK, GradTargets, compare_grad, cotangent, grad_scale, model_grads, rounded,
+                          torch_error)
 from verify.guard import CallGuard
 from verify.load import Spec, SpecError
 from verify.memory import poison_allocator
@@ -98,6 +99,9 @@ class BackwardChecks:
                 lowp = model_grads(self.ref_model, inputs, self.targets, d_out, emulate=dtype, truncate=self._interpreted())
         except Exception as err:
             raise SpecError(f"the spec's Model has no usable backward: {type(err).__name__}: {err}") from err
+        # torch's own gradient of a leaf comes in the leaf's dtype (a bf16 q's dq is bf16, whatever the spec computes in)
+        leaf = [inputs[i].dtype for i in self.targets.positions] + [None] * len(self.targets.params)
+        lowp = [g if g is None or dt is None else rounded(g, dt, self._interpreted()) for g, dt in zip(lowp, leaf)]
         errs = [torch_error(lo, r) for lo, r in zip(lowp, ref)]
         self.torch_err = max([self.torch_err] + [e / grad_scale(r) for e, r in zip(errs, ref) if r is not None])
         return ref, errs

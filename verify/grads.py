@@ -43,6 +43,10 @@ The emulation rounds as the device's kernels do: to nearest on a GPU; toward zer
 TRITON_INTERPRET=1, because Triton 3.6's interpreter converts fp32 -> bf16 by truncation (twice the
 GPU's rounding error: an honest bf16 kernel there is up to ~3.5x as far from fp32 as round-to-nearest
 eager torch, and within 2x of truncating eager torch).
+torch's own gradient of a leaf comes in the leaf's dtype, so e_torch is measured after rounding torch's
+gradients to it: a spec that computes and returns fp32 from bf16 inputs gets bf16 dq, dk, dv from torch
+too, and against fp32's table alone no kernel could pass (the held-out fp32-out cross attention had no
+backward before this).
 Where the reference gradient is NaN (fully masked rows of a spec whose softmax gives NaN) any value
 is accepted; elsewhere the candidate's gradient must be finite.
 """
@@ -65,7 +69,7 @@ from verify.reference import tf32
 from verify.shapes import Layout
 
 __all__ = ["GRAD_SLACK", "GradTargets", "grad_targets", "cotangent", "model_grads", "DtypeEmulation", "Float64",
-           "torch_error", "grad_scale", "compare_grad"]
+           "torch_error", "grad_scale", "compare_grad", "rounded"]
 
 GRAD_SLACK = 3.0
 
@@ -101,6 +105,14 @@ def cotangent(shape: torch.Size, seed: int, device: str) -> torch.Tensor:
     return torch.randn(tuple(shape), generator=gen).to(device)
 
 
+def rounded(t: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch.Tensor:
+    """`t` with the values it would have stored in `dtype`, in its own dtype; truncate: fp32 -> bf16 toward zero (as
+    Triton's interpreter converts)."""
+    if truncate and dtype == torch.bfloat16 and t.dtype == torch.float32:  # the top 16 bits: sign, exponent, 7 mantissa
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).reshape(t.shape)
+    return t.to(dtype).to(t.dtype)
+
+
 class DtypeEmulation(WatchMode):
     """Round every fp32 tensor an op produces to `dtype` (and back), as if torch stored it in `dtype`.
 
@@ -114,9 +126,7 @@ class DtypeEmulation(WatchMode):
     def _round(self, t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             return t
-        if self.truncate:  # keep the top 16 bits: sign, exponent and bf16's 7 mantissa bits
-            return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).reshape(t.shape)
-        return t.to(self.dtype).to(torch.float32)
+        return rounded(t, self.dtype, self.truncate)
 
     def dispatch(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
