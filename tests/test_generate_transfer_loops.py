@@ -13,7 +13,7 @@ from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.ir.expr import parse_expr
-from kb.ir.nodes import For, Mask, OnlineSoftmax, Program, walk_stmts
+from kb.ir.nodes import BlockClass, For, IfBlock, Mask, OnlineSoftmax, Program, walk_stmts
 from kb.ir.validate import validate
 from tests.support.ir_programs import plain
 from tests.support.repo import REPO
@@ -42,4 +42,18 @@ def test_every_kv_loop_is_transferred_once(strategy: Strategy) -> None:
     assert len(loops) == (2 if strategy is Strategy.REUSE else 1)
     for loop in loops:  # each applies the document mask, not only the reference's bounds
         assert any(isinstance(s, Mask) and s.use_mask_mod for s in walk_stmts(loop.body))
+    assert check_program(program, spec) is None
+
+
+def test_reuse_keeps_the_references_block_tests() -> None:
+    """REUSE keeps a block-class reference's tests: dropped, its full KV range ran every tile masked (run 20: the
+    held-out constant prefix-LM's `.cu` 2.7x slower than from BLOCK_MASK)."""
+    spec = load_spec(REPO / "examples" / "specs" / "prefix_lm.py")
+    reference = transfer(plain(), target_for(spec), Strategy.BLOCK_MASK)  # a kernel generated the FlexAttention way
+
+    def tests(p: Program) -> list[tuple[BlockClass, str]]:
+        return [(st.cls, type(st.then[0]).__name__) for st in walk_stmts(p.kernels[0].body) if isinstance(st, IfBlock)]
+
+    program = transfer(reference, target_for(spec), Strategy.REUSE)
+    assert tests(program) == tests(reference) == [(BlockClass.EMPTY, "Load"), (BlockClass.FULL, "Mask")]
     assert check_program(program, spec) is None
