@@ -28,7 +28,6 @@ import contextlib
 import functools
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ import torch
 
 from bench.gpu.tune_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, check_run, bench_shapes, environment, flex_call,
                                       load_candidate, load_file, make_inputs, sdpa_call, spec_mods, sync, time_call,
-                                      write_results)
+                                      warm_in_workers, write_results)
 from bench.gpu.tune_bwd import main as backward_main
 from bench.gpu.tune_bwd import run_plan_backward
 from generate.tune_schema import SCHEMA, impl_ms
@@ -331,22 +330,7 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
         for j in range(len(bench_shapes(spec, e.get("shapes")))):
             tasks.append((e, i, j, None))
             tasks += [(e, i, j, d) for d in e["designs"]]
-    if workers <= 1 or not tasks:
-        return
-    ctx = multiprocessing.get_context("spawn")
-    pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-    futures = [pool.submit(_warm, t) for t in tasks]
-    done = 0
-    try:
-        for fut in cf.as_completed(futures, timeout=budget_s):
-            done += 1
-            if fut.result() != "ok":
-                print(f"warm {done}/{len(tasks)}: {fut.result()}", flush=True)
-    except cf.TimeoutError:  # what is not compiled yet compiles in the timed process, outside the timed calls
-        print(f"warm-up stopped after {budget_s:.0f} s with {done}/{len(tasks)} compiles done", flush=True)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    print(f"warmed {done} of {len(tasks)} compiles with {workers} workers", flush=True)
+    warm_in_workers(_warm, tasks, workers, budget_s, lambda line: print(line, flush=True))
 
 
 # ---- driver -------------------------------------------------------------------------------------

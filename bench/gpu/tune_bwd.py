@@ -34,13 +34,11 @@ Results (schema `kernel-kb/tune-backward/v1`) are written after every entry. Nee
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import contextlib
 import copy
 import json
 import logging
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -545,20 +543,7 @@ def _warm_all(entries: list[dict], workers: int, budget_s: float) -> None:
             spec = common.load_file(e["spec"], f"kb_bwd_count_spec_{i}")
             designs = [None, *(e["designs"] if e.get("backward") else [])]
             tasks += [(e, i, j, d) for j in range(len(common.bench_shapes(spec, e.get("shapes")))) for d in designs]
-    if workers <= 1 or not tasks:
-        return
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
-    done = 0
-    try:
-        for fut in cf.as_completed([pool.submit(_warm, t) for t in tasks], timeout=budget_s):
-            done += 1
-            if fut.result() != "ok":
-                log.warning("warm %d/%d: %s", done, len(tasks), fut.result())
-    except cf.TimeoutError:  # what is not compiled yet compiles in the timed process, before its timed calls
-        log.warning("warm-up stopped after %.0f s with %d/%d compiles done", budget_s, done, len(tasks))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    log.info("warmed %d of %d entries with %d workers", done, len(tasks), workers)
+    common.warm_in_workers(_warm, tasks, workers, budget_s, log.warning)
 
 
 # ---- summary and driver ------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ its arguments to bench.gpu.tune_bwd's `main`). Needs torch and triton, not the K
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import datetime as dt
 import functools
 import importlib.util
 import inspect
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -27,7 +29,7 @@ import torch
 from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import arch_of_capability
 
-__all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
+__all__ = ["PLAN_SCHEMA", "warm_in_workers", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
            "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results"]
 
 BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
@@ -236,3 +238,28 @@ def write_results(path: Path, doc: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def warm_in_workers(work: Callable[[Any], str], tasks: list, workers: int, budget_s: float,
+                    say: Callable[[str], None]) -> None:
+    """`work(task)` for every task in spawned processes (each compiles its kernels once), for at most `budget_s`;
+    what is not compiled by then compiles in the timed process, before its timed calls. A task's answer other than
+    "ok" is said. The warm-ups already running finish first: the timed calls must have the GPU alone (run 20: a
+    learnable table's warm-up, still running, made the first entry's training step 2.2x slower)."""
+    if workers <= 1 or not tasks:
+        return
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn"))
+    done = 0
+    try:
+        for fut in cf.as_completed([pool.submit(work, t) for t in tasks], timeout=budget_s):
+            done += 1
+            if fut.result() != "ok":
+                say(f"warm {done}/{len(tasks)}: {fut.result()}")
+    except cf.TimeoutError:
+        say(f"warm-up stopped after {budget_s:.0f} s with {done}/{len(tasks)} compiles done")
+    finally:
+        t0 = time.perf_counter()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if time.perf_counter() - t0 > 1.0:
+            say(f"waited {time.perf_counter() - t0:.0f} s for the warm-ups already running")
+    say(f"warmed {done} of {len(tasks)} compiles with {workers} workers")
