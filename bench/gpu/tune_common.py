@@ -29,8 +29,9 @@ import torch
 from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import arch_of_capability
 
-__all__ = ["PLAN_SCHEMA", "warm_in_workers", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
-           "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results"]
+__all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
+           "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results",
+           "warm_in_workers"]
 
 BF16_TOL = 2e-2  # max |o - ref| allowed for bf16 outputs of unit-variance attention
 _SEED = 1234
