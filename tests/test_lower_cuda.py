@@ -103,6 +103,28 @@ def test_nvcc_compiles(compiled: dict, name: str) -> None:
     assert "warning" not in result.log.lower(), result.log  # generated code compiles cleanly
 
 
+def test_every_launch_first_checks_the_devices_shared_memory() -> None:
+    """A design whose tiles need more shared memory than the GPU allows gets a named error, not "invalid argument"
+    from the launch (run 20: the portable `.cu` of D=64 / D_v=128 at 128x128 needed ~333 KB on an H100)."""
+    for name, make in FIXTURES.items():
+        src = lower_program(make())
+        launches = src.count("<<<(unsigned)kb_grid")
+        assert launches and src.count("if (kb_smem > kb_smem_per_block()) return KB_ERR_SMEM;") == launches, name
+        assert "if (code == KB_ERR_SMEM) return" in src
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiles_too_large_for_shared_memory_are_a_named_error(tmp_path: Path) -> None:
+    from kb.lower.cuda_runtime import CudaKernel
+
+    p = causal()
+    p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=256, block_n=256))
+    kernel = CudaKernel.from_program(p, tmp_path)
+    qkv = {n: torch.randn(1, 1, 300, 256, device="cuda") for n in "qkv"}
+    with pytest.raises(KBError, match="more shared memory per block than this GPU allows"):
+        kernel.run(qkv)
+
+
 def test_object_holds_every_head_pad_instantiation(compiled: dict) -> None:
     result = compiled["plain"]
     symbols = subprocess.run(["nm", "-C", str(result.artefact)], capture_output=True, text=True)

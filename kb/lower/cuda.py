@@ -72,6 +72,7 @@ HEAD_PADS = (16, 32, 64, 128, 256)
 LAUNCH_SYMBOL = "kb_launch"
 ERROR_SYMBOL = "kb_error_string"
 KB_ERR_HEAD_DIM = -1
+KB_ERR_SMEM = -2  # a kernel's shared memory at this head dim exceeds the device's per-block opt-in limit
 _LOG2E = "1.4426950408889634f"
 CTYPE = {Dtype.F32: "float", Dtype.BF16: "__nv_bfloat16", Dtype.F16: "__half", Dtype.I32: "int",
           Dtype.I64: "long long", Dtype.BOOL: "bool"}
@@ -908,7 +909,15 @@ def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[
     (returning an error code), `errors` names those codes."""
     names = visible_names(abi.dims, scalars, cxx_name)
     hctx = ExprContext(ExprTarget.HOST, names)
-    L = [abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
+    L = [f"constexpr int KB_ERR_SMEM = {KB_ERR_SMEM};",
+         "static int kb_smem_per_block() {  // the dynamic shared memory one block may opt in to on this device",
+         "  int kb_dev = 0, kb_bytes = 0;",
+         "  if (cudaGetDevice(&kb_dev) != cudaSuccess ||",
+         "      cudaDeviceGetAttribute(&kb_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, kb_dev) != cudaSuccess)",
+         "    return 1 << 30;  // unknown: the launch itself reports",
+         "  return kb_bytes;",
+         "}", "",
+         abi.template, "static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {",
          *arg_locals(abi, scalars), "  cudaError_t kb_err = cudaSuccess;"]
     if abi.table:
         L += ["  {  // block classes first: the kernels read them",
@@ -922,6 +931,7 @@ def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[
         L += [f"  {{  // kernel {k.name}",
               f"    const long long kb_grid = {grid};",
               f"    constexpr int kb_smem = kb_{k.name}_smem{abi.targs}::bytes;",
+              "    if (kb_smem > kb_smem_per_block()) return KB_ERR_SMEM;",
               f"    if ((kb_err = cudaFuncSetAttribute({sym}, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess) return (int)kb_err;",
               f"    if (kb_grid > 0) {sym}<<<(unsigned)kb_grid, KB_THREADS, kb_smem, kb_stream>>>(kb_a);",
               "    if ((kb_err = cudaGetLastError()) != cudaSuccess) return (int)kb_err;",
@@ -958,6 +968,8 @@ def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[
     L += ["}", "",
           f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
           f'  if (code == {_err_name()}) return "no kernel was compiled for this head dim (the largest HEAD_PAD is {HEAD_PADS[-1]})";',
+          '  if (code == KB_ERR_SMEM) return "the tiles of this design need more shared memory per block than this GPU '
+          'allows at this head dim (BLOCK_M x BLOCK_N tiles, fp32 score buffers): choose a design with smaller tiles";',
           *(f'  if (code == {c}) return "{msg}";' for c, msg in (errors or {}).items()),
           "  return cudaGetErrorString(static_cast<cudaError_t>(code));",
           "}"]

@@ -339,6 +339,15 @@ __global__ void __launch_bounds__(128) kb_fwd_kernel(const KbArgs kb_a) {
   __syncthreads();
 }
 
+constexpr int KB_ERR_SMEM = -2;
+static int kb_smem_per_block() {  // the dynamic shared memory one block may opt in to on this device
+  int kb_dev = 0, kb_bytes = 0;
+  if (cudaGetDevice(&kb_dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&kb_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, kb_dev) != cudaSuccess)
+    return 1 << 30;  // unknown: the launch itself reports
+  return kb_bytes;
+}
+
 template <int HEAD_PAD>
 static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {
   [[maybe_unused]] const long long B = kb_a.B;
@@ -352,6 +361,7 @@ static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {
   {  // kernel fwd
     const long long kb_grid = (B) * (Hq) * (kb_cdiv(M, BLOCK_M));
     constexpr int kb_smem = kb_fwd_smem<HEAD_PAD>::bytes;
+    if (kb_smem > kb_smem_per_block()) return KB_ERR_SMEM;
     if ((kb_err = cudaFuncSetAttribute(kb_fwd_kernel<HEAD_PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess) return (int)kb_err;
     if (kb_grid > 0) kb_fwd_kernel<HEAD_PAD><<<(unsigned)kb_grid, KB_THREADS, kb_smem, kb_stream>>>(kb_a);
     if ((kb_err = cudaGetLastError()) != cudaSuccess) return (int)kb_err;
@@ -411,5 +421,6 @@ extern "C" int kb_launch(void* const* ptrs, const long long* strides, const long
 
 extern "C" const char* kb_error_string(int code) {
   if (code == KB_ERR_HEAD_DIM) return "no kernel was compiled for this head dim (the largest HEAD_PAD is 256)";
+  if (code == KB_ERR_SMEM) return "the tiles of this design need more shared memory per block than this GPU allows at this head dim (BLOCK_M x BLOCK_N tiles, fp32 score buffers): choose a design with smaller tiles";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
