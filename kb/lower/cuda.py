@@ -931,8 +931,8 @@ def host_entry(p: Program, abi: LaunchAbi, kernels: list[Kernel], scalars: list[
         L += [f"  {{  // kernel {k.name}",
               f"    const long long kb_grid = {grid};",
               f"    constexpr int kb_smem = kb_{k.name}_smem{abi.targs}::bytes;",
-              "    if (kb_smem > kb_smem_per_block()) return KB_ERR_SMEM;",
-              f"    if ((kb_err = cudaFuncSetAttribute({sym}, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess) return (int)kb_err;",
+              f"    if ((kb_err = cudaFuncSetAttribute({sym}, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess)",
+              "      return kb_smem > kb_smem_per_block() ? KB_ERR_SMEM : (int)kb_err;  // the device query only on failure",
               f"    if (kb_grid > 0) {sym}<<<(unsigned)kb_grid, KB_THREADS, kb_smem, kb_stream>>>(kb_a);",
               "    if ((kb_err = cudaGetLastError()) != cudaSuccess) return (int)kb_err;",
               "  }"]

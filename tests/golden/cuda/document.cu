@@ -411,8 +411,8 @@ static int kb_run(const KbArgs& kb_a, cudaStream_t kb_stream) {
   {  // kernel fwd
     const long long kb_grid = (B) * (Hq) * (kb_cdiv(M, BLOCK_M));
     constexpr int kb_smem = kb_fwd_smem<HEAD_PAD>::bytes;
-    if (kb_smem > kb_smem_per_block()) return KB_ERR_SMEM;
-    if ((kb_err = cudaFuncSetAttribute(kb_fwd_kernel<HEAD_PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess) return (int)kb_err;
+    if ((kb_err = cudaFuncSetAttribute(kb_fwd_kernel<HEAD_PAD>, cudaFuncAttributeMaxDynamicSharedMemorySize, kb_smem)) != cudaSuccess)
+      return kb_smem > kb_smem_per_block() ? KB_ERR_SMEM : (int)kb_err;  // the device query only on failure
     if (kb_grid > 0) kb_fwd_kernel<HEAD_PAD><<<(unsigned)kb_grid, KB_THREADS, kb_smem, kb_stream>>>(kb_a);
     if ((kb_err = cudaGetLastError()) != cudaSuccess) return (int)kb_err;
   }
