@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from generate.attempts import AttemptOutcome, Failure
 from generate.candidate import CandidateFiles, write_candidate
@@ -52,6 +53,8 @@ class BackwardBuilt:
     files: CandidateFiles
     verdict: Verdict  # passed, or not_run (--no-verify)
     detail: str
+    cuda_src: str | None = None  # the `.cu` of the module's CUDA dispatch, with the Hopper backward where it applies
+    cuda_runs: str = ""  # which backward runs on the GPU and why (the report's cuda.backward_runs)
 
 
 def learnable_aux(spec: Spec) -> tuple[str, ...]:
@@ -61,7 +64,9 @@ def learnable_aux(spec: Spec) -> tuple[str, ...]:
 
 def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: bool, references: int,
                    verify_fn, designs, stage: Path, stem: str, first_n: int,
-                   deterministic: bool = False, cuda: CudaDispatch | None = None) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
+                   deterministic: bool = False,
+                   cuda: Callable[[Program], tuple[CudaDispatch | None, str]] | None = None,
+                   ) -> tuple[BackwardBuilt | None, list[AttemptOutcome]]:
     """Try the ranked backward references in order; (the first that passes, every attempt).
 
     `designs`: (the forward's design table, the backward's). Retrieval's order is refined by two structural
@@ -74,8 +79,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     retrieval's top `_POOL`; two more references than the forward's are tried: an IR check costs seconds.
     `designs`: the forward's design table and a function giving the backward's for a dq structure (each structure's
     designs ranked by its own sweeps). `deterministic`: only backwards whose gradients are bitwise reproducible (no
-    atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the forward's CUDA dispatch,
-    kept in the combined module."""
+    atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the CUDA dispatch of the combined
+    module for a backward program (the forward's, with the Hopper backward where it applies) and why."""
     from generate.transfer_bwd import backward_target, transfer_backward
 
     features = replace(spec.features, backward=True)
@@ -165,12 +170,14 @@ def per_kv_head(p: Program) -> bool:
 
 
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,
-             stage: Path, stem: str, cuda: CudaDispatch | None) -> BackwardBuilt | Failure:
+             stage: Path, stem: str, cuda: Callable[[Program], tuple[CudaDispatch | None, str]] | None,
+             ) -> BackwardBuilt | Failure:
     from kb.lower.triton_bwd import lower_autograd
 
     try:
+        dispatch, runs = cuda(program) if cuda is not None else (None, "")
         src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1](backward_structure(program)),
-                             cuda=cuda)
+                             cuda=dispatch)
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem)
     except OutputError:
@@ -180,4 +187,4 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
     verdict, detail = verify_fn(files.candidate)
     if verdict not in (Verdict.passed, Verdict.not_run):
         return Failure(Stage.VERIFY, verdict, detail)
-    return BackwardBuilt(program, ref_id, src, files, verdict, detail)
+    return BackwardBuilt(program, ref_id, src, files, verdict, detail, dispatch.source if dispatch else None, runs)

@@ -17,16 +17,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from generate.designs import perf_similarity
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import head_bucket
 from kb.ir.nodes import Program
+from kb.ir.text import content_hash
+from kb.lower.cuda_dispatch import CudaDispatch
 from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
 
-__all__ = ["CUDA_LOWERINGS", "CudaChoice", "CudaPair", "CudaPlan", "choose_cuda", "cuda_pairs", "forward_dispatch", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS"]
+__all__ = ["CUDA_LOWERINGS", "CudaChoice", "CudaPair", "CudaPlan", "choose_cuda", "cuda_pairs", "forward_dispatch",
+           "with_backward", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS"]
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +193,27 @@ def forward_dispatch(pairs: list[CudaPair], target: Features, bucket: int, kerne
     basis = "this kernel" if own else f"{len(used)} kernel measurement(s), weighted by similarity; nearest: {best.describe()}"
     verdict = "the `.cu` runs" if mean > 1.0 else "the Triton module runs"
     return mean > 1.0, f"{verdict}: measured {mean:.2f}x the Triton module ({basis})" + (f": {best.describe()}" if own else "")
+
+
+def with_backward(dispatch: CudaDispatch | None, forward: Program, bwd: Program, target: str, head_dim: int,
+                  pairs: list[CudaPair], features: Features) -> tuple[CudaDispatch | None, str]:
+    """The forward's dispatch with the Hopper backward (kb.lower.cuda_sm90_bwd) in its `.cu` where `bwd` qualifies
+    (`backward_refusal`), listed where measured records say that it runs faster than backward()'s Triton kernels
+    (`forward_dispatch` over the backward programs' pairs); and the report's sentence saying which runs and why."""
+    from kb.lower.cuda_sm90_ir import backward_refusal, lower_program_sm90
+
+    if dispatch is None or dispatch.arch != "sm_90a":
+        return dispatch, "backward()'s Triton kernels run: the `.cu` is not the Hopper template"
+    why_not = backward_refusal(forward, bwd)
+    if why_not:
+        return dispatch, f"backward()'s Triton kernels run: the Hopper backward does not apply ({why_not})"
+    source = lower_program_sm90(forward, head_dim, backward=True)
+    bucket = head_bucket(head_dim)
+    faster, why = forward_dispatch([p for p in pairs if p.features.backward], features, bucket,
+                                   "k-" + content_hash(bwd)[:16])
+    listed = {target: {bucket: why}} if faster else {}
+    runs = f"{why} (the `.cu`'s Hopper backward against backward()'s Triton kernels, on {target}, head dim {bucket})"
+    return replace(dispatch, source=source, has_backward=True, backward=listed), runs
 
 
 def cuda_plan(target: str, head_dim: int, tunables: list) -> CudaPlan:

@@ -24,7 +24,9 @@ from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, che
 from generate.backward import BackwardBuilt, build_backward, learnable_aux, nondeterminism
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
-from generate.cuda_design import CUDA_LOWERINGS, CudaChoice, CudaPair, CudaPlan, choose_cuda, cuda_pairs, cuda_plan, forward_dispatch
+from generate.cuda_design import (
+    CUDA_LOWERINGS, CudaChoice, CudaPair, CudaPlan, choose_cuda, cuda_pairs, cuda_plan, forward_dispatch, with_backward,
+)
 from generate.designs import design_table
 from generate.engines import llm_candidates, rule_candidates
 from generate.outputs import OutputError, output_stem, publish, staging_dir, write_error
@@ -175,6 +177,9 @@ def generate(kb: KnowledgeBase, spec_path: Path, options: GenerateOptions = Gene
                 outcomes, built, ref = _attempts(kb, spec, options, stage)
                 if built is not None and options.backward and spec.layout is None:  # a BudgetSpent in there is the backward's reason
                     bwd = _backward(kb, spec, built, options, stage, len(outcomes) + 1)
+                    if not isinstance(bwd, _NoBackward) and bwd[0].cuda_runs:
+                        built = replace(built, cuda_src=bwd[0].cuda_src or built.cuda_src,
+                                        cuda_report={**built.cuda_report, "backward_runs": bwd[0].cuda_runs})
             if built is not None:  # after the backward, whose verification shares the spec's budget
                 built = _compile_cuda(spec, built, options)
         except KBError as err:  # e.g. no reference in the KB, LLM not configured: the run is recorded as failed
@@ -228,7 +233,8 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
             (Verdict.not_run, "kernel verification skipped (--no-verify)"),
             designs=(options.designs, lambda structure: _designs(kb, spec, options, backward=True, structure=structure)),
             stage=stage, stem=_name(spec),
-            first_n=first_n, deterministic=options.deterministic, cuda=built.dispatch)
+            first_n=first_n, deterministic=options.deterministic,
+            cuda=lambda program: _with_backward(spec, built, program, options))
     except OutputError:
         raise  # the run fails here: no attempt can write its files
     except KBError as err:
@@ -238,6 +244,17 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
         return _NoBackward(f"no backward passed: {last.stage.value} {last.verdict.value}: {last.feedback[:300]}" if last
                            else "no backward reference could be tried", outcomes)
     return found, outcomes
+
+
+def _with_backward(spec: Spec, built: _Built, bwd: Program, options: GenerateOptions) -> tuple[CudaDispatch | None, str]:
+    """The forward's CUDA dispatch for the module that also holds backward program `bwd`: with the Hopper backward in the
+    `.cu` where it applies (never with --deterministic: its dq is summed with atomics), and the report's sentence."""
+    if options.deterministic:
+        return built.dispatch, "backward()'s Triton kernels run: --deterministic (the Hopper backward sums dq with atomics)"
+    target = options.cuda.target if options.cuda else resolve_target(options.target, "sm90")
+    pairs = (options.cuda_pairs or {}).get("sm90_wgmma", [])
+    return with_backward(built.dispatch, built.program, bwd, target, spec.shapes.D, pairs,
+                         derive_features(bwd, shapes=_shape_dict(spec)))
 
 
 def _attempts(kb: KnowledgeBase, spec: Spec, options: GenerateOptions,
@@ -525,13 +542,12 @@ def _dispatch(spec: Spec, program: Program, cuda: CudaChoice | None, plan: CudaP
     if cuda is None:
         return None, "the Triton module (no CUDA lowering)"
     bucket = head_bucket(spec.shapes.D)
-    pairs = (options.cuda_pairs or {}).get(cuda.lowering, [])
+    pairs = [p for p in (options.cuda_pairs or {}).get(cuda.lowering, []) if not p.features.backward]
     features = derive_features(program, shapes=_shape_dict(spec))
     faster, why = forward_dispatch(pairs, features, bucket, "k-" + content_hash(program)[:16])
     runs = f"{why} (on {plan.target}, head dim {bucket})"
-    if not faster:
-        return None, runs
-    return CudaDispatch(f"{_name(spec)}.cu", cuda.source, cuda.arch, {plan.target: {bucket: why}}), runs
+    # a dispatch listing nothing still carries the `.cu`, which the backward may extend (generate.cuda_design.with_backward)
+    return CudaDispatch(f"{_name(spec)}.cu", cuda.source, cuda.arch, {plan.target: {bucket: why}} if faster else {}), runs
 
 
 def _shape_dict(spec: Spec) -> dict[str, int]:

@@ -383,10 +383,43 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     if entry.get("backward"):  # a design sweep: what ranks designs is their times against each other
         records += _design_records(em, entry["designs"], ref, flops, trials, deadline) if records[0]["status"] == "ok" else []
     else:
+        records += _cuda_backward_records(em, ref, flops, trials, device)
         records += _baseline_records(spec, inputs, model, names, ref, flops, trials, device, res)
     res["records"] = records
     _ratios(res)
     return res
+
+
+def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: int, device: str,
+                           check: bool = True) -> list[dict]:
+    """`emitted-cuda-bwd`: the same training step with the module's `.cu` Hopper backward listed for this GPU and every
+    head-dim bucket (an ablation: the module as generated lists it only where measured faster); none where the `.cu`
+    holds no backward, `declined` where its dispatch ran backward()'s Triton kernels instead."""
+    module = em.module
+    if device != "cuda" or not hasattr(module, "_cuda_backward") or "kb_launch_bwd" not in _cu_text(module):
+        return []
+    saved, real = module.CUDA_BACKWARD, module._cuda_backward
+    ran: list[bool] = []
+
+    def watched(*args):
+        grads = real(*args)
+        ran.append(grads is not None)
+        return grads
+
+    module.CUDA_BACKWARD = {_arch(): {b: "forced (ablation)" for b in (16, 32, 64, 128, 256)}}
+    module._cuda_backward = watched
+    try:
+        rec = bwd_record("emitted-cuda-bwd", em.impl, ref, flops, trials, check)
+    finally:
+        module.CUDA_BACKWARD, module._cuda_backward = saved, real
+    if rec["status"] == "ok" and not (ran and all(ran)):
+        rec = {"impl": rec["impl"], "status": "declined", "error": "the `.cu` backward did not run (declined these inputs, or another copy of the operator ran)"}
+    return [{**rec, "lowering": "sm90_wgmma"}]
+
+
+def _cu_text(module: ModuleType) -> str:
+    path = Path(module.__file__).with_name(getattr(module, "CUDA_SOURCE", ""))
+    return path.read_text() if path.is_file() else ""
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kb.errors import KBError
 from kb.ir.nodes import Program, Role
 from kb.lower.cuda import launch_abi, source_schedule
+from kb.lower.cuda_sm90_bwd import BWD_BLOCK_Q
 from kb.lower.preambles import preamble_text
 
 __all__ = ["CudaDispatch", "dispatch_section"]
@@ -26,9 +27,11 @@ class CudaDispatch:
     source: str = field(repr=False)  # its text (the tiles and launch order are read from it)
     arch: str  # nvcc's target, e.g. sm_90a
     forward: dict[str, dict[int, str]] = field(default_factory=dict)  # {sm90: {128: why}}: where the `.cu` runs
+    backward: dict[str, dict[int, str]] = field(default_factory=dict)  # where its Hopper backward runs
+    has_backward: bool = False  # the `.cu` holds the Hopper backward (`kb_launch_bwd`), listed in `backward` or not
 
     def __bool__(self) -> bool:
-        return any(self.forward.values())
+        return any(self.forward.values()) or self.has_backward
 
 
 def _abi(p: Program, source: str) -> dict:
@@ -48,11 +51,15 @@ def dispatch_section(p: Program, source: str, d: CudaDispatch) -> list[str]:
     """The lines that let forward module `p` run the `.cu` (`source`) where `d` lists it; none when `d` lists nothing."""
     if not d:
         return []
-    forward = {arch: dict(sorted(buckets.items())) for arch, buckets in sorted(d.forward.items()) if buckets}
-    return ["", "", "# ---- CUDA forward: the `.cu` beside this module, run where kernel-kb measured it faster ----",
+    forward, backward = ({arch: dict(sorted(buckets.items())) for arch, buckets in sorted(table.items()) if buckets}
+                         for table in (d.forward, d.backward))
+    return ["", "", "# ---- CUDA: the `.cu` beside this module, run where kernel-kb measured it faster ----",
             f"CUDA_SOURCE = {d.source_name!r}  # beside this file",
             f"CUDA_ARCH = {d.arch!r}  # what nvcc builds it for",
             "# {GPU arch: {head-dim bucket: the measurement that chose the .cu}}; elsewhere the Triton kernels run",
             f"CUDA_FORWARD = {forward!r}",
+            "# the same for the `.cu`'s Hopper backward (kb.lower.cuda_sm90_bwd); elsewhere backward()'s Triton kernels run",
+            f"CUDA_BACKWARD = {backward!r}",
+            f"CUDA_BWD_BLOCK_Q = {BWD_BLOCK_Q}  # the backward's query tile: its scratch rows are padded to it",
             f"_CUDA_ABI = {_abi(p, source)!r}  # kb_launch's argument order (kb.lower.cuda)",
             preamble_text("nvcc_preamble.py").rstrip(), "", "", preamble_text("cuda_dispatch_preamble.py").rstrip()]

@@ -160,6 +160,8 @@ def _wgmma_ss(n: int, ab: str) -> str:
     outs = ", ".join(f"%{i}" for i in range(regs))
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     return f"""\
+#ifndef KB_WGMMA_SS_N{n}
+#define KB_WGMMA_SS_N{n}
 // S-type GEMM: both operands K-major (row-major tiles with the 16-element k slice contiguous),
 // 128B-swizzled; imm-scale-a/b = 1, tnsp-a = tnsp-b = 0; scale_d = 0 overwrites d.
 __device__ __forceinline__ void kb_wgmma_ss_n{n}(float (&d)[{regs}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{
@@ -170,6 +172,7 @@ __device__ __forceinline__ void kb_wgmma_ss_n{n}(float (&d)[{regs}], uint64_t de
     : {cons}
     : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }}
+#endif
 """
 
 
@@ -180,6 +183,8 @@ def _wgmma_rs(n: int, ab: str) -> str:
     cons = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
     a = ", ".join(f"%{regs + i}" for i in range(4))
     return f"""\
+#ifndef KB_WGMMA_RS_N{n}
+#define KB_WGMMA_RS_N{n}
 // PV-type GEMM: A = four 32-bit registers per thread holding 16-bit pairs in the m64k16 A-fragment
 // layout; B = V tile whose N (head-dim) axis is contiguous, hence tnsp-b = 1.
 __device__ __forceinline__ void kb_wgmma_rs_n{n}(float (&d)[{regs}], const uint32_t* a, uint64_t desc_b) {{
@@ -190,6 +195,7 @@ __device__ __forceinline__ void kb_wgmma_rs_n{n}(float (&d)[{regs}], const uint3
     : {cons}
     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
 }}
+#endif
 """
 
 

@@ -30,7 +30,7 @@ from kb.ir.evaluate import Value, eval_expr
 from kb.ir.expr import Expr, ExprOp, free_vars, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, Full, IfBlock, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param,
-    Program, Role, ScoreMod, Span, Stmt,
+    Program, Role, ScoreMod, Span, Stmt, aux_gradients,
 )
 from kb.lower.cuda import (
     ERROR_SYMBOL, EXPR_HELPERS, LAUNCH_SYMBOL, CudaKernelGen, LaunchAbi, arg_locals, args_struct, cxx_name, fill_args,
@@ -41,9 +41,10 @@ from kb.lower.expr_context import ExprContext, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.cuda_range import KB_DIM_LIMIT, KB_ERR_RANGE, Ival, fits32, hoistable, ival, narrow_ints
 from kb.ir.text import print_block
 from kb.lower.cuda_sm90 import sm90_forward_source
+from kb.lower.cuda_sm90_bwd import BWD_LAUNCH_SYMBOL, sm90_backward_source
 from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
 
-__all__ = ["lower_program_sm90", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
+__all__ = ["lower_program_sm90", "backward_refusal", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
 
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
@@ -366,9 +367,32 @@ def _flat(stmts: tuple[Stmt, ...]) -> list[Stmt]:
     return out
 
 
-def lower_program_sm90(p: Program, head_dim: int) -> str:
+def backward_refusal(fwd: Program, bwd: Program) -> str | None:
+    """Why the Hopper backward (kb.lower.cuda_sm90_bwd) cannot stand in for backward program `bwd` of `fwd`; None when
+    it can. It computes dS -> d(q.k) as `dS * sm_scale` and no aux gradient, so every score statement must be
+    `s * sm_scale`, a score_mod whose derivative in the score is 1 (added terms: ALiBi, a fixed bias) or a mask."""
+    from kb.ir.derive import score_grad
+
+    if aux_gradients(bwd):
+        return f"it has aux gradients ({', '.join(aux_gradients(bwd).values())}), which the Hopper backward does not compute"
+    try:
+        scores = _flat(_Shape(fwd).scores)
+    except KBError as err:
+        return str(err)
+    for st in scores:
+        if isinstance(st, Elementwise) and not _is_scale(st.value, st.out):
+            return f"the score statement `elementwise {st.out}` is not `s * sm_scale`"
+        if isinstance(st, ScoreMod) and fwd.score_mod is not None:
+            grad = score_grad(fwd.score_mod.body)
+            if grad.op is not ExprOp.CONST or grad.value != 1:
+                return "its score_mod's derivative in the score is not 1"
+    return None
+
+
+def lower_program_sm90(p: Program, head_dim: int, backward: bool = False) -> str:
     """The Hopper (sm_90a) source for `p` at head dim `head_dim` (64 or 128; the kernel refuses another D at
-    launch); KBError when `p` is outside the structure above."""
+    launch); KBError when `p` is outside the structure above. `backward`: the file also holds the Hopper backward
+    (kb.lower.cuda_sm90_bwd) and its `kb_launch_bwd`; ask `backward_refusal(p, bwd)` first."""
     if head_dim not in SM90_HEAD_DIMS:
         raise KBError(f"Hopper lowering of {p.name}: head dim {head_dim} (the template has {SM90_HEAD_DIMS})")
     q = p.param("q")
@@ -393,16 +417,19 @@ def lower_program_sm90(p: Program, head_dim: int) -> str:
     hooks = "\n".join([EXPR_HELPERS, *consts, *args_struct(abi), *(table_helpers(p, abi, 128) if abi.table else []),
                        _hooks(p, shape, abi, scalars)])
     src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
+    if backward:
+        src += sm90_backward_source(head_dim_pad=head_dim, dtype=dtype)
     out = [f"// Hopper (sm_90a) kernel for IR program `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
            "the IR (kb.lower.cuda_sm90_ir), do not edit. Build with -gencode=arch=compute_90a,code=sm_90a.",
-           src, *_host(abi)]
+           src, *_host(abi, backward)]
     return "\n".join(out).rstrip() + "\n"
 
 
-def _host(abi: LaunchAbi) -> list[str]:
-    """`kb_launch` with the portable ABI: fill KbArgs, block classes first when there is a table, then the kernel."""
-    L = [f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
-         "const double* scalars, void* stream) {", "  KbArgs kb_a;", *fill_args(abi),
+def _host(abi: LaunchAbi, backward: bool) -> list[str]:
+    """`kb_launch` with the portable ABI (fill KbArgs, block classes first when there is a table, then the kernel) and,
+    with `backward`, `kb_launch_bwd`: the same arguments, then the backward's (kb.lower.cuda_sm90_bwd.BWD_ABI)."""
+    L = ["static int kb_prepare(KbArgs& kb_a, void* const* ptrs, const long long* strides, const long long* dims, "
+         "const double* scalars, void* stream) {", *fill_args(abi),
          "  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);"]
     if abi.table:
         L += ["  const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
@@ -410,10 +437,34 @@ def _host(abi: LaunchAbi) -> list[str]:
               "const_cast<signed char*>(kb_a.bc));",
               "  cudaError_t kb_err = cudaGetLastError();",
               "  if (kb_err != cudaSuccess) return (int)kb_err;"]
+    else:
+        L += ["  (void)kb_stream;"]
     too_big = " || ".join(f"kb_a.{cxx_name(d)} > {KB_DIM_LIMIT}LL" for d in abi.dims) or "false"
     L += [f"  if ({too_big}) return {KB_ERR_RANGE};  // the hooks' 32-bit index math needs dims <= {KB_DIM_LIMIT}",
-          "  return kb_sm90_launch(&kb_a, stream);", "}", "",
-          f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
+          "  return 0;", "}", "",
+          f'extern "C" int {LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
+          "const double* scalars, void* stream) {", "  KbArgs kb_a;",
+          "  const int kb_rc = kb_prepare(kb_a, ptrs, strides, dims, scalars, stream);",
+          "  return kb_rc != 0 ? kb_rc : kb_sm90_launch(&kb_a, stream);", "}", ""]
+    if backward:
+        L += [f'extern "C" int {BWD_LAUNCH_SYMBOL}(void* const* ptrs, const long long* strides, const long long* dims, '
+              "const double* scalars, void* const* gptrs, const long long* gstrides, int o_f32, void* stream) {",
+              "  KbArgs kb_a;",
+              "  const int kb_rc = kb_prepare(kb_a, ptrs, strides, dims, scalars, stream);",
+              "  if (kb_rc != 0) return kb_rc;",
+              "  KbBwdArgs g;",
+              "  g.o = gptrs[0]; g.o_f32 = o_f32;",
+              "  g.dout = static_cast<const kb_elem*>(gptrs[1]);",
+              "  g.dq = static_cast<kb_elem*>(gptrs[2]); g.dk = static_cast<kb_elem*>(gptrs[3]);",
+              "  g.dv = static_cast<kb_elem*>(gptrs[4]);",
+              "  g.dq_acc = static_cast<float*>(gptrs[5]); g.delta = static_cast<float*>(gptrs[6]);",
+              "  g.lse2 = static_cast<float*>(gptrs[7]);",
+              "  for (int i = 0; i < 4; ++i) {",
+              "    g.o_stride[i] = gstrides[i]; g.do_stride[i] = gstrides[4 + i]; g.dq_stride[i] = gstrides[8 + i];",
+              "    g.dk_stride[i] = gstrides[12 + i]; g.dv_stride[i] = gstrides[16 + i];",
+              "  }",
+              "  return kb_sm90_bwd_launch(&kb_a, &g, stream);", "}", ""]
+    L += [f'extern "C" const char* {ERROR_SYMBOL}(int code) {{',
           f'  if (code == {KB_ERR_RANGE}) return "the Hopper kernel needs every dim <= {KB_DIM_LIMIT}";',
           "  return kb_sm90_error_string(code);", "}"]
     return L

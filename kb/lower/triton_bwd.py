@@ -136,4 +136,4 @@ def lower_autograd(fwd: Program, bwd: Program, options: LowerOptions | None = No
     host `backward`, and the operator section whose autograd runs them (kb.lower.triton_op)."""
     check_pair(fwd, bwd)
     text = forward_module(fwd, options, fwd_designs, cuda).rstrip() + "\n" + backward_part(bwd, options, bwd_designs)
-    return text + op_section(fwd, text, bwd, cuda=bool(cuda))
+    return text + op_section(fwd, text, bwd, cuda=bool(cuda), cuda_backward=bool(cuda and cuda.has_backward))

@@ -187,6 +187,10 @@ _RAISE = Template('''\
 
 _CALL_BACKWARD = Template('''\
     return backward(q, k, v, o, dout, lse, sm_scale=sm_scale${kwargs})''')
+# the `.cu`'s Hopper backward first, where CUDA_BACKWARD lists the GPU and head dim (kb.lower.cuda_dispatch)
+_CALL_BACKWARD_CUDA = Template('''\
+    grads = _cuda_backward(q, k, v, o, dout, lse, sm_scale, {${named}})
+    return grads if grads is not None else backward(q, k, v, o, dout, lse, sm_scale=sm_scale${kwargs})''')
 
 
 def _dim_sources(params: list[Param]) -> dict[str, str]:
@@ -218,9 +222,10 @@ def _kwargs(names: list[str]) -> str:
 
 
 def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_backward: str = NO_BACKWARD_DEFAULT,
-               *, cuda: bool = False) -> str:
+               *, cuda: bool = False, cuda_backward: bool = False) -> str:
     """The operator section appended to `module_text` (a module holding `fwd`'s host `forward` and, with `bwd`, its
-    host `backward`; `cuda`: and the CUDA dispatch of kb.lower.cuda_dispatch, which the forward then tries first)."""
+    host `backward`; `cuda`: and the CUDA dispatch of kb.lower.cuda_dispatch, which the forward then tries first;
+    `cuda_backward`: the backward too)."""
     ins = [q for q in fwd.params if q.role is Role.IN]
     if [q.name for q in ins] != ["q", "k", "v"]:
         raise KBError(f"program {fwd.name}: the operator needs the inputs q, k, v, got {', '.join(q.name for q in ins)}")
@@ -244,7 +249,9 @@ def op_section(fwd: Program, module_text: str, bwd: Program | None = None, no_ba
         learnable, n_grads = list(pairs.values()), 3 + len(pairs)
         bdims = _dim_sources([q for q in bwd.params if q.role in (Role.IN, Role.AUX)])
         bin0 = next(q for q in bwd.params if q.role is Role.IN)
-        body = _CALL_BACKWARD.substitute(kwargs=_kwargs(bwd_aux + bwd_scalars))
+        named = ", ".join(f"{n!r}: {n}" for n in bwd_aux + bwd_scalars)
+        body = (_CALL_BACKWARD_CUDA.substitute(named=named, kwargs=_kwargs(bwd_aux + bwd_scalars)) if cuda_backward
+                else _CALL_BACKWARD.substitute(kwargs=_kwargs(bwd_aux + bwd_scalars)))
         # dq, dk, dv as backward() allocates them, each aux gradient in its aux tensor's dtype (backward() casts it)
         bwd_fakes = ", ".join([_fake(bwd.param(g), bdims, out_dtype(bwd.param(g), bin0), "q") for g in ("dq", "dk", "dv")]
                               + [_fake(bwd.param(g), bdims, f"{a}.dtype", "q") for g, a in pairs.items()])

@@ -1,0 +1,92 @@
+"""The `.cu` Hopper backward of generated modules beside their Triton backward, one training step each (an ablation).
+
+    python -m bench.gpu.hopper_bwd_check OUT.json GEN_DIR SPEC.py [SPEC.py ...] [--trials N]
+
+For each spec: at its own small shape (ragged sequence lengths) and at its bench shapes, `ModelNew` as `kb generate`
+wrote it into GEN_DIR (`emitted`) and the same step with the `.cu`'s backward forced (`emitted-cuda-bwd`,
+bench.gpu.tune_bwd), each checked against the spec's own autograd and timed. Measures only; what generation uses
+comes from `kb perf import` of a `tune_bwd` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+import torch
+
+from bench.gpu import tune_common as common
+from bench.gpu.tune_bwd import (
+    _cuda_backward_records, _dout, _emitted_impl, _leaf_inputs, _shape_dims, bwd_record, fwd_bwd_flops,
+    reference_grads,
+)
+
+
+def _profile(impl, dout) -> str:
+    """The GPU kernels of three training steps, by total time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = impl.call()
+    out.backward(dout)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            out = impl.call()
+            out.backward(dout)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60)
+
+
+def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, check: bool, prof: bool) -> list[dict]:
+    spec = common.load_file(spec_path, f"kb_hbc_spec_{idx}")
+    entry = {"spec": spec_path, "candidate": str(gen_dir / f"gen_{Path(spec_path).stem}.py")}
+    rows = []
+    for j, shape in enumerate([{}] * small + common.bench_shapes(spec, None)):
+        inputs = _leaf_inputs(common.make_inputs(spec, shape, "cuda"))
+        em = _emitted_impl(entry, spec, shape, "cuda", f"hbc{idx}_{j}", inputs)
+        dims = _shape_dims(inputs)
+        pairs = common.attended_pairs(spec, [t.detach() for t in inputs], em.model)
+        flops = sum(fwd_bwd_flops(dims["Hq"], dims["D"], dims.get("Dv", dims["D"]), pairs))
+        dout = _dout((dims["B"], dims["Hq"], dims["M"], dims.get("Dv", dims["D"])), inputs[0].dtype, "cuda")
+        ref = reference_grads(spec, inputs, em.model, dout)
+        recs = [bwd_record("emitted", em.impl, ref, flops, trials),
+                *_cuda_backward_records(em, ref, flops, trials, "cuda", check)]
+        if prof and shape:
+            print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
+            saved = em.module.CUDA_BACKWARD
+            em.module.CUDA_BACKWARD = {"sm90": {64: "forced", 128: "forced"}}
+            print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
+            em.module.CUDA_BACKWARD = saved
+        rows.append({"spec": spec_path, "shape": dims, "records": recs})
+        for r in recs:
+            print(f"{Path(spec_path).stem:28s} {str(dims):70s} {r['impl']:18s} {r['status']:9s} "
+                  f"{r.get('ms', float('nan')):8.3f} ms  grad_err {r.get('grad_err')} {r.get('error', '')[:200]}",
+                  flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("gen_dir", type=Path)
+    ap.add_argument("specs", nargs="+")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--no-small", action="store_true", help="only the bench shapes")
+    ap.add_argument("--no-check", action="store_true", help="time the `.cu` backward whatever its gradients (ablations)")
+    ap.add_argument("--profile", action="store_true", help="print each bench shape's GPU kernels (torch.profiler)")
+    a = ap.parse_args(argv)
+    rows = []
+    for i, s in enumerate(a.specs):
+        try:
+            rows += _check(s, a.gen_dir, a.trials, i, not a.no_small, not a.no_check, a.profile)
+        except Exception as err:  # one spec's failure is reported, the others still run
+            rows.append({"spec": s, "error": f"{type(err).__name__}: {str(err)[:500]}"})
+            print(f"{s}: {rows[-1]['error']}", flush=True)
+        a.out.write_text(json.dumps({"environment": common.environment(" ".join(sys.argv)), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
