@@ -150,11 +150,11 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str, backward: boo
     base = ", ".join(f"{name} {ms:.4g} ms" for name, ms in (("flex", flex), ("sdpa", sdpa)) if ms)
     rows = []
     for r in shape["records"]:
-        if r.get("status") != "ok" or not (r["impl"].startswith("design ") or r["impl"] in ("emitted", "emitted-cuda")):
+        if r.get("status") != "ok" or not (r["impl"].startswith("design ") or r["impl"] in ("emitted", *_CUDA_IMPLS)):
             continue
-        if r["impl"] == "emitted-cuda":  # the .cu beside the module, as written (not a design of the Triton module)
+        if r["impl"] in _CUDA_IMPLS:  # the .cu beside the module, as written (not a design of the Triton module)
             design_json = json.dumps(cuda_impl(r.get("lowering")), sort_keys=True)
-            notes = f"the emitted .cu ({r.get('lowering') or 'lowering not recorded'}) through kb_launch"
+            notes = f"the emitted .cu ({r.get('lowering') or 'lowering not recorded'}) through {_CUDA_IMPLS[r['impl']]}"
         elif r["impl"] == "emitted":
             design_json = "{}"
             notes = (f"as emitted by kb generate (ModelNew training step, backward design {shape.get('emitted_bwd_design')})"
@@ -176,6 +176,12 @@ def _perf_rows(kernel_id: str, env: dict, shape: dict, label: str, backward: boo
                                measured_at=datetime.fromisoformat(env["date"]), arch=env["arch"],
                                design_json=design_json, notes=f"{notes}; {base}" if base else notes))
     return rows
+
+
+# results records of the `.cu` beside a module: its forward (`kb tune`), and the training step with its Hopper backward
+# (`kb tune --backward`, bench.gpu.tune_bwd); a backward sweep's kernel is the backward program, so its pairs are
+# told apart from the forward's by the kernel's features (generate.cuda_design.with_backward)
+_CUDA_IMPLS = {"emitted-cuda": "kb_launch", "emitted-cuda-bwd": "kb_launch_bwd (one training step, forward as emitted)"}
 
 
 def cuda_impl(lowering: str | None) -> dict:

@@ -161,3 +161,33 @@ def test_generation_writes_the_dispatch_only_where_a_measurement_says_the_cu_is_
     for pairs in ({"sm90_wgmma": [slower]}, {"tensor_cores": [pair]}, {}):  # slower, another lowering, none measured
         dispatch, runs = _dispatch(spec, program, cu, plan, replace(options, cuda_pairs=pairs))
         assert not dispatch and runs.startswith("the Triton module runs")  # it carries the `.cu`, listing nothing
+
+
+def test_a_module_whose_cu_holds_the_hopper_backward_tries_it_first_where_listed(tmp_path: Path) -> None:
+    from kb.lower.cuda_sm90_ir import lower_program_sm90
+    from kb.lower.triton_bwd import lower_autograd
+    from tests.support.ir_programs import causal_bwd
+
+    fwd, bwd = FIXTURES["causal"](Dtype.BF16), causal_bwd(Dtype.BF16)
+    src = lower_program_sm90(fwd, 64, backward=True)
+    (tmp_path / "gen_causal.cu").write_text(src)
+    listed = CudaDispatch("gen_causal.cu", src, "sm_90a", {}, {"sm90": {64: WHY}}, has_backward=True)
+    (tmp_path / "gen_causal.py").write_text(lower_autograd(fwd, bwd, cuda=listed))
+    mod = import_file(tmp_path / "gen_causal.py", "kb_test_dispatch_bwd")
+    assert mod.CUDA_BACKWARD == {"sm90": {64: WHY}} and mod.CUDA_FORWARD == {} and mod.CUDA_BWD_BLOCK_Q == 64
+    body = _op_backward_body((tmp_path / "gen_causal.py").read_text())
+    assert "_cuda_backward(q, k, v, o, dout, lse, sm_scale" in body and "backward(q, k, v, o, dout, lse" in body
+    q, k, v = (torch.randn(1, 2, 40, 64, dtype=torch.bfloat16) for _ in range(3))
+    o, lse = mod.forward(q, k, v)
+    assert mod._cuda_backward(q, k, v, o, torch.ones_like(o), lse, None, {}) is None  # CPU tensors: backward() runs
+    q.requires_grad_(True)
+    mod.kb_attention(q, k, v).float().sum().backward()  # through the operator: the Triton backward, interpreted
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+    unlisted = CudaDispatch("gen_causal.cu", src, "sm_90a", {}, {}, has_backward=True)
+    assert "_cuda_backward(" in _op_backward_body(lower_autograd(fwd, bwd, cuda=unlisted))  # listed once measured faster
+    forward_only = CudaDispatch("gen_causal.cu", lower_program_sm90(fwd, 64), "sm_90a", {"sm90": {64: WHY}})
+    assert "_cuda_backward(" not in _op_backward_body(lower_autograd(fwd, bwd, cuda=forward_only))
+
+
+def _op_backward_body(module_text: str) -> str:
+    return module_text.split("def _op_backward(", 1)[1].split("\ndef ", 1)[0]

@@ -188,3 +188,26 @@ def test_the_summary_line_names_the_best_design(tuned) -> None:
     _, _, _, _, doc = tuned
     line = summary_line(doc["entries"][0], 1.0)
     assert "2/2 backward designs ran, best " in line and "x emitted)" in line and "flex" not in line
+
+
+def test_a_measured_hopper_backward_imports_as_the_backward_kernels_cu_pair(tuned) -> None:
+    """bench.gpu.tune_bwd's `emitted-cuda-bwd` (the training step with the `.cu`'s Hopper backward) imports as a `.cu`
+    record of the backward kernel, never a design; generation then lists the Hopper backward only where it measured
+    faster (generate.cuda_design.with_backward reads the backward kernels' pairs, the forward's dispatch the others)."""
+    from generate.cuda_design import cuda_pairs, forward_dispatch
+    from kb.ir.design import head_bucket
+
+    kb, out, r, _, doc = tuned
+    measured = dict(doc, env=ENV)
+    shape = measured["entries"][0]["shapes"][0]
+    triton_ms = next(rec["ms"] for rec in shape["records"] if rec["impl"] == "emitted")
+    shape["records"].append({"impl": "emitted-cuda-bwd", "status": "ok", "ms": triton_ms / 0.8, "tflops": 1.0,
+                             "lowering": "sm90_wgmma"})
+    import_results(kb, measured, "bwd.json")
+    assert all(s.times for s in sweeps_from_kb(kb, "sm90"))  # not read as a backward design
+    (pair,) = cuda_pairs(kb, "sm90", "sm90_wgmma")
+    assert pair.kernel_id == _backward_id(out) and pair.features.backward and pair.speedup == pytest.approx(0.8)
+    notes = [p.notes for p in kb.list(PerfRecord, kernel_id=pair.kernel_id) if "kb_launch_bwd" in p.notes]
+    assert len(notes) == 1 and "training step" in notes[0]
+    runs, why = forward_dispatch([pair], pair.features, head_bucket(shape["shape"]["D"]), pair.kernel_id)
+    assert not runs and "0.80x" in why

@@ -380,10 +380,10 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     bwd_picked = getattr(em.module, "_BWD_PICKED", None)
     if bwd_picked:
         res["emitted_bwd_design"] = str(Design.from_tuple(next(iter(bwd_picked.values()))))
+    records += _cuda_backward_records(em, ref, flops, trials, device)
     if entry.get("backward"):  # a design sweep: what ranks designs is their times against each other
         records += _design_records(em, entry["designs"], ref, flops, trials, deadline) if records[0]["status"] == "ok" else []
     else:
-        records += _cuda_backward_records(em, ref, flops, trials, device)
         records += _baseline_records(spec, inputs, model, names, ref, flops, trials, device, res)
     res["records"] = records
     _ratios(res)

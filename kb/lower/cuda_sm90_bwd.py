@@ -44,10 +44,11 @@ BWD_BLOCK_KV = 128
 
 
 def bwd_smem_bytes(head_dim_pad: int) -> int:
-    """K, V, two (Q, dO) stages, two dS^T buffers, barriers and alignment slack."""
+    """K, V, two (Q, dO) stages, dS^T, the dQ staging tiles, barriers and alignment slack."""
     kv = BWD_BLOCK_KV * head_dim_pad * 2
     q = BWD_BLOCK_Q * head_dim_pad * 2
-    return 2 * kv + 2 * 2 * q + 2 * BWD_BLOCK_KV * BWD_BLOCK_Q * 2 + 128 + 1024
+    dq_tiles = 2 * (head_dim_pad // 64) * BWD_BLOCK_Q * 64 * 4  # two warpgroups' fp32 dQ staging
+    return 2 * kv + 2 * 2 * q + BWD_BLOCK_KV * BWD_BLOCK_Q * 2 + dq_tiles + 128 + 1024
 
 
 def _wgmma_ss_tt(n: int, ab: str) -> str:
@@ -93,16 +94,17 @@ constexpr int QT_BYTES = NPANEL * QT_PANEL;
 constexpr int KT_BYTES = NPANEL * KT_PANEL;
 constexpr int BSTAGES = 2;
 constexpr int DS_BYTES = BK * BQ * 2;    // dS^T: BK rows of BQ 16-bit values = 128 B (one swizzle row)
-constexpr bool DQ_SPLIT = HD >= 128;     // dQ: each warpgroup a half of the head dim over all key rows
-constexpr int DQ_N = DQ_SPLIT ? HD / 2 : HD;
+constexpr int NHALF = HD / 64;           // dQ is staged 64 head-dim columns at a time
+constexpr int DQ_TILE = BQ * 64 * 4;     // one staged fp32 dQ tile: 64 queries x 64 columns
 constexpr int OFF_V = KT_BYTES;
 constexpr int OFF_Q = 2 * KT_BYTES;
 constexpr int OFF_DO = OFF_Q + BSTAGES * QT_BYTES;
 constexpr int OFF_DS = OFF_DO + BSTAGES * QT_BYTES;
-constexpr int OFF_BAR = OFF_DS + 2 * DS_BYTES;
+constexpr int OFF_DQ = OFF_DS + DS_BYTES;
+constexpr int OFF_BAR = OFF_DQ + 2 * NHALF * DQ_TILE;
 constexpr int SMEM_BYTES = OFF_BAR + 128 + 1024;
-constexpr int BAR_DS = 1;                // named barrier: both halves of dS^T are in shared memory
-static_assert(BQ == 64 && BK == 128 && DQ_N % 64 == 0, "tile shape");
+constexpr int BAR_WG = 1;                // named barriers 1 and 2: the four warps of consumer warpgroup 0 or 1
+static_assert(BQ == 64 && BK == 128 && HD % 64 == 0, "tile shape");
 static_assert(SMEM_BYTES == @SMEM@, "kb.lower.cuda_sm90_bwd.bwd_smem_bytes");
 
 struct BSmem {
@@ -111,11 +113,21 @@ struct BSmem {
   __device__ uint32_t v() const { return base + OFF_V; }
   __device__ uint32_t q(int s) const { return base + OFF_Q + s * QT_BYTES; }
   __device__ uint32_t dout(int s) const { return base + OFF_DO + s * QT_BYTES; }
-  __device__ uint32_t ds(int s) const { return base + OFF_DS + s * DS_BYTES; }
+  __device__ uint32_t ds() const { return base + OFF_DS; }
+  __device__ uint32_t dq(int wg, int half) const { return base + OFF_DQ + (wg * NHALF + half) * DQ_TILE; }
   __device__ uint32_t bar_kv() const { return base + OFF_BAR; }
   __device__ uint32_t full(int s) const { return base + OFF_BAR + 8 * (1 + s); }
   __device__ uint32_t empty(int s) const { return base + OFF_BAR + 8 * (1 + BSTAGES + s); }
 };
+
+// Bulk reduction (the TMA unit adds a shared-memory tile to global memory), and waits on this thread's bulk groups.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // MN-major 128B-swizzled operand (see kb90::desc_v): k-step kk starts 16 rows = 2048 B further;
 // the next 64 columns are one panel (panel_bytes) away.
@@ -255,47 +267,52 @@ struct BwdConsumer {
     for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(dk, &dsa[4 * kk], desc_mn(sm.q(s), QT_PANEL, kk));
     wg_commit();
 
-    // dS^T to shared memory in the 128B swizzle that wgmma reads: 16-byte chunk ^= row % 8.
-    const uint32_t dsb = sm.ds(it % 2);
+    // This warpgroup's dS^T rows to shared memory in the 128B swizzle that wgmma reads: 16-byte chunk ^= row % 8.
+    const uint32_t dsb = sm.ds() + cw * 64 * 128;
 #pragma unroll
     for (int j = 0; j < BQ / 4; ++j) {
-      const int row = 64 * cw + 16 * warp + lane / 4 + 8 * (j % 2);
+      const int row = 16 * warp + lane / 4 + 8 * (j % 2);
       const int col = 8 * (j / 2) + 2 * (lane % 4);
       const uint32_t addr = dsb + row * 128 + ((((col * 2) >> 4) ^ (row % 8)) << 4) + ((col * 2) & 15);
       asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(dsa[j]) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
-    float dq[DQ_N / 2];
-    if (DQ_SPLIT) {
-      named_sync(BAR_DS, 256);
+    const int wtid = 32 * warp + lane;
+    if (wtid == 0) bulk_wait_read();  // the staging buffers' reductions of the last step have read them
+    named_sync(BAR_WG + cw, 128);
+    // dQ partial of this warpgroup's 64 keys, 64 head-dim columns at a time: dS (64 queries x 64 keys) K (64 keys x 64),
+    // staged in shared memory and added to dq_acc by one bulk reduction (no per-element atomics, no wait for the other
+    // warpgroup). dq_acc keeps each staged tile as it is: value i of thread t at [i][t] (kb_sm90_bwd_post undoes it).
+    float* dqa = g.dq_acc + row0 * HD;
+#pragma unroll
+    for (int half = 0; half < NHALF; ++half) {
+      float dq[32];
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk)
-        kb_wgmma_ss_tt_n@DQN@(dq, desc_mn(dsb, DS_BYTES, kk), desc_mn(sm.k() + cw * KT_PANEL, KT_PANEL, kk), kk > 0 ? 1 : 0);
-    } else {
-      named_sync(BAR_DS + 1 + cw, 128);  // this warpgroup's own rows: its four warps only
-      wg_fence();
+      for (int kk = 0; kk < 4; ++kk)
+        kb_wgmma_ss_tt_n64(dq, desc_mn(dsb, DS_BYTES, kk), desc_mn(sm.k() + half * KT_PANEL + cw * 64 * 128, KT_PANEL, kk),
+                           kk > 0 ? 1 : 0);
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(dq);
+      const uint32_t buf = sm.dq(cw, half);
 #pragma unroll
-      for (int kk = 0; kk < 64 / 16; ++kk)
-        kb_wgmma_ss_tt_n@DQN@(dq, desc_mn(dsb + cw * 64 * 128, DS_BYTES, kk), desc_mn(sm.k() + cw * 64 * 128, KT_PANEL, kk),
-                              kk > 0 ? 1 : 0);
+      for (int i = 0; i < 32; ++i)
+        asm volatile("st.shared.f32 [%0], %1;" :: "r"(buf + (i * 128 + wtid) * 4), "f"(dq[i]) : "memory");
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      named_sync(BAR_WG + cw, 128);
+      if (wtid == 0) bulk_reduce_add(dqa + half * 4096, buf, 16384);
     }
-    wg_commit();
-    wg_wait<0>();
     reg_fence(dv);
     reg_fence(dk);
-    reg_fence(dq);
     reg_fence(pa);
     reg_fence(dsa);
     mbar_arrive(sm.empty(s));
+  }
 
-    float* dqa = g.dq_acc + row0 * HD + (DQ_SPLIT ? cw * DQ_N : 0);
-#pragma unroll
-    for (int i = 0; i < DQ_N / 2; i += 2) {
-      const int r = 16 * warp + lane / 4 + 8 * ((i / 2) % 2);
-      const int c = 8 * (i / 4) + 2 * (lane % 4);
-      atomicAdd(reinterpret_cast<float2*>(dqa + r * HD + c), make_float2(dq[i], dq[i + 1]));
-    }
+  __device__ __forceinline__ void finish() {
+    if (32 * warp + lane == 0) bulk_wait_all();  // the CTA must not exit under a bulk reduction's read
+    epilogue();
   }
 
   __device__ __forceinline__ void epilogue() {
@@ -341,16 +358,19 @@ __global__ void kb_sm90_bwd_pre(const KbArgs a, const KbBwdArgs g) {
   }
 }
 
-// dq = dq_acc * sm_scale in q's type, two columns per thread.
+// dq = dq_acc * sm_scale in q's type, two columns per thread; dq_acc holds 64 x 64 tiles as the consumer warpgroups
+// staged them: value i of thread t (accumulator layout) at [i][t].
 __global__ void kb_sm90_bwd_post(const KbArgs a, const KbBwdArgs g) {
-  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const long long pairs = a.B * a.Hq * a.M * (HD / 2);
-  if (i >= pairs) return;
-  const long long c = 2 * (i % (HD / 2)), rest = i / (HD / 2), row = rest % a.M, bh = rest / a.M;
+  if (p >= pairs) return;
+  const long long c = 2 * (p % (HD / 2)), rest = p / (HD / 2), row = rest % a.M, bh = rest / a.M;
   const long long h = bh % a.Hq, b = bh / a.Hq;
-  const float* src = g.dq_acc + ((bh * g.M_pad) + row) * HD + c;
+  const int r = static_cast<int>(row % BQ), half = static_cast<int>(c / 64), cl = static_cast<int>(c % 64);
+  const int t = 32 * (r / 16) + 4 * (r % 8) + (cl % 8) / 2, i = 4 * (cl / 8) + 2 * ((r % 16) / 8);
+  const float* src = g.dq_acc + ((bh * g.M_pad + row - r) * HD) + half * 4096 + i * 128 + t;
   *reinterpret_cast<uint32_t*>(g.dq + b * g.dq_stride[0] + h * g.dq_stride[1] + row * g.dq_stride[2] + c) =
-      pack2(src[0] * a.sm_scale, src[1] * a.sm_scale);
+      pack2(src[0] * a.sm_scale, src[128] * a.sm_scale);
 }
 
 }  // namespace kb90b
@@ -403,7 +423,7 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
     c.step(it, cur.h, cur.mb * BQ, cur.kind);
     more = cur.next(a, t);
   }
-  c.epilogue();
+  c.finish();
 }
 
 extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* stream) {
@@ -466,9 +486,8 @@ def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
     if head_dim_pad not in (64, 128):
         raise ValueError(f"head_dim_pad {head_dim_pad} is not supported (64 or 128)")
     ab = _ELEM[dtype][1]
-    dq_n = head_dim_pad // 2 if head_dim_pad >= 128 else head_dim_pad
-    wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(dq_n, ab)  # each guarded: once per file
-    subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad), "@DQN@": str(dq_n),
+    wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(64, ab)  # each guarded: once per file
+    subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
             "@SMEM@": str(bwd_smem_bytes(head_dim_pad))}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():

@@ -1,0 +1,117 @@
+"""The Hopper backward (kb.lower.cuda_sm90_bwd) in the forward's `.cu`: which programs it stands in for, that nvcc
+builds it for sm_90a on wgmma and bulk copies without spills at D=64 and D=128, the `kb_launch_bwd` entry, and the
+generated module's dispatch to it (only where CUDA_BACKWARD lists the GPU: measured records decide).
+
+Gradients on a GPU: `python -m bench.gpu.hopper_bwd_check OUT.json GEN_DIR SPEC...` (run 21: six variants at ragged and
+bench shapes matched the spec's autograd); the GPU-only test below does the same for the causal fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from generate.cuda_design import CudaPair, with_backward
+from kb.features import Features
+from kb.ir.nodes import Dtype
+from kb.lower.cuda_dispatch import CudaDispatch
+from kb.lower.cuda_sm90_bwd import bwd_smem_bytes
+from kb.lower.cuda_sm90_ir import backward_refusal, lower_program_sm90
+from tests.support.cuda import nvcc_or_skip
+from tests.support.ir_programs import FIXTURES, backward, causal_bwd
+
+
+def _bwd_for(name: str):
+    """A backward program of fixture `name` (its score statements are what decides; the canonical causal one)."""
+    return causal_bwd(Dtype.BF16)
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "document", "gqa", "plain"])
+def test_the_hopper_backward_stands_in_where_dS_scales_by_sm_scale(name: str) -> None:
+    assert backward_refusal(FIXTURES[name](dtype=Dtype.BF16), _bwd_for(name)) is None
+
+
+def test_a_nonlinear_score_mod_or_a_learnable_table_keeps_the_triton_backward() -> None:
+    why = backward_refusal(FIXTURES["softcap"](dtype=Dtype.BF16), _bwd_for("softcap"))
+    assert why is not None and "derivative" in why
+    why = backward_refusal(FIXTURES["causal"](dtype=Dtype.BF16), _learned_table_backward())
+    assert why is not None and "aux gradients" in why
+
+
+def _learned_table_backward():
+    from kb.ir.nodes import Param, Role
+
+    bias = Param("bias", ("Hq",), Dtype.F32, Role.AUX)
+    return backward("table_bwd", score_mod="score + bias[h]", dtype=Dtype.BF16, aux=(bias,),
+                    aux_grads=(("dbias", "bias"),))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """(source, PTX, ptxas log) of the causal fixture's `.cu` with its backward at D=64 and D=128, built in parallel."""
+    nvcc = nvcc_or_skip()
+    root = tmp_path_factory.mktemp("sm90bwd")
+    flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
+
+    def one(head_dim: int) -> tuple[str, str, str]:
+        d = root / str(head_dim)
+        d.mkdir()
+        src = lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True)
+        (d / "k.cu").write_text(src)
+        ptx = subprocess.run([*flags, "-ptx", "-o", str(d / "k.ptx"), str(d / "k.cu")], capture_output=True, text=True,
+                             timeout=300)
+        assert ptx.returncode == 0, ptx.stderr[-3000:]
+        so = subprocess.run([*flags, "--shared", "-Xcompiler", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cu")],
+                            capture_output=True, text=True, timeout=300)
+        assert so.returncode == 0, so.stderr[-3000:]
+        syms = subprocess.run(["nm", "-D", str(d / "k.so")], capture_output=True, text=True).stdout
+        return src, (d / "k.ptx").read_text(), so.stdout + so.stderr + syms
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        return dict(zip((64, 128), pool.map(one, (64, 128))))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_backward_builds_for_sm90a_on_wgmma_and_bulk_copies_without_spills(builds: dict, head_dim: int) -> None:
+    src, ptx, log = builds[head_dim]
+    bwd_ptx = ptx[ptx.index(".entry _Z11kb_sm90_bwd"):]
+    bwd_ptx = bwd_ptx.split("// .globl")[0]  # up to the next entry
+    for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk", "fence.proxy.async"):
+        assert instr in bwd_ptx, instr
+    assert "atom.global" not in bwd_ptx and "red.global" not in bwd_ptx  # dQ is added by bulk reductions
+    spills = re.findall(r"Compiling entry function '(\w*kb_sm90_bwd\w*)'.*?(\d+) bytes spill stores", log, re.S)
+    assert [n for n, _ in spills] and all(s == "0" for _, s in spills), log
+    assert "C7510" not in log and "C7511" not in log and "C7512" not in log  # no serialised wgmma
+    assert " T kb_launch_bwd" in log and " T kb_launch" in log
+    assert f"static_assert(SMEM_BYTES == {bwd_smem_bytes(head_dim)}" in src and bwd_smem_bytes(head_dim) <= 227 * 1024
+
+
+def test_without_backward_the_cu_is_the_forward_alone() -> None:
+    src = lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), 128)
+    assert "kb_launch_bwd" not in src and "kb_sm90_bwd" not in src
+
+
+def _pair(speedup: float) -> CudaPair:
+    return CudaPair("k-elsewhere", Features(mask="causal", dtype="bf16", backward=True), "NVIDIA H100 80GB HBM3",
+                    {"D": 128, "B": 4}, "2026-12-06", triton_ms=1.0 * speedup, cuda_ms=1.0)
+
+
+def test_generation_lists_the_backward_only_where_a_measurement_says_it_is_faster() -> None:
+    fwd, bwd = FIXTURES["causal"](dtype=Dtype.BF16), causal_bwd(Dtype.BF16)
+    src = lower_program_sm90(fwd, 128)
+    base = CudaDispatch("gen_causal.cu", src, "sm_90a", {})
+    target = Features(mask="causal", dtype="bf16", backward=True)
+    faster, runs = with_backward(base, fwd, bwd, "sm90", 128, [_pair(1.3)], target)
+    assert faster.has_backward and "kb_launch_bwd" in faster.source and list(faster.backward["sm90"]) == [128]
+    assert runs.startswith("the `.cu` runs: measured 1.30x")
+    slower, runs = with_backward(base, fwd, bwd, "sm90", 128, [_pair(0.78)], target)
+    assert slower.has_backward and not slower.backward and runs.startswith("the Triton module runs: measured 0.78x")
+    forward_only = [CudaPair(**{**_pair(2.0).__dict__, "features": Features(mask="causal", dtype="bf16")})]
+    unmeasured, runs = with_backward(base, fwd, bwd, "sm90", 128, forward_only, target)  # a forward pair says nothing
+    assert not unmeasured.backward and "no `.cu` of this lowering was measured" in runs
+    portable = CudaDispatch("gen_causal.cu", "// portable", "sm_80", {})
+    assert with_backward(portable, fwd, bwd, "sm90", 128, [_pair(2.0)], target)[0] is portable
