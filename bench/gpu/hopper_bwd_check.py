@@ -55,10 +55,10 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
                 *_cuda_backward_records(em, ref, flops, trials, "cuda", check)]
         if prof and shape:
             print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
-            saved = em.module.CUDA_BACKWARD
-            em.module.CUDA_BACKWARD = {"sm90": {64: "forced", 128: "forced"}}
+            saved = getattr(em.module, "CUDA_BACKWARD")
+            setattr(em.module, "CUDA_BACKWARD", {"sm90": {64: "forced", 128: "forced"}})
             print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
-            em.module.CUDA_BACKWARD = saved
+            setattr(em.module, "CUDA_BACKWARD", saved)
         rows.append({"spec": spec_path, "shape": dims, "records": recs})
         for r in recs:
             print(f"{Path(spec_path).stem:28s} {str(dims):70s} {r['impl']:18s} {r['status']:9s} "

@@ -398,7 +398,7 @@ def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: i
     module = em.module
     if device != "cuda" or not hasattr(module, "_cuda_backward") or "kb_launch_bwd" not in _cu_text(module):
         return []
-    saved, real = module.CUDA_BACKWARD, module._cuda_backward
+    saved, real = getattr(module, "CUDA_BACKWARD"), getattr(module, "_cuda_backward")
     ran: list[bool] = []
 
     def watched(*args):
@@ -406,19 +406,20 @@ def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: i
         ran.append(grads is not None)
         return grads
 
-    module.CUDA_BACKWARD = {_arch(): {b: "forced (ablation)" for b in (16, 32, 64, 128, 256)}}
-    module._cuda_backward = watched
+    setattr(module, "CUDA_BACKWARD", {_arch(): {b: "forced (ablation)" for b in (16, 32, 64, 128, 256)}})
+    setattr(module, "_cuda_backward", watched)
     try:
         rec = bwd_record("emitted-cuda-bwd", em.impl, ref, flops, trials, check)
     finally:
-        module.CUDA_BACKWARD, module._cuda_backward = saved, real
+        setattr(module, "CUDA_BACKWARD", saved)
+        setattr(module, "_cuda_backward", real)
     if rec["status"] == "ok" and not (ran and all(ran)):
         rec = {"impl": rec["impl"], "status": "declined", "error": "the `.cu` backward did not run (declined these inputs, or another copy of the operator ran)"}
     return [{**rec, "lowering": "sm90_wgmma"}]
 
 
 def _cu_text(module: ModuleType) -> str:
-    path = Path(module.__file__).with_name(getattr(module, "CUDA_SOURCE", ""))
+    path = Path(module.__file__ or ".").with_name(getattr(module, "CUDA_SOURCE", "") or "none")
     return path.read_text() if path.is_file() else ""
 
 
