@@ -7,25 +7,26 @@ and its four variant hooks, unchanged). Given q, k, v, o, dout and the forward's
 for scores whose derivative in the raw q.k is sm_scale wherever they are not masked (a score_mod
 that only adds terms, masks); kb.lower.cuda_sm90_ir decides which programs qualify.
 
-Kernel shape (one CTA per (key tile of 128 rows, kv head, batch), the causal-heaviest tiles first):
-- K and V are loaded once by TMA; warpgroup 0 (the producer, registers lowered) then streams the
-  (Q, dO) tiles of 64 query rows into a 2-stage ring, for every query head of the GQA group and every
-  query tile that the forward's `kb_block_kind` does not skip, so dK and dV of a kv head are summed
-  in registers over its whole group (no atomics, deterministic);
+Kernel shape (one CTA of two warpgroups per (key tile of 128 rows, kv head, batch), causal-heaviest first):
+- every step's kind (skip / per element / scale only, the forward's `kb_block_kind` for the enclosing
+  forward tile) is computed once per CTA by all its threads into shared memory; K and V are loaded once
+  by TMA; one thread then streams the (Q, dO, lse2, delta) of 64 query rows into a 2-stage ring one
+  step ahead, for every query head of the GQA group and every query tile not skipped, so dK and dV of
+  a kv head are summed in registers over its whole group (no atomics, deterministic). No producer
+  warpgroup: the consumers need ~250 registers at D=128, above what `setmaxnreg` leaves beside one;
 - warpgroups 1 and 2 own 64 key rows each. Per query tile: S^T = K Q^T and dP^T = V dO^T with
   `wgmma m64n64k16` (both operands K-major from shared memory), issued together; P^T = exp2(score *
   log2 e - lse * log2 e) on the accumulator while dP^T is in flight (scores through the forward's
   hooks where the tile is partial); dS^T = P^T (dP^T - delta); then dV += P^T dO and dK += dS^T Q
   with the 16-bit P^T and dS^T as register A operands (the accumulator layout is the A-fragment
-  layout) and dO, Q read MN-major; dS^T is stored 128B-swizzled to shared memory, and
-  dQ = dS K with both operands MN-major ("transposed"): at D=128 each warpgroup takes half of the
-  head dim over all 128 key rows (the two warpgroups meet at a named barrier; dS is double-buffered),
-  at D=64 each takes its own 64 key rows; the fp32 dQ partial is added to a [B, Hq, M_pad, D] fp32
-  buffer with vector atomics;
+  layout) and dO, Q read MN-major; dS^T is stored 128B-swizzled to shared memory, and each
+  warpgroup's dQ partial over its own 64 keys, dS K with both operands MN-major ("transposed"), 64
+  head-dim columns at a time, is staged in shared memory and added to an fp32 buffer by a TMA bulk
+  reduction (`cp.reduce.async.bulk`; no per-element atomics, no wait for the other warpgroup);
 - before: a kernel computes delta = rowsum(dO * O) (O in fp32 or 16-bit) and lse * log2 e (+inf for
   an empty row or a padded one, so that its P is 0); after: dq = dq_acc * sm_scale in q's type.
 
-Host side: `extern "C" int kb_sm90_bwd_launch(const KbArgs*, const KbBwdArgs*, void* stream)`; codes of
+Host side: `extern "C" int kb_sm90_bwd_launch(const KbArgs*, KbBwdArgs*, void* stream)` (it sets M_pad); codes of
 kb.lower.cuda_sm90's ERROR_CODES (the same rules: D, TMA strides) or a cudaError_t.
 """
 
@@ -41,14 +42,16 @@ __all__ = ["sm90_backward_source", "BWD_BLOCK_Q", "BWD_BLOCK_KV", "BWD_LAUNCH_SY
 BWD_LAUNCH_SYMBOL = "kb_launch_bwd"
 BWD_BLOCK_Q = 64
 BWD_BLOCK_KV = 128
+KIND_CAP = 16384  # (query head, query tile) steps per key tile whose kind a CTA keeps in shared memory
 
 
 def bwd_smem_bytes(head_dim_pad: int) -> int:
-    """K, V, two (Q, dO) stages, dS^T, the dQ staging tiles, barriers and alignment slack."""
+    """K, V, two (Q, dO, lse2, delta) stages, dS^T, the dQ staging tiles, the step kinds, barriers, alignment."""
     kv = BWD_BLOCK_KV * head_dim_pad * 2
     q = BWD_BLOCK_Q * head_dim_pad * 2
     dq_tiles = 2 * (head_dim_pad // 64) * BWD_BLOCK_Q * 64 * 4  # two warpgroups' fp32 dQ staging
-    return 2 * kv + 2 * 2 * q + BWD_BLOCK_KV * BWD_BLOCK_Q * 2 + dq_tiles + 128 + 1024
+    rows = 2 * 2 * BWD_BLOCK_Q * 4  # per stage: lse2 and delta
+    return 2 * kv + 2 * 2 * q + BWD_BLOCK_KV * BWD_BLOCK_Q * 2 + dq_tiles + rows + KIND_CAP // 4 + 128 + 1024
 
 
 def _wgmma_ss_tt(n: int, ab: str) -> str:
@@ -101,7 +104,11 @@ constexpr int OFF_Q = 2 * KT_BYTES;
 constexpr int OFF_DO = OFF_Q + BSTAGES * QT_BYTES;
 constexpr int OFF_DS = OFF_DO + BSTAGES * QT_BYTES;
 constexpr int OFF_DQ = OFF_DS + DS_BYTES;
-constexpr int OFF_BAR = OFF_DQ + 2 * NHALF * DQ_TILE;
+constexpr int ROW_BYTES = BQ * 4;        // one step's lse2 or delta: 64 fp32
+constexpr int OFF_ROWS = OFF_DQ + 2 * NHALF * DQ_TILE;  // per stage: lse2 then delta
+constexpr int KIND_CAP = @KIND_CAP@;      // steps whose kind the CTA keeps (2 bits each); later ones are computed
+constexpr int OFF_KIND = OFF_ROWS + BSTAGES * 2 * ROW_BYTES;
+constexpr int OFF_BAR = OFF_KIND + KIND_CAP / 4;
 constexpr int SMEM_BYTES = OFF_BAR + 128 + 1024;
 constexpr int BAR_WG = 1;                // named barriers 1 and 2: the four warps of consumer warpgroup 0 or 1
 static_assert(BQ == 64 && BK == 128 && HD % 64 == 0, "tile shape");
@@ -115,6 +122,8 @@ struct BSmem {
   __device__ uint32_t dout(int s) const { return base + OFF_DO + s * QT_BYTES; }
   __device__ uint32_t ds() const { return base + OFF_DS; }
   __device__ uint32_t dq(int wg, int half) const { return base + OFF_DQ + (wg * NHALF + half) * DQ_TILE; }
+  __device__ uint32_t lse2(int s) const { return base + OFF_ROWS + s * 2 * ROW_BYTES; }
+  __device__ uint32_t delta(int s) const { return lse2(s) + ROW_BYTES; }
   __device__ uint32_t bar_kv() const { return base + OFF_BAR; }
   __device__ uint32_t full(int s) const { return base + OFF_BAR + 8 * (1 + s); }
   __device__ uint32_t empty(int s) const { return base + OFF_BAR + 8 * (1 + BSTAGES + s); }
@@ -125,6 +134,10 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                :: "l"(dst), "r"(src), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
@@ -162,31 +175,51 @@ __device__ __forceinline__ int step_kind(const KbArgs& a, const BTile& t, int h,
   return kb_block_kind(a, t.b, h, fm, t.n_start);
 }
 
-struct Walk {  // the (query head, query tile) steps that contribute to the key tile, in order
-  int h, mb, kind;
-  __device__ __forceinline__ bool next(const KbArgs& a, const BTile& t) {
-    for (;;) {
-      if (++mb >= t.nmb) {
-        mb = 0;
-        if (++h >= t.h0 + t.group) return false;
-      }
-      kind = step_kind(a, t, h, mb * BQ);
+// Every (query head, query tile) step's kind, 2 bits each, computed once per CTA by all its threads in parallel (the
+// hooks may read a block-class table from global memory: scanning them per step and per thread would cost more than
+// the steps of a narrow window); steps past KIND_CAP are asked of the hooks as they come.
+__device__ __forceinline__ void fill_kinds(const KbArgs& a, const BTile& t, uint8_t* kinds, int tid) {
+  const int total = t.group * t.nmb, bytes = min(total, KIND_CAP) / 4 + 1;
+  for (int j = tid; j < bytes && j < KIND_CAP / 4; j += 256) {
+    uint32_t packed = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int idx = 4 * j + e;
+      if (idx < total) packed |= static_cast<uint32_t>(step_kind(a, t, t.h0 + idx / t.nmb, (idx % t.nmb) * BQ)) << (2 * e);
+    }
+    kinds[j] = static_cast<uint8_t>(packed);
+  }
+}
+
+struct Walk {  // the steps that contribute to the key tile, in order: step idx is head h0 + idx / nmb, tile idx % nmb
+  int idx, kind;
+  __device__ __forceinline__ int h(const BTile& t) const { return t.h0 + idx / t.nmb; }
+  __device__ __forceinline__ int m0(const BTile& t) const { return (idx % t.nmb) * BQ; }
+  __device__ __forceinline__ bool next(const KbArgs& a, const BTile& t, const uint8_t* kinds) {
+    const int total = t.group * t.nmb;
+    while (++idx < total) {
+      kind = idx < KIND_CAP ? (kinds[idx >> 2] >> (2 * (idx & 3))) & 3 : step_kind(a, t, h(t), m0(t));
       if (kind != 0) return true;
     }
+    return false;
   }
 };
 
-// One thread loads step `it`'s Q and dO tiles into stage it % 2 once every thread has released that stage.
-__device__ __forceinline__ void load_step(const BSmem& sm, const BTile& t, int it, const Walk& w, const CUtensorMap* mq,
-                                          const CUtensorMap* mdo) {
+// One thread loads step `it`'s Q and dO tiles, lse2 and delta into stage it % 2 once every thread has released it.
+__device__ __forceinline__ void load_step(const BSmem& sm, const BTile& t, const KbBwdArgs& g, long long M_pad, int it,
+                                          const Walk& w, const CUtensorMap* mq, const CUtensorMap* mdo, long long Hq) {
   const int s = it % BSTAGES;
   mbar_wait(sm.empty(s), ((it / BSTAGES) & 1) ^ 1);
-  mbar_expect_tx(sm.full(s), 2 * QT_BYTES);
+  mbar_expect_tx(sm.full(s), 2 * QT_BYTES + 2 * ROW_BYTES);
+  const int h = w.h(t), m0 = w.m0(t);
 #pragma unroll
   for (int p = 0; p < NPANEL; ++p) {
-    tma_load_4d(sm.q(s) + p * QT_PANEL, mq, sm.full(s), p * 64, w.mb * BQ, w.h, t.b);
-    tma_load_4d(sm.dout(s) + p * QT_PANEL, mdo, sm.full(s), p * 64, w.mb * BQ, w.h, t.b);
+    tma_load_4d(sm.q(s) + p * QT_PANEL, mq, sm.full(s), p * 64, m0, h, t.b);
+    tma_load_4d(sm.dout(s) + p * QT_PANEL, mdo, sm.full(s), p * 64, m0, h, t.b);
   }
+  const long long row0 = (static_cast<long long>(t.b) * Hq + h) * M_pad + m0;  // 256-byte aligned: M_pad % 64 == 0
+  bulk_load(sm.lse2(s), g.lse2 + row0, ROW_BYTES, sm.full(s));
+  bulk_load(sm.delta(s), g.delta + row0, ROW_BYTES, sm.full(s));
 }
 
 // Accumulator element i of a m64nN wgmma tile sits at row 16*warp + lane/4 + 8*((i/2)%2) and
@@ -196,11 +229,13 @@ struct BwdConsumer {
   const KbBwdArgs& g;
   const BTile& t;
   const BSmem& sm;
+  const float* rows;  // the stages' lse2 and delta in shared memory
   int cw, lane, warp;
   float dv[HD / 2], dk[HD / 2];
 
-  __device__ BwdConsumer(const KbArgs& a_, const KbBwdArgs& g_, const BTile& t_, const BSmem& sm_, int cw_, int tid)
-      : a(a_), g(g_), t(t_), sm(sm_), cw(cw_) {
+  __device__ BwdConsumer(const KbArgs& a_, const KbBwdArgs& g_, const BTile& t_, const BSmem& sm_, const float* rows_,
+                         int cw_, int tid)
+      : a(a_), g(g_), t(t_), sm(sm_), rows(rows_), cw(cw_) {
     lane = tid % 32;
     warp = tid / 32;
 #pragma unroll
@@ -226,9 +261,9 @@ struct BwdConsumer {
       kb_wgmma_ss_n64(dpacc, desc_kmajor(va, KT_PANEL, kk), desc_kmajor(sm.dout(s), QT_PANEL, kk), kk > 0 ? 1 : 0);
     wg_commit();
 
-    const long long row0 = (static_cast<long long>(t.b) * a.Hq + h) * g.M_pad + m0;  // this step's first row of lse2 / delta
-    const float* lse2 = g.lse2 + row0;
-    const float* delta = g.delta + row0;
+    const long long row0 = (static_cast<long long>(t.b) * a.Hq + h) * g.M_pad + m0;  // this step's first dq_acc row
+    const float* lse2 = rows + s * 2 * BQ;  // staged by load_step with Q and dO
+    const float* delta = lse2 + BQ;
     // 32-bit indices: the launcher refuses M, N >= 2^31
     const int kv0 = t.n_start + 64 * cw + 16 * warp + lane / 4, q0 = m0 + 2 * (lane % 4);
     const int n_keys = static_cast<int>(a.N), m_rows = static_cast<int>(a.M);
@@ -385,10 +420,8 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
   sm.base = (smem_u32(kb_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x;
   const BTile t = make_btile(a);
-  Walk cur{t.h0, -1, 0};
-  bool more = cur.next(a, t);
-  Walk ahead = cur;  // thread 0's load cursor, one step ahead of the compute
-  bool ahead_more = more;
+  uint8_t* smem = kb_smem_raw + (sm.base - smem_u32(kb_smem_raw));  // generic pointer to the aligned base
+  uint8_t* kinds = smem + OFF_KIND;
   if (tid == 0) {
     mbar_init(sm.bar_kv(), 1);
     for (int s = 0; s < BSTAGES; ++s) {
@@ -405,23 +438,28 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
       tma_load_4d(sm.k() + p * KT_PANEL, &map_k, sm.bar_kv(), p * 64, t.n_start, t.hk, t.b);
       tma_load_4d(sm.v() + p * KT_PANEL, &map_v, sm.bar_kv(), p * 64, t.n_start, t.hk, t.b);
     }
-    if (ahead_more) {
-      load_step(sm, t, 0, ahead, &map_q, &map_do);
-      ahead_more = ahead.next(a, t);
-    }
   }
+  fill_kinds(a, t, kinds, tid);
   __syncthreads();
+  Walk cur{-1, 0};
+  bool more = cur.next(a, t, kinds);
+  Walk ahead = cur;  // thread 0's load cursor, one step ahead of the compute
+  bool ahead_more = more;
+  if (tid == 0 && ahead_more) {
+    load_step(sm, t, g, g.M_pad, 0, ahead, &map_q, &map_do, a.Hq);
+    ahead_more = ahead.next(a, t, kinds);
+  }
   // Two warpgroups of 64 key rows each; no producer warpgroup, so that each thread may hold the ~250
   // registers of dK, dV, S and dP at D = 128 (three warpgroups cap them at 240 even with setmaxnreg).
-  BwdConsumer c(a, g, t, sm, tid / 128, tid % 128);
+  BwdConsumer c(a, g, t, sm, reinterpret_cast<const float*>(smem + OFF_ROWS), tid / 128, tid % 128);
   mbar_wait(sm.bar_kv(), 0);  // always: the CTA must not exit under an in-flight TMA write
   for (int it = 0; more; ++it) {
     if (tid == 0 && ahead_more) {
-      load_step(sm, t, it + 1, ahead, &map_q, &map_do);
-      ahead_more = ahead.next(a, t);
+      load_step(sm, t, g, g.M_pad, it + 1, ahead, &map_q, &map_do, a.Hq);
+      ahead_more = ahead.next(a, t, kinds);
     }
-    c.step(it, cur.h, cur.mb * BQ, cur.kind);
-    more = cur.next(a, t);
+    c.step(it, cur.h(t), cur.m0(t), cur.kind);
+    more = cur.next(a, t, kinds);
   }
   c.finish();
 }
@@ -488,7 +526,8 @@ def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
     ab = _ELEM[dtype][1]
     wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(64, ab)  # each guarded: once per file
     subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
-            "@SMEM@": str(bwd_smem_bytes(head_dim_pad))}
+            "@SMEM@": str(bwd_smem_bytes(head_dim_pad)),
+            "@KIND_CAP@": str(KIND_CAP)}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():
         text = text.replace(key, val)
