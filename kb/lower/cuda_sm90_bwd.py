@@ -111,6 +111,8 @@ constexpr int OFF_KIND = OFF_ROWS + BSTAGES * 2 * ROW_BYTES;
 constexpr int OFF_BAR = OFF_KIND + KIND_CAP / 4;
 constexpr int SMEM_BYTES = OFF_BAR + 128 + 1024;
 constexpr int BAR_WG = 1;                // named barriers 1 and 2: the four warps of consumer warpgroup 0 or 1
+constexpr int BAR_TURN = 3;              // 3 and 4: the warpgroups take turns issuing GEMMs (ping-pong)
+constexpr bool BWD_PINGPONG = @PINGPONG@;    // off: each step first loads the next (blocking), no turns (run 21's kernel)
 static_assert(BQ == 64 && BK == 128 && HD % 64 == 0, "tile shape");
 static_assert(SMEM_BYTES == @SMEM@, "kb.lower.cuda_sm90_bwd.bwd_smem_bytes");
 
@@ -135,6 +137,13 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
                :: "l"(dst), "r"(src), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+__device__ __forceinline__ bool mbar_ready(uint32_t bar, uint32_t parity) {  // never blocks
+  uint32_t done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
@@ -222,6 +231,13 @@ __device__ __forceinline__ void load_step(const BSmem& sm, const BTile& t, const
   bulk_load(sm.delta(s), g.delta + row0, ROW_BYTES, sm.full(s));
 }
 
+// Thread 0's loads: step `it` goes into stage it % 2 once both warpgroups have released the step before it there.
+struct LoadCursor {
+  Walk w;     // the next step to load
+  bool more;  // there is one
+  int it;     // its index
+};
+
 // Accumulator element i of a m64nN wgmma tile sits at row 16*warp + lane/4 + 8*((i/2)%2) and
 // column 8*(i/4) + 2*(lane%4) + i%2 of this warpgroup's 64 rows (rows: keys here, columns: queries).
 struct BwdConsumer {
@@ -230,27 +246,55 @@ struct BwdConsumer {
   const BTile& t;
   const BSmem& sm;
   const float* rows;  // the stages' lse2 and delta in shared memory
+  const uint8_t* kinds;
+  const CUtensorMap *mq, *mdo;
+  LoadCursor ld;      // used by thread 0 only
+  bool loader;
   int cw, lane, warp;
   float dv[HD / 2], dk[HD / 2];
 
   __device__ BwdConsumer(const KbArgs& a_, const KbBwdArgs& g_, const BTile& t_, const BSmem& sm_, const float* rows_,
+                         const uint8_t* kinds_, const CUtensorMap* mq_, const CUtensorMap* mdo_, LoadCursor ld_,
                          int cw_, int tid)
-      : a(a_), g(g_), t(t_), sm(sm_), rows(rows_), cw(cw_) {
+      : a(a_), g(g_), t(t_), sm(sm_), rows(rows_), kinds(kinds_), mq(mq_), mdo(mdo_), ld(ld_), loader(cw_ == 0 && tid == 0),
+        cw(cw_) {
     lane = tid % 32;
     warp = tid / 32;
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) dv[i] = dk[i] = 0.f;
   }
 
-  __device__ __forceinline__ void step(int it, int h, int m0, int kind) {
+  // Ping-pong: warpgroup 0 issues its GEMMs, hands the tensor cores to warpgroup 1, and runs its elementwise work
+  // while they compute; every step has the same turns in both, and warpgroup 1's last hand-back is skipped so that no
+  // arrival is left pending at exit.
+  __device__ __forceinline__ void turn_begin() {
+    if (BWD_PINGPONG) named_sync(BAR_TURN + cw, 256);
+  }
+  __device__ __forceinline__ void turn_end(bool last) {
+    if (BWD_PINGPONG && (cw == 0 || !last)) named_arrive(BAR_TURN + 1 - cw, 256);
+  }
+  // Thread 0 loads the step after the one computed once its stage is free; `block = false` never waits for that, so
+  // that its warpgroup keeps computing while the other one finishes the step before.
+  __device__ __forceinline__ void poll(int upto, bool block) {
+    if (!loader || !ld.more || ld.it > upto) return;
+    const uint32_t empty = sm.empty(ld.it % BSTAGES), parity = ((ld.it / BSTAGES) & 1) ^ 1;
+    if (!block && !mbar_ready(empty, parity)) return;
+    load_step(sm, t, g, g.M_pad, ld.it, ld.w, mq, mdo, a.Hq);
+    ld.more = ld.w.next(a, t, kinds);
+    ++ld.it;
+  }
+
+  __device__ __forceinline__ void step(int it, int h, int m0, int kind, bool last) {
     // An opaque copy of the shared-memory base: every descriptor below is then computed where it is used,
     // not hoisted out of the step loop into registers that the accumulators need.
     BSmem sm = this->sm;
     asm volatile("" : "+r"(sm.base));
     const int s = it % BSTAGES;
+    poll(it + 1, !BWD_PINGPONG);
     mbar_wait(sm.full(s), (it / BSTAGES) & 1);
     float sacc[BQ / 2], dpacc[BQ / 2];
     const uint32_t ka = sm.k() + cw * 64 * 128, va = sm.v() + cw * 64 * 128;  // this warpgroup's 64 key rows
+    turn_begin();
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
@@ -260,6 +304,7 @@ struct BwdConsumer {
     for (int kk = 0; kk < HD / 16; ++kk)
       kb_wgmma_ss_n64(dpacc, desc_kmajor(va, KT_PANEL, kk), desc_kmajor(sm.dout(s), QT_PANEL, kk), kk > 0 ? 1 : 0);
     wg_commit();
+    turn_end(false);
 
     const long long row0 = (static_cast<long long>(t.b) * a.Hq + h) * g.M_pad + m0;  // this step's first dq_acc row
     const float* lse2 = rows + s * 2 * BQ;  // staged by load_step with Q and dO
@@ -282,6 +327,7 @@ struct BwdConsumer {
       else x = kb_score(a, kb_row(a, t.b, h, q), kv, sacc[i]) * LOG2E;
       sacc[i] = fast_exp2(x - lse2[c]);  // lse2 = +inf on empty and padded rows: P = 0
     }
+    if (BWD_PINGPONG) poll(it + 1, false);
     wg_wait<0>();
     reg_fence(dpacc);
     uint32_t pa[BQ / 4], dsa[BQ / 4];
@@ -295,12 +341,14 @@ struct BwdConsumer {
       pa[i] = pack2(sacc[2 * i], sacc[2 * i + 1]);
       dsa[i] = pack2(dpacc[2 * i], dpacc[2 * i + 1]);
     }
+    turn_begin();
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(dv, &pa[4 * kk], desc_mn(sm.dout(s), QT_PANEL, kk));
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(dk, &dsa[4 * kk], desc_mn(sm.q(s), QT_PANEL, kk));
     wg_commit();
+    turn_end(false);
 
     // This warpgroup's dS^T rows to shared memory in the 128B swizzle that wgmma reads: 16-byte chunk ^= row % 8.
     const uint32_t dsb = sm.ds() + cw * 64 * 128;
@@ -322,12 +370,14 @@ struct BwdConsumer {
 #pragma unroll
     for (int half = 0; half < NHALF; ++half) {
       float dq[32];
+      turn_begin();
       wg_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         kb_wgmma_ss_tt_n64(dq, desc_mn(dsb, DS_BYTES, kk), desc_mn(sm.k() + half * KT_PANEL + cw * 64 * 128, KT_PANEL, kk),
                            kk > 0 ? 1 : 0);
       wg_commit();
+      turn_end(last && half == NHALF - 1);
       wg_wait<0>();
       reg_fence(dq);
       const uint32_t buf = sm.dq(cw, half);
@@ -343,6 +393,7 @@ struct BwdConsumer {
     reg_fence(pa);
     reg_fence(dsa);
     mbar_arrive(sm.empty(s));
+    if (BWD_PINGPONG) poll(it + 1, true);  // the next step's tiles must be on their way before it starts
   }
 
   __device__ __forceinline__ void finish() {
@@ -443,23 +494,19 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
   __syncthreads();
   Walk cur{-1, 0};
   bool more = cur.next(a, t, kinds);
-  Walk ahead = cur;  // thread 0's load cursor, one step ahead of the compute
-  bool ahead_more = more;
-  if (tid == 0 && ahead_more) {
-    load_step(sm, t, g, g.M_pad, 0, ahead, &map_q, &map_do, a.Hq);
-    ahead_more = ahead.next(a, t, kinds);
-  }
   // Two warpgroups of 64 key rows each; no producer warpgroup, so that each thread may hold the ~250
   // registers of dK, dV, S and dP at D = 128 (three warpgroups cap them at 240 even with setmaxnreg).
-  BwdConsumer c(a, g, t, sm, reinterpret_cast<const float*>(smem + OFF_ROWS), tid / 128, tid % 128);
+  BwdConsumer c(a, g, t, sm, reinterpret_cast<const float*>(smem + OFF_ROWS), kinds, &map_q, &map_do,
+                LoadCursor{cur, more, 0}, tid / 128, tid % 128);
+  c.poll(0, true);
   mbar_wait(sm.bar_kv(), 0);  // always: the CTA must not exit under an in-flight TMA write
+  if (BWD_PINGPONG && more && tid / 128 == 1) named_arrive(BAR_TURN, 256);  // warpgroup 0 takes the first turn
   for (int it = 0; more; ++it) {
-    if (tid == 0 && ahead_more) {
-      load_step(sm, t, g, g.M_pad, it + 1, ahead, &map_q, &map_do, a.Hq);
-      ahead_more = ahead.next(a, t, kinds);
-    }
-    c.step(it, cur.h(t), cur.m0(t), cur.kind);
-    more = cur.next(a, t, kinds);
+    Walk next = cur;
+    const bool more_after = next.next(a, t, kinds);
+    c.step(it, cur.h(t), cur.m0(t), cur.kind, !more_after);
+    cur = next;
+    more = more_after;
   }
   c.finish();
 }
@@ -519,15 +566,17 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
 """
 
 
-def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
-    """The backward's CUDA C++, to follow kb.lower.cuda_sm90's forward source in one translation unit."""
+def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16", pingpong: bool = False) -> str:
+    """The backward's CUDA C++, to follow kb.lower.cuda_sm90's forward source in one translation unit. `pingpong`: the
+    two warpgroups take turns issuing GEMMs (named barriers, as the forward) and thread 0 loads the next step as soon as
+    its stage is free instead of first thing in each step; written in run 21 and not yet measured on a GPU, so off."""
     if head_dim_pad not in (64, 128):
         raise ValueError(f"head_dim_pad {head_dim_pad} is not supported (64 or 128)")
     ab = _ELEM[dtype][1]
     wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(64, ab)  # each guarded: once per file
     subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
             "@SMEM@": str(bwd_smem_bytes(head_dim_pad)),
-            "@KIND_CAP@": str(KIND_CAP)}
+            "@KIND_CAP@": str(KIND_CAP), "@PINGPONG@": "true" if pingpong else "false"}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():
         text = text.replace(key, val)
