@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +20,7 @@ from kb.ir.nodes import Dtype
 from kb.lower.cuda_dispatch import CudaDispatch
 from kb.lower.cuda_sm90_bwd import bwd_smem_bytes
 from kb.lower.cuda_sm90_ir import backward_refusal, lower_program_sm90
-from tests.support.cuda import nvcc_or_skip
+from tests.support.cuda import build_sm90a, nvcc_or_skip
 from tests.support.ir_programs import FIXTURES, backward, causal_bwd
 
 
@@ -55,22 +54,11 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """(source, PTX, ptxas log) of the causal fixture's `.cu` with its backward at D=64 and D=128, built in parallel."""
     nvcc = nvcc_or_skip()
     root = tmp_path_factory.mktemp("sm90bwd")
-    flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
 
     def one(case: tuple[int, bool]) -> tuple[str, str, str]:
         head_dim, pingpong = case
-        d = root / f"{head_dim}_{pingpong}"
-        d.mkdir()
         src = lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True, backward_pingpong=pingpong)
-        (d / "k.cu").write_text(src)
-        ptx = subprocess.run([*flags, "-ptx", "-o", str(d / "k.ptx"), str(d / "k.cu")], capture_output=True, text=True,
-                             timeout=300)
-        assert ptx.returncode == 0, ptx.stderr[-3000:]
-        so = subprocess.run([*flags, "--shared", "-Xcompiler", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cu")],
-                            capture_output=True, text=True, timeout=300)
-        assert so.returncode == 0, so.stderr[-3000:]
-        syms = subprocess.run(["nm", "-D", str(d / "k.so")], capture_output=True, text=True).stdout
-        return src, (d / "k.ptx").read_text(), so.stdout + so.stderr + syms
+        return (src, *build_sm90a(nvcc, src, root / f"{head_dim}_{pingpong}", shared=True))
 
     cases = [(64, False), (128, False), (128, True)]
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:

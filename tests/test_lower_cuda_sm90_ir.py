@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from kb.errors import KBError
 from kb.ir.nodes import Dtype, For, TileAt
 from kb.lower.cuda_sm90_ir import lower_program_sm90
-from tests.support.cuda import nvcc_or_skip
+from tests.support.cuda import build_sm90a, nvcc_or_skip
 from tests.support.ir_programs import FIXTURES
 
 
@@ -62,21 +61,12 @@ def hook_builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Each case's (source, PTX text, ptxas log of the object build), built once and in parallel."""
     nvcc = nvcc_or_skip()
     root = tmp_path_factory.mktemp("sm90")
-    flags = [nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-Xptxas", "-v"]
 
     def one(case: tuple[str, int]) -> tuple[str, str, str]:
         name, head_dim = case
-        d = root / f"{name}_{head_dim}"
-        d.mkdir()
         p = _two_loops("alibi") if name == "two_loops" else FIXTURES[name](dtype=Dtype.BF16)
         src = lower_program_sm90(p, head_dim)
-        (d / "k.cu").write_text(src)
-        ptx = subprocess.run([*flags, "-ptx", "-o", str(d / "k.ptx"), str(d / "k.cu")], capture_output=True, text=True,
-                             timeout=300)
-        assert ptx.returncode == 0, ptx.stderr[-3000:]
-        obj = subprocess.run([*flags, "-c", "-o", str(d / "k.o"), str(d / "k.cu")], capture_output=True, text=True,
-                             timeout=300)
-        return src, (d / "k.ptx").read_text(), obj.stdout + obj.stderr
+        return (src, *build_sm90a(nvcc, src, root / f"{name}_{head_dim}"))
 
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         return dict(zip(HOOK_CASES, pool.map(one, HOOK_CASES)))
