@@ -2,6 +2,9 @@
 
     python -m bench.gpu.hopper_bwd_check OUT.json GEN_DIR SPEC.py [SPEC.py ...] [--trials N]
 
+`--pingpong`: first re-lower each `.cu` that holds the Hopper backward with its unmeasured ping-pong schedule
+(`lower_program_sm90(..., backward_pingpong=True)`) into a copy of GEN_DIR, and time that copy.
+
 For each spec: at its own small shape (ragged sequence lengths) and at its bench shapes, `ModelNew` as `kb generate`
 wrote it into GEN_DIR (`emitted`) and the same step with the `.cu`'s backward forced (`emitted-cuda-bwd`,
 bench.gpu.tune_bwd), each checked against the spec's own autograd and timed. Measures only; what generation uses
@@ -67,6 +70,27 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
     return rows
 
 
+def _pingpong_copy(gen_dir: Path) -> Path:
+    """GEN_DIR copied to a temporary directory with each Hopper-backward `.cu` re-lowered with the ping-pong schedule."""
+    import re
+    import shutil
+    import tempfile
+
+    from kb.ir.text import parse_program
+    from kb.lower.cuda_sm90_ir import lower_program_sm90
+
+    out = Path(tempfile.mkdtemp(prefix="hbc_pingpong_")) / gen_dir.name
+    shutil.copytree(gen_dir, out)
+    for cu in sorted(out.glob("*.cu")):
+        text = cu.read_text()
+        head = re.search(r"#define KB_HEAD_DIM (\d+)", text)
+        if "kb_launch_bwd" in text and head:
+            program = parse_program(cu.with_suffix(".kbir").read_text())
+            cu.write_text(lower_program_sm90(program, int(head.group(1)), backward=True, backward_pingpong=True))
+            print(f"{cu.name}: re-lowered with the ping-pong schedule", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
@@ -76,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-small", action="store_true", help="only the bench shapes")
     ap.add_argument("--no-check", action="store_true", help="time the `.cu` backward whatever its gradients (ablations)")
     ap.add_argument("--profile", action="store_true", help="print each bench shape's GPU kernels (torch.profiler)")
+    ap.add_argument("--pingpong", action="store_true", help="time the backward's unmeasured ping-pong schedule (a copy)")
     a = ap.parse_args(argv)
+    if a.pingpong:
+        a.gen_dir = _pingpong_copy(a.gen_dir)
     rows = []
     for i, s in enumerate(a.specs):
         try:
