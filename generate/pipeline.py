@@ -248,9 +248,11 @@ def _backward(kb: KnowledgeBase, spec: Spec, built: _Built, options: GenerateOpt
 
 def _with_backward(spec: Spec, built: _Built, bwd: Program, options: GenerateOptions) -> tuple[CudaDispatch | None, str]:
     """The forward's CUDA dispatch for the module that also holds backward program `bwd`: with the Hopper backward in the
-    `.cu` where it applies (never with --deterministic: its dq is summed with atomics), and the report's sentence."""
+    `.cu` where it applies (never with --deterministic: it adds dq's partials in the order they arrive), and the
+    report's sentence."""
     if options.deterministic:
-        return built.dispatch, "backward()'s Triton kernels run: --deterministic (the Hopper backward sums dq with atomics)"
+        return built.dispatch, ("backward()'s Triton kernels run: --deterministic (the Hopper backward adds dq's partials "
+                                "in the order they arrive)")
     target = options.cuda.target if options.cuda else resolve_target(options.target, "sm90")
     pairs = (options.cuda_pairs or {}).get("sm90_wgmma", [])
     return with_backward(built.dispatch, built.program, bwd, target, spec.shapes.D, pairs,

@@ -428,7 +428,7 @@ def lower_program_sm90(p: Program, head_dim: int, backward: bool = False, backwa
 
 def _host(abi: LaunchAbi, backward: bool) -> list[str]:
     """`kb_launch` with the portable ABI (fill KbArgs, block classes first when there is a table, then the kernel) and,
-    with `backward`, `kb_launch_bwd`: the same arguments, then the backward's (kb.lower.cuda_sm90_bwd.BWD_ABI)."""
+    with `backward`, `kb_launch_bwd`: the same arguments, then the backward's (kb.lower.cuda_sm90_bwd.BWD_LAUNCH_SYMBOL)."""
     L = ["static int kb_prepare(KbArgs& kb_a, void* const* ptrs, const long long* strides, const long long* dims, "
          "const double* scalars, void* stream) {", *fill_args(abi),
          "  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);"]
