@@ -107,3 +107,21 @@ def test_generation_lists_the_backward_only_where_a_measurement_says_it_is_faste
     assert not unmeasured.backward and "no `.cu` of this lowering was measured" in runs
     portable = CudaDispatch("gen_causal.cu", "// portable", "sm_80", {})
     assert with_backward(portable, fwd, bwd, "sm90", 128, [_pair(2.0)], target)[0] is portable
+
+
+def test_deterministic_generation_never_adds_the_hopper_backward() -> None:
+    """--deterministic: the Hopper backward adds dq's partials in arrival order, so the module keeps the forward's
+    dispatch as it was (no `kb_launch_bwd` in its `.cu`), and the report says why."""
+    from generate.pipeline import GenerateOptions, _Built, _with_backward
+    from generate.spec import load_spec
+    from tests.support.repo import REPO
+    from verify.result import Verdict
+
+    spec = load_spec(REPO / "examples" / "specs" / "sdpa_causal_d128_bf16.py")
+    fwd, bwd = FIXTURES["causal"](dtype=Dtype.BF16), causal_bwd(Dtype.BF16)
+    dispatch = CudaDispatch("gen.cu", lower_program_sm90(fwd, 128), "sm_90a", {})
+    built = _Built(fwd, "", dispatch.source, {}, Verdict.passed, "", dispatch=dispatch)
+    kept, why = _with_backward(spec, built, bwd, GenerateOptions(deterministic=True, cuda_pairs={}))
+    assert kept is dispatch and not kept.has_backward and "--deterministic" in why
+    added, why = _with_backward(spec, built, bwd, GenerateOptions(cuda_pairs={}))
+    assert added is not None and added.has_backward and "kb_launch_bwd" in added.source and not added.backward
