@@ -430,16 +430,16 @@ def _host(abi: LaunchAbi, backward: bool) -> list[str]:
     """`kb_launch` with the portable ABI (fill KbArgs, block classes first when there is a table, then the kernel) and,
     with `backward`, `kb_launch_bwd`: the same arguments, then the backward's (kb.lower.cuda_sm90_bwd.BWD_LAUNCH_SYMBOL)."""
     L = ["static int kb_prepare(KbArgs& kb_a, void* const* ptrs, const long long* strides, const long long* dims, "
-         "const double* scalars, void* stream) {", *fill_args(abi),
-         "  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);"]
+         "const double* scalars, void* stream) {", *fill_args(abi)]
     if abi.table:
-        L += ["  const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
+        L += ["  cudaStream_t kb_stream = static_cast<cudaStream_t>(stream);",
+              "  const long long kb_cells = kb_a.bc_size[0] * kb_a.bc_size[1] * kb_a.bc_size[2] * kb_a.bc_size[3];",
               "  if (kb_cells > 0) kb_block_class_kernel<<<(unsigned)kb_cells, KB_THREADS, 0, kb_stream>>>(kb_a, "
               "const_cast<signed char*>(kb_a.bc));",
               "  cudaError_t kb_err = cudaGetLastError();",
               "  if (kb_err != cudaSuccess) return (int)kb_err;"]
     else:
-        L += ["  (void)kb_stream;"]
+        L += ["  (void)stream;"]
     too_big = " || ".join(f"kb_a.{cxx_name(d)} > {KB_DIM_LIMIT}LL" for d in abi.dims) or "false"
     L += [f"  if ({too_big}) return {KB_ERR_RANGE};  // the hooks' 32-bit index math needs dims <= {KB_DIM_LIMIT}",
           "  return 0;", "}", "",
