@@ -23,7 +23,7 @@ import torch
 
 from bench.gpu import tune_common as common
 from bench.gpu.tune_bwd import (
-    _cuda_backward_records, _dout, _emitted_impl, _leaf_inputs, _shape_dims, bwd_record, fwd_bwd_flops,
+    _cuda_backward_records, _dout, cuda_backward_forced, _emitted_impl, _leaf_inputs, _shape_dims, bwd_record, fwd_bwd_flops,
     reference_grads,
 )
 
@@ -58,10 +58,8 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
                 *_cuda_backward_records(em, ref, flops, trials, "cuda", check)]
         if prof and shape:
             print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
-            saved = getattr(em.module, "CUDA_BACKWARD")
-            setattr(em.module, "CUDA_BACKWARD", {"sm90": {64: "forced", 128: "forced"}})
-            print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
-            setattr(em.module, "CUDA_BACKWARD", saved)
+            with cuda_backward_forced(em.module):
+                print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
         rows.append({"spec": spec_path, "shape": dims, "records": recs})
         for r in recs:
             print(f"{Path(spec_path).stem:28s} {str(dims):70s} {r['impl']:18s} {r['status']:9s} "

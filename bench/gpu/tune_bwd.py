@@ -398,6 +398,17 @@ def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: i
     module = em.module
     if device != "cuda" or not hasattr(module, "_cuda_backward") or "kb_launch_bwd" not in _cu_text(module):
         return []
+    with cuda_backward_forced(module) as ran:
+        rec = bwd_record("emitted-cuda-bwd", em.impl, ref, flops, trials, check)
+    if rec["status"] == "ok" and not (ran and all(ran)):
+        rec = {"impl": rec["impl"], "status": "declined", "error": "the `.cu` backward did not run (declined these inputs, or another copy of the operator ran)"}
+    return [{**rec, "lowering": "sm90_wgmma"}]
+
+
+@contextlib.contextmanager
+def cuda_backward_forced(module: ModuleType) -> Iterator[list[bool]]:
+    """Inside, the module's `.cu` Hopper backward is listed for this GPU and every head-dim bucket (an ablation); the
+    list yielded gets, per backward call, whether the `.cu` ran (False: its dispatch declined and Triton ran)."""
     saved, real = getattr(module, "CUDA_BACKWARD"), getattr(module, "_cuda_backward")
     ran: list[bool] = []
 
@@ -409,13 +420,10 @@ def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: i
     setattr(module, "CUDA_BACKWARD", {_arch(): {b: "forced (ablation)" for b in (16, 32, 64, 128, 256)}})
     setattr(module, "_cuda_backward", watched)
     try:
-        rec = bwd_record("emitted-cuda-bwd", em.impl, ref, flops, trials, check)
+        yield ran
     finally:
         setattr(module, "CUDA_BACKWARD", saved)
         setattr(module, "_cuda_backward", real)
-    if rec["status"] == "ok" and not (ran and all(ran)):
-        rec = {"impl": rec["impl"], "status": "declined", "error": "the `.cu` backward did not run (declined these inputs, or another copy of the operator ran)"}
-    return [{**rec, "lowering": "sm90_wgmma"}]
 
 
 def _cu_text(module: ModuleType) -> str:
