@@ -55,20 +55,18 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     nvcc = nvcc_or_skip()
     root = tmp_path_factory.mktemp("sm90bwd")
 
-    def one(case: tuple[int, bool]) -> tuple[str, str, str]:
-        head_dim, pingpong = case
-        src = lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True, backward_pingpong=pingpong)
-        return (src, *build_sm90a(nvcc, src, root / f"{head_dim}_{pingpong}", shared=True))
+    def one(head_dim: int) -> tuple[str, str, str]:
+        src = lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True)
+        return (src, *build_sm90a(nvcc, src, root / str(head_dim), shared=True))
 
-    cases = [(64, False), (128, False), (128, True)]
+    cases = [64, 128]
     with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         return dict(zip(cases, pool.map(one, cases)))
 
 
-@pytest.mark.parametrize("head_dim, pingpong", [(64, False), (128, False), (128, True)])
-def test_the_backward_builds_for_sm90a_on_wgmma_and_bulk_copies_without_spills(builds: dict, head_dim: int,
-                                                                                pingpong: bool) -> None:
-    src, ptx, log = builds[(head_dim, pingpong)]
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_backward_builds_for_sm90a_on_wgmma_and_bulk_copies_without_spills(builds: dict, head_dim: int) -> None:
+    src, ptx, log = builds[head_dim]
     bwd_ptx = ptx[ptx.index(".entry _Z11kb_sm90_bwd"):]
     bwd_ptx = bwd_ptx.split("// .globl")[0]  # up to the next entry
     for instr in ("wgmma.mma_async", "cp.async.bulk.tensor", "cp.reduce.async.bulk", "fence.proxy.async"):
@@ -79,7 +77,6 @@ def test_the_backward_builds_for_sm90a_on_wgmma_and_bulk_copies_without_spills(b
     assert "C7510" not in log and "C7511" not in log and "C7512" not in log  # no serialised wgmma
     assert " T kb_launch_bwd" in log and " T kb_launch" in log
     assert f"static_assert(SMEM_BYTES == {bwd_smem_bytes(head_dim)}" in src and bwd_smem_bytes(head_dim) <= 227 * 1024
-    assert f"BWD_PINGPONG = {'true' if pingpong else 'false'};" in src
 
 
 def test_without_backward_the_cu_is_the_forward_alone() -> None:

@@ -2,8 +2,8 @@
 
     python -m bench.gpu.hopper_bwd_check OUT.json GEN_DIR SPEC.py [SPEC.py ...] [--trials N]
 
-`--pingpong`: first re-lower each `.cu` that holds the Hopper backward with its unmeasured ping-pong schedule
-(`lower_program_sm90(..., backward_pingpong=True)`) into a copy of GEN_DIR, and time that copy.
+`--relower`: first re-lower each `.cu` that holds the Hopper backward with this checkout's lowering into a copy of
+GEN_DIR (its `.kbir` beside it), and time that copy: the kernel as `kb generate` would write it now.
 
 For each spec: at its own small shape (ragged sequence lengths) and at its bench shapes, `ModelNew` as `kb generate`
 wrote it into GEN_DIR (`emitted`) and the same step with the `.cu`'s backward forced (`emitted-cuda-bwd`,
@@ -68,8 +68,8 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
     return rows
 
 
-def _pingpong_copy(gen_dir: Path) -> Path:
-    """GEN_DIR copied to a temporary directory with each Hopper-backward `.cu` re-lowered with the ping-pong schedule."""
+def _relowered_copy(gen_dir: Path) -> Path:
+    """GEN_DIR copied to a temporary directory with each Hopper-backward `.cu` lowered again from its `.kbir`."""
     import re
     import shutil
     import tempfile
@@ -77,15 +77,15 @@ def _pingpong_copy(gen_dir: Path) -> Path:
     from kb.ir.text import parse_program
     from kb.lower.cuda_sm90_ir import lower_program_sm90
 
-    out = Path(tempfile.mkdtemp(prefix="hbc_pingpong_")) / gen_dir.name
+    out = Path(tempfile.mkdtemp(prefix="hbc_relower_")) / gen_dir.name
     shutil.copytree(gen_dir, out)
     for cu in sorted(out.glob("*.cu")):
         text = cu.read_text()
         head = re.search(r"#define KB_HEAD_DIM (\d+)", text)
         if "kb_launch_bwd" in text and head:
             program = parse_program(cu.with_suffix(".kbir").read_text())
-            cu.write_text(lower_program_sm90(program, int(head.group(1)), backward=True, backward_pingpong=True))
-            print(f"{cu.name}: re-lowered with the ping-pong schedule", flush=True)
+            cu.write_text(lower_program_sm90(program, int(head.group(1)), backward=True))
+            print(f"{cu.name}: re-lowered", flush=True)
     return out
 
 
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-small", action="store_true", help="only the bench shapes")
     ap.add_argument("--no-check", action="store_true", help="time the `.cu` backward whatever its gradients (ablations)")
     ap.add_argument("--profile", action="store_true", help="print each bench shape's GPU kernels (torch.profiler)")
-    ap.add_argument("--pingpong", action="store_true", help="time the backward's unmeasured ping-pong schedule (a copy)")
+    ap.add_argument("--relower", action="store_true", help="time a copy whose backward `.cu` is lowered again by this checkout")
     a = ap.parse_args(argv)
-    if a.pingpong:
-        a.gen_dir = _pingpong_copy(a.gen_dir)
+    if a.relower:
+        a.gen_dir = _relowered_copy(a.gen_dir)
     rows = []
     for i, s in enumerate(a.specs):
         try:

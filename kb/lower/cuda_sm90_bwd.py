@@ -46,12 +46,14 @@ KIND_CAP = 16384  # (query head, query tile) steps per key tile whose kind a CTA
 
 
 def bwd_smem_bytes(head_dim_pad: int) -> int:
-    """K, V, two (Q, dO, lse2, delta) stages, dS^T, the dQ staging tiles, the step kinds, barriers, alignment."""
+    """K, V, two (Q, dO, lse2, delta) stages, two dS^T buffers, the dQ staging panels, the step kinds, barriers,
+    alignment."""
     kv = BWD_BLOCK_KV * head_dim_pad * 2
     q = BWD_BLOCK_Q * head_dim_pad * 2
-    dq_tiles = 2 * (head_dim_pad // 64) * BWD_BLOCK_Q * 64 * 4  # two warpgroups' fp32 dQ staging
+    ds = 2 * BWD_BLOCK_KV * BWD_BLOCK_Q * 2
+    dq_panels = 2 * BWD_BLOCK_Q * 64 * 4  # one fp32 panel per warpgroup
     rows = 2 * 2 * BWD_BLOCK_Q * 4  # per stage: lse2 and delta
-    return 2 * kv + 2 * 2 * q + BWD_BLOCK_KV * BWD_BLOCK_Q * 2 + dq_tiles + rows + KIND_CAP // 4 + 128 + 1024
+    return 2 * kv + 2 * 2 * q + ds + dq_panels + rows + KIND_CAP // 4 + 128 + 1024
 
 
 def _wgmma_ss_tt(n: int, ab: str) -> str:
@@ -96,23 +98,22 @@ constexpr int KT_PANEL = BK * 128;       // of a K or V tile
 constexpr int QT_BYTES = NPANEL * QT_PANEL;
 constexpr int KT_BYTES = NPANEL * KT_PANEL;
 constexpr int BSTAGES = 2;
-constexpr int DS_BYTES = BK * BQ * 2;    // dS^T: BK rows of BQ 16-bit values = 128 B (one swizzle row)
-constexpr int NHALF = HD / 64;           // dQ is staged 64 head-dim columns at a time
-constexpr int DQ_TILE = BQ * 64 * 4;     // one staged fp32 dQ tile: 64 queries x 64 columns
+constexpr int DS_BYTES = BK * BQ * 2;    // dS^T: BK rows of BQ 16-bit values = 128 B (one swizzle row); two buffers
+constexpr int NHALF = HD / 64;           // dQ's 64-column panels: warpgroup cw computes panel cw ^ (step & 1)
+constexpr int DQ_TILE = BQ * 64 * 4;     // one staged fp32 dQ panel: 64 queries x 64 columns
 constexpr int OFF_V = KT_BYTES;
 constexpr int OFF_Q = 2 * KT_BYTES;
 constexpr int OFF_DO = OFF_Q + BSTAGES * QT_BYTES;
 constexpr int OFF_DS = OFF_DO + BSTAGES * QT_BYTES;
-constexpr int OFF_DQ = OFF_DS + DS_BYTES;
+constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;
 constexpr int ROW_BYTES = BQ * 4;        // one step's lse2 or delta: 64 fp32
-constexpr int OFF_ROWS = OFF_DQ + 2 * NHALF * DQ_TILE;  // per stage: lse2 then delta
+constexpr int OFF_ROWS = OFF_DQ + 2 * DQ_TILE;  // per stage: lse2 then delta
 constexpr int KIND_CAP = @KIND_CAP@;      // steps whose kind the CTA keeps (2 bits each); later ones are computed
 constexpr int OFF_KIND = OFF_ROWS + BSTAGES * 2 * ROW_BYTES;
 constexpr int OFF_BAR = OFF_KIND + KIND_CAP / 4;
 constexpr int SMEM_BYTES = OFF_BAR + 128 + 1024;
 constexpr int BAR_WG = 1;                // named barriers 1 and 2: the four warps of consumer warpgroup 0 or 1
-constexpr int BAR_TURN = 3;              // 3 and 4: the warpgroups take turns issuing GEMMs (ping-pong)
-constexpr bool BWD_PINGPONG = @PINGPONG@;    // off: each step first loads the next (blocking), no turns (run 21's kernel)
+constexpr int BAR_DS = 3;                // 3: both warpgroups (dS^T of all 128 keys is in shared memory)
 static_assert(BQ == 64 && BK == 128 && HD % 64 == 0, "tile shape");
 static_assert(SMEM_BYTES == @SMEM@, "kb.lower.cuda_sm90_bwd.bwd_smem_bytes");
 
@@ -122,10 +123,11 @@ struct BSmem {
   __device__ uint32_t v() const { return base + OFF_V; }
   __device__ uint32_t q(int s) const { return base + OFF_Q + s * QT_BYTES; }
   __device__ uint32_t dout(int s) const { return base + OFF_DO + s * QT_BYTES; }
-  __device__ uint32_t ds() const { return base + OFF_DS; }
-  __device__ uint32_t dq(int wg, int half) const { return base + OFF_DQ + (wg * NHALF + half) * DQ_TILE; }
+  __device__ uint32_t ds(int buf) const { return base + OFF_DS + buf * DS_BYTES; }
+  __device__ uint32_t dq(int wg) const { return base + OFF_DQ + wg * DQ_TILE; }
   __device__ uint32_t lse2(int s) const { return base + OFF_ROWS + s * 2 * ROW_BYTES; }
   __device__ uint32_t delta(int s) const { return lse2(s) + ROW_BYTES; }
+  __device__ uint32_t kinds() const { return base + OFF_KIND; }
   __device__ uint32_t bar_kv() const { return base + OFF_BAR; }
   __device__ uint32_t full(int s) const { return base + OFF_BAR + 8 * (1 + s); }
   __device__ uint32_t empty(int s) const { return base + OFF_BAR + 8 * (1 + BSTAGES + s); }
@@ -148,14 +150,22 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, int byt
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+__device__ __forceinline__ float2 lds_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+  return v;
+}
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
+// A descriptor moved `bytes` further in shared memory: its start-address field (bits 0-13, address >> 4) never
+// carries, since shared addresses stay below 2^18. One add per k-step instead of a descriptor built per wgmma.
+__device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// K-major 128B-swizzled operand (see kb90::desc_kmajor): k-step kk is 32 B into its panel, panel kk / 4.
+__device__ __forceinline__ uint32_t kmajor_off(int panel_bytes, int kk) { return (kk / 4) * panel_bytes + (kk % 4) * 32; }
 // MN-major 128B-swizzled operand (see kb90::desc_v): k-step kk starts 16 rows = 2048 B further;
-// the next 64 columns are one panel (panel_bytes) away.
-__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int panel_bytes, int kk) {
-  return make_desc(tile + kk * 2048, panel_bytes, 1024);
-}
+// the next 64 columns are one panel (LBO) away.
+__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int panel_bytes) { return make_desc(tile, panel_bytes, 1024); }
 
 struct BTile {  // the CTA's key tile and the query heads whose gradients it collects (the launcher bounds them to int)
   int b, hk, h0, group, n_start, nmb;
@@ -187,7 +197,7 @@ __device__ __forceinline__ int step_kind(const KbArgs& a, const BTile& t, int h,
 // Every (query head, query tile) step's kind, 2 bits each, computed once per CTA by all its threads in parallel (the
 // hooks may read a block-class table from global memory: scanning them per step and per thread would cost more than
 // the steps of a narrow window); steps past KIND_CAP are asked of the hooks as they come.
-__device__ __forceinline__ void fill_kinds(const KbArgs& a, const BTile& t, uint8_t* kinds, int tid) {
+__device__ __forceinline__ void fill_kinds(const KbArgs& a, const BTile& t, const BSmem& sm, int tid) {
   const int total = t.group * t.nmb, bytes = min(total, KIND_CAP) / 4 + 1;
   for (int j = tid; j < bytes && j < KIND_CAP / 4; j += 256) {
     uint32_t packed = 0;
@@ -196,7 +206,7 @@ __device__ __forceinline__ void fill_kinds(const KbArgs& a, const BTile& t, uint
       const int idx = 4 * j + e;
       if (idx < total) packed |= static_cast<uint32_t>(step_kind(a, t, t.h0 + idx / t.nmb, (idx % t.nmb) * BQ)) << (2 * e);
     }
-    kinds[j] = static_cast<uint8_t>(packed);
+    asm volatile("st.shared.u8 [%0], %1;" :: "r"(sm.kinds() + j), "r"(packed) : "memory");
   }
 }
 
@@ -204,10 +214,16 @@ struct Walk {  // the steps that contribute to the key tile, in order: step idx 
   int idx, kind;
   __device__ __forceinline__ int h(const BTile& t) const { return t.h0 + idx / t.nmb; }
   __device__ __forceinline__ int m0(const BTile& t) const { return (idx % t.nmb) * BQ; }
-  __device__ __forceinline__ bool next(const KbArgs& a, const BTile& t, const uint8_t* kinds) {
+  __device__ __forceinline__ bool next(const KbArgs& a, const BTile& t, const BSmem& sm) {
     const int total = t.group * t.nmb;
     while (++idx < total) {
-      kind = idx < KIND_CAP ? (kinds[idx >> 2] >> (2 * (idx & 3))) & 3 : step_kind(a, t, h(t), m0(t));
+      if (idx < KIND_CAP) {
+        uint32_t packed;
+        asm volatile("ld.shared.u8 %0, [%1];" : "=r"(packed) : "r"(sm.kinds() + (idx >> 2)));
+        kind = (packed >> (2 * (idx & 3))) & 3;
+      } else {
+        kind = step_kind(a, t, h(t), m0(t));
+      }
       if (kind != 0) return true;
     }
     return false;
@@ -245,155 +261,157 @@ struct BwdConsumer {
   const KbBwdArgs& g;
   const BTile& t;
   const BSmem& sm;
-  const float* rows;  // the stages' lse2 and delta in shared memory
-  const uint8_t* kinds;
   const CUtensorMap *mq, *mdo;
   LoadCursor ld;      // used by thread 0 only
-  bool loader;
   int cw, lane, warp;
   float dv[HD / 2], dk[HD / 2];
 
-  __device__ BwdConsumer(const KbArgs& a_, const KbBwdArgs& g_, const BTile& t_, const BSmem& sm_, const float* rows_,
-                         const uint8_t* kinds_, const CUtensorMap* mq_, const CUtensorMap* mdo_, LoadCursor ld_,
-                         int cw_, int tid)
-      : a(a_), g(g_), t(t_), sm(sm_), rows(rows_), kinds(kinds_), mq(mq_), mdo(mdo_), ld(ld_), loader(cw_ == 0 && tid == 0),
-        cw(cw_) {
+  __device__ BwdConsumer(const KbArgs& a_, const KbBwdArgs& g_, const BTile& t_, const BSmem& sm_,
+                         const CUtensorMap* mq_, const CUtensorMap* mdo_, LoadCursor ld_, int cw_, int tid)
+      : a(a_), g(g_), t(t_), sm(sm_), mq(mq_), mdo(mdo_), ld(ld_), cw(cw_) {
     lane = tid % 32;
     warp = tid / 32;
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) dv[i] = dk[i] = 0.f;
   }
 
-  // Ping-pong: warpgroup 0 issues its GEMMs, hands the tensor cores to warpgroup 1, and runs its elementwise work
-  // while they compute; every step has the same turns in both, and warpgroup 1's last hand-back is skipped so that no
-  // arrival is left pending at exit.
-  __device__ __forceinline__ void turn_begin() {
-    if (BWD_PINGPONG) named_sync(BAR_TURN + cw, 256);
-  }
-  __device__ __forceinline__ void turn_end(bool last) {
-    if (BWD_PINGPONG && (cw == 0 || !last)) named_arrive(BAR_TURN + 1 - cw, 256);
-  }
-  // Thread 0 loads the step after the one computed once its stage is free; `block = false` never waits for that, so
-  // that its warpgroup keeps computing while the other one finishes the step before.
+  // Thread 0 loads step `upto` (the one after the step computed) once its stage is free; `block = false` returns
+  // instead of waiting. The stage is free once both warpgroups finished the step before the one computed, which is
+  // certain after this step's dS barrier, so the blocking call there never waits.
   __device__ __forceinline__ void poll(int upto, bool block) {
-    if (!loader || !ld.more || ld.it > upto) return;
+    if (threadIdx.x != 0 || !ld.more || ld.it > upto) return;
     const uint32_t empty = sm.empty(ld.it % BSTAGES), parity = ((ld.it / BSTAGES) & 1) ^ 1;
     if (!block && !mbar_ready(empty, parity)) return;
     load_step(sm, t, g, g.M_pad, ld.it, ld.w, mq, mdo, a.Hq);
-    ld.more = ld.w.next(a, t, kinds);
+    ld.more = ld.w.next(a, t, sm);
     ++ld.it;
   }
 
-  __device__ __forceinline__ void step(int it, int h, int m0, int kind, bool last) {
+  // D[64 keys x 64 queries] = A[this warpgroup's 64 key rows] B[64 query rows]^T, both K-major over the head dim.
+  __device__ __forceinline__ void gemm_rows(float (&d)[BQ / 2], uint32_t a_tile, uint32_t b_tile) {
+    const uint64_t da = make_desc(a_tile, 16, 1024), db = make_desc(b_tile, 16, 1024);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      kb_wgmma_ss_n64(d, desc_at(da, kmajor_off(KT_PANEL, kk)), desc_at(db, kmajor_off(QT_PANEL, kk)), kk > 0 ? 1 : 0);
+  }
+
+  // acc[64 keys x HD] += A[64 keys x 64 queries] (16-bit registers, the accumulator layout) B[64 queries x HD] (MN-major).
+  __device__ __forceinline__ void gemm_acc(float (&acc)[HD / 2], uint32_t (&afrag)[BQ / 4], uint32_t b_tile) {
+    const uint64_t db = desc_mn(b_tile, QT_PANEL);
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(acc, &afrag[4 * kk], desc_at(db, kk * 2048));
+  }
+
+  __device__ __forceinline__ void step(int it, int h, int m0, int kind) {
     // An opaque copy of the shared-memory base: every descriptor below is then computed where it is used,
     // not hoisted out of the step loop into registers that the accumulators need.
     BSmem sm = this->sm;
     asm volatile("" : "+r"(sm.base));
     const int s = it % BSTAGES;
-    poll(it + 1, !BWD_PINGPONG);
+    poll(it + 1, false);
     mbar_wait(sm.full(s), (it / BSTAGES) & 1);
     float sacc[BQ / 2], dpacc[BQ / 2];
-    const uint32_t ka = sm.k() + cw * 64 * 128, va = sm.v() + cw * 64 * 128;  // this warpgroup's 64 key rows
-    turn_begin();
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      kb_wgmma_ss_n64(sacc, desc_kmajor(ka, KT_PANEL, kk), desc_kmajor(sm.q(s), QT_PANEL, kk), kk > 0 ? 1 : 0);
+    gemm_rows(sacc, sm.k() + cw * 64 * 128, sm.q(s));  // S^T = K Q^T
     wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-      kb_wgmma_ss_n64(dpacc, desc_kmajor(va, KT_PANEL, kk), desc_kmajor(sm.dout(s), QT_PANEL, kk), kk > 0 ? 1 : 0);
+    gemm_rows(dpacc, sm.v() + cw * 64 * 128, sm.dout(s));  // dP^T = V dO^T
     wg_commit();
-    turn_end(false);
+    poll(it + 1, false);
 
     const long long row0 = (static_cast<long long>(t.b) * a.Hq + h) * g.M_pad + m0;  // this step's first dq_acc row
-    const float* lse2 = rows + s * 2 * BQ;  // staged by load_step with Q and dO
-    const float* delta = lse2 + BQ;
-    // 32-bit indices: the launcher refuses M, N >= 2^31
-    const int kv0 = t.n_start + 64 * cw + 16 * warp + lane / 4, q0 = m0 + 2 * (lane % 4);
-    const int n_keys = static_cast<int>(a.N), m_rows = static_cast<int>(a.M);
+    const uint32_t lse2 = sm.lse2(s) + 8 * (lane % 4), delta = sm.delta(s) + 8 * (lane % 4);  // staged with Q and dO
     wg_wait<1>();
     reg_fence(sacc);
     const float scale2 = a.sm_scale * LOG2E;
-    const bool plain = kind == 2 && t.n_start + BK <= a.N;
+    if (kind == 2 && t.n_start + BK <= a.N) {  // every score is s * sm_scale: P^T = exp2(s * scale2 - lse2)
 #pragma unroll
-    for (int i = 0; i < BQ / 2; ++i) {
-      const int c = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-      const int kv = kv0 + 8 * ((i / 2) % 2), q = q0 + 8 * (i / 4) + (i % 2);
-      float x;
-      if (plain) x = sacc[i] * scale2;
-      else if (kv >= n_keys || q >= m_rows) x = -INFINITY;
-      else if (kind == 2) x = sacc[i] * scale2;
-      else x = kb_score(a, kb_row(a, t.b, h, q), kv, sacc[i]) * LOG2E;
-      sacc[i] = fast_exp2(x - lse2[c]);  // lse2 = +inf on empty and padded rows: P = 0
+      for (int j = 0; j < BQ / 8; ++j) {
+        const float2 l = lds_f2(lse2 + 32 * j);  // columns 8j + 2(lane % 4) and the next
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], scale2, -(e % 2 ? l.y : l.x)));
+      }
+    } else {
+      // 32-bit indices: the launcher refuses M, N >= 2^31
+      const int kv0 = t.n_start + 64 * cw + 16 * warp + lane / 4, q0 = m0 + 2 * (lane % 4);
+      const int n_keys = static_cast<int>(a.N), m_rows = static_cast<int>(a.M);
+#pragma unroll
+      for (int j = 0; j < BQ / 8; ++j) {
+        const float2 l = lds_f2(lse2 + 32 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e, kv = kv0 + 8 * (e / 2), q = q0 + 8 * j + (e % 2);
+          float x;
+          if (kv >= n_keys || q >= m_rows) x = -INFINITY;
+          else if (kind == 2) x = sacc[i] * scale2;
+          else x = kb_score(a, kb_row(a, t.b, h, q), kv, sacc[i]) * LOG2E;
+          sacc[i] = fast_exp2(x - (e % 2 ? l.y : l.x));  // lse2 = +inf on empty and padded rows: P = 0
+        }
+      }
     }
-    if (BWD_PINGPONG) poll(it + 1, false);
-    wg_wait<0>();
-    reg_fence(dpacc);
     uint32_t pa[BQ / 4], dsa[BQ / 4];
 #pragma unroll
-    for (int i = 0; i < BQ / 2; ++i) {
-      const int c = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-      dpacc[i] = sacc[i] * (dpacc[i] - delta[c]);
-    }
-#pragma unroll
-    for (int i = 0; i < BQ / 4; ++i) {
-      pa[i] = pack2(sacc[2 * i], sacc[2 * i + 1]);
-      dsa[i] = pack2(dpacc[2 * i], dpacc[2 * i + 1]);
-    }
-    turn_begin();
+    for (int i = 0; i < BQ / 4; ++i) pa[i] = pack2(sacc[2 * i], sacc[2 * i + 1]);
     wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(dv, &pa[4 * kk], desc_mn(sm.dout(s), QT_PANEL, kk));
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(dk, &dsa[4 * kk], desc_mn(sm.q(s), QT_PANEL, kk));
+    gemm_acc(dv, pa, sm.dout(s));  // dV += P^T dO, while dS is computed
     wg_commit();
-    turn_end(false);
+    wg_wait<1>();
+    reg_fence(dpacc);
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+      const float2 dl = lds_f2(delta + 32 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+    }
+#pragma unroll
+    for (int i = 0; i < BQ / 4; ++i) dsa[i] = pack2(dpacc[2 * i], dpacc[2 * i + 1]);
+    wg_fence();
+    gemm_acc(dk, dsa, sm.q(s));  // dK += dS^T Q, while dS^T goes to shared memory
+    wg_commit();
 
     // This warpgroup's dS^T rows to shared memory in the 128B swizzle that wgmma reads: 16-byte chunk ^= row % 8.
-    const uint32_t dsb = sm.ds() + cw * 64 * 128;
+    // Two buffers: the other warpgroup may still be reading the last step's in its dQ GEMM.
+    const uint32_t dsb = sm.ds(it & 1);
 #pragma unroll
     for (int j = 0; j < BQ / 4; ++j) {
-      const int row = 16 * warp + lane / 4 + 8 * (j % 2);
+      const int row = 64 * cw + 16 * warp + lane / 4 + 8 * (j % 2);
       const int col = 8 * (j / 2) + 2 * (lane % 4);
       const uint32_t addr = dsb + row * 128 + ((((col * 2) >> 4) ^ (row % 8)) << 4) + ((col * 2) & 15);
       asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(dsa[j]) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
     const int wtid = 32 * warp + lane;
-    if (wtid == 0) bulk_wait_read();  // the staging buffers' reductions of the last step have read them
-    named_sync(BAR_WG + cw, 128);
-    // dQ partial of this warpgroup's 64 keys, 64 head-dim columns at a time: dS (64 queries x 64 keys) K (64 keys x 64),
-    // staged in shared memory and added to dq_acc by one bulk reduction (no per-element atomics, no wait for the other
-    // warpgroup). dq_acc keeps each staged tile as it is: value i of thread t at [i][t] (kb_sm90_bwd_post undoes it).
-    float* dqa = g.dq_acc + row0 * HD;
-#pragma unroll
-    for (int half = 0; half < NHALF; ++half) {
+    if (wtid == 0) bulk_wait_read();  // this warpgroup's staged dQ of the last step has been read by its reduction
+    named_sync(BAR_DS, 256);
+    poll(it + 1, true);
+    // dQ = dS K over all 128 keys of the tile, one 64-column panel per warpgroup (FA3's split: one reduction per
+    // element per step, not one per warpgroup); at D = 64 the warpgroups take turns. Staged in shared memory and
+    // added to dq_acc by one bulk reduction; dq_acc keeps the staged tile as it is: value i of thread t at [i][t]
+    // (kb_sm90_bwd_post undoes it).
+    const int panel = cw ^ (it & 1);
+    if (panel < NHALF) {
       float dq[32];
-      turn_begin();
+      const uint64_t da = desc_mn(dsb, DS_BYTES), db = desc_mn(sm.k() + panel * KT_PANEL, KT_PANEL);
       wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        kb_wgmma_ss_tt_n64(dq, desc_mn(dsb, DS_BYTES, kk), desc_mn(sm.k() + half * KT_PANEL + cw * 64 * 128, KT_PANEL, kk),
-                           kk > 0 ? 1 : 0);
+      for (int kk = 0; kk < BK / 16; ++kk) kb_wgmma_ss_tt_n64(dq, desc_at(da, kk * 2048), desc_at(db, kk * 2048), kk > 0 ? 1 : 0);
       wg_commit();
-      turn_end(last && half == NHALF - 1);
       wg_wait<0>();
       reg_fence(dq);
-      const uint32_t buf = sm.dq(cw, half);
+      const uint32_t buf = sm.dq(cw);
 #pragma unroll
       for (int i = 0; i < 32; ++i)
         asm volatile("st.shared.f32 [%0], %1;" :: "r"(buf + (i * 128 + wtid) * 4), "f"(dq[i]) : "memory");
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       named_sync(BAR_WG + cw, 128);
-      if (wtid == 0) bulk_reduce_add(dqa + half * 4096, buf, 16384);
+      if (wtid == 0) bulk_reduce_add(g.dq_acc + row0 * HD + panel * 4096, buf, DQ_TILE);
+    } else {
+      wg_wait<0>();
     }
     reg_fence(dv);
     reg_fence(dk);
     reg_fence(pa);
     reg_fence(dsa);
-    mbar_arrive(sm.empty(s));
-    if (BWD_PINGPONG) poll(it + 1, true);  // the next step's tiles must be on their way before it starts
+    mbar_arrive(sm.empty(s));  // dV and dK have read this stage's Q and dO
   }
 
   __device__ __forceinline__ void finish() {
@@ -471,8 +489,6 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
   sm.base = (smem_u32(kb_smem_raw) + 1023u) & ~1023u;
   const int tid = threadIdx.x;
   const BTile t = make_btile(a);
-  uint8_t* smem = kb_smem_raw + (sm.base - smem_u32(kb_smem_raw));  // generic pointer to the aligned base
-  uint8_t* kinds = smem + OFF_KIND;
   if (tid == 0) {
     mbar_init(sm.bar_kv(), 1);
     for (int s = 0; s < BSTAGES; ++s) {
@@ -490,23 +506,18 @@ kb_sm90_bwd(const KbArgs a, const KbBwdArgs g, const __grid_constant__ CUtensorM
       tma_load_4d(sm.v() + p * KT_PANEL, &map_v, sm.bar_kv(), p * 64, t.n_start, t.hk, t.b);
     }
   }
-  fill_kinds(a, t, kinds, tid);
+  fill_kinds(a, t, sm, tid);
   __syncthreads();
   Walk cur{-1, 0};
-  bool more = cur.next(a, t, kinds);
+  bool more = cur.next(a, t, sm);
   // Two warpgroups of 64 key rows each; no producer warpgroup, so that each thread may hold the ~250
   // registers of dK, dV, S and dP at D = 128 (three warpgroups cap them at 240 even with setmaxnreg).
-  BwdConsumer c(a, g, t, sm, reinterpret_cast<const float*>(smem + OFF_ROWS), kinds, &map_q, &map_do,
-                LoadCursor{cur, more, 0}, tid / 128, tid % 128);
+  BwdConsumer c(a, g, t, sm, &map_q, &map_do, LoadCursor{cur, more, 0}, tid / 128, tid % 128);
   c.poll(0, true);
   mbar_wait(sm.bar_kv(), 0);  // always: the CTA must not exit under an in-flight TMA write
-  if (BWD_PINGPONG && more && tid / 128 == 1) named_arrive(BAR_TURN, 256);  // warpgroup 0 takes the first turn
   for (int it = 0; more; ++it) {
-    Walk next = cur;
-    const bool more_after = next.next(a, t, kinds);
-    c.step(it, cur.h(t), cur.m0(t), cur.kind, !more_after);
-    cur = next;
-    more = more_after;
+    c.step(it, cur.h(t), cur.m0(t), cur.kind);
+    more = cur.next(a, t, sm);
   }
   c.finish();
 }
@@ -566,17 +577,15 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
 """
 
 
-def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16", pingpong: bool = False) -> str:
-    """The backward's CUDA C++, to follow kb.lower.cuda_sm90's forward source in one translation unit. `pingpong`: the
-    two warpgroups take turns issuing GEMMs (named barriers, as the forward) and thread 0 loads the next step as soon as
-    its stage is free instead of first thing in each step; written in run 21 and not yet measured on a GPU, so off."""
+def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
+    """The backward's CUDA C++, to follow kb.lower.cuda_sm90's forward source in one translation unit."""
     if head_dim_pad not in (64, 128):
         raise ValueError(f"head_dim_pad {head_dim_pad} is not supported (64 or 128)")
     ab = _ELEM[dtype][1]
     wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(64, ab)  # each guarded: once per file
     subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
             "@SMEM@": str(bwd_smem_bytes(head_dim_pad)),
-            "@KIND_CAP@": str(KIND_CAP), "@PINGPONG@": "true" if pingpong else "false"}
+            "@KIND_CAP@": str(KIND_CAP)}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():
         text = text.replace(key, val)

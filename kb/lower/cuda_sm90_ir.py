@@ -389,11 +389,10 @@ def backward_refusal(fwd: Program, bwd: Program) -> str | None:
     return None
 
 
-def lower_program_sm90(p: Program, head_dim: int, backward: bool = False, backward_pingpong: bool = False) -> str:
+def lower_program_sm90(p: Program, head_dim: int, backward: bool = False) -> str:
     """The Hopper (sm_90a) source for `p` at head dim `head_dim` (64 or 128; the kernel refuses another D at
     launch); KBError when `p` is outside the structure above. `backward`: the file also holds the Hopper backward
-    (kb.lower.cuda_sm90_bwd) and its `kb_launch_bwd`; ask `backward_refusal(p, bwd)` first. `backward_pingpong`: that
-    backward's unmeasured ping-pong schedule (kb.lower.cuda_sm90_bwd.sm90_backward_source)."""
+    (kb.lower.cuda_sm90_bwd) and its `kb_launch_bwd`; ask `backward_refusal(p, bwd)` first."""
     if head_dim not in SM90_HEAD_DIMS:
         raise KBError(f"Hopper lowering of {p.name}: head dim {head_dim} (the template has {SM90_HEAD_DIMS})")
     q = p.param("q")
@@ -419,7 +418,7 @@ def lower_program_sm90(p: Program, head_dim: int, backward: bool = False, backwa
                        _hooks(p, shape, abi, scalars)])
     src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
     if backward:
-        src += sm90_backward_source(head_dim_pad=head_dim, dtype=dtype, pingpong=backward_pingpong)
+        src += sm90_backward_source(head_dim_pad=head_dim, dtype=dtype)
     out = [f"// Hopper (sm_90a) kernel for IR program `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
            "the IR (kb.lower.cuda_sm90_ir), do not edit. Build with -gencode=arch=compute_90a,code=sm_90a.",
            src, *_host(abi, backward)]
