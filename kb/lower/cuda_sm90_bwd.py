@@ -438,25 +438,36 @@ struct BwdConsumer {
   }
 };
 
-// delta = rowsum(dO * O) and lse2 = lse * log2 e per (b, h, row < M_pad); one warp per row.
+// delta = rowsum(dO * O) and lse2 = lse * log2 e per (b, h, row < M_pad). Grid (row blocks, Hq, B): no 64-bit
+// division; HD / 8 threads per row, each 8 columns (16 bytes of dO; the launcher checked O's and dO's alignment).
 __global__ void kb_sm90_bwd_pre(const KbArgs a, const KbBwdArgs g) {
-  const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (w >= a.B * a.Hq * g.M_pad) return;
-  const long long row = w % g.M_pad, bh = w / g.M_pad, h = bh % a.Hq, b = bh / a.Hq;
+  constexpr int TPR = HD / 8;
+  const long long h = blockIdx.y, b = blockIdx.z;
+  const long long row = static_cast<long long>(blockIdx.x) * (blockDim.x / TPR) + threadIdx.x / TPR;
+  const int d0 = (threadIdx.x % TPR) * 8;
   float acc = 0.f, l = -INFINITY;
   if (row < a.M) {
-    const kb_elem* dob = g.dout + b * g.do_stride[0] + h * g.do_stride[1] + row * g.do_stride[2];
-    const long long oo = b * g.o_stride[0] + h * g.o_stride[1] + row * g.o_stride[2];
-    for (long long d = lane; d < a.D; d += 32) {
-      const float o = g.o_f32 ? static_cast<const float*>(g.o)[oo + d] : static_cast<float>(static_cast<const kb_elem*>(g.o)[oo + d]);
-      acc += o * static_cast<float>(dob[d]);
+    const uint4 d4 = *reinterpret_cast<const uint4*>(g.dout + b * g.do_stride[0] + h * g.do_stride[1] + row * g.do_stride[2] + d0);
+    const kb_elem* dx = reinterpret_cast<const kb_elem*>(&d4);
+    const long long oo = b * g.o_stride[0] + h * g.o_stride[1] + row * g.o_stride[2] + d0;
+    if (g.o_f32) {
+      const float4* op = reinterpret_cast<const float4*>(static_cast<const float*>(g.o) + oo);
+      const float4 o0 = op[0], o1 = op[1];
+      acc = o0.x * static_cast<float>(dx[0]) + o0.y * static_cast<float>(dx[1]) + o0.z * static_cast<float>(dx[2]) +
+            o0.w * static_cast<float>(dx[3]) + o1.x * static_cast<float>(dx[4]) + o1.y * static_cast<float>(dx[5]) +
+            o1.z * static_cast<float>(dx[6]) + o1.w * static_cast<float>(dx[7]);
+    } else {
+      const uint4 o4 = *reinterpret_cast<const uint4*>(static_cast<const kb_elem*>(g.o) + oo);
+      const kb_elem* ox = reinterpret_cast<const kb_elem*>(&o4);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += static_cast<float>(ox[e]) * static_cast<float>(dx[e]);
     }
     l = a.lse[b * a.lse_stride[0] + h * a.lse_stride[1] + row * a.lse_stride[2]];
   }
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
+  for (int off = TPR / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (row < g.M_pad && d0 == 0) {
+    const long long w = (b * a.Hq + h) * g.M_pad + row;
     g.delta[w] = acc;
     g.lse2[w] = l == -INFINITY ? INFINITY : l * LOG2E;
   }
@@ -533,6 +544,10 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
   if (!kb_tma_ok(a.q, a.q_stride) || !kb_tma_ok(a.k, a.k_stride) || !kb_tma_ok(a.v, a.v_stride) ||
       !kb_tma_ok(g.dout, g.do_stride))
     return 10002;
+  const long long o_elem = g.o_f32 ? 4 : 2;  // kb_sm90_bwd_pre reads O 16 bytes at a time
+  if ((reinterpret_cast<uintptr_t>(g.o) & 15) != 0 || g.o_stride[3] != 1 || (g.o_stride[0] * o_elem) % 16 ||
+      (g.o_stride[1] * o_elem) % 16 || (g.o_stride[2] * o_elem) % 16)
+    return 10002;
   kb_elem* outs[3] = {g.dq, g.dk, g.dv};
   const long long* ostr[3] = {g.dq_stride, g.dk_stride, g.dv_stride};
   for (int i = 0; i < 3; ++i)
@@ -542,8 +557,10 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   cudaError_t e = cudaMemsetAsync(g.dq_acc, 0, sizeof(float) * a.B * a.Hq * g.M_pad * KB_HEAD_DIM, st);
   if (e != cudaSuccess) return e;
-  const long long rows = a.B * a.Hq * g.M_pad;
-  if (rows > 0) kb90b::kb_sm90_bwd_pre<<<(unsigned)((rows * 32 + 255) / 256), 256, 0, st>>>(a, g);
+  constexpr int PRE_ROWS = 256 / (KB_HEAD_DIM / 8);  // rows per block of kb_sm90_bwd_pre
+  if (a.Hq > 0 && g.M_pad > 0)
+    kb90b::kb_sm90_bwd_pre<<<dim3(static_cast<unsigned>((g.M_pad + PRE_ROWS - 1) / PRE_ROWS), static_cast<unsigned>(a.Hq),
+                                  static_cast<unsigned>(a.B)), 256, 0, st>>>(a, g);
   if (a.N > 0 && a.M > 0) {
     CUtensorMap mq, mk, mv, mdo;
     if (!kb_make_map(&mq, a.q, a.q_stride, a.B, a.Hq, a.M, a.D, kb90b::BQ) ||
