@@ -51,7 +51,7 @@ def bwd_smem_bytes(head_dim_pad: int) -> int:
     kv = BWD_BLOCK_KV * head_dim_pad * 2
     q = BWD_BLOCK_Q * head_dim_pad * 2
     ds = 2 * BWD_BLOCK_KV * BWD_BLOCK_Q * 2
-    dq_panels = 2 * BWD_BLOCK_Q * 64 * 4  # one fp32 panel per warpgroup
+    dq_panels = 2 * BWD_BLOCK_Q * (head_dim_pad // 2) * 4  # each warpgroup's fp32 half of dQ
     rows = 2 * 2 * BWD_BLOCK_Q * 4  # per stage: lse2 and delta
     return 2 * kv + 2 * 2 * q + ds + dq_panels + rows + KIND_CAP // 4 + 128 + 1024
 
@@ -99,8 +99,8 @@ constexpr int QT_BYTES = NPANEL * QT_PANEL;
 constexpr int KT_BYTES = NPANEL * KT_PANEL;
 constexpr int BSTAGES = 2;
 constexpr int DS_BYTES = BK * BQ * 2;    // dS^T: BK rows of BQ 16-bit values = 128 B (one swizzle row); two buffers
-constexpr int NHALF = HD / 64;           // dQ's 64-column panels: warpgroup cw computes panel cw ^ (step & 1)
-constexpr int DQ_TILE = BQ * 64 * 4;     // one staged fp32 dQ panel: 64 queries x 64 columns
+constexpr int DQ_N = HD / 2;            // dQ columns per warpgroup: warpgroup cw computes [cw * DQ_N, (cw + 1) * DQ_N)
+constexpr int DQ_TILE = BQ * DQ_N * 4;   // its staged fp32 dQ: 64 queries x DQ_N columns
 constexpr int OFF_V = KT_BYTES;
 constexpr int OFF_Q = 2 * KT_BYTES;
 constexpr int OFF_DO = OFF_Q + BSTAGES * QT_BYTES;
@@ -383,30 +383,28 @@ struct BwdConsumer {
     if (wtid == 0) bulk_wait_read();  // this warpgroup's staged dQ of the last step has been read by its reduction
     named_sync(BAR_DS, 256);
     poll(it + 1, true);
-    // dQ = dS K over all 128 keys of the tile, one 64-column panel per warpgroup (FA3's split: one reduction per
-    // element per step, not one per warpgroup); at D = 64 the warpgroups take turns. Staged in shared memory and
-    // added to dq_acc by one bulk reduction; dq_acc keeps the staged tile as it is: value i of thread t at [i][t]
-    // (kb_sm90_bwd_post undoes it).
-    const int panel = cw ^ (it & 1);
-    if (panel < NHALF) {
-      float dq[32];
-      const uint64_t da = desc_mn(dsb, DS_BYTES), db = desc_mn(sm.k() + panel * KT_PANEL, KT_PANEL);
-      wg_fence();
+    // dQ = dS K over all 128 keys of the tile, half the head dim per warpgroup (FA3's split: one reduction per dQ
+    // element per step, not one per warpgroup). Columns c0.. of K start (c0 % 64) * 2 bytes into panel c0 / 64: inside
+    // a 128-byte swizzle row, which the hardware swizzles as TMA wrote it (the panel is 1024-aligned, no carry past
+    // bit 6). Staged in shared memory and added to dq_acc by one bulk reduction. dq_acc keeps 64 x 64 tiles as an
+    // m64n64 accumulator holds them, value i of thread t at [i][t] (kb_sm90_bwd_post undoes it): this warpgroup's
+    // values are i = (c0 % 64) / 2 .. + DQ_N / 2 of tile c0 / 64, one contiguous block.
+    const int c0 = cw * DQ_N;
+    float dq[DQ_N / 2];
+    const uint64_t da = desc_mn(dsb, DS_BYTES), db = desc_mn(sm.k() + (c0 / 64) * KT_PANEL + (c0 % 64) * 2, KT_PANEL);
+    wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) kb_wgmma_ss_tt_n64(dq, desc_at(da, kk * 2048), desc_at(db, kk * 2048), kk > 0 ? 1 : 0);
-      wg_commit();
-      wg_wait<0>();
-      reg_fence(dq);
-      const uint32_t buf = sm.dq(cw);
+    for (int kk = 0; kk < BK / 16; ++kk) kb_wgmma_ss_tt_n@DQN@(dq, desc_at(da, kk * 2048), desc_at(db, kk * 2048), kk > 0 ? 1 : 0);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(dq);
+    const uint32_t buf = sm.dq(cw);
 #pragma unroll
-      for (int i = 0; i < 32; ++i)
-        asm volatile("st.shared.f32 [%0], %1;" :: "r"(buf + (i * 128 + wtid) * 4), "f"(dq[i]) : "memory");
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      named_sync(BAR_WG + cw, 128);
-      if (wtid == 0) bulk_reduce_add(g.dq_acc + row0 * HD + panel * 4096, buf, DQ_TILE);
-    } else {
-      wg_wait<0>();
-    }
+    for (int i = 0; i < DQ_N / 2; ++i)
+      asm volatile("st.shared.f32 [%0], %1;" :: "r"(buf + (i * 128 + wtid) * 4), "f"(dq[i]) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    named_sync(BAR_WG + cw, 128);
+    if (wtid == 0) bulk_reduce_add(g.dq_acc + row0 * HD + (c0 / 64) * 4096 + (c0 % 64) / 2 * 128, buf, DQ_TILE);
     reg_fence(dv);
     reg_fence(dk);
     reg_fence(pa);
@@ -599,10 +597,10 @@ def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
     if head_dim_pad not in (64, 128):
         raise ValueError(f"head_dim_pad {head_dim_pad} is not supported (64 or 128)")
     ab = _ELEM[dtype][1]
-    wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(64, ab)  # each guarded: once per file
+    wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(head_dim_pad // 2, ab)  # each guarded
     subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
             "@SMEM@": str(bwd_smem_bytes(head_dim_pad)),
-            "@KIND_CAP@": str(KIND_CAP)}
+            "@KIND_CAP@": str(KIND_CAP), "@DQN@": str(head_dim_pad // 2)}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():
         text = text.replace(key, val)
