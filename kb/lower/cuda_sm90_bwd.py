@@ -10,19 +10,21 @@ that only adds terms, masks); kb.lower.cuda_sm90_ir decides which programs quali
 Kernel shape (one CTA of two warpgroups per (key tile of 128 rows, kv head, batch), causal-heaviest first):
 - every step's kind (skip / per element / scale only, the forward's `kb_block_kind` for the enclosing
   forward tile) is computed once per CTA by all its threads into shared memory; K and V are loaded once
-  by TMA; one thread then streams the (Q, dO, lse2, delta) of 64 query rows into a 2-stage ring one
-  step ahead, for every query head of the GQA group and every query tile not skipped, so dK and dV of
-  a kv head are summed in registers over its whole group (no atomics, deterministic). No producer
-  warpgroup: the consumers need ~250 registers at D=128, above what `setmaxnreg` leaves beside one;
+  by TMA; thread 0 streams the (Q, dO, lse2, delta) of 64 query rows into a 2-stage ring one step
+  ahead (as soon as the stage is free, at the latest after the step's dS barrier), for every query head
+  of the GQA group and every query tile not skipped, so dK and dV of a kv head are summed in registers
+  over its whole group (no atomics, deterministic). No producer warpgroup: the consumers need ~250
+  registers at D=128, above what `setmaxnreg` leaves beside one;
 - warpgroups 1 and 2 own 64 key rows each. Per query tile: S^T = K Q^T and dP^T = V dO^T with
   `wgmma m64n64k16` (both operands K-major from shared memory), issued together; P^T = exp2(score *
-  log2 e - lse * log2 e) on the accumulator while dP^T is in flight (scores through the forward's
-  hooks where the tile is partial); dS^T = P^T (dP^T - delta); then dV += P^T dO and dK += dS^T Q
-  with the 16-bit P^T and dS^T as register A operands (the accumulator layout is the A-fragment
-  layout) and dO, Q read MN-major; dS^T is stored 128B-swizzled to shared memory, and each
-  warpgroup's dQ partial over its own 64 keys, dS K with both operands MN-major ("transposed"), 64
-  head-dim columns at a time, is staged in shared memory and added to an fp32 buffer by a TMA bulk
-  reduction (`cp.reduce.async.bulk`; no per-element atomics, no wait for the other warpgroup);
+  log2 e - lse * log2 e) on the accumulator while dP^T is in flight (branch-free where the step's kind
+  says every score is s * sm_scale, through the forward's hooks where the tile is partial); dV += P^T dO
+  issued before dS^T = P^T (dP^T - delta) is computed, then dK += dS^T Q, with the 16-bit P^T and dS^T
+  as register A operands (the accumulator layout is the A-fragment layout) and dO, Q read MN-major;
+  dS^T is stored 128B-swizzled into one of two buffers, both warpgroups meet at one barrier, and each
+  computes dQ = dS K over all 128 keys for half the head dim (FA3's split), both operands MN-major
+  ("transposed"), staged in shared memory and added to an fp32 buffer by a TMA bulk reduction
+  (`cp.reduce.async.bulk`; no per-element atomics, one reduction per dQ element per step);
 - before: a kernel computes delta = rowsum(dO * O) (O in fp32 or 16-bit) and lse * log2 e (+inf for
   an empty row or a padded one, so that its P is 0); after: dq = dq_acc * sm_scale in q's type.
 
