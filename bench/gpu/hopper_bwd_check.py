@@ -18,14 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-
 import torch
 
 from bench.gpu import tune_common as common
-from bench.gpu.tune_bwd import (
-    _cuda_backward_records, _dout, cuda_backward_forced, _emitted_impl, _leaf_inputs, _shape_dims, bwd_record, fwd_bwd_flops,
-    reference_grads,
-)
+from bench.gpu.tune_bwd import _cuda_backward_records, _prepare_step, bwd_record, cuda_backward_forced
 
 
 def _profile(impl, dout) -> str:
@@ -47,19 +43,14 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
     entry = {"spec": spec_path, "candidate": str(gen_dir / f"gen_{Path(spec_path).stem}.py")}
     rows = []
     for j, shape in enumerate([{}] * small + common.bench_shapes(spec, None)):
-        inputs = _leaf_inputs(common.make_inputs(spec, shape, "cuda"))
-        em = _emitted_impl(entry, spec, shape, "cuda", f"hbc{idx}_{j}", inputs)
-        dims = _shape_dims(inputs)
-        pairs = common.attended_pairs(spec, [t.detach() for t in inputs], em.model)
-        flops = sum(fwd_bwd_flops(dims["Hq"], dims["D"], dims.get("Dv", dims["D"]), pairs))
-        dout = _dout((dims["B"], dims["Hq"], dims["M"], dims.get("Dv", dims["D"])), inputs[0].dtype, "cuda")
-        ref = reference_grads(spec, inputs, em.model, dout)
-        recs = [bwd_record("emitted", em.impl, ref, flops, trials),
-                *_cuda_backward_records(em, ref, flops, trials, "cuda", check)]
+        st = _prepare_step(entry, spec, shape, f"hbc{idx}_{j}", "cuda")
+        em, dims, flops = st.em, st.dims, st.flops_fwd + st.flops_bwd
+        recs = [bwd_record("emitted", em.impl, st.ref, flops, trials),
+                *_cuda_backward_records(em, st.ref, flops, trials, "cuda", check)]
         if prof and shape:
-            print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
+            print(_profile(em.impl, st.dout.to(st.inputs[0].dtype)), flush=True)
             with cuda_backward_forced(em.module):
-                print(_profile(em.impl, dout.to(inputs[0].dtype)), flush=True)
+                print(_profile(em.impl, st.dout.to(st.inputs[0].dtype)), flush=True)
         rows.append({"spec": spec_path, "shape": dims, "records": recs})
         for r in recs:
             print(f"{Path(spec_path).stem:28s} {str(dims):70s} {r['impl']:18s} {r['status']:9s} "

@@ -358,22 +358,39 @@ def _dout(shape: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
+@dataclass
+class _Step:
+    """One training step's setup at one shape: the emitted candidate, its inputs, one dO and the reference gradients."""
+    inputs: list
+    em: _Emitted
+    dims: dict
+    pairs: int  # attended (query, key) pairs
+    flops_fwd: float
+    flops_bwd: float
+    dout: torch.Tensor
+    ref: Reference
+
+
+def _prepare_step(entry: dict, spec: ModuleType, shape: dict, tag: str, device: str) -> _Step:
+    inputs = _leaf_inputs(common.make_inputs(spec, shape, device))
+    em = _emitted_impl(entry, spec, shape, device, tag, inputs)
+    dims = _shape_dims(inputs)
+    pairs = common.attended_pairs(spec, [t.detach() for t in inputs], em.model)
+    f_fwd, f_bwd = fwd_bwd_flops(dims["Hq"], dims["D"], dims.get("Dv", dims["D"]), pairs)
+    dout = _dout((dims["B"], dims["Hq"], dims["M"], dims.get("Dv", dims["D"])), inputs[0].dtype, device)
+    return _Step(inputs, em, dims, pairs, f_fwd, f_bwd, dout, reference_grads(spec, inputs, em.model, dout))
+
+
 def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, device: str, deadline: float) -> dict:
     if device == "cpu":
         shape = {}  # the CPU dry run works at the spec's own small shape
-    inputs = _leaf_inputs(common.make_inputs(spec, shape, device))
-    em = _emitted_impl(entry, spec, shape, device, tag, inputs)
+    st = _prepare_step(entry, spec, shape, tag, device)
+    inputs, em, dims, ref = st.inputs, st.em, st.dims, st.ref
     model, names = em.model, em.names
-    dims = _shape_dims(inputs)
-    pairs = common.attended_pairs(spec, [t.detach() for t in inputs], model)
-    f_fwd, f_bwd = fwd_bwd_flops(dims["Hq"], dims["D"], dims.get("Dv", dims["D"]), pairs)
-    res: dict[str, Any] = {"shape": {**dims, "attended_pairs": pairs, "flops_fwd": f_fwd, "flops_bwd": f_bwd,
-                                     "flops": f_fwd + f_bwd}, "dtype": str(inputs[0].dtype).split(".")[-1],
-                           "learnable": names}
-    dout = _dout((dims["B"], dims["Hq"], dims["M"], dims.get("Dv", dims["D"])), inputs[0].dtype, device)
-    ref = reference_grads(spec, inputs, model, dout)
-    res["reference"] = ref.how
-    flops = f_fwd + f_bwd
+    flops = st.flops_fwd + st.flops_bwd
+    res: dict[str, Any] = {"shape": {**dims, "attended_pairs": st.pairs, "flops_fwd": st.flops_fwd,
+                                     "flops_bwd": st.flops_bwd, "flops": flops},
+                           "dtype": str(inputs[0].dtype).split(".")[-1], "learnable": names, "reference": ref.how}
     records = [bwd_record("emitted", em.impl, ref, flops, trials)]
     picked = getattr(em.module, "_PICKED", None)
     res["emitted_design"] = str(next(iter(picked.values()))) if picked else None
