@@ -89,6 +89,24 @@ def test_hooks_follow_the_ir() -> None:
     assert "#define KB_HEAD_DIM 64" in causal and "kb_launch" in causal
 
 
+def _hook(src: str, name: str) -> str:
+    start = src.index(f" {name}(const KbArgs& kb_a")
+    return src[start:src.index("\n}\n", start)]
+
+
+def test_hook_pieces_are_split_by_what_they_read() -> None:
+    """A piece of the score reading only (b, h) is computed per head (kb_row_head: ALiBi's slope), one reading only
+    the key per key (kb_col: a key's document id), one reading only the query per query row (kb_row_at); the
+    backward calls them once per step or column (kb.lower.cuda_sm90_bwd), the per-element hook combines them."""
+    alibi = lower_program_sm90(FIXTURES["alibi"](dtype=Dtype.BF16), 128, backward=True)
+    assert "slopes[" in _hook(alibi, "kb_row_head") and "slopes[" not in _hook(alibi, "kb_score_at")
+    assert "slopes[" not in _hook(alibi, "kb_row_at")
+    doc = lower_program_sm90(FIXTURES["document"](dtype=Dtype.BF16), 128, backward=True)
+    assert "kv_idx * kb_a.doc_ids_stride" in _hook(doc, "kb_col") and "q_idx * kb_a.doc_ids_stride" in _hook(doc, "kb_row_at")
+    assert "doc_ids[" not in _hook(doc, "kb_score_at") and "doc_ids[" not in _hook(doc, "kb_row_head")
+    assert "kb_score_at(a, kb_row_at(a, head, q), col[e / 2]" in doc
+
+
 @pytest.mark.parametrize("name, dtype, head_dim, why", [
     ("decode_split_kv", Dtype.BF16, 128, "outputs other than o and lse"),
     ("causal", Dtype.F32, 128, "all be bf16 or all fp16"),

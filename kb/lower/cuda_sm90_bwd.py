@@ -336,6 +336,10 @@ struct BwdConsumer {
       // 32-bit indices: the launcher refuses M, N >= 2^31
       const int kv0 = t.n_start + 64 * cw + 16 * warp + lane / 4, q0 = m0 + 2 * (lane % 4);
       const int n_keys = static_cast<int>(a.N), m_rows = static_cast<int>(a.M);
+      // the hooks' pieces of this step's head and of the thread's two keys once per step (ALiBi's slope, a key's
+      // document id); a query's (kb_row_at) per element: computed per column pair, two KbRow more spill at D=128
+      const KbRow head = kb_row_head(a, t.b, h);
+      const KbCol col[2] = {kb_col(a, t.b, h, kv0), kb_col(a, t.b, h, kv0 + 8)};
 #pragma unroll
       for (int j = 0; j < BQ / 8; ++j) {
         const float2 l = lds_f2(lse2 + 32 * j);
@@ -345,7 +349,7 @@ struct BwdConsumer {
           float x;
           if (kv >= n_keys || q >= m_rows) x = -INFINITY;
           else if (kind == 2) x = sacc[i] * scale2;
-          else x = kb_score(a, kb_row(a, t.b, h, q), kv, sacc[i]) * LOG2E;
+          else x = kb_score_at(a, kb_row_at(a, head, q), col[e / 2], sacc[i]) * LOG2E;
           sacc[i] = fast_exp2(x - (e % 2 ? l.y : l.x));  // lse2 = +inf on empty and padded rows: P = 0
         }
       }

@@ -10,7 +10,10 @@ score_mod/mask_mod:
   block-class table, `kb.lower.block_mask.plan_block_mask`);
 - `kb_score`: the loop's score statements in order (elementwise on the score, score_mod, masks) on
   one score at (q_idx, kv_idx); `if block(..) is not full: mask` applies unconditionally (a full tile
-  keeps every score, so this is exact).
+  keeps every score, so this is exact). Its pieces that read neither the key nor the score go into
+  `KbRow` (those of (b, h) alone through `kb_row_head`, of the query through `kb_row_at`), those of the
+  key alone into `KbCol` (`kb_col`); `kb_score_at` combines them, and the backward calls each as
+  rarely as its step allows.
 The kernel reads q/k/v at [b, h // (Hq // Hkv), rows, :] (GQA), so the Program's loads must address
 exactly those (checked by evaluating its index expressions), with BLOCK_M = 128 and BLOCK_N the
 template's. Host entry: `kb.lower.cuda`'s `kb_launch` ABI (the same `LaunchAbi`), which fills `KbArgs`,
@@ -171,6 +174,7 @@ class _HookGen(CudaKernelGen):
         super().__init__(p, k, abi, plan)
         self.base_names = dict(self.names)  # the dims, schedule constants and scalars: what every hook starts from
         self.fields: list[_Field] = []  # KbRow's pieces, hoisted while kb_score's statements are emitted
+        self.cols: list[_Field] = []  # KbCol's: pieces of one key, free of the query row and the score
 
     def body(self, lines_from: Callable[[], None]) -> list[str]:
         """One hook's lines (`lines_from` emits them): names start again from the dims, schedule constants and scalars."""
@@ -220,8 +224,9 @@ class _HookGen(CudaKernelGen):
             raise _fail(self.p, f"the score statement {type(st).__name__}")
 
     def element(self, e: Expr, st: ScoreMod | Mask) -> tuple[str, Kind]:
-        """`e` for kb_score, with its pieces that do not depend on kv_idx or the score moved into kb_row (computed
-        once per CTA and thread row: the template's rows never change); (C++ code, kind)."""
+        """`e` for kb_score_at, with its pieces that depend on neither kv_idx nor the score moved into KbRow (the
+        forward computes a row once per CTA and thread row: the template's rows never change; the backward the pieces
+        of its step's head once, `kb_row_head`) and those of kv_idx alone into KbCol; (C++ code, kind)."""
         if str(st.at.b) != "b" or str(st.at.h) != "h" or st.at.head_rows:
             raise _fail(self.p, f"{st.op.value} at ({st.at.b}, {st.at.h}, ..) (b and h are accepted)")
         row = {**self.names, **{n: Sym(n, Kind.INT, True) for n in (*_ROW_ARGS, "kv_idx")},
@@ -229,21 +234,25 @@ class _HookGen(CudaKernelGen):
         rctx = self.ctx(row)
         body = self.hoist(e, rctx)
         elem = {**row, **{n: Sym(f"r.{n}", Kind.INT, True) for n in _ROW_ARGS},
-                **{f.name: Sym(f"r.{f.name}", f.kind, f.nonneg) for f in self.fields}}
+                **{f.name: Sym(f"r.{f.name}", f.kind, f.nonneg) for f in self.fields},
+                **{f.name: Sym(f"c.{f.name}", f.kind, f.nonneg) for f in self.cols}}
         ctx = self.ctx(elem)
         return lower_cexpr(body, ctx, self.width(ctx, {f"r.{n}" for n in _ROW_ARGS} | {"kv_idx"})), expr_kind(body, ctx)
 
     def hoist(self, e: Expr, ctx: ExprContext) -> Expr:
-        """`e` with each largest piece free of kv_idx and the score (and safe to evaluate eagerly) replaced by a
-        KbRow field; the fields' code is lowered for kb_row."""
-        if e.op not in (ExprOp.CONST, ExprOp.VAR) and not free_vars(e) & {"kv_idx", "score"} \
+        """`e` with each largest piece free of the score (and safe to evaluate eagerly) and of kv_idx or of q_idx
+        replaced by a KbRow or a KbCol field; the fields' code is lowered for kb_row_head / kb_row_at or kb_col."""
+        used = free_vars(e)
+        if e.op not in (ExprOp.CONST, ExprOp.VAR) and "score" not in used and not {"kv_idx", "q_idx"} <= used \
                 and hoistable(e, lambda x: expr_kind(x, ctx)):
             kind = expr_kind(e, ctx)
             rng = ival(e, self.env(), self.aux_types()) if kind is Kind.INT else None
             ctype = {Kind.FLOAT: "float", Kind.BOOL: "bool"}.get(kind) or ("int" if rng is not None and fits32(rng) else "long long")
-            name = f"kb_r{len(self.fields)}"
-            code = lower_cexpr(e, ctx, self.width(ctx, set(_ROW_ARGS)))
-            self.fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng))
+            fields, prefix = (self.fields, "kb_r") if "kv_idx" not in used else (self.cols, "kb_c")
+            name = f"{prefix}{len(fields)}"
+            code = lower_cexpr(e, ctx, self.width(ctx, {"b", "h", "q_idx", "kv_idx"}))
+            fields.append(_Field(name, kind, ctype, code, is_nonneg(e, ctx) if kind is Kind.INT else False, rng,
+                                 "q_idx" not in used))
             return var(name)
 
         return Expr(e.op, tuple(self.hoist(a, ctx) for a in e.args), e.value) if e.args else e
@@ -252,7 +261,7 @@ class _HookGen(CudaKernelGen):
         """Bounds of the names the hooks' integers are built from: dims, KbRow's ints and kv_idx, the hoisted fields."""
         env: dict[str, Ival] = {d: (0, KB_DIM_LIMIT) for d in self.abi.dims}
         env.update({n: (0, KB_DIM_LIMIT) for n in (*_ROW_ARGS, "kv_idx")})
-        env.update({f.name: f.range for f in self.fields if f.range is not None})
+        env.update({f.name: f.range for f in (*self.fields, *self.cols) if f.range is not None})
         return env
 
     def aux_types(self) -> dict[str, Dtype]:
@@ -261,25 +270,39 @@ class _HookGen(CudaKernelGen):
     def width(self, ctx: ExprContext, int_codes: set[str]) -> IntWidth:
         """32-bit integers wherever the value provably fits: the launcher refuses dims above KB_DIM_LIMIT
         (64-bit integer ops are emulated on the GPU); `int_codes`: the names already `int`."""
-        ints = int_codes | {f"r.{f.name}" for f in self.fields if f.ctype == "int"}
+        ints = int_codes | {f"r.{f.name}" for f in self.fields if f.ctype == "int"} | \
+            {f"c.{f.name}" for f in self.cols if f.ctype == "int"}
         return IntWidth(narrow_ints(self.env(), self.aux_types(), lambda a: expr_kind(a, ctx)), frozenset(ints))
 
-    def row_hook(self, locs: list[str]) -> list[str]:
-        """struct KbRow and kb_row: b, h, q_idx and the hoisted pieces of one query row; `locs` declare the dims and
-        scalars."""
-        struct = ["struct KbRow {", "  int b, h, q_idx;", *(f"  {f.ctype} {f.name};" for f in self.fields), "};"]
-        body = ["__device__ __forceinline__ KbRow kb_row(const KbArgs& kb_a, long long kb_b, long long kb_h, "
-                "long long kb_q) {",
-                "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT",
-                "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, q_idx = (int)kb_q;",
-                *locs, "  KbRow r;", "  r.b = b; r.h = h; r.q_idx = q_idx;",
-                *(f"  r.{f.name} = {f.code};" for f in self.fields), "  return r;", "}"]
-        return struct + body
+    def row_hooks(self, locs: list[str]) -> list[str]:
+        """struct KbRow (b, h, q_idx and the hoisted pieces of one query row) and struct KbCol (kv_idx and those of
+        one key), with kb_row_head (the pieces of (b, h) alone), kb_row_at (then those of q_idx), kb_row (both) and
+        kb_col; `locs` declare the dims and scalars."""
+        head = [f for f in self.fields if f.head]
+        at = [f for f in self.fields if not f.head]
+        dims = "  // in range of int: the launcher refuses dims above KB_DIM_LIMIT"
+        return [
+            "struct KbRow {", "  int b, h, q_idx;", *(f"  {f.ctype} {f.name};" for f in self.fields), "};",
+            "__device__ __forceinline__ KbRow kb_row_head(const KbArgs& kb_a, long long kb_b, long long kb_h) {", dims,
+            "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h;",
+            *locs, "  KbRow r{};", "  r.b = b; r.h = h;", *(f"  r.{f.name} = {f.code};" for f in head), "  return r;",
+            "}",
+            "__device__ __forceinline__ KbRow kb_row_at(const KbArgs& kb_a, KbRow r, long long kb_q) {", dims,
+            "  [[maybe_unused]] const int b = r.b, h = r.h, q_idx = (int)kb_q;",
+            *(locs if at else []), "  r.q_idx = q_idx;", *(f"  r.{f.name} = {f.code};" for f in at), "  return r;",
+            "}",
+            "__device__ __forceinline__ KbRow kb_row(const KbArgs& kb_a, long long kb_b, long long kb_h, long long kb_q) {",
+            "  return kb_row_at(kb_a, kb_row_head(kb_a, kb_b, kb_h), kb_q);", "}",
+            "struct KbCol {", "  int kv_idx;", *(f"  {f.ctype} {f.name};" for f in self.cols), "};",
+            "__device__ __forceinline__ KbCol kb_col(const KbArgs& kb_a, long long kb_b, long long kb_h, long long kb_kv) {",
+            dims, "  [[maybe_unused]] const int b = (int)kb_b, h = (int)kb_h, kv_idx = (int)kb_kv;",
+            *(locs if self.cols else []), "  KbCol c;", "  c.kv_idx = kv_idx;",
+            *(f"  c.{f.name} = {f.code};" for f in self.cols), "  return c;", "}"]
 
 
 @dataclass(frozen=True)
 class _Field:
-    """A KbRow field: a piece of a score statement computed once per query row."""
+    """A KbRow or KbCol field: a piece of a score statement computed once per query row or key."""
 
     name: str
     kind: Kind
@@ -287,6 +310,7 @@ class _Field:
     code: str  # C++ in kb_row's scope
     nonneg: bool
     range: Ival | None
+    head: bool  # free of q_idx too: computed once per (b, h) by kb_row_head
 
 
 def _hooks(p: Program, shape: _Shape, abi: LaunchAbi, scalars: list[Param]) -> str:
@@ -322,10 +346,12 @@ def _hooks(p: Program, shape: _Shape, abi: LaunchAbi, scalars: list[Param]) -> s
         *locs, *kv, "}",
         f"__device__ __forceinline__ int kb_block_kind{head}, long long kb_n_start) {{",
         *locs, *kind_lines, "}",
-        *g.row_hook(locs),
+        *g.row_hooks(locs),
+        "__device__ __forceinline__ float kb_score_at(const KbArgs& kb_a, const KbRow& r, const KbCol& c, float kb_s) {",
+        "  [[maybe_unused]] const int kv_idx = c.kv_idx;",
+        *locs, *score_lines, "  return kb_s;", "}",
         "__device__ __forceinline__ float kb_score(const KbArgs& kb_a, const KbRow& r, long long kb_kv, float kb_s) {",
-        "  [[maybe_unused]] const int kv_idx = (int)kb_kv;  // the launcher refuses dims above KB_DIM_LIMIT",
-        *locs, *score_lines, "  return kb_s;", "}"])
+        "  return kb_score_at(kb_a, r, kb_col(kb_a, r.b, r.h, kb_kv), kb_s);", "}"])
 
 
 def _kind_lines(g: "_HookGen", shape: _Shape, bounds: list[tuple[str, str]]) -> None:
