@@ -99,15 +99,17 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
     (the report then has no `.cu`). Each refusal's reason goes into the report."""
     from kb.lower.cuda import lower_program as lower_portable
     from kb.lower.cuda_mma import lower_program_mma, with_traits
-    from kb.lower.cuda_sm90_ir import lower_program_sm90
+    from kb.lower.cuda_sm90_ir import hopper_program, lower_program_sm90
 
     declined: dict[str, str] = {}
     if plan.target == "sm90":
         try:
+            retyped = hopper_program(program) is not program
             return CudaChoice(lower_program_sm90(program, plan.head_dim), "sm90_wgmma", "sm_90a", {
                 "lowering": "sm90_wgmma", "structure": "FA3/CUTLASS 88: TMA producer warpgroup, two wgmma consumer "
                 "warpgroups (ping-pong, intra-warpgroup overlap), hooks from the IR", "arch": "sm_90a",
-                "head_dim": plan.head_dim})
+                "head_dim": plan.head_dim, **({"dtype": "bf16 (the spec was traced in fp32: fp32 inputs run the "
+                                                        "Triton kernels)"} if retyped else {})})
         except KBError as err:
             declined["sm90_wgmma"] = str(err)
     try:

@@ -109,7 +109,7 @@ def test_hook_pieces_are_split_by_what_they_read() -> None:
 
 @pytest.mark.parametrize("name, dtype, head_dim, why", [
     ("decode_split_kv", Dtype.BF16, 128, "outputs other than o and lse"),
-    ("causal", Dtype.F32, 128, "all be bf16 or all fp16"),
+    ("mixed", Dtype.F16, 128, "all be bf16 or all fp16"),
     ("causal", Dtype.BF16, 96, "head dim 96"),
     ("fp32_out", Dtype.BF16, 128, "the kernel stores o in q's type"),
 ])
@@ -118,10 +118,31 @@ def test_programs_the_template_cannot_compute_are_declined(name: str, dtype: Dty
         p = FIXTURES["causal"](dtype=dtype)
         p = dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.F32) if x.name == "o" else x
                                                 for x in p.params))
+    elif name == "mixed":  # fp16 q and o, bf16 k and v
+        p = FIXTURES["causal"](dtype=dtype)
+        p = dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.BF16) if x.name in "kv" else x
+                                                for x in p.params))
     else:
         p = FIXTURES[name](dtype=dtype)
     with pytest.raises(KBError, match=why):
         lower_program_sm90(p, head_dim)
+
+
+def test_a_program_traced_in_fp32_is_lowered_for_bf16_and_its_dispatch_takes_bf16_only() -> None:
+    """A spec traced in fp32 (q, k, v, o all fp32; its Triton module follows the inputs' dtype) gets the Hopper
+    template in bf16, what the module runs for bf16 inputs; the dispatch's ABI says bf16, so fp32 inputs keep the
+    Triton kernels. A deliberate fp32 output stays declined (above)."""
+    from kb.lower.cuda_dispatch import CudaDispatch, dispatch_section
+    from kb.lower.cuda_sm90_ir import abi_program, hopper_program
+
+    p = FIXTURES["causal"](dtype=Dtype.F32)
+    src = lower_program_sm90(p, 128, backward=True)
+    assert "const __nv_bfloat16* q;" in src and "typedef __nv_bfloat16 kb_elem;" in src
+    assert {x.name: x.dtype for x in abi_program(p, src).params if x.name in "qkvo"} == dict.fromkeys("qkvo", Dtype.BF16)
+    assert hopper_program(FIXTURES["causal"](dtype=Dtype.BF16)) == FIXTURES["causal"](dtype=Dtype.BF16)
+    lines = "\n".join(dispatch_section(p, src, CudaDispatch("x.cu", src, "sm_90a", {"sm90": {128: "measured"}})))
+    abi = lines[lines.index("_CUDA_ABI = "):].splitlines()[0]
+    assert "('q', 'in', ('B', 'Hq', 'M', 'D'), 'bf16')" in abi and "'f32'" not in abi.split("'lse'")[0]
 
 
 def test_loads_of_the_wrong_kv_head_are_declined() -> None:

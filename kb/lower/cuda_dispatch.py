@@ -16,6 +16,7 @@ from kb.errors import KBError
 from kb.ir.nodes import Program, Role
 from kb.lower.cuda import launch_abi, source_schedule
 from kb.lower.cuda_sm90_bwd import BWD_BLOCK_Q
+from kb.lower.cuda_sm90_ir import abi_program
 from kb.lower.preambles import preamble_text
 
 __all__ = ["CudaDispatch", "dispatch_section"]
@@ -35,8 +36,9 @@ class CudaDispatch:
 
 
 def _abi(p: Program, source: str) -> dict:
-    """kb.lower.cuda's launch order for the `.cu` of `p` (its tiles read from the source) as plain data."""
-    p = source_schedule(p, source)
+    """kb.lower.cuda's launch order for the `.cu` of `p` (its tiles read from the source, its dtypes those it
+    computes in: `abi_program`) as plain data."""
+    p = source_schedule(abi_program(p, source), source)
     abi = launch_abi(p)
     tensors = tuple((t.name, t.role.value, tuple(d if isinstance(d, int) else str(d) for d in t.shape), t.dtype.value)
                     for t in abi.tensors)

@@ -29,6 +29,7 @@ from kb.errors import KBError
 from kb.ir.nodes import Dtype, Param, Program, Role
 from kb.lower.cuda import ERROR_SYMBOL, LAUNCH_SYMBOL, LaunchAbi, launch_abi, lower_program, source_schedule
 from kb.lower.cuda_build import BuildMode, build
+from kb.lower.cuda_sm90_ir import abi_program
 
 __all__ = ["CudaKernel", "require_gpu", "device_arch"]
 
@@ -83,9 +84,10 @@ class CudaKernel:
     def from_source(cls, p: Program, source: str, cache_dir: Path | None = None, arch: str | None = None, *,
                     defines: tuple[str, ...] = ()) -> "CudaKernel":
         """Build and load a lowered source of `p` as it is (say, the `.cu` that `kb generate` wrote): its
-        BLOCK_M/BLOCK_N/warps, read from the source, size the block-class table."""
+        BLOCK_M/BLOCK_N/warps, read from the source, size the block-class table; its dtypes are those the source
+        computes in (kb.lower.cuda_sm90_ir.abi_program)."""
         require_gpu()
-        p = source_schedule(p, source)
+        p = source_schedule(abi_program(p, source), source)
         result = build(source, cache_dir or _default_cache_dir(), BuildMode.SHARED, name=p.name,
                        arch=arch or device_arch(), defines=defines)
         if not result.ok:

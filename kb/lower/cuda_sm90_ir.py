@@ -47,7 +47,7 @@ from kb.lower.cuda_sm90 import sm90_forward_source
 from kb.lower.cuda_sm90_bwd import BWD_LAUNCH_SYMBOL, sm90_backward_source
 from kb.lower.block_mask import BlockMaskKind, BlockMaskPlan, plan_block_mask
 
-__all__ = ["lower_program_sm90", "backward_refusal", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
+__all__ = ["lower_program_sm90", "backward_refusal", "hopper_program", "abi_program", "SM90_BLOCK_M", "SM90_BLOCK_N", "SM90_HEAD_DIMS"]
 
 SM90_BLOCK_M = 128
 SM90_BLOCK_N = 128
@@ -415,12 +415,34 @@ def backward_refusal(fwd: Program, bwd: Program) -> str | None:
     return None
 
 
+_IO = ("q", "k", "v", "o")
+_SOURCE_MARK = "// Hopper (sm_90a) kernel for IR program"  # a Hopper source's first line (abi_program)
+
+
+def hopper_program(p: Program) -> Program:
+    """`p` as the Hopper template computes it, q, k, v and o in one 16-bit type: a program typed fp32 throughout (a
+    spec traced in fp32, whose Triton module follows the inputs' dtype) becomes its bf16 copy, what its module runs
+    when a user passes bf16; fp32 inputs keep the Triton kernels (the `.cu`'s dispatch compares dtypes)."""
+    names = {x.name for x in p.params}
+    if not set(_IO) <= names or any(p.param(t).dtype is not Dtype.F32 for t in _IO):
+        return p
+    return dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.BF16) if x.name in _IO else x
+                                               for x in p.params))
+
+
+def abi_program(p: Program, source: str) -> Program:
+    """The program whose launch ABI (kb.lower.cuda.launch_abi: dtypes included) `source`, a `.cu` lowered from `p`,
+    has: `hopper_program(p)` for the Hopper template's, `p` for the other lowerings'."""
+    return hopper_program(p) if source.startswith(_SOURCE_MARK) else p
+
+
 def lower_program_sm90(p: Program, head_dim: int, backward: bool = False) -> str:
-    """The Hopper (sm_90a) source for `p` at head dim `head_dim` (64 or 128; the kernel refuses another D at
-    launch); KBError when `p` is outside the structure above. `backward`: the file also holds the Hopper backward
-    (kb.lower.cuda_sm90_bwd) and its `kb_launch_bwd`; ask `backward_refusal(p, bwd)` first."""
+    """The Hopper (sm_90a) source for `hopper_program(p)` at head dim `head_dim` (64 or 128; the kernel refuses
+    another D at launch); KBError when `p` is outside the structure above. `backward`: the file also holds the Hopper
+    backward (kb.lower.cuda_sm90_bwd) and its `kb_launch_bwd`; ask `backward_refusal(p, bwd)` first."""
     if head_dim not in SM90_HEAD_DIMS:
         raise KBError(f"Hopper lowering of {p.name}: head dim {head_dim} (the template has {SM90_HEAD_DIMS})")
+    p = hopper_program(p)
     q = p.param("q")
     if q.dtype not in (Dtype.BF16, Dtype.F16) or any(p.param(t).dtype is not q.dtype for t in ("k", "v", "o")):
         raise KBError(f"Hopper lowering of {p.name}: q, k, v and o must all be bf16 or all fp16 "
@@ -445,7 +467,7 @@ def lower_program_sm90(p: Program, head_dim: int, backward: bool = False) -> str
     src = sm90_forward_source(hooks, head_dim_pad=head_dim, block_m=SM90_BLOCK_M, block_n=SM90_BLOCK_N, dtype=dtype)
     if backward:
         src += sm90_backward_source(head_dim_pad=head_dim, dtype=dtype)
-    out = [f"// Hopper (sm_90a) kernel for IR program `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
+    out = [f"{_SOURCE_MARK} `{p.name}` at D={head_dim}: kb.lower.cuda_sm90 with hooks from "
            "the IR (kb.lower.cuda_sm90_ir), do not edit. Build with -gencode=arch=compute_90a,code=sm_90a.",
            src, *_host(abi, backward)]
     return "\n".join(out).rstrip() + "\n"
