@@ -174,7 +174,7 @@ def test_a_module_whose_cu_holds_the_hopper_backward_tries_it_first_where_listed
     listed = CudaDispatch("gen_causal.cu", src, "sm_90a", {}, {"sm90": {64: WHY}}, has_backward=True)
     (tmp_path / "gen_causal.py").write_text(lower_autograd(fwd, bwd, cuda=listed))
     mod = import_file(tmp_path / "gen_causal.py", "kb_test_dispatch_bwd")
-    assert mod.CUDA_BACKWARD == {"sm90": {64: WHY}} and mod.CUDA_FORWARD == {} and mod.CUDA_BWD_BLOCK_Q == 64
+    assert mod.CUDA_BACKWARD == {"sm90": {64: WHY}} and mod.CUDA_FORWARD == {} and mod.CUDA_BWD_PAD_Q == 128
     body = _op_backward_body((tmp_path / "gen_causal.py").read_text())
     assert "_cuda_backward(q, k, v, o, dout, lse, sm_scale" in body and "backward(q, k, v, o, dout, lse" in body
     q, k, v = (torch.randn(1, 2, 40, 64, dtype=torch.bfloat16) for _ in range(3))

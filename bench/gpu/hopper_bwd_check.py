@@ -59,16 +59,19 @@ def _check(spec_path: str, gen_dir: Path, trials: int, idx: int, small: bool, ch
     return rows
 
 
-def _relowered_copy(gen_dir: Path) -> Path:
-    """GEN_DIR copied to a temporary directory with each Hopper-backward `.cu` lowered again from its `.kbir`."""
+def _relowered_copy(gen_dir: Path, out: Path | None = None) -> Path:
+    """GEN_DIR copied (to `out`, else a temporary directory) with each Hopper-backward `.cu` lowered again from its
+    `.kbir`, and its modules' scratch padding for the backward (`CUDA_BWD_PAD_Q`, once `CUDA_BWD_BLOCK_Q`) set to
+    what that lowering needs."""
     import re
     import shutil
     import tempfile
 
     from kb.ir.text import parse_program
+    from kb.lower.cuda_sm90_bwd import BWD_PAD_Q
     from kb.lower.cuda_sm90_ir import lower_program_sm90
 
-    out = Path(tempfile.mkdtemp(prefix="hbc_relower_")) / gen_dir.name
+    out = out or Path(tempfile.mkdtemp(prefix="hbc_relower_")) / gen_dir.name
     shutil.copytree(gen_dir, out)
     for cu in sorted(out.glob("*.cu")):
         text = cu.read_text()
@@ -76,6 +79,8 @@ def _relowered_copy(gen_dir: Path) -> Path:
         if "kb_launch_bwd" in text and head:
             program = parse_program(cu.with_suffix(".kbir").read_text())
             cu.write_text(lower_program_sm90(program, int(head.group(1)), backward=True))
+            for module in out.glob(f"{cu.stem}*.py"):
+                module.write_text(re.sub(r"(?m)^(CUDA_BWD_(?:BLOCK|PAD)_Q) = \d+", rf"\1 = {BWD_PAD_Q}", module.read_text()))
             print(f"{cu.name}: re-lowered", flush=True)
     return out
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kb.errors import KBError
 from kb.ir.nodes import Program, Role
 from kb.lower.cuda import launch_abi, source_schedule
-from kb.lower.cuda_sm90_bwd import BWD_BLOCK_Q
+from kb.lower.cuda_sm90_bwd import BWD_PAD_Q
 from kb.lower.cuda_sm90_ir import abi_program
 from kb.lower.preambles import preamble_text
 
@@ -62,6 +62,6 @@ def dispatch_section(p: Program, source: str, d: CudaDispatch) -> list[str]:
             f"CUDA_FORWARD = {forward!r}",
             "# the same for the `.cu`'s Hopper backward (kb.lower.cuda_sm90_bwd); elsewhere backward()'s Triton kernels run",
             f"CUDA_BACKWARD = {backward!r}",
-            f"CUDA_BWD_BLOCK_Q = {BWD_BLOCK_Q}  # the backward's query tile: its scratch rows are padded to it",
+            f"CUDA_BWD_PAD_Q = {BWD_PAD_Q}  # the backward's scratch rows are padded to a multiple of it",
             f"_CUDA_ABI = {_abi(p, source)!r}  # kb_launch's argument order (kb.lower.cuda)",
             preamble_text("nvcc_preamble.py").rstrip(), "", "", preamble_text("cuda_dispatch_preamble.py").rstrip()]

@@ -6,8 +6,8 @@ below (kb.lower.triton pastes it byte for byte; kept here it is linted and teste
 `CUDA_SOURCE` (the `.cu` file's name, beside the module), `CUDA_ARCH` (the arch it was written for: `sm_90a` builds for
 that GPU only, a family arch such as `sm_80` for any GPU at least that new, as this GPU's own arch), `CUDA_FORWARD`
 ({arch: {head-dim bucket: the measurement that chose it}}), `CUDA_BACKWARD` (the same for the `.cu`'s Hopper backward,
-kb.lower.cuda_sm90_bwd; empty where the `.cu` has none), `CUDA_BWD_BLOCK_Q` (its query tile: the scratch rows are padded
-to it) and `_CUDA_ABI` (kb.lower.cuda's `kb_launch` argument order).
+kb.lower.cuda_sm90_bwd; empty where the `.cu` has none), `CUDA_BWD_PAD_Q` (its scratch rows are padded to a multiple of
+it) and `_CUDA_ABI` (kb.lower.cuda's `kb_launch` argument order).
 
 `_cuda_backward(q, k, v, o, dout, lse, sm_scale, named)` returns (dq, dk, dv) from the `.cu`'s backward the same way, and
 None wherever backward()'s Triton kernels should run.
@@ -155,7 +155,7 @@ def _cuda_backward(q, k, v, o, dout, lse, sm_scale, named):
         return None
     tensors["o"], tensors["lse"] = o, lse  # kb_launch's o and lse slots: the backward reads lse there
     B, Hq, M, D = q.shape
-    m_pad = -(-M // CUDA_BWD_BLOCK_Q) * CUDA_BWD_BLOCK_Q
+    m_pad = -(-M // CUDA_BWD_PAD_Q) * CUDA_BWD_PAD_Q
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=q.dtype, device=q.device)
@@ -195,5 +195,5 @@ CUDA_SOURCE = "kernel.cu"
 CUDA_ARCH = "sm_90a"
 CUDA_FORWARD: dict = {}
 CUDA_BACKWARD: dict = {}
-CUDA_BWD_BLOCK_Q = 64
+CUDA_BWD_PAD_Q = 128
 _CUDA_ABI: dict = {"tensors": (), "dims": (), "scalars": (), "table": None, "constants": {}}

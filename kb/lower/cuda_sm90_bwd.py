@@ -10,19 +10,22 @@ that only adds terms, masks); kb.lower.cuda_sm90_ir decides which programs quali
 Kernel shape (one CTA of two warpgroups per (key tile of 128 rows, kv head, batch), causal-heaviest first):
 - every step's kind (skip / per element / scale only, the forward's `kb_block_kind` for the enclosing
   forward tile) is computed once per CTA by all its threads into shared memory; K and V are loaded once
-  by TMA; thread 0 streams the (Q, dO, lse2, delta) of 64 query rows into a 2-stage ring one step
+  by TMA; thread 0 streams the (Q, dO, lse2, delta) of BQ query rows (64 at D=128, 128 at D=64:
+  `bwd_block_q`) into a 2-stage ring one step
   ahead (as soon as the stage is free, at the latest after the step's dS barrier), for every query head
   of the GQA group and every query tile not skipped, so dK and dV of a kv head are summed in registers
   over its whole group (no atomics, deterministic). No producer warpgroup: the consumers need ~250
   registers at D=128, above what `setmaxnreg` leaves beside one;
 - warpgroups 1 and 2 own 64 key rows each. Per query tile: S^T = K Q^T and dP^T = V dO^T with
-  `wgmma m64n64k16` (both operands K-major from shared memory), issued together; P^T = exp2(score *
+  `wgmma m64nBQk16` (both operands K-major from shared memory), issued together; P^T = exp2(score *
   log2 e - lse * log2 e) on the accumulator while dP^T is in flight (branch-free where the step's kind
   says every score is s * sm_scale, through the forward's hooks where the tile is partial); dV += P^T dO
   issued before dS^T = P^T (dP^T - delta) is computed, then dK += dS^T Q, with the 16-bit P^T and dS^T
   as register A operands (the accumulator layout is the A-fragment layout) and dO, Q read MN-major;
-  dS^T is stored 128B-swizzled into one of two buffers, both warpgroups meet at one barrier, and each
-  computes dQ = dS K over all 128 keys for half the head dim (FA3's split), both operands MN-major
+  (at BQ = 128 dS is computed before dV is issued: P, dP and dS beside P^T in flight would not fit the
+  registers); dS^T is stored 128B-swizzled into one of two buffers, both warpgroups meet at one barrier, and
+  each computes dQ = dS K over all 128 keys for half the head dim at BQ = 64 (FA3's split), for 64 of the
+  queries at BQ = 128, both operands MN-major
   ("transposed"), staged in shared memory and added to an fp32 buffer by a TMA bulk reduction
   (`cp.reduce.async.bulk`; no per-element atomics, one reduction per dQ element per step);
 - before: a kernel computes delta = rowsum(dO * O) (O in fp32 or 16-bit) and lse * log2 e (+inf for
@@ -36,25 +39,37 @@ from __future__ import annotations
 
 from kb.lower.cuda_sm90 import _ELEM, _wgmma_rs, _wgmma_ss
 
-__all__ = ["sm90_backward_source", "BWD_BLOCK_Q", "BWD_BLOCK_KV", "BWD_LAUNCH_SYMBOL", "bwd_smem_bytes"]
+__all__ = ["sm90_backward_source", "bwd_block_q", "BWD_PAD_Q", "BWD_BLOCK_KV", "BWD_LAUNCH_SYMBOL", "bwd_smem_bytes"]
 
 # kb.lower.cuda_sm90_ir's host entry: kb_launch's arguments, then void* gptrs[8] = (o, dout, dq, dk, dv, dq_acc,
 # delta, lse2), long long gstrides[20] = the strides of o, dout, dq, dk, dv, and int o_f32; the scratch dq_acc is
-# [B, Hq, M_pad, D] fp32, delta and lse2 [B, Hq, M_pad] fp32, M_pad = M rounded up to BWD_BLOCK_Q.
+# [B, Hq, M_pad, D] fp32, delta and lse2 [B, Hq, M_pad] fp32, M_pad = M rounded up to BWD_PAD_Q.
 BWD_LAUNCH_SYMBOL = "kb_launch_bwd"
-BWD_BLOCK_Q = 64
+BWD_PAD_Q = 128  # a multiple of every head dim's query tile
 BWD_BLOCK_KV = 128
+
+
+def bwd_block_q(head_dim_pad: int) -> int:
+    """Query rows per step: 64 at D=128 (dK, dV, S and dP fill the registers), 128 at D=64 (FA3's tile there: half
+    the steps, so half the per-step waits, barriers and bulk reductions for the same tensor-core work)."""
+    return 128 if head_dim_pad == 64 else 64
 KIND_CAP = 16384  # (query head, query tile) steps per key tile whose kind a CTA keeps in shared memory
+
+
+def _dq_n(head_dim_pad: int) -> int:
+    """dQ columns per warpgroup (the kernel's DQ_N): half the head dim at 64 query rows per step, all at 128."""
+    return head_dim_pad // 2 if bwd_block_q(head_dim_pad) == 64 else head_dim_pad
 
 
 def bwd_smem_bytes(head_dim_pad: int) -> int:
     """K, V, two (Q, dO, lse2, delta) stages, two dS^T buffers, the dQ staging panels, the step kinds, barriers,
     alignment."""
+    bq = bwd_block_q(head_dim_pad)
     kv = BWD_BLOCK_KV * head_dim_pad * 2
-    q = BWD_BLOCK_Q * head_dim_pad * 2
-    ds = 2 * BWD_BLOCK_KV * BWD_BLOCK_Q * 2
-    dq_panels = 2 * BWD_BLOCK_Q * (head_dim_pad // 2) * 4  # each warpgroup's fp32 half of dQ
-    rows = 2 * 2 * BWD_BLOCK_Q * 4  # per stage: lse2 and delta
+    q = bq * head_dim_pad * 2
+    ds = 2 * BWD_BLOCK_KV * bq * 2
+    dq_panels = 2 * 64 * _dq_n(head_dim_pad) * 4  # each warpgroup's fp32 part of dQ: 64 queries x DQ_N
+    rows = 2 * 2 * bq * 4  # per stage: lse2 and delta
     return 2 * kv + 2 * 2 * q + ds + dq_panels + rows + KIND_CAP // 4 + 128 + 1024
 
 
@@ -94,21 +109,25 @@ namespace kb90b {
 using namespace kb90;
 
 constexpr int BQ = @BQ@;                 // query rows per step
+constexpr int PAD_Q = @PADQ@;             // M_pad: M rounded up to it (kb.lower.cuda_sm90_bwd.BWD_PAD_Q)
 constexpr int BK = @BK@;                 // key rows per CTA: 2 consumer warpgroups x 64
 constexpr int QT_PANEL = BQ * 128;       // bytes of one 64-column panel of a Q or dO tile
 constexpr int KT_PANEL = BK * 128;       // of a K or V tile
 constexpr int QT_BYTES = NPANEL * QT_PANEL;
 constexpr int KT_BYTES = NPANEL * KT_PANEL;
 constexpr int BSTAGES = 2;
-constexpr int DS_BYTES = BK * BQ * 2;    // dS^T: BK rows of BQ 16-bit values = 128 B (one swizzle row); two buffers
-constexpr int DQ_N = HD / 2;            // dQ columns per warpgroup: warpgroup cw computes [cw * DQ_N, (cw + 1) * DQ_N)
-constexpr int DQ_TILE = BQ * DQ_N * 4;   // its staged fp32 dQ: 64 queries x DQ_N columns
+constexpr int DS_PANEL = BK * 128;       // dS^T: BK rows of 64 queries' 16-bit values (one 128-byte swizzle row)
+constexpr int DS_BYTES = BQ / 64 * DS_PANEL;  // one of its two buffers
+// dQ of a step = dS K, split between the warpgroups: at BQ = 64 by head dim (warpgroup cw computes all 64 queries x
+// columns [cw * DQ_N, (cw + 1) * DQ_N)), at BQ = 128 by query (queries [64 cw, 64 cw + 64) x all HD columns)
+constexpr int DQ_N = BQ == 64 ? HD / 2 : HD;
+constexpr int DQ_TILE = 64 * DQ_N * 4;   // a warpgroup's staged fp32 dQ: 64 queries x DQ_N columns
 constexpr int OFF_V = KT_BYTES;
 constexpr int OFF_Q = 2 * KT_BYTES;
 constexpr int OFF_DO = OFF_Q + BSTAGES * QT_BYTES;
 constexpr int OFF_DS = OFF_DO + BSTAGES * QT_BYTES;
 constexpr int OFF_DQ = OFF_DS + 2 * DS_BYTES;
-constexpr int ROW_BYTES = BQ * 4;        // one step's lse2 or delta: 64 fp32
+constexpr int ROW_BYTES = BQ * 4;        // one step's lse2 or delta: BQ fp32
 constexpr int OFF_ROWS = OFF_DQ + 2 * DQ_TILE;  // per stage: lse2 then delta
 constexpr int KIND_CAP = @KIND_CAP@;      // steps whose kind the CTA keeps (2 bits each); later ones are computed
 constexpr int OFF_KIND = OFF_ROWS + BSTAGES * 2 * ROW_BYTES;
@@ -116,7 +135,7 @@ constexpr int OFF_BAR = OFF_KIND + KIND_CAP / 4;
 constexpr int SMEM_BYTES = OFF_BAR + 128 + 1024;
 constexpr int BAR_WG = 1;                // named barriers 1 and 2: the four warps of consumer warpgroup 0 or 1
 constexpr int BAR_DS = 3;                // 3: both warpgroups (dS^T of all 128 keys is in shared memory)
-static_assert(BQ == 64 && BK == 128 && HD % 64 == 0, "tile shape");
+static_assert((BQ == 64 || (BQ == 128 && HD == 64)) && BK == 128 && HD % 64 == 0, "tile shape");
 static_assert(SMEM_BYTES == @SMEM@, "kb.lower.cuda_sm90_bwd.bwd_smem_bytes");
 
 struct BSmem {
@@ -289,19 +308,35 @@ struct BwdConsumer {
     ++ld.it;
   }
 
-  // D[64 keys x 64 queries] = A[this warpgroup's 64 key rows] B[64 query rows]^T, both K-major over the head dim.
+  // D[64 keys x BQ queries] = A[this warpgroup's 64 key rows] B[BQ query rows]^T, both K-major over the head dim.
   __device__ __forceinline__ void gemm_rows(float (&d)[BQ / 2], uint32_t a_tile, uint32_t b_tile) {
     const uint64_t da = make_desc(a_tile, 16, 1024), db = make_desc(b_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-      kb_wgmma_ss_n64(d, desc_at(da, kmajor_off(KT_PANEL, kk)), desc_at(db, kmajor_off(QT_PANEL, kk)), kk > 0 ? 1 : 0);
+      kb_wgmma_ss_n@BQ@(d, desc_at(da, kmajor_off(KT_PANEL, kk)), desc_at(db, kmajor_off(QT_PANEL, kk)), kk > 0 ? 1 : 0);
   }
 
-  // acc[64 keys x HD] += A[64 keys x 64 queries] (16-bit registers, the accumulator layout) B[64 queries x HD] (MN-major).
+  // acc[64 keys x HD] += A[64 keys x BQ queries] (16-bit registers, the accumulator layout) B[BQ queries x HD] (MN-major).
   __device__ __forceinline__ void gemm_acc(float (&acc)[HD / 2], uint32_t (&afrag)[BQ / 4], uint32_t b_tile) {
     const uint64_t db = desc_mn(b_tile, QT_PANEL);
 #pragma unroll
     for (int kk = 0; kk < BQ / 16; ++kk) kb_wgmma_rs_n@HD@(acc, &afrag[4 * kk], desc_at(db, kk * 2048));
+  }
+
+  // 16-bit pairs of an accumulator: the A fragment of a register-operand wgmma.
+  __device__ __forceinline__ static void pack(uint32_t (&out)[BQ / 4], const float (&x)[BQ / 2]) {
+#pragma unroll
+    for (int i = 0; i < BQ / 4; ++i) out[i] = pack2(x[2 * i], x[2 * i + 1]);
+  }
+
+  // dS^T = P^T (dP^T - delta), in place of dP^T; `delta` is this thread's first column's in the stage.
+  __device__ __forceinline__ static void grad_scores(float (&dp)[BQ / 2], const float (&p)[BQ / 2], uint32_t delta) {
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+      const float2 dl = lds_f2(delta + 32 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[4 * j + e] = p[4 * j + e] * (dp[4 * j + e] - (e % 2 ? dl.y : dl.x));
+    }
   }
 
   __device__ __forceinline__ void step(int it, int h, int m0, int kind) {
@@ -355,21 +390,24 @@ struct BwdConsumer {
       }
     }
     uint32_t pa[BQ / 4], dsa[BQ / 4];
-#pragma unroll
-    for (int i = 0; i < BQ / 4; ++i) pa[i] = pack2(sacc[2 * i], sacc[2 * i + 1]);
-    wg_fence();
-    gemm_acc(dv, pa, sm.dout(s));  // dV += P^T dO, while dS is computed
-    wg_commit();
-    wg_wait<1>();
-    reg_fence(dpacc);
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j) {
-      const float2 dl = lds_f2(delta + 32 * j);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+    if constexpr (BQ == 64) {
+      pack(pa, sacc);
+      wg_fence();
+      gemm_acc(dv, pa, sm.dout(s));  // dV += P^T dO, while dS is computed
+      wg_commit();
+      wg_wait<1>();
+      reg_fence(dpacc);
+      grad_scores(dpacc, sacc, delta);
+    } else {  // 128 query rows: P, dP and dS beside P^T in flight would not fit the registers, so dS first
+      wg_wait<0>();
+      reg_fence(dpacc);
+      grad_scores(dpacc, sacc, delta);
+      pack(pa, sacc);
+      wg_fence();
+      gemm_acc(dv, pa, sm.dout(s));  // dV += P^T dO
+      wg_commit();
     }
-#pragma unroll
-    for (int i = 0; i < BQ / 4; ++i) dsa[i] = pack2(dpacc[2 * i], dpacc[2 * i + 1]);
+    pack(dsa, dpacc);
     wg_fence();
     gemm_acc(dk, dsa, sm.q(s));  // dK += dS^T Q, while dS^T goes to shared memory
     wg_commit();
@@ -380,8 +418,8 @@ struct BwdConsumer {
 #pragma unroll
     for (int j = 0; j < BQ / 4; ++j) {
       const int row = 64 * cw + 16 * warp + lane / 4 + 8 * (j % 2);
-      const int col = 8 * (j / 2) + 2 * (lane % 4);
-      const uint32_t addr = dsb + row * 128 + ((((col * 2) >> 4) ^ (row % 8)) << 4) + ((col * 2) & 15);
+      const int col = 8 * (j / 2) % 64 + 2 * (lane % 4);  // in panel j / 16: queries 64 * (j / 16) ..
+      const uint32_t addr = dsb + (j / 16) * DS_PANEL + row * 128 + ((((col * 2) >> 4) ^ (row % 8)) << 4) + ((col * 2) & 15);
       asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(dsa[j]) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma's reads
@@ -389,15 +427,17 @@ struct BwdConsumer {
     if (wtid == 0) bulk_wait_read();  // this warpgroup's staged dQ of the last step has been read by its reduction
     named_sync(BAR_DS, 256);
     poll(it + 1, true);
-    // dQ = dS K over all 128 keys of the tile, half the head dim per warpgroup (FA3's split: one reduction per dQ
-    // element per step, not one per warpgroup). Columns c0.. of K start (c0 % 64) * 2 bytes into panel c0 / 64: inside
-    // a 128-byte swizzle row, which the hardware swizzles as TMA wrote it (the panel is 1024-aligned, no carry past
-    // bit 6). Staged in shared memory and added to dq_acc by one bulk reduction. dq_acc keeps 64 x 64 tiles as an
-    // m64n64 accumulator holds them, value i of thread t at [i][t] (kb_sm90_bwd_post undoes it): this warpgroup's
-    // values are i = (c0 % 64) / 2 .. + DQ_N / 2 of tile c0 / 64, one contiguous block.
-    const int c0 = cw * DQ_N;
+    // dQ = dS K over all 128 keys of the tile, this warpgroup's part of it (DQ_N; FA3's split: one reduction per dQ
+    // element per step, not one per warpgroup): queries qr0.. (dS^T panel qr0 / 64), columns c0.. of K, which start
+    // (c0 % 64) * 2 bytes into panel c0 / 64: inside a 128-byte swizzle row, which the hardware swizzles as TMA wrote
+    // it (the panel is 1024-aligned, no carry past bit 6). Staged in shared memory and added to dq_acc by one bulk
+    // reduction. dq_acc keeps 64 x 64 tiles as an m64n64 accumulator holds them, value i of thread t at [i][t]
+    // (kb_sm90_bwd_post undoes it): this warpgroup's values are i = (c0 % 64) / 2 .. + DQ_N / 2 of tile c0 / 64 of
+    // rows qr0.., one contiguous block.
+    const int c0 = BQ == 64 ? cw * DQ_N : 0, qr0 = BQ == 64 ? 0 : 64 * cw;
     float dq[DQ_N / 2];
-    const uint64_t da = desc_mn(dsb, DS_BYTES), db = desc_mn(sm.k() + (c0 / 64) * KT_PANEL + (c0 % 64) * 2, KT_PANEL);
+    const uint64_t da = desc_mn(dsb + (qr0 / 64) * DS_PANEL, DS_PANEL);
+    const uint64_t db = desc_mn(sm.k() + (c0 / 64) * KT_PANEL + (c0 % 64) * 2, KT_PANEL);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) kb_wgmma_ss_tt_n@DQN@(dq, desc_at(da, kk * 2048), desc_at(db, kk * 2048), kk > 0 ? 1 : 0);
@@ -410,7 +450,7 @@ struct BwdConsumer {
       asm volatile("st.shared.f32 [%0], %1;" :: "r"(buf + (i * 128 + wtid) * 4), "f"(dq[i]) : "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     named_sync(BAR_WG + cw, 128);
-    if (wtid == 0) bulk_reduce_add(g.dq_acc + row0 * HD + (c0 / 64) * 4096 + (c0 % 64) / 2 * 128, buf, DQ_TILE);
+    if (wtid == 0) bulk_reduce_add(g.dq_acc + (row0 + qr0) * HD + (c0 / 64) * 4096 + (c0 % 64) / 2 * 128, buf, DQ_TILE);
     reg_fence(dv);
     reg_fence(dk);
     reg_fence(pa);
@@ -485,7 +525,7 @@ __global__ void kb_sm90_bwd_post(const KbArgs a, const KbBwdArgs g) {
   if (p >= pairs) return;
   const long long c = 2 * (p % (HD / 2)), rest = p / (HD / 2), row = rest % a.M, bh = rest / a.M;
   const long long h = bh % a.Hq, b = bh / a.Hq;
-  const int r = static_cast<int>(row % BQ), half = static_cast<int>(c / 64), cl = static_cast<int>(c % 64);
+  const int r = static_cast<int>(row % 64), half = static_cast<int>(c / 64), cl = static_cast<int>(c % 64);
   const int t = 32 * (r / 16) + 4 * (r % 8) + (cl % 8) / 2, i = 4 * (cl / 8) + 2 * ((r % 16) / 8);
   const float* src = g.dq_acc + ((bh * g.M_pad + row - r) * HD) + half * 4096 + i * 128 + t;
   *reinterpret_cast<uint32_t*>(g.dq + b * g.dq_stride[0] + h * g.dq_stride[1] + row * g.dq_stride[2] + c) =
@@ -543,7 +583,7 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
   if (a.D != KB_HEAD_DIM) return 10001;
   if (a.Hkv <= 0 || a.Hq <= 0 || a.Hq % a.Hkv != 0 || a.B < 0 || a.M < 0 || a.N < 0) return 10003;
   if (a.M >= (1ll << 31) || a.N >= (1ll << 31) || a.Hq >= 65536 || a.B >= 65536) return 10005;
-  g.M_pad = (a.M + kb90b::BQ - 1) / kb90b::BQ * kb90b::BQ;
+  g.M_pad = (a.M + kb90b::PAD_Q - 1) / kb90b::PAD_Q * kb90b::PAD_Q;  // the host pads its scratch to the same
   if (a.B == 0 || (a.M == 0 && a.N == 0)) return 0;
   if (!kb_tma_ok(a.q, a.q_stride) || !kb_tma_ok(a.k, a.k_stride) || !kb_tma_ok(a.v, a.v_stride) ||
       !kb_tma_ok(g.dout, g.do_stride))
@@ -603,10 +643,10 @@ def sm90_backward_source(*, head_dim_pad: int, dtype: str = "bf16") -> str:
     if head_dim_pad not in (64, 128):
         raise ValueError(f"head_dim_pad {head_dim_pad} is not supported (64 or 128)")
     ab = _ELEM[dtype][1]
-    wrappers = _wgmma_ss(64, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(head_dim_pad // 2, ab)  # each guarded
-    subs = {"@BQ@": str(BWD_BLOCK_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
-            "@SMEM@": str(bwd_smem_bytes(head_dim_pad)),
-            "@KIND_CAP@": str(KIND_CAP), "@DQN@": str(head_dim_pad // 2)}
+    bq, dq_n = bwd_block_q(head_dim_pad), _dq_n(head_dim_pad)
+    wrappers = _wgmma_ss(bq, ab) + _wgmma_rs(head_dim_pad, ab) + _wgmma_ss_tt(dq_n, ab)  # each guarded
+    subs = {"@BQ@": str(bq), "@PADQ@": str(BWD_PAD_Q), "@BK@": str(BWD_BLOCK_KV), "@HD@": str(head_dim_pad),
+            "@SMEM@": str(bwd_smem_bytes(head_dim_pad)), "@KIND_CAP@": str(KIND_CAP), "@DQN@": str(dq_n)}
     text = "namespace kb90 {\n" + wrappers + "}  // namespace kb90\n" + _BWD
     for key, val in subs.items():
         text = text.replace(key, val)
