@@ -517,19 +517,34 @@ __global__ void kb_sm90_bwd_pre(const KbArgs a, const KbBwdArgs g) {
   }
 }
 
-// dq = dq_acc * sm_scale in q's type, two columns per thread; dq_acc holds 64 x 64 tiles as the consumer warpgroups
-// staged them: value i of thread t (accumulator layout) at [i][t].
+// dq = dq_acc * sm_scale in q's type. dq_acc holds 64 x 64 tiles as the consumer warpgroups staged them: value i
+// of thread t (the m64n64 accumulator layout) at [i][t], i.e. row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
+// 8 (i / 4) + 2 (t % 4) + i % 2. A thread reads [i][t0 .. t0 + 3] and [i + 1][t0 .. t0 + 3] (i even, t0 % 4 == 0: a warp
+// reads 2 x 512 contiguous bytes) and writes the 8 consecutive columns of one row they hold.
 __global__ void kb_sm90_bwd_post(const KbArgs a, const KbBwdArgs g) {
   const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long pairs = a.B * a.Hq * a.M * (HD / 2);
-  if (p >= pairs) return;
-  const long long c = 2 * (p % (HD / 2)), rest = p / (HD / 2), row = rest % a.M, bh = rest / a.M;
-  const long long h = bh % a.Hq, b = bh / a.Hq;
-  const int r = static_cast<int>(row % 64), half = static_cast<int>(c / 64), cl = static_cast<int>(c % 64);
-  const int t = 32 * (r / 16) + 4 * (r % 8) + (cl % 8) / 2, i = 4 * (cl / 8) + 2 * ((r % 16) / 8);
-  const float* src = g.dq_acc + ((bh * g.M_pad + row - r) * HD) + half * 4096 + i * 128 + t;
-  *reinterpret_cast<uint32_t*>(g.dq + b * g.dq_stride[0] + h * g.dq_stride[1] + row * g.dq_stride[2] + c) =
-      pack2(src[0] * a.sm_scale, src[128] * a.sm_scale);
+  const long long tiles = a.B * a.Hq * (g.M_pad / 64) * (HD / 64);
+  if (p >= tiles * 512) return;
+  const long long tile = p / 512;
+  const int rem = static_cast<int>(p % 512), i = 2 * (rem / 32), t0 = 4 * (rem % 32);
+  const long long ct = tile % (HD / 64), rb = tile / (HD / 64);  // column tile; row block over (b, h, M_pad / 64)
+  const long long bh = rb / (g.M_pad / 64), row = (rb % (g.M_pad / 64)) * 64 + 16 * (t0 / 32) + (t0 % 32) / 4 + 8 * ((i / 2) % 2);
+  if (row >= a.M) return;
+  const float* src = g.dq_acc + (bh * g.M_pad + (row / 64) * 64) * HD + ct * 4096 + i * 128 + t0;
+  const float4 ev = *reinterpret_cast<const float4*>(src), od = *reinterpret_cast<const float4*>(src + 128);
+  const long long h = bh % a.Hq, b = bh / a.Hq, col = ct * 64 + 8 * (i / 4);
+  uint4 out;
+  out.x = pack2(ev.x * a.sm_scale, od.x * a.sm_scale);
+  out.y = pack2(ev.y * a.sm_scale, od.y * a.sm_scale);
+  out.z = pack2(ev.z * a.sm_scale, od.z * a.sm_scale);
+  out.w = pack2(ev.w * a.sm_scale, od.w * a.sm_scale);
+  kb_elem* dst = g.dq + b * g.dq_stride[0] + h * g.dq_stride[1] + row * g.dq_stride[2] + col;
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = out;
+  } else {  // dq's rows need only 4-byte alignment (the launcher's rule for gradients)
+    uint32_t* d32 = reinterpret_cast<uint32_t*>(dst);
+    d32[0] = out.x; d32[1] = out.y; d32[2] = out.z; d32[3] = out.w;
+  }
 }
 
 }  // namespace kb90b
@@ -631,8 +646,9 @@ extern "C" int kb_sm90_bwd_launch(const KbArgs* args, KbBwdArgs* gargs, void* st
           if (e != cudaSuccess) return e;
         }
   }
-  const long long pairs = a.B * a.Hq * a.M * (KB_HEAD_DIM / 2);
-  if (pairs > 0) kb90b::kb_sm90_bwd_post<<<(unsigned)((pairs + 255) / 256), 256, 0, st>>>(a, g);
+  const long long post_threads = a.B * a.Hq * (g.M_pad / 64) * (KB_HEAD_DIM / 64) * 512;
+  if (a.M > 0 && post_threads > 0)
+    kb90b::kb_sm90_bwd_post<<<(unsigned)((post_threads + 255) / 256), 256, 0, st>>>(a, g);
   return static_cast<int>(cudaGetLastError());
 }
 """
