@@ -57,7 +57,10 @@ def test_generated_cuda_source_compiles_with_nvcc(ingested_kb, tmp_path: Path) -
     report = json.loads(r.files["report"].read_text())
     assert r.files["cuda"].read_text().count("__global__") >= 1
     assert report["cuda"]["compiled"], report["cuda"]["log"]
-    assert report["cuda"]["lowering"] in ("tensor_cores", "portable")  # which CUDA lowering wrote the .cu
+    # which CUDA lowering wrote the .cu: the Hopper template (the default target is sm90), in bf16 since the spec was
+    # traced in fp32 (its fp32 inputs keep the Triton kernels)
+    assert report["cuda"]["lowering"] == "sm90_wgmma" and report["cuda"]["dtype"].startswith("bf16")
+    assert "const __nv_bfloat16* q;" in r.files["cuda"].read_text()
     assert report["cuda"]["runs"].startswith("the Triton module runs: no `.cu`")  # never measured beside it
     # compiled before the write-back: the kernel's row records it
     assert ingested_kb.get(r.kernel_id).verify_note == "verify: passed; compile_cuda: ok"
