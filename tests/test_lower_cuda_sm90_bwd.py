@@ -142,3 +142,63 @@ def test_a_relowered_copy_carries_this_checkouts_backward_and_the_padding_it_nee
     assert (out / "gen_x.cu").read_text() == lower_program_sm90(fwd, 64, backward=True)
     assert (out / "gen_x.py").read_text().startswith(f"CUDA_BWD_BLOCK_Q = {BWD_PAD_Q}  #")
     assert (out / "gen_y.cu").read_text() == (gen / "gen_y.cu").read_text()
+
+
+_POST_CHECK = r"""
+#include <cstdio>
+#include <vector>
+// The consumer warpgroups stage dQ tile (bh, row block rb, column tile ct) as an m64n64 accumulator holds it: value i
+// of thread t at [i][t], for (row, col) = (64 rb + 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), 64 ct + 8 (i / 4) +
+// 2 (t % 4) + i % 2). Every staged value of a row < M must be read once, by the thread that writes its (bh, row, col).
+int main() {
+  const long long BH = 3, M = 200, M_pad = 256, HDIM = KB_HEAD_DIM, n = BH * M_pad * HDIM;
+  std::vector<long long> bh_of(n), row_of(n), col_of(n);
+  std::vector<int> seen(n, 0);
+  for (long long bh = 0; bh < BH; ++bh)
+    for (long long rb = 0; rb < M_pad / 64; ++rb)
+      for (long long ct = 0; ct < HDIM / 64; ++ct)
+        for (int i = 0; i < 32; ++i)
+          for (int t = 0; t < 128; ++t) {
+            const long long off = (bh * M_pad + rb * 64) * HDIM + ct * 4096 + i * 128 + t;
+            bh_of[off] = bh;
+            row_of[off] = rb * 64 + 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2);
+            col_of[off] = ct * 64 + 8 * (i / 4) + 2 * (t % 4) + i % 2;
+          }
+  for (long long p = 0; p < n / 8 + 1000; ++p) {
+    const kb90b::KbPostAt at = kb90b::kb_post_at(p, BH, M, M_pad);
+    if (!at.live) continue;
+    for (int odd = 0; odd < 2; ++odd)
+      for (int j = 0; j < 4; ++j) {
+        const long long off = at.src + 128 * odd + j;
+        if (off < 0 || off >= n || bh_of[off] != at.bh || row_of[off] != at.row || col_of[off] != at.col + 2 * j + odd) {
+          std::printf("thread %lld reads %lld for (%lld, %lld, %lld)\n", p, off, at.bh, at.row, at.col + 2 * j + odd);
+          return 1;
+        }
+        ++seen[off];
+      }
+  }
+  for (long long off = 0; off < n; ++off)
+    if (seen[off] != (row_of[off] < M ? 1 : 0)) {
+      std::printf("value %lld (row %lld) read %d times\n", off, row_of[off], seen[off]);
+      return 1;
+    }
+  std::printf("ok\n");
+  return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_post_kernel_reads_each_staged_dq_value_once_and_writes_it_where_it_belongs(tmp_path, head_dim: int) -> None:
+    """kb_sm90_bwd_post's indexing (`kb_post_at`, host-callable) run on the CPU against the staging layout."""
+    import subprocess
+
+    nvcc = nvcc_or_skip()
+    cu = tmp_path / "post.cu"
+    cu.write_text(lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True) + _POST_CHECK)
+    exe = tmp_path / "post"
+    built = subprocess.run([nvcc, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-o", str(exe), str(cu)],
+                           capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.strip() == "ok", ran.stdout + ran.stderr

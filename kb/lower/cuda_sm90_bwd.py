@@ -521,18 +521,34 @@ __global__ void kb_sm90_bwd_pre(const KbArgs a, const KbBwdArgs g) {
 // of thread t (the m64n64 accumulator layout) at [i][t], i.e. row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
 // 8 (i / 4) + 2 (t % 4) + i % 2. A thread reads [i][t0 .. t0 + 3] and [i + 1][t0 .. t0 + 3] (i even, t0 % 4 == 0: a warp
 // reads 2 x 512 contiguous bytes) and writes the 8 consecutive columns of one row they hold.
-__global__ void kb_sm90_bwd_post(const KbArgs a, const KbBwdArgs g) {
-  const long long p = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const long long tiles = a.B * a.Hq * (g.M_pad / 64) * (HD / 64);
-  if (p >= tiles * 512) return;
+// Thread p's part of kb_sm90_bwd_post (host-callable: tests/test_lower_cuda_sm90_bwd.py runs it on the CPU): the
+// dq_acc offset of [i][t0] (`src`; [i + 1][t0] is 128 floats on), the (b * Hq + h, row, first column) it writes, and
+// whether it writes at all (p inside the grid, row < M).
+struct KbPostAt {
+  long long src, bh, row, col;
+  bool live;
+};
+__host__ __device__ __forceinline__ KbPostAt kb_post_at(long long p, long long BH, long long M, long long M_pad) {
+  KbPostAt r{};
+  const long long tiles = BH * (M_pad / 64) * (HD / 64);
+  if (p >= tiles * 512) return r;
   const long long tile = p / 512;
   const int rem = static_cast<int>(p % 512), i = 2 * (rem / 32), t0 = 4 * (rem % 32);
   const long long ct = tile % (HD / 64), rb = tile / (HD / 64);  // column tile; row block over (b, h, M_pad / 64)
-  const long long bh = rb / (g.M_pad / 64), row = (rb % (g.M_pad / 64)) * 64 + 16 * (t0 / 32) + (t0 % 32) / 4 + 8 * ((i / 2) % 2);
-  if (row >= a.M) return;
-  const float* src = g.dq_acc + (bh * g.M_pad + (row / 64) * 64) * HD + ct * 4096 + i * 128 + t0;
+  r.bh = rb / (M_pad / 64);
+  r.row = (rb % (M_pad / 64)) * 64 + 16 * (t0 / 32) + (t0 % 32) / 4 + 8 * ((i / 2) % 2);
+  r.col = ct * 64 + 8 * (i / 4);
+  r.src = (r.bh * M_pad + (r.row / 64) * 64) * HD + ct * 4096 + i * 128 + t0;
+  r.live = r.row < M;
+  return r;
+}
+
+__global__ void kb_sm90_bwd_post(const KbArgs a, const KbBwdArgs g) {
+  const KbPostAt at = kb_post_at(static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x, a.B * a.Hq, a.M, g.M_pad);
+  if (!at.live) return;
+  const float* src = g.dq_acc + at.src;
   const float4 ev = *reinterpret_cast<const float4*>(src), od = *reinterpret_cast<const float4*>(src + 128);
-  const long long h = bh % a.Hq, b = bh / a.Hq, col = ct * 64 + 8 * (i / 4);
+  const long long h = at.bh % a.Hq, b = at.bh / a.Hq, row = at.row, col = at.col;
   uint4 out;
   out.x = pack2(ev.x * a.sm_scale, od.x * a.sm_scale);
   out.y = pack2(ev.y * a.sm_scale, od.y * a.sm_scale);
