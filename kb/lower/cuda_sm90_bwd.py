@@ -47,13 +47,13 @@ __all__ = ["sm90_backward_source", "bwd_block_q", "BWD_PAD_Q", "BWD_BLOCK_KV", "
 BWD_LAUNCH_SYMBOL = "kb_launch_bwd"
 BWD_PAD_Q = 128  # a multiple of every head dim's query tile
 BWD_BLOCK_KV = 128
+KIND_CAP = 16384  # (query head, query tile) steps per key tile whose kind a CTA keeps in shared memory
 
 
 def bwd_block_q(head_dim_pad: int) -> int:
     """Query rows per step: 64 at D=128 (dK, dV, S and dP fill the registers), 128 at D=64 (FA3's tile there: half
     the steps, so half the per-step waits, barriers and bulk reductions for the same tensor-core work)."""
     return 128 if head_dim_pad == 64 else 64
-KIND_CAP = 16384  # (query head, query tile) steps per key tile whose kind a CTA keeps in shared memory
 
 
 def _dq_n(head_dim_pad: int) -> int:
@@ -120,7 +120,7 @@ constexpr int DS_PANEL = BK * 128;       // dS^T: BK rows of 64 queries' 16-bit 
 constexpr int DS_BYTES = BQ / 64 * DS_PANEL;  // one of its two buffers
 // dQ of a step = dS K, split between the warpgroups: at BQ = 64 by head dim (warpgroup cw computes all 64 queries x
 // columns [cw * DQ_N, (cw + 1) * DQ_N)), at BQ = 128 by query (queries [64 cw, 64 cw + 64) x all HD columns)
-constexpr int DQ_N = BQ == 64 ? HD / 2 : HD;
+constexpr int DQ_N = @DQN@;  // kb.lower.cuda_sm90_bwd._dq_n
 constexpr int DQ_TILE = 64 * DQ_N * 4;   // a warpgroup's staged fp32 dQ: 64 queries x DQ_N columns
 constexpr int OFF_V = KT_BYTES;
 constexpr int OFF_Q = 2 * KT_BYTES;
@@ -372,7 +372,7 @@ struct BwdConsumer {
       const int kv0 = t.n_start + 64 * cw + 16 * warp + lane / 4, q0 = m0 + 2 * (lane % 4);
       const int n_keys = static_cast<int>(a.N), m_rows = static_cast<int>(a.M);
       // the hooks' pieces of this step's head and of the thread's two keys once per step (ALiBi's slope, a key's
-      // document id); a query's (kb_row_at) per element: computed per column pair, two KbRow more spill at D=128
+      // document id); a query's (kb_row_at) per element: a KbRow per column pair spills at D=128
       const KbRow head = kb_row_head(a, t.b, h);
       const KbCol col[2] = {kb_col(a, t.b, h, kv0), kb_col(a, t.b, h, kv0 + 8)};
 #pragma unroll
@@ -520,10 +520,10 @@ __global__ void kb_sm90_bwd_pre(const KbArgs a, const KbBwdArgs g) {
 // dq = dq_acc * sm_scale in q's type. dq_acc holds 64 x 64 tiles as the consumer warpgroups staged them: value i
 // of thread t (the m64n64 accumulator layout) at [i][t], i.e. row 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column
 // 8 (i / 4) + 2 (t % 4) + i % 2. A thread reads [i][t0 .. t0 + 3] and [i + 1][t0 .. t0 + 3] (i even, t0 % 4 == 0: a warp
-// reads 2 x 512 contiguous bytes) and writes the 8 consecutive columns of one row they hold.
-// Thread p's part of kb_sm90_bwd_post (host-callable: tests/test_lower_cuda_sm90_bwd.py runs it on the CPU): the
-// dq_acc offset of [i][t0] (`src`; [i + 1][t0] is 128 floats on), the (b * Hq + h, row, first column) it writes, and
-// whether it writes at all (p inside the grid, row < M).
+// reads 2 x 512 contiguous bytes) and writes the 8 consecutive columns of one row they hold. kb_post_at is thread p's
+// part (host-callable: tests/test_lower_cuda_sm90_bwd.py runs it on the CPU): the dq_acc offset of [i][t0] (`src`;
+// [i + 1][t0] is 128 floats on), the (b * Hq + h, row, first column) it writes, and whether it writes at all (p inside
+// the grid, row < M).
 struct KbPostAt {
   long long src, bh, row, col;
   bool live;
