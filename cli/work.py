@@ -110,15 +110,17 @@ def query_cmd(
     else:
         from cli.answers import query_answer
 
-        target, text = None, spec_or_text
+        target, text, traced = None, spec_or_text, None
         if is_spec:
-            from generate.spec_cache import trace_spec_file
-            from retrieve.hybrid import describe_target
+            from generate.spec_cache import start_trace
 
-            traced = trace_spec_file(path, settings.cache_dir)
-            target = traced.features
-            text = describe_target(target, traced.score_mod, traced.mask_mod)
+            traced = start_trace(path, settings.cache_dir)  # torch imports in a child while the KB opens here
         with open_kb_of(ctx) as kb:
+            if traced is not None:
+                from retrieve.hybrid import describe_target
+
+                spec = traced()
+                target, text = spec.features, describe_target(spec.features, spec.score_mod, spec.mask_mod)
             answer = query_answer(kb, text, target, **options)  # type: ignore[arg-type]
     if as_json:
         out.print_json(json.dumps(answer))

@@ -1,7 +1,7 @@
 """What a spec file traces to, remembered: `kb query SPEC` asked again skips tracing, and with it torch.
 
-Tracing a spec imports torch and torch.fx's make_fx, which loads torch._dynamo and torch._inductor (about 2.5 s
-of a 4.5 s cold `kb query SPEC` on 2 cores); the ranking needs only the features and variant expressions it
+Tracing a spec imports torch and runs the spec (generate.spec_fx records its ops), about 0.6 s beyond torch
+on 2 cores; the ranking needs only the features and variant expressions it
 yields. This module imports neither: a hit reads one JSON file.
 
 The key is a sha256 over the spec file's bytes, the bytes of every other `.py` file in its directory (a spec
@@ -17,15 +17,18 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kb.digests import code_digest
 from kb.errors import KBError
 from kb.features import Features, features_from_untrusted
 
-__all__ = ["TracedSpec", "trace_spec_file", "trace_key", "remember_trace"]
+__all__ = ["TracedSpec", "trace_spec_file", "start_trace", "trace_key", "remember_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,51 @@ def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
     traced = TracedSpec(spec.features, *spec.variant_strings())
     _write(entry, traced)
     return traced
+
+
+def start_trace(path: Path, cache_dir: Path) -> Callable[[], TracedSpec]:
+    """`trace_spec_file` begun in a forked child, so that the caller's own start-up (the KB, the embedder) runs
+    beside torch's import; the returned function waits for the answer (a cache hit answers at once). The
+    child runs the spec exactly as `trace_spec_file` would here. Call it once; KBError as trace_spec_file."""
+    key_hit = _read(cache_dir / "spec-traces" / f"{trace_key(path)}.json")
+    if key_hit is not None:
+        return lambda: key_hit
+    if not hasattr(os, "fork") or "torch" in sys.modules:  # no fork, or one that would copy torch's threads
+        return lambda: trace_spec_file(path, cache_dir)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: trace, write one JSON answer, exit without the parent's exit handlers
+        os.close(read_end)
+        code = 0
+        try:
+            t = trace_spec_file(path, cache_dir)
+            answer = {"ok": True, "features": t.features.to_json(), "score_mod": t.score_mod, "mask_mod": t.mask_mod}
+        except KBError as err:
+            answer = {"ok": False, "error": str(err)}
+        except BaseException:  # a bug: its traceback, here
+            traceback.print_exc()
+            answer, code = {"ok": False, "bug": True}, 1
+        with os.fdopen(write_end, "w") as f:
+            f.write(json.dumps(answer))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(write_end)
+
+    def wait() -> TracedSpec:
+        with os.fdopen(read_end) as f:
+            text = f.read()
+        os.waitpid(pid, 0)
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = {"ok": False, "bug": True}
+        if answer.get("ok"):
+            return TracedSpec.from_untrusted(answer)
+        if answer.get("bug"):
+            raise RuntimeError(f"tracing {path} failed in its child process (see its traceback above)")
+        raise KBError(str(answer.get("error")))
+    return wait
 
 
 def remember_trace(path: Path, traced: TracedSpec, cache_dir: Path) -> None:

@@ -81,10 +81,14 @@ def _rename(e: Expr, mapping: dict[int, Expr]) -> Expr:
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        return tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError as err:
-        raise KBError(f"shapes {shapes} do not broadcast: {err}") from None
+    """torch's broadcasting rule, in Python (torch.broadcast_shapes imports sympy on first use, ~0.3 s)."""
+    out: list[int] = []
+    for dims in itertools.zip_longest(*(reversed(tuple(s)) for s in shapes), fillvalue=1):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise KBError(f"shapes {shapes} do not broadcast: sizes {sorted(sizes)} meet in one dim")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(reversed(out))
 
 
 def broadcast_to(s: Sym, shape: tuple[int, ...]) -> Sym:

@@ -1,7 +1,7 @@
 """Trace an attention computation with torch.fx and read off its variant expressions.
 
-`trace_attention(fn, inputs, ...)` runs `make_fx` (pre-dispatch aten ops, real tensors)
-and interprets the graph abstractly:
+`trace_attention(fn, inputs, ...)` records the forward's pre-dispatch aten ops on real tensors
+(`generate.spec_fx`, the graph torch's make_fx gives) and interprets the graph abstractly:
 - q, k, v are `Operand`s: the placeholders that reach `matmul`/`einsum`/SDPA through
   layout ops only; transposes, head repetition (GQA: `repeat_interleave`, or
   unsqueeze+expand+reshape) and scalar scaling are tracked on them;
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from generate import spec_sym as S
+from generate.spec_fx import record_graph
 from generate.spec_sym import Sym
 from kb.errors import KBError
 from kb.ir.algebra import all_of, simplify
@@ -43,7 +43,7 @@ from kb.ir.classify import fit_band
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, number, substitute, var, walk
 from kb.ir.nodes import SCHEDULE_CONSTANTS
 from kb.lower.triton_host import host_name_clash
-from verify.flex_mods import TensorIndexing, mod_functions
+from verify.flex_mods import TensorIndexing
 
 __all__ = ["Operand", "TracedAttention", "trace_attention", "trace_mod", "NameOf", "aux_name", "tensor_namer",
            "SCORE_OPS", "supported_ops"]
@@ -138,7 +138,7 @@ class _State:
 def _where(node: torch.fx.Node, source: str | None) -> str:
     trace = node.meta.get("stack_trace") or ""
     frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', trace)
-    frames = [f for f in frames if f[0] != __file__]  # _Mod.forward: the call of a mod, not its line
+    frames = [f for f in frames if f[0] != __file__]  # the tracer's own call of the spec or mod
     if source:
         mine = [f for f in frames if f[0] == source]
         frames = mine or frames
@@ -1090,10 +1090,10 @@ def _check_structure(gm: torch.fx.GraphModule, input_names: list[str], st: _Stat
                "softmax(q @ k^T) @ v over [B, H, S, D] tensors")
 
 
-def _make_fx(fn: Callable[..., Any], inputs: Sequence[Any], what: str, source: str | None = None,
-             input_names: Sequence[str] = ()) -> torch.fx.GraphModule:
+def _record(fn: Callable[..., Any], inputs: Sequence[Any], what: str, source: str | None = None,
+            input_names: Sequence[str] = ()) -> torch.fx.GraphModule:
     try:
-        return make_fx(fn, pre_dispatch=True, record_stack_traces=True)(*inputs)
+        return record_graph(fn, inputs)
     except KBError:
         raise
     except Exception as err:
@@ -1391,7 +1391,7 @@ def trace_attention(
     "parameter" or "buffer": those stay run-time inputs of the kernel (never folded into
     constants), except buffers whose values equal an index expression (recorded in `baked`)."""
     inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
-    gm = _make_fx(fn, inputs, "the spec's forward", source, input_names)
+    gm = _record(fn, inputs, "the spec's forward", source, input_names)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     st = _State(names={}, name_of=name_of, source=source, state_kinds=state_kinds or {})
     _check_structure(gm, list(input_names), st)
@@ -1450,23 +1450,6 @@ def _output_dtype(gm: torch.fx.GraphModule) -> torch.dtype:
     return val.dtype if isinstance(val, torch.Tensor) else torch.float32
 
 
-class _Mod(torch.nn.Module):
-    """A mod as a module: make_fx records source lines (node stack traces) in a module's forward and in the
-    functions registered as its anchors (the mod and what it calls), so errors name the mod's line."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-        anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)  # else: errors name no line
-        if anchor is not None:
-            for f in mod_functions([fn]):
-                if (f.__module__ or "").split(".")[0] != "torch":  # torch's own frames (and_masks, F.relu) name no user line
-                    anchor(f)
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        return self.fn(*args)
-
-
 def trace_mod(
     fn: Callable[..., Any],
     params: Sequence[str],
@@ -1479,7 +1462,7 @@ def trace_mod(
     them drops its dim (`intervals[i][0]`). Returns (expr, aux)."""
     inputs = [torch.zeros((), dtype=torch.float32 if p == "score" else torch.int32) for p in params]
     with TensorIndexing():
-        gm = _make_fx(_Mod(fn), inputs, f"{getattr(fn, '__name__', 'mod')}()", source)
+        gm = _record(fn, inputs, f"{getattr(fn, '__name__', 'mod')}()", source)
     st = _State(names={}, name_of=name_of, source=source)
     env: dict[torch.fx.Node, Any] = {}
     for node, p, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], params, inputs):

@@ -144,7 +144,7 @@ def main() -> int:
 
     torch.set_num_threads(1)  # no thread pool to copy into the forked children
     workdir = Path.cwd()
-    if _WARM_SPEC.is_file():  # loads make_fx's imports (torch._dynamo, torch._inductor) once, here
+    if _WARM_SPEC.is_file():  # loads the tracer's imports once, here
         trace_request({"source": _WARM_SPEC.read_text(), "filename": _WARM_SPEC.name}, workdir)
     spare = _Spare(workdir)
     print(json.dumps({"ready": True}), flush=True)
