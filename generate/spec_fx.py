@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,7 +128,7 @@ def _shape_of(t: torch.Tensor) -> torch.Tensor:
 
 def _user_frames() -> str:
     """The stack, torch's frames and this module's left out, in traceback's format (what make_fx records)."""
-    frames = [f for f in traceback.extract_stack()[:-2]
+    frames = [f for f in traceback.extract_stack()
               if not f.filename.startswith(_TORCH_DIR) and f.filename != __file__]
     return "".join(traceback.format_list(frames))
 
@@ -143,8 +144,6 @@ def _placeholder_names(fn: Callable[..., Any], count: int) -> list[str]:
 
 def record_graph(fn: Callable[..., Any], inputs: Sequence[Any]) -> torch.fx.GraphModule:
     """`fn(*inputs)` run once on the given (real) values, its aten ops recorded (see module docstring)."""
-    from torch._dispatch.python import enable_python_dispatcher
-
     graph, root = torch.fx.Graph(), torch.nn.Module()
     rec = _Recorder(graph, root)
     for name, x in zip(_placeholder_names(fn, len(inputs)), inputs):
