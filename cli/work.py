@@ -7,6 +7,7 @@ Each is a thin shell over a plain function (`ingest.run.ingest`, `retrieve.hybri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import replace
@@ -110,16 +111,17 @@ def query_cmd(
     else:
         from cli.answers import query_answer
 
-        target, text, traced = None, spec_or_text, None
-        if is_spec:
-            from generate.spec_cache import start_trace
+        target, text = None, spec_or_text
+        with contextlib.ExitStack() as stack:
+            if is_spec:
+                from generate.spec_cache import start_trace
 
-            traced = start_trace(path, settings.cache_dir)  # torch imports in a child while the KB opens here
-        with open_kb_of(ctx) as kb:
-            if traced is not None:
+                traced = stack.enter_context(start_trace(path, settings.cache_dir))  # torch imports in a child ...
+            kb = stack.enter_context(open_kb_of(ctx))  # ... while the KB opens here
+            if is_spec:
                 from retrieve.hybrid import describe_target
 
-                spec = traced()
+                spec = traced.result()
                 target, text = spec.features, describe_target(spec.features, spec.score_mod, spec.mask_mod)
             answer = query_answer(kb, text, target, **options)  # type: ignore[arg-type]
     if as_json:

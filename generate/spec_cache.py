@@ -12,23 +12,25 @@ atomically, read strictly (a damaged entry is traced again and rewritten); delet
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import NoReturn
 
 from kb.digests import code_digest
 from kb.errors import KBError
 from kb.features import Features, features_from_untrusted
 
-__all__ = ["TracedSpec", "trace_spec_file", "start_trace", "trace_key", "remember_trace"]
+__all__ = ["TracedSpec", "PendingTrace", "trace_spec_file", "start_trace", "trace_key", "remember_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -89,49 +91,87 @@ def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
     return traced
 
 
-def start_trace(path: Path, cache_dir: Path) -> Callable[[], TracedSpec]:
-    """`trace_spec_file` begun in a forked child, so that the caller's own start-up (the KB, the embedder) runs
-    beside torch's import; the returned function waits for the answer (a cache hit answers at once). The
-    child runs the spec exactly as `trace_spec_file` would here. Call it once; KBError as trace_spec_file."""
-    key_hit = _read(cache_dir / "spec-traces" / f"{trace_key(path)}.json")
-    if key_hit is not None:
-        return lambda: key_hit
-    if not hasattr(os, "fork") or "torch" in sys.modules:  # no fork, or one that would copy torch's threads
-        return lambda: trace_spec_file(path, cache_dir)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: trace, write one JSON answer, exit without the parent's exit handlers
-        os.close(read_end)
-        code = 0
-        try:
-            t = trace_spec_file(path, cache_dir)
-            answer = {"ok": True, "features": t.features.to_json(), "score_mod": t.score_mod, "mask_mod": t.mask_mod}
-        except KBError as err:
-            answer = {"ok": False, "error": str(err)}
-        except BaseException:  # a bug: its traceback, here
-            traceback.print_exc()
-            answer, code = {"ok": False, "bug": True}, 1
-        with os.fdopen(write_end, "w") as f:
-            f.write(json.dumps(answer))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(write_end)
+class PendingTrace:
+    """A spec's trace under way in a forked child (see `start_trace`), or already known. `result()` waits for it;
+    leaving the `with` block first (an error elsewhere, Ctrl-C) stops and reaps the child."""
 
-    def wait() -> TracedSpec:
-        with os.fdopen(read_end) as f:
-            text = f.read()
-        os.waitpid(pid, 0)
+    def __init__(self, path: Path, cache_dir: Path, known: TracedSpec | None = None) -> None:
+        self.path, self.cache_dir, self.known = path, cache_dir, known
+        self.pid: int | None = None
+        self.pipe: int | None = None
+
+    def __enter__(self) -> PendingTrace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = None
+        if self.pipe is not None:
+            os.close(self.pipe)
+            self.pipe = None
+
+    def result(self) -> TracedSpec:
+        """The trace; KBError as `trace_spec_file` raises it (the child's message, unchanged)."""
+        if self.known is not None:
+            return self.known
+        if self.pid is None:  # traced here (no fork)
+            self.known = trace_spec_file(self.path, self.cache_dir)
+            return self.known
+        assert self.pipe is not None
+        with os.fdopen(self.pipe) as f:
+            self.pipe, text = None, f.read()
+        os.waitpid(self.pid, 0)
+        self.pid = None
         try:
             answer = json.loads(text)
         except ValueError:
             answer = {"ok": False, "bug": True}
-        if answer.get("ok"):
-            return TracedSpec.from_untrusted(answer)
         if answer.get("bug"):
-            raise RuntimeError(f"tracing {path} failed in its child process (see its traceback above)")
-        raise KBError(str(answer.get("error")))
-    return wait
+            raise RuntimeError(f"tracing {self.path} failed in its child process (see its traceback above)")
+        if not answer.get("ok"):
+            raise KBError(str(answer.get("error")))
+        self.known = TracedSpec.from_untrusted(answer)
+        return self.known
+
+    def fork(self) -> None:
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_end)
+            _trace_in_child(self.path, self.cache_dir, write_end)
+        os.close(write_end)
+        self.pid, self.pipe = pid, read_end
+
+
+def _trace_in_child(path: Path, cache_dir: Path, out_fd: int) -> NoReturn:
+    """Trace, write one JSON answer, exit without the parent's exit handlers."""
+    code = 0
+    try:
+        t = trace_spec_file(path, cache_dir)
+        answer = {"ok": True, "features": t.features.to_json(), "score_mod": t.score_mod, "mask_mod": t.mask_mod}
+    except KBError as err:
+        answer = {"ok": False, "error": str(err)}
+    except BaseException:  # a bug: its traceback, here
+        traceback.print_exc()
+        answer, code = {"ok": False, "bug": True}, 1
+    with os.fdopen(out_fd, "w") as f:
+        f.write(json.dumps(answer))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def start_trace(path: Path, cache_dir: Path) -> PendingTrace:
+    """`trace_spec_file` begun in a forked child, so that the caller's own start-up (the KB, the embedder) runs
+    beside torch's import; a cache hit is known at once. The child runs the spec exactly as `trace_spec_file`
+    would here. Without fork, or once torch is imported (a fork would copy its threads), `result()` traces here."""
+    pending = PendingTrace(path, cache_dir, _read(cache_dir / "spec-traces" / f"{trace_key(path)}.json"))
+    if pending.known is None and hasattr(os, "fork") and "torch" not in sys.modules:
+        pending.fork()
+    return pending
 
 
 def remember_trace(path: Path, traced: TracedSpec, cache_dir: Path) -> None:

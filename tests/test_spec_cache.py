@@ -102,3 +102,19 @@ def test_an_error_in_the_tracing_child_is_the_users_one_line(kb, tmp_path: Path)
                          env=subprocess_env(KB_HOME=str(kb.settings.home)))
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert want in " ".join(run.stderr.split())  # the same message the in-process tracer gives (rich may wrap it)
+
+
+def test_the_tracing_child_is_stopped_when_the_query_fails_first(tmp_path: Path) -> None:
+    spec = tmp_path / "slow_spec.py"
+    spec.write_text("import time\ntime.sleep(600)\n")  # a child left behind would sleep on, under the same command line
+    run = subprocess.run([*KB_CLI, "query", str(spec)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(KB_HOME=str(tmp_path / "no-kb")))
+    assert run.returncode != 0 and "no knowledge base" in run.stderr and "Traceback" not in run.stderr
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(spec).encode() in cmdline.read_bytes():
+                left.append(cmdline.parent.name)
+        except OSError:
+            pass  # exited while we looked
+    assert not left, f"processes still running the spec: {left}"
