@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -143,8 +144,6 @@ def _placeholder_names(fn: Callable[..., Any], count: int) -> list[str]:
 
 def record_graph(fn: Callable[..., Any], inputs: Sequence[Any]) -> torch.fx.GraphModule:
     """`fn(*inputs)` run once on the given (real) values, its aten ops recorded (see module docstring)."""
-    from torch._dispatch.python import enable_python_dispatcher
-
     graph, root = torch.fx.Graph(), torch.nn.Module()
     rec = _Recorder(graph, root)
     for name, x in zip(_placeholder_names(fn, len(inputs)), inputs):
