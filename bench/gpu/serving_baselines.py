@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import AuxOutput, FlexKernelOptions
@@ -215,7 +216,7 @@ def _flex_decode(
 ) -> Callable:
     """PyTorch's PagedAttention: its page table and physical-to-logical map filled from the engine's block_table."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest
 
     b, max_pages = table.shape
     pages, page = k_cache.shape[:2]
@@ -242,8 +243,6 @@ def _flex_decode(
 
 
 def _flex_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: list, compile: bool) -> Baseline:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     q, dev = inputs[0], inputs[0].device
     if stem == "paged_decode_window_sinks":
         _, k_cache, v_cache, table, seq_lens = inputs
