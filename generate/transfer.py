@@ -230,7 +230,7 @@ def band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] |
 
     `doc[b, q_idx] == doc[b, kv_idx] & (kv_idx <= q_idx)` keeps the causal bound of its second term;
     data-dependent terms are left to runtime block classes."""
-    from kb.ir.classify import mask_kv_bounds
+    from kb.ir.classify import mask_kv_bounds  # noqa: PLC0415  classification imports torch
 
     static = [t for t in conjuncts(mask) if not loaded_tensors(t)]
     if not static:

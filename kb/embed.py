@@ -66,7 +66,7 @@ class SentenceEmbedder:
                     if is_mean_pooled_bert(Path(target)):
                         self._model = BertEncoder(Path(target))
                     else:
-                        from sentence_transformers import SentenceTransformer
+                        from sentence_transformers import SentenceTransformer  # noqa: PLC0415  seconds to import
 
                         self._model = SentenceTransformer(target, device="cpu")
                 except (OSError, ValueError) as err:

@@ -63,7 +63,7 @@ def _ir_texts() -> list[str]:
 @pytest.fixture(scope="module")
 def reference_vectors() -> list[list[float]]:
     """sentence-transformers' vectors of `_ir_texts()`, the model loaded once."""
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415  seconds to import; every worker collects this module
 
     model = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu")
     return model.encode(_ir_texts(), batch_size=7, normalize_embeddings=True, show_progress_bar=False).tolist()

@@ -69,7 +69,7 @@ _FLEX_COMPILED = None
 def flex_fn(case: Case, q, k, v, mask: MaskFn | None, score: ScoreFn | None) -> Callable[[], torch.Tensor]:
     global _FLEX_COMPILED
     if _FLEX_COMPILED is None:
-        import torch._dynamo
+        import torch._dynamo  # noqa: PLC0415  a second to import (and Triton with it): only FlexAttention needs it
 
         # one compile per (variant, shape): the suite needs more than dynamo's default 8 recompiles,
         # past which flex_attention silently falls back to the unfused, materialising path

@@ -86,7 +86,7 @@ def _env(command: str) -> dict:
                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = ""
-    import triton
+    import triton  # noqa: PLC0415  Triton's mode is fixed at its first import: a run's, not this module's import
 
     return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch_version": torch.__version__,
             "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,

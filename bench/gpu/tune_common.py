@@ -131,7 +131,7 @@ def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callabl
     mods = spec_mods(spec, inputs, model)
     if mods is None:
         return None
-    import torch._dynamo
+    import torch._dynamo  # noqa: PLC0415  a second to import, and it imports Triton (see environment)
 
     # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
     torch._dynamo.config.recompile_limit = 256
@@ -202,7 +202,7 @@ def sync() -> None:
 # ---- environment and results -------------------------------------------------------------------
 
 def environment(command: str) -> dict:
-    import triton
+    import triton  # noqa: PLC0415  Triton's mode is fixed at its first import: a run's, not this module's import
 
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
