@@ -30,6 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+import triton  # noqa: E402
+
 from generate.pipeline import GenerateOptions, GenerateResult, generate  # noqa: E402
 from kb.settings import load_settings  # noqa: E402
 from kb.store.kb import open_kb  # noqa: E402
@@ -81,9 +84,6 @@ def _cell(text: str) -> str:
 
 
 def write_doc(rows: list[Row], doc: Path, command: str, backward: bool, note: str) -> None:
-    import torch
-    import triton
-
     ok = sum(r.status == "verified" for r in rows)
     refused = [r for r in rows if r.status == "refused"]
     lines = [

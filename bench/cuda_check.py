@@ -33,11 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from kb.ir.nodes import Dtype, Program, Role  # noqa: E402
 from kb.errors import KBError  # noqa: E402
 from kb.lower.cuda_mma import MmaTraits, with_traits  # noqa: E402
 from kb.lower.cuda_runtime import CudaKernel  # noqa: E402
+from kb.lower.cuda_sm90_ir import lower_program_sm90  # noqa: E402
 from tests.support.attn_reference import reference_attention  # noqa: E402
 from tests.support.ir_programs import FIXTURES  # noqa: E402
 
@@ -73,8 +75,6 @@ SM90_SHAPES = [(1, 4, 2, 64, 64, 64), (2, 2, 1, 100, 130, 128), (2, 4, 2, 300, 5
 def _kernel(name: str, dtype: Dtype, cache: Path, head_dim: int = 0) -> CudaKernel:
     p = FIXTURES[name](dtype=dtype)
     if SM90:
-        from kb.lower.cuda_sm90_ir import lower_program_sm90
-
         return CudaKernel.from_source(p, lower_program_sm90(p, head_dim), cache)
     if TRAITS is None:
         return CudaKernel.from_program(p, cache)
@@ -139,8 +139,6 @@ def bench(cache: Path, schedules: list[tuple[int, ...]]) -> None:  # (BLOCK_M, B
 
 def bench_mma(cache: Path, traits: list[MmaTraits], out: dict) -> None:
     """Tensor-core kernels of the variant fixtures beside SDPA flash / cuDNN (causal for the masked variants)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     rows = out.setdefault("timings", [])
     for D, S, name in itertools.product((64, 128), (2048, 8192), ("plain", "causal", "alibi", "sliding_window", "document")):
         B, H = (4, 16) if S == 2048 else (1, 16)

@@ -14,8 +14,10 @@ import json
 import math
 from collections.abc import Callable, Sequence
 
-from generate.designs import Sweep, _decode, _ranked_by_sweeps, perf_similarity
+from generate.designs import Sweep, _decode, _ranked_by_sweeps, perf_similarity, sweeps_from_kb
 from kb.ir.design import Design
+from kb.settings import load_settings
+from kb.store import open_kb
 
 Rule = Callable[[Sequence[tuple[Sweep, float]]], list[Design]]
 
@@ -48,10 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
-    from generate.designs import sweeps_from_kb
-    from kb.settings import load_settings
-    from kb.store import open_kb
-
     sweeps = sweeps_from_kb(open_kb(load_settings()))
     rules: dict[str, Rule] = {"shipped": _ranked_by_sweeps}
     rules |= {f"near>={f} untimed={'0' if z else 'silent'}": variant(f, z) for f in (0.0, 0.25, 0.5, 0.8) for z in (True, False)}

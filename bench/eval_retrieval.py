@@ -21,7 +21,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from generate.spec import load_spec
 from kb.features import Features
+from kb.ir.expr import print_expr
 from kb.settings import load_settings
 from kb.store import open_kb
 from kb.store.kb import KnowledgeBase
@@ -80,9 +82,6 @@ def _label_of(path: Path) -> dict:
 
 def load_labelled(spec_dir: Path) -> list[LabelledSpec]:
     """Trace every labelled spec in `spec_dir` (sorted by file name)."""
-    from generate.spec import load_spec
-    from kb.ir.expr import print_expr
-
     out = []
     for path in sorted(spec_dir.glob("*.py")):
         label = _label_of(path)

@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,17 +43,11 @@ class _Kernel:
     every argument, and the cache key; built for an sm90 target) and returns a compiled kernel that does nothing."""
 
     def __init__(self, fn) -> None:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
-
         self.arg_names = fn.arg_names
         self.binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", 90, 32)))
         self.keys: dict = {}
 
     def __getitem__(self, grid):
-        from triton.runtime.jit import compute_cache_key
-
         def launch(*args, **kw):
             _, specialization, options = self.binder(*args, **kw, debug=False, instrumentation_mode="")
             compute_cache_key(self.keys, specialization, options)

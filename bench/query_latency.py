@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -94,8 +95,6 @@ def shell_times(args: argparse.Namespace) -> dict[str, object]:
 
 
 def service_times(args: argparse.Namespace, res: dict[str, object]) -> None:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

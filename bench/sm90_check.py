@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from kb.lower.cuda_build import BuildMode, build  # noqa: E402
 from kb.lower.cuda_sm90 import ERROR_CODES, SM90_ARCH, causal_hooks, plain_hooks, sm90_forward_source  # noqa: E402
@@ -236,7 +237,6 @@ def time_fn(fn, warmup: int, reps: int) -> float:
 
 
 def sdpa_time(backend_name: str, q, k, v, causal: bool, args) -> float | None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = getattr(SDPBackend, backend_name)
     try:
         with sdpa_kernel([backend]):

@@ -23,6 +23,7 @@ from generate.outputs import OutputError
 from generate.check_backward import check_backward_program
 from generate.spec import Spec
 from generate.stages import Stage
+from generate.transfer_bwd import backward_target, transfer_backward
 from generate.designs import STRUCTURE_MARGIN, backward_structure, structure_scores, sweeps_from_kb
 from kb.errors import KBError
 from kb.features import Features
@@ -31,6 +32,7 @@ from kb.ir.nodes import AuxGrad, Probs, Program, Role, Store, walk_stmts
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.lower.cuda_dispatch import CudaDispatch
+from kb.lower.triton_bwd import lower_autograd
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
@@ -81,8 +83,6 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
     designs ranked by its own sweeps). `deterministic`: only backwards whose gradients are bitwise reproducible (no
     atomics, `nondeterminism`) are tried; the others are recorded as refused. `cuda`: the CUDA dispatch of the combined
     module for a backward program (the forward's, with the Hopper backward where it applies) and why."""
-    from generate.transfer_bwd import backward_target, transfer_backward
-
     features = replace(spec.features, backward=True)
     found = query(kb, describe_target(features, *spec.variant_strings()), features, k=_POOL,
                   filters=Filters(memory=memory, backward=True))
@@ -172,8 +172,6 @@ def per_kv_head(p: Program) -> bool:
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,
              stage: Path, stem: str, cuda: Callable[[Program], tuple[CudaDispatch | None, str]] | None,
              ) -> BackwardBuilt | Failure:
-    from kb.lower.triton_bwd import lower_autograd
-
     try:
         dispatch, runs = cuda(program) if cuda is not None else (None, "")
         src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1](backward_structure(program)),

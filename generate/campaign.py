@@ -115,7 +115,7 @@ def ray_session(address: str | None) -> Iterator[Any]:
     process stdout is stderr: Ray's driver prints what its workers report (a worker that died, ...) on stdout, which
     is the command's output (a --json document)."""
     try:
-        import ray
+        import ray  # noqa: PLC0415  optional (the ray extra): a missing Ray is the KBError below
     except ImportError:
         raise KBError(RAY_MISSING) from None
     given = address or os.environ.get("RAY_ADDRESS", "")
@@ -149,7 +149,7 @@ def _drive(ray: Any, jobs: list[_Job], submit: Callable[[_Job], Any], retries: i
     `why` set when it failed), `lost(job, why)` for each attempt that did not finish (its worker died, it raised, it
     was cancelled). A job whose worker died is submitted again, `retries` times at most. Returns the resubmissions;
     KeyboardInterrupt (saying what was kept) after cancelling the rest."""
-    from ray import exceptions as rx
+    from ray import exceptions as rx  # noqa: PLC0415  optional (the ray extra): only a Ray campaign gets here
 
     died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError, rx.ObjectLostError)
     pending = {submit(job): job for job in jobs}

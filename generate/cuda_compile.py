@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kb.errors import KBError
 from kb.ir.design import head_bucket
+from kb.lower.cuda_build import BuildMode, build
 
 __all__ = ["CudaCompile", "NOT_COMPILED", "compile_cuda"]
 
@@ -36,8 +37,6 @@ NOT_COMPILED = CudaCompile(False, "not_run")
 def compile_cuda(source: str, out_dir: Path, head_dim: int, head_dim_v: int | None = None, *,
                  arch: str = "sm_90") -> CudaCompile:
     """Compile the CUDA source with nvcc for the spec's head dims (`head_dim_v`: a value head dim of its own)."""
-    from kb.lower.cuda_build import BuildMode, build
-
     defines: tuple[str, ...] = (f"KB_HEAD_PAD_ONLY={head_bucket(head_dim)}",)
     if head_dim_v is not None:
         defines += (f"KB_HEAD_PAD_V_ONLY={head_bucket(head_dim_v)}",)

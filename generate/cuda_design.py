@@ -20,13 +20,17 @@ import math
 from dataclasses import dataclass, replace
 
 from generate.designs import perf_similarity
+from generate.perf_import import cuda_impl
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import head_bucket
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash
+from kb.lower.cuda import lower_program as lower_portable
 from kb.lower.cuda_dispatch import CudaDispatch
-from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits
+from kb.lower.cuda_mma import FA2_TRAITS, MmaTraits, lower_program_mma, with_traits
+from kb.lower.cuda_sm90_ir import backward_refusal, hopper_program, lower_program_sm90
+from kb.store import Kernel, PerfRecord
 
 __all__ = ["CUDA_LOWERINGS", "CudaChoice", "CudaPair", "CudaPlan", "choose_cuda", "cuda_pairs", "forward_dispatch",
            "with_backward", "cuda_plan", "fa2_traits", "fit_registers", "MAX_ACC_REGS"]
@@ -75,8 +79,6 @@ def fit_registers(t: MmaTraits, head_pad: int) -> MmaTraits:
 def fa2_traits(tunables: list, head_dim: int) -> tuple[MmaTraits, str]:
     """FA2's sm80 forward traits for the head-dim bucket from the KB's lifted tunables (rows with
     `family`, `arch`, `head_dim`, `params_json`, `condition`, `id`), register-fitted; (traits, where from)."""
-    import json
-
     bucket = head_bucket(head_dim)
     for row in tunables:
         terms = [c.strip() for c in (row.condition or "").split("&&") if c.strip()]
@@ -97,10 +99,6 @@ def choose_cuda(program: Program, plan: CudaPlan) -> CudaChoice | None:
     """The CUDA source for `program`: on an sm90 target the Hopper template (wgmma, TMA, warp specialised) where
     it accepts the program, else FA2's tensor-core structure, else the portable lowering; None when none lowers
     (the report then has no `.cu`). Each refusal's reason goes into the report."""
-    from kb.lower.cuda import lower_program as lower_portable
-    from kb.lower.cuda_mma import lower_program_mma, with_traits
-    from kb.lower.cuda_sm90_ir import hopper_program, lower_program_sm90
-
     declined: dict[str, str] = {}
     if plan.target == "sm90":
         try:
@@ -154,10 +152,6 @@ class CudaPair:
 
 def cuda_pairs(kb, arch: str, lowering: str) -> list[CudaPair]:
     """Every measured `.cu` of `lowering` on `arch` beside the Triton module of the same kernel, shape, GPU and run."""
-    from kb.store import Kernel, PerfRecord
-
-    from generate.perf_import import cuda_impl
-
     rows = [r for r in kb.usable(PerfRecord, kind="measured") if r.arch == arch and r.ms]
     want = json.dumps(cuda_impl(lowering), sort_keys=True)
     triton = {(r.kernel_id, r.shape_json, r.gpu, r.measured_at): r.ms for r in rows if r.design_json == "{}"}
@@ -202,8 +196,6 @@ def with_backward(dispatch: CudaDispatch | None, forward: Program, bwd: Program,
     """The forward's dispatch with the Hopper backward (kb.lower.cuda_sm90_bwd) in its `.cu` where `bwd` qualifies
     (`backward_refusal`), listed where measured records say that it runs faster than backward()'s Triton kernels
     (`forward_dispatch` over the backward programs' pairs); and the report's sentence saying which runs and why."""
-    from kb.lower.cuda_sm90_ir import backward_refusal, lower_program_sm90
-
     if dispatch is None or dispatch.arch != "sm_90a":
         return dispatch, "backward()'s Triton kernels run: the `.cu` is not the Hopper template"
     why_not = backward_refusal(forward, bwd)

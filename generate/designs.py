@@ -29,6 +29,7 @@ from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket
 from kb.ir.nodes import Program, Store, walk_stmts
 from kb.ir.text import parse_program
+from kb.store import Kernel, PerfRecord, Tunable
 
 __all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
            "sweeps_from_kb", "backward_structure", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH",
@@ -229,8 +230,6 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
 
 def sweeps_from_kb(kb, arch: str | None = None) -> list[Sweep]:
     """Measured designs grouped per (kernel, shape, arch, gpu): the performance memory."""
-    from kb.store import Kernel, PerfRecord
-
     rows = [r for r in kb.usable(PerfRecord, kind="measured") if r.arch and r.design_json not in ("", "{}")
             and "impl" not in json.loads(r.design_json) and (arch is None or r.arch == arch) and r.ms]  # not .cu records
     groups: dict[tuple[str, str, str, str], list] = {}
@@ -279,8 +278,6 @@ def structure_scores(sweeps: Sequence[Sweep], target: Features) -> dict[str, flo
 
 def tunable_rows(kb) -> list[tuple[str, int, dict]]:
     """Every expert tunable of the KB as (arch, head dim or 0, launch parameters)."""
-    from kb.store import Tunable
-
     return [(t.arch, t.head_dim or 0, json.loads(t.params_json)) for t in kb.usable(Tunable)]
 
 

@@ -74,7 +74,7 @@ def _serving_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, targe
 
 def llm_candidates(kb: KnowledgeBase, spec: Spec, found: QueryResult, max_attempts: int) -> Proposals:
     """The LLM's answers for the spec; raises KBError at once when the LLM is not configured."""
-    from generate.llm import LLMEngine
+    from generate.llm import LLMEngine  # noqa: PLC0415  openai loads only for --engine llm
 
     engine = LLMEngine(kb.settings)
     ref = found.kernels[0]

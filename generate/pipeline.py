@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
 from generate.backward import BackwardBuilt, build_backward, learnable_aux, nondeterminism
 from generate.candidate import write_candidate
@@ -43,12 +45,14 @@ from kb.ir.features import derive_features
 from kb.ir.nodes import Program
 from kb.ir.text import content_hash, print_program
 from kb.lower.cuda_dispatch import CudaDispatch
+from kb.lower.triton import lower_program
 from kb.lower.triton_op import with_backward_reason
 from kb.procs import Owner
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson, RunStatus, Tunable
 from kb.store.records import assign_id
 from retrieve.hybrid import Filters, describe_target, query
+from verify import VerifyOptions, verify
 from verify.result import Verdict
 
 __all__ = ["FromCache", "GenerateOptions", "GenerateResult", "generate"]
@@ -510,8 +514,6 @@ def _verify_note(built: _Built) -> str:
 
 def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path) -> _Built | Failure:
     """Lower to Triton (+ CUDA), write the candidate into the staging directory, verify it."""
-    from kb.lower.triton import lower_program
-
     plan = options.cuda or cuda_plan(resolve_target(options.target, "sm90"), spec.shapes.D, [])
     cuda = choose_cuda(program, plan) if spec.layout is None else None  # the CUDA lowerings take no serving layout
     dispatch, runs = _dispatch(spec, program, cuda, plan, options)
@@ -563,8 +565,6 @@ def resolve_target(target: str, default: str) -> str:
         if not target.startswith("sm") or not target[2:].isdigit():
             raise KBError(f"unknown --target {target!r}; use auto or an arch such as sm90, sm80")
         return target
-    import torch
-
     if torch.cuda.is_available():
         return arch_of_capability(torch.cuda.get_device_capability())
     return default
@@ -600,8 +600,6 @@ def _budget_spent(outcomes: list[AttemptOutcome], options: GenerateOptions) -> l
 
 
 def _verify(spec: Spec, candidate: Path, options: GenerateOptions, *, backward: bool = False) -> tuple[Verdict, str]:
-    from verify import VerifyOptions, verify
-
     left = _budget_left(options)
     if left <= 0:
         return Verdict.timeout, f"not started: the spec's budget of {options.timeout_s:g}s (--timeout) is spent"

@@ -83,7 +83,7 @@ def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
     hit = _read(entry)
     if hit is not None:
         return hit
-    from generate.spec import load_spec
+    from generate.spec import load_spec  # noqa: PLC0415  torch and the tracer load only on a cache miss
 
     spec = load_spec(path)
     traced = TracedSpec(spec.features, *spec.variant_strings())

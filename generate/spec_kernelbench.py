@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
+from generate.spec_generalize import DELTA, generalize
 from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference, visible_keys
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
 from generate.spec_types import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
@@ -190,8 +191,6 @@ def _generalize_shapes(model: torch.nn.Module, inputs: list[Any], names: list[st
     """(score_mod, mask_mod) with shape-derived constants written in M and N (see spec_generalize), and the (M, N)
     the kernel is right only at: when the spec runs at no other lengths, an integer constant of its expressions
     (the `n - 1` of a table sized by a constructor argument) may come from the lengths, and nothing tells."""
-    from generate.spec_generalize import DELTA, generalize
-
     qi, ki, vi = qkv
     q, k = inputs[qi], inputs[ki]
     m, n = q.shape[2], k.shape[2]

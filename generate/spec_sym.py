@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 import torch
 
 from kb.errors import KBError
+from kb.ir.evaluate import eval_expr
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
 
 __all__ = ["Sym", "dvar", "scalar_sym", "full", "arange", "load_leaf", "broadcast_to", "broadcast_shapes",
@@ -260,8 +261,6 @@ def index(s: Sym, indices: Sequence[Sym | None], wrap: bool = True,
 
 def _nonnegative(e: Expr, shape: tuple[int, ...], known: Mapping[str, torch.Tensor]) -> bool:
     """True if `e` (over dim vars and loads of `known` only) is >= 0 everywhere on `shape`."""
-    from kb.ir.evaluate import eval_expr
-
     if not free_vars(e) <= {f"_d{k}" for k in range(len(shape))}:
         return False
     if any(n.op is ExprOp.LOAD and n.value not in known for n in walk(e)):

@@ -29,6 +29,7 @@ import logging
 import math
 import operator
 import re
+import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -1110,8 +1111,6 @@ def _record(fn: Callable[..., Any], inputs: Sequence[Any], what: str, source: st
 
 def _user_line(err: BaseException, source: str | None) -> str:
     """`at FILE:LINE: code` of the deepest frame of the spec file in err's traceback."""
-    import traceback
-
     frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename == source]
     if not frames:
         return "at an unknown line"

@@ -25,6 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from generate.spec import load_spec
+from kb.errors import KBError
+
 __all__ = ["main", "trace_request"]
 
 _WARM_SPEC = Path(__file__).resolve().parents[1] / "examples" / "specs" / "causal_d64.py"
@@ -33,9 +38,6 @@ _MAX_ANSWER = 1 << 20  # bytes a child may answer with
 
 def trace_request(request: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """Trace one spec's text in this process: the answer line (see module docstring)."""
-    from generate.spec import load_spec
-    from kb.errors import KBError
-
     name = Path(str(request.get("filename") or "spec.py")).name
     if not name.endswith(".py"):
         name += ".py"
@@ -140,8 +142,6 @@ def _serve_one(req_r: int, ans_w: int, workdir: Path) -> None:
 
 
 def main() -> int:
-    import torch
-
     torch.set_num_threads(1)  # no thread pool to copy into the forked children
     workdir = Path.cwd()
     if _WARM_SPEC.is_file():  # loads the tracer's imports once, here

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from kb.errors import KBError
+from kb.ir.algebra import conjuncts
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr, substitute, var
 from kb.ir.nodes import (
     BlockClass, Dot, Dtype, Elementwise, For, IfBlock, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program,
@@ -229,8 +230,7 @@ def band_bounds(mask: Expr, dims: tuple[int, int] | None) -> tuple[Expr, Expr] |
 
     `doc[b, q_idx] == doc[b, kv_idx] & (kv_idx <= q_idx)` keeps the causal bound of its second term;
     data-dependent terms are left to runtime block classes."""
-    from kb.ir.classify import mask_kv_bounds
-    from kb.ir.algebra import conjuncts
+    from kb.ir.classify import mask_kv_bounds  # noqa: PLC0415  classification imports torch
 
     static = [t for t in conjuncts(mask) if not loaded_tensors(t)]
     if not static:

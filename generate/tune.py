@@ -17,6 +17,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 from generate.designs import backward_structure, rank_designs, sweeps_from_kb, tunable_rows
 from generate.outputs import output_stem
 from generate.spec import import_spec_file
@@ -110,8 +112,6 @@ def make_plan(kb, targets: list[str], from_dir: Path, arch: str, *, max_designs:
 
 def require_gpu() -> str:
     """The local GPU's arch, or a KBError saying how to tune without one."""
-    import torch
-
     if not torch.cuda.is_available():
         raise KBError("kb tune needs a CUDA GPU to time designs, and this machine has none",
                       hint="`kb tune SPEC --plan PLAN.json` writes the work here; run `python -m bench.gpu.tune "

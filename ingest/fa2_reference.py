@@ -37,10 +37,14 @@ from kb.errors import KBError
 from kb.features import Features
 from kb.ir.evaluate import eval_expr
 from kb.ir.expr import Expr, ExprOp, const, free_vars, parse_expr, substitute, var
+from kb.ir.features import derive_features
+from kb.ir.interp_variants import classify_block
+from kb.ir.interpret import run_program
 from kb.ir.nodes import (
     MASK_MOD_PARAMS, BlockClass, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init, Kernel,
     Let, Load, Mask, OnlineSoftmax, Param, Program, Role, Schedule, Span, Store, TileAt, VariantFn,
 )
+from kb.ir.validate import validate
 
 __all__ = ["build_fa2_reference", "build_fa2_references", "masking_steps_cover", "LIFTER", "LIFTER_VERSION"]
 
@@ -238,8 +242,6 @@ def masking_steps_cover(steps_expr: Expr, program: Program, shapes: list[tuple[i
     For each query block, the blocks classed not-full must be among the first n_masking_steps
     visited by the reverse loop (block indices >= n_block_max - n_masking_steps).
     """
-    from kb.ir.interp_variants import classify_block
-
     s = program.schedule
     env0 = {"BLOCK_M": s.block_m, "BLOCK_N": s.block_n, "causal": causal, "local": False, "even_mn": even_mn}
     steps = int(eval_expr(steps_expr, env0))
@@ -257,8 +259,6 @@ def masking_steps_cover(steps_expr: Expr, program: Program, shapes: list[tuple[i
 
 def _check_fully_masked_rows(p: Program) -> tuple[bool, str]:
     """seq_q > seq_kv with a bottom-right causal mask: leading query rows see no key (o = 0, lse = -inf)."""
-    from kb.ir.interpret import run_program
-
     g = torch.Generator().manual_seed(1)
     M, N, D, H = 45, 29, 24, 2
     prog = replace(p, schedule=replace(p.schedule, block_m=16, block_n=16))
@@ -323,16 +323,12 @@ def _notes(parts: _Parts, tunable: LiftedTunable, causal: bool, cover: bool | No
 
 
 def _features(p: Program) -> Features:
-    from kb.ir.features import derive_features
-
     return derive_features(p, arch=ARCH)
 
 
 def build_fa2_reference(cuda_reports: list[LiftReport], tunables: list[LiftedTunable], *,
                         causal: bool = True) -> LiftedProgram:
     """FA2's CUDA forward kernel (compute_attn_1rowblock) as a verified IR Program; KBError names a missing piece."""
-    from kb.ir.validate import validate
-
     parts = _pick([s for r in cuda_reports for s in r.snippets])
     tunable = _pick_tunable(list(tunables), causal)
     prog = _program(parts, tunable, causal)

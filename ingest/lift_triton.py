@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kb.errors import KBError
 from kb.features import Features
+from kb.ir.features import derive_features
 from kb.ir.expr import (Expr, ExprOp, call, const, free_vars, loaded_tensors, parse_expr as E, substitute, var,
                         walk as walk_expr)
 from kb.ir.nodes import (
@@ -40,6 +41,7 @@ from kb.ir.nodes import (
     OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Store, TileAt, VariantFn, MASK_MOD_PARAMS,
     SCORE_MOD_PARAMS,
 )
+from kb.ir.validate import validate
 from ingest.lift_triton_bwd import lift_backward  # backward kernels: recognised by dataflow, in their own module
 from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, LiftReport, Provenance, as_int
 from ingest.triton_flags import flag_values, merge_skips
@@ -936,10 +938,7 @@ def _lift_kernel(ctx: _Ctx, fn: JitFn) -> list[LiftedProgram]:
                        mask_mod=VariantFn("mask_mod", MASK_MOD_PARAMS, lifted.mask_mod) if lifted.mask_mod else None)
         notes = [sched_note, *lifted.notes]
         try:
-            from kb.ir.validate import validate
             validate(prog)
-        except ImportError:
-            notes.append("kb.ir.validate not available")
         except KBError as err:
             ctx.skipped.append((f"{fn.name}[{label}]", f"lifted program fails validation: {err}"))
             _spans_to_snippets(ctx, lifted, flags)
@@ -983,8 +982,6 @@ def _without_length(p: Program, layout: Layout) -> Program:
 
 
 def _features(p: Program, flags: dict[str, bool], split: bool, layout: Layout = DENSE) -> Features:
-    from kb.ir.features import derive_features
-
     f = replace(derive_features(_without_length(p, layout)), varlen=derive_features(p).varlen)
     f = replace(f, split_kv=split or f.split_kv, return_lse=True)
     if any(v and "ALIBI" in k for k, v in flags.items()):

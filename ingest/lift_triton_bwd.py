@@ -30,7 +30,10 @@ from kb.ir.nodes import (
     Program, Reduce, Role, Schedule, ScoreMod, ScoreModGrad, SoftmaxGrad as SoftmaxGradStmt, Span, Store,
     TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS,
 )
+from kb.ir.features import derive_features
 from kb.ir.text import print_stmt_header
+from kb.ir.validate import validate
+from ingest.lift_verify import verify_backward
 from ingest.model import LiftedProgram, LiftedSnippet, LiftedTunable, Provenance, as_int
 from ingest.triton_bwd_kernels import (
     Delta, KVOuter, ancestors, early_exits, kind_of, recognise_delta, recognise_dq_pass, recognise_kv_outer,
@@ -702,10 +705,6 @@ def _block_keys(p: _Part) -> dict[str, str]:
 
 def _checked(rep: BackwardReport, mod: TritonModule, part: _Part, prog: Program, notes: list[str], spans: list,
              base: Provenance, family: str, tunables: list[LiftedTunable]) -> LiftedProgram | None:
-    from ingest.lift_verify import verify_backward
-    from kb.ir.features import derive_features
-    from kb.ir.validate import validate
-
     label = ",".join(f"{k}={v}" for k, v in part.flags.items()) or "default"
     try:
         validate(prog)

@@ -21,8 +21,9 @@ from dataclasses import replace
 import torch
 
 from kb.errors import KBError
-from kb.ir.evaluate import dense_scores_mask
-from kb.ir.expr import Expr, free_vars, loaded_tensors, var
+from kb.ir.evaluate import dense_scores_mask, eval_expr
+from kb.ir.expr import Expr, free_vars, loaded_tensors, substitute, var
+from kb.ir.interpret import run_program
 from kb.ir.nodes import Dtype, Gather, Let, Load, Program, Role, walk_stmts
 
 __all__ = ["verify_program", "verify_packed", "verify_decode", "verify_backward", "dense_reference", "resolved_let"]
@@ -30,8 +31,6 @@ __all__ = ["verify_program", "verify_packed", "verify_decode", "verify_backward"
 
 def resolved_let(body: tuple, name: str) -> Expr:
     """The value of `let name`, with earlier lets substituted (for questions like 'does hk use Hkv?')."""
-    from kb.ir.expr import substitute
-
     env: dict[str, Expr] = {}
     for st in body:
         if isinstance(st, Let):
@@ -51,10 +50,6 @@ _TORCH_DTYPES = {Dtype.F16: torch.float16, Dtype.BF16: torch.bfloat16, Dtype.F32
 
 def verify_program(p: Program, *, split: bool, gqa: bool, seed: int = 0) -> tuple[bool, str]:
     """Interpreter vs dense fp32 torch on ragged shapes, at the lifted schedule and at 16x16 blocks."""
-    try:
-        from kb.ir.interpret import run_program
-    except ImportError:
-        return False, "kb.ir.interpret is not available"
     g = torch.Generator().manual_seed(seed)
     worst = 0.0
     small = replace(p.schedule, block_m=16, block_n=16)
@@ -100,8 +95,6 @@ def _sequence_tables(want: list[tuple[Expr, list[int]]], lens: tuple[int, ...],
     A table is either per-sequence starts (B+1 cumulative, as `cu_seqlens`; its first B entries are
     `b_start_loc`) or the lengths `lens_table`; the assignment that reproduces every expression is
     the one the kernel means."""
-    from kb.ir.evaluate import eval_expr
-
     names = sorted(frozenset().union(*(loaded_tensors(e) for e, _ in want)))
     options = {"starts": torch.tensor((0, *itertools.accumulate(lens)), dtype=torch.int32),
                "lens": torch.tensor(lens_table, dtype=torch.int32)}
@@ -121,8 +114,6 @@ def _table_fills(p: Program, lens: tuple[int, ...]) -> dict[str, torch.Tensor] |
 
 def verify_packed(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
     """Interpreter on packed ragged sequences vs dense fp32 torch per sequence (the same variant functions)."""
-    from kb.ir.interpret import run_program
-
     g = torch.Generator().manual_seed(seed)
     Hq, Hkv, D = (4, 2, 24) if gqa else (2, 2, 24)
     dt, scale, worst = _TORCH_DTYPES[p.param("q").dtype], 1.0 / math.sqrt(24), 0.0
@@ -208,8 +199,6 @@ def _pool_fills(p: Program, lens: tuple[int, ...], tables: dict[str, torch.Tenso
 def verify_decode(p: Program, *, gqa: bool, seed: int = 0) -> tuple[bool, str]:
     """Interpreter on a token pool / page cache with its tables (ragged lengths, a single token among them)
     vs dense fp32 torch per sequence under the program's variant functions."""
-    from kb.ir.interpret import run_program
-
     g = torch.Generator().manual_seed(seed)
     D = 24
     dt, scale, worst = _TORCH_DTYPES[p.param("q").dtype], 1.0 / math.sqrt(24), 0.0
@@ -271,8 +260,6 @@ _BWD_SHAPES = ((2, 2, 37, 37, 16), (4, 2, 29, 45, 24), (4, 2, 45, 29, 24))  # (H
 def verify_backward(p: Program, *, gqa: bool = False, seed: int = 0) -> tuple[bool, str]:
     """dq, dk, dv of the interpreter vs torch autograd of dense fp32 attention under the program's variant
     functions (o and lse from that forward, dO random), at the lifted schedule and at 16x16 blocks."""
-    from kb.ir.interpret import run_program
-
     g = torch.Generator().manual_seed(seed)
     small = replace(p.schedule, block_m=16, block_n=16)
     runs = [(p.schedule, _BWD_SHAPES[:1]), (small, _BWD_SHAPES[1:])]

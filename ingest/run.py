@@ -93,7 +93,7 @@ def _require_kernels(name: str, src: FetchedSource) -> None:
 def _with_fa2_reference(reports: list[LiftReport], src: FetchedSource) -> list[LiftReport]:
     """Add the FA2 CUDA reference Program built from the lifted CUDA snippets and tunables."""
     try:
-        from ingest.fa2_reference import build_fa2_references
+        from ingest.fa2_reference import build_fa2_references  # noqa: PLC0415  it imports torch: only FA2's CUDA needs it
     except ImportError:
         return reports
     cuda = [r for r in reports if "flash_attn/src" in r.file

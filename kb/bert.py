@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,6 @@ class BertEncoder:
 
     def encode(self, texts: Sequence[str], backend: str | None = None) -> list[list[float]]:
         """One vector per text; `backend` "numpy" or "torch" (None: see the class docstring)."""
-        import sys
-
         if backend is None:
             backend = "numpy" if len(texts) <= SMALL_BATCH and "torch" not in sys.modules else "torch"
         xp = self.ops(backend)

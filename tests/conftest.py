@@ -21,6 +21,7 @@ import torch
 
 from kb.embed import SentenceEmbedder, get_embedder
 from kb.settings import Settings, load_settings
+from kb.store import open_kb
 from tests.support.generate_fixtures import INGEST_SUMMARY
 from tests.support.ingested import HOME_NAME, shared_ingested
 from tests.support.repo import REPO
@@ -72,8 +73,6 @@ def kb_settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def kb(kb_settings: Settings, embedder: SentenceEmbedder) -> Iterator:
-    from kb.store import open_kb
-
     with open_kb(kb_settings, embedder=embedder) as store:
         yield store
 
@@ -114,7 +113,5 @@ def ingested_kb_settings(ingested_home: Path, tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def ingested_kb(ingested_kb_settings: Settings, embedder) -> Iterator:
-    from kb.store import open_kb
-
     with open_kb(ingested_kb_settings, embedder=embedder) as kb:
         yield kb

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from generate.candidate import write_candidate
 from generate.check_backward import check_backward_program
 from generate.spec import load_spec
 from generate.target import target_for
@@ -32,7 +33,11 @@ from kb.ir.nodes import AuxGrad, Role, aux_gradients, walk_stmts
 from kb.ir.rename import names
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
+from kb.lower.triton_bwd import lower_autograd
 from tests.support.backward import GOLDEN, REFERENCE, SPECS, transferred_programs
+from verify.grads import GradTargets, grad_targets, model_grads
+from verify.inputs import _draw
+from verify.shapes import find_layout
 
 SCALARS = {  # case -> spec file in tests/data/specs
     "temperature": "temperature_learnable.py",  # s * self.t, fp32, causal
@@ -126,9 +131,6 @@ def test_transferred_backward_matches_autograd(case: str) -> None:
 def test_learnable_scalar_trains_through_the_candidate(case: str, tmp_path: Path) -> None:
     """kb generate's path: the backward lowered with its forward, written as ModelNew; q, k, v and the scalar's
     gradients match the spec's Model (inputs in fp32, as test_lower_triton_bwd does for the variant classes)."""
-    from generate.candidate import write_candidate
-    from kb.lower.triton_bwd import lower_autograd
-
     spec, fwd, bwd, _ = transferred_programs(SCALARS[case])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
     files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, case)
@@ -170,10 +172,6 @@ def test_fp32_gradient_reference_is_computed_in_fp64() -> None:
     """A temperature's gradient on the adversarial distribution cancels to ~1e-4 and fp32 eager torch is ~60% off
     it: the reference is the Model in fp64 (every op widened, a spec's own `.float()` included), and e_torch measures
     fp32 torch's distance from it."""
-    from verify.grads import grad_targets, model_grads
-    from verify.inputs import _draw
-    from verify.shapes import find_layout
-
     spec = _import(SPECS / SCALARS["temperature"])
     model = spec.Model()
     g = torch.Generator().manual_seed(0)
@@ -191,8 +189,6 @@ def test_fp32_gradient_reference_is_computed_in_fp64() -> None:
 
 
 def test_fp64_reference_widens_a_specs_own_fp32_casts() -> None:
-    from verify.grads import GradTargets, model_grads
-
     class CastsToFp32(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()

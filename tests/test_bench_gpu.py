@@ -13,12 +13,17 @@ import pytest
 import torch
 
 from bench.gpu import baselines, suite
+from bench.gpu.record import record_results
 from bench.gpu.report import geomean, summarize, summary_table
 from bench.gpu.run import SCHEMA, Record, _write, require_cuda
 from kb.errors import KBError
 from kb.ir.design import Design
 from kb.ir.nodes import Schedule
+from kb.ir.text import content_hash, print_program
 from kb.lower.runtime import TritonKernel
+from kb.lower.triton import lower_program
+from kb.lower.triton_aot import compile_for_arch
+from kb.store import Kernel, PerfRecord
 
 
 @pytest.mark.parametrize("variant", sorted(suite.VARIANTS))
@@ -88,10 +93,6 @@ def test_json_schema_and_table(tmp_path) -> None:
 
 
 def test_record_results_writes_measured_perf_for_matching_kernels(kb, tmp_path) -> None:
-    from bench.gpu.record import record_results
-    from kb.ir.text import content_hash, print_program
-    from kb.store import Kernel, PerfRecord
-
     prog, _ = suite.load_program("causal")
     kid = kb.write_kernel(Kernel(name="causal", family="generated", ir_text=print_program(prog), dtype="bf16",
                                  head_dim=128))
@@ -114,10 +115,6 @@ def test_bench_kernels_compile_for_hopper(variant: str) -> None:
     """The GPU path the interpreter never runs: Triton's compiler (bundled ptxas) builds the bench schedule for
     sm_90 with TMA, using wgmma and bulk tensor copies; the document mask takes the indexed KV loop over its
     block table, prefix-LM (a per-batch prefix) has closed-form block classes and no table."""
-    from kb.lower.triton_aot import compile_for_arch
-
-    from kb.lower.triton import lower_program
-
     prog, _ = suite.load_program(variant)
     prog = Design(128, 128, 8, 3).apply(prog)  # the design measured best for causal D=128 on the H200
     assert ("_kvl_full_" in lower_program(prog)) == (variant == "document")

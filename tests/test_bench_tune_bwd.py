@@ -25,6 +25,9 @@ import torch
 from bench.gpu.tune import PLAN_SCHEMA
 from bench.gpu.tune_bwd import (GRAD_TOL, SCHEMA, fwd_bwd_flops, read_suite, reference_grads, rel_fro,
                                    run_plan_backward, suite_plan, summarize, summary_line)
+from bench.gpu.tune_common import write_results
+from generate.pipeline import GenerateOptions, generate
+from tests.support.generate_fixtures import QUICK
 
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT = REPO / "bench" / "heldout"
@@ -276,9 +279,6 @@ def test_without_a_gpu_the_cli_says_so_in_one_line(module: str, tmp_path: Path) 
 def test_a_generated_differentiable_candidate_is_checked_then_timed(ingested_kb, tmp_path: Path) -> None:
     """The timer's contract with what `kb generate` emits: ModelNew's learnable table (registered under the spec
     Model's key) is made trainable and its gradient checked beside dq, dk, dv."""
-    from generate.pipeline import GenerateOptions, generate
-    from tests.support.generate_fixtures import QUICK
-
     spec = REPO / "examples" / "specs" / "relative_bias.py"
     # the timer checks the gradients itself; verify_kernel=False keeps this test off the verifier's backward mode
     r = generate(ingested_kb, spec, GenerateOptions(out_dir=tmp_path / "out", **{**QUICK, "backward": True,
@@ -310,8 +310,6 @@ def test_the_cpu_dry_run_runs_from_the_cli(tmp_path: Path) -> None:
 
 def test_results_written_to_dev_null_leave_it_a_device(tmp_path: Path) -> None:
     """The timers write results whole through a rename, which must not replace /dev/null (or a pipe) by a file."""
-    from bench.gpu.tune_common import write_results
-
     write_results(Path(os.devnull), {"schema": SCHEMA})
     assert Path(os.devnull).is_char_device()
     write_results(tmp_path / "sub" / "r.json", {"schema": SCHEMA})

@@ -16,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import chromadb
 import pytest
+from chromadb.config import Settings as ChromaSettings
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
 from cli.main import app
+from generate.campaign import ray_session
 from kb.errors import KBError
 from kb.procs import Owner
 from kb.settings import load_settings
@@ -57,9 +60,6 @@ def _kill_a_worker_mid_run(campaign: subprocess.Popen, db_url: str) -> tuple[str
 
 def _server_counts(port: int) -> dict[str, int]:
     """Embeddings per collection, asked of the Chroma server directly (not through kernel-kb)."""
-    import chromadb
-    from chromadb.config import Settings as ChromaSettings
-
     client = chromadb.HttpClient(host="127.0.0.1", port=port, settings=ChromaSettings(anonymized_telemetry=False))
     return {c: client.get_collection(c).count() for c in ("kernels", "snippets", "lessons")}
 
@@ -154,8 +154,6 @@ print(json.dumps(run_tune_campaign(plan, timer=time_plan, address=sys.argv[1], d
 
 
 def test_a_campaign_needs_the_shared_kb_and_a_reachable_cluster(kb, tmp_path: Path) -> None:
-    from generate.campaign import ray_session
-
     home = ["--home", str(kb.settings.home)]
     for args, says in [(["generate", str(SPECS[0]), "--ray"], "--ray needs the team's shared KB"),
                        (["generate", str(SPECS[0]), "--ray-address", "127.0.0.1:1"], "--ray-address is for --ray"),

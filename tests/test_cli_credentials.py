@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import chromadb
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -70,8 +71,6 @@ def services(pg_url: str, tmp_path: Path, embedder) -> Iterator[tuple[Settings, 
 
 def _stored_text(settings: Settings, embedder) -> str:
     """Every SQL row and every Chroma document and metadata, as one text."""
-    import chromadb
-
     parts = []
     with open_kb(settings, embedder=embedder) as kb:
         for table in TABLES:

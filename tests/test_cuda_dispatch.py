@@ -8,14 +8,19 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # the modules run their Triton kernels here; set before triton is imported
 
+import ctypes
 import logging
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from generate.cuda_design import CudaPlan, choose_cuda
+from generate.cuda_design import CudaPair, CudaPlan, choose_cuda
+from generate.pipeline import GenerateOptions, _dispatch
+from generate.spec import load_spec
+from kb.features import Features
 from kb.ir.nodes import Dtype
 from kb.lower.cuda import launch_abi
 from kb.lower.cuda_build import find_nvcc
@@ -24,7 +29,10 @@ from kb.lower.cuda_mma import MmaTraits
 from kb.lower.runtime import import_file
 from kb.lower.triton import lower_program
 from kb.lower import nvcc_preamble
-from tests.support.ir_programs import FIXTURES
+from kb.lower.cuda_sm90_ir import lower_program_sm90
+from kb.lower.triton_bwd import lower_autograd
+from tests.support.ir_programs import FIXTURES, causal_bwd
+from tests.support.repo import REPO
 
 WHY = "the `.cu` runs: measured 1.12x the Triton module (this kernel)"
 TINY_CU = 'extern "C" int kb_launch(void**, long long*, long long*, double*, void*) { return 7; }\n' \
@@ -110,8 +118,6 @@ def test_the_cu_is_built_once_and_cached_by_content(tmp_path: Path, monkeypatch:
 def test_a_launch_the_cu_refuses_runs_triton_and_a_cuda_error_raises(written, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    import ctypes
-
     monkeypatch.setenv("KB_CACHE_DIR", str(tmp_path / "cache"))
     src = tmp_path / "tiny.cu"
     src.write_text(TINY_CU)
@@ -138,14 +144,6 @@ def test_an_nvcc_error_is_one_line_saying_what_failed(tmp_path: Path, monkeypatc
 
 
 def test_generation_writes_the_dispatch_only_where_a_measurement_says_the_cu_is_faster() -> None:
-    from dataclasses import replace
-
-    from generate.cuda_design import CudaPair
-    from generate.pipeline import GenerateOptions, _dispatch
-    from generate.spec import load_spec
-    from kb.features import Features
-    from tests.support.repo import REPO
-
     spec = load_spec(REPO / "bench" / "tuning" / "causal.py")  # bf16, D=64
     program = FIXTURES["causal"](Dtype.BF16)
     plan = CudaPlan("sm90", 64, MmaTraits(128, 64, 4), "test")
@@ -164,10 +162,6 @@ def test_generation_writes_the_dispatch_only_where_a_measurement_says_the_cu_is_
 
 
 def test_a_module_whose_cu_holds_the_hopper_backward_tries_it_first_where_listed(tmp_path: Path) -> None:
-    from kb.lower.cuda_sm90_ir import lower_program_sm90
-    from kb.lower.triton_bwd import lower_autograd
-    from tests.support.ir_programs import causal_bwd
-
     fwd, bwd = FIXTURES["causal"](Dtype.BF16), causal_bwd(Dtype.BF16)
     src = lower_program_sm90(fwd, 64, backward=True)
     (tmp_path / "gen_causal.cu").write_text(src)

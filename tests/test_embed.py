@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from kb.bert import BertEncoder, is_mean_pooled_bert
 from kb.embed import DEFAULT_MODEL, SentenceEmbedder, get_embedder, resolve_model
 from kb.errors import KBError
 from kb.settings import Settings
+from tests.support.repo import REPO, subprocess_env
+from tests.support.store import make_kernel
 
 
 def test_default_name_maps_to_packaged_model() -> None:
@@ -57,7 +63,7 @@ def _ir_texts() -> list[str]:
 @pytest.fixture(scope="module")
 def reference_vectors() -> list[list[float]]:
     """sentence-transformers' vectors of `_ir_texts()`, the model loaded once."""
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer  # noqa: PLC0415  seconds to import; every worker collects this module
 
     model = SentenceTransformer(resolve_model(DEFAULT_MODEL), device="cpu")
     return model.encode(_ir_texts(), batch_size=7, normalize_embeddings=True, show_progress_bar=False).tolist()
@@ -65,8 +71,6 @@ def reference_vectors() -> list[list[float]]:
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, reference_vectors, backend: str) -> None:
-    from kb.bert import BertEncoder
-
     texts = _ir_texts()
     model = embedder._load()
     assert isinstance(model, BertEncoder)
@@ -78,10 +82,6 @@ def test_default_model_gives_sentence_transformers_vectors_without_it(embedder, 
 
 
 def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: Path) -> None:
-    import shutil
-
-    from kb.bert import is_mean_pooled_bert
-
     source = Path(resolve_model(DEFAULT_MODEL))
     assert is_mean_pooled_bert(source)
     model = tmp_path / "cls"
@@ -97,12 +97,6 @@ def test_only_mean_pooled_bert_directories_skip_sentence_transformers(tmp_path: 
 
 def test_a_free_text_query_imports_neither_torch_nor_sentence_transformers(kb) -> None:
     """`kb query TEXT` is the interactive path: what it imports is its start-up time (issue: instant queries)."""
-    import subprocess
-    import sys
-
-    from tests.support.repo import REPO, subprocess_env
-    from tests.support.store import make_kernel
-
     kb.write_kernel(make_kernel(0))
     kb.close()
     probe = ("import sys\nfrom cli.main import app\ntry:\n    app(['query', 'sliding window softcap', '-k', '2', '--json'])\n"

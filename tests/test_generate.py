@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import pytest
 from generate.pipeline import GenerateOptions, generate
 from generate.spec_cache import trace_key
 from kb.ir.text import parse_program
+from kb.settings import load_settings
+from kb.store import open_kb
 from kb.store.models import Attempt, GenerationRun, Kernel, Lesson
 from tests.support.generate_fixtures import QUICK
 from tests.support.repo import REPO
@@ -84,11 +87,6 @@ def test_memory_makes_the_second_task_of_a_kind_cheaper(ingested_kb_settings, em
     The nearest ingested reference is FA2's top-left causal Triton kernel, whose loop bounds
     are wrong for bottom-right masks, so without memory each spec pays a failed attempt.
     With memory the second spec starts from the first one's verified kernel (or its lesson)."""
-    import shutil
-
-    from kb.settings import load_settings
-    from kb.store import open_kb
-
     seq = [EXAMPLES / "chunked_prefill_bottom_right.py", REPO / "tests/data/specs/chunked_prefill_causal.py"]
     runs = {}
     for memory in (False, True):

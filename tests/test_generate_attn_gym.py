@@ -20,7 +20,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from generate.attempts import check_program
 from generate.pipeline import GenerateOptions, generate
-from generate.spec import Spec, load_spec, spec_inputs
+from generate.spec import Spec, import_spec_file, load_spec, spec_inputs
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.errors import KBError
@@ -81,8 +81,6 @@ def test_every_spec_file_is_in_the_table() -> None:
 
 def _flex_output(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """FlexAttention itself (eager, CPU) on the spec file's own mods."""
-    from generate.spec import import_spec_file
-
     module = import_spec_file(spec.path)
     s = spec.shapes
     mask_mod, score_mod = getattr(module, "mask_mod", None), getattr(module, "score_mod", None)

@@ -14,12 +14,14 @@ os.environ["TRITON_INTERPRET"] = "1"  # ModelNew runs in this process; set befor
 import pytest
 import torch
 
+from generate.backward import nondeterminism
 from generate.pipeline import GenerateOptions, generate
 from kb.features import Features
 from kb.ir.nodes import is_backward
 from kb.ir.text import parse_program
 from kb.store.models import Kernel
 from tests.support.generate_fixtures import QUICK
+from tests.support.ir_programs import backward_text
 from tests.support.repo import REPO
 
 pytestmark = pytest.mark.network  # the session KB ingests the real flash-attn release
@@ -78,9 +80,6 @@ def test_deterministic_backward_has_no_atomics(ingested_kb, tmp_path: Path) -> N
 
 
 def test_nondeterminism_names_what_atomics_write() -> None:
-    from generate.backward import nondeterminism
-    from tests.support.ir_programs import backward_text
-
     assert nondeterminism(parse_program(backward_text("b"))) == "dq_acc accumulated with atomics"
     with_table = parse_program(backward_text("b", score_mod="score + t[h]", extra="param t: [Hq] f32 aux\n"
                                              "param dt: [Hq] f32 out\n", aux_grad="dt of t"))

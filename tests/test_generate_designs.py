@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from generate.designs import (Sweep, default_designs, design_table, expert_designs, perf_similarity, rank_designs,
-                              structure_scores)
+from generate.backward import _preferred, measured_structures, nondeterminism
+from generate.designs import (Sweep, backward_structure, default_designs, design_table, expert_designs, perf_similarity,
+                              rank_designs, structure_scores)
 from kb.errors import KBError
 from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, head_bucket, parse_design
+from kb.ir.text import print_program
 from kb.store import Kernel, PerfRecord, Tunable
+from tests.support.ir_programs import backward
 from tests.support.store import make_measured
 
 CAUSAL = Features(mask="causal", causal=True, head_dim=128)
@@ -81,8 +85,6 @@ def test_near_sweeps_decide_and_farther_ones_do_not_outvote_them() -> None:
 
 
 def test_a_learnable_tables_backward_is_not_ranked_by_its_frozen_twins_sweeps() -> None:
-    from dataclasses import replace
-
     frozen = replace(CAUSAL, score_mod="relative_bias", backward=True)
     learned = replace(frozen, learned_table=True)
     sweep = Sweep("k1", frozen, "sm90", 128, ((A, 1.0), (C, 0.5)))  # C won for the frozen table
@@ -110,8 +112,6 @@ def test_design_table_reads_measured_records_and_tunables(kb) -> None:
 
 
 def test_structures_are_compared_only_where_one_spec_was_timed_with_both() -> None:
-    from dataclasses import replace
-
     bwd = replace(CAUSAL, backward=True)
     case = ("spec-a", '{"D": 128}', "NVIDIA H100")
     atomics = Sweep("k-a", bwd, "sm90", 128, ((A, 2.0), (C, 1.5)), case, "dq atomics")  # its best: 1.5 ms
@@ -130,10 +130,6 @@ def test_structures_are_compared_only_where_one_spec_was_timed_with_both() -> No
 
 
 def test_backward_structure_tells_atomic_dq_from_a_dq_pass() -> None:
-    from generate.backward import nondeterminism
-    from generate.designs import backward_structure
-    from tests.support.ir_programs import backward
-
     fa2 = backward("b_atomic", mask_mod="q_idx >= kv_idx")
     amd = backward("b_pass", mask_mod="q_idx >= kv_idx", dq_pass=("0", "N"))
     assert backward_structure(fa2) == "dq atomics" and nondeterminism(fa2)
@@ -141,12 +137,6 @@ def test_backward_structure_tells_atomic_dq_from_a_dq_pass() -> None:
 
 
 def test_measured_structures_read_backward_sweeps_from_the_kb(kb) -> None:
-    from dataclasses import replace
-
-    from generate.backward import measured_structures
-    from kb.ir.text import print_program
-    from tests.support.ir_programs import backward
-
     bwd = replace(CAUSAL, backward=True)
     records = []
     for program, ms in ((backward("b_atomic", mask_mod="q_idx >= kv_idx"), 2.0),
@@ -162,8 +152,6 @@ def test_measured_structures_read_backward_sweeps_from_the_kb(kb) -> None:
 
 
 def test_a_structure_leads_only_when_measured_clearly_faster() -> None:
-    from generate.backward import _preferred
-
     assert _preferred({"dq pass": 1.0, "dq atomics": 0.92}) == "dq pass"
     assert _preferred({"dq pass": 0.996, "dq atomics": 0.985}) is None  # within the spread of two calls
     assert _preferred({"dq atomics": 1.0}) is None and _preferred({}) is None

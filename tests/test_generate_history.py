@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
+import generate.pipeline as pipeline
 from generate.pipeline import GenerateOptions, generate
 from kb.errors import KBError
 from kb.settings import load_settings
@@ -95,8 +96,6 @@ def test_unverified_kernels_say_so(ingested_kb, tmp_path: Path) -> None:
 
 
 def test_an_interrupted_run_publishes_nothing(ingested_kb, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import generate.pipeline as pipeline
-
     out = tmp_path / "out"
     out.mkdir()
     (out / "gen_sliding_window.py").write_text("# an older run's candidate\n")

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from generate import pipeline
 from generate.pipeline import GenerateOptions, generate
 from tests.support.repo import KB_CLI, REPO
 from tests.support.procs import group_ends, kb_env, proc_table, sigint_default, verify_dirs, wait_for
+from verify.result import Verdict
 
 pytestmark = pytest.mark.network
 SPEC = REPO / "examples/specs/alibi.py"
@@ -74,9 +76,6 @@ def test_one_budget_bounds_all_attempts_of_a_spec(ingested_kb, tmp_path: Path,
     """A spec's --timeout is shared: once an attempt has spent it, no further attempt starts, and the run says so.
     The verifier is stood in for by one that spends the whole budget (a real 1 s budget could run out while tracing
     the spec on a loaded machine, before any attempt)."""
-    from generate import pipeline
-    from verify.result import Verdict
-
     spent: list[bool] = []
 
     def verify_spending_the_budget(spec, candidate, options, *, backward=False):

@@ -19,12 +19,13 @@ import torch
 from generate.attempts import AttemptOutcome, Candidate, Cause
 from generate.llm import LLMEngine, extract_ir
 from generate.prompts import GRAMMAR, MAX_SNIPPETS, SYSTEM_PROMPT, snippet_text, spec_summary, user_prompt
+from generate.spec import load_spec
 from generate.stages import Stage
 from kb.errors import KBError
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Program
 from kb.ir.text import print_program
-from kb.settings import Settings
+from kb.settings import Settings, load_settings
 from tests.support.attn_reference import reference_attention
 from tests.support.fake_llm_server import FakeLLMServer, delayed, http_error
 from tests.support.fixtures_llm import fake_llm, llm_settings  # noqa: F401 - pytest fixtures
@@ -214,8 +215,6 @@ def test_missing_settings_name_what_to_set(llm_settings: Settings, missing: dict
 
 
 def test_settings_come_from_env(monkeypatch: pytest.MonkeyPatch, fake_llm: FakeLLMServer) -> None:
-    from kb.settings import load_settings
-
     monkeypatch.setenv("KB_LLM_BASE_URL", fake_llm.base_url)
     monkeypatch.setenv("KB_LLM_MODEL", "env-model")
     monkeypatch.setenv("KB_LLM_TEMPERATURE", "0.7")
@@ -270,8 +269,6 @@ def test_snippet_text_carries_meaning_and_provenance() -> None:
 
 @pytest.fixture(scope="module")
 def alibi_spec():
-    from generate.spec import load_spec
-
     return load_spec(REPO / "examples" / "specs" / "flex_alibi_causal.py")
 
 

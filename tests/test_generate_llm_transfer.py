@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+import generate.pipeline as pipeline
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
+from kb.features import Features
 from kb.ir.text import parse_program, print_program
+from kb.settings import load_settings
 from kb.store import open_kb
 from kb.store.models import Attempt, GenerationRun
 from tests.support.fake_llm_server import answer, delayed, http_error
@@ -27,8 +30,6 @@ QUICK = dict(verify_distributions=("normal",), verify_max_cases=1, backward=Fals
 
 @pytest.fixture
 def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):
-    from kb.settings import load_settings
-
     home = tmp_path / "kb"
     shutil.copytree(ingested_home, home)
     settings = replace(load_settings(home=home), llm_base_url=fake_llm.base_url, llm_model=fake_llm.model,
@@ -40,7 +41,6 @@ def llm_kb(ingested_home: Path, fake_llm, tmp_path: Path, embedder):
 def _programs(kb) -> tuple[str, str]:
     """(a correct answer, a numerically wrong one) for SPEC, built from an ingested reference."""
     spec = load_spec(SPEC)
-    from kb.features import Features
 
     ref = next(k for k in kb.list_kernels(origin="ingest")
                if k.ir_text.startswith("program ") and not Features.from_json(k.features_json).split_kv
@@ -68,8 +68,6 @@ def test_llm_repairs_from_feedback_and_writes_back(llm_kb, fake_llm, tmp_path: P
 
 
 def test_what_an_llm_program_raises_is_a_failed_attempt(llm_kb, fake_llm, tmp_path: Path, monkeypatch) -> None:
-    import generate.pipeline as pipeline
-
     good, _ = _programs(llm_kb)
     real, calls = pipeline.check_program, []
 
@@ -103,8 +101,6 @@ def test_llm_service_failure_is_a_recorded_failed_run(llm_kb, fake_llm, tmp_path
 
 
 def test_llm_engine_without_settings_says_what_to_set(ingested_home: Path, tmp_path: Path, embedder) -> None:
-    from kb.settings import load_settings
-
     home = tmp_path / "kb"
     shutil.copytree(ingested_home, home)
     with open_kb(load_settings(home=home), embedder=embedder) as kb:

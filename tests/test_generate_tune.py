@@ -10,17 +10,23 @@ import copy
 import json
 import shutil
 import subprocess
+import types
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from generate.perf_import import import_results, load_results
+from generate.perf_import import _lesson, import_results, load_results
 from generate.pipeline import GenerateOptions, generate
 from generate.tune import make_plan
-from bench.gpu.tune import SCHEMA, run_plan
+from bench.gpu.tune import SCHEMA, _module_call, run_plan
+from generate.cuda_design import cuda_pairs, forward_dispatch
+from generate.designs import sweeps_from_kb
 from kb.errors import KBError
-from kb.ir.design import parse_design
+from kb.features import Features
+from kb.ir.design import head_bucket, parse_design
 from kb.settings import load_settings
 from kb.store import Lesson, PerfRecord, open_kb
 from tests.support.generate_fixtures import H200_ENV, QUICK
@@ -84,9 +90,6 @@ def test_measurements_import_as_records_and_a_lesson_once(tuned, tmp_path: Path)
 
 
 def test_a_lesson_names_the_head_dim_that_was_timed() -> None:
-    from generate.perf_import import _lesson
-    from kb.features import Features
-
     shape = {"shape": {"B": 1, "Hq": 2, "Hkv": 2, "M": 64, "N": 64, "D": 128},
              "records": [{"impl": "design 64x64 w4 s3", "status": "ok", "ms": 1.0, "design": "64x64 w4 s3"}]}
     lesson = _lesson(Features(mask="causal", head_dim=64), ENV, shape, backward=False)
@@ -133,13 +136,6 @@ def test_measured_cu_records_decide_where_the_cu_runs(tuned) -> None:
     """kb tune's `emitted-cuda` timing imports as a `.cu` record (never a Triton design); the module runs the `.cu`
     where it was measured faster than the Triton module of the same run, for the same lowering and arch: the kernel's
     own records first, else those of kernels like it."""
-    from dataclasses import replace
-
-    from generate.cuda_design import cuda_pairs, forward_dispatch
-    from generate.designs import sweeps_from_kb
-    from kb.features import Features
-    from kb.ir.design import head_bucket
-
     kb, r, _, doc = tuned
     measured = json.loads(json.dumps(dict(doc, env={**ENV, "date": "2026-12-04T12:00:00+00:00"})))  # a run of its own
     measured["entries"] = measured["entries"][:1]  # the CPU dry run times both entries at one small shape
@@ -170,12 +166,6 @@ def test_measured_cu_records_decide_where_the_cu_runs(tuned) -> None:
 def test_the_bench_learns_forward_arguments_when_the_cu_answers_the_call() -> None:
     """A module that dispatches to its `.cu` never calls forward(): the bench takes the arguments from the dispatch
     (run 17 lost four held-out specs to an IndexError there) and says which implementation ran."""
-    import types
-
-    import torch
-
-    from bench.gpu.tune import _module_call
-
     src = (
         "import torch\n"
         "def forward(q, k, v, *, sm_scale=None, **aux):\n    return (q + 1, None)\n"

@@ -18,14 +18,16 @@ from pathlib import Path
 
 import pytest
 
+import bench.gpu.tune_bwd as bwd
 from generate.designs import design_table, rank_designs, sweeps_from_kb, tunable_rows
 from generate.perf_import import import_results
 from generate.pipeline import GenerateOptions, generate
 from generate.tune import make_plan
-from bench.gpu.tune_bwd import SCHEMA, run_plan_backward
+from bench.gpu.tune_bwd import SCHEMA, run_plan_backward, summary_line
+from generate.cuda_design import cuda_pairs, forward_dispatch
 from kb.errors import KBError
 from kb.features import Features
-from kb.ir.design import Design, parse_design
+from kb.ir.design import Design, head_bucket, parse_design
 from kb.settings import load_settings
 from kb.store import Kernel, Lesson, PerfRecord, open_kb
 from tests.support.generate_fixtures import H200_ENV, QUICK
@@ -90,8 +92,6 @@ def test_each_design_is_a_checked_training_step(tuned) -> None:
 def test_a_design_the_module_did_not_run_is_never_timed(tuned, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A design the GPU cannot run makes the module fall back to another; its time must not be recorded as the
     design's."""
-    import bench.gpu.tune_bwd as bwd
-
     _, _, _, plan, _ = tuned
     entry = {**plan["entries"][0], "designs": plan["entries"][0]["designs"][:1]}
     real = bwd._backward_design
@@ -183,8 +183,6 @@ def test_kb_tune_backward_plan_from_the_cli(tuned, tmp_path: Path) -> None:
 
 
 def test_the_summary_line_names_the_best_design(tuned) -> None:
-    from bench.gpu.tune_bwd import summary_line
-
     _, _, _, _, doc = tuned
     line = summary_line(doc["entries"][0], 1.0)
     assert "2/2 backward designs ran, best " in line and "x emitted)" in line and "flex" not in line
@@ -194,9 +192,6 @@ def test_a_measured_hopper_backward_imports_as_the_backward_kernels_cu_pair(tune
     """bench.gpu.tune_bwd's `emitted-cuda-bwd` (the training step with the `.cu`'s Hopper backward) imports as a `.cu`
     record of the backward kernel, never a design; generation then lists the Hopper backward only where it measured
     faster (generate.cuda_design.with_backward reads the backward kernels' pairs, the forward's dispatch the others)."""
-    from generate.cuda_design import cuda_pairs, forward_dispatch
-    from kb.ir.design import head_bucket
-
     kb, out, r, _, doc = tuned
     measured = dict(doc, env=ENV)
     shape = measured["entries"][0]["shapes"][0]

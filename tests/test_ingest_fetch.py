@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import io
+import multiprocessing as mp
 import tarfile
 import zipfile
 from pathlib import Path
@@ -149,9 +151,6 @@ def _unpack_into(args: tuple[str, str]) -> list[str]:
 def test_processes_unpacking_one_archive_at_once_each_get_the_whole_tree(tmp_path):
     """Test workers (or two `kb ingest` runs) fetching one release at once: each unpacks into a directory of its own
     and the first whole tree wins, so none sees or deletes another's half-written tree."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
     archive = tmp_path / "many.tar.gz"
     with tarfile.open(archive, "w:gz") as tf:
         for i in range(400):

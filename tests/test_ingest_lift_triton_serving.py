@@ -3,14 +3,18 @@ complete programs verified per sequence."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from ingest.fetch import fetch
 from ingest.lift_triton import lift_file
+from ingest.manifest import find_manifest
 from ingest.model import Provenance
 from kb.ir.nodes import Gather, Load, Span, walk_stmts
 from kb.ir.text import parse_program, print_program
+from tests.support.repo import TEST_CACHE
 
 # A packed prefill written the way serving stacks write it: q/k/v/o are [tokens, heads, dim], the
 # sequence's first token and its length come from two tables, the KV head is the q head divided by
@@ -99,11 +103,6 @@ def test_a_wrong_sequence_start_fails_verification(tmp_path: Path) -> None:
 
 @pytest.mark.network
 def test_sglang_prefill_lifts_from_the_pinned_wheel() -> None:
-    from ingest.fetch import fetch
-    from ingest.manifest import find_manifest
-    from tests.support.repo import TEST_CACHE
-
-    import os
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     src = fetch(find_manifest("sglang"))
     path = src.root / "sglang/kernels/ops/attention/prefill_attention.py"
@@ -241,12 +240,6 @@ def test_a_launcher_that_folds_log2e_into_the_scale_lifts_with_notes(tmp_path: P
 
 @pytest.mark.network
 def test_vllm_prefill_lifts_from_the_pinned_wheel() -> None:
-    import os
-
-    from ingest.fetch import fetch
-    from ingest.manifest import find_manifest
-    from tests.support.repo import TEST_CACHE
-
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     src = fetch(find_manifest("vllm"))
     path = src.root / "vllm/v1/attention/ops/triton_prefill_attention.py"
@@ -256,12 +249,6 @@ def test_vllm_prefill_lifts_from_the_pinned_wheel() -> None:
 
 
 def _pinned(dist: str, rel: str, family: str):
-    import os
-
-    from ingest.fetch import fetch
-    from ingest.manifest import find_manifest
-    from tests.support.repo import TEST_CACHE
-
     os.environ["KB_CACHE_DIR"] = str(TEST_CACHE)
     path = fetch(find_manifest(dist)).root / rel
     return lift_file(path, Provenance(dist, "0", path.name, 1, 1, "triton", "1"), family=family)

@@ -9,6 +9,7 @@ from pathlib import Path
 from ingest.lift_triton import lift_file
 from ingest.lift_verify import resolved_let
 from ingest.model import LiftReport, Provenance
+from kb.ir.text import print_program
 
 # A forward pass in the style of Triton's tutorial: one N_CTX for both lengths, a constexpr
 # HEAD_DIM, tl.trans(k), exp2 with log2(e) folded into the scale, the LSE stored in natural units.
@@ -353,7 +354,6 @@ def gqa_fwd(Q, K, V, Out, Lse, softmax_scale,
 
 
 def _text_of(p) -> str:
-    from kb.ir.text import print_program
     return print_program(replace(p.program, name="x"))
 
 

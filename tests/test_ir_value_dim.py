@@ -16,19 +16,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from generate.check_backward import check_backward_program
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer import Strategy, transfer
 from kb.errors import KBError
+from kb.ir.design import Design
 from kb.ir.features import derive_features
 from kb.ir.interpret import run_program
 from kb.ir.nodes import Dtype, Param, Role
 from kb.ir.text import parse_program, print_program
 from kb.ir.validate import problems, validate
 from kb.ir.value_dim import has_value_dim, with_value_dim, without_value_dim
-from kb.lower.runtime import TritonKernel
+from kb.lower.cuda import lower_program as lower_cuda
+from kb.lower.cuda_build import BuildMode, build, find_nvcc
+from kb.lower.runtime import TritonKernel, load_module
+from kb.lower.triton import lower_program as lower_triton
+from kb.lower.triton_aot import compile_for_arch
+from kb.lower.triton_bwd import lower_autograd
+from kb.store import Kernel
 from tests.support.attn_reference import reference_attention
+from tests.support.backward import transferred_programs
 from tests.support.ir_programs import FIXTURES, alibi, causal
 from verify import VerifyOptions, verify
 
@@ -143,34 +152,26 @@ def test_split_kv_combine_with_a_padded_query_dim_and_an_exact_value_dim(tmp_pat
 
 
 def test_triton_source_pads_values_separately() -> None:
-    from kb.lower.triton import lower_program
-
-    src = lower_program(with_value_dim(causal(Dtype.BF16)))
+    src = lower_triton(with_value_dim(causal(Dtype.BF16)))
     assert "acc = tl.full([BLOCK_M, HEAD_PAD_V], 0.0, tl.float32)" in src
     assert "shape=[N, Dv], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD_V]" in src
     assert "HEAD_PAD_V = max(16, triton.next_power_of_2(Dv))" in src and "EVEN_DV = HEAD_PAD_V == Dv" in src
-    assert "HEAD_PAD_V" not in lower_program(causal(Dtype.BF16))  # one head dim: the source of today
+    assert "HEAD_PAD_V" not in lower_triton(causal(Dtype.BF16))  # one head dim: the source of today
 
 
 def test_triton_compiles_for_hopper_at_mla_head_dims() -> None:
     """The real Triton compiler (no GPU needed) takes the Dv program at D=192, Dv=128 with TMA and wgmma."""
-    from kb.ir.design import Design
-    from kb.lower.triton_aot import compile_for_arch
-
     p = Design(128, 64, 8, 3).apply(with_value_dim(causal(Dtype.BF16)))
     (k,) = compile_for_arch(p, arch=90, head_dim=192, head_dim_v=128, tma=True)
     assert k.wgmma > 0 and k.tma_loads > 0 and k.shared_bytes <= 227 * 1024
 
 
 def test_cuda_source_compiles_with_a_value_head_pad(tmp_path: Path) -> None:
-    from kb.lower.cuda import lower_program
-    from kb.lower.cuda_build import BuildMode, build, find_nvcc
-
     try:
         find_nvcc()
     except KBError as err:
         pytest.skip(str(err))
-    src = lower_program(with_value_dim(causal(Dtype.BF16)))
+    src = lower_cuda(with_value_dim(causal(Dtype.BF16)))
     assert "template <int HEAD_PAD, int HEAD_PAD_V>" in src and "kb_run_v<KB_HEAD_PAD_ONLY>" in src
     res = build(src, tmp_path, BuildMode.OBJECT, name="causal_dv", opt="-O1",
                 defines=("KB_HEAD_PAD_ONLY=64", "KB_HEAD_PAD_V_ONLY=128"), timeout_s=300)
@@ -178,8 +179,6 @@ def test_cuda_source_compiles_with_a_value_head_pad(tmp_path: Path) -> None:
 
 
 def test_design_fit_counts_the_value_tiles() -> None:
-    from kb.ir.design import Design
-
     d = Design(128, 128, 8, 3)
     assert d.shared_bytes(64, head_dim_v=256) > d.shared_bytes(64) and d.shared_bytes(64, head_dim_v=64) == d.shared_bytes(64)
     assert d.fits("sm90", 64) and not d.fits("sm90", 64, head_dim_v=256)
@@ -222,8 +221,6 @@ def test_bad_value_tensor_is_a_one_line_error(tmp_path: Path, v_shape: str, says
 
 @pytest.fixture
 def reference_kb(kb):
-    from kb.store import Kernel
-
     for p in (causal(), alibi()):
         kb.write_kernel(Kernel(name=p.name, family="fixture", ir_text=print_program(p), arch="any", dtype="fp32",
                                head_dim=0, verified=True, features_json=derive_features(p).to_json()))
@@ -247,11 +244,6 @@ def test_generate_end_to_end_and_verify(reference_kb, tmp_path: Path, score: str
 def test_backward_for_value_heads_of_their_own_width(tmp_path: Path, score: str) -> None:
     """D_v != D_qk trains: the backward reference takes the value width for v, o, dO and dV (dP = dO V^T contracts
     over Dv, dQ and dK over D); the IR check passes and the lowered operator's gradients equal autograd's."""
-    from generate.check_backward import check_backward_program
-    from kb.lower.runtime import load_module
-    from kb.lower.triton_bwd import lower_autograd
-    from tests.support.backward import transferred_programs
-
     spec, fwd, bwd, _ = transferred_programs(_spec(tmp_path, "dv_bwd", score=score))
     assert {p.name: p.shape[-1] for p in bwd.params if p.name in ("v", "o", "dout", "dv", "dq", "dk")} == \
         {"v": "Dv", "o": "Dv", "dout": "Dv", "dv": "Dv", "dq": "D", "dk": "D"}

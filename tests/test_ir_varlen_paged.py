@@ -21,6 +21,8 @@ from kb.ir.interpret import interpret
 from kb.ir.nodes import Gather, Init, Load, Span, serving_constructs, walk_stmts
 from kb.ir.text import parse_program, print_program, print_stmt_header
 from kb.ir.validate import problems, validate
+from kb.lower.cuda import lower_program as lower_cuda
+from kb.lower.triton import lower_program as lower_triton
 from tests.support.ir_programs import FIXTURES, SERVING_TEXTS
 
 HQ, HKV, D = 4, 2, 12  # GQA 2:1, a head dim that is not a power of two
@@ -271,20 +273,17 @@ def test_features(name: str, varlen: bool, paged: bool, sinks: bool) -> None:
 @pytest.mark.parametrize("name, construct", [("varlen_prefill", "`until` (on q, k, v, o, lse)"),
                                              ("pool_decode", "a gathered axis (on k, v)")])
 def test_cuda_lowering_refuses_until_and_gather(name: str, construct: str) -> None:
-    from kb.lower.cuda import lower_program  # the Triton lowering runs them (tests/test_lower_serving.py)
     with pytest.raises(KBError, match="not supported yet") as err:
-        lower_program(_program(name))
+        lower_cuda(_program(name))  # the Triton lowering runs them (tests/test_lower_serving.py)
     assert construct in str(err.value)
 
 
 def test_cuda_lowering_refuses_token_major_paged_decode() -> None:
-    from kb.lower.cuda import lower_program
     with pytest.raises(KBError, match=r"q must be \[B, H, S, D\]"):
-        lower_program(_program("paged_decode"))
+        lower_cuda(_program("paged_decode"))
 
 
 def test_lowerings_refuse_an_init_filled_by_an_expression() -> None:
-    from kb.lower.triton import lower_program
     p = FIXTURES["plain"]()
     sinks = dataclasses.replace(p, params=p.params + (dataclasses.replace(p.param("sm_scale"), name="sink"),),
                                 kernels=tuple(dataclasses.replace(k, body=tuple(
@@ -292,4 +291,4 @@ def test_lowerings_refuse_an_init_filled_by_an_expression() -> None:
                                     else st for st in k.body)) for k in p.kernels))
     validate(sinks)
     with pytest.raises(KBError, match=r"does not support an init filled by an expression \(attention sinks\)"):
-        lower_program(sinks)
+        lower_triton(sinks)

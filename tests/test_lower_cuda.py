@@ -28,6 +28,7 @@ from kb.ir.nodes import Dtype, For, Full, Kernel, Load, Program, Role
 from kb.lower.cuda import HEAD_PADS, launch_abi, lower_program
 from kb.lower.cuda_build import BuildMode, BuildStatus, build
 from kb.lower.cuda_expr import EXPR_HELPERS, lower_cexpr
+from kb.lower.cuda_runtime import CudaKernel
 from kb.lower.expr_context import ExprContext, ExprTarget, Kind, Sym
 from tests.support.cuda import nvcc_or_skip
 from tests.support.attn_reference import reference_attention
@@ -115,8 +116,6 @@ def test_every_launch_names_a_shared_memory_overflow() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_tiles_too_large_for_shared_memory_are_a_named_error(tmp_path: Path) -> None:
-    from kb.lower.cuda_runtime import CudaKernel
-
     p = causal()
     p = dataclasses.replace(p, schedule=dataclasses.replace(p.schedule, block_m=256, block_n=256))
     kernel = CudaKernel.from_program(p, tmp_path)
@@ -231,7 +230,6 @@ def test_full_over_runtime_dim_is_refused() -> None:
 def test_runtime_needs_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from kb.lower.cuda_runtime import CudaKernel
 
     with pytest.raises(KBError, match="CUDA kernels need a GPU"):
         CudaKernel.from_program(causal())
@@ -246,8 +244,6 @@ _GPU_SHAPES = {"gqa": (2, 4, 2, 37, 29, 24), "document": (2, 2, 2, 29, 37, 24), 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name,dtype", list(itertools.product(sorted(FIXTURES), [Dtype.F32, Dtype.BF16])))
 def test_gpu_matches_oracle(name: str, dtype: Dtype, tmp_path_factory: pytest.TempPathFactory) -> None:
-    from kb.lower.cuda_runtime import CudaKernel
-
     p = FIXTURES[name](dtype=dtype)
     B, Hq, Hkv, M, N, D = _GPU_SHAPES.get(name, (2, 2, 2, 37, 29, 24))
     tdt = {Dtype.F32: torch.float32, Dtype.BF16: torch.bfloat16}[dtype]

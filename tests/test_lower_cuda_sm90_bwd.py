@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench.gpu.hopper_bwd_check import _relowered_copy
 from generate.cuda_design import CudaPair, with_backward
+from generate.pipeline import GenerateOptions, _Built, _with_backward
+from generate.spec import load_spec
 from kb.features import Features
-from kb.ir.nodes import Dtype
+from kb.ir.nodes import Dtype, Param, Role
+from kb.ir.text import print_program
 from kb.lower.cuda_dispatch import CudaDispatch
-from kb.lower.cuda_sm90_bwd import bwd_smem_bytes
+from kb.lower.cuda_sm90_bwd import BWD_PAD_Q, bwd_smem_bytes
 from kb.lower.cuda_sm90_ir import backward_refusal, lower_program_sm90
 from tests.support.cuda import build_sm90a, nvcc_or_skip
 from tests.support.ir_programs import FIXTURES, backward, causal_bwd
+from tests.support.repo import REPO
+from verify.result import Verdict
 
 
 def _bwd_for(name: str):
@@ -42,8 +49,6 @@ def test_a_nonlinear_score_mod_or_a_learnable_table_keeps_the_triton_backward() 
 
 
 def _learned_table_backward():
-    from kb.ir.nodes import Param, Role
-
     bias = Param("bias", ("Hq",), Dtype.F32, Role.AUX)
     return backward("table_bwd", score_mod="score + bias[h]", dtype=Dtype.BF16, aux=(bias,),
                     aux_grads=(("dbias", "bias"),))
@@ -109,11 +114,6 @@ def test_generation_lists_the_backward_only_where_a_measurement_says_it_is_faste
 def test_deterministic_generation_never_adds_the_hopper_backward() -> None:
     """--deterministic: the Hopper backward adds dq's partials in arrival order, so the module keeps the forward's
     dispatch as it was (no `kb_launch_bwd` in its `.cu`), and the report says why."""
-    from generate.pipeline import GenerateOptions, _Built, _with_backward
-    from generate.spec import load_spec
-    from tests.support.repo import REPO
-    from verify.result import Verdict
-
     spec = load_spec(REPO / "examples" / "specs" / "sdpa_causal_d128_bf16.py")
     fwd, bwd = FIXTURES["causal"](dtype=Dtype.BF16), causal_bwd(Dtype.BF16)
     dispatch = CudaDispatch("gen.cu", lower_program_sm90(fwd, 128), "sm_90a", {})
@@ -127,10 +127,6 @@ def test_deterministic_generation_never_adds_the_hopper_backward() -> None:
 def test_a_relowered_copy_carries_this_checkouts_backward_and_the_padding_it_needs(tmp_path) -> None:
     """bench.gpu.hopper_bwd_check --relower: each Hopper-backward `.cu` of GEN_DIR lowered again from its `.kbir`, and
     the modules beside it padded as that lowering needs (an older module padded the scratch rows to 64)."""
-    from bench.gpu.hopper_bwd_check import _relowered_copy
-    from kb.ir.text import print_program
-    from kb.lower.cuda_sm90_bwd import BWD_PAD_Q
-
     fwd = FIXTURES["causal"](dtype=Dtype.BF16)
     gen = tmp_path / "gen"
     gen.mkdir()
@@ -191,8 +187,6 @@ int main() {
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_post_kernel_reads_each_staged_dq_value_once_and_writes_it_where_it_belongs(tmp_path, head_dim: int) -> None:
     """kb_sm90_bwd_post's indexing (`kb_post_at`, host-callable) run on the CPU against the staging layout."""
-    import subprocess
-
     nvcc = nvcc_or_skip()
     cu = tmp_path / "post.cu"
     cu.write_text(lower_program_sm90(FIXTURES["causal"](dtype=Dtype.BF16), head_dim, backward=True) + _POST_CHECK)

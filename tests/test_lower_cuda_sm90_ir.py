@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kb.errors import KBError
+from kb.ir.expr import Expr, call, parse_expr, substitute, var
 from kb.ir.nodes import Dtype, For, TileAt
-from kb.lower.cuda_sm90_ir import lower_program_sm90
+from kb.lower.cuda_dispatch import CudaDispatch, dispatch_section
+from kb.lower.cuda_sm90_ir import abi_program, hopper_program, lower_program_sm90
 from tests.support.cuda import build_sm90a, nvcc_or_skip
 from tests.support.ir_programs import FIXTURES
 
@@ -26,7 +28,6 @@ def _two_loops(name: str):
     k = p.kernels[0]
     i = next(j for j, s in enumerate(k.body) if isinstance(s, For))
     f = k.body[i]
-    from kb.ir.expr import call, parse_expr
 
     mid = parse_expr("minimum(N, BLOCK_N)")
     first = dataclasses.replace(f, hi=call("minimum", f.hi, mid))
@@ -36,8 +37,6 @@ def _two_loops(name: str):
 
 
 def _rename(st, old: str, new: str):
-    from kb.ir.expr import Expr, substitute, var
-
     changes = {}
     for fld in dataclasses.fields(st):
         v = getattr(st, fld.name)
@@ -132,9 +131,6 @@ def test_a_program_traced_in_fp32_is_lowered_for_bf16_and_its_dispatch_takes_bf1
     """A spec traced in fp32 (q, k, v, o all fp32; its Triton module follows the inputs' dtype) gets the Hopper
     template in bf16, what the module runs for bf16 inputs; the dispatch's ABI says bf16, so fp32 inputs keep the
     Triton kernels. A deliberate fp32 output stays declined (above)."""
-    from kb.lower.cuda_dispatch import CudaDispatch, dispatch_section
-    from kb.lower.cuda_sm90_ir import abi_program, hopper_program
-
     p = FIXTURES["causal"](dtype=Dtype.F32)
     src = lower_program_sm90(p, 128, backward=True)
     assert "const __nv_bfloat16* q;" in src and "typedef __nv_bfloat16 kb_elem;" in src
@@ -150,7 +146,6 @@ def test_loads_of_the_wrong_kv_head_are_declined() -> None:
     text = p.kernels[0]
     loop = next(s for s in text.body if isinstance(s, For))
     k_load = loop.body[0]
-    from kb.ir.expr import var
 
     wrong = dataclasses.replace(k_load, index=(k_load.index[0], var("h")) + k_load.index[2:])  # k[b, h, ...]: not GQA
     body = tuple(dataclasses.replace(loop, body=(wrong,) + loop.body[1:]) if s is loop else s for s in text.body)

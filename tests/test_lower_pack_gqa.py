@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from generate.designs import Sweep, rank_designs
+from kb.features import Features
 from kb.ir.design import AUTO_SPLITS, Design, parse_design
 from kb.ir.nodes import Dtype, Param, Role
 from kb.lower.pack_gqa import pack_plans
@@ -23,6 +25,7 @@ from kb.lower.runtime import load_module
 from kb.lower.triton import lower_program
 from tests.support.attn_reference import reference_attention
 from tests.support.ir_programs import FIXTURES, decode_split_kv
+from verify import Verdict, VerifyOptions, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {Dtype.F32: 1e-4, Dtype.BF16: 2e-2}
@@ -124,9 +127,6 @@ def test_combine_reads_one_split_at_a_time() -> None:
 
 
 def test_decode_ranks_packed_designs_first_until_packing_is_measured() -> None:
-    from generate.designs import Sweep, rank_designs
-    from kb.features import Features
-
     gqa = Features(mask="none", decode=True, split_kv=True, gqa_ratio=4, head_dim=128, dtype="bf16")
     fa2 = [("sm90", 128, {"block_m": 64, "block_n": 128, "num_warps": 4, "split_kv": True})]
     unpacked = Sweep("k-1", gqa, "sm90", 128, ((Design(16, 64, 2, 2, AUTO_SPLITS), 1.0),))
@@ -158,8 +158,6 @@ def _candidate(tmp_path: Path, design: tuple, name: str) -> Path:
 @pytest.mark.parametrize("pack", [True, False], ids=["gqa-packed", "split-kv"])
 def test_verifier_accepts_honest_split_kv(pack: bool, tmp_path: Path) -> None:
     # 5 splits: the partials (B x Hq x 5 x M x D fp32) are copied back by the interpreter through set_/copy_
-    from verify import Verdict, VerifyOptions, verify
-
     spec = ROOT / "tests" / "support" / "verify_fixtures" / "decode_gqa_spec.py"
     opts = VerifyOptions(distributions=("normal",), max_cases=2, timeout_s=300)
     r = verify(spec, _candidate(tmp_path, (16, 16, 5, 4, 1, False, pack), f"honest_{pack}"), opts)

@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 import pytest
 import torch
 import triton
+import triton.testing
 
 from kb.ir.design import AUTO_SPLITS, Design
 from kb.ir.nodes import Dtype
@@ -96,8 +97,6 @@ def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.Mo
     _as_gpu(mod, monkeypatch, (8, 9))
     fake_ms = {TABLE["sm90"][64][0].as_tuple(): 2.0, TABLE["sm90"][64][1].as_tuple(): 1.5,
                TABLE["sm80"][64][0].as_tuple(): 1.0, mod.PROGRAM_DESIGN: 3.0}
-    import triton.testing
-
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fake_ms[fn.__defaults__[0]])
     gpu = _FakeGPU({TABLE["sm80"][64][0].as_tuple()})  # the fastest on paper does not fit
     with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):

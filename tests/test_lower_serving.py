@@ -22,6 +22,7 @@ from kb.ir.evaluate import paged_to_token_major, pool_to_token_major, varlen_att
 from kb.ir.interpret import interpret
 from kb.ir.nodes import Program
 from kb.ir.text import parse_program
+from kb.lower.cuda import lower_program as lower_cuda
 from kb.lower.runtime import TritonKernel
 from kb.lower.triton import lower_program
 from tests.support.ir_programs import SERVING_TEXTS
@@ -216,8 +217,6 @@ def test_block_class_tests_are_refused_with_the_reason() -> None:
 
 
 def test_cuda_lowering_still_refuses_serving_layouts() -> None:
-    from kb.lower.cuda import lower_program as lower_cuda
-
     for name in SERVING:
         with pytest.raises(KBError, match=r"not supported yet|must be \[B, H, S, D\]"):
             lower_cuda(_program(name))

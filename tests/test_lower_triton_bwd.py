@@ -21,16 +21,21 @@ from typing import Callable
 import pytest
 import torch
 
+from generate.candidate import write_candidate
 from kb.errors import KBError
 from kb.ir.design import Design, parse_design
 from kb.ir.expr import parse_expr as E
+from kb.ir.interpret import run_program
 from kb.ir.nodes import Dtype, Param, Program, Role, Store, aux_gradients, walk_stmts
 from kb.ir.validate import problems
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import lower_program
+from kb.lower.triton_aot import compile_for_arch
 from kb.lower.triton_bwd import check_pair, dq_swap_kernels, lower_autograd
 from kb.lower.triton_host import kernel_fn_name
+from tests.support.backward import CLASSES, SPECS, fa2_triton_lift, transferred_programs
 from tests.support.ir_programs import backward, causal_bwd, forward
+from tests.support.repo import TEST_CACHE
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -263,9 +268,6 @@ def _import(path: Path):
 def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: Path) -> None:
     """kb generate's path: the rule engine's backward of a spec, lowered with its forward (lower_autograd), written as
     a KernelBench candidate whose ModelNew calls kb_attention; gradients (and the learnable table's) match the spec."""
-    from generate.candidate import write_candidate
-    from tests.support.backward import CLASSES, SPECS, transferred_programs
-
     spec, fwd, bwd, _ = transferred_programs(CLASSES[cls])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
     files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path, cls)
@@ -290,10 +292,6 @@ def test_transferred_backward_trains_through_the_candidate(cls: str, tmp_path: P
 @pytest.mark.network
 def test_lifted_fa2_backward_programs_lower(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
     """The four backward programs ingest lifts from FA2's Triton `_bwd_kernel` run lowered as they run interpreted."""
-    from kb.ir.interpret import run_program
-    from tests.support.backward import fa2_triton_lift
-    from tests.support.repo import TEST_CACHE
-
     monkeypatch.setenv("KB_CACHE_DIR", str(TEST_CACHE))
     programs = [lp.program for lp in fa2_triton_lift()[1].programs if lp.features.backward]
     assert len(programs) == 4
@@ -413,8 +411,6 @@ def test_a_q_split_design_gives_autograds_gradients(name: str, cache_dir: Path) 
 
 def test_compiles_for_sm90() -> None:
     """The real Triton compiler (no GPU): every backward kernel compiles for sm_90 at D = 128 with bf16 inputs."""
-    from kb.lower.triton_aot import compile_for_arch
-
     p = dataclasses.replace(CASES["rel_bias"].program(), schedule=dataclasses.replace(
         causal_bwd().schedule, block_m=64, block_n=64, num_warps=4, num_stages=2))
     p = dataclasses.replace(p, params=tuple(dataclasses.replace(x, dtype=Dtype.BF16)
@@ -430,8 +426,6 @@ def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_p
     """rel[h, i - j + n - 1] in a 16x16 tile spans 31 table entries: each entry's products are summed in the tile
     before one atomic add; a 32x32 tile spans 63, more than the lowering bins, and adds element by element. Both
     give autograd's table gradient."""
-    from tests.support.backward import transferred_programs
-
     _, fwd, bwd, _ = transferred_programs("relative_bias_table.py")
     bwd = dataclasses.replace(bwd, schedule=dataclasses.replace(bwd.schedule, block_m=block, block_n=block))
     mod, path = load_module(lower_autograd(fwd, bwd), f"rel_bins_{block}", cache_dir)

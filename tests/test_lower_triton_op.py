@@ -19,13 +19,23 @@ from types import ModuleType
 import pytest
 import torch
 import torch._dynamo.testing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from generate.candidate import write_candidate
+from generate.spec_trace import aux_name
+from kb.errors import KBError
 from kb.ir.nodes import Role
+from kb.ir.text import parse_program, print_program
+from kb.lower import triton_preamble as pre
 from kb.lower.runtime import load_module
 from kb.lower.triton import lower_program
 from kb.lower.triton_bwd import lower_autograd
 from kb.lower.triton_op import NO_BACKWARD_DEFAULT, with_backward_reason
-from tests.support.ir_programs import FIXTURES
+from tests.support.backward import CLASSES, SPECS, transferred_programs
+from tests.support.ir_programs import FIXTURES, causal_bwd
+from verify import Verdict, VerifyOptions, verify
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +47,6 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def learnable(tmp_path_factory: pytest.TempPathFactory):
     """(spec module, candidate module): the rule engine's forward + backward of a spec with a learnable relative-bias
     table, written as kb generate writes it (ModelNew calls kb_attention)."""
-    from generate.candidate import write_candidate
-    from tests.support.backward import CLASSES, SPECS, transferred_programs
-
     spec, fwd, bwd, _ = transferred_programs(CLASSES["relative_bias_learnable"])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
     files = write_candidate(spec, lower_autograd(fwd, bwd), aux, tmp_path_factory.mktemp("cand"), "rel")
@@ -139,10 +146,6 @@ def test_forward_only_kernel_raises_on_backward(cache_dir: Path) -> None:
 
 def test_verifier_says_no_backward_with_the_reason(tmp_path: Path) -> None:
     """`kb verify --backward` on a forward-only candidate: no_backward, naming why (never a pass on None gradients)."""
-    from generate.candidate import write_candidate
-    from tests.support.backward import CLASSES, SPECS, transferred_programs
-    from verify import Verdict, VerifyOptions, verify
-
     spec, fwd, _, _ = transferred_programs(CLASSES["relative_bias_learnable"])
     aux = [q.name for q in fwd.params if q.role is Role.AUX]
     src = with_backward_reason(lower_program(fwd), "kb generate built none: --no-backward")
@@ -165,8 +168,6 @@ def test_default_reason_and_its_replacement() -> None:
 
 
 def _causal_bwd():
-    from tests.support.ir_programs import causal_bwd
-
     return causal_bwd()
 
 
@@ -187,11 +188,6 @@ def test_calls_without_gradients_skip_the_dispatcher(cache_dir: Path) -> None:
 
 
 def test_direct_path_only_for_plain_eager_tensors() -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from kb.lower import triton_preamble as pre
-
     t = torch.randn(2)
     assert pre._direct((t, torch.nn.Parameter(torch.randn(2), requires_grad=False)))
     assert not pre._direct((t.requires_grad_(),))
@@ -223,9 +219,6 @@ def test_importing_twice_registers_one_operator(cache_dir: Path, tmp_path: Path)
 
 
 def test_operator_fake_sizes_outputs_symbolically(cache_dir: Path) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
     mod, _ = load_module(lower_autograd(FIXTURES["causal"](), _causal_bwd()), "op_fake", cache_dir)
     with FakeTensorMode(shape_env=ShapeEnv()) as fake:
         q = fake.from_tensor(torch.randn(2, 4, 33, 16))
@@ -306,8 +299,6 @@ class _FakeJit:
 
 
 def test_plans_launch_compiled_kernels_with_every_argument_in_signature_order() -> None:
-    from kb.lower import triton_preamble as pre
-
     fn = _FakeJit()
     x = torch.randn(8)
 
@@ -330,10 +321,6 @@ def test_plans_launch_compiled_kernels_with_every_argument_in_signature_order() 
 def test_aux_names_never_clash_with_the_host_code() -> None:
     """An aux tensor is bound under its own name in the generated host functions: spec tracing renames a captured tensor
     named like the host code's own names, and the lowering refuses a program that still has one."""
-    from generate.spec_trace import aux_name
-    from kb.errors import KBError
-    from kb.ir.text import parse_program, print_program
-
     assert [aux_name(n) for n in ("table", "kw", "forward", "max", "_mask", "rel_bias", "q")] == \
         ["table_aux", "kw_aux", "forward_aux", "max_aux", "mask_aux", "rel_bias", "q_aux"]
     clashing = parse_program(print_program(FIXTURES["alibi"]()).replace("slopes", "launch"))

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kb.ir.interpret import run_program
+from kb.ir.nodes import Dtype, Param, Role
 from kb.lower import triton_preamble as pre
+from kb.lower.runtime import TritonKernel
 from kb.lower.triton import lower_program
-from tests.support.ir_programs import FIXTURES
+from tests.support.ir_programs import FIXTURES, forward
 
 
 def test_generated_modules_carry_the_preamble_text() -> None:
@@ -75,11 +78,6 @@ def test_block_table_cache_rebuilds_only_on_changed_inputs() -> None:
 def test_a_scalar_bound_in_a_forward_tile_mask_runs_interpreted(tmp_path: Path) -> None:
     """`rel[h % Hq, q_idx - kv_idx + N - 1]` puts a scalar test (h % Hq < Hq) into a tile's load mask: the
     interpreter's splat of that boolean (fixed in the preamble) must keep it boolean in forward modules too."""
-    from kb.ir.interpret import run_program
-    from kb.ir.nodes import Dtype, Param, Role
-    from kb.lower.runtime import TritonKernel
-    from tests.support.ir_programs import forward
-
     p = forward("rel_mod_fwd", score_mod="score + rel[h % Hq, q_idx - kv_idx + N - 1]",
                 aux=(Param("rel", ("Hq", "R"), Dtype.F32, Role.AUX),))
     g = torch.Generator().manual_seed(3)

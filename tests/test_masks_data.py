@@ -16,6 +16,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,13 @@ import torch
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
 from kb.errors import KBError
+from kb.ir.design import Design
 from kb.ir.evaluate import eval_expr
-from kb.ir.nodes import Dtype, Param, Role
+from kb.ir.nodes import Dtype, For, Param, Role
 from kb.lower.runtime import TritonKernel
 from kb.lower.block_mask import BlockMaskKind, plan_block_mask
 from kb.lower.triton import lower_program
+from kb.lower.triton_aot import compile_for_arch
 from tests.support.attn_reference import dense_block_classes, reference_attention
 from tests.support.ir_programs import forward
 from tests.support.generate_fixtures import QUICK
@@ -141,10 +144,6 @@ def test_table_built_once_per_mask_and_rebuilt_when_it_changes(tmp_path: Path, m
 def test_reverse_loop_over_a_table_runs_the_block_lists(tmp_path: Path) -> None:
     """A reference whose KV loop runs backwards (FA2's Triton kernel) visits only the listed partial and full
     blocks too, instead of branching on every block up to its bound (run 9: 0.66x FlexAttention)."""
-    from dataclasses import replace
-
-    from kb.ir.nodes import For
-
     p = _doc_program()
     k = p.kernels[0]
     p = replace(p, kernels=(replace(k, body=tuple(replace(st, order="reverse") if isinstance(st, For) else st
@@ -189,12 +188,6 @@ def test_invariant_mask_terms_load_once_before_the_kv_loop() -> None:
 def test_bounds_read_from_an_int64_prefix_compile_for_hopper(order: str) -> None:
     """The real Triton compiler (no GPU needed): KV loop bounds that load an int64 per-batch prefix stay 32-bit
     positions, as TMA descriptor loads need (run 9 found a kernel the interpreter ran but sm_90 refused)."""
-    from dataclasses import replace
-
-    from kb.ir.design import Design
-    from kb.ir.nodes import For
-    from kb.lower.triton_aot import compile_for_arch
-
     p = forward("prefix64", mask_mod="(kv_idx < prefix[b]) | (kv_idx <= q_idx)", dtype=Dtype.BF16,
                 aux=(Param("prefix", ("B",), Dtype.I64, Role.AUX),), block_classes=True)
     k = p.kernels[0]

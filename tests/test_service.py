@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from cli.service import is_loopback
 from generate.spec_cache import TracedSpec
 from tests.support.ingested import private_copy
 from tests.support.procs import wait_for
@@ -224,8 +225,6 @@ def test_tracer_answers_are_parsed_strictly() -> None:
 
 
 def test_no_token_by_default_only_on_loopback() -> None:
-    from cli.service import is_loopback
-
     assert all(map(is_loopback, ("127.0.0.1", "127.8.0.1", "::1", "localhost")))
     assert not any(map(is_loopback, ("0.0.0.0", "::", "10.0.0.1", "example.org")))
     assert os.environ.get("KB_SERVICE_TOKEN") is None  # the tests' own environment carries none

@@ -15,7 +15,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import chromadb
 import pytest
+from chromadb.config import Settings as ChromaSettings
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -52,9 +54,6 @@ def doctor(*flags: str) -> tuple[int, dict]:
 
 def _server_counts(server: ChromaServer) -> dict[str, int]:
     """Embeddings per collection, asked of the server directly (not through kernel-kb)."""
-    import chromadb
-    from chromadb.config import Settings as ChromaSettings
-
     client = chromadb.HttpClient(host="127.0.0.1", port=server.port, settings=ChromaSettings(anonymized_telemetry=False))
     return {c: client.get_collection(c).count() for c in ("kernels", "snippets", "lessons")}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -82,8 +83,6 @@ def test_corrupt_database_file(tmp_path: Path) -> None:
 
 
 def test_foreign_database_is_refused(tmp_path: Path) -> None:
-    import sqlite3
-
     with sqlite3.connect(tmp_path / "kb.sqlite") as conn:
         conn.execute("CREATE TABLE invoices (id INTEGER)")
     with pytest.raises(KBError, match="holds other tables"):

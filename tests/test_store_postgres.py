@@ -23,6 +23,7 @@ from kb.settings import Settings, load_settings
 from kb.store import SCHEMA_VERSION, Kernel, KnowledgeBase, PerfRecord, Snippet, open_kb
 from kb.store.db import Dialect
 from kb.store.doctor import DriftKind
+from retrieve.hybrid import Filters, _db_version, query
 from tests.support.repo import REPO, subprocess_env
 from tests.support.store import (
     SNIPPETS_PER_KERNEL,
@@ -196,8 +197,6 @@ def test_newer_schema_version_is_refused(pg_url: str, tmp_path: Path, embedder) 
 def test_ranking_sees_kernels_another_writer_commits(pg_url: str, tmp_path: Path, embedder) -> None:
     """The ranking table is cached per process and re-read only when the WAL position moved (retrieve.hybrid's gate):
     a kernel committed by another connection is ranked by the next query, and an idle database costs no rescan."""
-    from retrieve.hybrid import Filters, _db_version, query
-
     settings = _settings(tmp_path / "kb", pg_url)
     with open_kb(settings, embedder=embedder) as reader, open_kb(settings, embedder=embedder) as writer:
         writer.write_kernel(make_kernel(0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -102,8 +103,6 @@ def test_rewrite_does_not_reembed_unchanged_rows(kb_settings, embedder) -> None:
 
 
 def test_kernel_id_is_content_hash(kb) -> None:
-    import hashlib
-
     k = make_kernel(5)
     kid = kb.write_kernel(k)
     assert kid == "k-" + hashlib.sha256(k.ir_text.encode()).hexdigest()[:16]

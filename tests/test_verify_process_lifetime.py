@@ -12,6 +12,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,8 +23,10 @@ import pytest
 from kb.errors import KBError
 from kb.procs import Owner, start_ticks
 from kb.settings import load_settings
+from kb.store.doctor import DriftKind, run_doctor
 from tests.support.procs import group_ends, kb_env, live_in_group, proc_table, sigint_default, verify_dirs, wait_for
 from tests.support.repo import KB_CLI
+from verify import VerifyOptions, verify
 
 FIX = Path(__file__).parent / "support" / "verify_fixtures"
 SPEC = FIX / "attn_spec.py"
@@ -69,11 +73,6 @@ class _Stop(Exception):
 
 def test_an_exception_in_verify_kills_the_child_while_the_caller_lives_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's `finally`, alone: this process stays alive, so PDEATHSIG cannot be what kills the child."""
-    import tempfile
-    import threading
-
-    from verify import VerifyOptions, verify
-
     candidate, marker = _hanging_candidate(tmp_path)
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
@@ -104,8 +103,6 @@ def test_an_exception_in_verify_kills_the_child_while_the_caller_lives_on(tmp_pa
 def test_sigkilled_verify_takes_the_candidate_with_it(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """SIGKILL runs no `finally`: PR_SET_PDEATHSIG kills the child, the child's reaper kills its worker;
     the temp dir stays until `kb doctor --fix` sees its owner is gone."""
-    from kb.store.doctor import DriftKind, run_doctor
-
     proc, child, pgid = _start_hanging_verify(tmp_path)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)

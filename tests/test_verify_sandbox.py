@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import verify.confine as confine
+import verify.sandbox as sandbox
 from kb.errors import KBError
 from tests.support.procs import kb_env
 from tests.support.repo import KB_CLI
@@ -166,8 +168,6 @@ def test_the_candidate_cannot_write_outside_its_directory(attack: dict) -> None:
 # ---- honest candidates still pass, and the result says how they ran
 
 def test_an_honest_triton_kernel_passes_in_the_sandbox(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    import verify.sandbox as sandbox
-
     monkeypatch.setattr(sandbox, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="verify.sandbox"):
         r = verify(SPEC, FIX / "triton_flash.py", FAST)
@@ -194,9 +194,6 @@ def test_missing_isolation_is_one_warning_and_reported(monkeypatch: pytest.Monke
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """No namespace and no Landlock (as on a machine that allows neither): the verdict is unchanged, the result and
     one warning per process say what is missing."""
-    import verify.confine as confine
-    import verify.sandbox as sandbox
-
     monkeypatch.setattr(confine, "_new_netns", lambda unshare: "unshare(CLONE_NEWNET): Operation not permitted (test)")
     monkeypatch.setattr(sandbox, "abi_version", lambda: (0, "the kernel has no Landlock (test)"))
     monkeypatch.setattr(sandbox, "_warned", set())
@@ -212,8 +209,6 @@ def test_missing_isolation_is_one_warning_and_reported(monkeypatch: pytest.Monke
 
 
 def test_without_a_namespace_landlock_still_denies_tcp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import verify.confine as confine
-
     if _landlock_abi() < 4:
         pytest.skip("Landlock ABI < 4 (Linux < 6.7) has no TCP rules")
     monkeypatch.setattr(confine, "_new_netns", lambda unshare: "unshare(CLONE_NEWNET): Operation not permitted (test)")
@@ -231,8 +226,6 @@ def test_without_a_namespace_landlock_still_denies_tcp(monkeypatch: pytest.Monke
 
 def _refuse_the_direct_unshare(monkeypatch: pytest.MonkeyPatch) -> None:
     """As for a user without CAP_SYS_ADMIN: the first unshare (network + IPC namespace, no user namespace) is refused."""
-    import verify.confine as confine
-
     if not _netns_possible() or subprocess.run(["unshare", "--user", "true"], capture_output=True).returncode:
         pytest.skip("this machine allows no user namespace")
     real = confine._unshare_fn
@@ -271,8 +264,6 @@ def test_an_unprivileged_user_gets_the_namespace_through_a_user_namespace(monkey
 def test_a_user_namespace_it_cannot_map_is_left_for_no_namespace(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Id maps refused (a user namespace where files could not even be created): the child starts again without
     one, runs, and the result says why the network is open."""
-    import verify.confine as confine
-
     _refuse_the_direct_unshare(monkeypatch)
     real_write = confine._write
 

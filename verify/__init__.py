@@ -11,6 +11,7 @@ from pathlib import Path
 
 from verify.options import ALL_DISTRIBUTIONS, VerifyOptions
 from verify.result import Finding, MemoryReport, ShapeCase, TimingReport, Verdict, VerifyResult
+from verify.runner import run_child
 from verify.sandbox import Isolation, SandboxPolicy
 
 __all__ = ["verify", "VerifyOptions", "VerifyResult", "Verdict", "Finding", "ShapeCase", "MemoryReport",
@@ -23,6 +24,4 @@ def verify(spec_path: Path | str, candidate_path: Path | str, options: VerifyOpt
 
     `sandbox` adds to the default confinement (e.g. `SandboxPolicy(hidden=(kb_home,))`); it cannot remove the
     built-in parts (scrubbed environment, hidden home and KB home)."""
-    from verify.runner import run_child
-
     return run_child(Path(spec_path), Path(candidate_path), options or VerifyOptions(), sandbox)

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from kb.errors import KBError
 from kb.settings import Settings, load_settings
+from verify import verify
 from verify.options import VerifyOptions
 from verify.report import result_table
 from verify.sandbox import SandboxPolicy
@@ -44,8 +45,6 @@ def verify_command(
     ctx: typer.Context = None,  # type: ignore[assignment]  # typer passes its context (typer.Context is no Optional); None from Python
 ) -> int:
     """Verify CANDIDATE against SPEC; exit code 0 only on a pass."""
-    from verify import verify
-
     for path, what in ((spec, "spec"), (candidate, "candidate")):
         if not path.is_file():
             raise KBError(f"{what} file {path} does not exist")

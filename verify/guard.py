@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from torch._library.custom_ops import _maybe_get_opdef  # the registry custom_op keeps (no public accessor)
 from torch.autograd.variable import Variable
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -128,8 +129,6 @@ def _python_impl(func: Any, args: Any) -> Any:
     runs, so the guard runs this function itself, inside the mode, to see the torch ops it calls."""
     if getattr(func, "namespace", "aten") in TRANSPARENT_NAMESPACES:
         return None
-    from torch._library.custom_ops import _maybe_get_opdef  # the registry custom_op keeps (no public accessor)
-
     opdef = _maybe_get_opdef(func)
     if opdef is None:
         return None

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 def resolve_device(opts: VerifyOptions) -> str:
     if opts.device != "auto":
         return opts.device
-    import torch  # deferred: the CLI should not pay for torch before it needs it
+    import torch  # noqa: PLC0415  deferred: the CLI should not pay for torch before it needs it
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from bench.gpu.suite import Case, MaskFn, ScoreFn
 
@@ -49,8 +51,6 @@ _BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient"
 
 
 def sdpa_fn(backend: str, case: Case, q, k, v, attn_mask: torch.Tensor | None, causal: bool) -> Callable[[], torch.Tensor]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     be = getattr(SDPBackend, _BACKENDS[backend])
     gqa = case.Hq != case.Hkv
     if backend in ("flash", "cudnn") and not causal and attn_mask is not None:
@@ -67,11 +67,9 @@ _FLEX_COMPILED = None
 
 
 def flex_fn(case: Case, q, k, v, mask: MaskFn | None, score: ScoreFn | None) -> Callable[[], torch.Tensor]:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     global _FLEX_COMPILED
     if _FLEX_COMPILED is None:
-        import torch._dynamo
+        import torch._dynamo  # noqa: PLC0415  a second to import (and Triton with it): only FlexAttention needs it
 
         # one compile per (variant, shape): the suite needs more than dynamo's default 8 recompiles,
         # past which flex_attention silently falls back to the unfused, materialising path

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.ops import _env, _models, load
+from bench.gpu.ops import _env, _models, load  # before triton: sets TRITON_INTERPRET for a CPU run
+from triton.testing import do_bench
 
 DEFAULT_SPECS = ("causal_d128_bf16", "gqa_causal", "relative_bias_learned")
 
@@ -35,8 +36,6 @@ def _grads(new: torch.nn.Module, ins: list[torch.Tensor], dout: torch.Tensor) ->
 
 
 def measure(spec_path: Path, gen: Path, runs: int) -> dict:
-    from triton.testing import do_bench
-
     stem = spec_path.stem
     spec = load(spec_path, f"det_spec_{stem}")
     cand = load(gen / f"gen_{stem}.py", f"det_{gen.name}_{stem}")

@@ -16,8 +16,14 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bench.gpu.suite import load_program, with_schedule
 from kb.ir.design import head_bucket
+from kb.ir.nodes import Schedule
+from kb.lower.runtime import load_module
+from kb.lower.triton import LowerOptions, lower_program
+from verify.timing import time_fn
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +41,6 @@ CONFIGS = (
 
 
 def _module(variant: str, tma: bool, bm: int, bn: int, w: int, st: int, ws: bool):
-    from bench.gpu.suite import load_program, with_schedule
-    from kb.ir.nodes import Schedule
-    from kb.lower.runtime import load_module
-    from kb.lower.triton import LowerOptions, lower_program
-
     prog, _ = load_program(variant)
     p = with_schedule(prog, Schedule(block_m=bm, block_n=bn, num_warps=w, num_stages=st, warp_specialize=ws))
     mod, _ = load_module(lower_program(p, LowerOptions(tma=tma)), f"{variant}_hopper")
@@ -69,10 +70,6 @@ def _ragged_checks(results: list[dict]) -> None:
 
 
 def main(out: Path, deadline_s: float) -> None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from verify.timing import time_fn
-
     t0 = time.time()
     B, H, S, D = 4, 16, 8192, 128
     results: list[dict] = []

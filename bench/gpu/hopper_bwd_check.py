@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu import tune_common as common
 from bench.gpu.tune_bwd import _cuda_backward_records, _prepare_step, bwd_record, cuda_backward_forced
+from kb.ir.text import parse_program
+from kb.lower.cuda_sm90_bwd import BWD_PAD_Q
+from kb.lower.cuda_sm90_ir import lower_program_sm90
 
 
 def _profile(impl, dout) -> str:
     """The GPU kernels of three training steps, by total time (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
     out = impl.call()
     out.backward(dout)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -63,14 +68,6 @@ def _relowered_copy(gen_dir: Path, out: Path | None = None) -> Path:
     """GEN_DIR copied (to `out`, else a temporary directory) with each Hopper-backward `.cu` lowered again from its
     `.kbir`, and its modules' scratch padding for the backward (`CUDA_BWD_PAD_Q`, once `CUDA_BWD_BLOCK_Q`) set to
     what that lowering needs."""
-    import re
-    import shutil
-    import tempfile
-
-    from kb.ir.text import parse_program
-    from kb.lower.cuda_sm90_bwd import BWD_PAD_Q
-    from kb.lower.cuda_sm90_ir import lower_program_sm90
-
     out = out or Path(tempfile.mkdtemp(prefix="hbc_relower_")) / gen_dir.name
     shutil.copytree(gen_dir, out)
     for cu in sorted(out.glob("*.cu")):

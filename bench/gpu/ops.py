@@ -38,6 +38,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the CPU smoke run: before triton is imported (torch._dynamo does)
 
 import torch._dynamo
+import torch.nn.functional as F
+import triton
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from triton.testing import do_bench
 
 DEFAULT_SPECS = ("decode_mqa", "relative_bias_learned", "causal_d128_bf16", "document_causal")
 
@@ -180,8 +184,6 @@ def _host_issue_us(fn: Callable[[], object], n: int = 100) -> float:
 
 
 def time_spec(spec: ModuleType, new: torch.nn.Module, ins: list) -> dict:
-    from triton.testing import do_bench
-
     def bench(fn: Callable[[], object]) -> float:
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
@@ -196,8 +198,6 @@ def time_spec(spec: ModuleType, new: torch.nn.Module, ins: list) -> dict:
         sdpa = getattr(spec, "SDPA", None)
         q, k, v = ins[:3]
         if sdpa is not None:
-            import torch.nn.functional as F
-
             gqa = q.shape[1] != k.shape[1]
             out["sdpa_ms"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=sdpa == "causal",
                                                                            enable_gqa=gqa))
@@ -206,8 +206,6 @@ def time_spec(spec: ModuleType, new: torch.nn.Module, ins: list) -> dict:
 
 
 def _flex_ms(spec: ModuleType, ins: list, new: torch.nn.Module, bench: Callable) -> float | None:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     if not hasattr(spec, "flex_mods"):
         return None
     q, k, v = ins[:3]
@@ -223,8 +221,6 @@ def _flex_ms(spec: ModuleType, ins: list, new: torch.nn.Module, bench: Callable)
 
 
 def _env() -> dict:
-    import triton
-
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]

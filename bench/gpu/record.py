@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from kb.errors import KBError
+from kb.store.models import Kernel, PerfRecord
 
 __all__ = ["record_results"]
 
@@ -22,8 +23,6 @@ log = logging.getLogger(__name__)
 
 def record_results(kb, json_path: Path | str) -> int:
     """Record every matching measurement of `json_path` into `kb` (a KnowledgeBase); returns how many."""
-    from kb.store.models import Kernel, PerfRecord
-
     path = Path(json_path)
     try:
         doc = json.loads(path.read_text())

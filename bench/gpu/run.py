@@ -32,7 +32,18 @@ from typing import Callable
 
 import torch
 
+from bench.gpu import baselines as bl
+from bench.gpu.baselines import Unsupported
+from bench.gpu.plot import plot_all
+from bench.gpu.report import summary_table
+from bench.gpu.suite import (VARIANTS, attended_pairs, attention_flops, aux_tensors, declared_aux, load_program, suite_cases,
+                             torch_mods)
+from generate.designs import default_designs
 from kb.errors import KBError
+from kb.ir.text import content_hash
+from kb.lower.runtime import TritonKernel
+from kb.lower.triton import LowerOptions
+from verify.timing import time_fn
 
 __all__ = ["main", "require_cuda", "Record", "SCHEMA"]
 
@@ -75,7 +86,7 @@ def _env(command: str) -> dict:
                                 capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = ""
-    import triton
+    import triton  # noqa: PLC0415  Triton's mode is fixed at its first import: a run's, not this module's import
 
     return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch_version": torch.__version__,
             "triton_version": triton.__version__, "cuda": torch.version.cuda or "", "command": command,
@@ -84,8 +95,6 @@ def _env(command: str) -> dict:
 
 def measure_peak_tflops() -> float:
     """bf16 dense matmul rate (8192^3, random data) on this GPU, TFLOP/s."""
-    from verify.timing import time_fn
-
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     t = time_fn(lambda: a @ b, warmup=10, trials=30)
@@ -113,13 +122,6 @@ def _out_tensor(res: object) -> torch.Tensor:
 
 def case_impls(case, q, k, v, aux: dict, mask, score, tune: bool, ablate: bool) -> list[tuple[str, str, Callable, dict]]:
     """(impl, source, fn, extra) for every implementation of `case`; fn may raise Unsupported."""
-    from bench.gpu import baselines as bl
-    from bench.gpu.suite import VARIANTS, declared_aux, load_program
-    from generate.designs import default_designs
-    from kb.ir.text import content_hash
-    from kb.lower.runtime import TritonKernel
-    from kb.lower.triton import LowerOptions
-
     prog, source = load_program(case.variant)
     aux = declared_aux(prog, aux)
     inputs = {"q": q, "k": k, "v": v, **aux}
@@ -190,8 +192,6 @@ def _raiser(err: Exception) -> Callable:
 
 def case_tensors(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """bf16 q, k, v on the GPU (seeded by the case) and the case's aux tensors."""
-    from bench.gpu.suite import aux_tensors
-
     torch.manual_seed(hash(case) % (2 ** 31))
     q = torch.randn(case.B, case.Hq, case.S, case.D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(case.B, case.Hkv, case.S, case.D, device="cuda", dtype=torch.bfloat16)
@@ -200,10 +200,6 @@ def case_tensors(case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
 
 
 def run_case(case, env: dict, peak: float, tune: bool, ablate: bool) -> list[Record]:
-    from bench.gpu.baselines import Unsupported
-    from bench.gpu.suite import attended_pairs, attention_flops, torch_mods
-    from verify.timing import time_fn
-
     q, k, v, aux = case_tensors(case)
     mask, score = torch_mods(case, aux)
     pairs = attended_pairs(case, mask, "cuda")
@@ -271,9 +267,6 @@ def main(suite: str = "h200", out_dir: Path | str = "bench/results", *, tune: bo
          deadline_s: float | None = None, plots: bool = True, plots_dir: Path | str | None = None) -> Path:
     """Run `suite`, write `<out_dir>/bench_<suite>.json` (+ plots), print a table; returns the JSON path."""
     require_cuda()
-    from bench.gpu.report import summary_table
-    from bench.gpu.suite import suite_cases
-
     cases = suite_cases(suite)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -293,8 +286,6 @@ def main(suite: str = "h200", out_dir: Path | str = "bench/results", *, tune: bo
         log.info("%s done in %.0f s", case.label, time.monotonic() - t0)
     if plots:
         try:
-            from bench.gpu.plot import plot_all
-
             pdir = Path(plots_dir or out)
             pdir.mkdir(parents=True, exist_ok=True)
             plot_all(path, pdir)

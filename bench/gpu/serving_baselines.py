@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import AuxOutput, FlexKernelOptions
@@ -83,8 +84,8 @@ def load_vllm_unified_attention(src: Path) -> Callable:
     name = "vllm.v1.attention.ops.triton_unified_attention"
     if name in sys.modules:
         return sys.modules[name].unified_attention
-    import triton
-    import triton.language as tl
+    import triton  # noqa: PLC0415  only for vLLM's kernel: importing this module leaves Triton unloaded
+    import triton.language as tl  # noqa: PLC0415  as triton
 
     for pkg in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops"):
         _stub(pkg)
@@ -214,8 +215,8 @@ def _flex_decode(
     sinks: Tensor | None = None,
 ) -> Callable:
     """PyTorch's PagedAttention: its page table and physical-to-logical map filled from the engine's block_table."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.experimental._paged_attention import PagedAttention  # noqa: PLC0415  experimental API
+    from torch.nn.attention.flex_attention import AuxRequest  # noqa: PLC0415  recent (torch >= 2.9): this baseline only
 
     b, max_pages = table.shape
     pages, page = k_cache.shape[:2]
@@ -242,8 +243,6 @@ def _flex_decode(
 
 
 def _flex_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: list, compile: bool) -> Baseline:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     q, dev = inputs[0], inputs[0].device
     if stem == "paged_decode_window_sinks":
         _, k_cache, v_cache, table, seq_lens = inputs

@@ -16,7 +16,9 @@ from typing import Callable
 
 import torch
 
+from kb.errors import KBError
 from kb.ir.nodes import Dtype, Param, Program, Role, Schedule
+from kb.ir.text import parse_program
 
 __all__ = ["Case", "Variant", "VARIANTS", "SUITES", "suite_cases", "attended_pairs",
            "attention_flops", "load_program"]
@@ -94,8 +96,6 @@ SUITES: dict[str, tuple[Case, ...]] = {
 
 
 def suite_cases(name: str) -> tuple[Case, ...]:
-    from kb.errors import KBError
-
     if name not in SUITES:
         raise KBError(f"unknown bench suite {name!r}; choose one of {sorted(SUITES)}")
     return SUITES[name]
@@ -105,10 +105,8 @@ def load_program(variant: str) -> tuple[Program, str]:
     """(program in bf16, source): `bench/kernels/<variant>.kbir` when present, else the test builders."""
     path = KERNELS_DIR / f"{variant}.kbir"
     if path.exists():
-        from kb.ir.text import parse_program
-
         return parse_program(path.read_text()), f"kbir:{path.name}"
-    from tests.support.ir_programs import forward
+    from tests.support.ir_programs import forward  # noqa: PLC0415  a checkout only: the wheel ships the .kbir files, not tests/
 
     v = VARIANTS[variant]
     p = forward(variant, score_mod=v.score_mod, mask_mod=v.mask_mod, lo=v.lo, hi=v.hi, dtype=Dtype.BF16,

@@ -43,7 +43,10 @@ from bench.gpu.tune_common import (BF16_TOL, PLAN_SCHEMA, attended_pairs, check_
 from bench.gpu.tune_bwd import main as backward_main
 from bench.gpu.tune_bwd import run_plan_backward
 from generate.tune_schema import SCHEMA, impl_ms
-from kb.ir.design import Design, parse_design
+from kb.ir.design import Design, head_bucket, parse_design
+from kb.ir.text import parse_program
+from kb.lower.cuda_build import BuildMode, build
+from kb.lower.cuda_runtime import CudaKernel, device_arch
 
 # PLAN_SCHEMA, environment and bench_shapes live in bench.gpu.tune_common (the backward timer's too); exported here as before
 __all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "time_plan", "environment", "bench_shapes", "impl_ms"]
@@ -211,8 +214,6 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
 
 def _cuda_build_args(entry: dict, head_dim: int) -> tuple[Path, Path, tuple[str, ...]] | None:
     """(.cu, .kbir, nvcc defines) of the CUDA source emitted beside the candidate, if there is one."""
-    from kb.ir.design import head_bucket
-
     cand = Path(entry["candidate"])
     cu, ir = cand.with_suffix(".cu"), cand.with_suffix(".kbir")
     if not (cu.is_file() and ir.is_file()):
@@ -231,10 +232,6 @@ def _cuda_lowering(entry: dict) -> str | None:
 
 def _build_cuda_all(entries: list[dict], workers: int) -> None:
     """nvcc every emitted `.cu` in parallel first (cached by content), so timing only loads libraries."""
-    from kb.ir.text import parse_program
-    from kb.lower.cuda_build import BuildMode, build
-    from kb.lower.cuda_runtime import device_arch
-
     def one(entry: dict) -> str:
         shapes = entry.get("shapes") or [{}]
         found = _cuda_build_args(entry, int(shapes[0].get("D", 128)))
@@ -257,9 +254,6 @@ def _emitted_cuda(entry: dict, args: tuple, kwargs: dict) -> Callable[[], Any] |
     found = _cuda_build_args(entry, args[0].shape[-1])
     if found is None or not torch.cuda.is_available():
         return None
-    from kb.ir.text import parse_program
-    from kb.lower.cuda_runtime import CudaKernel
-
     cu, ir, defines = found
     try:
         kern = CudaKernel.from_source(parse_program(ir.read_text()), cu.read_text(), cu.parent / "cuda-build",

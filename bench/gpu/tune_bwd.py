@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from bench.gpu import tune_common as common
+from generate.outputs import output_stem
 from generate.tune_schema import SCHEMA_BACKWARD as SCHEMA
 from generate.stages import ReportStatus
 from kb.ir.design import Design, arch_of_capability, parse_design
@@ -107,8 +108,6 @@ def read_suite(path: Path) -> list[SuiteRow]:
 def suite_plan(suite: Path, from_dir: Path, tier: str | None = None) -> dict:
     """A plan (the forward timer's schema) for a suite file (only the rows of `tier` if given): each spec's candidate
     is `gen_<stem>.py` in `from_dir`, at the spec's BENCH shape, no designs."""
-    from generate.outputs import output_stem
-
     entries: list[dict[str, Any]] = [
         {"name": r.spec.stem, "spec": str(r.spec), "candidate": str(Path(from_dir) / f"{output_stem(r.spec)}.py"),
          "shapes": None, "designs": [], "tier": r.tier, "class": r.klass} for r in read_suite(suite)

@@ -25,9 +25,12 @@ from types import ModuleType
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import arch_of_capability
+from verify.timing import time_fn
 
 __all__ = ["PLAN_SCHEMA", "BF16_TOL", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
            "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results",
@@ -128,8 +131,7 @@ def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callabl
     mods = spec_mods(spec, inputs, model)
     if mods is None:
         return None
-    import torch._dynamo
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import torch._dynamo  # noqa: PLC0415  a second to import, and it imports Triton (see environment)
 
     # one compile per (variant, shape): past dynamo's default limit flex_attention silently falls back
     torch._dynamo.config.recompile_limit = 256
@@ -154,8 +156,6 @@ def sdpa_call(spec: ModuleType, inputs: list) -> Callable[[], torch.Tensor] | No
     kind = getattr(spec, "SDPA", None)
     if kind not in ("causal", "none"):
         return None
-    import torch.nn.functional as F
-
     q, k, v = inputs[:3]
     scale = getattr(spec, "SCALE", None)
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=kind == "causal", scale=scale,
@@ -190,8 +190,6 @@ def time_call(fn: Callable[[], Any], trials: int) -> tuple[float, float]:
             fn()
             walls.append((time.perf_counter() - t0) * 1e3)
         return sorted(walls)[1], max(walls) - min(walls)
-    from verify.timing import time_fn
-
     t = time_fn(fn, warmup=5, trials=trials, drain=False)  # GPU time per call, launch overhead hidden (do_bench)
     return t.median_ms, t.iqr_ms
 
@@ -204,7 +202,7 @@ def sync() -> None:
 # ---- environment and results -------------------------------------------------------------------
 
 def environment(command: str) -> dict:
-    import triton
+    import triton  # noqa: PLC0415  Triton's mode is fixed at its first import: a run's, not this module's import
 
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -220,8 +218,6 @@ def environment(command: str) -> dict:
 
 def _copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written), the ceiling decode kernels are held to."""
-    from verify.timing import time_fn
-
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_fn(lambda: dst.copy_(src), warmup=5, trials=20, drain=False).median_ms

@@ -148,9 +148,9 @@ def linear_form(e: Expr, x: str = "q_idx", y: str = "kv_idx") -> tuple[int, int,
 def _fold(op: ExprOp, args: tuple[Expr, ...]) -> Expr | None:
     if not all(a.op is ExprOp.CONST for a in args):
         return None
-    import torch
+    import torch  # noqa: PLC0415  kb.ir stays torch-free: only constant folding needs torch
 
-    from kb.ir.evaluate import eval_expr  # local: evaluate imports torch, only constant folding needs it
+    from kb.ir.evaluate import eval_expr  # noqa: PLC0415  evaluate imports torch, only constant folding needs it
 
     try:
         v = eval_expr(Expr(op, args), {})

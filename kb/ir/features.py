@@ -164,7 +164,7 @@ def derive_features(p: Program, *, arch: str = "any", shapes: Mapping[str, int] 
 
 def _classified(p: Program, score: Expr | None, mask: Expr | None, arch: str,
                 shapes: Mapping[str, int] | None) -> Features:
-    from kb.ir.classify import features_from_variants  # lazy: classification imports torch
+    from kb.ir.classify import features_from_variants  # noqa: PLC0415  lazy: classification imports torch
 
     shapes = dict(shapes or {})
     split = is_split_kv(p)

@@ -29,7 +29,9 @@ from kb.errors import KBError
 from kb.ir.nodes import Dtype, Param, Program, Role
 from kb.lower.cuda import ERROR_SYMBOL, LAUNCH_SYMBOL, LaunchAbi, launch_abi, lower_program, source_schedule
 from kb.lower.cuda_build import BuildMode, build
+from kb.lower.cuda_mma import lower_program_mma
 from kb.lower.cuda_sm90_ir import abi_program
+from kb.settings import load_settings
 
 __all__ = ["CudaKernel", "require_gpu", "device_arch"]
 
@@ -53,10 +55,8 @@ def device_arch(device: int | None = None) -> str:
 
 def _default_cache_dir() -> Path:
     try:
-        from kb.settings import load_settings
-
         return load_settings().cache_dir / "cuda"
-    except Exception:  # settings need optional packages; a temp dir always works
+    except Exception:  # settings that do not load: a temp dir always works
         return Path(tempfile.gettempdir()) / "kernel-kb-cuda"
 
 
@@ -75,8 +75,6 @@ class CudaKernel:
                      tensor_cores: bool = False, defines: tuple[str, ...] = ()) -> "CudaKernel":
         """Lower `p` (`tensor_cores`: kb.lower.cuda_mma with p's schedule as the traits), build and load it."""
         require_gpu()
-        from kb.lower.cuda_mma import lower_program_mma
-
         return cls.from_source(p, lower_program_mma(p) if tensor_cores else lower_program(p), cache_dir, arch,
                                defines=defines)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kb.errors import KBError
+from kb.ir.derive import score_grad
 from kb.ir.evaluate import Value, eval_expr
 from kb.ir.expr import Expr, ExprOp, free_vars, var
 from kb.ir.nodes import (
@@ -397,8 +398,6 @@ def backward_refusal(fwd: Program, bwd: Program) -> str | None:
     """Why the Hopper backward (kb.lower.cuda_sm90_bwd) cannot stand in for backward program `bwd` of `fwd`; None when
     it can. It computes dS -> d(q.k) as `dS * sm_scale` and no aux gradient, so every score statement must be
     `s * sm_scale`, a score_mod whose derivative in the score is 1 (added terms: ALiBi, a fixed bias) or a mask."""
-    from kb.ir.derive import score_grad
-
     if aux_gradients(bwd):
         return f"it has aux gradients ({', '.join(aux_gradients(bwd).values())}), which the Hopper backward does not compute"
     try:

@@ -33,6 +33,7 @@ from kb.errors import KBError
 from kb.ir.nodes import Program, Role, is_backward
 from kb.lower.triton import LowerOptions, lower_program
 from kb.lower.triton_host import kernel_fn_name
+from kb.settings import load_settings
 
 __all__ = ["TritonKernel", "import_file", "load_module", "mode_suffix"]
 
@@ -41,8 +42,6 @@ log = logging.getLogger(__name__)
 
 def _default_cache_dir() -> Path:
     try:
-        from kb.settings import load_settings
-
         return load_settings().cache_dir / "triton"
     except KBError:
         return Path(tempfile.gettempdir()) / "kernel-kb-triton"

@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 from kb.errors import KBError
 from kb.ir.nodes import DOT_MIN_K, Dtype, Program, Role
-from kb.lower.triton import LowerOptions
+from kb.ir.text import parse_program, print_program
+from kb.lower.runtime import load_module
+from kb.lower.triton import LowerOptions, lower_program
+from kb.lower.triton_host import kernel_fn_name
 
 __all__ = ["AotKernel", "compile_for_arch"]
 
@@ -48,8 +51,6 @@ def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bo
                      head_dim_v: int | None = None) -> list[AotKernel]:
     """Compile every kernel of `p` for sm_`arch` as the host would launch it at `head_dim` (and value head dim
     `head_dim_v`, default `head_dim`, for a program with a `Dv`) with USE_TMA=`tma`."""
-    from kb.ir.text import print_program
-
     request = {"ir": print_program(p), "arch": arch, "head_dim": head_dim, "head_dim_v": head_dim_v or head_dim, "tma": tma,
                "options": dataclasses.asdict(options or LowerOptions())}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -71,13 +72,9 @@ def compile_for_arch(p: Program, *, arch: int = 90, head_dim: int = 128, tma: bo
 def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: LowerOptions,
                   head_dim_v: int) -> list[AotKernel]:
     """The compile itself; runs only in a process whose Triton was imported without TRITON_INTERPRET."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kb.lower.runtime import load_module
-    from kb.lower.triton import lower_program
-    from kb.lower.triton_host import kernel_fn_name
+    import triton  # noqa: PLC0415  in the compile child only: the caller may interpret Triton (module docstring)
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415  as triton
+    from triton.compiler import ASTSource  # noqa: PLC0415  as triton
 
     module = load_module(lower_program(p, options), p.name)[0]
     tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR} | {"o32_ptr": "*fp32"}
@@ -113,8 +110,6 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
 
 
 def _main() -> int:
-    from kb.ir.text import parse_program
-
     if os.environ.get("TRITON_INTERPRET"):
         print("kb.lower.triton_aot must run without TRITON_INTERPRET", file=sys.stderr)
         return 2

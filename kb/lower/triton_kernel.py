@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kb.errors import KBError
 from kb.ir.algebra import max_of, tidy_int
+from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
 from kb.ir.nodes import (
     DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Let,
@@ -380,8 +381,6 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{out} = {p} * ({dp} - {delta})")
 
     def s_scoremodgrad(self, st: ScoreModGrad) -> None:
-        from kb.ir.derive import score_grad
-
         code = self.local(st.tile)
         grad = score_grad(self.p.score_mod.body) if self.p.score_mod is not None else const(1)
         if grad.op is ExprOp.CONST and grad.value == 1:
@@ -391,8 +390,6 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{code} = {code} * {wrap(strip_parens(lower_expr(grad, self.ctx(names))))}  # d score_mod / d score")
 
     def s_auxgrad(self, st: AuxGrad) -> None:
-        from kb.ir.derive import ROW_LSE, aux_partials, row_centre
-
         if self.p.score_mod is None:
             raise KBError(f"aux_grad {st.grad} of {st.aux}: the program has no score_mod to differentiate")
         try:

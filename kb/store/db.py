@@ -8,6 +8,7 @@ PostgreSQL is selected by the URL (`postgresql://` or `postgresql+psycopg2://`).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import time
@@ -80,8 +81,6 @@ def parse_db_url(url: str) -> DbTarget:
 
 def _pg_driver() -> str:
     """psycopg2 when installed (kernel-kb's dev extra), else psycopg 3 (SQLAlchemy 2.1's default)."""
-    import importlib.util
-
     return "psycopg2" if importlib.util.find_spec("psycopg2") else "psycopg"
 
 

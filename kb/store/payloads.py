@@ -80,7 +80,7 @@ def design_problems(text: str) -> list[str]:
     if "impl" in data:  # the emitted .cu, timed beside the Triton module (generate.perf_import.cuda_impl)
         ok = data.get("impl") == "cuda" and set(data) == {"impl", "lowering"} and isinstance(data["lowering"], str)
         return [] if ok else [f"{data} is not a .cu record ({{\"impl\": \"cuda\", \"lowering\": NAME}})"]
-    from kb.ir.design import Design  # the IR package loads only when a stored design is checked
+    from kb.ir.design import Design  # noqa: PLC0415  the IR package loads only when a stored design is checked
 
     try:
         Design.from_dict(data)

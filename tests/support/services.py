@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -31,6 +32,9 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from tests.support.repo import TEST_CACHE
 
@@ -76,8 +80,6 @@ def _run_as() -> list[str]:
     if shutil.which("runuser") is None:
         raise ServiceError("running as root without `runuser`; PostgreSQL refuses to run as root")
     try:
-        import pwd
-
         pwd.getpwnam("postgres")
     except KeyError:
         raise ServiceError("running as root and there is no 'postgres' user to run the server "
@@ -115,9 +117,6 @@ def postgres_server(database: str = "kernels") -> Iterator[str]:
 
 def create_database(url: str, name: str) -> str:
     """Create the empty database `name` on the server of `url`; returns `url` naming it."""
-    from sqlalchemy import create_engine, text
-    from sqlalchemy.engine import make_url
-
     engine = create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as conn:

@@ -19,7 +19,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from sqlalchemy import text
+
 from kb.features import Features
+from kb.settings import load_settings
 from kb.store import (
     Attempt,
     GenerationRun,
@@ -30,7 +33,9 @@ from kb.store import (
     Snippet,
     Source,
     Tunable,
+    open_kb,
 )
+from kb.store.vectors import VectorStore
 
 SNIPPETS_PER_KERNEL = 3
 MASKS = ("causal", "sliding_window", "none", "document")
@@ -107,18 +112,12 @@ def export_without_snippets(kb: KnowledgeBase, path: Path) -> None:
     """`kb.export_jsonl(path)` of `kb` (a private copy: its snippet rows are deleted) without its snippets. Embedding
     is what an import spends its time on (the corpus's 285 snippets take most of ~25 s on 2 cores): tests whose
     import is not about snippets import this instead."""
-    from sqlalchemy import text
-
     with kb.engines.write.begin() as con:
         con.execute(text("DELETE FROM snippets"))
     kb.export_jsonl(path)
 
 
 def _main(argv: list[str]) -> None:
-    from kb.settings import load_settings
-    from kb.store import open_kb
-    from kb.store.vectors import VectorStore
-
     home, start, count = argv[0], int(argv[1]), int(argv[2])
     if "--kill-at-upsert" in argv:
         kill_at = int(argv[argv.index("--kill-at-upsert") + 1])
