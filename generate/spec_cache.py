@@ -1,8 +1,9 @@
 """What a spec file traces to, remembered: `kb query SPEC` asked again skips tracing, and with it torch.
 
-Tracing a spec imports torch and runs the spec (generate.spec_fx records its ops), about 0.6 s beyond torch
-on 2 cores; the ranking needs only the features and variant expressions it
-yields. This module imports neither: a hit reads one JSON file.
+Tracing a spec imports torch and the tracer (about 1 s on 2 cores) and runs the spec (generate.spec_fx records
+its ops, about 0.06 s for examples/specs/prefix_lm.py); the ranking needs only the features and variant
+expressions it yields. This module imports neither: a hit reads one JSON file, and a miss traces in a forked
+child while the caller starts up (`start_trace`).
 
 The key is a sha256 over the spec file's bytes, the bytes of every other `.py` file in its directory (a spec
 may import a sibling), and a digest of the code that traces (kb/ and generate/): an edit to any of them misses.
