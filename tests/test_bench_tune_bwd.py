@@ -25,7 +25,7 @@ import torch
 from bench.gpu.tune import PLAN_SCHEMA
 from bench.gpu.tune_bwd import (GRAD_TOL, SCHEMA, fwd_bwd_flops, read_suite, reference_grads, rel_fro,
                                    run_plan_backward, suite_plan, summarize, summary_line)
-from bench.gpu.tune_common import write_results
+from bench.gpu.tune_common import output_ok, write_results
 from generate.pipeline import GenerateOptions, generate
 from tests.support.generate_fixtures import QUICK
 
@@ -315,3 +315,16 @@ def test_results_written_to_dev_null_leave_it_a_device(tmp_path: Path) -> None:
     write_results(tmp_path / "sub" / "r.json", {"schema": SCHEMA})
     assert json.loads((tmp_path / "sub" / "r.json").read_text()) == {"schema": SCHEMA}
     assert not list((tmp_path / "sub").glob("*.tmp"))
+
+
+def test_forward_outputs_are_judged_by_the_verifiers_bf16_rule() -> None:
+    # the causal attention of two keys: an output of magnitude ~2.5, where one bf16 ulp is 1.6e-2
+    torch.manual_seed(0)
+    v = torch.randn(2, 128) * 2
+    p = torch.softmax(torch.randn(1, 2), -1)
+    ref = p @ v
+    honest = (p.bfloat16().float() @ v.bfloat16().float()).bfloat16()  # P and the output rounded to bf16, as kernels do
+    assert output_ok(honest.float(), ref)
+    assert not output_ok((ref + 0.5).bfloat16().float(), ref)  # off by 0.5 everywhere
+    assert not output_ok(torch.zeros_like(ref), ref)
+    assert not output_ok(ref[:, :64], ref)  # wrong shape
