@@ -31,7 +31,7 @@ from kb.digests import code_digest
 from kb.errors import KBError
 from kb.features import Features, features_from_untrusted
 
-__all__ = ["TracedSpec", "PendingTrace", "trace_spec_file", "start_trace", "trace_key", "remember_trace"]
+__all__ = ["TracedSpec", "traced_json", "PendingTrace", "trace_spec_file", "start_trace", "trace_key", "remember_trace"]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,7 @@ def trace_key(path: Path) -> str:
 
 def trace_spec_file(path: Path, cache_dir: Path) -> TracedSpec:
     """The spec's features and variant expressions: from the cache, else traced (generate.spec) and stored."""
-    key = trace_key(path)
-    entry = cache_dir / "spec-traces" / f"{key}.json"
+    entry = _entry(path, cache_dir)
     hit = _read(entry)
     if hit is not None:
         return hit
@@ -151,8 +150,7 @@ def _trace_in_child(path: Path, cache_dir: Path, out_fd: int) -> NoReturn:
     """Trace, write one JSON answer, exit without the parent's exit handlers."""
     code = 0
     try:
-        t = trace_spec_file(path, cache_dir)
-        answer = {"ok": True, "features": t.features.to_json(), "score_mod": t.score_mod, "mask_mod": t.mask_mod}
+        answer = {"ok": True, **traced_json(trace_spec_file(path, cache_dir))}
     except KBError as err:
         answer = {"ok": False, "error": str(err)}
     except BaseException:  # a bug: its traceback, here
@@ -169,7 +167,7 @@ def start_trace(path: Path, cache_dir: Path) -> PendingTrace:
     """`trace_spec_file` begun in a forked child, so that the caller's own start-up (the KB, the embedder) runs
     beside torch's import; a cache hit is known at once. The child runs the spec exactly as `trace_spec_file`
     would here. Without fork, or once torch is imported (a fork would copy its threads), `result()` traces here."""
-    pending = PendingTrace(path, cache_dir, _read(cache_dir / "spec-traces" / f"{trace_key(path)}.json"))
+    pending = PendingTrace(path, cache_dir, _read(_entry(path, cache_dir)))
     if pending.known is None and hasattr(os, "fork") and "torch" not in sys.modules:
         pending.fork()
     return pending
@@ -179,10 +177,20 @@ def remember_trace(path: Path, traced: TracedSpec, cache_dir: Path) -> None:
     """Store what `path` traced to where `trace_spec_file` looks (`kb generate` traced it anyway), so a later
     `kb query` of the same spec skips tracing; an unreadable spec or cache only means no entry."""
     try:
-        key = trace_key(path)
+        entry = _entry(path, cache_dir)
     except KBError:
         return
-    _write(cache_dir / "spec-traces" / f"{key}.json", traced)
+    _write(entry, traced)
+
+
+def _entry(path: Path, cache_dir: Path) -> Path:
+    return cache_dir / "spec-traces" / f"{trace_key(path)}.json"
+
+
+def traced_json(traced: TracedSpec) -> dict[str, str | None]:
+    """What an entry holds, and what a tracing child or the service's worker answers (`TracedSpec.from_untrusted`
+    reads it back)."""
+    return {"features": traced.features.to_json(), "score_mod": traced.score_mod, "mask_mod": traced.mask_mod}
 
 
 def _read(entry: Path) -> TracedSpec | None:
@@ -197,8 +205,7 @@ def _read(entry: Path) -> TracedSpec | None:
 
 def _write(entry: Path, traced: TracedSpec) -> None:
     """Store atomically; a cache that cannot be written is only slower, never an error."""
-    text = json.dumps({"features": traced.features.to_json(), "score_mod": traced.score_mod,
-                       "mask_mod": traced.mask_mod})
+    text = json.dumps(traced_json(traced))
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=".tmp-")

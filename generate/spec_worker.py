@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from generate.spec import load_spec
+from generate.spec_cache import TracedSpec, traced_json
 from kb.errors import KBError
 
 __all__ = ["main", "trace_request"]
@@ -49,8 +50,7 @@ def trace_request(request: dict[str, Any], workdir: Path) -> dict[str, Any]:
         spec = load_spec(path)
     except KBError as err:
         return {"ok": False, "error": str(err).replace(str(folder) + "/", "")}
-    score, mask = spec.variant_strings()
-    return {"ok": True, "features": spec.features.to_json(), "score_mod": score, "mask_mod": mask}
+    return {"ok": True, **traced_json(TracedSpec(spec.features, *spec.variant_strings()))}
 
 
 class _Spare:
