@@ -28,6 +28,7 @@ from kb.lower.block_mask import BlockMaskKind, _block_tests, plan_block_mask
 from kb.lower.triton import LowerOptions, lower_program
 from tests.support.attn_reference import dense_block_classes, reference_attention
 from tests.support.ir_programs import FIXTURES, forward
+from tests.support.split_parts import helper_source
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -238,7 +239,9 @@ def test_hopper_tma_form() -> None:
     assert "_desc_q = tl.make_tensor_descriptor(q_ptr + b * stride_q_0 + h * stride_q_1, shape=[M, D]" in head
     pre = loops.split("for n_start in", 1)[0]
     assert "_desc_k = tl.make_tensor_descriptor(" in pre and "_desc_v = tl.make_tensor_descriptor(" in pre
-    assert fast.count("kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(") == 3
+    body = helper_source(fast, "_fwd_kv_block")  # the KV loop's body, once for its three parts
+    assert body.count("kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(") == 2  # a full and a partial form
+    assert fast.count("= _fwd_kv_block(n_start, ") == 3
     assert "_desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))" in fast
     assert "USE_TMA = tma and _use_tma((q, k, v, o), (BLOCK_M, BLOCK_N, HEAD_PAD))" in fast
     off = lower_program(FIXTURES["causal"](dtype=Dtype.BF16), LowerOptions(tma=False))

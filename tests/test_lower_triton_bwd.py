@@ -36,6 +36,7 @@ from kb.lower.triton_host import kernel_fn_name
 from tests.support.backward import CLASSES, SPECS, fa2_triton_lift, transferred_programs
 from tests.support.ir_programs import backward, causal_bwd, forward
 from tests.support.repo import TEST_CACHE
+from tests.support.split_parts import part_code
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
 UPDATE_GOLDEN = os.environ.get("KB_UPDATE_GOLDEN") == "1"  # read at import: conftest clears KB_* per test
@@ -374,22 +375,23 @@ def test_the_query_loop_of_the_dkdv_kernel_is_split_by_block_class_when_the_desi
     src = lower_program(CASES[name].program())
     dkdv = src.split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
     assert ("qvl_ptr" in dkdv) == lists and ("SPLIT_Q" in dkdv) != lists
-    if lists:
-        full = dkdv.split("# full blocks", 1)[1]
-    else:
+    if not lists:
         split, plain = dkdv.split("if SPLIT_Q:", 1)[1].split("else:  # every query block", 1)
         assert "query loop (KV-outer) split by block class" in split and "if not _is_full:" in plain
-        full = split.split("# full blocks", 1)[1].split("# partial blocks", 1)[0]
         assert "SPLIT_Q = len(design) > 8 and bool(design[8])" in src
+    assert dkdv.count("_bwd_dkdv_q_block(") == (2 if lists else 3)  # the parts' loops share one body
+    full = part_code(src, "_bwd_dkdv_q_block", full=True)
     assert "_is_empty" not in full and "_is_full" not in full and "sm = tl.where(" not in full
+    assert "sm = tl.where(" in part_code(src, "_bwd_dkdv_q_block", full=False)
 
 
 def test_split_partial_query_blocks_leave_empty_blocks_to_the_mask() -> None:
     """`if block is not empty` around a masked body: in the split loop's partial parts it is dropped (an empty block's
     scores are all masked, so it adds 0; the branch measured costly), in the unsplit loop it stays."""
-    dkdv = lower_program(CASES["empty_rows"].program()).split("def _bwd_dkdv_kernel(", 1)[1].split("@triton.jit", 1)[0]
-    split, plain = dkdv.split("if SPLIT_Q:", 1)[1].split("else:  # every query block", 1)
-    assert "_is_empty" not in split and "left to the mask" in split and "if not _is_empty:" in plain
+    src = lower_program(CASES["empty_rows"].program())
+    partial = part_code(src, "_bwd_dkdv_q_block", full=False)
+    plain = src.split("def _bwd_dkdv_kernel(", 1)[1].split("else:  # every query block", 1)[1]
+    assert "_is_empty" not in partial and "left to the mask" in partial and "if not _is_empty:" in plain
 
 
 def test_a_gqa_group_loop_has_a_constant_trip_count() -> None:

@@ -79,13 +79,15 @@ def program_signature(p: Program, opts: LowerOptions, plan: BlockMaskPlan, o32: 
 
 def kernel_sources(p: Program, sig: Signature, plan: BlockMaskPlan, opts: LowerOptions, packs: dict | str) -> list[str]:
     """The `@triton.jit` functions of `p`'s kernels (and their packed forms), all with the final shared signature."""
-    bodies = [(kernel_fn_name(k), TritonKernelGen(p, k, sig, plan, opts).generate()) for k in p.kernels]
+    gens = [(kernel_fn_name(k), TritonKernelGen(p, k, sig, plan, opts)) for k in p.kernels]
     if isinstance(packs, dict):
-        bodies += [(packed_fn_name(k), TritonKernelGen(p, k, sig, plan, opts, packs[k.name]).generate()) for k in p.kernels]
+        gens += [(packed_fn_name(k), TritonKernelGen(p, k, sig, plan, opts, packs[k.name])) for k in p.kernels]
+    bodies = [(fn, gen, gen.generate()) for fn, gen in gens]
     out: list[str] = []
-    for fn, lines in bodies:
+    for fn, gen, lines in bodies:
         args = sig.args() + [f"{c}: tl.constexpr" for c in sig.constexprs()]
-        out += ["", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
+        out += [*gen.helpers, *([""] if gen.helpers else []),
+                "", "@triton.jit", f"def {fn}(", *(f"    {a}," for a in args), "):", *lines, ""]
     return out
 
 

@@ -3,10 +3,15 @@
 Each IR statement becomes a few lines in the FlashAttention-2 Triton style (see kb.lower.triton); the tiles, names
 and addressing it uses are `kb.lower.triton_tiles.TritonTiles`'. Beyond one statement at a time it fuses a dot
 into the accumulation that follows it (backward), folds a positive scale into the softmax exponent, streams split
-partials into a combine, and splits a KV loop by block class (closed form or the host's block lists).
+partials into a combine, and splits a KV loop by block class (closed form or the host's block lists). A split
+loop's body is generated once, as a `@triton.jit` helper (`helpers`) that each part calls with its `IS_FULL`.
 """
 
 from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable
 
 from kb.errors import KBError
 from kb.ir.algebra import max_of, tidy_int
@@ -24,6 +29,7 @@ from kb.lower.block_mask import (
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
+from kb.lower.triton_outline import body_interface, merge_branches
 from kb.lower.triton_tiles import AXES, Region, Tile, TritonTiles
 
 __all__ = ["TritonKernelGen"]
@@ -102,11 +108,15 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     """The body lines of one `@triton.jit` function (`generate`), statement by statement."""
 
     # -- statements
-    def block(self, body: tuple[Stmt, ...]) -> None:
+    def block(self, body: tuple[Stmt, ...], emit: Callable[[], None] | None = None) -> None:
+        """`body` (or what `emit` writes) in a scope of its own."""
         self.offs.append({})
         before = len(self.lines)
-        self.statements(body)
-        if len(self.lines) == before:
+        if emit is None:
+            self.statements(body)
+        else:
+            emit()
+        if all(line.lstrip().startswith("#") for line in self.lines[before:]):
             self.emit("pass")
         self.offs.pop()
 
@@ -124,10 +134,80 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 self.fold_next[st.out] = c  # type: ignore[union-attr]
             acc = self.dot_accumulator(st, body[i + 1:]) if self.backward else None
             if acc is not None:
-                self.dot_into(st, acc)  # type: ignore[arg-type]
+                self.per_part(lambda: self.dot_into(st, acc))  # type: ignore[arg-type]
                 fused.add(i + 1)
                 continue
-            self.visit(st)
+            if self.parts is not None and isinstance(st, IfBlock) and self.same_choice(st):
+                continue
+            self.per_part(lambda: self.visit(st))
+
+    # -- a split loop's body, once for all its parts
+    def _state(self) -> dict[str, object]:
+        """A copy of what lowering a statement changes besides the lines (names, tiles, offsets made, ...)."""
+        return {"names": dict(self.names), "tiles": dict(self.tiles), "offs": [dict(d) for d in self.offs],
+                "used": set(self.used), "loaded": set(self.loaded), "folded": dict(self.folded),
+                "fold_next": dict(self.fold_next), "table_reads": set(self.table_reads), "deferred": dict(self.deferred)}
+
+    def _set_state(self, state: dict[str, object]) -> None:
+        for attr, val in state.items():
+            setattr(self, attr, copy.copy(val) if attr != "offs" else [dict(d) for d in val])  # type: ignore[attr-defined]
+
+    def per_part(self, emit: Callable[[], None]) -> None:
+        """`emit()`, or while lowering a split loop's body for all its parts (`parts`): `emit()` under each part's
+        region, spelled once where the parts agree, else as `if IS_FULL:` (the full part's code) / `else:`, after the
+        offsets both make first (made once, a later statement reuses them)."""
+        if self.parts is None:
+            emit()
+            return
+        full, partial = self.parts
+        self.parts = None
+        start = self._state()
+        spelled = []
+        for region in (full, partial):
+            self._set_state(start)
+            self.region, n = region, len(self.lines)
+            emit()
+            spelled.append(self.lines[n:])
+            del self.lines[n:]
+        if spelled[0] == spelled[1]:
+            self.lines += spelled[1]  # the state is the partial part's, as it was left
+        else:
+            made = {name: key for key, name in self.offs[-1].items() if key not in start["offs"][-1]}  # type: ignore[index]
+            self._set_state(start)
+            for a, b in zip(*spelled):
+                name = a.split(" = ", 1)[0].strip()
+                if a != b or name not in made:
+                    break
+                self.lines.append(a)
+                self.offs[-1][made[name]] = name
+                self.used.add(name)
+            shared = self._state()
+            for header, region in (("if IS_FULL:", full), ("else:", partial)):
+                self._set_state(shared)  # the state is the partial part's, as its branch left it
+                self.emit(header)
+                self.region = region
+                self.depth += 1
+                self.block((), emit)
+                self.depth -= 1
+        self.region, self.parts = None, (full, partial)
+
+    def same_choice(self, st: IfBlock) -> bool:
+        """While lowering for all parts: when every part's region runs the same branch of `st` without a test, emit
+        that branch (still for all parts) and say so."""
+        assert self.parts is not None
+        full, partial = self.parts
+        choices = []
+        for region in (full, partial):
+            self.region = region
+            choices.append(self.decided(st))
+        self.region = None
+        full_choice, partial_choice = choices
+        if full_choice is None or partial_choice is None or full_choice[1] != partial_choice[1]:
+            return False
+        self.emit(full_choice[0])
+        self.emit(partial_choice[0])
+        self.statements(full_choice[1])
+        return True
 
     def split_dim(self, st: Load) -> int | None:
         """The NUM_SPLITS dim of a load of split partials that only a `combine` reads (as its o_parts), when it is
@@ -732,9 +812,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
             parts.reverse()
         started = self.start_hoist(st)
+        call_part = self.outline(st, self.loop_sym(st, v), Region(st.var, at, frozenset({BlockClass.FULL}), axis),
+                                 Region(st.var, at, _SPLIT_PARTIAL, axis))
         for i_lo, i_hi, full in parts:
-            self._invalidate(v)
-            self.names[st.var] = self.loop_sym(st, v)
             what = "full" if full else "partial"
             if st.order == "reverse":
                 it = f"_it_{v}"
@@ -744,12 +824,50 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 a = lo if i_lo == "0" else f"{lo} + {i_lo} * {block}"
                 b = hi if i_hi == f"_n_iter_{v}" else f"{lo} + {i_hi} * {block}"
                 self.emit(f"for {v} in {self.loop_range(st, a, b, block)}:  # {what} blocks")
-            self.region = Region(st.var, at, frozenset({BlockClass.FULL}) if full else _SPLIT_PARTIAL, axis)
-            self.depth += 1
-            self.block(st.body)
-            self.depth -= 1
-            self.region = None
+            self.emit(f"    {call_part(full)}")
         self.end_hoist(started)
+
+    def outline(self, st: For, sym: Sym, full: Region, partial: Region) -> Callable[[bool], str]:
+        """Lower the body of split loop `st` once, as a `@triton.jit` helper (`helpers`) whose IS_FULL constexpr picks
+        the full part's code where it differs from the partial parts'; the call a part's loop makes, given IS_FULL.
+        The helper names the loop variable as the kernel's first split loop on this axis did, so loops with the same
+        body (the two KV loops of a lifted AMD kernel) share one helper."""
+        own = self.block_var.setdefault(full.axis, sym.code)
+        kernel_lines, depth, used = self.lines, self.depth, set(self.used)
+        self.lines, self.depth = [], 1
+        self._invalidate(sym.code)
+        self._invalidate(own)
+        self.names[st.var] = dataclasses.replace(sym, code=own)
+        self.parts = (full, partial)
+        self.block(st.body)
+        self.parts = None
+        body, self.lines, self.depth = merge_branches(self.lines), kernel_lines, depth
+        self.used = used | set(self.descs.values())
+        self.names[st.var] = sym
+        iface = body_interface(body)
+        args, consts = self.sig.args(), self.sig.constexprs()
+        rest = [n for n in iface.params if n not in (own, "IS_FULL")]
+        # the loop variable, the kernel's locals, the carried state, then the kernel's arguments and constexprs in its order
+        params = [own, *(n for n in rest if n not in args and n not in consts and n not in iface.returns),
+                  *(n for n in rest if n in iface.returns), *(n for n in args if n in rest), *(n for n in consts if n in rest)]
+        returns = [n for n in params if n in iface.returns]
+        key = (tuple(params), tuple(body), tuple(returns))
+        name = self.helper_names.get(key)
+        if name is None:
+            base = f"_{self.k.name}{'_packed' if self.pack is not None else ''}_{full.axis}_block"
+            name = base + (str(len(self.helper_names) + 1) if self.helper_names else "")
+            self.helper_names[key] = name
+            what = "KV block" if full.axis == "kv" else "query block"
+            self.helpers += ["", "@triton.jit", f"def {name}(",
+                             *(f"    {n}: tl.constexpr," if n in consts else f"    {n}," for n in params),
+                             *(["    IS_FULL: tl.constexpr,"] if "IS_FULL" in iface.params else []), "):",
+                             f"    # one {what} of a loop split by block class; IS_FULL: a full block (no mask code)", *body]
+            if returns:
+                self.helpers.append(f"    return {', '.join(returns)}")
+        call_args = ", ".join([sym.code, *params[1:]])
+        lhs = f"{', '.join(returns)} = " if returns else ""
+        return lambda is_full: (f"{lhs}{name}({call_args}, IS_FULL={is_full})" if "IS_FULL" in iface.params
+                                else f"{lhs}{name}({call_args})")
 
     def indexed_for(self, st: For, at: tuple[Expr, Expr, Expr]) -> None:
         """Two loops over the host's lists of partial, then full, KV blocks of this tile row in [lo, hi) (on the "q"
@@ -771,32 +889,37 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.emit(f"{j_lo} = {lo if is_nonneg(st.lo, self.ctx()) else f'tl.maximum({lo}, 0)'} // {own}")
         self.emit(f"{j_hi} = tl.maximum(tl.minimum(tl.cdiv({self.ex(st.hi)}, {own}), {count}), {j_lo})")
         started = self.start_hoist(st)
+        call_part = self.outline(st, Sym(v, Kind.INT, True), *(
+            Region(st.var, at, frozenset({cls}), ax.name, inside=ax.name == "kv") for cls in (BlockClass.FULL, BlockClass.PARTIAL)))
         for cls in (BlockClass.PARTIAL, BlockClass.FULL):
             lst, it = f"_{lists}_{cls.value}_{v}", f"_i_{cls.value}_{v}"
             self.emit(f"{lst} = {row} + {CLASS_CODE[cls] - PARTIAL} * stride_{lists}_3")
-            self._invalidate(v)
-            self.names[st.var] = Sym(v, Kind.INT, True)
             self.emit(f"for {it} in range(tl.load({lst} + {j_lo} * stride_{lists}_4), tl.load({lst} + {j_hi} * stride_{lists}_4)):")
-            self.depth += 1
-            self.emit(f"{v} = tl.load({lst} + ({count} + 1 + {it}) * stride_{lists}_4) * {own}  # {cls.value} blocks")
-            self.region = Region(st.var, at, frozenset({cls}), ax.name, inside=ax.name == "kv")
-            self.block(st.body)
-            self.region = None
-            self.depth -= 1
+            self.emit(f"    {v} = tl.load({lst} + ({count} + 1 + {it}) * stride_{lists}_4) * {own}  # {cls.value} blocks")
+            self.emit(f"    {call_part(cls is BlockClass.FULL)}")
         self.end_hoist(started)
 
+    def decided(self, st: IfBlock) -> tuple[str, tuple[Stmt, ...]] | None:
+        """(a comment saying why, the statements to run) when the region being lowered decides `st` for every block
+        of its part, else None (a test per block)."""
+        if self.region is None or not self.region.covers(st):
+            return None
+        holds = self.region.decide(st)
+        if holds is not None:
+            cond = f"{'not ' if st.negate else ''}block is {st.cls.value}"
+            where = "full block" if self.region.full else "block of the partial parts"
+            return f"# `{cond}` is {holds != st.negate} in every {where}", st.then if holds != st.negate else st.orelse
+        if self.masks_empty_blocks(st):
+            return ("# in the partial parts `not block is empty` is left to the mask: an empty block's scores are all "
+                    "masked, so it adds 0", st.then)
+        return None
+
     def s_ifblock(self, st: IfBlock) -> None:
-        if self.region is not None and self.region.covers(st):
-            holds = self.region.decide(st)
-            if holds is not None:
-                cond = f"{'not ' if st.negate else ''}block is {st.cls.value}"
-                self.emit(f"# `{cond}` is {holds != st.negate} in every block of this part of the split loop")
-                self.statements(st.then if holds != st.negate else st.orelse)
-                return
-            if self.masks_empty_blocks(st):
-                self.emit("# `not block is empty` left to the mask: an empty block's scores are all masked, so it adds 0")
-                self.statements(st.then)
-                return
+        choice = self.decided(st)
+        if choice is not None:
+            self.emit(choice[0])
+            self.statements(choice[1])
+            return
         cond = self.block_condition(st)
         self.emit(f"if {cond}:")
         self.depth += 1

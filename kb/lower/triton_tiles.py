@@ -150,12 +150,18 @@ class TritonTiles(KernelGenBase[Tile]):
         self.lets = {st.name: st.value for st in k.body if isinstance(st, Let)}  # top-level lets, for multiple_of
         self.table_reads: set[str] = set()  # scalars bound to a value read from a tensor (a page number)
         self.region: Region | None = None  # set while lowering one part of a split KV loop
+        # while lowering a split loop's body once for all its parts: (the full part's region, the partial parts')
+        self.parts: tuple[Region, Region] | None = None
+        self.helpers: list[str] = []  # the `@triton.jit` helpers of split loops' bodies, lines at module level
+        self.helper_names: dict[tuple, str] = {}  # (params, body, returns) -> helper name
+        self.block_var: dict[str, str] = {}  # loop axis -> the loop variable's name in its helpers
         self.folded: dict[str, str] = {}  # score tile -> scalar param whose multiply was folded into exp2
         self.fold_next: dict[str, str] = {}
         self.offs: list[dict[tuple[str, str], str]] = [{}]
         self.used: set[str] = set()
         # where descriptors of loads inside the outermost loop are built: (line, depth, IR names set in the loop)
         self.hoist: tuple[int, int, set[str]] | None = None
+        self.hoist_lines: list[str] = self.lines  # the kernel's lines, where hoisted code goes (a loop body's helper has its own)
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
         self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
         if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
@@ -460,7 +466,7 @@ class TritonTiles(KernelGenBase[Tile]):
         line, depth, defined = self.hoist
         if code not in self.descs:
             name = self._fresh(base)
-            self.lines.insert(line, "    " * depth + f"{name} = {code}")
+            self.hoist_lines.insert(line, "    " * depth + f"{name} = {code}")
             self.hoist = (line + 1, depth, defined)
             self.descs[code] = name
         return self.descs[code]
@@ -471,7 +477,7 @@ class TritonTiles(KernelGenBase[Tile]):
         if self.hoist is None or any(free_vars(x) & self.hoist[2] for x in (st.at.b, st.at.h, st.at.q_start)):
             return e, names
         q_offs = names["h" if st.at.head_rows else "q_idx"].code.split("[")[0]  # the tile rows' offsets
-        if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.lines[:self.hoist[0]]):
+        if not any(line.lstrip().startswith(f"{q_offs} = ") for line in self.hoist_lines[:self.hoist[0]]):
             return e, names  # the row offsets are made inside the loop: nothing to hoist them next to
         names = dict(names)
         ctx = self.ctx(names)
@@ -503,7 +509,7 @@ class TritonTiles(KernelGenBase[Tile]):
         stmts = list(walk_stmts(st.body))
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc", "var")
                               if isinstance(getattr(x, n, None), str)}
-        self.hoist, self.descs = (len(self.lines), self.depth, defined), {}
+        self.hoist, self.descs, self.hoist_lines = (len(self.lines), self.depth, defined), {}, self.lines
         return True
 
     def end_hoist(self, started: bool) -> None:

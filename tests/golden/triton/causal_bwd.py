@@ -500,6 +500,84 @@ def _bwd_preprocess_kernel(
 
 
 @triton.jit
+def _bwd_dkdv_q_block(
+    m_start,
+    offs_d,
+    h,
+    b,
+    kt,
+    offs_n_start,
+    vt,
+    dv_acc,
+    dk_acc,
+    q_ptr,
+    dout_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_acc_ptr,
+    stride_q_0,
+    stride_q_1,
+    stride_q_2,
+    stride_q_3,
+    stride_dout_0,
+    stride_dout_1,
+    stride_dout_2,
+    stride_dout_3,
+    stride_lse_0,
+    stride_lse_1,
+    stride_lse_2,
+    stride_delta_0,
+    stride_delta_1,
+    stride_delta_2,
+    stride_dq_acc_0,
+    stride_dq_acc_1,
+    stride_dq_acc_2,
+    stride_dq_acc_3,
+    M,
+    D,
+    N,
+    sm_scale,
+    BLOCK_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_FULL: tl.constexpr,
+):
+    # one query block of a loop split by block class; IS_FULL: a full block (no mask code)
+    offs_m_start = m_start + tl.arange(0, BLOCK_M)
+    if IS_FULL:
+        qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2)
+        dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2)
+    else:
+        qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+        gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
+        lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, mask=(offs_m_start < M), other=float("inf"))
+        dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start * stride_delta_2, mask=(offs_m_start < M), other=0.0)
+    s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
+    s = s * sm_scale
+    sm = s
+    # `not block is full` is False in every full block
+    if not IS_FULL:
+        # `not block is full` is True in every block of the partial parts
+        sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
+    # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
+    _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
+    p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
+    dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
+    dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
+    ds = p * (dp - dt[None, :])
+    # score_mod_grad ds: d score_mod / d score is 1 here
+    ds = ds * sm_scale
+    dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
+    dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
+    if IS_FULL:
+        tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=(None if EVEN_D else (offs_d[None, :] < D)), sem="relaxed")
+    else:
+        tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
+    return dv_acc, dk_acc
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     q_ptr,
     k_ptr,
@@ -594,6 +672,13 @@ def _bwd_dkdv_kernel(
             _i_a_m_start = tl.minimum(tl.cdiv(tl.maximum(_full_first_m_start - _kv_lo_m_start, 0), BLOCK_M), _n_iter_m_start)
             _i_b_m_start = tl.minimum(tl.maximum(tl.where(_full_last_m_start >= _kv_lo_m_start, (_full_last_m_start - _kv_lo_m_start) // BLOCK_M + 1, 0), _i_a_m_start), _n_iter_m_start)
             for m_start in range(_kv_lo_m_start, _kv_lo_m_start + _i_a_m_start * BLOCK_M, BLOCK_M):  # partial blocks
+                dv_acc, dk_acc = _bwd_dkdv_q_block(m_start, offs_d, h, b, kt, offs_n_start, vt, dv_acc, dk_acc, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_q_0, stride_q_1, stride_q_2, stride_q_3, stride_dout_0, stride_dout_1, stride_dout_2, stride_dout_3, stride_lse_0, stride_lse_1, stride_lse_2, stride_delta_0, stride_delta_1, stride_delta_2, stride_dq_acc_0, stride_dq_acc_1, stride_dq_acc_2, stride_dq_acc_3, M, D, N, sm_scale, BLOCK_M, EVEN_D, IS_FULL=False)
+            for m_start in range(_kv_lo_m_start + _i_a_m_start * BLOCK_M, _kv_lo_m_start + _i_b_m_start * BLOCK_M, BLOCK_M):  # full blocks
+                dv_acc, dk_acc = _bwd_dkdv_q_block(m_start, offs_d, h, b, kt, offs_n_start, vt, dv_acc, dk_acc, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_q_0, stride_q_1, stride_q_2, stride_q_3, stride_dout_0, stride_dout_1, stride_dout_2, stride_dout_3, stride_lse_0, stride_lse_1, stride_lse_2, stride_delta_0, stride_delta_1, stride_delta_2, stride_dq_acc_0, stride_dq_acc_1, stride_dq_acc_2, stride_dq_acc_3, M, D, N, sm_scale, BLOCK_M, EVEN_D, IS_FULL=True)
+            for m_start in range(_kv_lo_m_start + _i_b_m_start * BLOCK_M, _kv_hi_m_start, BLOCK_M):  # partial blocks
+                dv_acc, dk_acc = _bwd_dkdv_q_block(m_start, offs_d, h, b, kt, offs_n_start, vt, dv_acc, dk_acc, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_q_0, stride_q_1, stride_q_2, stride_q_3, stride_dout_0, stride_dout_1, stride_dout_2, stride_dout_3, stride_lse_0, stride_lse_1, stride_lse_2, stride_delta_0, stride_delta_1, stride_delta_2, stride_dq_acc_0, stride_dq_acc_1, stride_dq_acc_2, stride_dq_acc_3, M, D, N, sm_scale, BLOCK_M, EVEN_D, IS_FULL=False)
+        else:  # every query block under its block-class branch
+            for m_start in range((n_start // BLOCK_M) * BLOCK_M, M, BLOCK_M):
                 offs_m_start = m_start + tl.arange(0, BLOCK_M)
                 qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
                 gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
@@ -602,8 +687,10 @@ def _bwd_dkdv_kernel(
                 s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
                 s = s * sm_scale
                 sm = s
-                # `not block is full` is True in every block of this part of the split loop
-                sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
+                # block class in closed form (analytic) for the tile at (m_start, n_start)
+                _is_full = ((m_start <= (tl.minimum((m_start + BLOCK_M), M) - 1)) & ((n_start + BLOCK_N) <= N)) & ((m_start + (1 - tl.minimum((n_start + BLOCK_N), N))) >= 0)
+                if not _is_full:
+                    sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
                 # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
                 _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
                 p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
@@ -615,74 +702,6 @@ def _bwd_dkdv_kernel(
                 dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
                 dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
                 tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
-            for m_start in range(_kv_lo_m_start + _i_a_m_start * BLOCK_M, _kv_lo_m_start + _i_b_m_start * BLOCK_M, BLOCK_M):  # full blocks
-                offs_m_start2 = m_start + tl.arange(0, BLOCK_M)
-                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start2[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
-                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start2[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
-                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start2 * stride_lse_2)
-                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start2 * stride_delta_2)
-                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
-                s = s * sm_scale
-                sm = s
-                # `not block is full` is False in every block of this part of the split loop
-                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
-                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
-                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
-                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
-                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
-                ds = p * (dp - dt[None, :])
-                # score_mod_grad ds: d score_mod / d score is 1 here
-                ds = ds * sm_scale
-                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
-                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
-                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start2[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=(None if EVEN_D else (offs_d[None, :] < D)), sem="relaxed")
-            for m_start in range(_kv_lo_m_start + _i_b_m_start * BLOCK_M, _kv_hi_m_start, BLOCK_M):  # partial blocks
-                offs_m_start3 = m_start + tl.arange(0, BLOCK_M)
-                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start3[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start3[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start3 * stride_lse_2, mask=(offs_m_start3 < M), other=float("inf"))
-                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start3 * stride_delta_2, mask=(offs_m_start3 < M), other=0.0)
-                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
-                s = s * sm_scale
-                sm = s
-                # `not block is full` is True in every block of this part of the split loop
-                sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start3[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
-                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
-                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
-                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
-                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
-                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
-                ds = p * (dp - dt[None, :])
-                # score_mod_grad ds: d score_mod / d score is 1 here
-                ds = ds * sm_scale
-                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
-                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
-                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start3[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start3[:, None] < M) if EVEN_D else (offs_m_start3[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
-        else:  # every query block under its block-class branch
-            for m_start in range((n_start // BLOCK_M) * BLOCK_M, M, BLOCK_M):
-                offs_m_start4 = m_start + tl.arange(0, BLOCK_M)
-                qt = tl.load(q_ptr + b * stride_q_0 + h * stride_q_1 + offs_m_start4[:, None] * stride_q_2 + offs_d[None, :] * stride_q_3, mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-                gt = tl.load(dout_ptr + b * stride_dout_0 + h * stride_dout_1 + offs_m_start4[:, None] * stride_dout_2 + offs_d[None, :] * stride_dout_3, mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), other=0.0)
-                lt = tl.load(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start4 * stride_lse_2, mask=(offs_m_start4 < M), other=float("inf"))
-                dt = tl.load(delta_ptr + b * stride_delta_0 + h * stride_delta_1 + offs_m_start4 * stride_delta_2, mask=(offs_m_start4 < M), other=0.0)
-                s = tl.dot(kt, tl.trans(qt), input_precision="ieee")
-                s = s * sm_scale
-                sm = s
-                # block class in closed form (analytic) for the tile at (m_start, n_start)
-                _is_full = ((m_start <= (tl.minimum((m_start + BLOCK_M), M) - 1)) & ((n_start + BLOCK_N) <= N)) & ((m_start + (1 - tl.minimum((n_start + BLOCK_N), N))) >= 0)
-                if not _is_full:
-                    sm = tl.where((offs_n_start[:, None] < N) & (offs_m_start4[None, :] >= offs_n_start[:, None]), sm, float("-inf"))
-                # p = exp(sm - lt); a row with lse = -inf (nothing attends) and a row past M (lse read as +inf) get 0
-                _lse_log2 = tl.where(lt == float("-inf"), float("inf"), lt) * 1.4426950408889634
-                p = tl.exp2(sm * 1.4426950408889634 - _lse_log2[None, :])
-                dv_acc = tl.dot(p.to(gt.dtype), gt, dv_acc, input_precision="ieee")  # dvp = p @ gt added into dv_acc
-                dp = tl.dot(vt, tl.trans(gt), input_precision="ieee")
-                ds = p * (dp - dt[None, :])
-                # score_mod_grad ds: d score_mod / d score is 1 here
-                ds = ds * sm_scale
-                dk_acc = tl.dot(ds.to(qt.dtype), qt, dk_acc, input_precision="ieee")  # dkp = ds @ qt added into dk_acc
-                dqp = tl.dot(tl.trans(ds.to(kt.dtype)), kt, input_precision="ieee")
-                tl.atomic_add(dq_acc_ptr + b * stride_dq_acc_0 + h * stride_dq_acc_1 + offs_m_start4[:, None] * stride_dq_acc_2 + offs_d[None, :] * stride_dq_acc_3, dqp.to(tl.float32), mask=((offs_m_start4[:, None] < M) if EVEN_D else (offs_m_start4[:, None] < M) & (offs_d[None, :] < D)), sem="relaxed")
     tl.store(dk_ptr + b * stride_dk_0 + hk * stride_dk_1 + offs_n_start[:, None] * stride_dk_2 + offs_d[None, :] * stride_dk_3, dk_acc.to(dk_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
     tl.store(dv_ptr + b * stride_dv_0 + hk * stride_dv_1 + offs_n_start[:, None] * stride_dv_2 + offs_d[None, :] * stride_dv_3, dv_acc.to(dv_ptr.dtype.element_ty), mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)))
 

@@ -372,6 +372,65 @@ def _direct(tensors):
 
 
 @triton.jit
+def _fwd_kv_block(
+    n_start,
+    _desc_k,
+    offs_d,
+    hk,
+    b,
+    _desc_v,
+    qt,
+    offs_m_start,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    stride_k_0,
+    stride_k_1,
+    stride_k_2,
+    stride_k_3,
+    stride_v_0,
+    stride_v_1,
+    stride_v_2,
+    stride_v_3,
+    D,
+    N,
+    sm_scale,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    POS_sm_scale: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    IS_FULL: tl.constexpr,
+):
+    # one KV block of a loop split by block class; IS_FULL: a full block (no mask code)
+    offs_n_start = n_start + tl.arange(0, BLOCK_N)
+    if IS_FULL:
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
+    else:
+        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
+    s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
+    # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
+    s = s if POS_sm_scale else s * sm_scale
+    # `not block is full` is False in every full block
+    if not IS_FULL:
+        # `not block is full` is True in every block of the partial parts
+        s = tl.where((offs_n_start[None, :] < N) & ((offs_m_start[:, None] >= offs_n_start[None, :]) & ((offs_m_start[:, None] - offs_n_start[None, :]) < 24)), s, float("-inf"))
+    _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
+    _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
+    # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
+    _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
+    _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
+    _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
+    l_i = l_i * _alpha + tl.sum(_p, 1)
+    acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
+    m_i = _m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(
     q_ptr,
     k_ptr,
@@ -442,58 +501,11 @@ def _fwd_kernel(
     _desc_k = tl.make_tensor_descriptor(k_ptr + b * stride_k_0 + hk * stride_k_1, shape=[N, D], strides=[stride_k_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     _desc_v = tl.make_tensor_descriptor(v_ptr + b * stride_v_0 + hk * stride_v_1, shape=[N, D], strides=[stride_v_2, 1], block_shape=[BLOCK_N, HEAD_PAD]) if USE_TMA else None
     for n_start in range(_kv_lo_n_start, _kv_lo_n_start + _i_a_n_start * BLOCK_N, BLOCK_N):  # partial blocks
-        offs_n_start = n_start + tl.arange(0, BLOCK_N)
-        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start[:, None] < N) if EVEN_D else (offs_n_start[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
-        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
-        s = s if POS_sm_scale else s * sm_scale
-        # `not block is full` is True in every block of this part of the split loop
-        s = tl.where((offs_n_start[None, :] < N) & ((offs_m_start[:, None] >= offs_n_start[None, :]) & ((offs_m_start[:, None] - offs_n_start[None, :]) < 24)), s, float("-inf"))
-        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
-        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
-        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
-        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
-        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
-        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
-        l_i = l_i * _alpha + tl.sum(_p, 1)
-        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
-        m_i = _m_new
+        m_i, l_i, acc = _fwd_kv_block(n_start, _desc_k, offs_d, hk, b, _desc_v, qt, offs_m_start, m_i, l_i, acc, k_ptr, v_ptr, stride_k_0, stride_k_1, stride_k_2, stride_k_3, stride_v_0, stride_v_1, stride_v_2, stride_v_3, D, N, sm_scale, BLOCK_N, EVEN_D, POS_sm_scale, USE_TMA, IS_FULL=False)
     for n_start in range(_kv_lo_n_start + _i_a_n_start * BLOCK_N, _kv_lo_n_start + _i_b_n_start * BLOCK_N, BLOCK_N):  # full blocks
-        offs_n_start2 = n_start + tl.arange(0, BLOCK_N)
-        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start2[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
-        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start2[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=(None if EVEN_D else (offs_d[None, :] < D)), other=(None if EVEN_D else 0.0))
-        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
-        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
-        s = s if POS_sm_scale else s * sm_scale
-        # `not block is full` is False in every block of this part of the split loop
-        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
-        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
-        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
-        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
-        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
-        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
-        l_i = l_i * _alpha + tl.sum(_p, 1)
-        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
-        m_i = _m_new
+        m_i, l_i, acc = _fwd_kv_block(n_start, _desc_k, offs_d, hk, b, _desc_v, qt, offs_m_start, m_i, l_i, acc, k_ptr, v_ptr, stride_k_0, stride_k_1, stride_k_2, stride_k_3, stride_v_0, stride_v_1, stride_v_2, stride_v_3, D, N, sm_scale, BLOCK_N, EVEN_D, POS_sm_scale, USE_TMA, IS_FULL=True)
     for n_start in range(_kv_lo_n_start + _i_b_n_start * BLOCK_N, _kv_hi_n_start, BLOCK_N):  # partial blocks
-        offs_n_start3 = n_start + tl.arange(0, BLOCK_N)
-        kt = _desc_k.load([n_start, 0]) if USE_TMA else tl.load(k_ptr + b * stride_k_0 + hk * stride_k_1 + offs_n_start3[:, None] * stride_k_2 + offs_d[None, :] * stride_k_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        vt = _desc_v.load([n_start, 0]) if USE_TMA else tl.load(v_ptr + b * stride_v_0 + hk * stride_v_1 + offs_n_start3[:, None] * stride_v_2 + offs_d[None, :] * stride_v_3, mask=((offs_n_start3[:, None] < N) if EVEN_D else (offs_n_start3[:, None] < N) & (offs_d[None, :] < D)), other=0.0)
-        s = tl.dot(qt, tl.trans(kt), input_precision="ieee")
-        # `s * sm_scale` is folded into the softmax exponent when sm_scale > 0 (POS_sm_scale)
-        s = s if POS_sm_scale else s * sm_scale
-        # `not block is full` is True in every block of this part of the split loop
-        s = tl.where((offs_n_start3[None, :] < N) & ((offs_m_start[:, None] >= offs_n_start3[None, :]) & ((offs_m_start[:, None] - offs_n_start3[None, :]) < 24)), s, float("-inf"))
-        _m_new = tl.maximum(m_i, tl.max(s, 1) * (sm_scale if POS_sm_scale else 1.0))
-        _qk_scale = sm_scale * 1.4426950408889634 if POS_sm_scale else 1.4426950408889634
-        # rows with no unmasked score yet keep m = -inf; use 0 there so exp2 sees -inf, never NaN
-        _m_log2 = tl.where(_m_new == float("-inf"), 0.0, _m_new) * 1.4426950408889634
-        _alpha = tl.exp2(m_i * 1.4426950408889634 - _m_log2)
-        _p = tl.exp2(s * _qk_scale - _m_log2[:, None])
-        l_i = l_i * _alpha + tl.sum(_p, 1)
-        acc = tl.dot(_p.to(vt.dtype), vt, acc * _alpha[:, None], input_precision="ieee")
-        m_i = _m_new
+        m_i, l_i, acc = _fwd_kv_block(n_start, _desc_k, offs_d, hk, b, _desc_v, qt, offs_m_start, m_i, l_i, acc, k_ptr, v_ptr, stride_k_0, stride_k_1, stride_k_2, stride_k_3, stride_v_0, stride_v_1, stride_v_2, stride_v_3, D, N, sm_scale, BLOCK_N, EVEN_D, POS_sm_scale, USE_TMA, IS_FULL=False)
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
@@ -566,7 +578,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-617634b6aefe633a'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_617634b6aefe633a_dcce31f2'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_617634b6aefe633a_03004ef1'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
