@@ -1,9 +1,10 @@
 """The Triton kernel generator: one `@triton.jit` function body per IR kernel, statement by statement.
 
 Each IR statement becomes a few lines in the FlashAttention-2 Triton style (see kb.lower.triton); the tiles, names
-and addressing it uses are `kb.lower.triton_tiles.TritonTiles`'. Beyond one statement at a time it fuses a dot
-into the accumulation that follows it (backward), folds a positive scale into the softmax exponent, streams split
-partials into a combine, and splits a KV loop by block class (closed form or the host's block lists). A split
+and addressing it uses are `kb.lower.triton_tiles.TritonTiles`'. Beyond one statement at a time it spells the
+fusions planned before it starts (kb.lower.triton_fusion: a dot accumulated into the tile it is added to, a
+positive scale folded into the softmax exponent), streams split partials into a combine, and splits a KV loop by
+block class (closed form or the host's block lists). A split
 loop's body is generated once, as a `@triton.jit` helper (`helpers`) that each part calls with its `IS_FULL`.
 """
 
@@ -18,9 +19,8 @@ from kb.ir.algebra import max_of, tidy_int
 from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
 from kb.ir.nodes import (
-    DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, Gather, IfBlock, Init, Let,
-    Load, Mask, OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Span,
-    Stmt, Store, TileAt, walk_stmts,
+    DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, IfBlock, Init, Let,
+    Load, Mask, OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt, Store, walk_stmts,
 )
 from kb.ir.visit import StmtVisitor
 from kb.lower.block_mask import (
@@ -29,6 +29,7 @@ from kb.lower.block_mask import (
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_nonneg
 from kb.lower.triton_code import LOG2E, NEG_INF, TL_DTYPE, bcast, float_code, load_other, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
+from kb.lower.triton_fusion import FusionPlan, plan_fusions, reads
 from kb.lower.triton_outline import body_interface, merge_branches
 from kb.lower.triton_tiles import AXES, Region, Tile, TritonTiles
 
@@ -38,36 +39,6 @@ __all__ = ["TritonKernelGen"]
 # (T5's 32 buckets fit): each value costs one masked tile sum, against up to BLOCK_M * BLOCK_N contended atomics
 _BINS = 32
 _SPLIT_PARTIAL = frozenset({BlockClass.EMPTY, BlockClass.PARTIAL})  # closed-form split: partial parts may hold empty blocks
-
-
-def _reads(st: Stmt) -> set[str]:
-    """Names (tiles and scalars) a statement reads, nested bodies included."""
-    if isinstance(st, (For, IfBlock)):
-        out = set().union(*(_reads(x) for x in walk_stmts(st.body if isinstance(st, For) else st.then + st.orelse)))
-        return out | (free_vars(st.lo) | free_vars(st.hi) if isinstance(st, For) else set())
-    names: set[str] = set()
-    for f in st.__dataclass_fields__:
-        val = getattr(st, f)
-        if isinstance(val, Expr):
-            names |= free_vars(val)
-        elif isinstance(val, TileAt):
-            names |= {n for x in val for n in free_vars(x)}
-        elif isinstance(val, tuple):
-            names |= {n for x in val if isinstance(x, Expr) for n in free_vars(x)}
-            names |= {n for x in val if isinstance(x, Span) for n in free_vars(x.start)}
-            names |= {n for x in val if isinstance(x, Span) and x.until is not None for n in free_vars(x.until)}
-            names |= {n for x in val if isinstance(x, Gather) for e in (x.index, x.valid) if e is not None
-                      for n in free_vars(e) - {x.var}}
-    for f in ("a", "b", "src", "tile", "m", "l", "acc", "scores", "values", "value", "o_parts", "lse_parts"):
-        val = getattr(st, f, None)
-        if isinstance(val, str):
-            names.add(val)
-    names.update(v for f in _BACKWARD_READS.get(type(st), ()) if (v := getattr(st, f)) is not None)
-    return names
-
-
-# tile operands of backward statements not covered by the shared field names above (Finalize's `lse` is an output)
-_BACKWARD_READS: dict[type, tuple[str, ...]] = {Probs: ("lse",), SoftmaxGrad: ("p", "dp", "delta"), AuxGrad: ("lse",)}
 
 
 def _fma_dot(a: str, b: str, trans_b: bool) -> str:
@@ -83,29 +54,10 @@ def _fma_dot(a: str, b: str, trans_b: bool) -> str:
     return f"tl.sum({a}.to(tl.float32)[:, :, None] * {b}.to(tl.float32)[None, :, :], 1)"
 
 
-def _fold_target(st: Stmt, rest: tuple[Stmt, ...], scalars: set[str]) -> str | None:
-    """The scalar c when `st` is `t = t * c` and `t` is then only masked and fed to online_softmax."""
-    if not isinstance(st, Elementwise) or st.value.op is not ExprOp.MUL:
-        return None
-    x, y = st.value.args
-    if y.op is ExprOp.VAR and y.value == st.out:
-        x, y = y, x
-    if not (x.op is ExprOp.VAR and x.value == st.out and y.op is ExprOp.VAR and y.value in scalars):
-        return None
-    t = st.out
-    for nxt in rest:
-        for sub in walk_stmts((nxt,)):
-            if isinstance(sub, IfBlock) or (isinstance(sub, Mask) and sub.tile == t):
-                continue
-            if isinstance(sub, OnlineSoftmax) and sub.scores == t:
-                return str(y.value) if not any(t in _reads(r) for r in rest[rest.index(nxt) + 1:]) else None
-            if t in _reads(sub) or getattr(sub, "out", None) == t:
-                return None
-    return None
-
-
 class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     """The body lines of one `@triton.jit` function (`generate`), statement by statement."""
+
+    fusions: FusionPlan  # planned by `generate` before the first line
 
     # -- statements
     def block(self, body: tuple[Stmt, ...], emit: Callable[[], None] | None = None) -> None:
@@ -121,18 +73,17 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.offs.pop()
 
     def statements(self, body: tuple[Stmt, ...]) -> None:
-        """`body` in the current scope, a dot fused into the accumulation that follows it (backward)."""
-        float_scalars = {q.name for q in self.sig.scalars if DTYPE_KIND[q.dtype] is Kind.FLOAT}
+        """`body` in the current scope, with the fusions planned for it (kb.lower.triton_fusion)."""
         fused: set[int] = set()
         for i, st in enumerate(body):
             if i in fused:
                 continue
-            c = _fold_target(st, body[i + 1:], float_scalars) if self.opts.fold_scale else None
+            c = self.fusions.fold(body, i)
             if c is not None:
                 if c not in self.sig.pos_scalars:
                     self.sig.pos_scalars.append(c)
                 self.fold_next[st.out] = c  # type: ignore[union-attr]
-            acc = self.dot_accumulator(st, body[i + 1:]) if self.backward else None
+            acc = self.fusions.accumulator(body, i)
             if acc is not None:
                 self.per_part(lambda: self.dot_into(st, acc))  # type: ignore[arg-type]
                 fused.add(i + 1)
@@ -216,7 +167,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         tile_dims = [i for i, it in enumerate(st.index) if not isinstance(it, Expr)]
         if not tile_dims or shape[tile_dims[0]] != "NUM_SPLITS" or not isinstance(st.index[tile_dims[0]], Full):
             return None
-        readers = [x for x in walk_stmts(self.k.body) if st.out in _reads(x)]
+        readers = [x for x in walk_stmts(self.k.body) if st.out in reads(x)]
         ok = len(readers) == 1 and isinstance(readers[0], Combine) and readers[0].o_parts == st.out
         return tile_dims[0] if ok else None
 
@@ -312,19 +263,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             return self.oriented(st.b, not st.trans_b, b), self.oriented(st.a, not st.trans_a, a)
         return self.oriented(st.a, st.trans_a, a), self.oriented(st.b, st.trans_b, b)
 
-    def dot_accumulator(self, st: Stmt, rest: tuple[Stmt, ...]) -> str | None:
-        """X when `st` is `dot t = ...` followed by `elementwise X = X + t` (or `t + X`), X an fp32 tile of the dot's
-        shape and t read nowhere else: the dot then accumulates into X (`tl.dot(a, b, X)`)."""
-        if not isinstance(st, Dot) or not rest or not isinstance(rest[0], Elementwise) or rest[0].value.op is not ExprOp.ADD:
-            return None
-        acc, t = rest[0].out, st.out
-        if sorted(str(x.value) for x in rest[0].value.args if x.op is ExprOp.VAR) != sorted((acc, t)) or acc == t \
-                or acc in (st.a, st.b) or acc not in self.tiles or self.tiles[acc].dtype is not Dtype.F32:
-            return None
-        readers = [x for x in walk_stmts(self.k.body) if not isinstance(x, (For, IfBlock)) and t in _reads(x)]
-        return acc if self.tiles[acc].shape == self.dot_shape(st) and readers == [rest[0]] else None
-
     def dot_into(self, st: Dot, acc: str) -> None:
+        if self.tile(acc).shape != self.dot_shape(st) or self.tile(acc).dtype is not Dtype.F32:
+            raise KBError(f"dot {st.out}: accumulated into {acc}, which is not an fp32 tile of the dot's shape")
         acode, bcode = self.dot_operands(st, self.tile(acc).t)
         code = self.local(acc)
         self.emit(f"{code} = tl.dot({acode}, {bcode}, {code}{self._prec(self.tile(st.a), self.tile(st.b))})"
@@ -983,6 +924,8 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         return False
 
     def generate(self) -> list[str]:
+        float_scalars = {q.name for q in self.sig.scalars if DTYPE_KIND[q.dtype] is Kind.FLOAT}
+        self.fusions = plan_fusions(self.k, float_scalars, fold_scale=self.opts.fold_scale, accumulate=self.backward)
         axes = self.k.grid
         pk = self.pack
         self.emit(f"# grid ({', '.join(f'{a.name}: {a.extent}' for a in axes)}), flattened; the last axis varies fastest")
