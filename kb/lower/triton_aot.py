@@ -39,7 +39,7 @@ from kb.lower.triton_host import kernel_fn_name
 __all__ = ["AotKernel", "compile_for_arch", "read_sass"]
 
 _PTR = {Dtype.F32: "*fp32", Dtype.BF16: "*bf16", Dtype.F16: "*fp16", Dtype.I32: "*i32", Dtype.I64: "*i64", Dtype.BOOL: "*i1"}
-_TABLE_PTRS = {"bc_ptr": "*i8", "kvl_ptr": "*i32"}
+_TABLE_PTRS = {"bc_ptr": "*i8", "kvl_ptr": "*i32", "qvl_ptr": "*i32"}
 
 
 @dataclass(frozen=True)
