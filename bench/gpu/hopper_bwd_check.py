@@ -77,7 +77,9 @@ def _relowered_copy(gen_dir: Path, out: Path | None = None) -> Path:
             program = parse_program(cu.with_suffix(".kbir").read_text())
             cu.write_text(lower_program_sm90(program, int(head.group(1)), backward=True))
             for module in out.glob(f"{cu.stem}*.py"):
-                module.write_text(re.sub(r"(?m)^(CUDA_BWD_(?:BLOCK|PAD)_Q) = \d+", rf"\1 = {BWD_PAD_Q}", module.read_text()))
+                # one name for the padding (modules older than the rename say CUDA_BWD_BLOCK_Q in some places)
+                text = module.read_text().replace("CUDA_BWD_BLOCK_Q", "CUDA_BWD_PAD_Q")
+                module.write_text(re.sub(r"(?m)^CUDA_BWD_PAD_Q = \d+", f"CUDA_BWD_PAD_Q = {BWD_PAD_Q}", text))
             print(f"{cu.name}: re-lowered", flush=True)
     return out
 
