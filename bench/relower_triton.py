@@ -20,14 +20,10 @@ from pathlib import Path
 
 from kb.ir.design import DesignTable, parse_design
 from kb.ir.text import parse_program
-from kb.lower.preambles import preamble_text
 from kb.lower.triton import lower_program
+from kb.lower.triton_outline import module_names
 
 __all__ = ["jit_blocks", "relower_module", "relowered_copy"]
-
-_PREAMBLE_FUNCTIONS = frozenset(re.findall(r"(?m)^def (\w+)\(", preamble_text("triton_preamble.py")
-                                           + preamble_text("triton_bwd_preamble.py")))
-
 
 def jit_blocks(text: str) -> list[tuple[str, int, int]]:
     """(name, first line, line after the last) of each top-level `@triton.jit` function outside the preambles."""
@@ -43,7 +39,7 @@ def jit_blocks(text: str) -> list[tuple[str, int, int]]:
             end += 1
         while not lines[end - 1]:
             end -= 1
-        if name.group(1) not in _PREAMBLE_FUNCTIONS:
+        if name.group(1) not in module_names():
             out.append((name.group(1), i, end))
     return out
 

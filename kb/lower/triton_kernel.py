@@ -4,8 +4,8 @@ Each IR statement becomes a few lines in the FlashAttention-2 Triton style (see 
 and addressing it uses are `kb.lower.triton_tiles.TritonTiles`'. Beyond one statement at a time it spells the
 fusions planned before it starts (kb.lower.triton_fusion: a dot accumulated into the tile it is added to, a
 positive scale folded into the softmax exponent), streams split partials into a combine, and splits a KV loop by
-block class (closed form or the host's block lists). A split
-loop's body is generated once, as a `@triton.jit` helper (`helpers`) that each part calls with its `IS_FULL`.
+block class (closed form or the host's block lists); a split loop's body is generated once, as a `@triton.jit`
+helper (`helpers`) that each part calls with its `IS_FULL`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from functools import cache
 
 from kb.lower.preambles import preamble_text
 
-__all__ = ["Interface", "body_interface", "merge_branches"]
+__all__ = ["Interface", "body_interface", "merge_branches", "module_names"]
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class Interface:
 
 
 @cache
-def _module_names() -> frozenset[str]:
+def module_names() -> frozenset[str]:
+    """What a generated module defines besides its kernels: its imports, the preambles' functions and globals, and
+    Python's builtins."""
     names = set(dir(builtins))
     for module_file in ("triton_preamble.py", "triton_bwd_preamble.py"):
         for node in ast.parse(preamble_text(module_file)).body:
@@ -49,7 +51,7 @@ class _Scan:
     def read(self, node: ast.AST, bound: set[str]) -> None:
         for n in ast.walk(node):
             if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound \
-                    and n.id not in _module_names():
+                    and n.id not in module_names():
                 self.free.setdefault(n.id)
 
     def bind(self, target: ast.AST, bound: set[str]) -> None:
