@@ -13,7 +13,9 @@ For each entry and shape this times, on the same bf16 inputs:
 - every design of the plan through the same module (`forward(..., _design=d)`), each checked against
   the reference output first (a design with the wrong answer is recorded as `wrong`, never timed);
 - `flex` (torch.compile'd flex_attention with `create_block_mask` built once) from the spec's
-  `flex_mods`, and `sdpa` where the spec says SDPA computes the same thing.
+  `flex_mods`, and `sdpa` where the spec says SDPA computes the same thing;
+- with `--flex-flash`, `flex-flash`: the same FlexAttention call with `kernel_options={"BACKEND": "FLASH"}`
+  (FlashAttention-4's CuTe DSL kernels; needs `flash-attn-4` installed), checked like a design.
 The reference is FlexAttention's output where the spec gives `flex_mods`, else SDPA's, else the spec's
 own Model. Compilation runs first in parallel worker processes sharing Triton's and Inductor's caches,
 so the timed process only loads kernels. Results are written after every entry (schema
@@ -144,7 +146,18 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
             torch.cuda.empty_cache()
 
 
-def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str) -> dict:
+def _flash_record(spec: ModuleType, inputs: list, model: torch.nn.Module, ref: torch.Tensor | None, flops: float,
+                  trials: int) -> dict:
+    """FlexAttention's FLASH backend as a baseline, checked against the reference; where it does not run (no
+    flash-attn-4, a mod or shape it does not take) the record says why."""
+    try:
+        fn = flex_call(spec, inputs, model, backend="FLASH")
+    except Exception as err:
+        return {"impl": "flex-flash", "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
+    return _record("flex-flash", fn, ref, flops, trials)
+
+
+def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str, flex_flash: bool = False) -> dict:
     spec = load_file(entry["spec"], f"kb_tune_spec_{idx}")
     out: dict[str, Any] = {"name": entry["name"], "spec": entry["spec"], "candidate": entry["candidate"],
                            "kernel": entry.get("kernel"), "shapes": []}
@@ -152,11 +165,12 @@ def _run_entry(entry: dict, idx: int, trials: int, deadline: float, device: str)
         if time.monotonic() > deadline:
             out["shapes"].append({"shape": shape, "skipped": "deadline"})
             continue
-        out["shapes"].append(_run_shape(entry, spec, shape, f"{idx}_{j}", trials, deadline, device))
+        out["shapes"].append(_run_shape(entry, spec, shape, f"{idx}_{j}", trials, deadline, device, flex_flash))
     return out
 
 
-def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, deadline: float, device: str) -> dict:
+def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int, deadline: float, device: str,
+               flex_flash: bool = False) -> dict:
     if device == "cpu":
         shape = {}  # the CPU dry run works at the spec's own small shape
     inputs = make_inputs(spec, shape, device)
@@ -187,6 +201,8 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
                    {**_record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
                     "lowering": _cuda_lowering(entry)},
                    _record("flex", flex, ref, flops, trials, check=False), _record("sdpa", sdpa, ref, flops, trials, check=False)]
+        if flex_flash and device == "cuda":
+            records.append(_flash_record(spec, inputs, model, ref, flops, trials))
         table = getattr(cand, "block_class_table", None)
         for text in entry["designs"]:
             if time.monotonic() > deadline:
@@ -332,7 +348,7 @@ def time_plan(plan: dict, out_path: Path, *, backward: bool = False, command: st
 
 
 def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: int = 12, trials: int = 30,
-             command: str = "", device: str = "cuda", warm_s: float = 240.0) -> dict:
+             command: str = "", device: str = "cuda", warm_s: float = 240.0, flex_flash: bool = False) -> dict:
     """Time every entry of `plan` on this GPU; `device="cpu"` is a dry run of the same code at the specs' small
     shapes under the Triton interpreter (no baselines but SDPA, wall-clock "times"; for tests, never imported)."""
     check_run(plan, device, "kb tune needs a CUDA GPU; run this where one is, then `kb perf import` the results")
@@ -347,7 +363,7 @@ def run_plan(plan: dict, out_path: Path, *, deadline_s: float = 540.0, workers: 
     for i, e in enumerate(entries):
         t0 = time.monotonic()
         try:
-            doc["entries"].append(_run_entry(e, i, trials, deadline, device))
+            doc["entries"].append(_run_entry(e, i, trials, deadline, device, flex_flash))
         except Exception as err:
             doc["entries"].append({"name": e["name"], "spec": e["spec"], "kernel": e.get("kernel"),
                                    "error": f"{type(err).__name__}: {str(err)[:500]}", "shapes": []})
@@ -364,11 +380,12 @@ def _summary_line(entry: dict, seconds: float) -> str:
         recs = {r["impl"]: r for r in s.get("records", [])}
         best = min((r for r in s.get("records", []) if r["impl"].startswith("design") and r["status"] == "ok"),
                    key=lambda r: r["ms"], default=None)
-        em, fx, sd = recs.get("emitted", {}), recs.get("flex", {}), recs.get("sdpa", {})
+        em, fx, sd, fl = (recs.get(k, {}) for k in ("emitted", "flex", "sdpa", "flex-flash"))
         runs = "the .cu" if s.get("emitted_runs") == ".cu" else s.get("emitted_design")
         parts.append(f"D{s.get('shape', {}).get('D')}: emitted {em.get('ms', math.nan):.3f} ms ({runs}), "
                      f"best {best['ms'] if best else math.nan:.3f} ({best['design'] if best else '-'}), "
-                     f"flex {fx.get('ms', math.nan):.3f}, sdpa {sd.get('ms', math.nan):.3f}")
+                     f"flex {fx.get('ms', math.nan):.3f}, sdpa {sd.get('ms', math.nan):.3f}"
+                     + (f", flex-flash {fl['ms']:.3f}" if "ms" in fl else f", flex-flash {fl['status']}" if fl else ""))
     return f"{entry['name']} [{seconds:.0f}s]: " + "; ".join(parts)
 
 
@@ -386,10 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-s", type=float, default=240.0, help="at most this long compiling in parallel first")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1), help="parallel compile processes")
     ap.add_argument("--trials", type=int, default=30, help="timed calls per implementation (median reported)")
+    ap.add_argument("--flex-flash", action="store_true",
+                    help="also time FlexAttention's FLASH backend (flash-attn-4's CuTe DSL kernels) beside its Triton one")
     a = ap.parse_args(argv)
     plan = json.loads(a.plan.read_text())
     run_plan(plan, a.results, deadline_s=a.deadline_s, workers=a.workers, trials=a.trials, warm_s=a.warm_s,
-             command="python -m bench.gpu.tune " + " ".join(argv))
+             command="python -m bench.gpu.tune " + " ".join(argv), flex_flash=a.flex_flash)
     return 0
 
 

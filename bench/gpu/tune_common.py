@@ -134,7 +134,10 @@ def spec_mods(spec: ModuleType, inputs: list, model: torch.nn.Module) -> tuple[C
     return make(*inputs, **kwargs)
 
 
-def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callable[[], torch.Tensor] | None:
+def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module,
+              backend: str | None = None) -> Callable[[], torch.Tensor] | None:
+    """Compiled FlexAttention over the spec's `flex_mods` (block mask built here, once); `backend` is its
+    `kernel_options["BACKEND"]` ("FLASH": the CuTe DSL kernels of flash-attn-4), default torch's choice."""
     mods = spec_mods(spec, inputs, model)
     if mods is None:
         return None
@@ -151,7 +154,9 @@ def flex_call(spec: ModuleType, inputs: list, model: torch.nn.Module) -> Callabl
     compiled = _compiled_flex(flex_attention)
     scale = getattr(spec, "SCALE", None)
     gqa = q.shape[1] != k.shape[1]
-    return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    options = {"BACKEND": backend} if backend else None
+    return lambda: compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                            kernel_options=options)
 
 
 @functools.lru_cache(maxsize=1)
