@@ -21,7 +21,7 @@ import torch
 from generate.perf_import import _lesson, import_results, load_results
 from generate.pipeline import GenerateOptions, generate
 from generate.tune import make_plan
-from bench.gpu.tune import SCHEMA, _module_call, run_plan
+from bench.gpu.tune import SCHEMA, module_call, run_plan
 from generate.cuda_design import cuda_pairs, forward_dispatch
 from generate.designs import sweeps_from_kb
 from kb.errors import KBError
@@ -179,7 +179,7 @@ def test_the_bench_learns_forward_arguments_when_the_cu_answers_the_call() -> No
         exec(compile(src, "cand.py", "exec"), cand.__dict__)
         cand.CU = cu
         q, k, v = (torch.full((1, 1, 2, 4), float(i)) for i in (1, 2, 3))
-        args, kwargs, out, ran = _module_call(cand, cand.ModelNew(), [q, k, v])
+        args, kwargs, out, ran = module_call(cand, cand.ModelNew(), [q, k, v])
         assert ran == runs and len(args) == 3 and all(a is b for a, b in zip(args, (q, k, v)))
         assert kwargs["sm_scale"] == 0.5 and kwargs["bias"] is v
         assert torch.equal(out, q * 2 if cu else q + 1)

@@ -13,7 +13,9 @@ prefill, TFLOP/s of the full per-sequence products (a chunk's queries times its 
 
 `--sweep` also times each paged decode ModelNew at batch 64 and 256 with 4K and 32K tokens per sequence (uniform
 lengths, random page tables, built on the GPU), graphed, against the measured device-to-device copy bandwidth
-(`environment()["copy_gbps"]`, bytes read + written). Writes `<out>/serving_<gpu>.json`.
+(`environment()["copy_gbps"]`, bytes read + written). `--designs "16x16 w4 s2 split8;..."` adds, at each sweep
+point, the module's `forward(..., _design=d)` for each design (an ablation of the schedule, labelled by its text;
+its output compared with the module's own design's). Writes `<out>/serving_<gpu>.json`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch
 import triton.testing
 
 from bench.gpu.serving_baselines import baselines
-from bench.gpu.tune import environment
+from bench.gpu.tune import environment, module_call
+from kb.ir.design import parse_design
 from kb.lower.runtime import import_file
 
 
@@ -152,7 +155,7 @@ def _decode_inputs(shape: dict, batch: int, context: int) -> list:
 
 
 def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batches: tuple[int, ...] = (64, 256),
-          contexts: tuple[int, ...] = (4096, 32768)) -> list[dict]:
+          contexts: tuple[int, ...] = (4096, 32768), designs: tuple[str, ...] = ()) -> list[dict]:
     spec = import_file(path, f"spec_{path.stem}")
     cand = import_file(gen / f"gen_{path.stem}.py", f"cand_{path.stem}")
     init = list(getattr(spec, "bench_init_inputs", spec.get_init_inputs)())
@@ -174,11 +177,38 @@ def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batche
                 row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, ms))
                 row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
                 row["baselines"] = _baselines(spec, model, inputs, got, vllm_src, row.get("graph_ms"))
+                if designs:
+                    row["designs"] = _design_rows(cand, new, inputs, designs, spec, copy_gbps)
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
             del inputs, got
             torch.cuda.empty_cache()
     return rows
+
+
+def _design_rows(cand: ModuleType, new: torch.nn.Module, inputs: list, designs: tuple[str, ...], spec: ModuleType,
+                 copy_gbps: float) -> dict:
+    """The Triton module's forward with each design forced, on the arguments ModelNew passes it, graphed."""
+    args, kwargs, _, ran = module_call(cand, new, inputs)
+    if ran != "triton":
+        return {"error": f"ModelNew ran the {ran}, not the Triton module"}
+    own = cand.forward(*args, **kwargs)[0]
+    out: dict = {}
+    for text in designs:
+        design = parse_design(text).as_tuple()
+
+        def call(d: tuple = design) -> torch.Tensor:
+            return cand.forward(*args, _design=d, **kwargs)[0]
+
+        try:
+            row: dict = {"max_abs_vs_own": (call().float() - own.float()).abs().max().item(), **_timed(call)}
+            row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, _ms(row)))
+            row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
+        except Exception as err:
+            row = {"error": f"{type(err).__name__}: {err}"[:300]}
+        out[text] = row
+        torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
@@ -187,6 +217,8 @@ def main() -> None:
     ap.add_argument("--specs", type=Path, default=Path("bench/heldout_serving"))
     ap.add_argument("--out", type=Path, default=Path("out/serving"))
     ap.add_argument("--sweep", action="store_true", help="also time paged decode at batch 64/256 x 4K/32K tokens")
+    ap.add_argument("--designs", default="", help="with --sweep: designs to force on the module too, ';'-separated "
+                                                   "(e.g. '16x16 w4 s2 split8;16x16 w4 s3 split16'), an ablation")
     ap.add_argument("--vllm-src", type=Path, default=None,
                     help="a directory holding vllm/v1/attention/ops/ of the pinned vLLM wheel (the KB cache's copy)")
     args = ap.parse_args()
@@ -209,7 +241,8 @@ def main() -> None:
         for path in sorted(args.specs.glob("*decode*.py")):
             if (args.gen / f"gen_{path.stem}.py").is_file():
                 try:
-                    doc["decode_sweep"] += sweep(path, args.gen, env["copy_gbps"], args.vllm_src)
+                    doc["decode_sweep"] += sweep(path, args.gen, env["copy_gbps"], args.vllm_src,
+                                                 designs=tuple(d.strip() for d in args.designs.split(";") if d.strip()))
                 except Exception as err:
                     doc["decode_sweep"].append({"spec": path.stem, "error": f"{type(err).__name__}: {err}"})
                 out.write_text(json.dumps(doc, indent=2, default=str))

@@ -51,7 +51,7 @@ from kb.lower.cuda_build import BuildMode, build
 from kb.lower.cuda_runtime import CudaKernel, device_arch
 
 # PLAN_SCHEMA, environment and bench_shapes live in bench.gpu.tune_common (the backward timer's too); exported here as before
-__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "time_plan", "environment", "bench_shapes", "impl_ms"]
+__all__ = ["SCHEMA", "PLAN_SCHEMA", "run_plan", "time_plan", "environment", "bench_shapes", "impl_ms", "module_call"]
 
 
 
@@ -70,7 +70,7 @@ class _Recorder:
         return self.out
 
 
-def _module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any, str]:
+def module_call(cand: ModuleType, new: torch.nn.Module, inputs: list) -> tuple[tuple, dict, Any, str]:
     """forward()'s arguments as ModelNew passes them, ModelNew's output, and which implementation answered (the
     module's `.cu`, whose dispatch `_cuda_forward(q, k, v, sm_scale, named)` returns None when it declines and a call
     it answers never reaches forward(), or its Triton kernels)."""
@@ -194,7 +194,7 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
         if ref is None:
             ref = sdpa() if sdpa is not None else model(*inputs)
             res["reference"] = "sdpa" if sdpa is not None else "spec Model"
-        args, kwargs, _, res["emitted_runs"] = _module_call(cand, new, inputs)
+        args, kwargs, _, res["emitted_runs"] = module_call(cand, new, inputs)
         picked = dict(cand._PICKED)
         res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
         records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
@@ -289,7 +289,7 @@ def entry_impls(entry: dict, shape_index: int = 0, device: str = "cuda") -> dict
     shape = bench_shapes(spec, entry.get("shapes"))[shape_index] if device != "cpu" else {}  # CPU: the small shape
     inputs = make_inputs(spec, shape, device)
     cand, model, new = load_candidate(entry, spec, shape, device, "profile")
-    args, kwargs, _, _ = _module_call(cand, new, inputs)
+    args, kwargs, _, _ = module_call(cand, new, inputs)
     impls: dict[str, Callable[[], Any] | None] = {
         "emitted": lambda: new(*inputs), "flex": flex_call(spec, inputs, model), "sdpa": sdpa_call(spec, inputs),
         "emitted-cuda": _emitted_cuda(entry, args, kwargs) if device == "cuda" else None}
@@ -321,7 +321,7 @@ def _warm(task: tuple[dict, int, int, str | None]) -> str:
                     flex()
                 new(*inputs)
             else:
-                args, kwargs, _, _ = _module_call(cand, new, inputs)
+                args, kwargs, _, _ = module_call(cand, new, inputs)
                 cand.forward(*args, _design=_design_arg(design), **kwargs)
         torch.cuda.synchronize()
         return "ok"
