@@ -12,6 +12,7 @@ imports or runs the source.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import logging
 import re
@@ -215,12 +216,7 @@ def _collect_launches(mod: TritonModule) -> None:
         if not isinstance(fn, ast.FunctionDef) or fn.name in mod.jit:
             continue
         local: dict[str, object] = {}
-        for n in ast.walk(fn):
-            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
-                try:
-                    local[n.targets[0].id] = _literal(n.value)
-                except Unknown:
-                    pass
+        _cuda_path_locals(fn.body, local, set())
         for n in ast.walk(fn):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name) \
                     and n.func.value.id in mod.jit:
@@ -237,6 +233,56 @@ def _collect_launches(mod: TritonModule) -> None:
                             consts[kw.arg] = local[kw.value.id]
                 args = tuple(a.id if isinstance(a, ast.Name) else None for a in n.args)
                 mod.launches.append(LaunchSite(n.func.value.id, n.lineno, consts, exprs, args, _factors(fn, mod)))
+
+
+# A launcher's check for another vendor's GPU (`is_hip_`, `is_hip()`, `current_platform.is_rocm()`, `is_xpu`).
+_OTHER_VENDOR = re.compile(r"hip|rocm|amd|gfx|cdna|rdna|xpu|npu", re.IGNORECASE)
+
+
+def _on_cuda(test: ast.expr) -> bool | None:
+    """A launcher's branch condition on an NVIDIA GPU: another vendor's check is false, `not` / `and` / `or` of such
+    checks as Python evaluates them, anything else (a shape, a flag) unknown (None)."""
+    if isinstance(test, ast.Name | ast.Attribute | ast.Call) and _OTHER_VENDOR.search(ast.unparse(test)):
+        return False
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _on_cuda(test.operand)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        vals = [_on_cuda(v) for v in test.values]
+        decided, rest = (False, True) if isinstance(test.op, ast.And) else (True, False)
+        return decided if decided in vals else rest if all(v is rest for v in vals) else None
+    return None
+
+
+def _cuda_value(node: ast.expr) -> object:
+    """A literal, or the branch an NVIDIA GPU takes of `a if <vendor check> else b` (`64 if not is_hip_ else 8`)."""
+    if isinstance(node, ast.IfExp) and (taken := _on_cuda(node.test)) is not None:
+        return _cuda_value(node.body if taken else node.orelse)
+    return _literal(node)
+
+
+def _cuda_path_locals(body: list[ast.stmt], local: dict[str, object], general: set[str], special: bool = False) -> None:
+    """The literal values a launcher gives its names where it launches on an NVIDIA GPU, the last assignment winning,
+    except that a branch only another vendor's GPU takes is left out (vLLM's `if is_hip_: BLOCK = 16` overrode the
+    `BLOCK = 32` CUDA runs) and a branch on anything else (a shape, a flag: a special case) does not override a name
+    the unconditional path set (`general`, filled as that path is walked)."""
+    for st in body:
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            name = st.targets[0].id
+            if not (special and name in general):
+                with contextlib.suppress(Unknown):
+                    local[name] = _cuda_value(st.value)
+                    if not special:
+                        general.add(name)
+        elif isinstance(st, ast.If):
+            taken = _on_cuda(st.test)
+            if taken is None:
+                for branch in (st.body, st.orelse):
+                    _cuda_path_locals(branch, local, general, True)
+            else:
+                _cuda_path_locals(st.body if taken else st.orelse, local, general, special)
+        elif isinstance(st, ast.For | ast.While | ast.With | ast.Try):
+            _cuda_path_locals(st.body, local, general, special)
 
 
 def _factors(fn: ast.FunctionDef, mod: TritonModule) -> dict[str, float]:

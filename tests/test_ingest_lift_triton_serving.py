@@ -273,6 +273,9 @@ def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
     assert p.name == "vllm_triton_fwd_kernel_stage1" and "page table" in p.verify_note
     assert p.features.paged_kv and p.features.split_kv and p.features.decode
     assert "PAGE_SIZE * req_to_tokens[b, (j + n_start) // PAGE_SIZE]" in print_program(p.program)
+    # the tiles vLLM launches on NVIDIA GPUs (BLOCK = 32, num_stages = 2), not its `if is_hip_:` ones (16, 1)
+    s = grouped.program.schedule
+    assert (s.block_n, s.num_stages, s.num_warps) == (32, 2, 4)
 
 
 # The production GQA decode: the query heads that share one KV head are the rows of one tl.dot tile.
