@@ -8,7 +8,7 @@ import torch
 from tests.support.repo import REPO
 from verify import Verdict, VerifyOptions, verify
 from verify.load import load_spec
-from verify.serving_cases import serving_variants
+from verify.serving_cases import REPAGED_SIZES, serving_variants
 
 FIX = REPO / "tests" / "support" / "verify_fixtures"
 PAGED = {"kind": "paged", "q": "q", "k": "k_cache", "v": "v_cache", "table": "block_table", "lengths": "seq_lens",
@@ -19,8 +19,12 @@ OPTS = dict(torch_baseline=True, distributions=("normal",), max_cases=1, timeout
 def test_paged_variants_move_share_and_empty_pages() -> None:
     spec = load_spec(FIX / "paged_spec.py")
     own = spec.get_inputs()
-    (moved_what, moved), (ragged_what, ragged) = serving_variants(spec.model_cls, own, PAGED, seed=3)
+    (moved_what, moved), *repaged, (ragged_what, ragged) = serving_variants(spec.model_cls, own, PAGED, seed=3)
     assert "shared" in moved_what and "empty" in ragged_what
+    model = spec.model_cls()
+    for (what, x), page in zip(repaged, REPAGED_SIZES, strict=True):  # the same sequences, other page sizes
+        assert f"re-paged at {page} token" in what and x[1].shape[1] == page and x[3].shape[1] * page >= 20
+        assert torch.allclose(model(*x), model(*own), atol=1e-6)
     q, k, v, table, lens = moved
     assert not torch.equal(table, own[3]) and torch.equal(table[1, :1], table[0, :1])  # a shared first page
     for b in (0, 2):  # an unshared sequence reads the same keys from their new pages
@@ -46,8 +50,9 @@ def test_a_kernel_assuming_pages_in_order_or_no_empty_sequence_fails_and_an_hone
     opts = VerifyOptions(serving=PAGED, **OPTS)
     honest = verify(FIX / "paged_spec.py", FIX / "paged_torch.py", opts)
     assert honest.verdict is Verdict.passed, honest.message
-    assert sum("serving layout checked" in n for n in honest.notes) == 2 and "pages moved" in honest.message
-    for cheat, step in (("paged_contiguous.py", "pages moved"), ("paged_nonempty.py", "lengths redrawn")):
+    assert sum("serving layout checked" in n for n in honest.notes) == 4 and "pages moved" in honest.message
+    for cheat, step in (("paged_contiguous.py", "pages moved"), ("paged_nonempty.py", "lengths redrawn"),
+                        ("paged_fixed_page.py", "re-paged at 1 token")):
         r = verify(FIX / "paged_spec.py", FIX / cheat, opts)
         assert r.verdict is Verdict.numeric_mismatch and step in r.message, (cheat, r.message)
     # without the layout's calls the spec's own inputs do not catch them

@@ -8,6 +8,8 @@ those assumptions while staying inside what the spec's Model accepts:
   following them, stale (random, in-range) entries past each sequence's last page, and every second sequence's
   first pages pointing at its neighbour's (a shared prefix);
 - paged and token-pool decode: sequence lengths redrawn with an empty sequence, a one-token one and a full one;
+- paged and chunked: the cache re-paged at 1 and at 64 tokens per page (engines run 1, 16, 32, 64...), the table
+  following, so a kernel that assumed the page size of the spec's own inputs is caught;
 - packed varlen self-attention: the tokens re-split into as many sequences with an empty and a one-token
   sequence, the longest kept at its length (a `max_seqlen` argument stays true).
 The layout comes from the caller (generate names it from the spec's trace): `serving` holds the forward's argument
@@ -21,7 +23,9 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["serving_variants"]
+__all__ = ["serving_variants", "REPAGED_SIZES"]
+
+REPAGED_SIZES = (1, 64)  # tokens per page of the re-paged calls (a spec's own inputs usually hold 16)
 
 
 def _positions(model_cls: type, names: Mapping[str, str | None]) -> dict[str, int]:
@@ -41,6 +45,11 @@ def serving_variants(model_cls: type, inputs: list[Any], serving: Mapping[str, s
         moved = _pages_moved_and_shared(inputs, pos, kind == "pool", gen)
         if moved is not None:
             out.append(("pages moved, stale table entries, a prefix shared", moved))
+        if kind != "pool":
+            for page in REPAGED_SIZES:
+                repaged = _repaged(inputs, pos, page, gen)
+                if repaged is not None:
+                    out.append((f"the cache re-paged at {page} token{'s' * (page > 1)} per page", repaged))
         if kind != "chunked" and "lengths" in pos:  # a chunk's keys include its own queries: lengths stay
             ragged = _ragged_lengths(inputs, pos, kind == "pool", gen)
             if ragged is not None:
@@ -85,6 +94,30 @@ def _pages_moved_and_shared(inputs: list[Any], pos: Mapping[str, int], pool: boo
         t[b, :n] = t[b - 1, :n]
     new = list(inputs)
     new[pos["k"]], new[pos["v"]], new[pos["table"]] = new_k, new_v, t.to(table.dtype).to(table.device)
+    return new
+
+
+def _repaged(inputs: list[Any], pos: Mapping[str, int], page: int, gen: torch.Generator) -> list[Any] | None:
+    """The same sequences in a cache of `page` tokens per page ([NUM_PAGES, page, ...]), pages in random order, the
+    table [B, ceil(MAX_PAGES * PAGE / page)] pointing at them; None where the cache already has that page size."""
+    k, v, table = inputs[pos["k"]], inputs[pos["v"]], inputs[pos["table"]]
+    if k.dim() < 3 or v.shape[:2] != k.shape[:2] or table.dim() != 2 or k.shape[1] == page \
+            or table.dtype not in (torch.int32, torch.int64):
+        return None
+    b, cap = table.shape[0], table.shape[1] * k.shape[1]
+    if table.numel() and not (0 <= int(table.min()) and int(table.max()) < k.shape[0]):
+        return None
+    per = -(-cap // page)
+    new_table = torch.randperm(b * per, generator=gen).reshape(b, per)
+    new = list(inputs)
+    for role in ("k", "v"):
+        cache = inputs[pos[role]]
+        rows = cache[table.long().to(cache.device)].flatten(1, 2)  # [B, cap, ...]: each sequence's token rows
+        rows = torch.cat([rows, rows.new_zeros(b, per * page - cap, *rows.shape[2:])], 1)
+        paged = cache.new_empty(b * per, page, *cache.shape[2:])
+        paged[new_table.flatten().to(cache.device)] = rows.reshape(b * per, page, *cache.shape[2:])
+        new[pos[role]] = paged
+    new[pos["table"]] = new_table.to(table.dtype).to(table.device)
     return new
 
 
