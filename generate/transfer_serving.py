@@ -115,6 +115,7 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
     if len(loops) > 1:
         raise KBError(f"kernel {kernel.name} has {len(loops)} KV loops; a serving transfer takes one")
     (loop,) = loops
+    kernel, loop = _without_window_start(kernel, loop)
     at = next((_decode_at(st.at, grouped) for st in walk_stmts(loop.body) if isinstance(st, (Mask, ScoreMod))), None)
     if at is None:
         raise KBError(f"kernel {kernel.name}: its KV loop applies no mask; cannot place the sequence's bound")
@@ -132,6 +133,22 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
     i = kernel.body.index(loop)
     kernel = replace(kernel, body=kernel.body[:i] + lets + (new_loop,) + kernel.body[i + 1:])
     return _with_sink(kernel, sinks, loop.lo, taken)
+
+
+def _without_window_start(kernel: Kernel, loop: For) -> tuple[Kernel, For]:
+    """A reference generated for a windowed spec starts its KV loop at `maximum(lo, kv_first // BLOCK_N * BLOCK_N)`
+    after `let kv_first = ...` (what `_rewrite` writes): both go, so the loop starts at its split's start again and
+    the sink's first-split test reads only names defined before it; the target's own window, if any, is placed anew."""
+    lo = loop.lo
+    if not (isinstance(lo, Expr) and lo.op is ExprOp.MAXIMUM):
+        return kernel, loop
+    i = kernel.body.index(loop)
+    before = kernel.body[i - 1] if i else None
+    if not (isinstance(before, Let) and before.name in free_vars(lo.args[1])
+            and before.name not in free_vars(lo.args[0])):
+        return kernel, loop
+    bare = replace(loop, lo=lo.args[0])
+    return replace(kernel, body=kernel.body[:i - 1] + (bare,) + kernel.body[i + 1:]), bare
 
 
 def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:

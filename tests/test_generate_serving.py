@@ -20,7 +20,8 @@ from generate.spec import load_spec
 from generate.target import target_for
 from generate.transfer_serving import transfer_serving
 from kb.ir.expr import const, parse_expr
-from kb.ir.nodes import Init, Mask, ScoreMod, walk_stmts
+from kb.ir.nodes import Init, Let, Mask, ScoreMod, walk_stmts
+from kb.ir.validate import problems
 from kb.ir.text import parse_program, print_program
 from kb.lower.runtime import import_file
 from tests.support.generate_fixtures import QUICK
@@ -95,6 +96,19 @@ def test_decode_spec_generates_a_verified_kernel_over_the_engines_tensors(ingest
         want, got = model(*inputs), new(*inputs)
     assert got.dtype == inputs[0].dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_reference_generated_for_a_window_transfers_onto_a_window_again() -> None:
+    # the KB holds what it generated: a window + sinks decode, whose loop starts at its window, is the nearest
+    # reference for the next windowed spec; its old window start goes, the new one is placed once
+    spec = load_spec(REPO / "bench" / "heldout_serving" / "paged_decode_window_sinks.py")
+    once = transfer_serving(parse_program(SERVING_TEXTS["paged_decode"]), spec.layout, target_for(spec),
+                            sinks=spec.sinks, name="t")
+    twice = transfer_serving(once, spec.layout, target_for(spec), sinks=spec.sinks, name="t")
+    assert problems(twice) == ()
+    split = twice.kernels[0]
+    (first,) = [st for st in split.body if isinstance(st, Let) and st.name.startswith("kv_first")]
+    assert first.value == next(st.value for st in once.kernels[0].body if isinstance(st, Let) and st.name == "kv_first")
 
 
 def test_sinks_start_the_softmax_and_a_sinks_reference_serves_a_spec_without() -> None:
