@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 import triton.testing
 
-from bench.gpu.serving_baselines import baselines
+from bench.gpu.serving_baselines import VLLM_OPS, baselines
 from bench.gpu.tune import environment, module_call
 from kb.ir.design import parse_design
 from kb.lower.runtime import import_file
@@ -116,7 +116,11 @@ def _baselines(spec: ModuleType, model: torch.nn.Module, inputs: list, got: torc
     """vLLM's unified_attention and FlexAttention on the same tensors: error against ModelNew's output, times, and
     ModelNew's speed-up over each (graph replay against graph replay where both capture, else eager)."""
     out: dict = {}
-    for name, (fn, note) in baselines(spec, model, inputs, vllm_src).items():
+    try:
+        found = baselines(spec, model, inputs, vllm_src)
+    except Exception as err:  # a baseline that cannot load (a wrong --vllm-src) must not lose ModelNew's own times
+        return {"error": f"{type(err).__name__}: {err}"[:500]}
+    for name, (fn, note) in found.items():
         row: dict = {"note": note}
         if fn is not None:
             try:
@@ -222,6 +226,9 @@ def main() -> None:
     ap.add_argument("--vllm-src", type=Path, default=None,
                     help="a directory holding vllm/v1/attention/ops/ of the pinned vLLM wheel (the KB cache's copy)")
     args = ap.parse_args()
+    if args.vllm_src is not None and not (args.vllm_src / VLLM_OPS / "triton_unified_attention.py").is_file():
+        ap.error(f"--vllm-src {args.vllm_src} holds no {VLLM_OPS}/triton_unified_attention.py (give the directory "
+                 "that holds vllm/)")
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment("python -m bench.gpu.serving " + " ".join(sys.argv[1:]))
     doc: dict = {"environment": env, "results": [], "decode_sweep": []}

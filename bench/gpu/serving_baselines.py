@@ -40,10 +40,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import AuxOutput, FlexKernelOptions
 
-__all__ = ["baselines", "load_vllm_unified_attention"]
+__all__ = ["baselines", "load_vllm_unified_attention", "VLLM_OPS"]
 
 Baseline = tuple[Callable[[], Tensor] | None, str]
-_OPS = "vllm/v1/attention/ops"
+VLLM_OPS = "vllm/v1/attention/ops"  # where a --vllm-src directory holds the kernels
 _SPLIT_SEGMENTS, _MIN_GRID_2D = 16, 128  # the TRITON_ATTN backend's split-K constants
 
 
@@ -97,8 +97,8 @@ def load_vllm_unified_attention(src: Path) -> Callable:
     _stub("vllm.v1.kv_cache_interface", KVQuantMode=_KVQuantMode)
     for stem in ("triton_attention_helpers", "triton_unified_attention"):
         full = f"vllm.v1.attention.ops.{stem}"
-        spec = importlib.util.spec_from_file_location(full, Path(src) / _OPS / f"{stem}.py")
-        assert spec is not None and spec.loader is not None, f"no {stem}.py under {src / _OPS}"
+        spec = importlib.util.spec_from_file_location(full, Path(src) / VLLM_OPS / f"{stem}.py")
+        assert spec is not None and spec.loader is not None, f"no {stem}.py under {src / VLLM_OPS}"
         mod = importlib.util.module_from_spec(spec)
         sys.modules[full] = mod
         spec.loader.exec_module(mod)
