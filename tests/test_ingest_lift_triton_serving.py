@@ -14,6 +14,7 @@ from ingest.manifest import find_manifest
 from ingest.model import Provenance
 from kb.ir.nodes import Gather, Load, Span, walk_stmts
 from kb.ir.text import parse_program, print_program
+from kb.lower.triton_aot import compile_for_arch
 from tests.support.repo import TEST_CACHE
 
 # A packed prefill written the way serving stacks write it: q/k/v/o are [tokens, heads, dim], the
@@ -276,6 +277,9 @@ def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
     # the tiles vLLM launches on NVIDIA GPUs (BLOCK = 32, num_stages = 2), not its `if is_hip_:` ones (16, 1)
     s = grouped.program.schedule
     assert (s.block_n, s.num_stages, s.num_warps) == (32, 2, 4)
+    # and it builds for sm_90 at that schedule (its i32 PAGE_SIZE passed as an integer), pipelined, without spills
+    kernels = compile_for_arch(grouped.program, arch=90, head_dim=128, tma=False)
+    assert kernels and all(k.local_stores == 0 for k in kernels)
 
 
 # The production GQA decode: the query heads that share one KV head are the rows of one tl.dot tile.

@@ -105,7 +105,7 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
 
     module = load_module(source or lower_program(p, options), p.name)[0]
     tensors = {f"{q.name}_ptr": _PTR[q.dtype] for q in p.params if q.role is not Role.SCALAR} | {"o32_ptr": "*fp32"}
-    scalars = {q.name for q in p.params if q.role is Role.SCALAR}
+    float_scalars = {q.name for q in p.params if q.role is Role.SCALAR and q.dtype in (Dtype.F32, Dtype.BF16, Dtype.F16)}
     s = p.schedule
     head_pad = s.head_pad_for(head_dim, DOT_MIN_K)
     head_pad_v = s.value_head_pad_for(head_dim_v, DOT_MIN_K)
@@ -123,7 +123,7 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
             elif name in consts or name.startswith(("POS_", "PAD_")):
                 sig[name] = "constexpr"
             else:
-                sig[name] = "fp32" if name in scalars else "i32"
+                sig[name] = "fp32" if name in float_scalars else "i32"  # integer scalars (a page size) as the host passes them
         values = {n: consts.get(n, True if n.startswith("POS_") else 64) for n, t in sig.items() if t == "constexpr"}
         try:
             compiled = triton.compile(ASTSource(fn, sig, values), target=GPUTarget("cuda", arch, 32),
