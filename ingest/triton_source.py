@@ -236,7 +236,8 @@ def _collect_launches(mod: TritonModule) -> None:
 
 
 # A launcher's check for another vendor's GPU (`is_hip_`, `is_hip()`, `current_platform.is_rocm()`, `is_xpu`).
-_OTHER_VENDOR = re.compile(r"hip|rocm|amd|gfx|cdna|rdna|xpu|npu", re.IGNORECASE)
+# Whole words between underscores or dots, so `has_input` is no NPU check.
+_OTHER_VENDOR = re.compile(r"(?<![a-z])(?:hip|rocm|amd|gfx\d*|cdna\d*|rdna\d*|xpu|npu)(?![a-z])", re.IGNORECASE)
 
 
 def _on_cuda(test: ast.expr) -> bool | None:

@@ -50,3 +50,10 @@ def test_launch_constants_follow_the_nvidia_path(tmp_path: Path) -> None:
     assert c["num_warps"] == 2  # set only in branches on a flag: the last one, never the AMD one
     assert c["TILE"] == 64  # `64 if not is_hip_ else 8`
     assert "WIDE" not in c and site.keyword_exprs["WIDE"] == "WIDE"  # a shape decides it: left to the expression
+
+
+def test_only_whole_vendor_words_decide_a_branch(tmp_path: Path) -> None:
+    path = tmp_path / "launcher.py"
+    path.write_text(LAUNCHER.replace("    TILE = 64 if not is_hip_ else 8\n", "    if has_input:\n        TILE = 8\n"))
+    (site,) = parse_module(path, "launcher.py").launches
+    assert site.constants["TILE"] == 8  # `has_input` is a flag (the only value there is), not an NPU check
