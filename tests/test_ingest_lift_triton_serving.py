@@ -14,6 +14,8 @@ from ingest.manifest import find_manifest
 from ingest.model import Provenance
 from kb.ir.nodes import Gather, Load, Span, walk_stmts
 from kb.ir.text import parse_program, print_program
+from kb.lower.serving import layout_scalars
+from kb.lower.triton import lower_program
 from kb.lower.triton_aot import compile_for_arch
 from tests.support.repo import TEST_CACHE
 
@@ -277,7 +279,11 @@ def test_vllm_split_decode_lifts_from_the_pinned_wheel() -> None:
     # the tiles vLLM launches on NVIDIA GPUs (BLOCK = 32, num_stages = 2), not its `if is_hip_:` ones (16, 1)
     s = grouped.program.schedule
     assert (s.block_n, s.num_stages, s.num_warps) == (32, 2, 4)
-    # and it builds for sm_90 at that schedule (its i32 PAGE_SIZE passed as an integer), pipelined, without spills
+    # its page size divides the lanes' token indices: the kernels take it as a constexpr (a shift, not a division)
+    assert layout_scalars(grouped.program) == ("PAGE_SIZE",)
+    src = lower_program(grouped.program)
+    assert "    PAGE_SIZE: tl.constexpr," in src and "PAGE_SIZE=PAGE_SIZE" in src
+    # and it builds for sm_90 at that schedule (page size 16), pipelined, without spills
     kernels = compile_for_arch(grouped.program, arch=90, head_dim=128, tma=False)
     assert kernels and all(k.local_stores == 0 for k in kernels)
 

@@ -24,6 +24,7 @@ from kb.ir.nodes import Program
 from kb.ir.text import parse_program
 from kb.lower.cuda import lower_program as lower_cuda
 from kb.lower.runtime import TritonKernel
+from kb.lower.serving import layout_scalars
 from kb.lower.triton import lower_program
 from tests.support.ir_programs import SERVING_TEXTS
 
@@ -204,6 +205,19 @@ def test_generated_code_shape() -> None:
     assert "tl.where(_lane_ok, (n_start + offs_r), 0)" in pool  # an invalid lane's table index is clamped
     assert pool.count("_rows = (tl.load(req_to_token_ptr") == 1  # K and V share one table lookup
     assert "DESIGNS = {}" in pool and "PROGRAM_DESIGN = (16, 8, 1, 4, 1, False, False)" in pool
+
+
+def test_only_integer_divisors_of_an_index_are_compiled_in() -> None:
+    # the fixtures' pages are BLOCK_N long and max_seq_len sizes a grid: no scalar becomes a constexpr
+    assert [layout_scalars(_program(n)) for n in SERVING] == [(), (), ()]
+    text = SERVING_TEXTS["pool_decode"].replace("param sm_scale: [] f32 scalar",
+                                                "param sm_scale: [] f32 scalar\nparam ROWS: [] i32 scalar")
+    text = re.sub(r"req_to_token\[b, ([^\]]*)\]", r"req_to_token[b, (\1) // ROWS] + (\1) % ROWS", text)
+    assert "// ROWS]" in text
+    p = parse_program(text)
+    assert layout_scalars(p) == ("ROWS",)
+    src = lower_program(p)
+    assert "    ROWS: tl.constexpr," in src and "ROWS=ROWS" in src
 
 
 def test_block_class_tests_are_refused_with_the_reason() -> None:

@@ -34,7 +34,8 @@ from typing import Iterator, Mapping
 from kb.features import Features
 from kb.ir.expr import Expr, ExprOp, const, free_vars, substitute, walk
 from kb.ir.nodes import (
-    Combine, Dtype, For, Full, Gather, Init, Let, Load, OnlineSoftmax, Program, Role, Span, Stmt, Store, aux_gradients, is_backward, walk_stmts,
+    Combine, Dtype, For, Init, Let, Load, OnlineSoftmax, Program, Role, Stmt, Store, aux_gradients, index_exprs,
+    is_backward, walk_stmts,
 )
 
 __all__ = ["derive_features", "derive", "is_split_kv", "returns_lse", "has_sinks"]
@@ -66,21 +67,9 @@ def returns_lse(p: Program) -> bool:
     return "lse" in outs and any(isinstance(st, Store) and st.tensor == "lse" for st in _all_stmts(p))
 
 
-def _index_exprs(st: Load) -> Iterator[Expr]:
-    for ix in st.index:
-        if isinstance(ix, Span):
-            yield ix.start
-            if ix.until is not None:
-                yield ix.until
-        elif isinstance(ix, Gather):
-            yield ix.index
-        elif not isinstance(ix, Full):
-            yield ix
-
-
 def _indirect(st: Load, lets: dict[str, Expr], loop_vars: set[str] | None) -> bool:
     """The load's index reads another tensor (optionally: indexed by a loop variable), `let`s expanded."""
-    for e in _index_exprs(st):
+    for e in index_exprs(st):
         for n in walk(substitute(e, lets)):
             if n.op is ExprOp.LOAD and (loop_vars is None or free_vars(n) & loop_vars):
                 return True

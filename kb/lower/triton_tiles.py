@@ -60,11 +60,16 @@ class Signature:
     o32: bool = False  # o32_ptr and O32: the store of o also writes an fp32 copy (the operator's O for the backward)
     q_split: bool = False  # SPLIT_Q constexpr: a KV-outer query loop split by block class when the design asks (q_split)
     gqa_group: tuple[str, str] | None = None  # (H, G): GQA_GROUP = H // G constexpr, a GQA group loop's trip count
+    const_scalars: tuple[str, ...] = ()  # scalars passed as constexprs (kb.lower.serving.layout_scalars: a page size)
+
+    def runtime_scalars(self) -> list[str]:
+        """The scalars the kernels take as arguments (the others are constexprs)."""
+        return [s.name for s in self.scalars if s.name not in self.const_scalars]
 
     def args(self) -> list[str]:
         out = [f"{t.name}_ptr" for t in self.tensors]
         out += [f"stride_{t.name}_{i}" for t in self.tensors for i in range(len(t.shape))]
-        out += list(self.dims) + [s.name for s in self.scalars]
+        out += list(self.dims) + self.runtime_scalars()
         if self.table:
             out += ["bc_ptr", "stride_bc_0", "stride_bc_1", "stride_bc_2", "stride_bc_3", "bc_nb", "bc_nh", "bc_nm", "bc_nn"]
             out += ["kvl_ptr", *(f"stride_kvl_{i}" for i in range(5))]
@@ -76,7 +81,7 @@ class Signature:
         return list(self.consts) + self.pads + (["EVEN_D"] if self.even_d else []) \
             + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
             + (["O32"] if self.o32 else []) + (["SPLIT_Q"] if self.q_split else []) \
-            + (["GQA_GROUP"] if self.gqa_group is not None else [])
+            + (["GQA_GROUP"] if self.gqa_group is not None else []) + list(self.const_scalars)
 
 
 @dataclass(frozen=True)
