@@ -111,6 +111,23 @@ def test_a_reference_generated_for_a_window_transfers_onto_a_window_again() -> N
     assert first.value == next(st.value for st in once.kernels[0].body if isinstance(st, Let) and st.name == "kv_first")
 
 
+def test_a_narrow_window_keeps_each_split_at_least_four_kv_blocks() -> None:
+    ref = parse_program(SERVING_TEXTS["paged_decode"])
+    ref = replace(ref, schedule=replace(ref.schedule, block_n=32, num_splits=3))
+    spec = load_spec(REPO / "bench" / "heldout_serving" / "paged_decode_window_sinks.py")
+    target = target_for(spec)
+
+    def splits(mask: str | None) -> int:
+        t = replace(target, mask_mod=parse_expr(mask) if mask else target.mask_mod)
+        return transfer_serving(ref, spec.layout, t, sinks=spec.sinks, name="t").schedule.num_splits
+
+    assert splits(None) == 1  # 128 keys: 5 blocks of 32 (an unaligned start adds one), too few for a second split
+    assert splits("(kv_idx <= seq_lens[b] - 1) & (kv_idx > seq_lens[b] - 513)") == 3  # 512 keys: 17 blocks
+    assert splits("(kv_idx <= seq_lens[b] - 1) & (kv_idx > seq_lens[b] - 225)") == 2  # 224 keys: 8 blocks
+    assert splits("kv_idx <= seq_lens[b] - 1") == 3  # no window: the reference's own count
+    assert splits("(kv_idx <= seq_lens[b] - 1) & (kv_idx > seq_lens[b] // 2)") == 3  # a window that grows with the context
+
+
 def test_sinks_start_the_softmax_and_a_sinks_reference_serves_a_spec_without() -> None:
     spec = load_spec(SERVING / "pool_decode_sinks.py")
     p = transfer_serving(parse_program(SERVING_TEXTS["pool_decode"]), spec.layout, target_for(spec), sinks=spec.sinks,
