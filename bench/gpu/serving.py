@@ -15,7 +15,8 @@ prefill, TFLOP/s of the full per-sequence products (a chunk's queries times its 
 lengths, random page tables, built on the GPU), graphed, against the measured device-to-device copy bandwidth
 (`environment()["copy_gbps"]`, bytes read + written). `--designs "16x16 w4 s2 split8;..."` adds, at each sweep
 point, the module's `forward(..., _design=d)` for each design (an ablation of the schedule, labelled by its text;
-its output compared with the module's own design's). Writes `<out>/serving_<gpu>.json`.
+its output compared with the module's own design's); `--prefill-designs` does the same for the packed and chunked
+prefill modules at their bench shapes. Writes `<out>/serving_<gpu>.json`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from kb.ir.design import parse_design
 from kb.lower.runtime import import_file
 
 
-def check(path: Path, gen: Path, vllm_src: Path | None = None) -> dict:
+def check(path: Path, gen: Path, vllm_src: Path | None = None, designs: tuple[str, ...] = ()) -> dict:
     spec = import_file(path, f"spec_{path.stem}")
     cand = import_file(gen / f"gen_{path.stem}.py", f"cand_{path.stem}")
     init = list(getattr(spec, "bench_init_inputs", spec.get_init_inputs)())
@@ -83,9 +84,17 @@ def check(path: Path, gen: Path, vllm_src: Path | None = None) -> dict:
             lq, lk = named["query_start_loc"].long().diff(), named["seq_lens"].long()
         else:
             lq, lk = (x[1:] - x[:-1] for x in (inputs[3].long(), inputs[4].long()))
-        res["tflops_per_s"] = 4 * q.shape[1] * d * int((lq * lk).sum()) / 1e12 / (ms / 1e3)
-        return res
-    res.update(_bandwidth(spec, lengths, hkv, d, k_cache.element_size(), ms))
+        tflop = 4 * q.shape[1] * d * int((lq * lk).sum()) / 1e12
+
+        def rate(t: float) -> dict:
+            return {"tflops_per_s": tflop / (t / 1e3)}
+    else:
+        def rate(t: float) -> dict:
+            return _bandwidth(spec, lengths, hkv, d, k_cache.element_size(), t)
+    res.update(rate(ms))
+    if designs:
+        with torch.no_grad():
+            res["designs"] = _design_rows(cand, new, inputs, designs, rate)
     return res
 
 
@@ -182,7 +191,11 @@ def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batche
                 row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
                 row["baselines"] = _baselines(spec, model, inputs, got, vllm_src, row.get("graph_ms"))
                 if designs:
-                    row["designs"] = _design_rows(cand, new, inputs, designs, spec, copy_gbps)
+                    def rate(t: float, lengths: torch.Tensor = inputs[-1]) -> dict:
+                        bw = _bandwidth(spec, lengths, spec.BENCH["Hkv"], spec.BENCH["D"], 2, t)
+                        return {**bw, "of_copy_bandwidth": bw["graph_gb_per_s"] / copy_gbps}
+
+                    row["designs"] = _design_rows(cand, new, inputs, designs, rate)
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
             del inputs, got
@@ -190,9 +203,10 @@ def sweep(path: Path, gen: Path, copy_gbps: float, vllm_src: Path | None, batche
     return rows
 
 
-def _design_rows(cand: ModuleType, new: torch.nn.Module, inputs: list, designs: tuple[str, ...], spec: ModuleType,
-                 copy_gbps: float) -> dict:
-    """The Triton module's forward with each design forced, on the arguments ModelNew passes it, graphed."""
+def _design_rows(cand: ModuleType, new: torch.nn.Module, inputs: list, designs: tuple[str, ...],
+                 rate: Callable[[float], dict]) -> dict:
+    """The Triton module's forward with each design forced, on the arguments ModelNew passes it, graphed; `rate`:
+    the row's GB/s or TFLOP/s from its ms."""
     args, kwargs, _, ran = module_call(cand, new, inputs)
     if ran != "triton":
         return {"error": f"ModelNew ran the {ran}, not the Triton module"}
@@ -206,13 +220,16 @@ def _design_rows(cand: ModuleType, new: torch.nn.Module, inputs: list, designs: 
 
         try:
             row: dict = {"max_abs_vs_own": (call().float() - own.float()).abs().max().item(), **_timed(call)}
-            row.update(_bandwidth(spec, inputs[-1], spec.BENCH["Hkv"], spec.BENCH["D"], 2, _ms(row)))
-            row["of_copy_bandwidth"] = row["graph_gb_per_s"] / copy_gbps
+            row.update(rate(_ms(row)))
         except Exception as err:
             row = {"error": f"{type(err).__name__}: {err}"[:300]}
         out[text] = row
         torch.cuda.empty_cache()
     return out
+
+
+def _designs(text: str) -> tuple[str, ...]:
+    return tuple(d.strip() for d in text.split(";") if d.strip())
 
 
 def main() -> None:
@@ -221,8 +238,12 @@ def main() -> None:
     ap.add_argument("--specs", type=Path, default=Path("bench/heldout_serving"))
     ap.add_argument("--out", type=Path, default=Path("out/serving"))
     ap.add_argument("--sweep", action="store_true", help="also time paged decode at batch 64/256 x 4K/32K tokens")
-    ap.add_argument("--designs", default="", help="with --sweep: designs to force on the module too, ';'-separated "
-                                                   "(e.g. '16x16 w4 s2 split8;16x16 w4 s3 split16'), an ablation")
+    ap.add_argument("--designs", default="", help="with --sweep: designs to force on each decode module at every "
+                                                   "sweep point, ';'-separated (e.g. '16x16 w4 s2 split8;16x16 w4 s3 "
+                                                   "split16'), an ablation")
+    ap.add_argument("--prefill-designs", default="", help="designs to force on each packed or chunked prefill module "
+                                                          "at its bench shape, ';'-separated (e.g. '128x128 w8 s1'), "
+                                                          "an ablation")
     ap.add_argument("--vllm-src", type=Path, default=None,
                     help="a directory holding vllm/v1/attention/ops/ of the pinned vLLM wheel (the KB cache's copy)")
     args = ap.parse_args()
@@ -237,7 +258,8 @@ def main() -> None:
         if not (args.gen / f"gen_{path.stem}.py").is_file():
             continue
         try:
-            doc["results"].append(check(path, args.gen, args.vllm_src))
+            prefill = "decode" not in path.stem
+            doc["results"].append(check(path, args.gen, args.vllm_src, _designs(args.prefill_designs) if prefill else ()))
         except Exception as err:
             trace = traceback.format_exc()[-2000:]
             doc["results"].append({"spec": path.stem, "error": f"{type(err).__name__}: {err}", "trace": trace})
@@ -249,7 +271,7 @@ def main() -> None:
             if (args.gen / f"gen_{path.stem}.py").is_file():
                 try:
                     doc["decode_sweep"] += sweep(path, args.gen, env["copy_gbps"], args.vllm_src,
-                                                 designs=tuple(d.strip() for d in args.designs.split(";") if d.strip()))
+                                                 designs=_designs(args.designs))
                 except Exception as err:
                     doc["decode_sweep"].append({"spec": path.stem, "error": f"{type(err).__name__}: {err}"})
                 out.write_text(json.dumps(doc, indent=2, default=str))

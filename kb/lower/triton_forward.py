@@ -14,6 +14,7 @@ from kb.lower.cuda_dispatch import CudaDispatch, dispatch_section
 from kb.lower.kernel_gen import check_attention_params
 from kb.lower.pack_gqa import PackPlan, pack_plans
 from kb.lower.preambles import preamble_text
+from kb.lower.split_direct import direct_outputs
 from kb.lower.serving import OWN_DESIGN_CHOOSER, is_serving, layout_scalars, own_design_lines, serving_options, serving_refusals
 from kb.lower.triton_host import HostEntry, check_host_names, class_kernel, design_lines, host_function, kernel_fn_name, out_dtype, packed_fn_name, split_kernels
 from kb.lower.triton_kernel import TritonKernelGen
@@ -74,7 +75,8 @@ def program_signature(p: Program, opts: LowerOptions, plan: BlockMaskPlan, o32: 
     return Signature(tensors, runtime_dims, tuple(q for q in p.params if q.role is Role.SCALAR),
                       table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
                       even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
-                      tma=opts.tma, ws=opts.tma and opts.warp_specialize, o32=o32, const_scalars=layout_scalars(p))
+                      tma=opts.tma, ws=opts.tma and opts.warp_specialize, o32=o32, const_scalars=layout_scalars(p),
+                      one_split=direct_outputs(p) is not None)
 
 
 def kernel_sources(p: Program, sig: Signature, plan: BlockMaskPlan, opts: LowerOptions, packs: dict | str) -> list[str]:

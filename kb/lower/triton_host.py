@@ -26,6 +26,7 @@ from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, VALUE_DIM
 from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
+from kb.lower.split_direct import direct_outputs, split_kernels
 from kb.lower.serving import is_serving
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
@@ -66,11 +67,6 @@ def kernel_fn_name(k: Kernel) -> str:
 
 def packed_fn_name(k: Kernel) -> str:
     return f"_{k.name}_packed_kernel"
-
-
-def split_kernels(p: Program) -> list[Kernel]:
-    """The kernels with a split-KV grid axis (an extent over NUM_SPLITS)."""
-    return [k for k in p.kernels if any("NUM_SPLITS" in free_vars(a.extent) for a in k.grid)]
 
 
 def _lines(text: str) -> list[str]:
@@ -404,6 +400,8 @@ def _constexpr_values(sig: Signature) -> str:
         lines.append(f"        EVEN_DV = HEAD_PAD_V == {VALUE_DIM}")
     lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
     lines += ["        O32 = _o32"] if sig.o32 else []
+    lines += ["        ONE_SPLIT = NUM_SPLITS == 1  # the split kernel stores o and lse; no combine (kb.lower.split_direct)"] \
+        if sig.one_split else []
     lines += ["        SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split"] if sig.q_split else []
     lines += [f"        GQA_GROUP = {sig.gqa_group[0]} // {sig.gqa_group[1]}"] if sig.gqa_group is not None else []
     return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
@@ -473,14 +471,18 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
                      + sig.runtime_scalars() + table_args + (["o32"] if sig.o32 else []))
     constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
+    direct = direct_outputs(p) if sig.one_split else None
     out = ""
     for k in p.kernels:
+        skip = direct is not None and k.name == direct.combine
+        pad = "    " if skip else ""
+        out += "        if not ONE_SPLIT:\n" if skip else ""
         plain = dict(fn=kernel_fn_name(k), grid=_grid_code(k, hctx, None), args=args, constexprs=constexprs)
         if not isinstance(packs, dict):
-            launch = _KERNEL_LAUNCH.substitute(indent="        ", **plain)
+            launch = _KERNEL_LAUNCH.substitute(indent="        " + pad, **plain)
             out += _SWAP + launch + _SWAP if k.name in swap else launch
             continue
         packed = dict(plain, fn=packed_fn_name(k), grid=_grid_code(k, hctx, packs[k.name]))
-        out += "        if PACK:\n" + _KERNEL_LAUNCH.substitute(indent="            ", **packed)
-        out += "        else:\n" + _KERNEL_LAUNCH.substitute(indent="            ", **plain)
+        out += f"        {pad}if PACK:\n" + _KERNEL_LAUNCH.substitute(indent="            " + pad, **packed)
+        out += f"        {pad}else:\n" + _KERNEL_LAUNCH.substitute(indent="            " + pad, **plain)
     return out

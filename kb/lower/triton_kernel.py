@@ -191,6 +191,20 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if st.accumulate:
             self.accumulate_store(st)
             return
+        direct = self.direct.direct_store(st) if self.direct is not None else None
+        if direct is not None:
+            self.emit(f"if ONE_SPLIT:  # one split: the partial is {direct.tensor} itself (the combine is not launched)")
+            self.depth += 1
+            self.block((), lambda: self.s_store(direct))  # each branch makes its own offsets
+            self.depth -= 1
+            self.emit("else:")
+            self.depth += 1
+            self.block((), lambda: self.plain_store(st))
+            self.depth -= 1
+            return
+        self.plain_store(st)
+
+    def plain_store(self, st: Store) -> None:
         ptr, mask, _ = self.address(st.tensor, st.index)
         value = f"{self.oriented(st.value, False)}.to({st.tensor}_ptr.dtype.element_ty)"
         plain = f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")")

@@ -482,6 +482,7 @@ def _split_kernel(
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
     O32: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M), split: NUM_SPLITS), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -521,12 +522,24 @@ def _split_kernel(
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
-    _desc_o_part = tl.make_tensor_descriptor(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + split * stride_o_part_2, shape=[M, D], strides=[stride_o_part_3, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
-    if USE_TMA:
-        _desc_o_part.store([m_start, 0], ot.to(o_part_ptr.dtype.element_ty))
+    if ONE_SPLIT:  # one split: the partial is o itself (the combine is not launched)
+        _desc_o = tl.make_tensor_descriptor(o_ptr + b * stride_o_0 + h * stride_o_1, shape=[M, D], strides=[stride_o_2, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
+        if USE_TMA:
+            _desc_o.store([m_start, 0], ot.to(o_ptr.dtype.element_ty))
+        else:
+            tl.store(o_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+        if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+            tl.store(o32_ptr + b * stride_o_0 + h * stride_o_1 + offs_m_start[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(tl.float32), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
     else:
-        tl.store(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + split * stride_o_part_2 + offs_m_start[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, ot.to(o_part_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
-    tl.store(lse_part_ptr + b * stride_lse_part_0 + h * stride_lse_part_1 + split * stride_lse_part_2 + offs_m_start * stride_lse_part_3, lt.to(lse_part_ptr.dtype.element_ty), mask=(offs_m_start < M))
+        _desc_o_part = tl.make_tensor_descriptor(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + split * stride_o_part_2, shape=[M, D], strides=[stride_o_part_3, 1], block_shape=[BLOCK_M, HEAD_PAD]) if USE_TMA else None
+        if USE_TMA:
+            _desc_o_part.store([m_start, 0], ot.to(o_part_ptr.dtype.element_ty))
+        else:
+            tl.store(o_part_ptr + b * stride_o_part_0 + h * stride_o_part_1 + split * stride_o_part_2 + offs_m_start[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, ot.to(o_part_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < M) if EVEN_D else (offs_m_start[:, None] < M) & (offs_d[None, :] < D)))
+    if ONE_SPLIT:  # one split: the partial is lse itself (the combine is not launched)
+        tl.store(lse_ptr + b * stride_lse_0 + h * stride_lse_1 + offs_m_start * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < M))
+    else:
+        tl.store(lse_part_ptr + b * stride_lse_part_0 + h * stride_lse_part_1 + split * stride_lse_part_2 + offs_m_start * stride_lse_part_3, lt.to(lse_part_ptr.dtype.element_ty), mask=(offs_m_start < M))
 
 
 @triton.jit
@@ -583,6 +596,7 @@ def _combine_kernel(
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
     O32: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     pid = tl.program_id(0)
@@ -729,6 +743,7 @@ def _split_packed_kernel(
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
     O32: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M), split: NUM_SPLITS), flattened; the last axis varies fastest
     # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
@@ -771,8 +786,16 @@ def _split_packed_kernel(
     _l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     ot = acc / _l_safe[:, None]
     lt = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(_l_safe))
-    tl.store(o_part_ptr + b * stride_o_part_0 + split * stride_o_part_2 + offs_m_start_head[:, None] * stride_o_part_1 + offs_m_start_pos[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, ot.to(o_part_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
-    tl.store(lse_part_ptr + b * stride_lse_part_0 + split * stride_lse_part_2 + offs_m_start_head * stride_lse_part_1 + offs_m_start_pos * stride_lse_part_3, lt.to(lse_part_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
+    if ONE_SPLIT:  # one split: the partial is o itself (the combine is not launched)
+        tl.store(o_ptr + b * stride_o_0 + offs_m_start_head[:, None] * stride_o_1 + offs_m_start_pos[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(o_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+        if O32:  # the fp32 copy of o the operator saves for the backward (same strides as o)
+            tl.store(o32_ptr + b * stride_o_0 + offs_m_start_head[:, None] * stride_o_1 + offs_m_start_pos[:, None] * stride_o_2 + offs_d[None, :] * stride_o_3, ot.to(tl.float32), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+    else:
+        tl.store(o_part_ptr + b * stride_o_part_0 + split * stride_o_part_2 + offs_m_start_head[:, None] * stride_o_part_1 + offs_m_start_pos[:, None] * stride_o_part_3 + offs_d[None, :] * stride_o_part_4, ot.to(o_part_ptr.dtype.element_ty), mask=((offs_m_start[:, None] < _pk_rows) if EVEN_D else (offs_m_start[:, None] < _pk_rows) & (offs_d[None, :] < D)))
+    if ONE_SPLIT:  # one split: the partial is lse itself (the combine is not launched)
+        tl.store(lse_ptr + b * stride_lse_0 + offs_m_start_head * stride_lse_1 + offs_m_start_pos * stride_lse_2, lt.to(lse_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
+    else:
+        tl.store(lse_part_ptr + b * stride_lse_part_0 + split * stride_lse_part_2 + offs_m_start_head * stride_lse_part_1 + offs_m_start_pos * stride_lse_part_3, lt.to(lse_part_ptr.dtype.element_ty), mask=(offs_m_start < _pk_rows))
 
 
 @triton.jit
@@ -829,6 +852,7 @@ def _combine_packed_kernel(
     POS_sm_scale: tl.constexpr,
     USE_TMA: tl.constexpr,
     O32: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
 ):
     # grid (b: B, h: Hq, m: cdiv(M, BLOCK_M)), flattened; the last axis varies fastest
     # GQA packed: h runs over the Hkv KV heads, m over cdiv((Hq // Hkv) * M, BLOCK_M) blocks of (query head in group, query position) rows
@@ -911,29 +935,31 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
         EVEN_D = HEAD_PAD == D
         POS_sm_scale = sm_scale > 0
         O32 = _o32
+        ONE_SPLIT = NUM_SPLITS == 1  # the split kernel stores o and lse; no combine (kb.lower.split_direct)
         o = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), q.dtype, q.device)
         o32 = _kb_alloc(rec, torch.empty, (B, Hq, M, D,), torch.float32, q.device) if _o32 else o
         lse = _kb_alloc(rec, torch.empty, (B, Hq, M,), torch.float32, q.device)
         o_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M, D,), torch.float32, q.device)
         lse_part = _kb_alloc(rec, torch.empty, (B, Hq, NUM_SPLITS, M,), torch.float32, q.device)
         # Hopper: tile loads/stores through tensor descriptors (TMA) where the GPU and layouts allow
-        USE_TMA = tma and _use_tma((q, k, v, o_part, o), (BLOCK_M, BLOCK_N, HEAD_PAD))
+        USE_TMA = tma and _use_tma((q, k, v, o, o_part), (BLOCK_M, BLOCK_N, HEAD_PAD))
         if PACK:
             _kb_launch(rec, _split_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)) * NUM_SPLITS,), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32, ONE_SPLIT=ONE_SPLIT)
         else:
             _kb_launch(rec, _split_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)) * NUM_SPLITS,), (
                 q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
-        if PACK:
-            _kb_launch(rec, _combine_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
-        else:
-            _kb_launch(rec, _combine_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
-                q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
-            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32)
+            ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32, ONE_SPLIT=ONE_SPLIT)
+        if not ONE_SPLIT:
+            if PACK:
+                _kb_launch(rec, _combine_packed_kernel, (B * Hkv * (_hcdiv(_PK_ROWS, BLOCK_M)),), (
+                    q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+                ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32, ONE_SPLIT=ONE_SPLIT)
+            else:
+                _kb_launch(rec, _combine_kernel, (B * Hq * (_hcdiv(M, BLOCK_M)),), (
+                    q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(), *o_part.stride(), *lse_part.stride(), B, Hq, M, D, Hkv, N, sm_scale, o32,
+                ), num_warps, num_stages, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_SPLITS=NUM_SPLITS, HEAD_PAD=HEAD_PAD, PAD_NUM_SPLITS=PAD_NUM_SPLITS, EVEN_D=EVEN_D, POS_sm_scale=POS_sm_scale, USE_TMA=USE_TMA, O32=O32, ONE_SPLIT=ONE_SPLIT)
         return o, lse, *((o32,) if _o32 else ())
 
     design = tuple(_design) if _design is not None else _choose_design(q, D, (q.device, q.dtype, B, Hq, M, D, Hkv, N), launch)
@@ -942,7 +968,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-76c767c541e03eb4'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_76c767c541e03eb4_d44557db'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_76c767c541e03eb4_fb57dc52'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
