@@ -7,6 +7,7 @@ order (never shared), GQA (Hq=4, Hkv=2), a head dim that is not a power of two (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere below
@@ -24,7 +25,8 @@ from kb.ir.nodes import Program
 from kb.ir.text import parse_program
 from kb.lower.cuda import lower_program as lower_cuda
 from kb.lower.runtime import TritonKernel
-from kb.lower.serving import layout_scalars
+from kb.ir.design import parse_design
+from kb.lower.serving import free_tiles, key_capacity, layout_scalars
 from kb.lower.triton import lower_program
 from tests.support.ir_programs import SERVING_TEXTS
 
@@ -253,3 +255,17 @@ def test_rows_whose_element_offset_passes_int32(cache_dir: Path) -> None:
     v_tm, _ = pool_to_token_major(inputs["v"], inputs["req_to_token"], [3, 13])
     got = TritonKernel.from_program(_program("pool_decode", torch.bfloat16), cache_dir).run(inputs)
     torch.testing.assert_close(got["o"].float(), _decode_reference(inputs["q"], k_tm, v_tm, [3, 13]), atol=2e-2, rtol=2e-2)
+
+
+def test_a_program_whose_lanes_find_their_own_pages_runs_the_designs_generation_chose() -> None:
+    pool, paged = _program("pool_decode"), _program("paged_decode")
+    # the token pool gathers a row per lane; the paged fixture's tile is one page (`n_start // BLOCK_N`)
+    assert free_tiles(pool) and not free_tiles(paged)
+    assert key_capacity(pool) == "MAX_CTX" and key_capacity(paged) == "MAX_PAGES * PAGE"
+    table = {"sm90": {16: [parse_design("16x64 w4 s3")]}}
+    pool = dataclasses.replace(pool, schedule=dataclasses.replace(pool.schedule, block_n=16))
+    assert "DESIGNS = {}" in lower_program(_program("pool_decode"), designs=table)  # BLOCK_N 8 is no design
+    src = lower_program(pool, designs=table)
+    assert "DESIGNS = {'sm90': {16: [(16, 64, 1, 4, 3, True, False)]}}" in src and "_choose_design(" in src
+    own = lower_program(paged, designs=table)  # another tile would read another page: its own schedule only
+    assert "DESIGNS = {}" in own and "_own_design(" in own

@@ -13,8 +13,10 @@ a dense one (kb.lower.triton_kernel); this module holds the few places it differ
   table bound tiles by M / N), split-KV grids (the host's split count reads N) and backward programs;
 - gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range;
 - layout sizes: an integer scalar that divides in an index (a page size) is compiled in (`layout_scalars`).
-The module's host side runs the program's own schedule (`OWN_DESIGN_CHOOSER`): a paged program's BLOCK_N may be its
-page size, so another design's tiles could change what it computes.
+The module's host side runs the designs generation chose where any tiles compute the same (`free_tiles`: every lane
+finds its own page), a split-KV program's split count then chosen at launch from the grid, the SM count and the
+table's key capacity (`key_capacity`); else its own schedule (`OWN_DESIGN_CHOOSER`): a program whose BLOCK_N is its
+page size computes something else at another tile.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import dataclasses
 from string import Template
 
 from kb.ir.expr import Expr, ExprOp, call, const, var, walk
-from kb.ir.nodes import IfBlock, Load, Program, Role, Store, index_exprs, is_backward, serving_constructs, walk_stmts
+from kb.ir.nodes import For, IfBlock, Let, Load, Program, Role, Store, index_exprs, is_backward, serving_constructs, walk_stmts
 from kb.lower.expr_context import DTYPE_KIND, Kind
 from kb.lower.triton_options import LowerOptions
 
 __all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "layout_scalars",
-           "OWN_DESIGN_CHOOSER", "own_design_lines"]
+           "free_tiles", "key_capacity", "OWN_DESIGN_CHOOSER", "own_design_lines"]
 
 OWN_DESIGN_CHOOSER = "_own_design"
 
@@ -75,6 +77,39 @@ def layout_scalars(p: Program) -> tuple[str, ...]:
                         if n.op in (ExprOp.FLOORDIV, ExprOp.MOD) and n.args[1].op is ExprOp.VAR and n.args[1].value in ints:
                             found[str(n.args[1].value)] = None
     return tuple(q.name for q in p.params if q.name in found)
+
+
+def _index_nodes(p: Program) -> list[Expr]:
+    """Every expression node of `p`'s load and store indices, lets and loop bounds (what an address is made of)."""
+    def exprs(st: object) -> tuple[Expr, ...]:
+        if isinstance(st, (Load, Store)):
+            return tuple(index_exprs(st))
+        if isinstance(st, Let):
+            return (st.value,)
+        return (st.lo, st.hi) if isinstance(st, For) else ()
+    return [n for k in p.kernels for st in walk_stmts(k.body) for e in exprs(st) for n in walk(e)]
+
+
+def free_tiles(p: Program) -> bool:
+    """Can `p` run any design's tiles and compute the same: no load or store index divides by a tile side (BLOCK_M,
+    BLOCK_N: a program whose tile is one page of the cache), so each lane finds its own page and a tile may span
+    several pages or part of one (the serving verifier re-pages the cache at 1 and 64 tokens per page)."""
+    return not any(n.op in (ExprOp.FLOORDIV, ExprOp.MOD) and n.args[1].op is ExprOp.VAR
+                   and n.args[1].value in ("BLOCK_M", "BLOCK_N") for n in _index_nodes(p))
+
+
+def key_capacity(p: Program) -> str | None:
+    """The most keys one sequence can hold, as host code: the width of the page (or token) table the loads gather
+    through, times the page size where an index divides by one; None without such a table."""
+    tables = {str(n.value) for n in _index_nodes(p) if n.op is ExprOp.LOAD}
+    ints = [q for q in p.params if q.name in tables and q.role is Role.AUX and len(q.shape) == 2
+            and DTYPE_KIND[q.dtype] is Kind.INT]
+    if len(ints) != 1:
+        return None
+    width, pages, k = str(ints[0].shape[1]), layout_scalars(p), p.param("k").shape
+    if pages:
+        return f"{width} * {pages[0]}"
+    return f"{width} * {k[1]}" if len(k) == 4 else width  # a [NUM_PAGES, PAGE, Hkv, D] cache: pages of PAGE keys
 
 
 def kv_bound(p: Program) -> str | None:

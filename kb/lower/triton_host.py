@@ -27,7 +27,7 @@ from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
 from kb.lower.split_direct import direct_outputs, split_kernels
-from kb.lower.serving import is_serving
+from kb.lower.serving import is_serving, key_capacity
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
@@ -381,9 +381,13 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
 def _num_splits(p: Program, hctx: ExprContext, packs: dict | str, device: str) -> str:
     """NUM_SPLITS at launch: a split-KV program's 0 is chosen from the grid and the SM count."""
     split = split_kernels(p)
-    if not split or is_serving(p):  # a serving program's own schedule fixes its split count (kb.lower.serving)
+    if not split:
         return "max(1, NUM_SPLITS)"
     base = _grid_code(split[0], hctx, None, split=False)
+    if is_serving(p):  # no N: the splits cover what the page table can hold (kb.lower.serving)
+        capacity = key_capacity(p)
+        return f"NUM_SPLITS or _auto_splits({base}, _hcdiv({capacity}, BLOCK_N), {device})" if capacity \
+            else "max(1, NUM_SPLITS)"
     if isinstance(packs, dict):
         base = f"({_grid_code(split[0], hctx, packs[split[0].name], split=False)} if PACK else {base})"
     return f"NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {device})"
