@@ -31,7 +31,7 @@ from kb.ir.nodes import Program, Store, walk_stmts
 from kb.ir.text import parse_program
 from kb.store import Kernel, PerfRecord, Tunable
 
-__all__ = ["PERF_FEATURE_WEIGHTS", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
+__all__ = ["PERF_FEATURE_WEIGHTS", "LAYOUT_PENALTY", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
            "sweeps_from_kb", "backward_structure", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH",
            "STRUCTURE_MARGIN"]
 
@@ -80,15 +80,23 @@ def backward_structure(p: Program) -> str:
     return "dq atomics" if any(p.param(t).shape == q_shape for t in summed) else "dq pass"
 
 
+LAYOUT_PENALTY = 0.3  # a sweep of another memory layout counts exp(-8 * 0.3) = 0.09 as much (run 27)
+
+
 def perf_similarity(a: Features, b: Features) -> float:
-    """In [0, 1]: how alike two kernels are in what decides their best design."""
+    """In [0, 1]: how alike two kernels are in what decides their best design. Kernels of different memory layouts
+    (dense, a paged cache, packed varlen: `paged_kv`, `varlen`) are LAYOUT_PENALTY less alike: a page-table gather
+    per lane changes which tile wins (run 27's paged tuning sweeps: the dense decode records' first design, 16x128 w4
+    s3, 10% behind the paged decode's best, 16x64 w4 s2, at batch 128 x 16K), so a paged kernel's own sweeps lead where they exist and dense ones still vote
+    where they do not; dense kernels compare as before."""
     w = PERF_FEATURE_WEIGHTS
     same = {"decode": _decode(a) == _decode(b), "mask": a.mask == b.mask,
             "mask_class": _MASK_CLASS.get(a.mask, "table") == _MASK_CLASS.get(b.mask, "table"),
             "score_cost": _SCORE_COST.get(a.score_mod, 2) == _SCORE_COST.get(b.score_mod, 2),
             "span": _span_class(a) == _span_class(b),
             "gqa": (a.gqa_ratio > 1) == (b.gqa_ratio > 1), "cross": a.cross == b.cross, "dtype": a.dtype == b.dtype}
-    return sum(w[k] for k, ok in same.items() if ok)
+    layout = (a.paged_kv, a.varlen) == (b.paged_kv, b.varlen)
+    return max(0.0, sum(w[k] for k, ok in same.items() if ok) - (0.0 if layout else LAYOUT_PENALTY))
 
 
 STRUCTURE_MARGIN = 0.03  # a structure leads only when measured this much faster: closer is the call-to-call spread

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from generate.backward import _preferred, measured_structures, nondeterminism
-from generate.designs import (Sweep, backward_structure, default_designs, design_table, expert_designs, perf_similarity,
+from generate.designs import (LAYOUT_PENALTY, Sweep, backward_structure, default_designs, design_table, expert_designs, perf_similarity,
                               rank_designs, structure_scores)
 from kb.errors import KBError
 from kb.features import Features
@@ -44,6 +44,19 @@ def test_similarity_weighs_what_changes_the_best_design() -> None:
     assert perf_similarity(CAUSAL, CAUSAL) == pytest.approx(1.0)
     alibi = Features(mask="causal", causal=True, score_mod="alibi", alibi=True)
     assert perf_similarity(CAUSAL, alibi) > perf_similarity(CAUSAL, DOC) > perf_similarity(CAUSAL, DECODE)
+
+
+def test_a_paged_kernels_own_sweeps_lead_and_dense_ones_only_follow() -> None:
+    """Run 27: on a paged decode the dense decode sweeps' best tile (16x128) was not the paged sweeps' (16x64)."""
+    paged = replace(DECODE, paged_kv=True)
+    assert perf_similarity(DECODE, replace(DECODE, gqa_ratio=1)) == perf_similarity(paged, replace(paged, gqa_ratio=1))
+    assert perf_similarity(paged, DECODE) == pytest.approx(1.0 - LAYOUT_PENALTY)
+    wide, narrow = Design(16, 128, 4, 3, AUTO_SPLITS, pack_gqa=True), Design(16, 64, 4, 2, AUTO_SPLITS, pack_gqa=True)
+    dense = [Sweep(f"d{i}", DECODE, "sm90", 128, ((wide, 1.0), (narrow, 1.1))) for i in range(4)]
+    paged_sweep = Sweep("p1", replace(paged, gqa_ratio=8), "sm90", 128, ((wide, 1.1), (narrow, 1.0)))
+    assert rank_designs(paged, "sm90", 128, [*dense, paged_sweep], FA2)[:2] == [narrow, wide]
+    assert rank_designs(DECODE, "sm90", 128, [*dense, paged_sweep], FA2)[0] == wide
+    assert rank_designs(paged, "sm90", 128, dense, FA2)[0] == wide  # no paged sweep: the dense ones still rank
 
 
 def test_expert_tunables_map_onto_triton_designs() -> None:

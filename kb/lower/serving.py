@@ -90,12 +90,26 @@ def _index_nodes(p: Program) -> list[Expr]:
     return [n for k in p.kernels for st in walk_stmts(k.body) for e in exprs(st) for n in walk(e)]
 
 
+def _by_tile(e: Expr) -> bool:
+    """Does `e` divide by a tile side (`// BLOCK_N`, `% BLOCK_M`)?"""
+    return any(n.op in (ExprOp.FLOORDIV, ExprOp.MOD) and n.args[1].op is ExprOp.VAR
+               and n.args[1].value in ("BLOCK_M", "BLOCK_N") for n in walk(e))
+
+
 def free_tiles(p: Program) -> bool:
-    """Can `p` run any design's tiles and compute the same: no load or store index divides by a tile side (BLOCK_M,
-    BLOCK_N: a program whose tile is one page of the cache), so each lane finds its own page and a tile may span
-    several pages or part of one (the serving verifier re-pages the cache at 1 and 64 tokens per page)."""
-    return not any(n.op in (ExprOp.FLOORDIV, ExprOp.MOD) and n.args[1].op is ExprOp.VAR
-                   and n.args[1].value in ("BLOCK_M", "BLOCK_N") for n in _index_nodes(p))
+    """Can `p` run any design's tiles and compute the same: no address divides by a tile side (BLOCK_M, BLOCK_N: a
+    program whose tile is one page of the cache, `block_table[b, n_start // BLOCK_N]`), so each lane finds its own
+    page and a tile may span several pages or part of one (the serving verifier re-pages the cache at 1 and 64
+    tokens per page). A loop bound aligned to a tile (a window's first block) is no address."""
+    for k in p.kernels:
+        for st in walk_stmts(k.body):
+            if isinstance(st, (Load, Store)) and any(_by_tile(e) for e in index_exprs(st)):
+                return False
+            if isinstance(st, (Let, For)) and any(n.op is ExprOp.LOAD and any(_by_tile(a) for a in n.args)
+                                                  for e in ((st.value,) if isinstance(st, Let) else (st.lo, st.hi))
+                                                  for n in walk(e)):
+                return False
+    return True
 
 
 def key_capacity(p: Program) -> str | None:
