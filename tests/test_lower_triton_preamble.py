@@ -86,3 +86,20 @@ def test_a_scalar_bound_in_a_forward_tile_mask_runs_interpreted(tmp_path: Path) 
     ins["sm_scale"] = 0.25
     want, got = run_program(p, ins), TritonKernel.from_program(p, tmp_path).run(ins)
     torch.testing.assert_close(got["o"], want["o"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_first_call_inside_a_cuda_graph_capture_runs_the_programs_own_design(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No trial launch or timing may happen inside a capture (both would be captured or would synchronise): the
+    program's own design runs and nothing is kept, so the next call outside a capture still chooses."""
+    monkeypatch.setattr(pre, "PROGRAM", "p", raising=False)
+    monkeypatch.setattr(pre, "PROGRAM_DESIGN", (64, 64, 1, 4, 2, True, False), raising=False)
+    monkeypatch.setattr(pre, "DESIGNS", {"sm90": {128: [(128, 128, 1, 8, 3, True, False)]}}, raising=False)
+    monkeypatch.setattr(pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(pre.torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def launch(design: tuple) -> None:
+        raise AssertionError(f"launched {design} inside the capture")
+
+    key = ("cuda", "bf16", 1, 2, 3)
+    assert pre._choose_design(torch.empty(1), 128, key, launch) == (64, 64, 1, 4, 2, True, False)
+    assert key not in pre._PICKED
