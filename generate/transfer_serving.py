@@ -32,14 +32,15 @@ from typing import Any, Callable
 from generate.spec_serving import ServingLayout, length_input
 from generate.transfer import Strategy, Target, rewrite_loop_body
 from kb.errors import KBError
-from kb.ir.algebra import conjuncts, normal_form, simplify
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, substitute, var
+from kb.ir.algebra import conjuncts, simplify
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, loaded_tensors, var
 from kb.ir.nodes import (
     Dtype, Elementwise, For, Gather, Init, Kernel, Let, Load, Mask, OnlineSoftmax, Param, Program, Role, Schedule, ScoreMod, Span, Stmt,
     TileAt, VariantFn, MASK_MOD_PARAMS, SCORE_MOD_PARAMS, walk_stmts,
 )
 from kb.ir.rename import fresh, keep_apart, local_names, names, rename
 from kb.ir.rewrite import map_stmts
+from kb.ir.window import first_key, window_width
 from kb.lower.triton_preamble import _MIN_SPLIT_BLOCKS as MIN_SPLIT_BLOCKS  # the generated modules' split rule
 
 __all__ = ["transfer_serving", "fits_layout", "groups_heads", "serving_params", "SERVING_STRATEGY"]
@@ -124,7 +125,7 @@ def _rewrite(kernel: Kernel, target: Target, sinks: str | None, taken: frozenset
         raise KBError(f"kernel {kernel.name}: its KV loop applies no mask; cannot place the sequence's bound")
     new_loop = replace(loop, body=rewrite_loop_body(loop.body, target, Strategy.REUSE, at))
     lets: tuple[Stmt, ...] = ()
-    first = _first_key(target.mask_mod, at)
+    first = first_key(target.mask_mod, at)
     if first is not None:  # a window: start each split's loop at the KV block of the first key the query can see
         name = fresh("kv_first", taken)
         lets = (Let(name, first),)
@@ -154,40 +155,15 @@ def _without_window_start(kernel: Kernel, loop: For) -> tuple[Kernel, For]:
     return replace(kernel, body=kernel.body[:i - 1] + (bare,) + kernel.body[i + 1:]), bare
 
 
-def _first_key(mask: Expr | None, at: TileAt) -> Expr | None:
-    """The first key a decode query can see, from the mask's `kv_idx > E` / `kv_idx >= E` terms (E free of kv_idx,
-    at the tile's batch and head, q_idx 0 in the decode view), or None. Keys below it are masked, so a loop that
-    starts there visits a sliding window's keys only, not the whole sequence. A grouped tile's rows differ in head:
-    a bound that reads h is left to the mask."""
-    if mask is None:
-        return None
-    starts: list[Expr] = []
-    for t in conjuncts(mask):
-        if t.op in (ExprOp.GT, ExprOp.GE) and t.args[0] == var("kv_idx"):
-            e, strict = t.args[1], t.op is ExprOp.GT
-        elif t.op in (ExprOp.LT, ExprOp.LE) and t.args[1] == var("kv_idx"):
-            e, strict = t.args[0], t.op is ExprOp.LT
-        else:
-            continue
-        if "kv_idx" in free_vars(e) or (at.head_rows and "h" in free_vars(e)):
-            continue
-        e = substitute(e, {"b": at.b, "h": at.h, "q_idx": const(0)})
-        starts.append(e + 1 if strict else e)
-    if not starts:
-        return None
-    return functools.reduce(lambda a, e: call("maximum", a, e), starts)
-
-
 def _window_splits(schedule: Schedule, mask: Expr | None, lengths: str) -> Schedule:
     """`schedule` with no more splits than leave each one `MIN_SPLIT_BLOCKS` KV blocks of a window of constant width
     (cdiv(width, BLOCK_N) + 1 blocks: its start need not sit on a block), as the split rule caps a dense decode's.
     Measured (run 26, H100, gpt-oss heads, 128-key window + sinks, CUDA-graph replay): 3 splits 0.0238 / 0.0605 ms at
     batch 64 / 256, 1 split 0.0210 / 0.0514 (vLLM's unified_attention 0.0187 / 0.0506)."""
-    first = _first_key(mask, TileAt(var("b"), var("h"), const(0), const(0)))
-    width = normal_form(load(lengths, var("b")) - first) if first is not None else None
-    if width is None or not (width.op is ExprOp.CONST and isinstance(width.value, int)):
+    width = window_width(mask, lengths)
+    if width is None:
         return schedule
-    blocks = -(-width.value // schedule.block_n) + 1
+    blocks = -(-width // schedule.block_n) + 1
     return replace(schedule, num_splits=max(1, min(schedule.num_splits, blocks // MIN_SPLIT_BLOCKS)))
 
 

@@ -26,7 +26,7 @@ from kb.ir.text import parse_program
 from kb.lower.cuda import lower_program as lower_cuda
 from kb.lower.runtime import TritonKernel
 from kb.ir.design import parse_design
-from kb.lower.serving import free_tiles, key_capacity, layout_scalars
+from kb.lower.serving import free_tiles, key_capacity, layout_scalars, split_kv_blocks
 from kb.lower.triton import lower_program
 from tests.support.ir_programs import SERVING_TEXTS
 
@@ -269,3 +269,13 @@ def test_a_program_whose_lanes_find_their_own_pages_runs_the_designs_generation_
     assert "DESIGNS = {'sm90': {16: [(16, 64, 1, 4, 3, True, False)]}}" in src and "_choose_design(" in src
     own = lower_program(paged, designs=table)  # another tile would read another page: its own schedule only
     assert "DESIGNS = {}" in own and "_own_design(" in own
+
+
+def test_the_split_rule_divides_a_windows_blocks_not_the_whole_table() -> None:
+    """A listed design's split count is chosen at launch: over a window's cdiv(W, BLOCK_N) + 1 blocks when the mask
+    bounds the keys to W below the length (as the transfer caps the program's own schedule), else over the table."""
+    text = SERVING_TEXTS["pool_decode"]
+    windowed = parse_program(text.replace("mask_mod(b, h, q_idx, kv_idx) = kv_idx < seq_lens[b]",
+                                          "mask_mod(b, h, q_idx, kv_idx) = (kv_idx < seq_lens[b]) & (kv_idx > seq_lens[b] - 33)"))
+    assert split_kv_blocks(windowed) == "_hcdiv(32, BLOCK_N) + 1"
+    assert split_kv_blocks(parse_program(text)) == "_hcdiv(MAX_CTX, BLOCK_N)"

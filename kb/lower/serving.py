@@ -26,11 +26,12 @@ from string import Template
 
 from kb.ir.expr import Expr, ExprOp, call, const, var, walk
 from kb.ir.nodes import For, IfBlock, Let, Load, Program, Role, Store, index_exprs, is_backward, serving_constructs, walk_stmts
+from kb.ir.window import window_width
 from kb.lower.expr_context import DTYPE_KIND, Kind
 from kb.lower.triton_options import LowerOptions
 
 __all__ = ["is_serving", "serving_refusals", "serving_options", "kv_bound", "clamped_index", "layout_scalars",
-           "free_tiles", "key_capacity", "OWN_DESIGN_CHOOSER", "own_design_lines"]
+           "free_tiles", "key_capacity", "split_kv_blocks", "OWN_DESIGN_CHOOSER", "own_design_lines"]
 
 OWN_DESIGN_CHOOSER = "_own_design"
 
@@ -124,6 +125,21 @@ def key_capacity(p: Program) -> str | None:
     if pages:
         return f"{width} * {pages[0]}"
     return f"{width} * {k[1]}" if len(k) == 4 else width  # a [NUM_PAGES, PAGE, Hkv, D] cache: pages of PAGE keys
+
+
+def split_kv_blocks(p: Program) -> str | None:
+    """The KV blocks the launch-time split rule divides among a serving program's splits, as host code: a window of
+    constant width W (`kb.ir.window`) is cdiv(W, BLOCK_N) + 1 blocks whatever the context (the rule then keeps each
+    split 4 blocks long, as the transfer caps the program's own schedule), else what the page table can hold; None
+    when neither is known."""
+    if p.mask_mod is not None:
+        for q in p.params:
+            if q.role is Role.AUX and len(q.shape) == 1 and DTYPE_KIND[q.dtype] is Kind.INT:
+                width = window_width(p.mask_mod.body, q.name)
+                if width is not None:
+                    return f"_hcdiv({width}, BLOCK_N) + 1"
+    capacity = key_capacity(p)
+    return f"_hcdiv({capacity}, BLOCK_N)" if capacity else None
 
 
 def kv_bound(p: Program) -> str | None:

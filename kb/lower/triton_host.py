@@ -27,7 +27,7 @@ from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
 from kb.lower.split_direct import direct_outputs, split_kernels
-from kb.lower.serving import is_serving, key_capacity
+from kb.lower.serving import is_serving, split_kv_blocks
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_tiles import Signature
@@ -384,10 +384,9 @@ def _num_splits(p: Program, hctx: ExprContext, packs: dict | str, device: str) -
     if not split:
         return "max(1, NUM_SPLITS)"
     base = _grid_code(split[0], hctx, None, split=False)
-    if is_serving(p):  # no N: the splits cover what the page table can hold (kb.lower.serving)
-        capacity = key_capacity(p)
-        return f"NUM_SPLITS or _auto_splits({base}, _hcdiv({capacity}, BLOCK_N), {device})" if capacity \
-            else "max(1, NUM_SPLITS)"
+    if is_serving(p):  # no N: the splits cover a window's blocks or what the page table can hold (kb.lower.serving)
+        blocks = split_kv_blocks(p)
+        return f"NUM_SPLITS or _auto_splits({base}, {blocks}, {device})" if blocks else "max(1, NUM_SPLITS)"
     if isinstance(packs, dict):
         base = f"({_grid_code(split[0], hctx, packs[split[0].name], split=False)} if PACK else {base})"
     return f"NUM_SPLITS or _auto_splits({base}, _hcdiv(N, BLOCK_N), {device})"
