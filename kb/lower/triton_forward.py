@@ -86,7 +86,7 @@ def program_signature(p: Program, opts: LowerOptions, plan: BlockMaskPlan, o32: 
                       table=has_if and plan.kind is BlockMaskKind.TABLE, even_d=opts.even_headdim and "D" in runtime_dims,
                       even_dv=opts.even_headdim and VALUE_DIM in runtime_dims, consts=launch_constants(p),
                       tma=opts.tma, ws=opts.tma and opts.warp_specialize, o32=o32, const_scalars=layout_scalars(p),
-                      one_split=direct_outputs(p) is not None)
+                      direct=direct_outputs(p))
 
 
 def kernel_sources(p: Program, sig: Signature, plan: BlockMaskPlan, opts: LowerOptions, packs: dict | str) -> list[str]:

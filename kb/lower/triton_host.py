@@ -26,7 +26,7 @@ from kb.ir.nodes import DOT_MIN_K, Kernel, Param, Program, Role, VALUE_DIM
 from kb.lower.block_mask import EMPTY, FULL, PARTIAL, BlockMaskPlan
 from kb.lower.expr_context import DTYPE_KIND, AuxRef, ExprContext, ExprTarget, Kind, Sym, visible_names
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan
-from kb.lower.split_direct import direct_outputs, split_kernels
+from kb.lower.split_direct import split_kernels
 from kb.lower.serving import is_serving, split_kv_blocks
 from kb.lower.triton_code import TORCH_DTYPE, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
@@ -404,7 +404,7 @@ def _constexpr_values(sig: Signature) -> str:
     lines += [f"        POS_{name} = {name} > 0" for name in sig.pos_scalars]
     lines += ["        O32 = _o32"] if sig.o32 else []
     lines += ["        ONE_SPLIT = NUM_SPLITS == 1  # the split kernel stores o and lse; no combine (kb.lower.split_direct)"] \
-        if sig.one_split else []
+        if sig.direct is not None else []
     lines += ["        SPLIT_Q = len(design) > 8 and bool(design[8])  # Design.q_split"] if sig.q_split else []
     lines += [f"        GQA_GROUP = {sig.gqa_group[0]} // {sig.gqa_group[1]}"] if sig.gqa_group is not None else []
     return (_HEAD_PAD_CHECK if "D" in sig.dims else "") + _block(lines)
@@ -474,7 +474,7 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
                      + sig.runtime_scalars() + table_args + (["o32"] if sig.o32 else []))
     constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
-    direct = direct_outputs(p) if sig.one_split else None
+    direct = sig.direct
     out = ""
     for k in p.kernels:
         skip = direct is not None and k.name == direct.combine

@@ -23,7 +23,7 @@ from kb.lower.expr_context import DTYPE_KIND, AuxRef, Kind, Sym, expr_kind, is_n
 from kb.lower.kernel_gen import KernelGenBase
 from kb.lower.pack_gqa import PACK_ROWS, PackPlan, row_span
 from kb.lower.serving import clamped_index, is_serving, kv_bound
-from kb.lower.split_direct import direct_outputs
+from kb.lower.split_direct import SplitDirect
 from kb.lower.triton_code import bcast, strip_parens, wrap
 from kb.lower.triton_expr import lower_expr
 from kb.lower.triton_options import LowerOptions
@@ -62,7 +62,7 @@ class Signature:
     q_split: bool = False  # SPLIT_Q constexpr: a KV-outer query loop split by block class when the design asks (q_split)
     gqa_group: tuple[str, str] | None = None  # (H, G): GQA_GROUP = H // G constexpr, a GQA group loop's trip count
     const_scalars: tuple[str, ...] = ()  # scalars passed as constexprs (kb.lower.serving.layout_scalars: a page size)
-    one_split: bool = False  # ONE_SPLIT constexpr: one split stores the outputs, no combine (kb.lower.split_direct)
+    direct: SplitDirect | None = None  # ONE_SPLIT constexpr: one split stores the outputs, no combine (split_direct)
 
     def runtime_scalars(self) -> list[str]:
         """The scalars the kernels take as arguments (the others are constexprs)."""
@@ -84,7 +84,7 @@ class Signature:
             + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
             + (["O32"] if self.o32 else []) + (["SPLIT_Q"] if self.q_split else []) \
             + (["GQA_GROUP"] if self.gqa_group is not None else []) + list(self.const_scalars) \
-            + (["ONE_SPLIT"] if self.one_split else [])
+            + (["ONE_SPLIT"] if self.direct is not None else [])
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,7 @@ class TritonTiles(KernelGenBase[Tile]):
         self.descs: dict[str, str] = {}  # descriptor construction code -> name, while hoisting
         self.deferred: dict[str, tuple[Load, int]] = {}  # split partials a combine reads one split at a time
         # a split kernel whose partials are the outputs at one split (ONE_SPLIT; kb.lower.split_direct)
-        direct = direct_outputs(p) if sig.one_split else None
-        self.direct = direct if direct is not None and k.name != direct.combine else None
+        self.direct = sig.direct if sig.direct is not None and k.name != sig.direct.combine else None
         if pack is not None:  # a packed tile's rows run over G * M (query head in group, query position)
             self.m_dim = PACK_ROWS
             self.names[PACK_ROWS] = Sym("_pk_rows", Kind.INT, True)
