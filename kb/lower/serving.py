@@ -80,15 +80,19 @@ def layout_scalars(p: Program) -> tuple[str, ...]:
     return tuple(q.name for q in p.params if q.name in found)
 
 
+def _address_exprs(st: object) -> tuple[Expr, ...]:
+    """The expressions an address is made of in statement `st`: a load's or store's indices, a let's value, a loop's
+    bounds."""
+    if isinstance(st, (Load, Store)):
+        return tuple(index_exprs(st))
+    if isinstance(st, Let):
+        return (st.value,)
+    return (st.lo, st.hi) if isinstance(st, For) else ()
+
+
 def _index_nodes(p: Program) -> list[Expr]:
-    """Every expression node of `p`'s load and store indices, lets and loop bounds (what an address is made of)."""
-    def exprs(st: object) -> tuple[Expr, ...]:
-        if isinstance(st, (Load, Store)):
-            return tuple(index_exprs(st))
-        if isinstance(st, Let):
-            return (st.value,)
-        return (st.lo, st.hi) if isinstance(st, For) else ()
-    return [n for k in p.kernels for st in walk_stmts(k.body) for e in exprs(st) for n in walk(e)]
+    """Every expression node of `p`'s addresses (`_address_exprs`)."""
+    return [n for k in p.kernels for st in walk_stmts(k.body) for e in _address_exprs(st) for n in walk(e)]
 
 
 def _by_tile(e: Expr) -> bool:
@@ -101,14 +105,13 @@ def free_tiles(p: Program) -> bool:
     """Can `p` run any design's tiles and compute the same: no address divides by a tile side (BLOCK_M, BLOCK_N: a
     program whose tile is one page of the cache, `block_table[b, n_start // BLOCK_N]`), so each lane finds its own
     page and a tile may span several pages or part of one (the serving verifier re-pages the cache at 1 and 64
-    tokens per page). A loop bound aligned to a tile (a window's first block) is no address."""
+    tokens per page). A loop bound aligned to a tile (a window's first block) is no address; a table read is."""
     for k in p.kernels:
         for st in walk_stmts(k.body):
-            if isinstance(st, (Load, Store)) and any(_by_tile(e) for e in index_exprs(st)):
+            exprs = _address_exprs(st)
+            if isinstance(st, (Load, Store)) and any(_by_tile(e) for e in exprs):
                 return False
-            if isinstance(st, (Let, For)) and any(n.op is ExprOp.LOAD and any(_by_tile(a) for a in n.args)
-                                                  for e in ((st.value,) if isinstance(st, Let) else (st.lo, st.hi))
-                                                  for n in walk(e)):
+            if any(n.op is ExprOp.LOAD and any(_by_tile(a) for a in n.args) for e in exprs for n in walk(e)):
                 return False
     return True
 
