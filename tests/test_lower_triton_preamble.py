@@ -95,6 +95,7 @@ def test_a_first_call_inside_a_cuda_graph_capture_runs_the_programs_own_design(m
     monkeypatch.setattr(pre, "PROGRAM_DESIGN", (64, 64, 1, 4, 2, True, False), raising=False)
     monkeypatch.setattr(pre, "DESIGNS", {"sm90": {128: [(128, 128, 1, 8, 3, True, False)]}}, raising=False)
     monkeypatch.setattr(pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(pre.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pre.torch.cuda, "is_current_stream_capturing", lambda: True)
 
     def launch(design: tuple) -> None:

@@ -179,7 +179,7 @@ def _choose_design(t, D, key, launch):
     if _interpreting(t):
         _PICKED[key] = PROGRAM_DESIGN
         return PROGRAM_DESIGN
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         # inside a CUDA graph capture no design can be tried or timed (trial launches would be captured, timing
         # synchronises): the program's own schedule, not kept, so a call outside a capture still chooses
         _log.warning("%s: first call for shape %s inside a CUDA graph capture: running the program's own design; "
