@@ -31,8 +31,8 @@ from kb.ir.nodes import Program, Store, walk_stmts
 from kb.ir.text import parse_program
 from kb.store import Kernel, PerfRecord, Tunable
 
-__all__ = ["PERF_FEATURE_WEIGHTS", "LAYOUT_PENALTY", "Sweep", "perf_similarity", "expert_designs", "default_designs", "rank_designs",
-           "sweeps_from_kb", "backward_structure", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH",
+__all__ = ["PERF_FEATURE_WEIGHTS", "LAYOUT_PENALTY", "Sweep", "perf_similarity", "expert_designs", "default_designs",
+           "rank_designs", "sweeps_from_kb", "backward_structure", "structure_scores", "tunable_rows", "design_table", "TABLE_DEPTH",
            "STRUCTURE_MARGIN"]
 
 TABLE_DEPTH = 4  # designs per (arch, bucket) in an emitted module: enough to survive a design that does not fit
@@ -87,8 +87,8 @@ def perf_similarity(a: Features, b: Features) -> float:
     """In [0, 1]: how alike two kernels are in what decides their best design. Kernels of different memory layouts
     (dense, a paged cache, packed varlen: `paged_kv`, `varlen`) are LAYOUT_PENALTY less alike: a page-table gather
     per lane changes which tile wins (run 27's paged tuning sweeps: the dense decode records' first design, 16x128 w4
-    s3, 10% behind the paged decode's best, 16x64 w4 s2, at batch 128 x 16K), so a paged kernel's own sweeps lead where they exist and dense ones still vote
-    where they do not; dense kernels compare as before."""
+    s3, 10% behind the paged decode's best, 16x64 w4 s2, at batch 128 x 16K), so a paged kernel's own sweeps lead
+    where they exist and dense ones still vote where they do not; dense kernels compare as before."""
     w = PERF_FEATURE_WEIGHTS
     same = {"decode": _decode(a) == _decode(b), "mask": a.mask == b.mask,
             "mask_class": _MASK_CLASS.get(a.mask, "table") == _MASK_CLASS.get(b.mask, "table"),
