@@ -26,7 +26,7 @@ from kb.errors import KBError
 from kb.ir.design import Design, parse_design
 from kb.ir.expr import parse_expr as E
 from kb.ir.interpret import run_program
-from kb.ir.nodes import Dtype, Param, Program, Role, Store, aux_gradients, walk_stmts
+from kb.ir.nodes import Dtype, For, GridAxis, Kernel, Let, Param, Program, Role, Store, aux_gradients, walk_stmts
 from kb.ir.validate import problems
 from kb.lower.runtime import TritonKernel, load_module
 from kb.lower.triton import lower_program
@@ -113,10 +113,27 @@ CASES = {
                          dq_pass=("0", "N")),
         score=lambda s, b, h, q, k, aux, sc: sc["softcap"] * torch.tanh(s / sc["softcap"]), scalars={"softcap": 1.5},
         hq=4, hkv=2),
+    "gqa_group_dq_pass": Case(  # the dq pass as lifted GQA references write it: per KV head, walking its group
+        lambda: _walking_the_group(CASES["softcap_gqa_dq_pass"].program()),
+        score=lambda s, b, h, q, k, aux, sc: sc["softcap"] * torch.tanh(s / sc["softcap"]), scalars={"softcap": 1.5},
+        hq=6, hkv=2),
     "empty_rows": Case(  # rows 0..2 attend to nothing: lse = -inf there, their gradients 0
         lambda: backward("empty_rows_bwd", mask_mod="kv_idx + 3 <= q_idx", block_classes=True, skip_empty=True),
         mask=lambda b, h, q, k, aux: k + 3 <= q),
 }
+
+
+def _walking_the_group(p: Program) -> Program:
+    """`p` with its dq pass launched per KV head, looping over the group's query heads (`let hk = ...` dropped):
+    the form `kb.lower.group_grid` spreads back over the grid."""
+    def walk(k: Kernel) -> Kernel:
+        if k.name != "bwd_dq":
+            return k
+        lets, rest = k.body[1:2], k.body[2:]  # k.body[0] is `let hk = h // (Hq // Hkv)`
+        loop = For("h", E("hk * (Hq // Hkv)"), E("(hk + 1) * (Hq // Hkv)"), 1, "forward", rest)
+        grid = tuple(GridAxis("hk", E("Hkv")) if ax.name == "h" else ax for ax in k.grid)
+        return dataclasses.replace(k, grid=grid, body=(*lets, loop))
+    return dataclasses.replace(p, name="gqa_group_dq_pass_bwd", kernels=tuple(walk(k) for k in p.kernels))
 
 
 def _reference(case: Case, q, k, v, aux: dict, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -441,3 +458,20 @@ def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_p
     idx = torch.arange(64)[:, None] - torch.arange(64)[None, :] + 63
     (torch.softmax(q @ k.transpose(-2, -1) / 8 + rel[:, idx].unsqueeze(0), -1) @ v).sum().backward()
     torch.testing.assert_close(got, rel.grad, atol=2e-5, rtol=2e-5)
+
+
+def test_a_dq_pass_walking_a_gqa_group_is_launched_per_query_head() -> None:
+    """The dq pass's loop over a KV head's query heads becomes the grid (`kb.lower.group_grid`): its launch covers Hq,
+    not Hkv; the dK/dV kernel, which sums over the group, keeps its loop (test_gradients_match_autograd checks
+    both at Hq = 6, Hkv = 2)."""
+    from kb.lower.group_grid import spread_group_loops  # noqa: PLC0415  the pass under test, beside its lowering
+
+    p = CASES["gqa_group_dq_pass"].program()
+    spread = {k.name: k for k in spread_group_loops(p).kernels}
+    kept = {k.name: k for k in p.kernels}
+    assert [ax.name for ax in kept["bwd_dq"].grid] == ["b", "hk", "m"]
+    assert [ax.name for ax in spread["bwd_dq"].grid] == ["b", "h", "m"]
+    assert isinstance(spread["bwd_dq"].body[0], Let) and spread["bwd_dq"].body[0].name == "hk"
+    assert spread["bwd_dkdv"] is kept["bwd_dkdv"]
+    src = lower_program(p)
+    assert "_kb_launch(rec, _bwd_dq_kernel, (B * Hq * " in src and "_kb_launch(rec, _bwd_dkdv_kernel, (B * Hkv * " in src
