@@ -165,7 +165,8 @@ def _tensors(case: Case, B: int, M: int, N: int, D: int, dtype: torch.dtype, see
 
 
 def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, D: int = 16,
-           dtype: Dtype = Dtype.F32, tol: float = 2e-4, seed: int = 0, design: Design | None = None) -> dict[str, torch.Tensor]:
+           dtype: Dtype = Dtype.F32, tol: float = 2e-4, seed: int = 0, design: Design | None = None,
+           longest_first: bool = False) -> dict[str, torch.Tensor]:
     case = CASES[name]
     torch_dtype = torch.float32 if dtype is Dtype.F32 else torch.bfloat16
     p = case.program() if dtype is Dtype.F32 else dataclasses.replace(
@@ -180,7 +181,10 @@ def _check(name: str, cache_dir: Path, *, B: int = 2, M: int = 40, N: int = 40, 
     run = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "o": o.detach().to(torch_dtype),
            "dout": dout.to(torch_dtype), "lse": lse.detach(), **case.scalars, **{n: t.detach() for n, t in aux.items()},
            **({"_design": design.as_tuple()} if design else {})}
-    out = TritonKernel.from_program(p, cache_dir).run(run)
+    kernel = TritonKernel.from_program(p, cache_dir)
+    if longest_first:  # the host asks for it on a GPU only (a few waves of programs); here every launch does
+        kernel.module._longest_first = lambda programs, device: True
+    out = kernel.run(run)
     want = {"dq": q.grad, "dk": k.grad, "dv": v.grad, **{g: aux[n].grad for g, n in aux_gradients(p).items()}}
     assert set(out) == set(want), (sorted(out), sorted(want))
     for g, ref in want.items():
@@ -475,3 +479,25 @@ def test_a_dq_pass_walking_a_gqa_group_is_launched_per_query_head() -> None:
     assert spread["bwd_dkdv"] is kept["bwd_dkdv"]
     src = lower_program(p)
     assert "_kb_launch(rec, _bwd_dq_kernel, (B * Hq * " in src and "_kb_launch(rec, _bwd_dkdv_kernel, (B * Hkv * " in src
+
+
+@pytest.mark.parametrize("name", ["causal", "gqa", "causal_dq_pass", "gqa_group_dq_pass", "document", "empty_rows"])
+def test_longest_first_program_order_gives_the_same_gradients(name: str, cache_dir: Path) -> None:
+    """HEAVY_FIRST walks the grid block index slowest (a dK/dV kernel's first KV block, a dq pass's last query block
+    first): the same programs in another order, over lengths no tile divides."""
+    _check(name, cache_dir, M=37, N=45, longest_first=True)
+
+
+def test_only_kernels_whose_loops_one_end_moves_get_the_longest_first_order() -> None:
+    """A causal dK/dV kernel (its query loop starts at the KV block) and dq pass (its KV loop ends at the query
+    block) get the HEAVY_FIRST branch; the preprocess kernel (no loop) does not, nor does a window's dK/dV kernel
+    (both ends move: every program about as long)."""
+    def kernels(src: str) -> dict[str, str]:
+        return {m.split("(", 1)[0]: m for m in src.split("def _bwd_")[1:]}
+
+    causal = kernels(lower_program(CASES["causal_dq_pass"].program()))
+    assert "if HEAVY_FIRST:" in causal["dkdv_kernel"] and "if HEAVY_FIRST:" in causal["dq_kernel"]
+    assert "if HEAVY_FIRST:" not in causal["preprocess_kernel"]
+    window = lower_program(backward("window_bwd", mask_mod="(q_idx >= kv_idx) & (q_idx - kv_idx < 8)",
+                                    m_lo=SLIDE, m_hi="minimum(M, n_start + BLOCK_N + 8)"))
+    assert "if HEAVY_FIRST:" not in kernels(window)["dkdv_kernel"]

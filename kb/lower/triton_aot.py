@@ -114,7 +114,8 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
     consts = {**s.tile_constants(), "HEAD_PAD": head_pad,
               "EVEN_D": head_pad == head_dim, "USE_TMA": tma, "WARP_SPEC": tma and s.warp_specialize,
               "HEAD_PAD_V": head_pad_v, "EVEN_DV": head_pad_v == head_dim_v, "O32": False,
-              "SPLIT_Q": split_q, "GQA_GROUP": 1, "ONE_SPLIT": s.num_splits == 1}
+              "SPLIT_Q": split_q, "GQA_GROUP": 1, "ONE_SPLIT": s.num_splits == 1,
+              "HEAVY_FIRST": False}
     layout = set(layout_scalars(p))  # compiled-in layout sizes: a page size
     out = []
     for k in p.kernels:

@@ -5,7 +5,8 @@ right after the forward preamble (kb/lower/triton_preamble.py), whose names (os,
 `_interpreting`) it uses; here they are imported from there, so the text is linted and imported by tests like any other
 code. It holds:
 - the backward's own design choice per GPU and shape (`_choose_bwd_design`, `_bwd_fits`, cache `_BWD_PICKED`),
-  apart from the forward's `_choose_design` so that a module can hold both (kb.lower.triton_bwd.lower_autograd).
+  apart from the forward's `_choose_design` so that a module can hold both (kb.lower.triton_bwd.lower_autograd);
+- the order of a backward kernel's programs per launch (`_longest_first`, the HEAVY_FIRST constexpr).
 
 The helpers read `BWD_PROGRAM`, `BWD_DESIGNS` and `BWD_PROGRAM_DESIGN`, which each generated backward module defines
 after its kernels (kb.lower.triton_host.backward_design_lines writes them); the placeholders at the end of this file
@@ -20,6 +21,13 @@ from kb.lower.triton_preamble import _interpreting, _log  # one namespace with t
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
+
+
+def _longest_first(programs, device):
+    """A backward kernel's grid in order of program length (HEAVY_FIRST) where it is at most 4 waves of the GPU's SMs:
+    there the last wave's long programs set the time; over more waves the head-by-head order's L2 reuse counts
+    more. False off CUDA."""
+    return device.type == "cuda" and programs <= 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _bwd_fits(design, launch):

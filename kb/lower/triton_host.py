@@ -468,7 +468,9 @@ _SWAP = '''        if len(design) > 7 and design[7]:  # dq_swap: this Q-outer ke
 
 def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, swap: tuple[str, ...] = ()) -> str:
     """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`; the kernels in
-    `swap` between two exchanges of BLOCK_M and BLOCK_N when the design asks for it (Design.dq_swap)."""
+    `swap` between two exchanges of BLOCK_M and BLOCK_N when the design asks for it (Design.dq_swap); HEAVY_FIRST
+    per launch, from its grid (`_longest_first`)."""
+    device = next(q for q in p.params if q.role is Role.IN).name + ".device"
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
     table_args += ["qvl", "*qvl.stride()"] if sig.q_lists else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
@@ -480,7 +482,9 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
         skip = direct is not None and k.name == direct.combine
         pad = "    " if skip else ""
         out += "        if not ONE_SPLIT:\n" if skip else ""
-        plain = dict(fn=kernel_fn_name(k), grid=_grid_code(k, hctx, None), args=args, constexprs=constexprs)
+        grid = _grid_code(k, hctx, None)
+        mine = constexprs.replace("HEAVY_FIRST=HEAVY_FIRST", f"HEAVY_FIRST=_longest_first({grid}, {device})")
+        plain = dict(fn=kernel_fn_name(k), grid=grid, args=args, constexprs=mine)
         if not isinstance(packs, dict):
             launch = _KERNEL_LAUNCH.substitute(indent="        " + pad, **plain)
             out += _SWAP + launch + _SWAP if k.name in swap else launch

@@ -63,6 +63,7 @@ class Signature:
     gqa_group: tuple[str, str] | None = None  # (H, G): GQA_GROUP = H // G constexpr, a GQA group loop's trip count
     const_scalars: tuple[str, ...] = ()  # scalars passed as constexprs (kb.lower.serving.layout_scalars: a page size)
     direct: SplitDirect | None = None  # ONE_SPLIT constexpr: one split stores the outputs, no combine (split_direct)
+    heavy_first: bool = False  # HEAVY_FIRST constexpr: a backward kernel's grid walked longest programs first (host)
 
     def runtime_scalars(self) -> list[str]:
         """The scalars the kernels take as arguments (the others are constexprs)."""
@@ -84,7 +85,7 @@ class Signature:
             + (["EVEN_DV"] if self.even_dv else []) + [f"POS_{n}" for n in self.pos_scalars] + (["USE_TMA"] if self.tma else []) + (["WARP_SPEC"] if self.ws else []) \
             + (["O32"] if self.o32 else []) + (["SPLIT_Q"] if self.q_split else []) \
             + (["GQA_GROUP"] if self.gqa_group is not None else []) + list(self.const_scalars) \
-            + (["ONE_SPLIT"] if self.direct is not None else [])
+            + (["ONE_SPLIT"] if self.direct is not None else []) + (["HEAVY_FIRST"] if self.heavy_first else [])
 
 
 @dataclass(frozen=True)
