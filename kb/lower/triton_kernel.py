@@ -656,14 +656,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             # of the causal D=128 kernel (run 19), up to 2x slower at the wrong ones (run 17); generated, it won ALiBi
             # and lost to windows. Under the per-step branch the loop is not pipelined. Sweeps decide.
             self.sig.q_split = True
-            self.emit("if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks")
-            self.depth += 1
-            self.split_for(st, at)
-            self.depth -= 1
-            self.emit("else:  # every query block under its block-class branch")
-            self.depth += 1
-            self.plain_for(st)
-            self.depth -= 1
+            split_at = at  # narrowed: the lambda below keeps the type
+            self.emit_branch("if SPLIT_Q:  # the design's q_split: partial / full / partial query blocks",
+                             lambda: self.split_for(st, split_at), "else:  # every query block under its block-class branch",
+                             lambda: self.plain_for(st))
             return
         if at is not None:
             self.split_for(st, at)
@@ -937,6 +933,14 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                     return True
         return False
 
+    def emit_branch(self, head: str, then: Callable[[], None], orelse: str, other: Callable[[], None]) -> None:
+        """`head` (an `if CONSTEXPR:` line) over what `then` emits, `orelse` (its `else:` line) over what `other` does."""
+        for line, body in ((head, then), (orelse, other)):
+            self.emit(line)
+            self.depth += 1
+            body()
+            self.depth -= 1
+
     def bound_direction(self, axis: str) -> str | None:
         """Which end of the kernel's loops grid axis `axis` moves (through lets): "lo" (a larger index starts later: a
         dK/dV kernel's query loop under a causal-like mask), "hi" (a larger index ends later: a dq pass, a forward),
@@ -998,14 +1002,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             # lost), so the host asks for it only where the grid is a few waves (`_longest_first`).
             self.sig.heavy_first = True
             self.emit("pid = tl.program_id(0)")
-            self.emit("if HEAVY_FIRST:  # a few waves of programs: the longest of every head first")
-            self.depth += 1
-            self.emit_pid_longest_first(axes, direction)
-            self.depth -= 1
-            self.emit("else:")
-            self.depth += 1
-            self.emit_pid(axes, heavy)
-            self.depth -= 1
+            self.emit_branch("if HEAVY_FIRST:  # a few waves of programs: the longest of every head first",
+                             lambda: self.emit_pid_longest_first(axes, direction), "else:",
+                             lambda: self.emit_pid(axes, heavy))
         else:
             self.emit("pid = tl.program_id(0)")
             self.emit_pid(axes, heavy)
