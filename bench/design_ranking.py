@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 
-from generate.designs import Sweep, _decode, _ranked_by_sweeps, perf_similarity, sweeps_from_kb
+from generate.designs import NEAR, NEAR_BACKWARD, Sweep, _decode, _ranked_by_sweeps, perf_similarity, sweeps_from_kb
 from kb.ir.design import Design
 from kb.settings import load_settings
 from kb.store import open_kb
@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     sweeps = sweeps_from_kb(open_kb(load_settings()))
-    rules: dict[str, Rule] = {"shipped": _ranked_by_sweeps}
-    rules |= {f"near>={f} untimed={'0' if z else 'silent'}": variant(f, z) for f in (0.0, 0.25, 0.5, 0.8) for z in (True, False)}
+    variants = {f"near>={f} untimed={'0' if z else 'silent'}": variant(f, z) for f in (0.0, 0.25, 0.5, 0.8) for z in (True, False)}
     rows = []
     for backward in (False, True):
-        for name, rule in rules.items():
+        shipped = variant(NEAR_BACKWARD if backward else NEAR, True)  # as generate.designs.rank_designs calls it
+        for name, rule in {"shipped": shipped, **variants}.items():
             v = leave_one_out(sweeps, rule, backward)
             if v:
                 rows.append({"kind": "backward" if backward else "forward", "rule": name, "targets": len(v),

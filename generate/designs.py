@@ -179,12 +179,17 @@ def default_designs(decode: bool, backward: bool = False) -> list[Design]:
 
 
 NEAR = 0.25  # a sweep at least this fraction of the most alike sweep's weight is near: the near sweeps decide
+# Backward designs listen to the most alike sweeps only: leave-one-spec-out over the 41 backward sweeps shipped by run
+# 28 (`python -m bench.design_ranking`) puts the first timed pick at 0.955 / 0.959 / 0.961 / 0.963 of each sweep's best
+# (geomean) for thresholds 0 / 0.25 / 0.5 / 0.8, min 0.730 -> 0.746, within 2% of the best 22 -> 24 of 41; forward
+# stays at 0.25 (0.912 there, 0.908 at 0.8).
+NEAR_BACKWARD = 0.8
 
 
 def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]], near_frac: float = NEAR,
                       untimed_zero: bool = True) -> list[Design]:
     """Designs timed in the weighted sweeps, best first. The near sweeps (weight at least `near_frac` x the most alike
-    one's) decide: a design's score is the weighted mean over them of its time relative to each sweep's best (0 where a
+    one's; NEAR for forward designs, NEAR_BACKWARD for backward ones) decide: a design's score is the weighted mean over them of its time relative to each sweep's best (0 where a
     sweep did not time it); designs only farther sweeps timed follow, scored the same way over those. Chosen by
     leave-one-spec-out on the shipped sweeps (`python -m bench.design_ranking`, run 19, which also tries other
     `near_frac` and `untimed_zero=False`: a sweep that did not time a design says nothing about it): the first timed
@@ -223,7 +228,7 @@ def rank_designs(target: Features, arch: str, bucket: int, sweeps: Sequence[Swee
                 # a learnable table's gradient adds atomics per tile: a frozen twin's best tile is not its best (run 16)
                 and (not target.backward or s.features.learned_table == target.learned_table)
                 and (structure is None or s.structure == structure)]
-        measured = _ranked_by_sweeps(near)
+        measured = _ranked_by_sweeps(near, NEAR_BACKWARD if target.backward else NEAR)
     ranked = measured + expert_designs(tunables, arch, bucket, decode, target.backward) \
         + default_designs(decode, target.backward)
     if decode and target.gqa_ratio != 1 and not any(d.pack_gqa for d in measured):

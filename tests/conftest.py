@@ -8,6 +8,11 @@ import os
 # test starts (verify children, CLI runs, the KB builder: they inherit it) otherwise sizes itself to the whole machine;
 # on 2 cores the spinning pools made each test of a full run several times slower than alone
 os.environ["OMP_NUM_THREADS"] = "1"
+# no GPU here: Triton runs under its interpreter, which it decides once per function when `@triton.jit` decorates it
+# (its own library too, at the first import): set before any test module imports triton, so that the order in which
+# modules are collected cannot matter (a subset that imported triton first failed with "Cannot call @triton.jit'd
+# outside of the scope of a kernel"). The Triton compiles for sm_90 run in children without it (kb.lower.triton_aot).
+os.environ["TRITON_INTERPRET"] = "1"
 
 import shutil
 import subprocess
