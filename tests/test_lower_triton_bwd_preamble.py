@@ -45,3 +45,15 @@ def test_a_design_that_does_not_fit_is_skipped() -> None:
     assert not pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, too_big)
     with pytest.raises(ValueError):  # anything else is not a fit test's business
         pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, lambda design: int("x"))
+
+
+def test_longest_first_only_for_a_launch_of_at_most_four_waves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_longest_first` (HEAVY_FIRST per launch): on a 132-SM GPU, MQA's 256 dK/dV programs yes (measured faster,
+    NOTES run 28), 528 yes, 529 and ALiBi's 4096 no (measured slower); off CUDA never."""
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(pre.torch.cuda, "get_device_properties", lambda device: Props())
+    gpu = torch.device("cuda", 0)  # only its type is read; no GPU needed
+    assert [pre._longest_first(n, gpu) for n in (256, 528, 529, 4096)] == [True, True, False, False]
+    assert pre._longest_first(256, torch.device("cpu")) is False
