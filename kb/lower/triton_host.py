@@ -373,7 +373,7 @@ def _launch_body(p: Program, sig: Signature, plan: BlockMaskPlan, hctx: ExprCont
         head_pad=str(p.schedule.fixed_head_pad) if p.schedule.fixed_head_pad else f"max({DOT_MIN_K}, triton.next_power_of_2(D))",
         constexprs=_constexpr_values(sig), table=_table_build(p, sig, plan, entry, device) if sig.table else "",
         allocate=_block(_allocations(p, sig, entry, device)), tma=_tma_choice(p, sig),
-        launches=_launches(p, sig, hctx, packs, entry.swap_kernels),
+        launches=_launches(p, sig, hctx, packs, device, entry.swap_kernels),
         returned=", ".join((*(entry.returns or tuple(q.name for q in p.params if q.role is Role.OUT)),
                             *(["*((o32,) if _o32 else ())"] if sig.o32 else []))))
 
@@ -466,16 +466,19 @@ _SWAP = '''        if len(design) > 7 and design[7]:  # dq_swap: this Q-outer ke
 '''
 
 
-def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, swap: tuple[str, ...] = ()) -> str:
+def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, device: str,
+              swap: tuple[str, ...] = ()) -> str:
     """Every kernel's launch with the shared argument list; the packed form first, under `if PACK:`; the kernels in
     `swap` between two exchanges of BLOCK_M and BLOCK_N when the design asks for it (Design.dq_swap); HEAVY_FIRST
-    per launch, from its grid (`_longest_first`)."""
-    device = next(q for q in p.params if q.role is Role.IN).name + ".device"
+    per launch, from that launch's grid (`_longest_first`)."""
     table_args = ["bc", "*bc.stride()", "*bc.shape", "kvl", "*kvl.stride()"] if sig.table else []
     table_args += ["qvl", "*qvl.stride()"] if sig.q_lists else []
     args = ", ".join([q.name for q in sig.tensors] + [f"*{q.name}.stride()" for q in sig.tensors] + list(sig.dims)
                      + sig.runtime_scalars() + table_args + (["o32"] if sig.o32 else []))
-    constexprs = ", ".join(f"{c}={c}" for c in sig.constexprs())
+    def constexprs(grid: str) -> str:
+        return ", ".join(f"{c}=_longest_first({grid}, {device})" if c == "HEAVY_FIRST" else f"{c}={c}"
+                         for c in sig.constexprs())
+
     direct = sig.direct
     out = ""
     for k in p.kernels:
@@ -483,13 +486,13 @@ def _launches(p: Program, sig: Signature, hctx: ExprContext, packs: dict | str, 
         pad = "    " if skip else ""
         out += "        if not ONE_SPLIT:\n" if skip else ""
         grid = _grid_code(k, hctx, None)
-        mine = constexprs.replace("HEAVY_FIRST=HEAVY_FIRST", f"HEAVY_FIRST=_longest_first({grid}, {device})")
-        plain = dict(fn=kernel_fn_name(k), grid=grid, args=args, constexprs=mine)
+        plain = dict(fn=kernel_fn_name(k), grid=grid, args=args, constexprs=constexprs(grid))
         if not isinstance(packs, dict):
             launch = _KERNEL_LAUNCH.substitute(indent="        " + pad, **plain)
             out += _SWAP + launch + _SWAP if k.name in swap else launch
             continue
-        packed = dict(plain, fn=packed_fn_name(k), grid=_grid_code(k, hctx, packs[k.name]))
+        packed_grid = _grid_code(k, hctx, packs[k.name])
+        packed = dict(plain, fn=packed_fn_name(k), grid=packed_grid, constexprs=constexprs(packed_grid))
         out += f"        {pad}if PACK:\n" + _KERNEL_LAUNCH.substitute(indent="            " + pad, **packed)
         out += f"        {pad}else:\n" + _KERNEL_LAUNCH.substitute(indent="            " + pad, **plain)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterable
 
 from kb.errors import KBError
 from kb.ir.algebra import max_of, tidy_int
@@ -920,18 +920,24 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             return f"{wrap(index)} * ({self.pack.hq} // {self.pack.hkv})"
         return index
 
-    def moves_kv_bound(self, axis: str) -> bool:
-        """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
+    def moved_loop_ends(self, axis: str, stmts: Iterable[Stmt]) -> set[str]:
+        """Which ends ("lo", "hi") of the loops among `stmts` depend on grid axis `axis`, through the lets before them."""
         deps: dict[str, set[str]] = {}
-        for st in self.k.body:
+        ends: set[str] = set()
+        for st in stmts:
             if isinstance(st, Let):
                 fv = free_vars(st.value)
                 deps[st.name] = set(fv).union(*(deps.get(n, set()) for n in fv))
-            if isinstance(st, For):
-                fv = free_vars(st.hi)
-                if axis in set(fv).union(*(deps.get(n, set()) for n in fv)):
-                    return True
-        return False
+            elif isinstance(st, For):
+                for end, e in (("lo", st.lo), ("hi", st.hi)):
+                    fv = free_vars(e)
+                    if axis in set(fv).union(*(deps.get(n, set()) for n in fv)):
+                        ends.add(end)
+        return ends
+
+    def moves_kv_bound(self, axis: str) -> bool:
+        """Does a top-level loop's upper bound depend on grid axis `axis` (through lets)?"""
+        return "hi" in self.moved_loop_ends(axis, self.k.body)
 
     def emit_branch(self, head: str, then: Callable[[], None], orelse: str, other: Callable[[], None]) -> None:
         """`head` (an `if CONSTEXPR:` line) over what `then` emits, `orelse` (its `else:` line) over what `other` does."""
@@ -942,20 +948,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.depth -= 1
 
     def bound_direction(self, axis: str) -> str | None:
-        """Which end of the kernel's loops grid axis `axis` moves (through lets): "lo" (a larger index starts later: a
-        dK/dV kernel's query loop under a causal-like mask), "hi" (a larger index ends later: a dq pass, a forward),
+        """Which end of the kernel's loops (nested ones too) grid axis `axis` moves: "lo" (a larger index starts later:
+        a dK/dV kernel's query loop under a causal-like mask), "hi" (a larger index ends later: a dq pass, a forward),
         None when neither or both (a window: every program about as long)."""
-        deps: dict[str, set[str]] = {}
-        ends: set[str] = set()
-        for st in walk_stmts(self.k.body):
-            if isinstance(st, Let):
-                fv = free_vars(st.value)
-                deps[st.name] = set(fv).union(*(deps.get(n, set()) for n in fv))
-            elif isinstance(st, For):
-                for end, e in (("lo", st.lo), ("hi", st.hi)):
-                    fv = free_vars(e)
-                    if axis in set(fv).union(*(deps.get(n, set()) for n in fv)):
-                        ends.add(end)
+        ends = self.moved_loop_ends(axis, walk_stmts(self.k.body))
         return next(iter(ends)) if len(ends) == 1 else None
 
     def emit_pid(self, axes: tuple[GridAxis, ...], heavy: bool) -> None:
