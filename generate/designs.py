@@ -189,8 +189,9 @@ NEAR_BACKWARD = 0.8
 def _ranked_by_sweeps(near: Sequence[tuple[Sweep, float]], near_frac: float = NEAR,
                       untimed_zero: bool = True) -> list[Design]:
     """Designs timed in the weighted sweeps, best first. The near sweeps (weight at least `near_frac` x the most alike
-    one's; NEAR for forward designs, NEAR_BACKWARD for backward ones) decide: a design's score is the weighted mean over them of its time relative to each sweep's best (0 where a
-    sweep did not time it); designs only farther sweeps timed follow, scored the same way over those. Chosen by
+    one's; NEAR for forward designs, NEAR_BACKWARD for backward ones) decide: a design's score is the weighted mean
+    over them of its time relative to each sweep's best (0 where a sweep did not time it); designs only farther
+    sweeps timed follow, scored the same way over those. Chosen by
     leave-one-spec-out on the shipped sweeps (`python -m bench.design_ranking`, run 19, which also tries other
     `near_frac` and `untimed_zero=False`: a sweep that did not time a design says nothing about it): the first timed
     design within 0.934 (forward) and 0.962 (backward) of each held-out sweep's best, geomean, against 0.929 / 0.959
