@@ -57,3 +57,19 @@ def test_longest_first_only_for_a_launch_of_at_most_four_waves(monkeypatch: pyte
     gpu = torch.device("cuda", 0)  # only its type is read; no GPU needed
     assert [pre._longest_first(n, gpu) for n in (256, 528, 529, 4096)] == [True, True, False, False]
     assert pre._longest_first(256, torch.device("cpu")) is False
+
+
+def test_a_first_backward_inside_a_cuda_graph_capture_runs_the_programs_own_design(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the forward's chooser: no trial launch (it would be captured beside the real one, doubling every replay's
+    work) and no timing (it synchronises); the program's own design runs and nothing is kept for the shape."""
+    monkeypatch.setattr(pre, "BWD_DESIGNS", {"sm90": {128: [(128, 64, 1, 8, 3, False, False)]}})
+    monkeypatch.setattr(pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(pre, "_capturing", lambda: True)
+
+    def launch(design: tuple) -> None:
+        raise AssertionError(f"launched {design} inside the capture")
+
+    key = ("cuda", "bf16", 1, 2, 3)
+    assert pre._choose_bwd_design(torch.empty(1), 128, key, launch) == pre.BWD_PROGRAM_DESIGN
+    assert key not in pre._BWD_PICKED

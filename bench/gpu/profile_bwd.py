@@ -2,11 +2,14 @@
 
     python -m bench.gpu.profile_bwd --suite bench/heldout/backward_suite.txt --from .kbgen/hb15 --only causal_d128_bf16
         document_causal [--steps 5] [--out DIR]
+    ncu --kernel-id ::regex:'_bwd_dkdv_kernel|flex_attention_backward':4 --set full \
+        python -m bench.gpu.profile_bwd ... --only alibi_causal --steps 1 --no-profiler
 
 Each implementation is built as `bench.gpu.tune_bwd` times it (the spec's BENCH shape, the same inputs and
 upstream gradient), warmed up, then `steps` training steps run under torch.profiler (CUPTI kernel times, no replay).
 Prints, per implementation, the kernels by total GPU time per step, and writes `<out>/profile_bwd.json`.
-Not a benchmark: the profiler adds host overhead; kernel times are what it is for.
+Not a benchmark: the profiler adds host overhead; kernel times are what it is for. `--no-profiler` runs the same steps
+without torch.profiler (whose CUPTI session would collide with an outer `ncu`'s) and prints nothing per kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from bench.gpu import tune_common as common
 from bench.gpu.tune_bwd import Impl, _dout, _emitted_impl, _flex_impls, _leaf_inputs, _out, _shape_dims, suite_plan
 
 
-def _kernels(impl: Impl, dout: torch.Tensor, steps: int) -> list[dict[str, Any]]:
+def _kernels(impl: Impl, dout: torch.Tensor, steps: int, profiled: bool = True) -> list[dict[str, Any]]:
     def step() -> None:
         impl.zero_grads()
         _out(impl.call()).backward(dout)
@@ -31,6 +34,11 @@ def _kernels(impl: Impl, dout: torch.Tensor, steps: int) -> list[dict[str, Any]]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if not profiled:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -50,6 +58,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", required=True, help="spec stems of the suite to profile")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-profiler", action="store_true", help="run the steps unprofiled (under an outer ncu)")
     args = ap.parse_args()
     entries = {e["name"]: e for e in suite_plan(args.suite, args.from_dir)["entries"]}
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "specs": {}}
@@ -62,8 +71,9 @@ def main() -> None:
         dims = _shape_dims(inputs)
         dout = _dout((dims["B"], dims["Hq"], dims["M"], dims.get("Dv", dims["D"])), inputs[0].dtype, "cuda")
         flex, _ = _flex_impls(spec, inputs, em.model, em.names)
-        doc["specs"][name] = {"shape": dims, "emitted": _kernels(em.impl, dout, args.steps),
-                              "flex": _kernels(flex, dout, args.steps) if flex is not None else None}
+        profiled = not args.no_profiler
+        doc["specs"][name] = {"shape": dims, "emitted": _kernels(em.impl, dout, args.steps, profiled),
+                              "flex": _kernels(flex, dout, args.steps, profiled) if flex is not None else None}
         for impl in ("emitted", "flex"):
             rows = doc["specs"][name][impl] or []
             print(f"== {name} {impl}: {sum(r['us_per_step'] for r in rows) / 1e3:.3f} ms of kernels per step")

@@ -17,7 +17,7 @@ stand in for them here.
 import torch
 import triton
 
-from kb.lower.triton_preamble import _interpreting, _log  # one namespace with the forward preamble when pasted
+from kb.lower.triton_preamble import _capturing, _interpreting, _log  # one namespace with the forward preamble when pasted
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
@@ -43,11 +43,16 @@ def _bwd_fits(design, launch):
 def _choose_bwd_design(t, D, key, launch):
     """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
     that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
-    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    per shape; under the interpreter or inside a CUDA graph capture, the program's own schedule."""
     if key in _BWD_PICKED:
         return _BWD_PICKED[key]
     if _interpreting(t):
         _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
+        return BWD_PROGRAM_DESIGN
+    if _capturing():
+        # as the forward's _choose_design: no trial launch or timing inside a capture, nothing kept
+        _log.warning("%s: first backward for shape %s inside a CUDA graph capture: running the program's own design; "
+                     "run one backward before capturing to run the design chosen for this GPU", BWD_PROGRAM, key[2:])
         return BWD_PROGRAM_DESIGN
     arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
     bucket = max(16, triton.next_power_of_2(D))

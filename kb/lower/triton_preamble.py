@@ -114,7 +114,7 @@ def _cached_table(key, mask_inputs, build):
     element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
     The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
     device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return build()  # in a CUDA graph: built by every replay from the inputs' contents then, never kept
     hit = _TABLES.get(key)
     if hit is not None:
@@ -161,6 +161,11 @@ def _interpreting(t):
     return os.environ.get("TRITON_INTERPRET") == "1" or not t.is_cuda
 
 
+def _capturing():
+    """True inside a CUDA graph capture: no trial launch, timing or host-side cache may happen there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _launches(design, launch):
     """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
     try:
@@ -179,7 +184,7 @@ def _choose_design(t, D, key, launch):
     if _interpreting(t):
         _PICKED[key] = PROGRAM_DESIGN
         return PROGRAM_DESIGN
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         # inside a CUDA graph capture no design can be tried or timed (trial launches would be captured, timing
         # synchronises): the program's own schedule, not kept, so a call outside a capture still chooses
         _log.warning("%s: first call for shape %s inside a CUDA graph capture: running the program's own design; "

@@ -99,7 +99,7 @@ def _cached_table(key, mask_inputs, build):
     element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
     The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
     device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return build()  # in a CUDA graph: built by every replay from the inputs' contents then, never kept
     hit = _TABLES.get(key)
     if hit is not None:
@@ -146,6 +146,11 @@ def _interpreting(t):
     return os.environ.get("TRITON_INTERPRET") == "1" or not t.is_cuda
 
 
+def _capturing():
+    """True inside a CUDA graph capture: no trial launch, timing or host-side cache may happen there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _launches(design, launch):
     """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
     try:
@@ -164,7 +169,7 @@ def _choose_design(t, D, key, launch):
     if _interpreting(t):
         _PICKED[key] = PROGRAM_DESIGN
         return PROGRAM_DESIGN
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         # inside a CUDA graph capture no design can be tried or timed (trial launches would be captured, timing
         # synchronises): the program's own schedule, not kept, so a call outside a capture still chooses
         _log.warning("%s: first call for shape %s inside a CUDA graph capture: running the program's own design; "
@@ -400,11 +405,16 @@ def _bwd_fits(design, launch):
 def _choose_bwd_design(t, D, key, launch):
     """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
     that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
-    per shape; under the interpreter, the program's own schedule (the one verified on CPU)."""
+    per shape; under the interpreter or inside a CUDA graph capture, the program's own schedule."""
     if key in _BWD_PICKED:
         return _BWD_PICKED[key]
     if _interpreting(t):
         _BWD_PICKED[key] = BWD_PROGRAM_DESIGN
+        return BWD_PROGRAM_DESIGN
+    if _capturing():
+        # as the forward's _choose_design: no trial launch or timing inside a capture, nothing kept
+        _log.warning("%s: first backward for shape %s inside a CUDA graph capture: running the program's own design; "
+                     "run one backward before capturing to run the design chosen for this GPU", BWD_PROGRAM, key[2:])
         return BWD_PROGRAM_DESIGN
     arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
     bucket = max(16, triton.next_power_of_2(D))

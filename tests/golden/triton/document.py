@@ -99,7 +99,7 @@ def _cached_table(key, mask_inputs, build):
     element by element with a copy kept here, so a new tensor at a reused address is never taken for the old).
     The very tensors of the last call, unmodified since (torch's version counter), skip the comparison and the
     device synchronisation it costs: a model passing one id tensor to every layer compares it once."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         return build()  # in a CUDA graph: built by every replay from the inputs' contents then, never kept
     hit = _TABLES.get(key)
     if hit is not None:
@@ -146,6 +146,11 @@ def _interpreting(t):
     return os.environ.get("TRITON_INTERPRET") == "1" or not t.is_cuda
 
 
+def _capturing():
+    """True inside a CUDA graph capture: no trial launch, timing or host-side cache may happen there."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _launches(design, launch):
     """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
     try:
@@ -164,7 +169,7 @@ def _choose_design(t, D, key, launch):
     if _interpreting(t):
         _PICKED[key] = PROGRAM_DESIGN
         return PROGRAM_DESIGN
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if _capturing():
         # inside a CUDA graph capture no design can be tried or timed (trial launches would be captured, timing
         # synchronises): the program's own schedule, not kept, so a call outside a capture still chooses
         _log.warning("%s: first call for shape %s inside a CUDA graph capture: running the program's own design; "
@@ -659,7 +664,7 @@ def block_class_table(*args, **kw):
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-d7f9ee13ddcf805e'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_d7f9ee13ddcf805e_11b5ace1'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_d7f9ee13ddcf805e_0a16a047'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('doc_ids',)  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
