@@ -464,6 +464,39 @@ def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_p
     torch.testing.assert_close(got, rel.grad, atol=2e-5, rtol=2e-5)
 
 
+def test_a_t5_bucket_one_value_over_a_tile_reads_the_table_once_and_sums_its_gradient_once(cache_dir: Path) -> None:
+    """T5 buckets saturate past their largest distance (15 here), so most 16x16 tiles of a 96-token sequence see one
+    bucket: the lowering tests that from the index's bounds (kb.ir.interval) and then reads the table once and adds
+    the tile's whole dS to its gradient in one atomic; the other tiles keep the per-element path. Output and every
+    gradient match the spec Model's autograd."""
+    import importlib.util as iu  # noqa: PLC0415  the spec module is loaded from its file, as tracing does
+
+    _, fwd, bwd, _ = transferred_programs("t5_bucket_bias.py")
+    fwd = dataclasses.replace(fwd, schedule=dataclasses.replace(fwd.schedule, block_m=16, block_n=16))
+    bwd = dataclasses.replace(bwd, schedule=dataclasses.replace(bwd.schedule, block_m=16, block_n=16))
+    mod, path = load_module(lower_autograd(fwd, bwd), "t5_uniform_tiles", cache_dir)
+    text = path.read_text()
+    assert text.count("one read of the table") >= 3  # the forward's KV loop, the dK/dV kernel and the dq work
+    assert "the index is one value over this tile: one sum, one atomic" in text
+    spec = iu.spec_from_file_location("t5_spec", SPECS / "t5_bucket_bias.py")
+    assert spec is not None and spec.loader is not None
+    m = iu.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    torch.manual_seed(0)
+    model = m.Model(2)
+    q, k, v = (torch.randn(1, 2, 96, 16, requires_grad=True) for _ in range(3))
+    aux = next(p.name for p in fwd.params if p.role is Role.AUX)
+    table = torch.nn.Parameter(model.rel.weight.detach().clone())
+    dout = torch.randn(1, 2, 96, 16)
+    o = mod.kb_attention(q, k, v, **{aux: table})
+    got = torch.autograd.grad(o, (q, k, v, table), dout)
+    want_o = model(q, k, v)
+    want = torch.autograd.grad(want_o, (q, k, v, model.rel.weight), dout)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=2e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=5e-5, rtol=5e-5)
+
+
 def test_a_dq_pass_walking_a_gqa_group_is_launched_per_query_head() -> None:
     """The dq pass's loop over a KV head's query heads becomes the grid (`kb.lower.group_grid`): its launch covers Hq,
     not Hkv; the dK/dV kernel, which sums over the group, keeps its loop (test_gradients_match_autograd checks

@@ -15,9 +15,10 @@ import dataclasses
 from typing import Callable, Iterable
 
 from kb.errors import KBError
-from kb.ir.algebra import max_of, tidy_int
+from kb.ir.algebra import max_of, simplify, tidy_int
 from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var, walk
+from kb.ir.interval import bounds
 from kb.ir.nodes import (
     DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init, Let,
     Load, Mask, OnlineSoftmax, Param, Probs, Reduce, Role, SCHEDULE_CONSTANTS, ScoreMod, ScoreModGrad, SoftmaxGrad, Stmt, Store, walk_stmts,
@@ -374,7 +375,53 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         score_mod = self.score_mod_body(st)
         code = self.local(st.tile)
         body, names = self.invariant_terms(score_mod, st, self.variant_names(st, code))
-        self.emit(f"{code} = {strip_parens(lower_expr(body, self.ctx(names)))}")
+        uniform = self.uniform_loads(body, st, names)
+        ctx = self.ctx(names)
+        if uniform is None:
+            self.emit(f"{code} = {strip_parens(lower_expr(body, ctx))}")
+            return
+        same, ends = uniform
+        scalar = _replace_loads(body, ends)
+        self.emit(f"if {same}:  # each table index is one value over this tile: one read of the table")
+        self.emit(f"    {code} = {strip_parens(lower_expr(scalar, ctx))}")
+        self.emit("else:")
+        self.emit(f"    {code} = {strip_parens(lower_expr(body, ctx))}")
+
+    def uniform_loads(self, e: Expr, st: ScoreMod | AuxGrad, names: dict[str, Sym]
+                      ) -> tuple[str, dict[Expr, tuple[Expr, ...]]] | None:
+        """For the loads of `e` whose indices move over the tile (a relative-position table at bucket(kv_idx - q_idx)):
+        emits each moving index's bounds over this tile (kb.ir.interval) as scalars `_ulo`/`_uhi` and gives the test
+        that they meet, with each load's indices at those scalars. None where no load moves, a bound has no rule, or
+        tile rows are not one query position each (GQA-packed or head rows). `names` gets the scalars."""
+        moving = [x for x in dict.fromkeys(walk(e)) if x.op is ExprOp.LOAD
+                  and any(free_vars(i) & {"q_idx", "kv_idx"} for i in x.args)]
+        if not moving or self.pack is not None or st.at.head_rows:
+            return None
+        rows, cols = self.tile(st.tile).shape
+        q0, k0 = self.ex(st.at.q_start), self.ex(st.at.kv_start)
+        corners = {"_tq0": q0, "_tq1": f"{wrap(q0)} + {rows} - 1", "_tk0": k0, "_tk1": f"{wrap(k0)} + {cols} - 1"}
+        box = {"q_idx": (var("_tq0"), var("_tq1")), "kv_idx": (var("_tk0"), var("_tk1"))}
+        found = {x: [bounds(i, box) for i in x.args] for x in moving}
+        if any(r is None for rs in found.values() for r in rs):
+            return None
+        ctx = self.ctx({**names, **{n: Sym(wrap(c), Kind.INT) for n, c in corners.items()}})
+        tests: list[str] = []
+        ends: dict[Expr, tuple[Expr, ...]] = {}
+        for x, ranges in found.items():
+            at: list[Expr] = []
+            for i, r in zip(x.args, ranges):
+                assert r is not None
+                if not free_vars(i) & {"q_idx", "kv_idx"}:
+                    at.append(i)
+                    continue
+                lo, hi = self._fresh("_ulo"), self._fresh("_uhi")
+                self.emit(f"{lo} = {strip_parens(lower_expr(simplify(r[0]), ctx))}")
+                self.emit(f"{hi} = {strip_parens(lower_expr(simplify(r[1]), ctx))}")
+                names[lo] = Sym(lo, expr_kind(i, ctx))
+                tests.append(f"({lo} == {hi})")
+                at.append(var(lo))
+            ends[x] = tuple(at)
+        return " & ".join(tests), ends
 
     def s_mask(self, st: Mask) -> None:
         code = self.local(st.tile)
@@ -450,12 +497,18 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 raise KBError(f"aux_grad {st.grad}: {st.aux} is indexed with {len(index)} indices, {st.grad} has {len(grad.shape)} dims")
             if centre is not None:
                 partial = partial - centre
+            read = load(st.aux, *index)
+            uniform = self.uniform_loads(read, st, names)
             self.aux_scatter(st.grad, grad, index, f"{ds} * {wrap(strip_parens(lower_expr(partial, self.ctx(names))))}",
-                             in_range, names, self.tile(st.tile).t)
+                             in_range, names, self.tile(st.tile).t,
+                             None if uniform is None else (uniform[0], uniform[1][read]))
 
     def aux_scatter(self, name: str, grad: Param, index: tuple[Expr, ...], value: str, in_range: str,
-                    names: dict[str, Sym], t: bool = False) -> None:
-        """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along."""
+                    names: dict[str, Sym], t: bool = False,
+                    uniform: tuple[str, tuple[Expr, ...]] | None = None) -> None:
+        """grad[index] += value over the in-range tile, summed first over the tile axes the index does not move along;
+        `uniform` (the test that the index is one value over the tile, and that value) adds the tile's whole sum at
+        once where the test holds."""
         ctx = self.ctx(names)
         terms: list[str] = []
         guards: dict[bool, list[str]] = {True: [], False: []}  # bounds of tile-shaped / scalar indices
@@ -469,6 +522,16 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 guards[tiled].append(f"({code} < {self._dim(d)})")
         moves = set().union(*(free_vars(e) for e in index)) & {"q_idx", "kv_idx"}
         tile_axes = [i for i, e in enumerate(index) if free_vars(e) & {"q_idx", "kv_idx"}]
+        if moves == {"q_idx", "kv_idx"} and uniform is not None:
+            self.emit(f"if {uniform[0]}:  # the index is one value over this tile: one sum, one atomic")
+            self.depth += 1
+            self.aux_scatter(name, grad, uniform[1], value, in_range, names, t)
+            self.depth -= 1
+            self.emit("else:")
+            self.depth += 1
+            self.aux_scatter(name, grad, index, value, in_range, names, t)
+            self.depth -= 1
+            return
         if moves == {"q_idx", "kv_idx"} and len(tile_axes) == 1:
             axis = tile_axes[0]
             self._binned_scatter(name, terms, axis, wrap(strip_parens(lower_expr(index[axis], ctx))), value,
@@ -1009,3 +1072,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
         self.block(self.k.body)
         return self.lines
+
+
+def _replace_loads(e: Expr, ends: dict[Expr, tuple[Expr, ...]]) -> Expr:
+    """`e` with each load in `ends` read at the given indices instead (a scalar read of a tile-uniform index)."""
+    if e in ends:
+        return load(str(e.value), *ends[e])
+    return Expr(e.op, tuple(_replace_loads(a, ends) for a in e.args), e.value) if e.args else e
