@@ -454,6 +454,7 @@ def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_p
     mod, path = load_module(lower_autograd(fwd, bwd), f"rel_bins_{block}", cache_dir)
     # (the 16x16 module is the one other tests build too: its operator, registered once per process, may be theirs)
     assert "for _bin in range(_lo, _hi + 1):" in path.read_text() and f"BWD_PROGRAM_DESIGN = ({block}, {block}," in path.read_text()
+    assert "one read of the table" not in path.read_text()  # i - j + n - 1 is one-to-one: no tile-uniform test
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 4, 64, 64, requires_grad=True) for _ in range(3))
     rel = torch.nn.Parameter(torch.randn(4, 127) * 0.3)

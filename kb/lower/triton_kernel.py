@@ -39,6 +39,8 @@ __all__ = ["TritonKernelGen"]
 # a learnable table's gradient tile whose index spans fewer values than this is summed per value before its atomics
 # (T5's 32 buckets fit): each value costs one masked tile sum, against up to BLOCK_M * BLOCK_N contended atomics
 _BINS = 32
+# index operations that can map a tile's many positions to one value (so a tile-uniform test can hold)
+_SATURATING = {ExprOp.MINIMUM, ExprOp.MAXIMUM, ExprOp.WHERE, ExprOp.TRUNC, ExprOp.FLOORDIV, ExprOp.SHR, ExprOp.CDIV}
 _SPLIT_PARTIAL = frozenset({BlockClass.EMPTY, BlockClass.PARTIAL})  # closed-form split: partial parts may hold empty blocks
 
 
@@ -395,6 +397,8 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         tile rows are not one query position each (GQA-packed or head rows). `names` gets the scalars."""
         moving = [x for x in dict.fromkeys(walk(e)) if x.op is ExprOp.LOAD
                   and any(free_vars(i) & {"q_idx", "kv_idx"} for i in x.args)]
+        if not any(n.op in _SATURATING for x in moving for i in x.args for n in walk(i)):
+            return None  # every moving index is one-to-one along a tile axis (rel[h, q_idx - kv_idx], qb[q_idx])
         if not moving or self.pack is not None or st.at.head_rows:
             return None
         rows, cols = self.tile(st.tile).shape
