@@ -466,15 +466,15 @@ def test_a_relative_table_gradient_is_exact_whether_tiles_sum_per_entry_or_add_p
 
 
 def test_a_t5_bucket_one_value_over_a_tile_reads_the_table_once_and_sums_its_gradient_once(cache_dir: Path) -> None:
-    """T5 buckets saturate past their largest distance (15 here), so most 16x16 tiles of a 96-token sequence see one
+    """T5 buckets saturate past their largest distance (15 here), so most tiles (16x32, 32x16) of 96 tokens see one
     bucket: the lowering tests that from the index's bounds (kb.ir.interval) and then reads the table once and adds
     the tile's whole dS to its gradient in one atomic; the other tiles keep the per-element path. Output and every
     gradient match the spec Model's autograd."""
     import importlib.util as iu  # noqa: PLC0415  the spec module is loaded from its file, as tracing does
 
     _, fwd, bwd, _ = transferred_programs("t5_bucket_bias.py")
-    fwd = dataclasses.replace(fwd, schedule=dataclasses.replace(fwd.schedule, block_m=16, block_n=16))
-    bwd = dataclasses.replace(bwd, schedule=dataclasses.replace(bwd.schedule, block_m=16, block_n=16))
+    fwd = dataclasses.replace(fwd, schedule=dataclasses.replace(fwd.schedule, block_m=16, block_n=32))
+    bwd = dataclasses.replace(bwd, schedule=dataclasses.replace(bwd.schedule, block_m=32, block_n=16))
     mod, path = load_module(lower_autograd(fwd, bwd), "t5_uniform_tiles", cache_dir)
     text = path.read_text()
     assert text.count("one read of the table") >= 3  # the forward's KV loop, the dK/dV kernel and the dq work
