@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kb.ir.expr import Expr, ExprOp, call, free_vars, load, substitute, var
+from kb.ir.expr import Expr, ExprOp, call, free_vars, load, replace_subexprs, substitute, var
 from ingest.triton_exec import stride_indices
 from ingest.triton_grad import Probs, Refuse
 from kb.ir.algebra import normal_form
@@ -41,15 +41,7 @@ class Names:
     aux: dict[str, tuple[str, ...]] = field(default_factory=dict)  # aux tables variant functions read -> dims
 
     def ir(self, e: Expr) -> Expr:
-        return normal_form(substitute(_replace(normal_form(e), self.values), self.names))
-
-
-def _replace(e: Expr, table: dict[Expr, Expr]) -> Expr:
-    if e in table:
-        return table[e]
-    if not e.args:
-        return e
-    return Expr(e.op, tuple(_replace(a, table) for a in e.args), e.value)
+        return normal_form(substitute(replace_subexprs(normal_form(e), self.values), self.names))
 
 
 def _loop_vars(items: list) -> set[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, substitute, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, replace_subexprs, substitute, var, walk
 
 __all__ = ["score_grad", "aux_partials", "derivative", "row_centre", "ROW_LSE"]
 
@@ -50,8 +50,8 @@ def aux_partials(body: Expr, tensor: str) -> tuple[tuple[tuple[Expr, ...], Expr]
     loads = list(dict.fromkeys(n for n in walk(body) if n.op is ExprOp.LOAD and n.value == tensor))
     out = []
     for ld in loads:
-        holed = _replace(body, ld, var(_HOLE))
-        out.append((ld.args, _replace(derivative(holed, _HOLE), var(_HOLE), ld)))
+        holed = replace_subexprs(body, {ld: var(_HOLE)})
+        out.append((ld.args, replace_subexprs(derivative(holed, _HOLE), {var(_HOLE): ld})))
     return tuple(out)
 
 
@@ -103,14 +103,6 @@ def derivative(e: Expr, name: str) -> Expr:
     if e.op in _ZERO_OPS:
         return const(0)
     return _RULES[e.op](e.args, [derivative(a, name) for a in e.args])
-
-
-def _replace(e: Expr, old: Expr, new: Expr) -> Expr:
-    if e == old:
-        return new
-    if not e.args:
-        return e
-    return Expr(e.op, tuple(_replace(a, old, new) for a in e.args), e.value)
 
 
 # ---------------------------------------------------------------- simplifying builders

@@ -46,6 +46,7 @@ __all__ = [
     "loaded_tensors",
     "walk",
     "substitute",
+    "replace_subexprs",
     "CALLS",
 ]
 
@@ -398,3 +399,13 @@ def substitute(e: Expr, mapping: dict[str, Expr]) -> Expr:
     if not e.args:
         return e
     return Expr(e.op, tuple(substitute(a, mapping) for a in e.args), e.value)
+
+
+def replace_subexprs(e: Expr, table: dict[Expr, Expr]) -> Expr:
+    """`e` with each subexpression that is a key of `table` replaced by its value (outermost match first; what a
+    replacement puts in is not searched again)."""
+    if e in table:
+        return table[e]
+    if not e.args:
+        return e
+    return Expr(e.op, tuple(replace_subexprs(a, table) for a in e.args), e.value)

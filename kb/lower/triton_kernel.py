@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 from kb.errors import KBError
 from kb.ir.algebra import max_of, simplify, tidy_int
 from kb.ir.derive import ROW_LSE, aux_partials, row_centre, score_grad
-from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, var, walk
+from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, replace_subexprs, var, walk
 from kb.ir.interval import bounds
 from kb.ir.nodes import (
     DOT_MIN_K, AuxGrad, BlockClass, Combine, Dot, Dtype, Elementwise, Finalize, For, Full, GridAxis, IfBlock, Init, Let,
@@ -383,7 +383,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.emit(f"{code} = {strip_parens(lower_expr(body, ctx))}")
             return
         same, ends = uniform
-        scalar = _replace_loads(body, ends)
+        scalar = replace_subexprs(body, {x: load(str(x.value), *at) for x, at in ends.items()})
         self.emit(f"if {same}:  # each table index is one value over this tile: one read of the table")
         self.emit(f"    {code} = {strip_parens(lower_expr(scalar, ctx))}")
         self.emit("else:")
@@ -397,10 +397,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         tile rows are not one query position each (GQA-packed or head rows). `names` gets the scalars."""
         moving = [x for x in dict.fromkeys(walk(e)) if x.op is ExprOp.LOAD
                   and any(free_vars(i) & {"q_idx", "kv_idx"} for i in x.args)]
-        if not any(n.op in _SATURATING for x in moving for i in x.args for n in walk(i)):
-            return None  # every moving index is one-to-one along a tile axis (rel[h, q_idx - kv_idx], qb[q_idx])
-        if not moving or self.pack is not None or st.at.head_rows:
-            return None
+        if self.pack is not None or st.at.head_rows \
+                or not any(n.op in _SATURATING for x in moving for i in x.args for n in walk(i)):
+            return None  # no load moves, or each moving index is one-to-one (rel[h, q_idx - kv_idx], qb[q_idx])
         rows, cols = self.tile(st.tile).shape
         q0, k0 = self.ex(st.at.q_start), self.ex(st.at.kv_start)
         corners = {"_tq0": q0, "_tq1": f"{wrap(q0)} + {rows} - 1", "_tk0": k0, "_tk1": f"{wrap(k0)} + {cols} - 1"}
@@ -1077,9 +1076,3 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         self.block(self.k.body)
         return self.lines
 
-
-def _replace_loads(e: Expr, ends: dict[Expr, tuple[Expr, ...]]) -> Expr:
-    """`e` with each load in `ends` read at the given indices instead (a scalar read of a tile-uniform index)."""
-    if e in ends:
-        return load(str(e.value), *ends[e])
-    return Expr(e.op, tuple(_replace_loads(a, ends) for a in e.args), e.value) if e.args else e
