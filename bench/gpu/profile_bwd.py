@@ -2,7 +2,7 @@
 
     python -m bench.gpu.profile_bwd --suite bench/heldout/backward_suite.txt --from .kbgen/hb15 --only causal_d128_bf16
         document_causal [--steps 5] [--out DIR]
-    ncu --kernel-id ::regex:'_bwd_dkdv_kernel|flex_attention_backward':4 --set full \
+    ncu --kernel-name regex:_bwd_dkdv_kernel --launch-skip 3 --launch-count 1 --set full \
         python -m bench.gpu.profile_bwd ... --only alibi_causal --steps 1 --no-profiler
 
 Each implementation is built as `bench.gpu.tune_bwd` times it (the spec's BENCH shape, the same inputs and
