@@ -33,12 +33,13 @@ from kb.ir.text import parse_program, print_program
 from kb.ir.validate import validate
 from kb.lower.cuda_dispatch import CudaDispatch
 from kb.lower.triton_bwd import lower_autograd
+from kb.lower.triton_options import LowerOptions
 from kb.store.kb import KnowledgeBase
 from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
+__all__ = ["BackwardBuilt", "build_backward", "lowering", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
            "nondeterminism", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
@@ -121,7 +122,8 @@ def build_backward(kb: KnowledgeBase, spec: Spec, forward: Program, *, memory: b
         if failure:
             outcomes.append(outcome(Stage.IR_CHECK, Verdict.numeric_mismatch, failure, text))
             continue
-        built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem, cuda)
+        built = _realise(spec, forward, program, ref.id, verify_fn, designs, stage / "backward", stem, cuda,
+                         deterministic)
         if isinstance(built, Failure):
             outcomes.append(outcome(built.stage, built.verdict, built.detail, text))
             continue
@@ -169,13 +171,19 @@ def per_kv_head(p: Program) -> bool:
     return bool(writers) and all(any(ax.extent == var("Hkv") for ax in k.grid) for k in writers)
 
 
+def lowering(deterministic: bool) -> LowerOptions:
+    """The lowering's options for a generated module: with --deterministic, no design chosen by a timing at run
+    time (the module runs the first listed design that fits, so the same design, and the same bits, every run)."""
+    return LowerOptions(time_designs=not deterministic)
+
+
 def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify_fn, designs,
              stage: Path, stem: str, cuda: Callable[[Program], tuple[CudaDispatch | None, str]] | None,
-             ) -> BackwardBuilt | Failure:
+             deterministic: bool) -> BackwardBuilt | Failure:
     try:
         dispatch, runs = cuda(program) if cuda is not None else (None, "")
-        src = lower_autograd(forward, program, fwd_designs=designs[0], bwd_designs=designs[1](backward_structure(program)),
-                             cuda=dispatch)
+        src = lower_autograd(forward, program, lowering(deterministic), fwd_designs=designs[0],
+                             bwd_designs=designs[1](backward_structure(program)), cuda=dispatch)
         aux = [p.name for p in forward.params if p.role is Role.AUX]
         files = write_candidate(spec, src, aux, stage, stem)
     except OutputError:

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
-from generate.backward import BackwardBuilt, build_backward, learnable_aux, nondeterminism
+from generate.backward import BackwardBuilt, build_backward, learnable_aux, lowering, nondeterminism
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import (
@@ -518,7 +518,7 @@ def _realise(spec: Spec, program: Program, options: GenerateOptions, stage: Path
     cuda = choose_cuda(program, plan) if spec.layout is None else None  # the CUDA lowerings take no serving layout
     dispatch, runs = _dispatch(spec, program, cuda, plan, options)
     try:
-        triton_src = lower_program(program, designs=options.designs, cuda=dispatch)
+        triton_src = lower_program(program, lowering(options.deterministic), designs=options.designs, cuda=dispatch)
     except KBError as err:
         return Failure(Stage.LOWER, Verdict.compile_error, str(err))
     aux = [p.name for p in program.params if p.role.value == "aux"]

@@ -1,5 +1,6 @@
-"""The emitted module behaves like a library kernel: it picks a design per GPU and shape, survives a design
-that does not fit, times its designs once on a GPU it has no entry for, and answers in the input dtype."""
+"""The emitted module behaves like a library kernel: it picks a design per GPU and shape (the fastest of its listed
+designs, timed once per shape bucket), survives a design that does not fit, times its designs once on a GPU it has no
+entry for, and answers in the input dtype."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import triton.testing
 from kb.ir.design import AUTO_SPLITS, Design
 from kb.ir.nodes import Dtype
 from kb.lower.runtime import load_module
-from kb.lower.triton import lower_program
+from kb.lower.triton import LowerOptions, lower_program
 from tests.support.attn_reference import reference_attention
 from tests.support.ir_programs import FIXTURES
 
@@ -81,15 +82,71 @@ def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
 
 
-def test_listed_gpu_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_listed_gpu_without_timing_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     _, mod = _module(tag="_fit")
     _as_gpu(mod, monkeypatch, (9, 0))
+    monkeypatch.setenv("KB_DESIGN_TIMING", "0")
     first, second = TABLE["sm90"][64][0].as_tuple(), TABLE["sm90"][64][1].as_tuple()
     gpu = _FakeGPU({first})
     t = torch.zeros(1)
     assert mod._choose_design(t, 64, ("k1",), gpu) == second
     assert mod._choose_design(t, 64, ("k1",), gpu) == second and gpu.calls == [first, second]  # chosen once per key
     assert mod._choose_design(t, 48, ("k2",), _FakeGPU(set())) == first  # D=48 pads to the 64 bucket
+
+
+def _timed_gpu(mod, monkeypatch: pytest.MonkeyPatch, fake_ms: dict) -> list:
+    """A listed GPU (sm90) whose do_bench answers `fake_ms` per design; returns the list of designs it timed."""
+    _as_gpu(mod, monkeypatch, (9, 0))
+    timed: list = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: timed.append(fn.__defaults__[0]) or fake_ms[fn.__defaults__[0]])
+    return timed
+
+
+def test_listed_gpu_times_its_listed_designs_once_per_shape_bucket(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """The second listed design measures faster on this shape: it runs. A shape in the same bucket (sizes rounded up
+    to powers of two: a longer sequence, 37 -> 50) reuses the timing; a shape in another bucket (200) times again."""
+    _, mod = _module(tag="_timed")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    timed = _timed_gpu(mod, monkeypatch, {first: 2.0, second: 1.5})
+    gpu = _FakeGPU(set())
+    t = torch.zeros(1)
+    with caplog.at_level(logging.INFO, logger="kernel_kb.generated"):
+        assert mod._choose_design(t, 64, ("cuda", "bf16", 2, 4, 37, 64, 2, 37), gpu) == second
+    assert timed == [first, second] and "timed 2 listed designs" in caplog.text
+    assert mod._choose_design(t, 64, ("cuda", "bf16", 2, 4, 50, 64, 2, 50), gpu) == second and len(timed) == 2
+    assert mod._choose_design(t, 64, ("cuda", "bf16", 2, 4, 200, 64, 2, 200), gpu) == second and len(timed) == 4
+
+
+def test_timing_skips_what_does_not_fit_and_a_lone_fit_is_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, mod = _module(tag="_timed_fit")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    timed = _timed_gpu(mod, monkeypatch, {first: 1.0, second: 2.0})
+    assert mod._choose_design(torch.zeros(1), 64, ("one",), _FakeGPU({first})) == second and timed == []
+
+
+def test_no_memory_to_time_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A model near the GPU's memory limit: do_bench's L2-flush buffer does not fit, the call goes on."""
+    _, mod = _module(tag="_timed_oom")
+    _as_gpu(mod, monkeypatch, (9, 0))
+
+    def no_memory(fn, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB")
+
+    monkeypatch.setattr(triton.testing, "do_bench", no_memory)
+    with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
+        assert mod._choose_design(torch.zeros(1), 64, ("oom",), _FakeGPU(set())) == TABLE["sm90"][64][0].as_tuple()
+    assert "no GPU memory left to time designs" in caplog.text
+
+
+def test_deterministic_modules_do_not_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kb generate --deterministic` lowers with time_designs off: the first listed design that fits runs, every run."""
+    p = FIXTURES["causal"](dtype=Dtype.F32)
+    src = lower_program(p, LowerOptions(time_designs=False), designs=TABLE)
+    assert "\nTIME_DESIGNS = False\n" in src and "\nTIME_DESIGNS = True\n" in lower_program(p, designs=TABLE)
+    mod = load_module(src, "designs_causal_untimed")[0]
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    timed = _timed_gpu(mod, monkeypatch, {first: 2.0, second: 1.0})
+    assert mod._choose_design(torch.zeros(1), 64, ("det",), _FakeGPU(set())) == first and timed == []
 
 
 def test_unlisted_gpu_times_every_design_once_and_says_so(monkeypatch: pytest.MonkeyPatch, caplog) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+import triton.testing
 
 from kb.lower import triton_bwd_preamble as pre
 from kb.lower.triton import PREAMBLE
@@ -73,3 +74,22 @@ def test_a_first_backward_inside_a_cuda_graph_capture_runs_the_programs_own_desi
     key = ("cuda", "bf16", 1, 2, 3)
     assert pre._choose_bwd_design(torch.empty(1), 128, key, launch) == pre.BWD_PROGRAM_DESIGN
     assert key not in pre._BWD_PICKED
+
+
+def test_a_listed_gpu_times_the_listed_backward_designs_once_per_shape_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the forward's chooser (one `_timed_choice`): the faster listed design runs; timing off, the first that fits."""
+    slow, fast = (128, 64, 1, 8, 3, False, False), (64, 128, 1, 8, 2, False, False)
+    monkeypatch.setattr(pre, "BWD_DESIGNS", {"sm90": {128: [slow, fast]}})
+    monkeypatch.setattr(pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(pre, "_capturing", lambda: False)
+    monkeypatch.setattr(pre.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    timed: list[tuple] = []
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kw: timed.append(fn.__defaults__[0]) or {slow: 3.0, fast: 2.0}[fn.__defaults__[0]])
+    launched: list[tuple] = []
+    t = torch.empty(1)
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 4096), launched.append) == fast
+    assert timed == [slow, fast] and launched == [slow, fast]  # each launched once to see that it fits
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 3000), launched.append) == fast and len(timed) == 2
+    monkeypatch.setenv("KB_DESIGN_TIMING", "0")
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 8192), launched.append) == slow and len(timed) == 2

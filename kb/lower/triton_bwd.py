@@ -101,7 +101,7 @@ def backward_part(p: Program, options: LowerOptions | None = None, designs: Desi
     if sig.table:
         out += ["", *class_kernel(p, sig, plan, _CLASS_KERNEL)]
     outputs = (*_GRADS, *aux_gradients(p))
-    out += ["", *backward_design_lines(p, designs, outputs), *host_function(p, sig, plan, packs, entry)]
+    out += ["", *backward_design_lines(p, designs, outputs, opts.time_designs), *host_function(p, sig, plan, packs, entry)]
     return "\n".join(out).rstrip() + "\n"
 
 

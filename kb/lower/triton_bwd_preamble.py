@@ -17,7 +17,14 @@ stand in for them here.
 import torch
 import triton
 
-from kb.lower.triton_preamble import _capturing, _interpreting, _log  # one namespace with the forward preamble when pasted
+from kb.lower.triton_preamble import (  # one namespace with the forward preamble when pasted
+    _capturing,
+    _interpreting,
+    _log,
+    _time_designs,
+    _timed_choice,
+    _timings,
+)
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
 _BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
@@ -41,8 +48,8 @@ def _bwd_fits(design, launch):
 
 
 def _choose_bwd_design(t, D, key, launch):
-    """The backward's design for inputs like `t` with head dim D: the first of BWD_DESIGNS for this GPU and head dim
-    that fits; else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
+    """The backward's design for inputs like `t` with head dim D: the fastest of BWD_DESIGNS for this GPU and head dim
+    that fit, timed on this shape as the forward's (`_timed_choice`; with timing off, the first that fits); else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
     per shape; under the interpreter or inside a CUDA graph capture, the program's own schedule."""
     if key in _BWD_PICKED:
         return _BWD_PICKED[key]
@@ -57,13 +64,14 @@ def _choose_bwd_design(t, D, key, launch):
     arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
     bucket = max(16, triton.next_power_of_2(D))
     listed = BWD_DESIGNS.get(arch, {}).get(bucket, ())
-    choice = next((d for d in listed if _bwd_fits(d, launch)), None)
+    if _time_designs(BWD_TIME_DESIGNS):
+        choice = _timed_choice(listed, launch, _bwd_fits, key, BWD_PROGRAM)
+    else:
+        choice = next((d for d in listed if _bwd_fits(d, launch)), None)
     if choice is None:
         pool = [d for table in BWD_DESIGNS.values() for d in table.get(bucket, ())]
         pool = list(dict.fromkeys(pool + [BWD_PROGRAM_DESIGN]))
-        from triton.testing import do_bench
-
-        timed = [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in pool if _bwd_fits(d, launch)]
+        timed = _timings([d for d in pool if _bwd_fits(d, launch)], launch)
         if not timed:
             raise RuntimeError(f"{BWD_PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
         ms, choice = min(timed)
@@ -77,3 +85,4 @@ def _choose_bwd_design(t, D, key, launch):
 BWD_PROGRAM = "triton_bwd_preamble"
 BWD_DESIGNS: dict = {}
 BWD_PROGRAM_DESIGN = (64, 64, 1, 4, 2, False, False)
+BWD_TIME_DESIGNS = True

@@ -53,7 +53,7 @@ def forward_module(p: Program, options: LowerOptions | None = None, designs: Des
     out += kernel_sources(p, sig, plan, opts, packs)
     if sig.table:
         out += ["", *class_kernel(p, sig, plan)]
-    out += ["", *(own_design_lines(p, str(packs)) if own else design_lines(p, designs, packs)),
+    out += ["", *(own_design_lines(p, str(packs)) if own else design_lines(p, designs, packs, opts.time_designs)),
             *host_function(p, sig, plan, packs, entry)]
     if cuda:
         out += dispatch_section(p, cuda.source, cuda)

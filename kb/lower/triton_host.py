@@ -95,6 +95,9 @@ PROGRAM = ${program}
 DESIGNS = ${designs}
 # the program's own schedule: run by the interpreter (and verified there), and timed on a GPU the table misses
 PROGRAM_DESIGN = ${own}
+# on a listed GPU: time the designs that fit once per shape bucket and run the fastest (else the first that fits);
+# KB_DESIGN_TIMING=0 turns timing off for a process
+TIME_DESIGNS = ${timed}
 
 ''')
 
@@ -106,6 +109,7 @@ BWD_PROGRAM = ${program}
 BWD_DESIGNS = ${designs}
 # the backward program's own schedule: run by the interpreter (and verified there)
 BWD_PROGRAM_DESIGN = ${own}
+BWD_TIME_DESIGNS = ${timed}  # as TIME_DESIGNS, for the backward's designs
 BWD_OUTPUTS = ${outputs}  # what backward() returns, in order
 
 ''')
@@ -117,8 +121,9 @@ def _design_table(designs: DesignTable | None, spell: Callable[[Design], tuple])
             for arch, by in sorted((designs or {}).items())}
 
 
-def design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> list[str]:
-    """Module constants: the design table (per arch and head-dim bucket, best first) and the program's own schedule.
+def design_lines(p: Program, designs: DesignTable | None, packs: dict | str, timed: bool) -> list[str]:
+    """Module constants: the design table (per arch and head-dim bucket, best first), the program's own schedule and
+    whether a listed GPU times the listed designs (`timed`: LowerOptions.time_designs).
 
     A program that cannot pack lists its designs unpacked (deduplicated), so the table says what runs; a split-KV
     program that can pack verifies its packed form (its own schedule packs)."""
@@ -126,15 +131,18 @@ def design_lines(p: Program, designs: DesignTable | None, packs: dict | str) -> 
     table = _design_table(designs, Design.as_tuple if packable else lambda d: dataclasses.replace(d, pack_gqa=False).as_tuple())
     own = Design.of_schedule(p.schedule, tma=True, pack_gqa=packable and bool(split_kernels(p))).as_tuple()
     packing = "available (designs with pack_gqa run the packed kernels)" if packable else f"not used, {packs}"
-    return _lines(_DESIGNS.substitute(program=repr(p.name), packing=packing, designs=repr(table), own=repr(own)))
+    return _lines(_DESIGNS.substitute(program=repr(p.name), packing=packing, designs=repr(table), own=repr(own),
+                                      timed=repr(timed)))
 
 
-def backward_design_lines(p: Program, designs: DesignTable | None, outputs: tuple[str, ...]) -> list[str]:
+def backward_design_lines(p: Program, designs: DesignTable | None, outputs: tuple[str, ...],
+                          timed: bool) -> list[str]:
     """A backward module's constants (BWD_*, beside a forward's in one module): its design table, its own schedule
-    (no tensor descriptors, no packing) and the names `backward` returns (`outputs`)."""
+    (no tensor descriptors, no packing), whether a listed GPU times the designs and the names `backward` returns
+    (`outputs`)."""
     own = Design.of_schedule(p.schedule, tma=False, pack_gqa=False).as_tuple()
     return _lines(_BWD_DESIGNS.substitute(program=repr(p.name), designs=repr(_design_table(designs, Design.as_tuple)),
-                                          own=repr(own), outputs=repr(outputs)))
+                                          own=repr(own), outputs=repr(outputs), timed=repr(timed)))
 
 
 # ------------------------------------------------------------------ block-class kernel

@@ -45,6 +45,9 @@ class LowerOptions:
       kv_indices / full_kv_indices) and the loop becomes two loops over those lists, partial blocks
       first, then full ones (no mask code); empty blocks are never visited. Needs the tile's
       q_start and the loop's lower bound to be multiples of BLOCK_M / BLOCK_N (checked statically).
+    - time_designs: on a GPU its design table lists, the module times the listed designs that fit once per shape
+      bucket and runs the fastest (TIME_DESIGNS, BWD_TIME_DESIGNS); off, it runs the first that fits. Off for
+      `kb generate --deterministic`: which design runs must not depend on a timing.
     """
 
     split_kv_loop: bool = True
@@ -55,3 +58,4 @@ class LowerOptions:
     warp_specialize: bool = False
     indexed_kv_loop: bool = True
     pack_gqa: bool = True
+    time_designs: bool = True
