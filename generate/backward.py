@@ -39,7 +39,7 @@ from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "lowering", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
+__all__ = ["BackwardBuilt", "build_backward", "lowering", "run_to_run", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
            "nondeterminism", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
@@ -58,6 +58,8 @@ class BackwardBuilt:
     detail: str
     cuda_src: str | None = None  # the `.cu` of the module's CUDA dispatch, with the Hopper backward where it applies
     cuda_runs: str = ""  # which backward runs on the GPU and why (the report's cuda.backward_runs)
+    hopper_backward: bool = False  # the dispatch lists the `.cu`'s Hopper backward for some GPU
+    timed_designs: bool = True  # the module times its listed designs at run time (LowerOptions.time_designs)
 
 
 def learnable_aux(spec: Spec) -> tuple[str, ...]:
@@ -151,6 +153,20 @@ def nondeterminism(p: Program) -> str | None:
     return "; ".join(why) or None
 
 
+def run_to_run(built: BackwardBuilt) -> str | None:
+    """Why the gradients of the module `built` wrote may differ between two runs on the same inputs (None: bitwise
+    reproducible): the backward program's atomics (`nondeterminism`), the `.cu`'s Hopper backward where the module
+    runs it (dQ's partials added in the order they arrive), and a design chosen by a timing at a process's first
+    call (designs tile the sums differently; `kb generate --deterministic` fixes the design)."""
+    why = [w for w in (nondeterminism(built.program),) if w]
+    if built.hopper_backward:
+        why.append("the `.cu`'s Hopper backward, where the module runs it, adds dQ's partials in the order they arrive")
+    if built.timed_designs:
+        why.append("the module runs the listed design a timing at its first call picked, which two runs may pick "
+                   "differently (--deterministic fixes the design)")
+    return "; ".join(why) or None
+
+
 def measured_structures(kb: KnowledgeBase, target: Features) -> dict[str, float]:
     """{structure: its speed relative to the fastest} from the KB's backward sweeps where one spec was timed with
     both structures (`generate.designs.structure_scores`); empty when none was."""
@@ -193,4 +209,6 @@ def _realise(spec: Spec, forward: Program, program: Program, ref_id: str, verify
     verdict, detail = verify_fn(files.candidate)
     if verdict not in (Verdict.passed, Verdict.not_run):
         return Failure(Stage.VERIFY, verdict, detail)
-    return BackwardBuilt(program, ref_id, src, files, verdict, detail, dispatch.source if dispatch else None, runs)
+    return BackwardBuilt(program, ref_id, src, files, verdict, detail, dispatch.source if dispatch else None, runs,
+                         hopper_backward=bool(dispatch and any(dispatch.backward.values())),
+                         timed_designs=lowering(deterministic).time_designs)

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from generate.attempts import AttemptOutcome, Candidate, Failure, Proposals, check_program
-from generate.backward import BackwardBuilt, build_backward, learnable_aux, lowering, nondeterminism
+from generate.backward import BackwardBuilt, build_backward, learnable_aux, lowering, run_to_run
 from generate.candidate import write_candidate
 from generate.cuda_compile import NOT_COMPILED, CudaCompile, compile_cuda
 from generate.cuda_design import (
@@ -480,7 +480,7 @@ def _backward_report(bwd: tuple[BackwardBuilt, list[AttemptOutcome]] | _NoBackwa
         return {"status": ReportStatus.NONE.value, "reason": bwd.reason, "attempts": [o.as_dict() for o in bwd.outcomes]}
     built, outcomes = bwd
     status = ReportStatus.VERIFIED if built.verdict is Verdict.passed else ReportStatus.UNVERIFIED
-    why = nondeterminism(built.program)
+    why = run_to_run(built)
     return {"status": status.value,
             "kernel_id": row.id if row else None, "kernel_was_in_kb": existing is not None,
             "reference_id": built.reference_id, "ir_hash": content_hash(built.program),

@@ -64,7 +64,9 @@ def test_generated_backward_is_verified_and_written_back(ingested_kb, tmp_path: 
     assert isinstance(row, Kernel) and row.verified and Features.from_json(row.features_json).backward
     assert row.parent_id == bwd["reference_id"]  # lineage: the backward reference it was transferred from
     atomics = "+=" in r.files["backward_ir"].read_text()  # an accumulating store or an aux_grad
-    assert bwd["deterministic"] is not atomics and ("nondeterministic_because" in bwd) is atomics
+    # not reproducible run to run: the design is picked by a timing at the first call (and atomics where they add)
+    why = bwd["nondeterministic_because"]
+    assert bwd["deterministic"] is False and "--deterministic fixes the design" in why and ("atomics" in why) is atomics
 
 
 def test_deterministic_backward_has_no_atomics(ingested_kb, tmp_path: Path) -> None:

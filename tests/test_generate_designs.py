@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from generate.backward import _preferred, measured_structures, nondeterminism
+from generate.backward import BackwardBuilt, _preferred, measured_structures, nondeterminism, run_to_run
+from generate.candidate import CandidateFiles
 from generate.designs import (LAYOUT_PENALTY, Sweep, backward_structure, default_designs, design_table, expert_designs, perf_similarity,
                               rank_designs, structure_scores)
 from kb.errors import KBError
@@ -17,6 +19,7 @@ from kb.ir.text import print_program
 from kb.store import Kernel, PerfRecord, Tunable
 from tests.support.ir_programs import backward
 from tests.support.store import make_measured
+from verify.result import Verdict
 
 CAUSAL = Features(mask="causal", causal=True, head_dim=128)
 DOC = Features(mask="document", head_dim=128)
@@ -168,3 +171,17 @@ def test_a_structure_leads_only_when_measured_clearly_faster() -> None:
     assert _preferred({"dq pass": 1.0, "dq atomics": 0.92}) == "dq pass"
     assert _preferred({"dq pass": 0.996, "dq atomics": 0.985}) is None  # within the spread of two calls
     assert _preferred({"dq atomics": 1.0}) is None and _preferred({}) is None
+
+
+def test_run_to_run_names_every_source_of_run_to_run_differences(tmp_path: Path) -> None:
+    """A dq-pass backward is reproducible only with its design fixed and without the `.cu`'s Hopper backward."""
+    amd = backward("b_pass", mask_mod="q_idx >= kv_idx", dq_pass=("0", "N"))
+    fa2 = backward("b_atomic", mask_mod="q_idx >= kv_idx")
+    files = CandidateFiles(tmp_path / "c.py", tmp_path / "t.py", None)
+    built = BackwardBuilt(amd, "r", "", files, Verdict.passed, "", timed_designs=False)
+    assert run_to_run(built) is None
+    assert run_to_run(replace(built, program=fa2)) == "dq_acc accumulated with atomics"
+    hopper = run_to_run(replace(built, hopper_backward=True)) or ""
+    assert hopper.startswith("the `.cu`'s Hopper backward")
+    timed = run_to_run(replace(built, timed_designs=True)) or ""
+    assert "--deterministic fixes the design" in timed
