@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from bench.gpu import baselines, suite
+from bench.gpu import baselines, suite, tune_common
 from bench.gpu.record import record_results
 from bench.gpu.report import geomean, summarize, summary_table
 from bench.gpu.run import SCHEMA, Record, _write, require_cuda
@@ -24,6 +24,7 @@ from kb.lower.runtime import TritonKernel
 from kb.lower.triton import lower_program
 from kb.lower.triton_aot import compile_for_arch
 from kb.store import Kernel, PerfRecord
+from verify.timing import Timing
 
 
 @pytest.mark.parametrize("variant", sorted(suite.VARIANTS))
@@ -121,3 +122,25 @@ def test_bench_kernels_compile_for_hopper(variant: str) -> None:
     (k,) = compile_for_arch(prog, arch=90, head_dim=128, tma=True)
     assert k.wgmma > 0 and k.tma_loads > 0
     assert k.shared_bytes <= 227 * 1024  # sm_90's opt-in shared memory per block
+
+
+def test_a_slow_baseline_is_timed_a_few_times_and_says_how_many(monkeypatch: pytest.MonkeyPatch) -> None:
+    """time_call: a call slower than SLOW_CALL_S (FlexAttention's 1.4 s T5 step) gets no warm-up and SLOW_TRIALS
+    trials; a fast one the asked-for trials after 5 warm-up calls. The count is returned for the record."""
+    asked: list[tuple[int, int]] = []
+
+    def fake_time_fn(fn, warmup, trials, drain):
+        asked.append((warmup, trials))
+        return Timing(1.0, 0.1, 0.9, 1.1, trials)
+
+    ticks = [0.0, 0.01, 10.0, 10.0 + 2 * tune_common.SLOW_CALL_S]  # a fast first call, then a slow one
+
+    def clock() -> float:
+        return ticks.pop(0) if ticks else 99.0
+    monkeypatch.setattr(tune_common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tune_common, "sync", lambda: None)
+    monkeypatch.setattr(tune_common, "time_fn", fake_time_fn)
+    monkeypatch.setattr(tune_common.time, "perf_counter", clock)
+    assert tune_common.time_call(lambda: None, 10) == (1.0, 0.1, 10)
+    assert tune_common.time_call(lambda: None, 10) == (1.0, 0.1, tune_common.SLOW_TRIALS)
+    assert asked == [(5, 10), (0, tune_common.SLOW_TRIALS)]

@@ -137,8 +137,8 @@ def _record(label: str, fn: Callable[[], Any] | None, ref: torch.Tensor | None, 
             rec["max_abs_err"] = float((o.float() - ref.float()).abs().max())
             if check and not output_ok(o.float(), ref.float()):
                 return {**rec, "status": "wrong"}
-        ms, iqr = time_call(fn, trials)
-        return {**rec, "status": "ok", "ms": ms, "iqr_ms": iqr, "tflops": flops / ms / 1e9}
+        ms, iqr, n = time_call(fn, trials)
+        return {**rec, "status": "ok", "ms": ms, "iqr_ms": iqr, "trials": n, "tflops": flops / ms / 1e9}
     except Exception as err:
         return {**rec, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"}
     finally:

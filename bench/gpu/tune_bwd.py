@@ -269,10 +269,10 @@ def _timed(impl: Impl, dout: torch.Tensor, trials: int) -> dict:
         with torch.no_grad():
             return impl.call()
 
-    ms, iqr = common.time_call(step, trials)
-    fwd_ms, _ = common.time_call(forward_only, trials)
+    ms, iqr, n = common.time_call(step, trials)
+    fwd_ms, _, _ = common.time_call(forward_only, trials)
     impl.zero_grads()
-    return {"ms": ms, "iqr_ms": iqr, "fwd_ms": fwd_ms, "bwd_ms_est": ms - fwd_ms}
+    return {"ms": ms, "iqr_ms": iqr, "trials": n, "fwd_ms": fwd_ms, "bwd_ms_est": ms - fwd_ms}
 
 
 def bwd_record(label: str, impl: Impl | None, ref: Reference, flops: float, trials: int, check: bool = True) -> dict:
