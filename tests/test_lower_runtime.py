@@ -181,3 +181,15 @@ def test_block_table_is_reused_only_while_the_mask_inputs_are_unchanged() -> Non
     ref, _ = reference_attention(p, q, k, v, aux={"doc_ids": doc})
     torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(o1, o2)
+
+
+def test_a_decode_cache_growing_by_a_token_a_call_chooses_once_per_doubling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a choice served one exact shape, so a KV cache one token longer at every call ran a trial launch (twice
+    the work) at every call. Now the lengths 1025..2048 share one choice: no launch but the host's own."""
+    _, mod = _module(tag="_grow")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    timed = _timed_gpu(mod, monkeypatch, {first: 1.0, second: 2.0})
+    gpu = _FakeGPU(set())
+    for n in range(1025, 1100):
+        assert mod._choose_design(torch.zeros(1), 64, ("cuda", "bf16", 8, 16, 1, 64, 2, n), gpu) == first
+    assert gpu.calls == [first, second] and timed == [first, second]  # each tried once, at the first length

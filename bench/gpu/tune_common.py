@@ -93,14 +93,14 @@ _CANDIDATES: dict[Path, ModuleType] = {}
 
 
 def _candidate_module(path: str, tag: str) -> ModuleType:
-    """The candidate file's module, imported once per process, its per-shape design choices (and timings) cleared.
+    """The candidate file's module, imported once per process, its per-shape design choices cleared.
     Once: the first import registers the module's operator, and a later import's `kb_attention` runs that operator,
     i.e. the first module's functions and design tables, which are the ones a sweep must pin and read."""
     key = Path(path).resolve()
     cand = _CANDIDATES.get(key)
     if cand is None:
         cand = _CANDIDATES[key] = load_file(path, f"kb_tune_cand_{tag}")
-    for choices in ("_PICKED", "_BWD_PICKED", "_TIMED"):
+    for choices in ("_PICKED", "_BWD_PICKED"):
         getattr(cand, choices, {}).clear()
     return cand
 

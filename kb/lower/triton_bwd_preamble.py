@@ -21,13 +21,14 @@ from kb.lower.triton_preamble import (  # one namespace with the forward preambl
     _capturing,
     _interpreting,
     _log,
+    _shape_bucket,
     _time_designs,
     _timed_choice,
     _timings,
 )
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
-_BWD_PICKED = {}  # shape key -> the design the backward runs for it (chosen once per key)
+_BWD_PICKED = {}  # shape bucket -> the design the backward runs for its shapes (chosen once per bucket)
 
 
 def _longest_first(programs, device):
@@ -49,8 +50,10 @@ def _bwd_fits(design, launch):
 
 def _choose_bwd_design(t, D, key, launch):
     """The backward's design for inputs like `t` with head dim D: the fastest of BWD_DESIGNS for this GPU and head dim
-    that fit, timed on this shape as the forward's (`_timed_choice`; with timing off, the first that fits); else the fastest of those listed for the head dim on any arch and the program's schedule, timed once
-    per shape; under the interpreter or inside a CUDA graph capture, the program's own schedule."""
+    that fit, timed on these shapes as the forward's (`_timed_choice`; with timing off, the first that fits); else
+    the fastest of those listed for the head dim on any arch and the program's schedule, timed; under the interpreter
+    or inside a CUDA graph capture, the program's own schedule. One choice per shape bucket (`_shape_bucket`)."""
+    key = _shape_bucket(key)  # one choice serves every shape of its bucket, as the forward's
     if key in _BWD_PICKED:
         return _BWD_PICKED[key]
     if _interpreting(t):

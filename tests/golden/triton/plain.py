@@ -139,7 +139,7 @@ def _hblock_lists(block_class):
     return out
 
 
-_PICKED = {}  # shape key -> the design this module runs for it (chosen once per key)
+_PICKED = {}  # shape bucket (`_shape_bucket`) -> the design this module runs for its shapes (chosen once per bucket)
 
 
 def _interpreting(t):
@@ -167,8 +167,9 @@ def _fits(design, launch):
 def _choose_design(t, D, key, launch):
     """The design for inputs like `t` with head dim D: on a GPU the module lists designs for, the fastest of those
     that fit, timed on this shape (`_timed_choice`; with timing off, the first that fits); on another GPU, the
-    fastest of every design listed for this head dim, timed once per shape and logged; under the interpreter, the
-    program's own schedule (the one verified on CPU)."""
+    fastest of every design listed for this head dim, timed once and logged; under the interpreter, the
+    program's own schedule (the one verified on CPU). One choice serves every shape of its bucket."""
+    key = _shape_bucket(key)
     if key in _PICKED:
         return _PICKED[key]
     if _interpreting(t):
@@ -203,9 +204,6 @@ def _choose_design(t, D, key, launch):
     return choice
 
 
-_TIMED = {}  # (program, shape bucket, designs) -> the fastest of those designs timed at the bucket's first shape
-
-
 def _time_designs(on):
     """Whether a GPU the module lists designs for times them: the module's switch (TIME_DESIGNS; off in modules
     generated with --deterministic, whose results must not depend on which design a timing picked), unless
@@ -214,8 +212,10 @@ def _time_designs(on):
 
 
 def _shape_bucket(key):
-    """`key` with its sizes rounded up to powers of two: the shapes one timing serves (a sequence length that
-    changes every step, or a decode cache that grows, is timed once per doubling, not once per length)."""
+    """`key` with its sizes rounded up to powers of two: the shapes one choice serves. A sequence length that changes
+    every step, or a decode cache that grows by a token a call, is chosen for (trial launches, timing) once per
+    doubling, not at every new length. Whether a design fits depends on its tiles and the head dim's padding, not
+    on these sizes."""
     return tuple(triton.next_power_of_2(x) if type(x) is int and x > 0 else x for x in key)
 
 
@@ -227,14 +227,10 @@ def _timings(designs, launch):
 
 
 def _timed_choice(listed, launch, fits, key, program):
-    """The fastest of the `listed` designs that fit (`fits(design, launch)` runs one), timed once per shape bucket (`_shape_bucket`)
-    and reused for its other shapes; None when none fits. The KB ranks designs from sweeps at other shapes, and its
-    first pick ran at 0.91 (forward) / 0.96 (backward) of a sweep's best where the fastest of its first four ran at
-    0.95 / 0.99 (leave one spec out: `python -m bench.design_ranking`)."""
-    bucket = (program, _shape_bucket(key), tuple(listed))
-    hit = _TIMED.get(bucket)
-    if hit is not None and fits(hit, launch):
-        return hit
+    """The fastest of the `listed` designs that fit (`fits(design, launch)` runs one) on the shapes of `key`, a shape
+    bucket; None when none fits. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91
+    (forward) / 0.96 (backward) of a sweep's best where the fastest of its first four ran at 0.95 / 0.99 (leave one
+    spec out: `python -m bench.design_ranking`)."""
     fitting = [d for d in listed if fits(d, launch)]
     if len(fitting) < 2:
         return fitting[0] if fitting else None
@@ -242,12 +238,11 @@ def _timed_choice(listed, launch, fits, key, program):
         ms, choice = min(_timings(fitting, launch))
     except torch.cuda.OutOfMemoryError:  # do_bench flushes L2 with a 256 MB buffer: a model near the memory limit
         choice = fitting[0]
-        _log.warning("%s: no GPU memory left to time designs for shape %s: running the first listed that fits, %s",
+        _log.warning("%s: no GPU memory left to time designs for shapes %s: running the first listed that fits, %s",
                      program, key[2:], choice)
     else:
-        _log.info("%s: timed %d listed designs for shape %s: running %s (%.3f ms)", program, len(fitting), key[2:],
+        _log.info("%s: timed %d listed designs for shapes %s: running %s (%.3f ms)", program, len(fitting), key[2:],
                   choice, ms)
-    _TIMED[bucket] = choice
     return choice
 
 
@@ -642,7 +637,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-2ff0a72b6e5aba96'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_2ff0a72b6e5aba96_6fa52cab'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_2ff0a72b6e5aba96_14ca8620'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
