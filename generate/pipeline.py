@@ -465,7 +465,10 @@ def _report(spec: Spec, run: GenerationRun, kernel: Kernel | None, existing: obj
               "engine": options.engine, "memory": options.memory, "features": spec.features.to_json(),
               "attempts": [o.as_dict() for o in outcomes], "error": run.error or None,
               "designs": {arch: {str(b): [str(d) for d in ds] for b, ds in by.items()}
-                          for arch, by in (options.designs or {}).items()}}
+                          for arch, by in (options.designs or {}).items()},
+              "design_choice": "first listed that fits (--deterministic)" if options.deterministic else
+              "the fastest listed design that fits, timed at the first call per shape bucket (KB_DESIGN_TIMING=0: "
+              "the first that fits)"}
     if built is not None:
         report["verify"] = {"verdict": built.verdict.value, "detail": built.detail}
         report["ir_hash"] = content_hash(built.program)

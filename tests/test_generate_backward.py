@@ -79,6 +79,7 @@ def test_deterministic_backward_has_no_atomics(ingested_kb, tmp_path: Path) -> N
     assert "+=" not in r.files["backward_ir"].read_text()
     refused = [a for a in bwd["attempts"] if "not deterministic" in a["feedback"]]
     assert all(a["verdict"] == "compile_error" for a in refused)
+    assert json.loads(r.files["report"].read_text())["design_choice"].startswith("first listed that fits")
     module = r.files["triton"].read_text()  # the same design every run: none chosen by a timing
     assert "\nTIME_DESIGNS = False\n" in module and "\nBWD_TIME_DESIGNS = False  #" in module
 
