@@ -163,17 +163,25 @@ _RESERVED = {"b", "h", "m", "s", "hk", "q_idx", "kv_idx", "score", "q", "k", "v"
              *LANES}
 
 
-def _is_bool(e: Expr) -> bool:
+def is_bool(e: Expr) -> bool:
     return e.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR,
                     ExprOp.NOT) or (e.op is ExprOp.CONST and isinstance(e.value, bool))
 
 
 def _as_int(e: Expr) -> Expr:
-    return call("where", e, const(1), const(0)) if _is_bool(e) else e
+    return call("where", e, const(1), const(0)) if is_bool(e) else e
 
 
-def _as_bool(e: Expr) -> Expr:
-    return e if _is_bool(e) else e.ne(0)
+def as_bool(e: Expr) -> Expr:
+    return e if is_bool(e) else e.ne(0)
+
+
+def bool_chain(op: ast.boolop, vals: list[Expr]) -> Expr:
+    """`a and b and ...` / `a or b or ...` over expressions, each taken as a truth value."""
+    out = as_bool(vals[0])
+    for v in vals[1:]:
+        out = Expr(ExprOp.AND if isinstance(op, ast.And) else ExprOp.OR, (out, as_bool(v)))
+    return out
 
 
 def lane_to_idx(e: Expr, loop_var: str = "n_start") -> Expr:
@@ -274,15 +282,12 @@ class _Walker:
                 if isinstance(n.op, ast.USub):
                     return const(-number(v)) if v.op is ExprOp.CONST else -v
                 if isinstance(n.op, (ast.Not, ast.Invert)):
-                    return ~_as_bool(v)
+                    return ~as_bool(v)
             return v if isinstance(v, Tile) else Opaque(ast.unparse(n))
         if isinstance(n, ast.BoolOp):
             vals = [self.ev(v) for v in n.values]
             if all(isinstance(v, Expr) for v in vals):
-                out = _as_bool(vals[0])  # type: ignore[arg-type]
-                for v in vals[1:]:
-                    out = Expr(ExprOp.AND if isinstance(n.op, ast.And) else ExprOp.OR, (out, _as_bool(v)))  # type: ignore[arg-type]
-                return out
+                return bool_chain(n.op, vals)  # type: ignore[arg-type]
             return Opaque(ast.unparse(n))
         if isinstance(n, ast.Compare) and len(n.ops) == 1 and type(n.ops[0]) in _CMP:
             a, b = self.ev(n.left), self.ev(n.comparators[0])
@@ -297,7 +302,7 @@ class _Walker:
             except Unknown:
                 t, a, b = self.ev(n.test), self.ev(n.body), self.ev(n.orelse)
                 if all(isinstance(x, Expr) for x in (t, a, b)):
-                    return call("where", _as_bool(t), a, b)  # type: ignore[arg-type]
+                    return call("where", as_bool(t), a, b)  # type: ignore[arg-type]
                 return Opaque(ast.unparse(n))
         if isinstance(n, ast.BinOp):
             return self._binop(n)
@@ -475,7 +480,7 @@ class _Walker:
                 self._event("where_tile", n)
                 return Tile(_deps(c) | _deps(x) | _deps(y))
             if all(isinstance(v, Expr) for v in (c, x, y)):
-                return call("where", _as_bool(c), x, y)  # type: ignore[arg-type]
+                return call("where", as_bool(c), x, y)  # type: ignore[arg-type]
             return Opaque(full)
         if name in ("max", "sum", "exp", "exp2", "log", "log2") and n.args and isinstance(self.ev(n.args[0]), Tile):
             src = self.ev(n.args[0])
@@ -669,7 +674,7 @@ class _Walker:
             # a tile-valued condition: record what is inside as conditional events
             self._unknown(st, f"if on a tile value: {ast.unparse(st.test)}")
             return True
-        cond = _as_bool(test)
+        cond = as_bool(test)
         before = dict(self.env)
         outer_cond = self.cond
         self.cond = cond if outer_cond is None else outer_cond & cond
@@ -777,4 +782,4 @@ def uses(e: Expr) -> set[str]:
     return {str(n.value) for n in walk(e) if n.op in (ExprOp.VAR, ExprOp.LOAD)}
 
 
-__all__ += ["stride_indices", "uses"]
+__all__ += ["stride_indices", "uses", "as_bool", "is_bool", "bool_chain"]

@@ -24,7 +24,7 @@ import ast
 from dataclasses import dataclass, field
 
 from kb.ir.expr import Expr, ExprOp, call, const, free_vars, load, substitute, var, walk
-from ingest.triton_exec import Opaque, Ptr
+from ingest.triton_exec import Opaque, Ptr, as_bool, is_bool, bool_chain
 from ingest.triton_source import JitFn, TritonModule, Unknown, const_eval, node_file
 from kb.ir.algebra import from_poly, normal_form, to_poly
 
@@ -145,15 +145,6 @@ def _broadcast(a: tuple, b: tuple) -> tuple | None:
     return tuple(out)
 
 
-def _is_bool(e: Expr) -> bool:
-    return e.op in (ExprOp.LT, ExprOp.LE, ExprOp.GT, ExprOp.GE, ExprOp.EQ, ExprOp.NE, ExprOp.AND, ExprOp.OR,
-                    ExprOp.NOT) or (e.op is ExprOp.CONST and isinstance(e.value, bool))
-
-
-def _as_bool(e: Expr) -> Expr:
-    return e if _is_bool(e) else e.ne(0)
-
-
 _BIN = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.FloorDiv: "floordiv", ast.Mod: "mod",
         ast.BitAnd: "and", ast.BitOr: "or"}
 _EXPR_BIN = {"add": ExprOp.ADD, "sub": ExprOp.SUB, "mul": ExprOp.MUL, "div": ExprOp.DIV, "floordiv": ExprOp.FLOORDIV,
@@ -255,10 +246,7 @@ class _TileWalker:
         if isinstance(n, ast.BoolOp):
             vals = [self.ev(v) for v in n.values]
             if all(isinstance(v, Expr) for v in vals):
-                out = _as_bool(vals[0])  # type: ignore[arg-type]
-                for v in vals[1:]:
-                    out = Expr(ExprOp.AND if isinstance(n.op, ast.And) else ExprOp.OR, (out, _as_bool(v)))  # type: ignore[arg-type]
-                return out
+                return bool_chain(n.op, vals)  # type: ignore[arg-type]
             return self._unknown(n, f"boolean operator on tiles: {ast.unparse(n)}")
         if isinstance(n, ast.Compare) and len(n.ops) == 1 and type(n.ops[0]) in _CMP:
             a, b = self.ev(n.left), self.ev(n.comparators[0])
@@ -274,7 +262,7 @@ class _TileWalker:
                     return self.ev(n.body if t.value else n.orelse)
                 a, b = self.ev(n.body), self.ev(n.orelse)
                 if all(isinstance(x, Expr) for x in (t, a, b)):
-                    return call("where", _as_bool(t), a, b)  # type: ignore[arg-type]
+                    return call("where", as_bool(t), a, b)  # type: ignore[arg-type]
                 return self._unknown(n, f"conditional expression {ast.unparse(n)}")
         if isinstance(n, ast.BinOp):
             return self._binop(n)
@@ -322,7 +310,7 @@ class _TileWalker:
             if isinstance(n.op, (ast.Not, ast.Invert)):
                 if v.op is ExprOp.CONST and isinstance(v.value, bool):
                     return const(not v.value)  # a flag bound through an inlined helper's parameter
-                return ~_as_bool(v)
+                return ~as_bool(v)
         if isinstance(v, TV) and isinstance(n.op, ast.USub):
             return TV("neg", (v,), v.lanes, n.lineno)
         return self._unknown(n, f"unary {ast.unparse(n)}")
@@ -339,8 +327,8 @@ class _TileWalker:
         if isinstance(a, Expr) and isinstance(b, Expr):
             if op in ("floordiv", "mod") and b == const(1):
                 return a if op == "floordiv" else const(0)
-            if op in ("and", "or") and (_is_bool(a) or _is_bool(b)):
-                return Expr(_EXPR_BIN[op], (_as_bool(a), _as_bool(b)))
+            if op in ("and", "or") and (is_bool(a) or is_bool(b)):
+                return Expr(_EXPR_BIN[op], (as_bool(a), as_bool(b)))
             return Expr(_EXPR_BIN[op], (a, b))
         if (isinstance(a, TV) or isinstance(b, TV)) and all(isinstance(x, (TV, Expr)) for x in (a, b)) \
                 and op in ("add", "sub", "mul", "div"):
@@ -471,7 +459,7 @@ class _TileWalker:
             self._compare(c)
         if isinstance(c, Expr) and all(isinstance(v, (Expr, TV)) for v in (x, y)):
             if isinstance(x, Expr) and isinstance(y, Expr):
-                return call("where", _as_bool(c), x, y)
+                return call("where", as_bool(c), x, y)
             lanes = _broadcast(_broadcast(_tile_lanes(x), _tile_lanes(y)) or (), _axes(c)) \
                 if _axes(c) and len(_axes(c)) == 2 else _broadcast(_tile_lanes(x), _tile_lanes(y))
             if lanes is None:
@@ -583,7 +571,7 @@ class _TileWalker:
         if not isinstance(test, Expr):
             self._unknown(st, f"if on a tile value: {ast.unparse(st.test)}")
             return True
-        cond = _as_bool(test)
+        cond = as_bool(test)
         self._compare(cond)
         if st.body and isinstance(st.body[-1], ast.Return):
             return self._early_exit(st, cond)

@@ -15,6 +15,7 @@ import triton
 import triton.testing
 
 from kb.lower import triton_bwd_preamble as pre
+from kb.lower import triton_preamble as fwd_pre  # `_choose` and what it calls live there (one namespace when pasted)
 from kb.lower.triton import PREAMBLE
 from kb.lower.triton_bwd import lower_backward
 from tests.support.ir_programs import causal_bwd
@@ -42,10 +43,10 @@ def test_a_design_that_does_not_fit_is_skipped() -> None:
     def too_big(design: tuple) -> None:
         raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
 
-    assert pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, lambda design: None)
-    assert not pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, too_big)
+    assert fwd_pre._fits(pre.BWD_PROGRAM_DESIGN, lambda design: None, "p")
+    assert not fwd_pre._fits(pre.BWD_PROGRAM_DESIGN, too_big, "p")
     with pytest.raises(ValueError):  # anything else is not a fit test's business
-        pre._bwd_fits(pre.BWD_PROGRAM_DESIGN, lambda design: int("x"))
+        fwd_pre._fits(pre.BWD_PROGRAM_DESIGN, lambda design: int("x"), "p")
 
 
 def test_longest_first_only_for_a_launch_of_at_most_four_waves(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,24 +66,24 @@ def test_a_first_backward_inside_a_cuda_graph_capture_runs_the_programs_own_desi
     """As the forward's chooser: no trial launch (it would be captured beside the real one, doubling every replay's
     work) and no timing (it synchronises); the program's own design runs and nothing is kept for the shape."""
     monkeypatch.setattr(pre, "BWD_DESIGNS", {"sm90": {128: [(128, 64, 1, 8, 3, False, False)]}})
-    monkeypatch.setattr(pre, "_interpreting", lambda t: False)
-    monkeypatch.setattr(pre, "_capturing", lambda: True)
+    monkeypatch.setattr(fwd_pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(fwd_pre, "_capturing", lambda: True)
 
     def launch(design: tuple) -> None:
         raise AssertionError(f"launched {design} inside the capture")
 
     key = ("cuda", "bf16", 1, 2, 3)
     assert pre._choose_bwd_design(torch.empty(1), 128, key, launch) == pre.BWD_PROGRAM_DESIGN
-    assert pre._shape_bucket(key) not in pre._BWD_PICKED and key not in pre._BWD_PICKED
+    assert fwd_pre._shape_bucket(key) not in pre._BWD_PICKED and key not in pre._BWD_PICKED
 
 
 def test_a_listed_gpu_times_the_listed_backward_designs_once_per_shape_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     """As the forward's chooser (one `_timed_choice`): the faster listed design runs; timing off, the first that fits."""
     slow, fast = (128, 64, 1, 8, 3, False, False), (64, 128, 1, 8, 2, False, False)
     monkeypatch.setattr(pre, "BWD_DESIGNS", {"sm90": {128: [slow, fast]}})
-    monkeypatch.setattr(pre, "_interpreting", lambda t: False)
-    monkeypatch.setattr(pre, "_capturing", lambda: False)
-    monkeypatch.setattr(pre.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fwd_pre, "_interpreting", lambda t: False)
+    monkeypatch.setattr(fwd_pre, "_capturing", lambda: False)
+    monkeypatch.setattr(fwd_pre.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     timed: list[tuple] = []
     monkeypatch.setattr(triton.testing, "do_bench",
                         lambda fn, **kw: timed.append(fn.__defaults__[0]) or {slow: 3.0, fast: 2.0}[fn.__defaults__[0]])

@@ -151,56 +151,60 @@ def _capturing():
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _launches(design, launch):
-    """Run `launch(design)`; None when the GPU cannot run the design (shared memory or registers)."""
+def _fits(design, launch, program):
+    """Run `launch(design)`; False when the GPU cannot run the design (shared memory or registers)."""
     try:
-        return launch(design)
+        launch(design)
+        return True
     except triton.runtime.errors.OutOfResources as err:
-        _log.info("%s: design %s does not fit this GPU (%s)", PROGRAM, design, err)
-        return None
-
-
-def _fits(design, launch):
-    return _launches(design, launch) is not None
+        _log.info("%s: design %s does not fit this GPU (%s)", program, design, err)
+        return False
 
 
 def _choose_design(t, D, key, launch):
-    """The design for inputs like `t` with head dim D: on a GPU the module lists designs for, the fastest of those
-    that fit, timed on this shape (`_timed_choice`; with timing off, the first that fits); on another GPU, the
-    fastest of every design listed for this head dim, timed once and logged; under the interpreter, the
-    program's own schedule (the one verified on CPU). One choice serves every shape of its bucket."""
+    """The forward's design for inputs like `t` with head dim D (`_choose`, over DESIGNS)."""
+    return _choose(t, D, key, launch, _PICKED, DESIGNS, PROGRAM_DESIGN, PROGRAM, TIME_DESIGNS, "call")
+
+
+def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
+    """The design of `designs` ({arch: {head-dim bucket: designs best first}}) for inputs like `t` with head dim D,
+    chosen once per shape bucket (`_shape_bucket(key)`) and kept in `picked`: on a GPU the table lists, the fastest
+    of its designs that fit, timed on these shapes (`_timed_choice`; `timed` off, the first that fits); on another
+    GPU, the fastest of every design listed for this head dim (else every listed design) and `own`, timed and
+    logged; under the interpreter, `own`, the program's schedule (the one verified on CPU); inside a CUDA graph
+    capture, `own`, not kept (no trial launch or timing may happen there)."""
     key = _shape_bucket(key)
-    if key in _PICKED:
-        return _PICKED[key]
+    if key in picked:
+        return picked[key]
     if _interpreting(t):
-        _PICKED[key] = PROGRAM_DESIGN
-        return PROGRAM_DESIGN
+        picked[key] = own
+        return own
     if _capturing():
-        # inside a CUDA graph capture no design can be tried or timed (trial launches would be captured, timing
-        # synchronises): the program's own schedule, not kept, so a call outside a capture still chooses
-        _log.warning("%s: first call for shape %s inside a CUDA graph capture: running the program's own design; "
-                     "call once before capturing to run the design chosen for this GPU", PROGRAM, key[2:])
-        return PROGRAM_DESIGN
+        # trial launches would be captured, timing synchronises: the program's own schedule, not kept, so a call
+        # outside a capture still chooses
+        _log.warning("%s: first %s for shapes %s inside a CUDA graph capture: running the program's own design; "
+                     "run one before capturing to run the design chosen for this GPU", program, what, key[2:])
+        return own
     arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
     bucket = max(16, triton.next_power_of_2(D))
-    listed = DESIGNS.get(arch, {}).get(bucket, ())
-    if _time_designs(TIME_DESIGNS):
-        choice = _timed_choice(listed, launch, _fits, key, PROGRAM)
+    listed = designs.get(arch, {}).get(bucket, ())
+    if _time_designs(timed):
+        choice = _timed_choice(listed, launch, key, program)
     else:
-        choice = next((d for d in listed if _fits(d, launch)), None)
+        choice = next((d for d in listed if _fits(d, launch, program)), None)
     if choice is None:
         # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
-        pool = [d for table in DESIGNS.values() for d in table.get(bucket, ())]
-        pool = pool or [d for table in DESIGNS.values() for ds in table.values() for d in ds]
-        pool = list(dict.fromkeys(pool + [PROGRAM_DESIGN]))
-        timed = _timings([d for d in pool if _fits(d, launch)], launch)
-        if not timed:
-            raise RuntimeError(f"{PROGRAM}: none of the designs {pool} runs on this GPU ({arch})")
-        ms, choice = min(timed)
+        pool = [d for table in designs.values() for d in table.get(bucket, ())]
+        pool = pool or [d for table in designs.values() for ds in table.values() for d in ds]
+        pool = list(dict.fromkeys(pool + [own]))
+        timed_pool = _timings([d for d in pool if _fits(d, launch, program)], launch)
+        if not timed_pool:
+            raise RuntimeError(f"{program}: none of the designs {pool} runs on this GPU ({arch})")
+        ms, choice = min(timed_pool)
         why = f"none of the {len(listed)} designs listed" if listed else "no design measured"
-        _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shape %s, running %s (%.3f ms)",
-                     PROGRAM, why, arch, D, len(timed), key[2:], choice, ms)
-    _PICKED[key] = choice
+        _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shapes %s, running %s (%.3f ms)",
+                     program, why, arch, D, len(timed_pool), key[2:], choice, ms)
+    picked[key] = choice
     return choice
 
 
@@ -226,12 +230,12 @@ def _timings(designs, launch):
     return [(do_bench(lambda d=d: launch(d), warmup=5, rep=20), d) for d in designs]
 
 
-def _timed_choice(listed, launch, fits, key, program):
-    """The fastest of the `listed` designs that fit (`fits(design, launch)` runs one) on the shapes of `key`, a shape
-    bucket; None when none fits. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91
+def _timed_choice(listed, launch, key, program):
+    """The fastest of the `listed` designs that fit (`_fits` runs one) on the shapes of `key`, a shape bucket; None
+    when none fits. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91
     (forward) / 0.96 (backward) of a sweep's best where the fastest of its first four ran at 0.95 / 0.99 (leave one
     spec out: `python -m bench.design_ranking`)."""
-    fitting = [d for d in listed if fits(d, launch)]
+    fitting = [d for d in listed if _fits(d, launch, program)]
     if len(fitting) < 2:
         return fitting[0] if fitting else None
     try:
@@ -638,7 +642,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-bb7f4d74329be3be'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_bb7f4d74329be3be_11fc31f0'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_bb7f4d74329be3be_67152263'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('softcap',)  # then its float scalars, then sm_scale
