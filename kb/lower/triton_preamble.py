@@ -8,11 +8,12 @@ kernel-kb's fixes for it); kept here it is linted and imported by tests like any
 - the block-class table: building it on the GPU (`_hblock_classes`), the per-row block lists
   (`_hblock_lists`) and the cache keyed by the mask's inputs (`_cached_table`);
 - the design choice per GPU and shape bucket (`_choose`, which the forward's `_choose_design` and the backward's
-  `_choose_bwd_design` call: the listed designs timed once per bucket, `_timed_choice`), the split-KV count rule (`_auto_splits`, `_split_rule`),
-  the Hopper tensor-descriptor test (`_use_tma`) and the argument checks of the host function (`_bind`).
+  `_choose_bwd_design` call: the listed designs timed once per bucket, `_timed_choice`), the split-KV count rule
+  (`_auto_splits`, `_split_rule`), the Hopper tensor-descriptor test (`_use_tma`) and the argument checks of the host
+  function (`_bind`).
 
-The helpers read `PROGRAM`, `DESIGNS`, `PROGRAM_DESIGN` and `TIME_DESIGNS`, which each generated module defines after the
-preamble (kb.lower.triton writes them); the placeholders at the end of this file stand in for them here.
+The helpers read `PROGRAM`, `DESIGNS`, `PROGRAM_DESIGN` and `TIME_DESIGNS`, which each generated module defines after
+the preamble (kb.lower.triton writes them); the placeholders at the end of this file stand in for them here.
 """
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
