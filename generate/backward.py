@@ -39,8 +39,8 @@ from kb.store.models import Kernel
 from retrieve.hybrid import Filters, describe_target, query
 from verify.result import Verdict
 
-__all__ = ["BackwardBuilt", "build_backward", "lowering", "run_to_run", "block_parallel", "measured_structures", "per_kv_head", "learnable_aux",
-           "nondeterminism", "BACKWARD_STRATEGY"]
+__all__ = ["BackwardBuilt", "build_backward", "lowering", "run_to_run", "block_parallel", "measured_structures",
+           "per_kv_head", "learnable_aux", "nondeterminism", "BACKWARD_STRATEGY"]
 
 BACKWARD_STRATEGY = "backward"  # the strategy name of backward attempts (their rows and the report)
 _POOL = 12  # backward references ranked by retrieval before the structural refinement picks the ones tried
@@ -158,7 +158,8 @@ def run_to_run(built: BackwardBuilt) -> str | None:
     reproducible): the backward program's atomics (`nondeterminism`), the `.cu`'s Hopper backward where the module
     runs it (dQ's partials added in the order they arrive), and a design chosen by a timing at a process's first
     call (designs tile the sums differently; `kb generate --deterministic` fixes the design)."""
-    why = [w for w in (nondeterminism(built.program),) if w]
+    atomics = nondeterminism(built.program)
+    why = [atomics] if atomics else []
     if built.hopper_backward:
         why.append("the `.cu`'s Hopper backward, where the module runs it, adds dQ's partials in the order they arrive")
     if built.timed_designs:
