@@ -8,6 +8,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -144,3 +145,14 @@ def test_a_slow_baseline_is_timed_a_few_times_and_says_how_many(monkeypatch: pyt
     assert tune_common.time_call(lambda: None, 10) == (1.0, 0.1, 10)
     assert tune_common.time_call(lambda: None, 10) == (1.0, 0.1, tune_common.SLOW_TRIALS)
     assert asked == [(5, 10), (0, tune_common.SLOW_TRIALS)]
+
+
+def test_first_listed_runs_the_module_untimed_and_restores_its_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `emitted-first-listed` ablation: inside, KB_DESIGN_TIMING=0 and no choice kept; after, both as they were."""
+    monkeypatch.delenv("KB_DESIGN_TIMING", raising=False)
+    mod = types.SimpleNamespace(_PICKED={("k",): (64, 64)}, _BWD_PICKED={("k",): (32, 64)})
+    with tune_common.first_listed(mod):  # type: ignore[arg-type]
+        assert os.environ["KB_DESIGN_TIMING"] == "0" and not mod._PICKED and not mod._BWD_PICKED
+        mod._PICKED[("k",)] = (128, 64)  # the untimed choice made inside
+    assert "KB_DESIGN_TIMING" not in os.environ
+    assert mod._PICKED == {("k",): (64, 64)} and mod._BWD_PICKED == {("k",): (32, 64)}

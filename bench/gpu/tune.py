@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from bench.gpu.tune_common import (PLAN_SCHEMA, attended_pairs, check_run, bench_shapes, environment, flex_call,
+from bench.gpu.tune_common import (PLAN_SCHEMA, attended_pairs, check_run, bench_shapes, environment, first_listed, flex_call,
                                       load_candidate, load_file, make_inputs, output_ok, sdpa_call, spec_mods, sync, time_call,
                                       warm_in_workers, write_results)
 from bench.gpu.tune_bwd import main as backward_main
@@ -201,6 +201,11 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
                    {**_record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
                     "lowering": _cuda_lowering(entry)},
                    _record("flex", flex, ref, flops, trials, check=False), _record("sdpa", sdpa, ref, flops, trials, check=False)]
+        if device == "cuda":  # the ablation: what the module ran before it timed its listed designs
+            with first_listed(cand):
+                records.append(_record("emitted-first-listed", lambda: new(*inputs), ref, flops, trials))
+                first = dict(cand._PICKED)
+            records[-1]["design"] = str(Design.from_tuple(next(iter(first.values())))) if first else None
         if flex_flash and device == "cuda":
             records.append(_flash_record(spec, inputs, model, ref, flops, trials))
         table = getattr(cand, "block_class_table", None)
@@ -380,9 +385,10 @@ def _summary_line(entry: dict, seconds: float) -> str:
         recs = {r["impl"]: r for r in s.get("records", [])}
         best = min((r for r in s.get("records", []) if r["impl"].startswith("design") and r["status"] == "ok"),
                    key=lambda r: r["ms"], default=None)
-        em, fx, sd, fl = (recs.get(k, {}) for k in ("emitted", "flex", "sdpa", "flex-flash"))
+        em, fx, sd, fl, first = (recs.get(k, {}) for k in ("emitted", "flex", "sdpa", "flex-flash", "emitted-first-listed"))
         runs = "the .cu" if s.get("emitted_runs") == ".cu" else s.get("emitted_design")
         parts.append(f"D{s.get('shape', {}).get('D')}: emitted {em.get('ms', math.nan):.3f} ms ({runs}), "
+                     + (f"first listed {first['ms']:.3f} ({first.get('design')}), " if "ms" in first else "") +
                      f"best {best['ms'] if best else math.nan:.3f} ({best['design'] if best else '-'}), "
                      f"flex {fx.get('ms', math.nan):.3f}, sdpa {sd.get('ms', math.nan):.3f}"
                      + (f", flex-flash {fl['ms']:.3f}" if "ms" in fl else f", flex-flash {fl['status']}" if fl else ""))

@@ -401,10 +401,22 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
     if entry.get("backward"):  # a design sweep: what ranks designs is their times against each other
         records += _design_records(em, entry["designs"], ref, flops, trials, deadline) if records[0]["status"] == "ok" else []
     else:
+        if device == "cuda":
+            records.append(_first_listed_record(em, ref, flops, trials))
         records += _baseline_records(spec, inputs, model, names, ref, flops, trials, device, res)
     res["records"] = records
     _ratios(res)
     return res
+
+
+def _first_listed_record(em: _Emitted, ref: Reference, flops: float, trials: int) -> dict:
+    """`emitted-first-listed`: the same step with the module's first listed designs (forward and backward) that fit,
+    not the fastest it timed at its first call: what modules ran before they timed their designs (an ablation)."""
+    with common.first_listed(em.module):
+        rec = bwd_record("emitted-first-listed", em.impl, ref, flops, trials)
+        ran = [str(Design.from_tuple(next(iter(getattr(em.module, n).values()))))
+               for n in ("_PICKED", "_BWD_PICKED") if getattr(em.module, n, None)]
+    return {**rec, "design": " / ".join(ran) or None}
 
 
 def _cuda_backward_records(em: _Emitted, ref: Reference, flops: float, trials: int, device: str,
@@ -667,7 +679,9 @@ def summary_line(entry: dict, seconds: float) -> str:
             parts.append(head + f"{len(ok)}/{len(designs)} backward designs ran, best "
                          + (f"{best['design']} {_fmt_ms(best)}{gain}" if best else "none"))
             continue
-        parts.append(head + f"flex {_fmt_ms(recs.get('flex'))}, sdpa {_fmt_ms(recs.get('sdpa'))}{ratio}")
+        first = recs.get("emitted-first-listed")
+        first_text = f"first listed {_fmt_ms(first)} ({first.get('design')}), " if first else ""
+        parts.append(head + first_text + f"flex {_fmt_ms(recs.get('flex'))}, sdpa {_fmt_ms(recs.get('sdpa'))}{ratio}")
     return f"{entry['name']} [{seconds:.0f}s]: " + "; ".join(parts)
 
 

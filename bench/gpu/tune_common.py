@@ -10,6 +10,7 @@ its arguments to bench.gpu.tune_bwd's `main`). Needs torch and triton, not the K
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import datetime as dt
 import functools
 import importlib.util
@@ -22,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,28 @@ def _candidate_module(path: str, tag: str) -> ModuleType:
     for choices in ("_PICKED", "_BWD_PICKED"):
         getattr(cand, choices, {}).clear()
     return cand
+
+
+@contextlib.contextmanager
+def first_listed(module: ModuleType) -> Iterator[None]:
+    """Inside, the candidate runs the first listed design that fits instead of the fastest listed one timed at its
+    first call (KB_DESIGN_TIMING=0, the module's choices made afresh): the `emitted-first-listed` ablation, what
+    modules ran before they timed their designs. Its own choices and the environment are restored after."""
+    saved = {n: dict(getattr(module, n)) for n in ("_PICKED", "_BWD_PICKED") if hasattr(module, n)}
+    env = os.environ.get("KB_DESIGN_TIMING")
+    os.environ["KB_DESIGN_TIMING"] = "0"
+    for n in saved:
+        getattr(module, n).clear()
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop("KB_DESIGN_TIMING", None)
+        else:
+            os.environ["KB_DESIGN_TIMING"] = env
+        for n, choices in saved.items():
+            getattr(module, n).clear()
+            getattr(module, n).update(choices)
 
 
 def load_candidate(entry: dict, spec: ModuleType, shape: dict, device: str, tag: str):
