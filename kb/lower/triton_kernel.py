@@ -417,14 +417,25 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
                 if not free_vars(i) & {"q_idx", "kv_idx"}:
                     at.append(i)
                     continue
-                lo, hi = self._fresh("_ulo"), self._fresh("_uhi")
-                self.emit(f"{lo} = {strip_parens(lower_expr(simplify(r[0]), ctx))}")
-                self.emit(f"{hi} = {strip_parens(lower_expr(simplify(r[1]), ctx))}")
+                lo = self._tile_bound(strip_parens(lower_expr(simplify(r[0]), ctx)), "_ulo")
+                hi = self._tile_bound(strip_parens(lower_expr(simplify(r[1]), ctx)), "_uhi")
                 names[lo] = Sym(lo, expr_kind(i, ctx))
                 tests.append(f"({lo} == {hi})")
                 at.append(var(lo))
             ends[x] = tuple(at)
         return " & ".join(tests), ends
+
+    def _tile_bound(self, code: str, base: str) -> str:
+        """A scalar named for `code`, emitted once per scope as offsets are (a table gradient's test reuses the bounds
+        its score_mod computed over the same tile)."""
+        key = (code, "__tile_bound__")
+        for scope in reversed(self.offs):
+            if key in scope:
+                return scope[key]
+        name = self._fresh(base)
+        self.emit(f"{name} = {code}")
+        self.offs[-1][key] = name
+        return name
 
     def s_mask(self, st: Mask) -> None:
         code = self.local(st.tile)
@@ -1075,4 +1086,3 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             self.names[a.name] = Sym(self.local(a.name), Kind.INT, True, below)
         self.block(self.k.body)
         return self.lines
-
