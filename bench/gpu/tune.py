@@ -39,13 +39,13 @@ from typing import Any, Callable
 
 import torch
 
-from bench.gpu.tune_common import (PLAN_SCHEMA, attended_pairs, check_run, bench_shapes, environment, first_listed, flex_call,
-                                      load_candidate, load_file, make_inputs, output_ok, sdpa_call, spec_mods, sync, time_call,
-                                      warm_in_workers, write_results)
+from bench.gpu.tune_common import (PLAN_SCHEMA, attended_pairs, bench_shapes, check_run, environment, first_listed,
+                                      flex_call, load_candidate, load_file, make_inputs, output_ok, picked_design, sdpa_call,
+                                      spec_mods, sync, time_call, warm_in_workers, write_results)
 from bench.gpu.tune_bwd import main as backward_main
 from bench.gpu.tune_bwd import run_plan_backward
 from generate.tune_schema import SCHEMA, impl_ms
-from kb.ir.design import Design, head_bucket, parse_design
+from kb.ir.design import head_bucket, parse_design
 from kb.ir.text import parse_program
 from kb.lower.cuda_build import BuildMode, build
 from kb.lower.cuda_runtime import CudaKernel, device_arch
@@ -195,17 +195,15 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
             ref = sdpa() if sdpa is not None else model(*inputs)
             res["reference"] = "sdpa" if sdpa is not None else "spec Model"
         args, kwargs, _, res["emitted_runs"] = module_call(cand, new, inputs)
-        picked = dict(cand._PICKED)
-        res["emitted_design"] = str(Design.from_tuple(next(iter(picked.values())))) if picked else None
+        res["emitted_design"] = picked_design(cand)
         records = [_record("emitted", lambda: new(*inputs), ref, flops, trials),
                    {**_record("emitted-cuda", _emitted_cuda(entry, args, kwargs), ref, flops, trials),
                     "lowering": _cuda_lowering(entry)},
                    _record("flex", flex, ref, flops, trials, check=False), _record("sdpa", sdpa, ref, flops, trials, check=False)]
         if device == "cuda":  # the ablation: what the module ran before it timed its listed designs
             with first_listed(cand):
-                records.append(_record("emitted-first-listed", lambda: new(*inputs), ref, flops, trials))
-                first = dict(cand._PICKED)
-            records[-1]["design"] = str(Design.from_tuple(next(iter(first.values())))) if first else None
+                records.append({**_record("emitted-first-listed", lambda: new(*inputs), ref, flops, trials),
+                                "design": picked_design(cand)})
         if flex_flash and device == "cuda":
             records.append(_flash_record(spec, inputs, model, ref, flops, trials))
         table = getattr(cand, "block_class_table", None)

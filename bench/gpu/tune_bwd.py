@@ -54,7 +54,7 @@ from bench.gpu import tune_common as common
 from generate.outputs import output_stem
 from generate.tune_schema import SCHEMA_BACKWARD as SCHEMA
 from generate.stages import ReportStatus
-from kb.ir.design import Design, arch_of_capability, parse_design
+from kb.ir.design import arch_of_capability, parse_design
 
 __all__ = ["SCHEMA", "GRAD_TOL", "FLOP_CONVENTION", "SuiteRow", "Impl", "Reference", "fwd_bwd_flops", "rel_fro",
            "read_suite", "suite_plan", "reference_grads", "bwd_record", "run_plan_backward", "summarize",
@@ -392,11 +392,9 @@ def _run_shape(entry: dict, spec: ModuleType, shape: dict, tag: str, trials: int
                                      "flops_bwd": st.flops_bwd, "flops": flops},
                            "dtype": str(inputs[0].dtype).split(".")[-1], "learnable": names, "reference": ref.how}
     records = [bwd_record("emitted", em.impl, ref, flops, trials)]
-    picked = getattr(em.module, "_PICKED", None)
-    res["emitted_design"] = str(next(iter(picked.values()))) if picked else None
-    bwd_picked = getattr(em.module, "_BWD_PICKED", None)
-    if bwd_picked:
-        res["emitted_bwd_design"] = str(Design.from_tuple(next(iter(bwd_picked.values()))))
+    res["emitted_design"] = common.picked_design(em.module)
+    if getattr(em.module, "_BWD_PICKED", None):
+        res["emitted_bwd_design"] = common.picked_design(em.module, "_BWD_PICKED")
     records += _cuda_backward_records(em, ref, flops, trials, device)
     if entry.get("backward"):  # a design sweep: what ranks designs is their times against each other
         records += _design_records(em, entry["designs"], ref, flops, trials, deadline) if records[0]["status"] == "ok" else []
@@ -414,8 +412,7 @@ def _first_listed_record(em: _Emitted, ref: Reference, flops: float, trials: int
     not the fastest it timed at its first call: what modules ran before they timed their designs (an ablation)."""
     with common.first_listed(em.module):
         rec = bwd_record("emitted-first-listed", em.impl, ref, flops, trials)
-        ran = [str(Design.from_tuple(next(iter(getattr(em.module, n).values()))))
-               for n in ("_PICKED", "_BWD_PICKED") if getattr(em.module, n, None)]
+        ran = [d for d in (common.picked_design(em.module, n) for n in ("_PICKED", "_BWD_PICKED")) if d]
     return {**rec, "design": " / ".join(ran) or None}
 
 

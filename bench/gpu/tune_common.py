@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from generate.tune_schema import PLAN_SCHEMA, bench_shapes
-from kb.ir.design import arch_of_capability
+from kb.ir.design import Design, arch_of_capability
 from verify.checks import compare
 from verify.timing import time_fn
 
@@ -104,6 +104,13 @@ def _candidate_module(path: str, tag: str) -> ModuleType:
     for choices in ("_PICKED", "_BWD_PICKED"):
         getattr(cand, choices, {}).clear()
     return cand
+
+
+def picked_design(module: ModuleType, table: str = "_PICKED") -> str | None:
+    """The design the module chose first in `table` (`_PICKED`: its forward's, `_BWD_PICKED`: its backward's; a bench
+    entry's shape makes one choice), as design text; None where it chose none (the `.cu` ran)."""
+    picked = getattr(module, table, None)
+    return str(Design.from_tuple(next(iter(picked.values())))) if picked else None
 
 
 @contextlib.contextmanager
