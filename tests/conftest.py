@@ -62,6 +62,7 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         if name.startswith("KB_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("KB_HOME", str(tmp_path / "kb-home"))
+    monkeypatch.setenv("KB_DESIGN_CACHE_DIR", str(tmp_path / "kb-designs"))  # the design choices modules keep
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 

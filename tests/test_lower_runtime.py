@@ -4,6 +4,7 @@ entry for, and answers in the input dtype."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -77,9 +78,10 @@ class _FakeGPU:
         return "outputs"
 
 
-def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+def _as_gpu(mod, monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str = "NVIDIA H200") -> None:
     monkeypatch.setattr(mod, "_interpreting", lambda t: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
 
 
 def test_listed_gpu_without_timing_runs_the_first_design_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,3 +195,69 @@ def test_a_decode_cache_growing_by_a_token_a_call_chooses_once_per_doubling(monk
     for n in range(1025, 1100):
         assert mod._choose_design(torch.zeros(1), 64, ("cuda", "bf16", 8, 16, 1, 64, 2, n), gpu) == first
     assert gpu.calls == [first, second] and timed == [first, second]  # each tried once, at the first length
+
+
+def _no_timing(fn, **kw):
+    raise AssertionError("timed again: the kept choice was not used")
+
+
+def test_a_timed_choice_is_kept_for_the_next_process_on_the_same_gpu(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path) -> None:
+    """A second process (here: the same module text loaded afresh) runs the design the first one's timing chose,
+    after one launch to see that it fits, and times nothing; another GPU, or the first-listed rule, does not use it."""
+    monkeypatch.setenv("KB_DESIGN_CACHE_DIR", str(tmp_path / "designs"))
+    _, mod = _module(tag="_keep_a")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    key = ("cuda", "bf16", 2, 4, 300, 64, 2, 300)
+    _timed_gpu(mod, monkeypatch, {first: 2.0, second: 1.5})
+    assert mod._choose_design(torch.zeros(1), 64, key, _FakeGPU(set())) == second
+    (kept,) = (tmp_path / "designs").iterdir()
+    assert kept.name == mod.OP_NAME + ".json" and "NVIDIA H200" in kept.read_text()
+
+    _, later = _module(tag="_keep_b")
+    _as_gpu(later, monkeypatch, (9, 0))
+    monkeypatch.setattr(triton.testing, "do_bench", _no_timing)
+    gpu = _FakeGPU(set())
+    assert later._choose_design(torch.zeros(1), 64, key, gpu) == second and gpu.calls == [second]
+
+    _, other = _module(tag="_keep_c")
+    _as_gpu(other, monkeypatch, (9, 0), name="NVIDIA H100 80GB HBM3")
+    timed = _timed_gpu(other, monkeypatch, {first: 1.0, second: 1.5})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert other._choose_design(torch.zeros(1), 64, key, _FakeGPU(set())) == first and timed == [first, second]
+
+    _, untimed = _module(tag="_keep_d")
+    _as_gpu(untimed, monkeypatch, (9, 0))
+    monkeypatch.setenv("KB_DESIGN_TIMING", "0")
+    assert untimed._choose_design(torch.zeros(1), 64, key, _FakeGPU(set())) == first
+
+
+def test_a_choices_file_is_data_what_the_module_does_not_list_is_ignored(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                          caplog) -> None:
+    """A kept design the module does not list (a file edited or written by someone else) is not launched, an
+    unreadable file is reported and replaced whole, and a choice made without timing (no memory to time) is not kept."""
+    monkeypatch.setenv("KB_DESIGN_CACHE_DIR", str(tmp_path))
+    _, mod = _module(tag="_kept_data")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    _timed_gpu(mod, monkeypatch, {first: 2.0, second: 1.5})
+    key = ("cuda", "bf16", 1, 1, 64)
+    kept = f"call|NVIDIA H200|triton {triton.__version__}|{mod._shape_bucket(key)!r}"
+    path = tmp_path / f"{mod.OP_NAME}.json"
+    path.write_text(json.dumps({"choices": {kept: [256, 256, 1, 32, 9, True, False]}}))
+    gpu = _FakeGPU(set())
+    assert mod._choose_design(torch.zeros(1), 64, key, gpu) == second and (256, 256, 1, 32, 9, True, False) not in gpu.calls
+    assert json.loads(path.read_text())["choices"][kept] == list(second)
+
+    mod._PICKED.clear()
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="kernel_kb.generated"):
+        assert mod._choose_design(torch.zeros(1), 64, key, _FakeGPU(set())) == second
+    assert "ignoring the design choices in" in caplog.text and json.loads(path.read_text())["choices"][kept]
+
+    def no_memory(fn, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(triton.testing, "do_bench", no_memory)
+    mod._PICKED.clear()
+    assert mod._choose_design(torch.zeros(1), 64, ("cuda", "bf16", 9, 9, 9), _FakeGPU(set())) == first
+    assert len(json.loads(path.read_text())["choices"]) == 1

@@ -84,6 +84,7 @@ def test_a_listed_gpu_times_the_listed_backward_designs_once_per_shape_bucket(mo
     monkeypatch.setattr(fwd_pre, "_interpreting", lambda t: False)
     monkeypatch.setattr(fwd_pre, "_capturing", lambda: False)
     monkeypatch.setattr(fwd_pre.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fwd_pre.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     timed: list[tuple] = []
     monkeypatch.setattr(triton.testing, "do_bench",
                         lambda fn, **kw: timed.append(fn.__defaults__[0]) or {slow: 3.0, fast: 2.0}[fn.__defaults__[0]])

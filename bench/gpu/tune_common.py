@@ -9,6 +9,7 @@ its arguments to bench.gpu.tune_bwd's `main`). Needs torch and triton, not the K
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import contextlib
 import datetime as dt
@@ -18,8 +19,10 @@ import inspect
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -33,6 +36,12 @@ from generate.tune_schema import PLAN_SCHEMA, bench_shapes
 from kb.ir.design import Design, arch_of_capability
 from verify.checks import compare
 from verify.timing import time_fn
+
+# Each bench process (a spawned warm-up worker imports this module afresh) keeps the design choices its modules'
+# timings make in a directory of its own, removed at exit: a worker timing designs beside others on the same GPU
+# must not hand its choice to the timed process, which chooses as a user's first process does.
+os.environ["KB_DESIGN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kb-bench-designs-")
+atexit.register(shutil.rmtree, os.environ["KB_DESIGN_CACHE_DIR"], True)
 
 __all__ = ["PLAN_SCHEMA", "output_ok", "load_file", "bench_shapes", "check_run", "make_inputs", "load_candidate", "spec_mods",
            "flex_call", "sdpa_call", "attended_pairs", "time_call", "sync", "environment", "write_results",

@@ -8,15 +8,17 @@ kernel-kb's fixes for it); kept here it is linted and imported by tests like any
 - the block-class table: building it on the GPU (`_hblock_classes`), the per-row block lists
   (`_hblock_lists`) and the cache keyed by the mask's inputs (`_cached_table`);
 - the design choice per GPU and shape bucket (`_choose`, which the forward's `_choose_design` and the backward's
-  `_choose_bwd_design` call: the listed designs timed once per bucket, `_timed_choice`), the split-KV count rule
+  `_choose_bwd_design` call: the listed designs timed once per bucket, `_timed_choice`, and the choice kept on disk
+  for later processes, `_keep_choice` / `_kept_choice`), the split-KV count rule
   (`_auto_splits`, `_split_rule`), the Hopper tensor-descriptor test (`_use_tma`) and the argument checks of the host
   function (`_bind`).
 
-The helpers read `PROGRAM`, `DESIGNS`, `PROGRAM_DESIGN` and `TIME_DESIGNS`, which each generated module defines after
+The helpers read `PROGRAM`, `DESIGNS`, `PROGRAM_DESIGN`, `TIME_DESIGNS` and `OP_NAME`, which each generated module defines after
 the preamble (kb.lower.triton writes them); the placeholders at the end of this file stand in for them here.
 """
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
+import json
 import logging
 import math
 import weakref
@@ -189,7 +191,8 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
     of its designs that fit, timed on these shapes (`_timed_choice`; `timed` off, the first that fits); on another
     GPU, the fastest of every design listed for this head dim (else every listed design) and `own`, timed and
     logged; under the interpreter, `own`, the program's schedule (the one verified on CPU); inside a CUDA graph
-    capture, `own`, not kept (no trial launch or timing may happen there)."""
+    capture, `own`, not kept (no trial launch or timing may happen there). A timed choice is also kept on disk
+    (`_keep_choice`), and a later process on the same GPU and Triton runs it without timing (`_kept_choice`)."""
     key = _shape_bucket(key)
     if key in picked:
         return picked[key]
@@ -205,8 +208,14 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
     arch = "sm%d%d" % torch.cuda.get_device_capability(t.device)
     bucket = max(16, triton.next_power_of_2(D))
     listed = designs.get(arch, {}).get(bucket, ())
-    if _time_designs(timed):
-        choice = _timed_choice(listed, launch, key, program)
+    timing = _time_designs(timed)
+    if timing:
+        kept = "%s|%s|triton %s|%r" % (what, torch.cuda.get_device_name(t.device), triton.__version__, key)
+        choice = _kept_choice(kept, designs, own, launch, program)
+        if choice is not None:
+            picked[key] = choice
+            return choice
+        choice, timing = _timed_choice(listed, launch, key, program)
     else:
         choice = next((d for d in listed if _fits(d, launch, program)), None)
     if choice is None:
@@ -221,8 +230,67 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
         why = f"none of the {len(listed)} designs listed" if listed else "no design measured"
         _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shapes %s, running %s (%.3f ms)",
                      program, why, arch, D, len(timed_pool), key[2:], choice, ms)
+    if timing:  # a choice by timing is kept for later processes; the first-that-fits rule needs none
+        _keep_choice(kept, choice)
     picked[key] = choice
     return choice
+
+
+def _choices_file():
+    """The file where this module keeps the designs its timings chose, for later processes on the same GPU:
+    KB_DESIGN_CACHE_DIR, else $XDG_CACHE_HOME/kernel-kb/designs (~/.cache/...), named by OP_NAME (the KB id and this
+    module's digest: another module, or this one regenerated differently, keeps its own); None without OP_NAME."""
+    name = globals().get("OP_NAME")
+    if name is None:
+        return None
+    root = os.environ.get("KB_DESIGN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kernel-kb", "designs")
+    return os.path.join(root, name + ".json")
+
+
+def _read_choices(path):
+    """{kept key: design} from `path`; {} where it is missing or unreadable (logged: it is rewritten whole next time)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return {k: tuple(v) for k, v in doc["choices"].items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        _log.warning("%s: ignoring the design choices in %s (%s)", PROGRAM, path, err)
+        return {}
+
+
+def _kept_choice(kept, designs, own, launch, program):
+    """The design an earlier process's timing chose for `kept` (what, GPU, Triton version, shape bucket), if it is
+    one of this module's designs and fits; else None. A file is data from disk: anything else in it is ignored."""
+    path = _choices_file()
+    design = _read_choices(path).get(kept) if path else None
+    if design is None:
+        return None
+    known = {d for table in designs.values() for ds in table.values() for d in ds} | {own}
+    if design not in known or not _fits(design, launch, program):
+        return None
+    _log.info("%s: running %s for %s, as timed before (%s)", program, design, kept, path)
+    return design
+
+
+def _keep_choice(kept, design):
+    """Adds `kept` -> `design` to this module's choices file (read, merged, replaced whole: a reader never sees half
+    a file); a file that cannot be written costs only the timing in the next process."""
+    path = _choices_file()
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        choices = {k: list(v) for k, v in _read_choices(path).items()}
+        choices[kept] = list(design)
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        with open(tmp, "w") as f:
+            json.dump({"schema": "kernel-kb/design-choices/v1", "choices": choices}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as err:
+        _log.info("%s: could not keep the design choice in %s (%s)", PROGRAM, path, err)
 
 
 def _time_designs(on):
@@ -248,23 +316,23 @@ def _timings(designs, launch):
 
 
 def _timed_choice(listed, launch, key, program):
-    """The fastest of the `listed` designs that fit (`_fits` runs one) on the shapes of `key`, a shape bucket; None
-    when none fits. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91
-    (forward) / 0.96 (backward) of a sweep's best where the fastest of its first four ran at 0.95 / 0.99 (leave one
-    spec out: `python -m bench.design_ranking`)."""
+    """(design, measured): the fastest of the `listed` designs that fit (`_fits` runs one) on the shapes of `key`, a
+    shape bucket (None when none fits); measured is False where no GPU memory was left to time them and the first
+    that fits runs. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91 (forward) / 0.96
+    (backward) of a sweep's best where the fastest of its first four ran at 0.95 / 0.99 (leave one spec out:
+    `python -m bench.design_ranking`)."""
     fitting = [d for d in listed if _fits(d, launch, program)]
     if len(fitting) < 2:
-        return fitting[0] if fitting else None
+        return (fitting[0] if fitting else None), True
     try:
         ms, choice = min(_timings(fitting, launch))
     except torch.cuda.OutOfMemoryError:  # do_bench flushes L2 with a 256 MB buffer: a model near the memory limit
-        choice = fitting[0]
         _log.warning("%s: no GPU memory left to time designs for shapes %s: running the first listed that fits, %s",
-                     program, key[2:], choice)
-    else:
-        _log.info("%s: timed %d listed designs for shapes %s: running %s (%.3f ms)", program, len(fitting), key[2:],
-                  choice, ms)
-    return choice
+                     program, key[2:], fitting[0])
+        return fitting[0], False
+    _log.info("%s: timed %d listed designs for shapes %s: running %s (%.3f ms)", program, len(fitting), key[2:],
+              choice, ms)
+    return choice, True
 
 
 def _design7(design):
@@ -456,3 +524,4 @@ PROGRAM = "triton_preamble"
 DESIGNS: dict = {}
 PROGRAM_DESIGN = (64, 64, 1, 4, 2, False, False)
 TIME_DESIGNS = True
+OP_NAME = None
