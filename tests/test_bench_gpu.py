@@ -150,9 +150,12 @@ def test_a_slow_baseline_is_timed_a_few_times_and_says_how_many(monkeypatch: pyt
 def test_first_listed_runs_the_module_untimed_and_restores_its_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     """The `emitted-first-listed` ablation: inside, KB_DESIGN_TIMING=0 and no choice kept; after, both as they were."""
     monkeypatch.delenv("KB_DESIGN_TIMING", raising=False)
-    mod = types.SimpleNamespace(_PICKED={("k",): (64, 64)}, _BWD_PICKED={("k",): (32, 64)})
+    mod = types.SimpleNamespace(_PICKED={("k",): (64, 64)}, _BWD_PICKED={("k",): (32, 64)}, _PLANS={("c",): "plan"})
     with tune_common.first_listed(mod):  # type: ignore[arg-type]
-        assert os.environ["KB_DESIGN_TIMING"] == "0" and not mod._PICKED and not mod._BWD_PICKED
+        # no launch plan either: an eager call would replay the timed design's launches without choosing
+        assert os.environ["KB_DESIGN_TIMING"] == "0" and not mod._PICKED and not mod._BWD_PICKED and not mod._PLANS
         mod._PICKED[("k",)] = (128, 64)  # the untimed choice made inside
+        mod._PLANS[("c",)] = "untimed plan"
     assert "KB_DESIGN_TIMING" not in os.environ
     assert mod._PICKED == {("k",): (64, 64)} and mod._BWD_PICKED == {("k",): (32, 64)}
+    assert mod._PLANS == {("c",): "plan"}

@@ -125,9 +125,12 @@ def picked_design(module: ModuleType, table: str = "_PICKED") -> str | None:
 @contextlib.contextmanager
 def first_listed(module: ModuleType) -> Iterator[None]:
     """Inside, the candidate runs the first listed design that fits instead of the fastest listed one timed at its
-    first call (KB_DESIGN_TIMING=0, the module's choices made afresh): the `emitted-first-listed` ablation, what
-    modules ran before they timed their designs. Its own choices and the environment are restored after."""
-    saved = {n: dict(getattr(module, n)) for n in ("_PICKED", "_BWD_PICKED") if hasattr(module, n)}
+    first call (KB_DESIGN_TIMING=0, the module's choices and launch plans made afresh): the `emitted-first-listed`
+    ablation, what modules ran before they timed their designs. Its own choices, plans and the environment are
+    restored after."""
+    # the launch plans too: an eager call replays its plan's launches, design included, without choosing again
+    # (run 30's forward rows labelled "(None)" timed the chosen design that way)
+    saved = {n: dict(getattr(module, n)) for n in ("_PICKED", "_BWD_PICKED", "_PLANS") if hasattr(module, n)}
     env = os.environ.get("KB_DESIGN_TIMING")
     os.environ["KB_DESIGN_TIMING"] = "0"
     for n in saved:
