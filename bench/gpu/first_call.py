@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.tune_common import bench_shapes, environment, load_candidate, load_file, make_inputs, write_results
+from bench.gpu.tune_common import (bench_shapes, environment, load_candidate, load_file, make_inputs, picked_design,
+                                   write_results)
 
 __all__ = ["child", "main"]
 
@@ -58,9 +59,8 @@ def child(spec_path: str, candidate: str) -> dict:
     first = _step(new, inputs)
     second = _step(new, inputs)
     steady = statistics.median(_step(new, inputs) for _ in range(5))
-    return {"first_ms": first, "second_ms": second, "steady_ms": steady,
-            "forward_design": str(next(iter(getattr(cand, "_PICKED", {}).values()), None)),
-            "backward_design": str(next(iter(getattr(cand, "_BWD_PICKED", {}).values()), None))}
+    return {"first_ms": first, "second_ms": second, "steady_ms": steady, "forward_design": picked_design(cand),
+            "backward_design": picked_design(cand, "_BWD_PICKED")}
 
 
 def _run_child(spec: Path, candidate: Path, timing: str, designs: str) -> dict:

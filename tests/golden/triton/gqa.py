@@ -203,7 +203,7 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
     if choice is None:
         # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
         pool = [d for table in designs.values() for d in table.get(bucket, ())]
-        pool = pool or [d for table in designs.values() for ds in table.values() for d in ds]
+        pool = pool or _every_design(designs)
         pool = list(dict.fromkeys(pool + [own]))
         timed_pool = _timings([d for d in pool if _fits(d, launch, program)], launch)
         if not timed_pool:
@@ -213,9 +213,14 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
         _log.warning("%s: %s for %s at head dim %d fits; timed %d designs for shapes %s, running %s (%.3f ms)",
                      program, why, arch, D, len(timed_pool), key[2:], choice, ms)
     if timing:  # a choice by timing is kept for later processes; the first-that-fits rule needs none
-        _keep_choice(kept, choice)
+        _keep_choice(kept, choice, program)
     picked[key] = choice
     return choice
+
+
+def _every_design(designs):
+    """Every design of a table {arch: {head-dim bucket: designs}}, in table order."""
+    return [d for table in designs.values() for ds in table.values() for d in ds]
 
 
 def _choices_file():
@@ -230,7 +235,7 @@ def _choices_file():
     return os.path.join(root, name + ".json")
 
 
-def _read_choices(path):
+def _read_choices(path, program):
     """{kept key: design} from `path`; {} where it is missing or unreadable (logged: it is rewritten whole next time)."""
     try:
         with open(path) as f:
@@ -239,7 +244,7 @@ def _read_choices(path):
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        _log.warning("%s: ignoring the design choices in %s (%s)", PROGRAM, path, err)
+        _log.warning("%s: ignoring the design choices in %s (%s)", program, path, err)
         return {}
 
 
@@ -247,17 +252,17 @@ def _kept_choice(kept, designs, own, launch, program):
     """The design an earlier process's timing chose for `kept` (what, GPU, Triton version, shape bucket), if it is
     one of this module's designs and fits; else None. A file is data from disk: anything else in it is ignored."""
     path = _choices_file()
-    design = _read_choices(path).get(kept) if path else None
+    design = _read_choices(path, program).get(kept) if path else None
     if design is None:
         return None
-    known = {d for table in designs.values() for ds in table.values() for d in ds} | {own}
+    known = set(_every_design(designs)) | {own}
     if design not in known or not _fits(design, launch, program):
         return None
     _log.info("%s: running %s for %s, as timed before (%s)", program, design, kept, path)
     return design
 
 
-def _keep_choice(kept, design):
+def _keep_choice(kept, design, program):
     """Adds `kept` -> `design` to this module's choices file (read, merged, replaced whole: a reader never sees half
     a file); a file that cannot be written costs only the timing in the next process."""
     path = _choices_file()
@@ -265,14 +270,14 @@ def _keep_choice(kept, design):
         return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        choices = {k: list(v) for k, v in _read_choices(path).items()}
+        choices = {k: list(v) for k, v in _read_choices(path, program).items()}
         choices[kept] = list(design)
         tmp = "%s.%d.tmp" % (path, os.getpid())
         with open(tmp, "w") as f:
             json.dump({"schema": "kernel-kb/design-choices/v1", "choices": choices}, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
     except OSError as err:
-        _log.info("%s: could not keep the design choice in %s (%s)", PROGRAM, path, err)
+        _log.info("%s: could not keep the design choice in %s (%s)", program, path, err)
 
 
 def _time_designs(on):
@@ -710,7 +715,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-bc42e837dcec6473'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_bc42e837dcec6473_afa09619'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_bc42e837dcec6473_6035bf02'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
