@@ -66,13 +66,19 @@ def test_outputs_follow_the_input_dtype(dtype: torch.dtype) -> None:
 
 
 class _FakeGPU:
-    """A launch that records designs and refuses the ones a test says do not fit."""
+    """A launch that records designs and refuses the ones a test says do not fit; given the module, it records the
+    designs `_compile_designs` builds ahead (its launches then only compile) in `compiled`, apart from `calls`."""
 
-    def __init__(self, too_big: set) -> None:
-        self.too_big, self.calls = too_big, []
+    def __init__(self, too_big: set, mod=None) -> None:
+        self.too_big, self.mod, self.calls, self.compiled, self.log = too_big, mod, [], [], []
 
     def __call__(self, design):
+        if self.mod is not None and self.mod._COMPILE_ONLY[0]:
+            self.compiled.append(design)
+            self.log.append(("compile", design))
+            return "outputs"
         self.calls.append(design)
+        self.log.append(("launch", design))
         if design in self.too_big:
             raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
         return "outputs"
@@ -191,10 +197,59 @@ def test_a_decode_cache_growing_by_a_token_a_call_chooses_once_per_doubling(monk
     _, mod = _module(tag="_grow")
     first, second = (d.as_tuple() for d in TABLE["sm90"][64])
     timed = _timed_gpu(mod, monkeypatch, {first: 1.0, second: 2.0})
-    gpu = _FakeGPU(set())
+    gpu = _FakeGPU(set(), mod)
     for n in range(1025, 1100):
         assert mod._choose_design(torch.zeros(1), 64, ("cuda", "bf16", 8, 16, 1, 64, 2, n), gpu) == first
-    assert gpu.calls == [first, second] and timed == [first, second]  # each tried once, at the first length
+    # each compiled and tried once, at the first length
+    assert gpu.compiled == gpu.calls == [first, second] and timed == [first, second]
+
+
+def test_listed_designs_are_compiled_together_before_any_is_tried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call that times N designs compiles them in one batch of threads (Triton's AsyncCompileMode), then
+    tries and times each; a design whose build fails ahead is reported by its own trial launch, as before."""
+    _, mod = _module(tag="_compile_ahead")
+    first, second = (d.as_tuple() for d in TABLE["sm90"][64])
+    _timed_gpu(mod, monkeypatch, {first: 2.0, second: 1.5})
+    gpu = _FakeGPU(set(), mod)
+    assert mod._choose_design(torch.zeros(1), 64, ("ahead",), gpu) == second
+    assert gpu.log[:2] == [("compile", first), ("compile", second)] and gpu.calls == [first, second]
+    assert mod._COMPILE_ONLY == [False]
+
+    class Broken(_FakeGPU):
+        def __call__(self, design):
+            if design == first:
+                raise RuntimeError("cannot build")
+            return super().__call__(design)
+
+    _, mod2 = _module(tag="_compile_broken")
+    _timed_gpu(mod2, monkeypatch, {first: 2.0, second: 1.5})
+    with pytest.raises(RuntimeError, match="cannot build"):  # raised by the trial launch, not swallowed
+        mod2._choose_design(torch.zeros(1), 64, ("broken",), Broken(set(), mod2))
+    assert mod2._COMPILE_ONLY == [False]
+
+
+def test_a_launch_while_compiling_ahead_only_compiles() -> None:
+    """_kb_launch under _compile_designs hands the same arguments, grid and options to Triton's warmup (which, inside
+    AsyncCompileMode, submits the compile to the thread pool) and launches nothing."""
+    _, mod = _module(tag="_warmup")
+
+    class Kernel:
+        def __init__(self) -> None:
+            self.warmups: list = []
+
+        def warmup(self, *args, grid, **kw):
+            self.warmups.append((args, grid, kw))
+
+        def __getitem__(self, grid):
+            raise AssertionError("launched while compiling ahead")
+
+    kernel = Kernel()
+    mod._COMPILE_ONLY[0] = True
+    try:
+        mod._kb_launch(None, kernel, (6,), ("q", 3), 4, 2, BLOCK_M=64)
+    finally:
+        mod._COMPILE_ONLY[0] = False
+    assert kernel.warmups == [(("q", 3), (6,), {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2})]
 
 
 def _no_timing(fn, **kw):

@@ -8,16 +8,17 @@ kernel-kb's fixes for it); kept here it is linted and imported by tests like any
 - the block-class table: building it on the GPU (`_hblock_classes`), the per-row block lists
   (`_hblock_lists`) and the cache keyed by the mask's inputs (`_cached_table`);
 - the design choice per GPU and shape bucket (`_choose`, which the forward's `_choose_design` and the backward's
-  `_choose_bwd_design` call: the listed designs timed once per bucket, `_timed_choice`, and the choice kept on disk
-  for later processes, `_keep_choice` / `_kept_choice`), the split-KV count rule
-  (`_auto_splits`, `_split_rule`), the Hopper tensor-descriptor test (`_use_tma`) and the argument checks of the host
-  function (`_bind`).
+  `_choose_bwd_design` call: the listed designs compiled together, `_compile_designs`, timed once per bucket,
+  `_timed_choice`, and the choice kept on disk for later processes, `_keep_choice` / `_kept_choice`), the split-KV
+  count rule (`_auto_splits`, `_split_rule`), the Hopper tensor-descriptor test (`_use_tma`) and the argument checks
+  of the host function (`_bind`).
 
 The helpers read `PROGRAM`, `DESIGNS`, `PROGRAM_DESIGN`, `TIME_DESIGNS` and `OP_NAME`, which each generated module defines after
 the preamble (kb.lower.triton writes them); the placeholders at the end of this file stand in for them here.
 """
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
+import concurrent.futures
 import json
 import logging
 import math
@@ -223,6 +224,7 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
         pool = [d for table in designs.values() for d in table.get(bucket, ())]
         pool = pool or _every_design(designs)
         pool = list(dict.fromkeys(pool + [own]))
+        _compile_designs(pool, launch, program)
         timed_pool = _timings([d for d in pool if _fits(d, launch, program)], launch)
         if not timed_pool:
             raise RuntimeError(f"{program}: none of the designs {pool} runs on this GPU ({arch})")
@@ -326,6 +328,7 @@ def _timed_choice(listed, launch, key, program):
     that fits runs. The KB ranks designs from sweeps at other shapes, and its first pick ran at 0.91 (forward) / 0.96
     (backward) of a sweep's best where the fastest of its first four ran at 0.95 / 0.99 (leave one spec out:
     `python -m bench.design_ranking`)."""
+    _compile_designs(listed, launch, program)
     fitting = [d for d in listed if _fits(d, launch, program)]
     if len(fitting) < 2:
         return (fitting[0] if fitting else None), True
@@ -338,6 +341,30 @@ def _timed_choice(listed, launch, key, program):
     _log.info("%s: timed %d listed designs for shapes %s: running %s (%.3f ms)", program, len(fitting), key[2:],
               choice, ms)
     return choice, True
+
+
+_COMPILE_ONLY = [False]  # set by _compile_designs: _kb_launch compiles (warmup) and launches nothing
+
+
+def _compile_designs(designs, launch, program):
+    """Compile the kernels of every design in `designs` at once, in threads (Triton's AsyncCompileMode: its MLIR
+    passes and ptxas run without the GIL), so the first call that times N designs waits about one compile, not N;
+    `launch` then finds them built. A design that fails here is left to its trial launch (`_fits`), which raises or
+    reports the same error."""
+    async_mode = getattr(triton, "AsyncCompileMode", None)
+    if async_mode is None or len(designs) < 2:
+        return
+    workers = min(len(designs), os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool, async_mode(pool, ignore_errors=True):
+        _COMPILE_ONLY[0] = True
+        try:
+            for design in designs:
+                try:
+                    launch(design)
+                except Exception as err:  # e.g. a head dim the design cannot pad: its trial launch says so
+                    _log.debug("%s: compiling design %s ahead failed (%s)", program, design, err)
+        finally:
+            _COMPILE_ONLY[0] = False
 
 
 def _design7(design):
@@ -490,7 +517,11 @@ def _kb_alloc(rec, factory, shape, dtype, device):
 
 
 def _kb_launch(rec, fn, grid, args, num_warps, num_stages, **constexprs):
-    """fn[grid](*args, **constexprs) with the launch options, seen by the recorder `rec` (or None)."""
+    """fn[grid](*args, **constexprs) with the launch options, seen by the recorder `rec` (or None); while
+    `_compile_designs` runs, the kernel is only compiled."""
+    if _COMPILE_ONLY[0]:
+        fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        return
     kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
     if rec is not None:
         rec.launch(fn, grid, args, constexprs, num_warps, num_stages, kernel)
