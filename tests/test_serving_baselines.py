@@ -17,6 +17,7 @@ import torch
 
 import kb.lower.triton_preamble  # noqa: F401  # its interpreter fixes apply on import (bf16 tl.dot read as raw bits)
 from bench.gpu.serving_baselines import baselines
+from bench.gpu.serving_flashinfer import _csr
 from ingest.fetch import fetch
 from ingest.manifest import find_manifest
 from kb.lower.runtime import import_file
@@ -52,8 +53,11 @@ def test_each_baseline_computes_the_spec(name: str, dtype: torch.dtype, tol: flo
     with torch.no_grad():
         want = model(*inputs)
         fns = baselines(spec, model, inputs, vllm_src, compile=False)
-        assert set(fns) == {"vllm_unified", "flex_paged"}
+        assert set(fns) == {"vllm_unified", "flex_paged", "flashinfer"}
+        assert fns["flashinfer"][0] is None and "flashinfer" in fns["flashinfer"][1]  # a GPU library: not run here
         for key, (fn, note) in fns.items():
+            if key == "flashinfer":
+                continue
             assert fn is not None, f"{key}: {note}"
             for _ in range(2):  # a second call (vLLM's writes into the same buffer) gives the same output
                 got = fn()
@@ -67,3 +71,11 @@ def test_without_a_vllm_source_only_flex_runs() -> None:
     fns = baselines(spec, spec.Model(), spec.get_inputs(), None, compile=False)
     assert fns["vllm_unified"] == (None, "no vLLM source given (--vllm-src)")
     assert fns["flex_paged"][0] is not None
+
+
+def test_flashinfer_page_arrays_follow_the_block_table() -> None:
+    """FlashInfer reads a paged cache as CSR arrays: sequence b's pages are indices[indptr[b]:indptr[b + 1]], its
+    last page holds last_page_len keys; an empty sequence has no pages (the block table's unused columns are dropped)."""
+    table = torch.tensor([[7, 3, 9], [4, 8, 2], [5, 6, 1]], dtype=torch.int32)
+    indptr, indices, last = _csr(table, torch.tensor([17, 0, 48], dtype=torch.int32), page=16)
+    assert indptr.tolist() == [0, 2, 2, 5] and indices.tolist() == [7, 3, 5, 6, 1] and last.tolist() == [1, 0, 16]

@@ -1,7 +1,7 @@
 """Expert baselines for the held-out serving specs (bench/heldout_serving), on the spec's own tensors (measuring only).
 
     fns = baselines(spec, model, inputs, vllm_src=Path("DIR"))  # DIR holds vllm/v1/attention/ops/... (the wheel's)
-    fn, note = fns["vllm_unified"]                                # also "flex_paged"; fn is None where a case cannot run
+    fn, note = fns["vllm_unified"]                   # also "flex_paged", "flashinfer"; fn is None where a case cannot run
 
 Each `fn()` computes what `spec.Model.forward(*inputs)` computes, on the same tensors in the engine's layout, and
 returns the spec's output shape and dtype. Everything that is not the attention itself (vLLM's split-K scratch,
@@ -14,6 +14,9 @@ outside the callable; K and V are only ever viewed, never copied:
 - `flex_paged`: FlexAttention over the physical cache viewed as `[1, Hkv, NUM_PAGES * PAGE, D]`: PyTorch's
   `PagedAttention` page maps for the decode specs, a block mask over physical slots for the chunked prefill, a
   document mask over the packed batch for the varlen prefill. `compile=True` wraps the call in `torch.compile`.
+- `flashinfer`: FlashInfer 0.7.4's wrappers (bench/gpu/serving_flashinfer.py), planned here: sink-aware paged decode,
+  ALiBi paged decode, ragged causal prefill with softcap, paged prefill with causal + bidirectional ranges; None with
+  the reason where flashinfer does not import or a wrapper cannot build.
 
 vLLM's conventions, as its kernel reads them: a sliding window W is `window_size=(W - 1, 0)` (key j kept when
 q_pos - j < W); ALiBi adds `slope * (j - context_len)`, i.e. `slope * (j - q_pos)` for a decode query (the spec's
@@ -36,6 +39,8 @@ from typing import TYPE_CHECKING, Callable, cast
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from bench.gpu.serving_flashinfer import flashinfer_baseline
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import AuxOutput, FlexKernelOptions
@@ -321,12 +326,17 @@ def _flex_baseline(stem: str, spec: ModuleType, model: torch.nn.Module, inputs: 
 def baselines(
     spec_module: ModuleType, model: torch.nn.Module, inputs: list, vllm_src: Path | None, *, compile: bool = True
 ) -> dict[str, Baseline]:
-    """{"vllm_unified": (fn, note), "flex_paged": (fn, note)} for one held-out serving spec (named by its file) and
-    the inputs its Model takes; fn() returns the Model's output shape and dtype, or is None with the reason in note."""
+    """{"vllm_unified": (fn, note), "flex_paged": (fn, note), "flashinfer": (fn, note)} for one held-out serving spec
+    (named by its file) and the inputs its Model takes; fn() returns the Model's output shape and dtype, or is None
+    with the reason in note."""
     assert spec_module.__file__ is not None  # a spec is loaded from its file
     stem = Path(spec_module.__file__).stem
     if vllm_src is None:
         vllm: Baseline = (None, "no vLLM source given (--vllm-src)")
     else:
         vllm = _vllm_baseline(stem, spec_module, model, inputs, load_vllm_unified_attention(vllm_src))
-    return {"vllm_unified": vllm, "flex_paged": _flex_baseline(stem, spec_module, model, inputs, compile)}
+    return {
+        "vllm_unified": vllm,
+        "flex_paged": _flex_baseline(stem, spec_module, model, inputs, compile),
+        "flashinfer": flashinfer_baseline(stem, spec_module, model, inputs),
+    }
