@@ -4,6 +4,7 @@ entry for, and answers in the input dtype."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -95,10 +96,11 @@ def test_listed_gpu_without_timing_runs_the_first_design_that_fits(monkeypatch: 
     _as_gpu(mod, monkeypatch, (9, 0))
     monkeypatch.setenv("KB_DESIGN_TIMING", "0")
     first, second = TABLE["sm90"][64][0].as_tuple(), TABLE["sm90"][64][1].as_tuple()
-    gpu = _FakeGPU({first})
+    gpu = _FakeGPU({first}, mod)
     t = torch.zeros(1)
     assert mod._choose_design(t, 64, ("k1",), gpu) == second
     assert mod._choose_design(t, 64, ("k1",), gpu) == second and gpu.calls == [first, second]  # chosen once per key
+    assert gpu.compiled == [first]  # the first listed is compiled ahead (its kernels together), not the others
     assert mod._choose_design(t, 48, ("k2",), _FakeGPU(set())) == first  # D=48 pads to the 64 bucket
 
 
@@ -221,6 +223,11 @@ def test_listed_designs_are_compiled_together_before_any_is_tried(monkeypatch: p
                 raise RuntimeError("cannot build")
             return super().__call__(design)
 
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, triton.AsyncCompileMode(pool):  # a caller's batch: no nesting
+        mod._PICKED.clear()
+        gpu = _FakeGPU(set(), mod)
+        assert mod._choose_design(torch.zeros(1), 64, ("ahead",), gpu) == second and gpu.compiled == []
+
     _, mod2 = _module(tag="_compile_broken")
     _timed_gpu(mod2, monkeypatch, {first: 2.0, second: 1.5})
     with pytest.raises(RuntimeError, match="cannot build"):  # raised by the trial launch, not swallowed
@@ -272,8 +279,8 @@ def test_a_timed_choice_is_kept_for_the_next_process_on_the_same_gpu(monkeypatch
     _, later = _module(tag="_keep_b")
     _as_gpu(later, monkeypatch, (9, 0))
     monkeypatch.setattr(triton.testing, "do_bench", _no_timing)
-    gpu = _FakeGPU(set())
-    assert later._choose_design(torch.zeros(1), 64, key, gpu) == second and gpu.calls == [second]
+    gpu = _FakeGPU(set(), later)
+    assert later._choose_design(torch.zeros(1), 64, key, gpu) == second and gpu.compiled == gpu.calls == [second]
 
     _, other = _module(tag="_keep_c")
     _as_gpu(other, monkeypatch, (9, 0), name="NVIDIA H100 80GB HBM3")

@@ -200,6 +200,7 @@ def _choose(t, D, key, launch, picked, designs, own, program, timed, what):
             return choice
         choice, timing = _timed_choice(listed, launch, key, program)
     else:
+        _compile_designs(listed[:1], launch, program)
         choice = next((d for d in listed if _fits(d, launch, program)), None)
     if choice is None:
         # this head dim's designs on any arch, else every listed design (a head dim no table lists, e.g. 192)
@@ -258,7 +259,10 @@ def _kept_choice(kept, designs, own, launch, program):
     if design is None:
         return None
     known = set(_every_design(designs)) | {own}
-    if design not in known or not _fits(design, launch, program):
+    if design not in known:
+        return None
+    _compile_designs([design], launch, program)
+    if not _fits(design, launch, program):
         return None
     _log.info("%s: running %s for %s, as timed before (%s)", program, design, kept, path)
     return design
@@ -329,14 +333,15 @@ _COMPILE_ONLY = [False]  # set by _compile_designs: _kb_launch compiles (warmup)
 
 
 def _compile_designs(designs, launch, program):
-    """Compile the kernels of every design in `designs` at once, in threads (Triton's AsyncCompileMode: its MLIR
-    passes and ptxas run without the GIL), so the first call that times N designs waits about one compile, not N;
-    `launch` then finds them built. A design that fails here is left to its trial launch (`_fits`), which raises or
-    reports the same error."""
+    """Compile the kernels of every design in `designs` (a backward design has three) at once, in threads (Triton's
+    AsyncCompileMode: its MLIR passes and ptxas run without the GIL), so a first call that times N designs waits
+    about one compile, not 3N; `launch` then finds them built. A design that fails here is left to its trial launch
+    (`_fits`), which raises or reports the same error."""
     async_mode = getattr(triton, "AsyncCompileMode", None)
-    if async_mode is None or len(designs) < 2:
-        return
-    workers = min(len(designs), os.cpu_count() or 1)
+    active = getattr(getattr(triton.runtime, "_async_compile", None), "active_mode", None)
+    if async_mode is None or not designs or (active is not None and active.get() is not None):
+        return  # no such Triton, nothing to build, or the caller's own batch is open (they do not nest)
+    workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool, async_mode(pool, ignore_errors=True):
         _COMPILE_ONLY[0] = True
         try:
@@ -694,7 +699,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-9593c80590642966'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_9593c80590642966_91f12c83'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_9593c80590642966_c1faffbb'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ('b_start_loc', 'b_seq_len')  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ('max_seq_len',)  # then its float scalars, then sm_scale
