@@ -1,6 +1,6 @@
 """What compiling a first call's listed designs together saves, on this machine's CPUs (no GPU needed; not a test).
 
-    python -m bench.compile_ahead GEN_MODULE_triton.py [...] [--json]
+    python -m bench.compile_ahead DIR/gen_SPEC.py [...] [--json]      # files kb generate wrote (their reports name the spec)
 
 A generated module's first call on a listed GPU compiles every listed design's kernels, then tries and times them
 (`_compile_designs`, `_timed_choice` in kb/lower/triton_preamble.py). This times only the compiling, for sm_90: each
@@ -8,8 +8,9 @@ module runs in a fresh process with an empty Triton cache and a stand-in for Tri
 sm_90 target, so Triton's real front end, MLIR passes, LLVM and ptxas build the kernels of every listed design while
 nothing is launched (`_fits` and `_timings` are stubbed; the call stops at the first launch). Two rows per module and
 pass (forward, backward): `one by one` (the designs compiled in a loop, as before) and `together` (as shipped: threads
-under Triton's AsyncCompileMode). Small CPU tensors stand for the inputs; the kernels' specialisations (dtypes, head
-dims, 16-byte alignment) are those of a bf16 call at the spec's BENCH head dims. Run on an idle machine.
+under Triton's AsyncCompileMode). ModelNew runs on the spec's own small CPU inputs (its aux tensors and state as a user passes
+them; the kernels' dtypes, head dims and alignment are the bench shape's); the backward row calls backward() with
+the forward's arguments. Run on an idle machine.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kb.lower.runtime import import_file
 
 _CHILD = r"""
-import os, sys, time, torch, triton
+import sys, time, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -36,10 +36,14 @@ class _Sm90:  # what JITFunction.run asks of the driver before it compiles; a la
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 
+class _Stop(Exception):
+    pass
+
+
 driver.set_active(_Sm90())
 from kb.lower.runtime import import_file
-path, together, what, d, dv = sys.argv[1], sys.argv[2] == "together", sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-mod = import_file(path, "compile_ahead_module")
+gen_path, spec_path, together, what = sys.argv[1], sys.argv[2], sys.argv[3] == "together", sys.argv[4]
+mod, spec = import_file(gen_path, "compile_ahead_module"), import_file(spec_path, "compile_ahead_spec")
 mod._interpreting = lambda t: False
 torch.cuda.get_device_capability = lambda device=None: (9, 0)
 torch.cuda.get_device_name = lambda device=None: "sm_90 stand-in"
@@ -55,58 +59,85 @@ if not together:
         finally:
             mod._COMPILE_ONLY[0] = False
     mod._compile_designs = one_by_one
-q, k, v, o, do = (torch.randn(1, 2, 256, n, dtype=torch.bfloat16) for n in (d, d, dv, dv, dv))
+init = list(spec.get_init_inputs())
+model, new = spec.Model(*init), mod.ModelNew(*init)
+new.load_state_dict(model.state_dict())
+inputs = list(spec.get_inputs())
+seen = {}
+forward = mod.forward
+
+
+def recorded(q, k, v, **kw):  # the forward's tensors and aux as ModelNew passes them
+    seen.update(q=q, k=k, v=v, kw=kw)
+    if what == "backward":
+        raise _Stop
+    return forward(q, k, v, **kw)
+
+
+def run():
+    try:
+        new(*inputs)
+    except _Stop:
+        pass
+    if what == "backward":
+        q, k, v, kw = seen["q"], seen["k"], seen["v"], seen["kw"]
+        o = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        mod.backward(q, k, v, o, torch.randn_like(o), torch.zeros(q.shape[:-1]), **kw)
+
+
+mod.forward = recorded
 start = time.perf_counter()
 try:
-    mod.forward(q, k, v) if what == "forward" else mod.backward(q, k, v, o, do, torch.zeros(1, 2, 256))
-except Exception:
-    pass  # the first launch after the choice: no GPU here
+    run()
+except Exception as err:  # the first launch after the choice: no GPU here; anything else is this bench's failure
+    if "launcher_cls" not in str(err):
+        raise
 seconds = time.perf_counter() - start
 table = mod.DESIGNS if what == "forward" else mod.BWD_DESIGNS
-print(seconds, len(table.get("sm90", {}).get(max(16, triton.next_power_of_2(d)), ())))
+d = seen["q"].shape[-1]
+print(seconds, len(table.get("sm90", {}).get(max(16, triton.next_power_of_2(d)), ())), d)
 """
 
 
-def _time(path: Path, together: bool, what: str, d: int, dv: int) -> tuple[float, int]:
+def _time(gen: Path, spec: Path, together: bool, what: str) -> tuple[float, int, int]:
+    """(seconds, designs listed, head dim) of one pass's first call in a fresh process with an empty Triton cache."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(path), "together" if together else "one", what, str(d),
-                               str(dv)],
-                              env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(gen), str(spec), "together" if together else "one",
+                               what], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"error: {path.name} {what}: {done.stderr.strip().splitlines()[-1:]}")
-    seconds, designs = done.stdout.split()[-2:]
-    return float(seconds), int(designs)
+        raise SystemExit(f"error: {gen.name} {what}: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    seconds, designs, d = done.stdout.split()[-3:]
+    return float(seconds), int(designs), int(d)
 
 
-def _head_dims(path: Path) -> tuple[int, int]:
-    """(D, D_v) of the spec the module was generated for (its report names the spec file; its BENCH the shape)."""
-    report = path.with_name(path.name.replace("_triton.py", ".report.json"))
+def _spec_of(gen: Path) -> Path:
+    """The spec file kb generate wrote `gen` for (its report, next to it, names it)."""
+    report = gen.with_name(gen.stem + ".report.json")
     spec = Path(json.loads(report.read_text())["spec"]) if report.is_file() else None
     if spec is None or not spec.is_file():
-        raise SystemExit(f"error: {path.name}: no report naming its spec next to it (give kb generate's --out files)")
-    bench = import_file(spec, f"spec_{spec.stem}").BENCH
-    return int(bench["D"]), int(bench.get("Dv", bench["D"]))
+        raise SystemExit(f"error: {gen.name}: no report naming its spec next to it (give kb generate's --out files)")
+    return spec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("modules", nargs="+", type=Path, help="generated *_triton.py files (kb generate --out DIR)")
+    ap.add_argument("modules", nargs="+", type=Path, help="generated gen_SPEC.py files (kb generate --out DIR)")
     ap.add_argument("--json", action="store_true", help="one JSON document instead of the table")
     args = ap.parse_args()
     rows = []
     for path in args.modules:
         if not path.is_file():
             ap.error(f"no such module: {path}")
-        d, dv = _head_dims(path)
+        spec = _spec_of(path)
         for what in ("forward", "backward"):
-            (one, n), (together, _) = _time(path, False, what, d, dv), _time(path, True, what, d, dv)
+            (one, n, d), (together, _, _) = _time(path, spec, False, what), _time(path, spec, True, what)
             rows.append({"module": path.name, "pass": what, "D": d, "designs": n, "one_by_one_s": round(one, 2),
                          "together_s": round(together, 2), "cpus": os.cpu_count()})
             if not args.json:
-                print(f"{path.name:42s} {what:8s} D={d:<4d} {n} designs: one by one {one:6.2f} s, "
+                print(f"{path.name:36s} {what:8s} D={d:<4d} {n} designs: one by one {one:6.2f} s, "
                       f"together {together:6.2f} s ({one / together:.2f}x) on {os.cpu_count()} CPUs", flush=True)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -1,5 +1,7 @@
 """Turn shape-derived constants of traced variant expressions back into dim expressions.
 
+Lengths (`generalize`) and head counts (`generalize_heads`).
+
 Tracing runs the spec at its own shapes, so `q_idx + (N - M)` comes out as `q_idx + 128`.
 Tracing again with q and k/v lengths changed by (dM, dN) = (3, 5) (or (3, 3), or shorter by as much, for a spec
 that needs M == N or holds a buffer sized to its own lengths) tells such constants apart: a constant c that moves by 3a + 5b (a, b in {-1, 0, 1}, all nine sums distinct) is
@@ -11,9 +13,11 @@ lengths at all gets a kernel that refuses them, `Spec.lengths_fixed`).
 
 from __future__ import annotations
 
+import math
+
 from kb.ir.expr import Expr, ExprOp, const, var
 
-__all__ = ["generalize", "DELTA"]
+__all__ = ["generalize", "generalize_heads", "DELTA"]
 
 DELTA = (3, 5)  # (dM, dN) of the second trace; (3, 3) when the spec needs M == N
 _COEFFS = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
@@ -56,6 +60,47 @@ def _walk(a: Expr, b: Expr, d1: tuple[int, int], d2: tuple[int, int]) -> Expr | 
     args = []
     for x, y in zip(a.args, b.args):
         g = _walk(x, y, d1, d2)
+        if g is None:
+            return None
+        args.append(g)
+    return Expr(a.op, tuple(args), a.value)
+
+
+def generalize_heads(e1: Expr | None, e2: Expr | None, heads1: tuple[int, int], heads2: tuple[int, int]) -> tuple[bool, Expr | None]:
+    """(ok, `e1` with head-count constants written in Hq or Hkv), from `e2` traced at other (Hq, Hkv): ALiBi slopes
+    built in forward from q.shape[1] trace to `exp2((h + 1) * -8.0 / 4)` at Hq=4. A constant c that differs
+    between the traces is `Hq` (or `Hkv`) where it equals it in both, else `k * Hq` or `k / Hq` where k is one
+    number for both; ok is False for anything else (another structure, a constant that is no such function)."""
+    if e1 is None or e2 is None:
+        return e1 is None and e2 is None, e1
+    out = _walk_heads(e1, e2, heads1, heads2)
+    return out is not None, out if out is not None else e1
+
+
+def _heads_const(a: int | float, b: int | float, h1: tuple[int, int], h2: tuple[int, int]) -> Expr | None:
+    for name, x1, x2 in (("Hq", h1[0], h2[0]), ("Hkv", h1[1], h2[1])):
+        if a == x1 and b == x2:
+            return var(name)
+        if isinstance(a, float) and math.isclose(a / x1, b / x2, rel_tol=1e-9):
+            return const(a / x1) * var(name)
+        if isinstance(a, float) and math.isclose(a * x1, b * x2, rel_tol=1e-9):
+            return const(a * x1) / var(name)
+    return None
+
+
+def _walk_heads(a: Expr, b: Expr, h1: tuple[int, int], h2: tuple[int, int]) -> Expr | None:
+    if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
+        return None
+    if a.op is ExprOp.CONST:
+        if a.value == b.value:
+            return a
+        c1, c2 = a.value, b.value
+        if isinstance(c1, bool) or isinstance(c2, bool) or not isinstance(c1, int | float) or not isinstance(c2, int | float):
+            return None
+        return _heads_const(c1, c2, h1, h2)
+    args = []
+    for x, y in zip(a.args, b.args):
+        g = _walk_heads(x, y, h1, h2)
         if g is None:
             return None
         args.append(g)

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from generate.spec_generalize import DELTA, generalize
+from generate.spec_generalize import DELTA, generalize, generalize_heads
 from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference, visible_keys
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
 from generate.spec_types import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
@@ -68,7 +68,7 @@ def load_model(module: Any, path: Path) -> ModelSpec:
         shapes = _shapes_of(inputs[qi], inputs[ki], inputs[vi], path)
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, lengths_fixed = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
-        heads_fixed = _heads_fixed(model, inputs, names, (qi, ki, vi), traced, kinds, path)
+        score, mask, heads_fixed = _generalize_heads(model, inputs, names, (qi, ki, vi), traced, kinds, path, score, mask)
         init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
     else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
         named = dict(zip(names, inputs))
@@ -227,21 +227,40 @@ def _same_variants(a: Any, b: Any) -> bool:
                for x, y in ((a.score_mod, b.score_mod), (a.mask_mod, b.mask_mod)))
 
 
-def _heads_fixed(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
-                 traced: Any, kinds: Mapping[str, str], path: Path) -> int | None:
-    """The spec's Hq if its variant expressions change with the head count (constants computed from
-    q.shape[1] in forward, such as ALiBi slopes built there): traced again with twice the heads (same GQA
-    ratio), different expressions mean the kernel is right only at this Hq, and the candidate refuses others.
-    A spec that does not run at twice the heads says nothing (None)."""
-    args = list(inputs)
-    for i in qkv:
-        t = inputs[i]
-        args[i] = torch.randn(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype)
-    try:
-        again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
-    except Exception:
-        return None
-    return None if _same_variants(traced, again) else int(inputs[qkv[0]].shape[1])
+def _generalize_heads(model: torch.nn.Module, inputs: list[Any], names: list[str], qkv: tuple[int, int, int],
+                      traced: Any, kinds: Mapping[str, str], path: Path, score: Expr | None,
+                      mask: Expr | None) -> tuple[Expr | None, Expr | None, int | None]:
+    """(score_mod, mask_mod, heads_fixed): `score` and `mask` (traced, lengths generalized) with constants computed
+    from the head count in forward (ALiBi slopes built from q.shape[1]) written in Hq / Hkv, so the kernel is right
+    at every head count. Traced again with twice and three times the heads (same GQA ratio): the expressions must
+    differ only in such constants, and both traces must give the same generalization (a rule that is not one,
+    like BLOOM's nearest power of two, fails it). Otherwise heads_fixed is the spec's Hq, and the candidate refuses
+    others. A spec that does not run at other head counts says nothing (None)."""
+    heads = (int(inputs[qkv[0]].shape[1]), int(inputs[qkv[1]].shape[1]))
+    found = []
+    for factor in (2, 3):
+        args = list(inputs)
+        for i in qkv:
+            t = inputs[i]
+            args[i] = torch.randn(t.shape[0], factor * t.shape[1], *t.shape[2:], dtype=t.dtype)
+        try:
+            again = trace_attention(model, args, names, tensor_namer(_model_tensors(model)), str(path.resolve()), kinds)
+        except Exception:
+            return score, mask, None
+        if factor == 2 and _same_variants(traced, again):
+            return score, mask, None
+        score2, mask2, _ = _generalize_shapes(model, args, names, qkv, again, kinds, path)
+        other = (factor * heads[0], factor * heads[1])
+        (ok_s, s), (ok_m, m) = generalize_heads(score, score2, heads, other), generalize_heads(mask, mask2, heads, other)
+        if not (ok_s and ok_m):
+            return score, mask, heads[0]
+        found.append(tuple(print_expr(e) if e is not None else None for e in (s, m)))
+        general = s, m
+    if found[0] != found[1]:
+        return score, mask, heads[0]
+    log.info("%s: variant constants computed from the head count written in Hq/Hkv: %s", path,
+             "; ".join(x for x in found[0] if x is not None))
+    return (*general, None)
 
 
 def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, kinds: Mapping[str, str],

@@ -1,5 +1,6 @@
-"""A kernel holding a constant that depends on the head count or a constructor argument refuses other values
-instead of answering wrongly."""
+"""A constant computed from the head count is written in Hq where traces at other head counts say how; a kernel
+holding a constant that depends on the head count in another way, or on a constructor argument, refuses other
+values instead of answering wrongly."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from generate.pipeline import GenerateOptions, generate
 from generate.spec import load_spec
+from kb.ir.expr import print_expr
 from tests.support.generate_fixtures import QUICK
 from tests.support.repo import REPO
 
@@ -30,12 +32,28 @@ def _module(path: Path, name: str):
     return mod
 
 
-def test_head_count_dependent_constants_are_refused_at_other_head_counts(ingested_kb, tmp_path: Path) -> None:
-    assert load_spec(SPEC).heads_fixed == 4
-    assert load_spec(REPO / "examples" / "specs" / "alibi.py").heads_fixed is None  # slopes held as state: any H
+def test_constants_computed_from_the_head_count_are_written_in_hq(ingested_kb, tmp_path: Path) -> None:
+    """ALiBi slopes built in forward from q.shape[1] (attention-gym's and MPT's way): the kernel generated from the
+    spec's 4-head inputs computes them from Hq, so it answers like the Model at 4, 8 and 6 heads."""
+    spec = load_spec(SPEC)
+    assert spec.heads_fixed is None and "/ Hq" in print_expr(spec.score_mod)
     r = generate(ingested_kb, SPEC, GenerateOptions(out_dir=tmp_path, **QUICK))
     assert r.succeeded, r.error
-    cand, spec = _module(r.files["candidate"], "cand_heads"), _module(SPEC, "spec_heads")
+    cand, model = _module(r.files["candidate"], "cand_heads"), _module(SPEC, "spec_heads")
+    for heads in (4, 8, 6):
+        q, k, v = (torch.randn(1, heads, 40, 32) for _ in range(3))
+        torch.testing.assert_close(cand.ModelNew()(q, k, v), model.Model()(q, k, v), atol=1e-4, rtol=1e-4)
+
+
+def test_head_count_dependent_constants_are_refused_at_other_head_counts(ingested_kb, tmp_path: Path) -> None:
+    """A divisor that follows the head count at 4 and 8 heads but not at 12 (the nearest power of two below it) has
+    no expression in Hq: the kernel holds 4 heads and refuses others instead of answering wrongly."""
+    spec_path = REPO / "tests" / "data" / "specs_state" / "alibi_slopes_nearest_pow2.py"
+    assert load_spec(spec_path).heads_fixed == 4
+    assert load_spec(REPO / "examples" / "specs" / "alibi.py").heads_fixed is None  # slopes held as state: any H
+    r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path, **QUICK))
+    assert r.succeeded, r.error
+    cand, spec = _module(r.files["candidate"], "cand_pow2"), _module(spec_path, "spec_pow2")
     q, k, v = (torch.randn(1, 4, 40, 32) for _ in range(3))
     torch.testing.assert_close(cand.ModelNew()(q, k, v), spec.Model()(q, k, v), atol=1e-4, rtol=1e-4)
     q8, k8, v8 = (torch.randn(1, 8, 40, 32) for _ in range(3))

@@ -1,5 +1,6 @@
-"""ALiBi whose slopes are computed in forward from the head count: the traced kernel holds the slopes of
-this head count (4), so the candidate must refuse another one rather than answer wrongly."""
+"""ALiBi whose slopes are computed in forward from the head count: traced at 4 heads the slopes read
+`exp2(-8.0 * (h + 1) / 4)`; traced again at 8 and 12 heads the 4 follows the head count, so the kernel computes
+`/ Hq` and runs at any head count."""
 import math
 
 import torch
