@@ -275,8 +275,10 @@ def variants_attention(spec: Spec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     rep = Hq // Hkv
     kk, vv = k.float().repeat_interleave(rep, 1), v.float().repeat_interleave(rep, 1)
     s = (q.float() @ kk.transpose(-2, -1)) * spec.softmax_scale
-    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": D}
     tensors = spec.aux if aux is None else aux
+    # dims, and each table's own sizes under the names generate.target gives them (pos_bias_n1)
+    env = {"B": B, "Hq": Hq, "Hkv": Hkv, "H": Hq, "M": M, "N": N, "D": D,
+           **{f"{n}_n{i}": int(size) for n, t in tensors.items() for i, size in enumerate(t.shape)}}
     s, keep = dense_scores_mask(s, spec.score_mod, spec.mask_mod, env, tensors)
     keep = keep.expand(B, Hq, M, N)
     s = s.float().masked_fill(~keep, -math.inf)

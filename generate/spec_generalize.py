@@ -1,6 +1,7 @@
 """Turn shape-derived constants of traced variant expressions back into dim expressions.
 
-Lengths (`generalize`) and head counts (`generalize_heads`).
+Lengths (`generalize`), head counts (`generalize_heads`) and the sizes of the aux tables a constructor argument
+sizes (`generalize_sizes`).
 
 Tracing runs the spec at its own shapes, so `q_idx + (N - M)` comes out as `q_idx + 128`.
 Tracing again with q and k/v lengths changed by (dM, dN) = (3, 5) (or (3, 3), or shorter by as much, for a spec
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import math
 
-from kb.ir.expr import Expr, ExprOp, const, var
+from kb.ir.expr import Expr, ExprOp, const, var, walk
 
-__all__ = ["generalize", "generalize_heads", "DELTA"]
+__all__ = ["generalize", "generalize_heads", "generalize_sizes", "DELTA"]
 
 DELTA = (3, 5)  # (dM, dN) of the second trace; (3, 3) when the spec needs M == N
 _COEFFS = [(a, b) for a in (-1, 0, 1) for b in (-1, 0, 1)]
@@ -101,6 +102,65 @@ def _walk_heads(a: Expr, b: Expr, h1: tuple[int, int], h2: tuple[int, int]) -> E
     args = []
     for x, y in zip(a.args, b.args):
         g = _walk_heads(x, y, h1, h2)
+        if g is None:
+            return None
+        args.append(g)
+    return Expr(a.op, tuple(args), a.value)
+
+
+def generalize_sizes(e1: Expr | None, e2: Expr | None, sizes1: dict[str, int], sizes2: dict[str, int]) -> tuple[bool, Expr | None]:
+    """(ok, `e1` with constants written in table sizes) from `e2`, traced with a constructor argument changed: a
+    relative-position table `pos_bias[h, q_idx - kv_idx + (max_len - 1)]` of 2 * max_len - 1 columns traces to
+    `+ 143` at max_len=144 and `+ 144` at 145, where the table has 287 and 289 columns: the constant is
+    `pos_bias_n1 // 2`, read from the table the kernel is given. `sizes` maps the dims of the tables (named as
+    generate.target names a table position no index variable implies) to their sizes in each trace; a constant
+    that moves is `(p * size + r) // q` for p in +-1, +-2 and q in 1, 2, else ok is False."""
+    if e1 is None or e2 is None:
+        return e1 is None and e2 is None, e1
+    free = _unimplied_positions(e1)
+    moved = {n: (sizes1[n], sizes2[n]) for n in sizes1 if n in sizes2 and sizes1[n] != sizes2[n] and n in free}
+    out = _walk_sizes(e1, e2, moved)
+    return out is not None, out if out is not None else e1
+
+
+def _unimplied_positions(e: Expr) -> set[str]:
+    """`{tensor}_n{i}` for each table position that every load of `e` indexes with something other than one of
+    b, h, q_idx, kv_idx: the positions generate.target gives a dim of their own, bound from the table at run time."""
+    bare: set[str] = set()
+    other: set[str] = set()
+    for node in walk(e):
+        if node.op is ExprOp.LOAD:
+            for i, ix in enumerate(node.args):
+                name = f"{node.value}_n{i}"
+                (bare if ix.op is ExprOp.VAR and ix.value in ("b", "h", "q_idx", "kv_idx") else other).add(name)
+    return other - bare
+
+
+def _size_expr(c1: int, c2: int, moved: dict[str, tuple[int, int]]) -> Expr | None:
+    for name, (n1, n2) in moved.items():
+        for q in (1, 2):
+            for p in (1, -1, 2, -2):
+                for r in range(q * c1 - p * n1, q * c1 - p * n1 + q):
+                    if (p * n1 + r) // q == c1 and (p * n2 + r) // q == c2:
+                        e = var(name) if p == 1 else var(name) * p
+                        e = e if r == 0 else e + r if r > 0 else e - abs(r)
+                        return e if q == 1 else Expr(ExprOp.FLOORDIV, (e, const(q)))
+    return None
+
+
+def _walk_sizes(a: Expr, b: Expr, moved: dict[str, tuple[int, int]]) -> Expr | None:
+    if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
+        return None
+    if a.op is ExprOp.CONST:
+        if a.value == b.value:
+            return a
+        c1, c2 = a.value, b.value
+        if isinstance(c1, bool) or isinstance(c2, bool) or not isinstance(c1, int) or not isinstance(c2, int):
+            return None
+        return _size_expr(c1, c2, moved)
+    args = []
+    for x, y in zip(a.args, b.args):
+        g = _walk_sizes(x, y, moved)
         if g is None:
             return None
         args.append(g)

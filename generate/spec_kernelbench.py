@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from generate.spec_generalize import DELTA, generalize, generalize_heads
+from generate.spec_generalize import DELTA, generalize, generalize_heads, generalize_sizes
 from generate.spec_serving import ServingLayout, dense_shapes, layout_of, serving_reference, visible_keys
 from generate.spec_trace import aux_name, tensor_namer, trace_attention
 from generate.spec_types import DTYPE_NAMES, DTYPES, Reference, Shapes, StateTensor
@@ -69,7 +69,7 @@ def load_model(module: Any, path: Path) -> ModelSpec:
         reference = _model_reference(model, inputs, qi, ki, vi)
         score, mask, lengths_fixed = _generalize_shapes(model, inputs, names, (qi, ki, vi), traced, kinds, path)
         score, mask, heads_fixed = _generalize_heads(model, inputs, names, (qi, ki, vi), traced, kinds, path, score, mask)
-        init_fixed = _init_fixed(module, inputs, names, traced, kinds, path)
+        score, mask, init_fixed = _generalize_init(module, inputs, names, (qi, ki, vi), traced, kinds, path, score, mask)
     else:  # traced at the spec's own inputs only: their tables fix the shapes (docs/specs.md, serving specs)
         named = dict(zip(names, inputs))
         shapes = _serving_shapes(layout, named, path)
@@ -263,11 +263,14 @@ def _generalize_heads(model: torch.nn.Module, inputs: list[Any], names: list[str
     return (*general, None)
 
 
-def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, kinds: Mapping[str, str],
-                path: Path) -> tuple[tuple[int, str, object], ...]:
-    """Numeric constructor arguments whose value the kernel holds as a constant (a window size, a maximum
-    length used as an offset): the Model built with that argument changed must trace to other expressions.
-    The candidate's ModelNew then refuses other values with a clear error instead of computing the old ones."""
+def _generalize_init(module: Any, inputs: list[Any], names: list[str], qkv: tuple[int, int, int], traced: Any,
+                     kinds: Mapping[str, str], path: Path, score: Expr | None,
+                     mask: Expr | None) -> tuple[Expr | None, Expr | None, tuple[tuple[int, str, object], ...]]:
+    """(score_mod, mask_mod, init_fixed) for numeric constructor arguments that change the traced expressions (a
+    window size, the max_len of a relative-position table): where the change is that of a table the argument
+    sizes (`pos_bias[h, q_idx - kv_idx + (pos_bias_n1 - 1) // 2]`, `_sized_by`), the expressions read it from the
+    table the kernel is given; otherwise the kernel holds the argument's value as a constant (init_fixed) and the
+    candidate's ModelNew refuses other values with a clear error instead of computing the old ones."""
     args = list(module.get_init_inputs())
     params = [p for p in list(inspect.signature(module.Model.__init__).parameters.values())[1:]
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -275,17 +278,59 @@ def _init_fixed(module: Any, inputs: list[Any], names: list[str], traced: Any, k
     for i, (value, param) in enumerate(zip(args, params)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        changed = list(args)
-        changed[i] = value + 1 if isinstance(value, int) else value * 1.5 + 1.0
-        try:
-            torch.manual_seed(0)
-            other = module.Model(*changed).eval()
-            again = trace_attention(other, inputs, names, tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
-        except Exception:
+        first = _changed_trace(module, args, i, value + 1 if isinstance(value, int) else value * 1.5 + 1.0, inputs,
+                               names, kinds, path)
+        if first is None or _same_variants(traced, first[1]):
             continue
-        if not _same_variants(traced, again):
+        general = _sized_by(module, args, i, first, inputs, names, qkv, traced, kinds, path, score, mask) \
+            if isinstance(value, int) else None
+        if general is None:
             fixed.append((i, param.name, value))
-    return tuple(fixed)
+            continue
+        score, mask = general
+        log.info("%s: constructor argument %s sizes a table; the variant reads the table's size: %s", path,
+                 param.name, "; ".join(print_expr(e) for e in general if e is not None))
+    return score, mask, tuple(fixed)
+
+
+def _changed_trace(module: Any, args: list[Any], i: int, value: object, inputs: list[Any], names: list[str],
+                   kinds: Mapping[str, str], path: Path) -> tuple[torch.nn.Module, Any] | None:
+    """(Model, trace) with constructor argument i set to `value`; None where the Model does not build or run."""
+    changed = list(args)
+    changed[i] = value
+    try:
+        torch.manual_seed(0)
+        other = module.Model(*changed).eval()
+        return other, trace_attention(other, inputs, names, tensor_namer(_model_tensors(other)), str(path.resolve()), kinds)
+    except Exception:
+        return None
+
+
+def _sized_by(module: Any, args: list[Any], i: int, first: tuple[torch.nn.Module, Any], inputs: list[Any],
+              names: list[str], qkv: tuple[int, int, int], traced: Any, kinds: Mapping[str, str], path: Path,
+              score: Expr | None, mask: Expr | None) -> tuple[Expr | None, Expr | None] | None:
+    """(score_mod, mask_mod) with the constants that integer argument i moves written in the sizes of the tables it
+    sizes (generalize_sizes), when the traces with the argument +1 and +2 (lengths and heads generalized alike)
+    give the same expressions; else None."""
+    found = []
+    for step in (1, 2):
+        got = first if step == 1 else _changed_trace(module, args, i, args[i] + 2, inputs, names, kinds, path)
+        if got is None:
+            return None
+        other, again = got
+        s2, m2, _ = _generalize_shapes(other, inputs, names, qkv, again, kinds, path)
+        s2, m2, _ = _generalize_heads(other, inputs, names, qkv, again, kinds, path, s2, m2)
+        sizes1, sizes2 = _table_sizes(traced.aux), _table_sizes(again.aux)
+        (ok_s, gs), (ok_m, gm) = generalize_sizes(score, s2, sizes1, sizes2), generalize_sizes(mask, m2, sizes1, sizes2)
+        if not (ok_s and ok_m) or (gs, gm) == (score, mask):
+            return None
+        found.append((gs, gm))
+    return found[0] if found[0] == found[1] else None
+
+
+def _table_sizes(aux: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Each aux table's dims, named as generate.target names a position no index variable implies."""
+    return {f"{n}_n{i}": int(size) for n, t in aux.items() for i, size in enumerate(t.shape)}
 
 
 def _init_names(cls: type[torch.nn.Module]) -> tuple[str, ...]:

@@ -72,6 +72,22 @@ def test_constructor_arguments_held_as_constants_are_refused_when_changed(ingest
         cand.ModelNew(48)
 
 
+def test_a_table_sized_by_a_constructor_argument_is_read_at_its_own_size(ingested_kb, tmp_path: Path) -> None:
+    """The offset max_len - 1 into a table of 2 * max_len - 1 columns is read from the table given at run time, so a
+    kernel generated with max_len=64 serves Models built with other max_len and head counts."""
+    spec_path = REPO / "tests" / "data" / "specs_state" / "relative_table_max_len.py"
+    spec = load_spec(spec_path)
+    assert spec.init_fixed == () and "(rel_n1 - 1) // 2" in print_expr(spec.score_mod)
+    r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path, **QUICK))
+    assert r.succeeded, r.error
+    cand, model_mod = _module(r.files["candidate"], "cand_max_len"), _module(spec_path, "spec_max_len")
+    for heads, length, max_len in ((4, 40, 64), (2, 24, 100), (3, 30, 30)):
+        model, new = model_mod.Model(heads, max_len), cand.ModelNew(heads, max_len)
+        new.load_state_dict(model.state_dict())
+        q, k, v = (torch.randn(1, heads, length, 32) for _ in range(3))
+        torch.testing.assert_close(new(q, k, v), model(q, k, v), atol=1e-4, rtol=1e-4)
+
+
 def test_lengths_are_held_when_the_spec_runs_at_no_other_lengths(ingested_kb, tmp_path: Path) -> None:
     """A table indexed `i - j + seq - 1` by a Model that runs at length `seq` only: nothing tells the offset from the
     length, so the kernel holds (M, N) and refuses other lengths instead of reading its table at the wrong offset.

@@ -3,7 +3,7 @@ lengths or head counts, a constant that follows the dim becomes an expression in
 
 from __future__ import annotations
 
-from generate.spec_generalize import generalize, generalize_heads
+from generate.spec_generalize import generalize, generalize_heads, generalize_sizes
 from kb.ir.expr import parse_expr, print_expr
 
 
@@ -32,3 +32,17 @@ def test_what_no_expression_in_the_heads_gives_is_refused() -> None:
 def test_lengths_become_m_and_n() -> None:
     e = generalize(parse_expr("kv_idx <= q_idx + 128"), parse_expr("kv_idx <= q_idx + 130"), (64, 192), (67, 197))
     assert e is not None and print_expr(e) == "kv_idx <= q_idx + (N - M)"
+
+
+def _sizes(a: str, b: str, s1: dict[str, int], s2: dict[str, int]) -> tuple[bool, str]:
+    ok, e = generalize_sizes(parse_expr(a), parse_expr(b), s1, s2)
+    return ok, print_expr(e) if e is not None else ""
+
+
+def test_an_offset_into_a_table_follows_the_tables_size() -> None:
+    """A constructor's max_len sizes a table of 2 * max_len - 1 columns read at i - j + max_len - 1."""
+    assert _sizes("score + t[h, q_idx - kv_idx + 143]", "score + t[h, q_idx - kv_idx + 144]", {"t_n0": 4, "t_n1": 287},
+                  {"t_n0": 4, "t_n1": 289}) == (True, "score + t[h, q_idx - kv_idx + (t_n1 - 1) // 2]")
+    assert _sizes("score + t[kv_idx] * 7", "score + t[kv_idx] * 9", {"t_n0": 7}, {"t_n0": 9})[0] is False  # bare index
+    assert _sizes("score + t[q_idx - kv_idx + 10]", "score + t[q_idx - kv_idx + 30]", {"t_n0": 21},
+                  {"t_n0": 23})[0] is False  # moves by 20 where the table grew by 2
