@@ -15,6 +15,7 @@ lengths at all gets a kernel that refuses them, `Spec.lengths_fixed`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from kb.ir.expr import Expr, ExprOp, const, var, walk
 
@@ -43,28 +44,39 @@ def generalize(e1: Expr | None, e2: Expr | None, dims1: tuple[int, int], dims2: 
     """`e1` (traced at (M1, N1)) with shape-derived constants replaced, using `e2` traced at (M2, N2)."""
     if e1 is None or e2 is None:
         return e1
-    out = _walk(e1, e2, dims1, dims2)
+    out = _walk(e1, e2, lambda c1, c2: _length_const(c1, c2, dims1, dims2))
     return e1 if out is None else out
 
 
-def _walk(a: Expr, b: Expr, d1: tuple[int, int], d2: tuple[int, int]) -> Expr | None:
+def _walk(a: Expr, b: Expr, moved: Callable[[int | float, int | float], Expr | None]) -> Expr | None:
+    """`a` with each constant that differs from its place in `b` replaced by `moved(a's, b's)` (numbers only, not
+    booleans); None where the trees differ otherwise or `moved` has no answer."""
     if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
         return None
     if a.op is ExprOp.CONST:
-        if a.value == b.value or isinstance(a.value, bool) or not isinstance(a.value, int) or not isinstance(b.value, int):
-            return a if a.value == b.value else None
-        dm, dn = d2[0] - d1[0], d2[1] - d1[1]
-        for ca, cb in _COEFFS:
-            if ca * dm + cb * dn == b.value - a.value:
-                return _dim_expr(ca, cb, a.value - ca * d1[0] - cb * d1[1])
-        return None
+        if a.value == b.value:
+            return a
+        c1, c2 = a.value, b.value
+        if isinstance(c1, bool) or isinstance(c2, bool) or not isinstance(c1, int | float) or not isinstance(c2, int | float):
+            return None
+        return moved(c1, c2)
     args = []
     for x, y in zip(a.args, b.args):
-        g = _walk(x, y, d1, d2)
+        g = _walk(x, y, moved)
         if g is None:
             return None
         args.append(g)
     return Expr(a.op, tuple(args), a.value)
+
+
+def _length_const(c1: int | float, c2: int | float, d1: tuple[int, int], d2: tuple[int, int]) -> Expr | None:
+    if not isinstance(c1, int) or not isinstance(c2, int):
+        return None
+    dm, dn = d2[0] - d1[0], d2[1] - d1[1]
+    for ca, cb in _COEFFS:
+        if ca * dm + cb * dn == c2 - c1:
+            return _dim_expr(ca, cb, c1 - ca * d1[0] - cb * d1[1])
+    return None
 
 
 def generalize_heads(e1: Expr | None, e2: Expr | None, heads1: tuple[int, int], heads2: tuple[int, int]) -> tuple[bool, Expr | None]:
@@ -74,7 +86,7 @@ def generalize_heads(e1: Expr | None, e2: Expr | None, heads1: tuple[int, int], 
     number for both; ok is False for anything else (another structure, a constant that is no such function)."""
     if e1 is None or e2 is None:
         return e1 is None and e2 is None, e1
-    out = _walk_heads(e1, e2, heads1, heads2)
+    out = _walk(e1, e2, lambda c1, c2: _heads_const(c1, c2, heads1, heads2))
     return out is not None, out if out is not None else e1
 
 
@@ -89,37 +101,18 @@ def _heads_const(a: int | float, b: int | float, h1: tuple[int, int], h2: tuple[
     return None
 
 
-def _walk_heads(a: Expr, b: Expr, h1: tuple[int, int], h2: tuple[int, int]) -> Expr | None:
-    if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
-        return None
-    if a.op is ExprOp.CONST:
-        if a.value == b.value:
-            return a
-        c1, c2 = a.value, b.value
-        if isinstance(c1, bool) or isinstance(c2, bool) or not isinstance(c1, int | float) or not isinstance(c2, int | float):
-            return None
-        return _heads_const(c1, c2, h1, h2)
-    args = []
-    for x, y in zip(a.args, b.args):
-        g = _walk_heads(x, y, h1, h2)
-        if g is None:
-            return None
-        args.append(g)
-    return Expr(a.op, tuple(args), a.value)
-
-
 def generalize_sizes(e1: Expr | None, e2: Expr | None, sizes1: dict[str, int], sizes2: dict[str, int]) -> tuple[bool, Expr | None]:
     """(ok, `e1` with constants written in table sizes) from `e2`, traced with a constructor argument changed: a
     relative-position table `pos_bias[h, q_idx - kv_idx + (max_len - 1)]` of 2 * max_len - 1 columns traces to
     `+ 143` at max_len=144 and `+ 144` at 145, where the table has 287 and 289 columns: the constant is
-    `pos_bias_n1 // 2`, read from the table the kernel is given. `sizes` maps the dims of the tables (named as
+    `(pos_bias_n1 - 1) // 2`, read from the table the kernel is given. `sizes` maps the dims of the tables (named as
     generate.target names a table position no index variable implies) to their sizes in each trace; a constant
     that moves is `(p * size + r) // q` for p in +-1, +-2 and q in 1, 2, else ok is False."""
     if e1 is None or e2 is None:
         return e1 is None and e2 is None, e1
     free = _unimplied_positions(e1)
     moved = {n: (sizes1[n], sizes2[n]) for n in sizes1 if n in sizes2 and sizes1[n] != sizes2[n] and n in free}
-    out = _walk_sizes(e1, e2, moved)
+    out = _walk(e1, e2, lambda c1, c2: _size_expr(c1, c2, moved) if isinstance(c1, int) and isinstance(c2, int) else None)
     return out is not None, out if out is not None else e1
 
 
@@ -146,22 +139,3 @@ def _size_expr(c1: int, c2: int, moved: dict[str, tuple[int, int]]) -> Expr | No
                         e = e if r == 0 else e + r if r > 0 else e - abs(r)
                         return e if q == 1 else Expr(ExprOp.FLOORDIV, (e, const(q)))
     return None
-
-
-def _walk_sizes(a: Expr, b: Expr, moved: dict[str, tuple[int, int]]) -> Expr | None:
-    if a.op is not b.op or len(a.args) != len(b.args) or (a.op is not ExprOp.CONST and a.value != b.value):
-        return None
-    if a.op is ExprOp.CONST:
-        if a.value == b.value:
-            return a
-        c1, c2 = a.value, b.value
-        if isinstance(c1, bool) or isinstance(c2, bool) or not isinstance(c1, int) or not isinstance(c2, int):
-            return None
-        return _size_expr(c1, c2, moved)
-    args = []
-    for x, y in zip(a.args, b.args):
-        g = _walk_sizes(x, y, moved)
-        if g is None:
-            return None
-        args.append(g)
-    return Expr(a.op, tuple(args), a.value)
