@@ -52,12 +52,12 @@ mod._timings = lambda designs, launch: [(1.0 + i, x) for i, x in enumerate(desig
 mod._keep_choice = lambda *a: None
 if not together:
     def one_by_one(designs, launch, program):
-        mod._COMPILE_ONLY[0] = True
+        token = mod._COMPILE_ONLY.set(True)
         try:
             for x in designs:
                 launch(x)
         finally:
-            mod._COMPILE_ONLY[0] = False
+            mod._COMPILE_ONLY.reset(token)
     mod._compile_designs = one_by_one
 init = list(spec.get_init_inputs())
 model, new = spec.Model(*init), mod.ModelNew(*init)

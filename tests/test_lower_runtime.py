@@ -8,6 +8,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import threading
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
@@ -74,7 +75,7 @@ class _FakeGPU:
         self.too_big, self.mod, self.calls, self.compiled, self.log = too_big, mod, [], [], []
 
     def __call__(self, design):
-        if self.mod is not None and self.mod._COMPILE_ONLY[0]:
+        if self.mod is not None and self.mod._COMPILE_ONLY.get():
             self.compiled.append(design)
             self.log.append(("compile", design))
             return "outputs"
@@ -215,7 +216,7 @@ def test_listed_designs_are_compiled_together_before_any_is_tried(monkeypatch: p
     gpu = _FakeGPU(set(), mod)
     assert mod._choose_design(torch.zeros(1), 64, ("ahead",), gpu) == second
     assert gpu.log[:2] == [("compile", first), ("compile", second)] and gpu.calls == [first, second]
-    assert mod._COMPILE_ONLY == [False]
+    assert mod._COMPILE_ONLY.get() is False
 
     class Broken(_FakeGPU):
         def __call__(self, design):
@@ -232,7 +233,7 @@ def test_listed_designs_are_compiled_together_before_any_is_tried(monkeypatch: p
     _timed_gpu(mod2, monkeypatch, {first: 2.0, second: 1.5})
     with pytest.raises(RuntimeError, match="cannot build"):  # raised by the trial launch, not swallowed
         mod2._choose_design(torch.zeros(1), 64, ("broken",), Broken(set(), mod2))
-    assert mod2._COMPILE_ONLY == [False]
+    assert mod2._COMPILE_ONLY.get() is False
 
 
 def test_a_launch_while_compiling_ahead_only_compiles() -> None:
@@ -251,12 +252,16 @@ def test_a_launch_while_compiling_ahead_only_compiles() -> None:
             raise AssertionError("launched while compiling ahead")
 
     kernel = Kernel()
-    mod._COMPILE_ONLY[0] = True
+    token = mod._COMPILE_ONLY.set(True)
     try:
         mod._kb_launch(None, kernel, (6,), ("q", 3), 4, 2, BLOCK_M=64)
+        other: list = []  # another thread meanwhile (a second request, a DataParallel replica) launches as always
+        worker = threading.Thread(target=lambda: other.append(mod._COMPILE_ONLY.get()))
+        worker.start()
+        worker.join()
     finally:
-        mod._COMPILE_ONLY[0] = False
-    assert kernel.warmups == [(("q", 3), (6,), {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2})]
+        mod._COMPILE_ONLY.reset(token)
+    assert kernel.warmups == [(("q", 3), (6,), {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2})] and other == [False]
 
 
 def _no_timing(fn, **kw):

@@ -19,6 +19,7 @@ the preamble (kb.lower.triton writes them); the placeholders at the end of this 
 
 # ---- generated modules: preamble begins (pasted byte for byte; edit only between these lines) ----
 import concurrent.futures
+import contextvars
 import json
 import logging
 import math
@@ -347,7 +348,9 @@ def _timed_choice(listed, launch, key, program):
     return choice, True
 
 
-_COMPILE_ONLY = [False]  # set by _compile_designs: _kb_launch compiles (warmup) and launches nothing
+# set by _compile_designs for its own thread only (a context variable): _kb_launch compiles (warmup) and launches
+# nothing; another thread's calls meanwhile launch as always
+_COMPILE_ONLY = contextvars.ContextVar("kb_compile_only", default=False)
 
 
 def _compile_designs(designs, launch, program):
@@ -361,7 +364,7 @@ def _compile_designs(designs, launch, program):
         return  # no such Triton, nothing to build, or the caller's own batch is open (they do not nest)
     workers = min(8, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool, async_mode(pool, ignore_errors=True):
-        _COMPILE_ONLY[0] = True
+        token = _COMPILE_ONLY.set(True)
         try:
             for design in designs:
                 try:
@@ -369,7 +372,7 @@ def _compile_designs(designs, launch, program):
                 except Exception as err:  # e.g. a head dim the design cannot pad: its trial launch says so
                     _log.debug("%s: compiling design %s ahead failed (%s)", program, design, err)
         finally:
-            _COMPILE_ONLY[0] = False
+            _COMPILE_ONLY.reset(token)
 
 
 def _design7(design):
@@ -524,7 +527,7 @@ def _kb_alloc(rec, factory, shape, dtype, device):
 def _kb_launch(rec, fn, grid, args, num_warps, num_stages, **constexprs):
     """fn[grid](*args, **constexprs) with the launch options, seen by the recorder `rec` (or None); while
     `_compile_designs` runs, the kernel is only compiled."""
-    if _COMPILE_ONLY[0]:
+    if _COMPILE_ONLY.get():
         fn.warmup(*args, grid=grid, **constexprs, num_warps=num_warps, num_stages=num_stages)
         return
     kernel = fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
