@@ -80,6 +80,8 @@ def test_a_table_sized_by_a_constructor_argument_is_read_at_its_own_size(ingeste
     assert spec.init_fixed == () and "(rel_n1 - 1) // 2" in print_expr(spec.score_mod)
     r = generate(ingested_kb, spec_path, GenerateOptions(out_dir=tmp_path, **QUICK))
     assert r.succeeded, r.error
+    assert spec.features.score_mod == "relative_bias"  # still a relative-position table (retrieval, lowering)
+    assert "one read of the table" not in r.files["triton"].read_text()  # the offset moves nothing over a tile
     cand, model_mod = _module(r.files["candidate"], "cand_max_len"), _module(spec_path, "spec_max_len")
     for heads, length, max_len in ((4, 40, 64), (2, 24, 100), (3, 30, 30)):
         model, new = model_mod.Model(heads, max_len), cand.ModelNew(heads, max_len)

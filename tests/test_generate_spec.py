@@ -67,7 +67,8 @@ EXPECTED = {
     "softcap_causal": ("tanh(score / 50.0) * 50.0", "kv_idx <= q_idx", "causal", "softcap"),
     "document_mask": (None, "(doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (kv_idx <= q_idx)", "document", "none"),
     "prefix_lm": (None, "(kv_idx < 24) | (kv_idx <= q_idx)", "prefix_lm", "none"),
-    "relative_bias": ("score + rel_bias[h, q_idx - kv_idx + 63]", None, "none", "relative_bias"),
+    # its table has 2 * max_len - 1 columns (max_len a constructor argument): the offset is read from the table's size
+    "relative_bias": ("score + rel_bias[h, q_idx - kv_idx + (rel_bias_n1 - 1) // 2]", None, "none", "relative_bias"),
     "mqa": (None, None, "none", "none"),
     "cross_attention": (None, None, "none", "none"),
     "decode_gqa_splitkv": (None, None, "none", "none"),

@@ -89,9 +89,15 @@ def test_a_listed_gpu_times_the_listed_backward_designs_once_per_shape_bucket(mo
     monkeypatch.setattr(triton.testing, "do_bench",
                         lambda fn, **kw: timed.append(fn.__defaults__[0]) or {slow: 3.0, fast: 2.0}[fn.__defaults__[0]])
     launched: list[tuple] = []
+    compiled: list[tuple] = []
     t = torch.empty(1)
-    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 4096), launched.append) == fast
+
+    def launch(design: tuple) -> None:  # what _kb_launch does while the designs are compiled ahead: no launch
+        (compiled if fwd_pre._COMPILE_ONLY.get() else launched).append(design)
+
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 4096), launch) == fast
     assert timed == [slow, fast] and launched == [slow, fast]  # each launched once to see that it fits
-    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 3000), launched.append) == fast and len(timed) == 2
+    assert compiled == [slow, fast]  # after both were compiled together
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 3000), launch) == fast and len(timed) == 2
     monkeypatch.setenv("KB_DESIGN_TIMING", "0")
-    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 8192), launched.append) == slow and len(timed) == 2
+    assert pre._choose_bwd_design(t, 128, ("cuda", "bf16", 4, 16, 8192), launch) == slow and len(timed) == 2

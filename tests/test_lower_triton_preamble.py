@@ -23,7 +23,7 @@ from tests.support.ir_programs import FIXTURES, forward
 def test_generated_modules_carry_the_preamble_text() -> None:
     text = Path(pre.__file__).read_text()
     body = text.split("preamble begins", 1)[1].split("\n", 1)[1].split("# ---- generated modules: preamble ends")[0]
-    assert body.startswith("import json\n") and body.endswith("\n")
+    assert body.startswith("import concurrent.futures\n") and body.endswith("\n")
     assert lower_program(FIXTURES["causal"]()).split("\n", 2)[2].startswith(body)
 
 

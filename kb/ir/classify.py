@@ -24,6 +24,7 @@ shape constants (e.g. `q_idx + 64 >= kv_idx` is bottom-right causal only when N 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,14 @@ def _has_load(e: Expr) -> bool:
 
 def _grid(M: int, N: int) -> dict[str, torch.Tensor | int]:
     return {"q_idx": torch.arange(M).view(M, 1), "kv_idx": torch.arange(N).view(1, N), "M": M, "N": N}
+
+
+def _grid_for(e: Expr, M: int, N: int) -> dict[str, torch.Tensor | int]:
+    """_grid plus a probe value for the other sizes `e` reads (Hq, a table's size `rel_n1`): constants along the
+    positions, so they do not change what depends on q_idx and kv_idx."""
+    env = _grid(M, N)
+    sizes = {v for v in free_vars(e) if v in ("B", "Hq", "Hkv", "D", "Dv") or re.fullmatch(r"\w+_n\d+", v)}
+    return {**env, **{v: 97 for v in sizes - set(env)}}
 
 
 def _eval_bool(e: Expr, M: int, N: int) -> torch.Tensor | None:
@@ -342,7 +351,7 @@ def _softcap_value(e: Expr) -> float | None:
 
 def _shift_invariant(e: Expr, dims: tuple[int, int] | None) -> bool:
     M, N = dims or DEFAULT_GRID
-    env = _grid(M, N)
+    env = _grid_for(e, M, N)
     try:
         a = torch.as_tensor(eval_expr(e, env))
         b = torch.as_tensor(eval_expr(e, {**env, "q_idx": env["q_idx"] + 1, "kv_idx": env["kv_idx"] + 1}))
@@ -355,7 +364,7 @@ def _linear_in_distance(e: Expr, dims: tuple[int, int] | None) -> bool:
     """e(q, kv) == a * (kv - q) + c or a * |kv - q| + c, with a != 0."""
     M, N = dims or DEFAULT_GRID
     try:
-        val = torch.as_tensor(eval_expr(e, _grid(M, N)), dtype=torch.float64).expand(M, N)
+        val = torch.as_tensor(eval_expr(e, _grid_for(e, M, N)), dtype=torch.float64).expand(M, N)
     except Exception:
         return False
     d = (torch.arange(N).view(1, N) - torch.arange(M).view(M, 1)).double()

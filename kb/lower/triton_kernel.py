@@ -398,8 +398,11 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         moving = [x for x in dict.fromkeys(walk(e)) if x.op is ExprOp.LOAD
                   and any(free_vars(i) & {"q_idx", "kv_idx"} for i in x.args)]
         if self.pack is not None or st.at.head_rows \
-                or not any(n.op in _SATURATING for x in moving for i in x.args for n in walk(i)):
-            return None  # no load moves, or each moving index is one-to-one (rel[h, q_idx - kv_idx], qb[q_idx])
+                or not any(n.op in _SATURATING and free_vars(n) & {"q_idx", "kv_idx"}
+                           for x in moving for i in x.args for n in walk(i)):
+            # no load moves, or each moving index is one-to-one (rel[h, q_idx - kv_idx], qb[q_idx]; an offset read
+            # from the table's size, rel[h, q_idx - kv_idx + (rel_n1 - 1) // 2], moves nothing)
+            return None
         rows, cols = self.tile(st.tile).shape
         q0, k0 = self.ex(st.at.q_start), self.ex(st.at.kv_start)
         corners = {"_tq0": q0, "_tq1": f"{wrap(q0)} + {rows} - 1", "_tk0": k0, "_tk1": f"{wrap(k0)} + {cols} - 1"}
