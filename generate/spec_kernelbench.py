@@ -237,7 +237,7 @@ def _generalize_heads(model: torch.nn.Module, inputs: list[Any], names: list[str
     like BLOOM's nearest power of two, fails it). Otherwise heads_fixed is the spec's Hq, and the candidate refuses
     others. A spec that does not run at other head counts says nothing (None)."""
     heads = (int(inputs[qkv[0]].shape[1]), int(inputs[qkv[1]].shape[1]))
-    found = []
+    found: list[tuple[Expr | None, Expr | None]] = []
     for factor in (2, 3):
         args = list(inputs)
         for i in qkv:
@@ -254,13 +254,12 @@ def _generalize_heads(model: torch.nn.Module, inputs: list[Any], names: list[str
         (ok_s, s), (ok_m, m) = generalize_heads(score, score2, heads, other), generalize_heads(mask, mask2, heads, other)
         if not (ok_s and ok_m):
             return score, mask, heads[0]
-        found.append(tuple(print_expr(e) if e is not None else None for e in (s, m)))
-        general = s, m
+        found.append((s, m))
     if found[0] != found[1]:
         return score, mask, heads[0]
     log.info("%s: variant constants computed from the head count written in Hq/Hkv: %s", path,
-             "; ".join(x for x in found[0] if x is not None))
-    return (*general, None)
+             "; ".join(print_expr(e) for e in found[0] if e is not None))
+    return (*found[0], None)
 
 
 def _generalize_init(module: Any, inputs: list[Any], names: list[str], qkv: tuple[int, int, int], traced: Any,
@@ -312,7 +311,7 @@ def _sized_by(module: Any, args: list[Any], i: int, first: tuple[torch.nn.Module
     """(score_mod, mask_mod) with the constants that integer argument i moves written in the sizes of the tables it
     sizes (generalize_sizes), when the traces with the argument +1 and +2 (lengths and heads generalized alike)
     give the same expressions; else None."""
-    found = []
+    found: list[tuple[Expr | None, Expr | None]] = []
     for step in (1, 2):
         got = first if step == 1 else _changed_trace(module, args, i, args[i] + 2, inputs, names, kinds, path)
         if got is None:
