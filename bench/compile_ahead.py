@@ -21,85 +21,97 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from kb.lower.runtime import import_file
 
 
-_CHILD = r"""
-import sys, time, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
+class _Sm90:
+    """What JITFunction.run asks of Triton's driver before it compiles, for an sm_90 target; a launch fails (no
+    launcher_cls), which is where the timing stops."""
 
+    def get_current_device(self) -> int:
+        return 0
 
-class _Sm90:  # what JITFunction.run asks of the driver before it compiles; a launch fails (no launcher_cls)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        from triton.backends.compiler import GPUTarget  # noqa: PLC0415  the child only: the parent needs no Triton
+
+        return GPUTarget("cuda", 90, 32)
 
 
 class _Stop(Exception):
-    pass
+    """Raised by the recording forward of a backward row: the forward's arguments are all it needs."""
 
 
-driver.set_active(_Sm90())
-from kb.lower.runtime import import_file
-gen_path, spec_path, together, what = sys.argv[1], sys.argv[2], sys.argv[3] == "together", sys.argv[4]
-mod, spec = import_file(gen_path, "compile_ahead_module"), import_file(spec_path, "compile_ahead_spec")
-mod._interpreting = lambda t: False
-torch.cuda.get_device_capability = lambda device=None: (9, 0)
-torch.cuda.get_device_name = lambda device=None: "sm_90 stand-in"
-mod._fits = lambda design, launch, program: True
-mod._timings = lambda designs, launch: [(1.0 + i, x) for i, x in enumerate(designs)]
-mod._keep_choice = lambda *a: None
-if not together:
-    def one_by_one(designs, launch, program):
-        token = mod._COMPILE_ONLY.set(True)
+def child(gen_path: str, spec_path: str, together: bool, what: str) -> str:
+    """One row's first call in this process (its Triton cache empty): '<seconds> <designs listed> <head dim>'."""
+    import triton  # noqa: PLC0415  the child only
+    from triton.runtime import driver  # noqa: PLC0415
+
+    driver.set_active(_Sm90())  # a stand-in: compiles for sm_90, launches nothing
+    mod: Any = import_file(Path(gen_path), "compile_ahead_module")  # a generated module: its helpers are stubbed
+    spec = import_file(Path(spec_path), "compile_ahead_spec")
+    mod._interpreting = lambda t: False
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    torch.cuda.get_device_name = lambda device=None: "sm_90 stand-in"
+    mod._fits = lambda design, launch, program: True
+    mod._timings = lambda designs, launch: [(1.0 + i, x) for i, x in enumerate(designs)]
+    mod._keep_choice = lambda *a: None
+    if not together:
+        def one_by_one(designs: list, launch: Any, program: str) -> None:
+            token = mod._COMPILE_ONLY.set(True)
+            try:
+                for x in designs:
+                    launch(x)
+            finally:
+                mod._COMPILE_ONLY.reset(token)
+        mod._compile_designs = one_by_one
+    init = list(spec.get_init_inputs())
+    model, new = spec.Model(*init), mod.ModelNew(*init)
+    new.load_state_dict(model.state_dict())
+    inputs = list(spec.get_inputs())
+    seen: dict[str, Any] = {}
+    forward = mod.forward
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+        seen.update(q=q, k=k, v=v, kw=kw)  # the forward's tensors and aux as ModelNew passes them
+        if what == "backward":
+            raise _Stop
+        return forward(q, k, v, **kw)
+
+    def run() -> None:
         try:
-            for x in designs:
-                launch(x)
-        finally:
-            mod._COMPILE_ONLY.reset(token)
-    mod._compile_designs = one_by_one
-init = list(spec.get_init_inputs())
-model, new = spec.Model(*init), mod.ModelNew(*init)
-new.load_state_dict(model.state_dict())
-inputs = list(spec.get_inputs())
-seen = {}
-forward = mod.forward
+            new(*inputs)
+        except _Stop:
+            pass
+        if what == "backward":
+            q, k, v = seen["q"], seen["k"], seen["v"]
+            kw = {n: x for n, x in seen["kw"].items() if not n.startswith("_")}  # forward-only options (_o32)
+            o = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+            mod.backward(q, k, v, o, torch.randn_like(o), torch.zeros(q.shape[:-1]), **kw)
 
-
-def recorded(q, k, v, **kw):  # the forward's tensors and aux as ModelNew passes them
-    seen.update(q=q, k=k, v=v, kw=kw)
-    if what == "backward":
-        raise _Stop
-    return forward(q, k, v, **kw)
-
-
-def run():
+    mod.forward = recorded
+    start = time.perf_counter()
     try:
-        new(*inputs)
-    except _Stop:
-        pass
-    if what == "backward":
-        q, k, v = seen["q"], seen["k"], seen["v"]
-        kw = {n: x for n, x in seen["kw"].items() if not n.startswith("_")}  # forward-only options (_o32)
-        o = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-        mod.backward(q, k, v, o, torch.randn_like(o), torch.zeros(q.shape[:-1]), **kw)
+        run()
+    except Exception as err:  # the first launch after the choice: no GPU here; anything else is this bench's failure
+        if "launcher_cls" not in str(err):
+            raise
+    seconds = time.perf_counter() - start
+    table, picked = (mod.DESIGNS, mod._PICKED) if what == "forward" else (mod.BWD_DESIGNS, mod._BWD_PICKED)
+    if not picked:  # stopped at a launch before the choice (a block table built on the GPU): nothing to compare
+        raise SystemExit("the call launches a kernel before it chooses a design (a block table built on the GPU)")
+    d = seen["q"].shape[-1]
+    return f"{seconds} {len(table.get('sm90', {}).get(max(16, triton.next_power_of_2(d)), ()))} {d}"
 
 
-mod.forward = recorded
-start = time.perf_counter()
-try:
-    run()
-except Exception as err:  # the first launch after the choice: no GPU here; anything else is this bench's failure
-    if "launcher_cls" not in str(err):
-        raise
-seconds = time.perf_counter() - start
-table, picked = (mod.DESIGNS, mod._PICKED) if what == "forward" else (mod.BWD_DESIGNS, mod._BWD_PICKED)
-if not picked:  # stopped at a launch before the choice (a block table built on the GPU): nothing to compare
-    sys.exit("the call launches a kernel before it chooses a design (a block table built on the GPU)")
-d = seen["q"].shape[-1]
-print(seconds, len(table.get("sm90", {}).get(max(16, triton.next_power_of_2(d)), ())), d)
-"""
 
 
 class _NotMeasured(Exception):
@@ -112,8 +124,9 @@ def _time(gen: Path, spec: Path, together: bool, what: str) -> tuple[float, int,
     with tempfile.TemporaryDirectory() as cache:
         env["TRITON_CACHE_DIR"] = cache
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-        done = subprocess.run([sys.executable, "-c", _CHILD, str(gen), str(spec), "together" if together else "one",
-                               what], env=env, capture_output=True, text=True, check=False)
+        done = subprocess.run([sys.executable, "-m", "bench.compile_ahead", "--child", str(gen), str(spec),
+                               "together" if together else "one", what], env=env, capture_output=True, text=True,
+                              check=False)
     if done.returncode != 0:
         raise _NotMeasured((done.stderr.strip().splitlines() or ["?"])[-1])
     seconds, designs, d = done.stdout.split()[-3:]
@@ -131,9 +144,16 @@ def _spec_of(gen: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("modules", nargs="+", type=Path, help="generated gen_SPEC.py files (kb generate --out DIR)")
+    ap.add_argument("modules", nargs="*", type=Path, help="generated gen_SPEC.py files (kb generate --out DIR)")
     ap.add_argument("--json", action="store_true", help="one JSON document instead of the table")
+    ap.add_argument("--child", nargs=4, metavar=("GEN", "SPEC", "MODE", "PASS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        gen, spec, mode, what = args.child
+        print(child(gen, spec, mode == "together", what))
+        return
+    if not args.modules:
+        ap.error("give at least one generated gen_SPEC.py")
     rows = []
     for path in args.modules:
         if not path.is_file():
