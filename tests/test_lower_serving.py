@@ -28,6 +28,7 @@ from kb.lower.runtime import TritonKernel
 from kb.ir.design import parse_design
 from kb.lower.serving import free_tiles, key_capacity, layout_scalars, split_kv_blocks
 from kb.lower.triton import lower_program
+from kb.lower.triton_aot import compile_for_arch
 from tests.support.ir_programs import SERVING_TEXTS
 
 GOLDEN = Path(__file__).parent / "golden" / "triton"
@@ -90,6 +91,40 @@ def test_varlen_prefill(dtype: torch.dtype, cache_dir: Path) -> None:
               "b_seq_len": torch.tensor(lens, dtype=torch.int32), "sm_scale": SCALE, "max_seq_len": max(lens)}
     o, _ = varlen_attention(q.float(), k.float(), v.float(), starts, lens, starts, lens, sm_scale=SCALE, causal=True)
     _run_and_compare("varlen_prefill", dtype, inputs, o, cache_dir)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_prefill_runs_interior_blocks_without_mask_code(dtype: torch.dtype, cache_dir: Path) -> None:
+    """Packed sequences at global token positions (flash_attn_varlen's form, as the serving transfer writes it): the
+    KV loop splits into partial / full / partial blocks per sequence from the mask's two bounds, and the result is
+    the interpreter's, for queries that are a suffix of their keys (bottom-right causal), ragged against 16x16 tiles,
+    one-token and empty sequences, and sequences long enough for full blocks."""
+    p = _program("packed_prefill", dtype)
+    src = lower_program(p)
+    assert "# full blocks" in src and "IS_FULL=True" in src
+    g = torch.Generator().manual_seed(3)
+    q_lens, k_lens = [37, 0, 1, 50, 16], [37, 5, 1, 81, 40]
+    cu_q, cu_k = ([0, *torch.tensor(x).cumsum(0).tolist()] for x in (q_lens, k_lens))
+    q = torch.randn(sum(q_lens), HQ, D, generator=g).to(dtype)
+    k, v = (torch.randn(sum(k_lens), HKV, D, generator=g).to(dtype) for _ in range(2))
+    inputs = {"q": q, "k": k, "v": v, "cu_seqlens_q": torch.tensor(cu_q, dtype=torch.int32),
+              "cu_seqlens_k": torch.tensor(cu_k, dtype=torch.int32), "sm_scale": SCALE, "max_seq_len": max(q_lens)}
+    o, _ = varlen_attention(q.float(), k.float(), v.float(), cu_q[:-1], q_lens, cu_k[:-1], k_lens, sm_scale=SCALE, causal=True)
+    _run_and_compare("packed_prefill", dtype, inputs, o, cache_dir)
+
+
+def test_packed_prefill_softcap_compiles_for_hopper_with_one_mufu_tanh() -> None:
+    """Triton's compiler (bundled ptxas) builds the split packed prefill with a softcap for sm_90 at a bench design,
+    using wgmma, and the softcap's tanh is PTX tanh.approx.f32 (the interpreter, which runs no PTX, takes the exact
+    2*sigmoid(2x)-1: the CPU tests above)."""
+    text = SERVING_TEXTS["packed_prefill"].replace("mask_mod(b, h", "score_mod(score, b, h, q_idx, kv_idx) = "
+                                                   "tanh(score / 50.0) * 50.0\nmask_mod(b, h", 1)
+    text = text.replace("    mask qk at", "    score_mod qk at (b, h, q0 + m_start, k0 + n_start)\n    mask qk at", 1)
+    p = parse_design("128x64 w8 s3").apply(parse_program(re.sub(r"^(param [qkvo]: \[[^\]]*\]) f32", r"\1 bf16", text,
+                                                                flags=re.M)))
+    assert "IS_FULL=True" in lower_program(p)
+    (k,) = compile_for_arch(p, arch=90, head_dim=128, tma=False)
+    assert k.wgmma > 0 and k.tanh_approx > 0
 
 
 def _paged_cache(g: torch.Generator, kv_lens: list[int], page: int, max_pages: int, dtype: torch.dtype):

@@ -163,6 +163,8 @@ BLOCK_MASKS = [
     "(kv_idx - q_idx > 3) & (2 >= kv_idx - q_idx - 7)",
     "kv_idx <= 17",
     "q_idx == kv_idx",
+    "(q_idx >= kv_idx) & (kv_idx < 21)",  # two forms: a packed sequence's causal bound and its end
+    "(q_idx + 3 >= kv_idx) & (q_idx < 30) & (kv_idx >= 5)",
 ]
 
 
@@ -182,21 +184,23 @@ def test_closed_form_block_classes_equal_dense_table(mask: str, cache_dir: Path)
             at = {**env, "m_start": mi * BM, "n_start": ni * BN}
             want = int(dense[mi, ni])
             got = 0 if eval_expr(is_empty, at) else 2 if eval_expr(is_full, at) else 1
-            assert got == want, (mask, M, N, mi, ni)
+            # exact for bounds on one form; over several, an empty tile may be called partial (its mask code runs)
+            assert got == want or (got, want) == (1, 0) and any(len(c) > 1 for c in plan.disjuncts), (mask, M, N, mi, ni)
 
 
 def test_block_mask_plans() -> None:
     assert plan_block_mask(FIXTURES["plain"]()).kind is BlockMaskKind.NO_MASK
     causal = plan_block_mask(FIXTURES["causal"]())
-    assert (causal.kind, [(d.alpha, d.beta) for d in causal.disjuncts]) == (BlockMaskKind.ANALYTIC, [(1, -1)])
+    assert (causal.kind, [[(d.alpha, d.beta) for d in c] for c in causal.disjuncts]) == (BlockMaskKind.ANALYTIC, [[(1, -1)]])
     doc = plan_block_mask(FIXTURES["document"]())
     assert (doc.kind, doc.per_b, doc.per_h) == (BlockMaskKind.TABLE, True, False)
-    two_directions = forward("x", mask_mod="(q_idx >= kv_idx) & (kv_idx < 7)")
-    assert plan_block_mask(two_directions).kind is BlockMaskKind.TABLE
+    two_forms = plan_block_mask(forward("x", mask_mod="(q_idx >= kv_idx) & (kv_idx < 7)"))
+    assert [[(d.alpha, d.beta) for d in c] for c in two_forms.disjuncts] == [[(1, -1), (0, 1)]]
+    assert plan_block_mask(forward("x", mask_mod="(q_idx >= kv_idx) & (2 * kv_idx < 7)")).kind is BlockMaskKind.TABLE
 
 
 def test_host_table_used_when_not_closed_form(cache_dir: Path) -> None:
-    p = forward("two_dirs", mask_mod="(q_idx >= kv_idx) & (kv_idx + q_idx < 40)", block_classes=True)
+    p = forward("two_dirs", mask_mod="(q_idx >= kv_idx) & (kv_idx + 2 * q_idx < 40)", block_classes=True)
     src = lower_program(p)
     assert "_hblock_classes(" in src and "bc_ptr" in src
     _check(p, cache_dir, M=33, N=35)

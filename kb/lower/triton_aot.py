@@ -54,6 +54,7 @@ class AotKernel:
     sass_digest: str  # sha256 of the SASS instructions (cuobjdump): equal digests, equal machine code
     sass_instructions: int
     local_stores: int  # STL instructions: register spills
+    tanh_approx: int = 0  # tanh.approx.f32 instructions in the PTX (the one-MUFU tanh a softcap lowers to)
 
 
 def _sha(lines: list[str]) -> str:
@@ -138,7 +139,8 @@ def _compile_here(p: Program, arch: int, head_dim: int, tma: bool, options: Lowe
         ptx, sass = compiled.asm["ptx"], read_sass(compiled.asm["cubin"])
         ops = re.findall(r"\b(?:tt|ttg|ttng|arith|math|scf|cf)\.[a-z_]+", re.sub(r"(?m)^#loc.*$|loc\([^)]*\)", "", compiled.asm["ttir"]))
         out.append(AotKernel(k.name, compiled.metadata.shared, ptx.count("wgmma.mma_async"), ptx.count("cp.async.bulk.tensor"),
-                             _sha(ops), _sha(sass), len(sass), sum(x.startswith("STL") for x in sass)))
+                             _sha(ops), _sha(sass), len(sass), sum(x.startswith("STL") for x in sass),
+                             ptx.count("tanh.approx.f32")))
     return out
 
 

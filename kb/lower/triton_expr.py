@@ -4,7 +4,7 @@ Two targets share one walker (`ExprTarget`):
 - DEVICE: Triton code inside a `@triton.jit` function. `//` and `%` keep floor semantics:
   when both operands are provably non-negative they lower to Triton's own `//`/`%` (which
   truncate, identical there); otherwise to the generated helpers `_floordiv`/`_floormod`.
-  `tanh` lowers to `_tanh` (2*sigmoid(2x)-1: no libdevice, works in the interpreter), `erf` to `tl.erf`.
+  `tanh` lowers to `_tanh` (PTX tanh.approx.f32 on a GPU; 2*sigmoid(2x)-1 under the interpreter), `erf` to `tl.erf`.
   `&`, `|` are Triton's own (logical on int1, bitwise on integers, as in the IR); `~` of a boolean is
   `(x == 0)`, of an integer `~x`; `<<`, `>>` are Triton's shifts (`>>` of a signed integer is arithmetic).
   Integers are int32 there, so a shift past bit 31 wraps as FlexAttention's int32 indices do.

@@ -43,7 +43,7 @@ def forward_module(p: Program, options: LowerOptions | None = None, designs: Des
         if cuda:
             raise KBError(f"program {p.name}: a varlen/paged program has no `.cu` to dispatch to (the CUDA lowering "
                           "refuses these layouts)")
-        opts, designs = serving_options(opts), designs if free_tiles(p) and _is_design(p) else None
+        opts, designs = serving_options(opts, p), designs if free_tiles(p) and _is_design(p) else None
     own = serving and not designs  # a serving program without designs runs its own schedule everywhere
     plan = plan_block_mask(p)
     entry = HostEntry(chooser=OWN_DESIGN_CHOOSER) if own else HostEntry()

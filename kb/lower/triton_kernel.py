@@ -675,10 +675,11 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         loop, or the query loop of a KV-outer backward kernel (which s_for emits both ways, for Design.q_split)."""
         plan = self.plan
         if not self.opts.split_kv_loop or plan.kind is BlockMaskKind.TABLE \
-                or any(d.beta == 0 and d.alpha == 0 for d in plan.disjuncts) \
+                or any(d.beta == 0 and d.alpha == 0 for c in plan.disjuncts for d in c) \
                 or (self.pack is not None and plan.kind is not BlockMaskKind.NO_MASK):
             return None
-        return self.loop_tile(st, ("forward", "reverse"), self.loop_axis(st))
+        axis = self.loop_axis(st)
+        return self.loop_tile(st, ("forward", "reverse"), axis, offset=axis == "kv")
 
     def loop_axis(self, st: For) -> str:
         """"q" for a KV-major kernel's loop over query tiles (step BLOCK_M), else "kv"."""
@@ -709,9 +710,11 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             return all(self.multiple_of(a, unit) for a in e.args)
         return e.op is ExprOp.NEG and self.multiple_of(e.args[0], unit)
 
-    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",), axis: str = "kv") -> tuple[Expr, Expr, Expr] | None:
+    def loop_tile(self, st: For, orders: tuple[str, ...] = ("forward",), axis: str = "kv",
+                  offset: bool = False) -> tuple[Expr, Expr, Expr] | None:
         """(b, h, q_start) when every mask / block test in a BLOCK_N loop (in one of `orders`) concerns the loop's own
-        tile; on the "q" axis, (b, h, kv_start) of a BLOCK_M loop over query tiles."""
+        tile; on the "q" axis, (b, h, kv_start) of a BLOCK_M loop over query tiles. With `offset`, the tiles' moving
+        start may be the loop variable plus a term the loop does not change (`moving_offset`)."""
         ax = AXES[axis]
         if self.region is not None or st.order not in orders or str(st.step) != ax.step:
             return None
@@ -720,13 +723,30 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if not tests or any(isinstance(x, For) for x in stmts):
             return None
         at = (tests[0].at.b, tests[0].at.h, getattr(tests[0].at, ax.fixed))
+        begin = self.tile_begin(st, axis)
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        if any(getattr(x.at, ax.moving) != var(st.var) or (x.at.b, x.at.h, getattr(x.at, ax.fixed)) != at for x in tests):
+        off = self.moving_offset(st, axis) if offset else None
+        if begin != var(st.var) and (off is None or free_vars(off) & defined):
+            return None
+        if any(getattr(x.at, ax.moving) != begin or (x.at.b, x.at.h, getattr(x.at, ax.fixed)) != at for x in tests):
             return None
         if any(free_vars(e) & defined for e in at):
             return None
         return at
+
+    def tile_begin(self, st: For, axis: str) -> Expr:
+        """The moving start of the tiles loop `st`'s first mask / block test is at."""
+        first = next(x for x in walk_stmts(st.body) if isinstance(x, (Mask, IfBlock)))
+        return getattr(first.at, AXES[axis].moving)
+
+    def moving_offset(self, st: For, axis: str) -> Expr | None:
+        """`off` when loop `st`'s tiles start at `off + var` (a packed sequence's first key `k0` plus n_start: the
+        IR's positions are global token indices), else None."""
+        begin, v = self.tile_begin(st, axis), var(st.var)
+        if begin.op is not ExprOp.ADD or v not in begin.args:
+            return None
+        return begin.args[1] if begin.args[0] == v else begin.args[0]
 
     def s_for(self, st: For) -> None:
         at = self.split_at(st)
@@ -817,9 +837,12 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         f0 = at[2]
         f1 = call("minimum", f0 + var(fixed_block), var(fixed_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
+        # spans are of the tiles' moving start; a loop whose tiles start at off + var (moving_offset) runs them less off
+        off = self.moving_offset(st, axis) if self.tile_begin(st, axis) != var(st.var) else None
+        lo_at = st.lo if off is None else st.lo + off
         bounds = self.plan.disjuncts if axis == "kv" else tuple(transposed(d) for d in self.plan.disjuncts)
-        spans = [full_span(d, (f0, f1), st.lo, var(own), sub, block) for d in bounds] \
-            or [(st.lo, var(own) - var(block))]
+        spans = [full_span(d, (f0, f1), lo_at, var(own), sub, block) for d in bounds] \
+            or [(lo_at, var(own) - var(block))]
         first, last = spans[0]
         for f, l in spans[1:]:
             first, last = union_span((first, last), (f, l))
@@ -827,7 +850,10 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
             first = call("where", f0 + var("BLOCK_N") <= var(self.n_dim), first, var(own))
         hi_expr = st.hi
         if len(bounds) > 1:  # a union: past the last position any disjunct can reach, every block is empty
-            hi_expr = call("minimum", hi_expr, max_of([kv_reach(d, (f0, f1), var(own), sub) for d in bounds]))
+            reach = max_of([kv_reach(d, (f0, f1), var(own), sub) for d in bounds])
+            hi_expr = call("minimum", hi_expr, reach if off is None else reach - off)
+        if off is not None:
+            first, last = first - off, last - off
         what_loop = "KV loop" if axis == "kv" else "query loop (KV-outer)"
         self.emit(f"# {what_loop} split by block class: partial blocks, full blocks (no mask code), partial blocks")
         lo, hi = f"_kv_lo_{v}", f"_kv_hi_{v}"
@@ -843,8 +869,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
             parts.reverse()
         started = self.start_hoist(st)
-        call_part = self.outline(st, self.loop_sym(st, v), Region(st.var, at, frozenset({BlockClass.FULL}), axis),
-                                 Region(st.var, at, _SPLIT_PARTIAL, axis))
+        begin = None if off is None else self.tile_begin(st, axis)
+        call_part = self.outline(st, self.loop_sym(st, v), Region(st.var, at, frozenset({BlockClass.FULL}), axis, begin=begin),
+                                 Region(st.var, at, _SPLIT_PARTIAL, axis, begin=begin))
         for i_lo, i_hi, full in parts:
             what = "full" if full else "partial"
             if st.order == "reverse":

@@ -119,14 +119,22 @@ class Region:
     # do the full blocks' moving tiles lie inside their dim? A KV tile does (the class table and the closed-form split
     # both ask it); a query tile from the table's lists may pass M, so its loads keep their row guard
     inside: bool = True
+    # the tiles' moving start as the loop's tests write it where it is not the loop variable itself: `k0 + n_start`, a
+    # packed sequence's first key plus the loop variable (kb.lower.triton_kernel's `moving_offset`)
+    begin: Expr | None = None
 
     @property
     def full(self) -> bool:
         return self.classes == {BlockClass.FULL}
 
+    @property
+    def start(self) -> Expr:
+        """The tiles' moving start as the loop's tests write it."""
+        return var(self.var) if self.begin is None else self.begin
+
     def covers(self, st: Mask | IfBlock) -> bool:
         ax = AXES[self.axis]
-        return getattr(st.at, ax.moving) == var(self.var) and (st.at.b, st.at.h, getattr(st.at, ax.fixed)) == self.at
+        return getattr(st.at, ax.moving) == self.start and (st.at.b, st.at.h, getattr(st.at, ax.fixed)) == self.at
 
     def decide(self, st: IfBlock) -> bool | None:
         """Whether `block is st.cls` holds here (before negation); None when it varies per block."""
@@ -322,7 +330,7 @@ class TritonTiles(KernelGenBase[Tile]):
                 guard = not is_nonneg(item.start, self.ctx())
                 # a full block lies inside [0, N): n_start + BLOCK_N <= N (or [0, M) on a query loop's axis)
                 in_full_block = self.region is not None and self.region.full and self.region.inside \
-                    and item.start == var(self.region.var) \
+                    and item.start == self.region.start \
                     and (size, d) == (("BLOCK_N", self.n_dim) if self.region.axis == "kv" else ("BLOCK_M", self.m_dim))
                 if item.until is not None:
                     lanes_ok.append(f"({offs}{bcast(pos, rank)} < {wrap(self.ex(item.until))})")

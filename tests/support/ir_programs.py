@@ -458,8 +458,47 @@ PAGED_DECODE_SINKS = PAGED_DECODE.replace("program paged_decode", "program paged
     "init m_i = full(1; -inf) f32\n  init l_i = full(1; 0.0) f32",
     "init m_i = full(1; sinks[h]) f32\n  init l_i = full(1; 1.0) f32")
 
+# flash_attn_varlen-style packed prefill as the serving transfer writes it: positions are global token indices (dims M,
+# N), query i of a sequence sees its keys up to the bottom-right diagonal; the mask's two forms (that diagonal and the
+# sequence's end) give the KV loop closed-form full blocks
+PACKED_PREFILL = """\
+program packed_prefill
+param q: [M, Hq, D] f32 in
+param k: [N, Hkv, D] f32 in
+param v: [N, Hkv, D] f32 in
+param o: [M, Hq, D] f32 out
+param lse: [M, Hq] f32 out
+param max_seq_len: [] i32 scalar
+param sm_scale: [] f32 scalar
+param cu_seqlens_q: [cu_seqlens_q_n0] i32 aux
+param cu_seqlens_k: [cu_seqlens_k_n0] i32 aux
+schedule block_m=16 block_n=16 num_warps=4 num_stages=1 head_pad=0 kv_order=forward num_splits=1 warp_specialize=False
+mask_mod(b, h, q_idx, kv_idx) = (kv_idx - cu_seqlens_k[b] <= q_idx - cu_seqlens_q[b] + (cu_seqlens_k[b + 1] - cu_seqlens_k[b]) - (cu_seqlens_q[b + 1] - cu_seqlens_q[b])) & (kv_idx < cu_seqlens_k[b + 1])
+kernel fwd grid(b: cu_seqlens_q_n0 - 1, h: Hq, m: cdiv(max_seq_len, BLOCK_M)):
+  let k0 = cu_seqlens_k[b]
+  let k_len = cu_seqlens_k[b + 1] - cu_seqlens_k[b]
+  let m_start = m * BLOCK_M
+  let q0 = cu_seqlens_q[b]
+  let q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+  let hk = h // (Hq // Hkv)
+  load qt = q[q0 + m_start:+BLOCK_M until q0 + q_len, h, :]
+  init m_i = full(BLOCK_M; -inf) f32
+  init l_i = full(BLOCK_M; 0.0) f32
+  init acc = full(BLOCK_M, HEAD_PAD; 0.0) f32
+  for n_start in range(0, where(m_start < q_len, minimum(k_len, m_start + BLOCK_M + maximum(0, k_len - q_len)), 0), BLOCK_N) forward:
+    load kt = k[k0 + n_start:+BLOCK_N until k0 + k_len, hk, :]
+    load vt = v[k0 + n_start:+BLOCK_N until k0 + k_len, hk, :]
+    dot qk = qt @ trans(kt)
+    elementwise qk = qk * sm_scale
+    mask qk at (b, h, q0 + m_start, k0 + n_start) mask_mod
+    online_softmax (m_i, l_i, acc) += qk @ vt
+  finalize ot, lt = (m_i, l_i, acc)
+  store o[q0 + m_start:+BLOCK_M until q0 + q_len, h, :] = ot
+  store lse[q0 + m_start:+BLOCK_M until q0 + q_len, h] = lt
+"""
+
 SERVING_TEXTS = {"varlen_prefill": VARLEN_PREFILL, "paged_decode": PAGED_DECODE, "pool_decode": POOL_DECODE,
-                 "paged_decode_sinks": PAGED_DECODE_SINKS}
+                 "paged_decode_sinks": PAGED_DECODE_SINKS, "packed_prefill": PACKED_PREFILL}
 
 
 __all__ = ["FIXTURES", "SERVING_TEXTS", "all_fixtures", "forward", "backward", "causal_bwd", "Expr"]

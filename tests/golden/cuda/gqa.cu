@@ -35,6 +35,16 @@ KB_HD long long kb_min(long long a, long long b) { return a < b ? a : b; }
 KB_HD float kb_max(float a, float b) { return fmaxf(a, b); }
 KB_HD float kb_min(float a, float b) { return fminf(a, b); }
 KB_HD float kb_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// one MUFU op on the GPU (max relative error 2^-10.99), as FlashAttention-3's softcap; tanhf is a long polynomial
+KB_HD float kb_tanh(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return tanhf(x);
+#endif
+}
 KB_HD long long kb_abs(long long x) { return x < 0 ? -x : x; }
 KB_HD float kb_abs(float x) { return fabsf(x); }
 KB_HD float kb_f(float x) { return x; }

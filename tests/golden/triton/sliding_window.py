@@ -37,9 +37,19 @@ def _floormod(a, b):
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
+# tanh as one MUFU op (PTX tanh.approx.f32, max relative error 2**-10.99), as FlashAttention-3's softcap: 2*sigmoid(2x)-1
+# costs an exp2 and a reciprocal, which with the softmax's exp2 made a softcap kernel's inner loop MUFU-bound at D=128.
+# The interpreter runs no PTX: there, the exact form.
+_TANH_APPROX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
 @triton.jit
 def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    if _TANH_APPROX:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x.to(tl.float32)], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 def _tensor(*xs):
@@ -755,7 +765,7 @@ def forward(q, k, v, *, sm_scale=None, _design=None, _o32=False, **aux_and_scala
 
 # ---- PyTorch operator: torch.ops.kernel_kb.<OP_NAME> runs forward(), <OP_NAME>_bwd backward(), autograd joins them ----
 KERNEL_ID = 'k-617634b6aefe633a'  # the forward program's id in the KB (`kb show`)
-OP_NAME = 'k_617634b6aefe633a_08d415be'  # the KB id's hex, then this module's digest
+OP_NAME = 'k_617634b6aefe633a_5b70d320'  # the KB id's hex, then this module's digest
 NO_BACKWARD = "no backward kernel was generated with it; `kb generate` on its spec (without --no-backward) builds one where it can, and the report's backward.reason says why not"  # None: it has a backward
 _KB_AUX = ()  # the operator's aux tensors, in order after q, k, v
 _KB_SCALARS = ()  # then its float scalars, then sm_scale
