@@ -115,16 +115,20 @@ def test_packed_prefill_runs_interior_blocks_without_mask_code(dtype: torch.dtyp
 
 def test_packed_prefill_softcap_compiles_for_hopper_with_one_mufu_tanh() -> None:
     """Triton's compiler (bundled ptxas) builds the split packed prefill with a softcap for sm_90 at a bench design,
-    using wgmma, and the softcap's tanh is PTX tanh.approx.f32 (the interpreter, which runs no PTX, takes the exact
-    2*sigmoid(2x)-1: the CPU tests above)."""
+    using wgmma and TMA copies (descriptors over each head's packed rows, the sequence's end as their extent), and
+    the softcap's tanh is PTX tanh.approx.f32 (the interpreter, which runs no PTX, takes the exact 2*sigmoid(2x)-1
+    and the masked loads: the CPU tests above)."""
     text = SERVING_TEXTS["packed_prefill"].replace("mask_mod(b, h", "score_mod(score, b, h, q_idx, kv_idx) = "
                                                    "tanh(score / 50.0) * 50.0\nmask_mod(b, h", 1)
     text = text.replace("    mask qk at", "    score_mod qk at (b, h, q0 + m_start, k0 + n_start)\n    mask qk at", 1)
     p = parse_design("128x64 w8 s3").apply(parse_program(re.sub(r"^(param [qkvo]: \[[^\]]*\]) f32", r"\1 bf16", text,
                                                                 flags=re.M)))
-    assert "IS_FULL=True" in lower_program(p)
-    (k,) = compile_for_arch(p, arch=90, head_dim=128, tma=False)
-    assert k.wgmma > 0 and k.tanh_approx > 0
+    src = lower_program(p)
+    assert "IS_FULL=True" in src
+    assert "_desc_k = tl.make_tensor_descriptor(k_ptr + hk * stride_k_1, shape=[tl.maximum(tl.minimum(k0 + k_len, N), 1)" in src
+    assert "_desc_o" not in src  # o's rows past a sequence's end are never written: its store stays masked
+    (k,) = compile_for_arch(p, arch=90, head_dim=128, tma=True)
+    assert k.wgmma > 0 and k.tanh_approx > 0 and k.tma_loads > 0
 
 
 def _paged_cache(g: torch.Generator, kv_lens: list[int], page: int, max_pages: int, dtype: torch.dtype):

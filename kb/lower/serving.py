@@ -7,8 +7,8 @@ a dense one (kb.lower.triton_kernel); this module holds the few places it differ
 - bounds: the built-in `kv_idx < N` of `mask` exists only when the program has a dim named N (the interpreter's
   rule, kb.ir.nodes); a token-major or paged program's per-sequence bound is its mask_mod or its loads;
 - options: the speed transformations that read dims M / N or a dense layout are off (`serving_options`): the block
-  lists (they bound tiles by N), the closed-form KV-loop split but over packed token-major sequences, tensor
-  descriptors (they cannot express `until` or a gather) and GQA packing (rows of several query heads);
+  lists (they bound tiles by N), GQA packing (rows of several query heads), and but over packed token-major
+  sequences the closed-form KV-loop split and tensor descriptors (a descriptor cannot express a gather);
 - what is not lowered yet (`serving_refusals`): block-class tests (`if block(...)`: their closed forms and the host
   table bound tiles by M / N), split-KV grids (the host's split count reads N) and backward programs;
 - gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range;
@@ -61,10 +61,12 @@ def serving_options(opts: LowerOptions, p: Program) -> LowerOptions:
     """`opts` without the transformations that assume a dense layout (see the module docstring). The closed-form
     KV-loop split stays where q and k are token-major ([M, Hq, D], [N, Hkv, D]: packed sequences): its full blocks
     lie inside [0, N), and the mask_mod's own bounds (a sequence's causal diagonal and its end) place them per
-    sequence, so interior blocks run without mask code as a dense program's do."""
+    sequence, so interior blocks run without mask code as a dense program's do. Tensor descriptors stay there too:
+    a descriptor per head over the packed [tokens, D] slice whose row extent is the span's `until` (the sequence's
+    end), so TMA's zero fill and store clipping are the masked form's bounds (kb.lower.triton_tiles.tma_desc)."""
     packed = len(p.param("q").shape) == 3 and len(p.param("k").shape) == 3 and {"M", "N"} <= set(p.dims())
-    return dataclasses.replace(opts, split_kv_loop=opts.split_kv_loop and packed, indexed_kv_loop=False, tma=False,
-                               warp_specialize=False, pack_gqa=False)
+    return dataclasses.replace(opts, split_kv_loop=opts.split_kv_loop and packed, indexed_kv_loop=False,
+                               tma=opts.tma and packed, warp_specialize=False, pack_gqa=False)
 
 
 def layout_scalars(p: Program) -> tuple[str, ...]:

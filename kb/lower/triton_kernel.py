@@ -211,7 +211,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         ptr, mask, _ = self.address(st.tensor, st.index)
         value = f"{self.oriented(st.value, False)}.to({st.tensor}_ptr.dtype.element_ty)"
         plain = f"tl.store({ptr}, {value}" + (f", mask={mask})" if mask else ")")
-        desc = self.tma_desc(st.tensor, st.index)
+        desc = self.tma_desc(st.tensor, st.index, store=True)
         if desc is None:
             self.emit(plain)
         else:

@@ -437,42 +437,52 @@ class TritonTiles(KernelGenBase[Tile]):
         self.offs[-1][key] = f"{offs}_head"
         return f"{offs}_head", f"{offs}_pos"
 
-    def tma_desc(self, tensor: str, index: tuple) -> tuple[str, str] | None:
-        """(descriptor name, offsets code) of a 2-D tile `tensor[e.., Span|Full, Span|Full]`, or None.
+    def tma_desc(self, tensor: str, index: tuple, store: bool = False) -> tuple[str, str] | None:
+        """(descriptor name, offsets code) of a 2-D tile `tensor[e.., Span|Full, e.., Span|Full]` (the last dim a tile
+        dim), or None.
 
-        The descriptor covers the [rows, cols] slice at the leading indices with the dims' true
-        extents, so TMA's out-of-range zero fill / store clipping equal the masked form's bounds.
-        Packed rows (GQA packing) are a gather, not a tile: no descriptor.
+        The descriptor covers the [rows, cols] slice at the scalar indices with the dims' true extents, so TMA's
+        out-of-range zero fill / store clipping equal the masked form's bounds. A loaded span's `until` (a packed
+        sequence's end) becomes its extent there, so lanes past it read 0 as masked; but at least 1 (a descriptor
+        has no empty dim), so an empty sequence at row 0 reads that row into lanes whose results no store keeps.
+        A store with an `until` keeps its masked form: it must write no row of an empty sequence.
+        Packed rows (GQA packing) and gathered lanes are not a tile: no descriptor.
         """
-        if not self.sig.tma or self.packed_dims(tensor, index) is not None \
-                or any(isinstance(i, Gather) or (isinstance(i, Span) and i.until is not None) for i in index):
-            return None  # a descriptor's box has no `until` or gathered rows
+        if not self.sig.tma or self.packed_dims(tensor, index) is not None or any(isinstance(i, Gather) for i in index) \
+                or store and any(isinstance(i, Span) and i.until is not None for i in index):
+            return None
         prm = self.p.param(tensor)
         n = len(prm.shape)
-        if n < 2 or prm.dtype not in (Dtype.BF16, Dtype.F16, Dtype.F32) \
-                or any(not isinstance(i, Expr) for i in index[:-2]) or any(isinstance(i, Expr) for i in index[-2:]):
+        tile = [i for i, item in enumerate(index) if not isinstance(item, Expr)]
+        if n < 2 or prm.dtype not in (Dtype.BF16, Dtype.F16, Dtype.F32) or len(tile) != 2 or tile[1] != n - 1:
             return None
-        sizes, starts = [], []
-        for d, item in zip(prm.shape[-2:], index[-2:]):
+        sizes, starts, extents = [], [], []
+        for i in tile:
+            d, item = prm.shape[i], index[i]
+            extent = self._dim(d)
             if isinstance(item, Span):
-                if not is_nonneg(item.start, self.ctx()):
-                    return None
+                if not is_nonneg(item.start, self.ctx()) and item.until is None:
+                    return None  # (a packed sequence's start is a table value: TMA zero-fills a box below 0 too)
                 size, start = str(item.size), self.ex(item.start)
+                if item.until is not None:
+                    extent = f"tl.maximum(tl.minimum({strip_parens(self.ex(item.until))}, {extent}), 1)"
             else:
                 size, start = self._full_size(d), "0"
             if not (size in SCHEDULE_CONSTANTS or (size.isdigit() and 16 <= int(size) <= 256)):
                 return None
             sizes.append(size)
             starts.append(start)
-        lead = [(e, f"{wrap(self.ex(e))} * stride_{tensor}_{i}") for i, e in enumerate(index[:-2])]
+            extents.append(extent)
+        lead = [(e, f"{wrap(self.ex(e))} * stride_{tensor}_{i}") for i, e in enumerate(index) if isinstance(e, Expr)]
         base = " + ".join([f"{tensor}_ptr"] + [t for _, t in lead])
-        make = (f"tl.make_tensor_descriptor({base}, shape=[{self._dim(prm.shape[-2])}, {self._dim(prm.shape[-1])}], "
-                f"strides=[stride_{tensor}_{n - 2}, 1], block_shape=[{', '.join(sizes)}]) if USE_TMA else None")
+        make = (f"tl.make_tensor_descriptor({base}, shape=[{', '.join(extents)}], "
+                f"strides=[stride_{tensor}_{tile[0]}, 1], block_shape=[{', '.join(sizes)}]) if USE_TMA else None")
         if tensor not in self.sig.tma_tensors:
             self.sig.tma_tensors.append(tensor)
         if self.hoist is not None:
             line, depth, defined = self.hoist
-            if any(free_vars(e) & defined for e, _ in lead):
+            untils = [item.until for item in index if isinstance(item, Span) and item.until is not None]
+            if any(free_vars(e) & defined for e in [e for e, _ in lead] + untils):
                 return None
             return self.before_loop(make, f"_desc_{tensor}"), ", ".join(starts)
         name = self._fresh(f"_desc_{tensor}")
