@@ -838,7 +838,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         f1 = call("minimum", f0 + var(fixed_block), var(fixed_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
         # spans are of the tiles' moving start; a loop whose tiles start at off + var (moving_offset) runs them less off
-        off = self.moving_offset(st, axis) if self.tile_begin(st, axis) != var(st.var) else None
+        off = self.moving_offset(st, axis)
         lo_at = st.lo if off is None else st.lo + off
         bounds = self.plan.disjuncts if axis == "kv" else tuple(transposed(d) for d in self.plan.disjuncts)
         spans = [full_span(d, (f0, f1), lo_at, var(own), sub, block) for d in bounds] \
