@@ -10,20 +10,14 @@ and four device functions (see `HOOK_INTERFACE`); `KB_BLOCK_M`, `KB_BLOCK_N` and
 are defined before it so that hooks may use them. The kernel itself masks kv_idx outside [0, N)
 and never stores rows q_idx >= M; hooks are not called for such rows or columns.
 
-Kernel shape: persistent CTAs (`persistent=True`: one per SM) walk the query tiles (128 rows of one
-head and batch; per head, heaviest causal tiles first) in a static snake order: in round r, CTA c of
-G takes tile r*G + c, or r*G + G-1-c when r is odd, so that light and heavy tiles even out. With
-`persistent=False` the grid has one CTA per tile (the same code, one round each).
+Kernel shape (one CTA per (query tile of 128 rows, head, batch), heaviest causal tiles first):
 - warpgroup 0 is the producer: registers lowered with setmaxnreg, one thread issues TMA loads
-  (128B swizzle) of each tile's Q once the consumers have released the last one, and of K/V tiles
-  into a 2-stage ring that runs on across tiles, full/empty mbarriers per stage and per tensor (K
-  and V are released separately); so the next tile's Q and first K/V load under this tile's last
-  P V and epilogue;
+  (128B swizzle) of the Q tile once and of K/V tiles into a 2-stage ring, full/empty mbarriers
+  per stage and per tensor (K and V are released separately);
 - warpgroups 1 and 2 are consumers, 64 query rows each, registers raised: S = Q K^T with
   `wgmma m64nBNk16` (A and B from shared memory, K-major), online softmax on the accumulator
   registers (row statistics reduced over the 4 threads of a quad), P packed to 16-bit in
   registers as the A operand of O += P V (`wgmma` with B = V read MN-major, "transposed");
-  on full tiles the scale is folded into the exponent, exp2(s * scale * log2 e - m), one FMA;
 - `overlap=True`: iteration j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and
   runs the softmax of S_j while the second GEMM is in flight (FA3's intra-warpgroup overlap);
 - `pingpong=True`: the two consumer warpgroups take turns issuing GEMMs through two named
@@ -70,7 +64,7 @@ ERROR_CODES = {
     10002: "q/k/v/o need a last stride of 1, other strides and base pointers 16-byte aligned (TMA rules)",
     10003: "Hq must be a positive multiple of Hkv, and B, M, N >= 0",
     10004: "cuTensorMapEncodeTiled is unavailable from the driver or rejected a tensor map",
-    10005: "dimensions too large for the kernel (M or N >= 2^31 - 256, Hq or B >= 65536, 2^30 query tiles or more)",
+    10005: "dimensions too large for the kernel (M or N >= 2^31, Hq or B >= 65536)",
 }
 
 _ELEM = {"bf16": ("__nv_bfloat16", "bf16", "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", "__floats2bfloat162_rn",
@@ -89,7 +83,6 @@ class Sm90Config:
     overlap: bool = True  # issue S_j and P_{j-1} V_{j-1} together, softmax under the second GEMM
     pingpong: bool = True  # consumer warpgroups take turns on the tensor cores (named barriers)
     stages: int = 2
-    persistent: bool = True  # one CTA per SM walking the tiles; False: one CTA per tile
 
     @property
     def smem_bytes(self) -> int:
@@ -247,13 +240,11 @@ constexpr int Q_BYTES = NPANEL * Q_PANEL;
 constexpr int KV_BYTES = NPANEL * KV_PANEL;
 constexpr int BAR_OFF = Q_BYTES + 2 * STAGES * KV_BYTES;
 constexpr int SMEM_BYTES = BAR_OFF + 128 + 1024;  // barriers + slack to align the base to 1024
-static_assert(8 * (2 + 4 * STAGES) <= 128, "barrier words");
 constexpr int NTHREADS = 384;            // producer warpgroup + 2 consumer warpgroups
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 constexpr bool OVERLAP = @OVERLAP@;
 constexpr bool PINGPONG = @PINGPONG@;
-constexpr bool PERSISTENT = @PERSISTENT@;
 static_assert(HD % 64 == 0 && BN % 16 == 0 && BM == 128, "tile shape");
 // 128B swizzle: TMA and wgmma both XOR address bits [4:6] with bits [7:9], so every panel must
 // start 1024-byte aligned (8 rows x 128 B); BM*128 and BN*128 are multiples of 1024 for BN % 8 == 0.
@@ -373,92 +364,59 @@ struct Smem {
   __device__ uint32_t v_full(int s) const { return base + BAR_OFF + 8 * (1 + STAGES + s); }
   __device__ uint32_t k_empty(int s) const { return base + BAR_OFF + 8 * (1 + 2 * STAGES + s); }
   __device__ uint32_t v_empty(int s) const { return base + BAR_OFF + 8 * (1 + 3 * STAGES + s); }
-  __device__ uint32_t q_empty() const { return base + BAR_OFF + 8 * (1 + 4 * STAGES); }
 };
 constexpr uint32_t CONSUMER_THREADS = 256;  // arrivals that free one K or V stage
 
-struct Tile {  // one query tile and its key-block walk (identical in every role); 32-bit: the host
-  int b, h, hk, m_start, lo, last;  // refuses M, N >= 2^31 - 256 (persistent CTAs keep these in registers)
-  // key blocks n0 = last, last - BN, ..., lo (last < lo: none): the last one first, the masked ones lead
+struct Tile {  // the CTA's query tile and its key-block walk (identical in every role)
+  long long b, h, hk, m_start, lo, hi, nblk;
+  __device__ long long n_start(long long i) const { return lo + i * BN; }
 };
 
-// The static persistent schedule: tiles are numbered head by head (t = (b * Hq + h) * nm + i, query
-// tile nm-1-i: per head the heaviest causal tile first); in round r CTA c takes r*G + c, or r*G + G-1-c
-// when r is odd, while that is below total (so for r < rounds()).
-struct Schedule {
-  int nm, total;  // query tiles per head, tiles in all (< 2^30: the host checks, so r*G + G fits)
-  // G and c are read afresh at each use (volatile): read once and kept live across the roles' setmaxnreg,
-  // they made ptxas drop the consumers' raised budget (wgmma serialised, hundreds of bytes spilled)
-  __device__ static int ctas() {
-    int g;
-    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(g));
-    return g;
-  }
-  __device__ static int cta() {
-    int c;
-    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(c));
-    return c;
-  }
-  __device__ int slot(int r) const { return (r & 1) ? ctas() - 1 - cta() : cta(); }
-  __device__ int rounds() const {
-    const int G = ctas(), full = total / G;
-    return full + (slot(full) < total - full * G ? 1 : 0);
-  }
-  __device__ int tile(int r) const { return r * ctas() + slot(r); }
-};
-
-__device__ __forceinline__ Tile make_tile(const KbArgs& a, const Schedule& sc, int t) {
-  Tile tl;
-  const int hb = t / sc.nm, i = t - hb * sc.nm;
-  const int Hq = static_cast<int>(a.Hq);
-  tl.b = hb / Hq;
-  tl.h = hb - tl.b * Hq;
-  tl.hk = tl.h / (Hq / static_cast<int>(a.Hkv));
-  tl.m_start = (sc.nm - 1 - i) * BM;
-  long long lo, hi;
-  kb_kv_range(a, tl.b, tl.h, tl.m_start, lo, hi);
-  if (lo < 0) lo = 0;
-  if (hi > a.N) hi = a.N;
-  tl.lo = static_cast<int>(lo);
-  tl.last = hi > lo ? static_cast<int>(lo + (hi - lo - 1) / BN * BN) : tl.lo - BN;
-  return tl;
+__device__ __forceinline__ Tile make_tile(const KbArgs& a, int num_m_blocks) {
+  Tile t;
+  t.b = blockIdx.z;
+  t.h = blockIdx.y;
+  t.hk = t.h / (a.Hq / a.Hkv);
+  t.m_start = static_cast<long long>(num_m_blocks - 1 - static_cast<int>(blockIdx.x)) * BM;  // heavy tiles first
+  kb_kv_range(a, t.b, t.h, t.m_start, t.lo, t.hi);
+  if (t.lo < 0) t.lo = 0;
+  if (t.hi > a.N) t.hi = a.N;
+  t.nblk = t.hi > t.lo ? (t.hi - t.lo + BN - 1) / BN : 0;
+  return t;
 }
 
 // ---------------- producer: one thread issues every TMA load ----------------
-__device__ __forceinline__ void producer(const KbArgs& a, const Schedule& sc, const Smem& sm, const CUtensorMap* mq,
+__device__ __forceinline__ void producer(const KbArgs& a, const Tile& t, const Smem& sm, const CUtensorMap* mq,
                                          const CUtensorMap* mk, const CUtensorMap* mv) {
   tma_prefetch_map(mq);
   tma_prefetch_map(mk);
   tma_prefetch_map(mv);
-  int it = 0;  // K/V ring position, continued across tiles
-  for (int r = 0; sc.tile(r) < sc.total; ++r) {
-    const Tile t = make_tile(a, sc, sc.tile(r));
-    mbar_wait(sm.q_empty(), (r & 1) ^ 1);  // the consumers' last S GEMM of the previous tile has retired
-    // TMA counts the whole box in complete_tx, zero-filled out-of-bounds rows included.
-    mbar_expect_tx(sm.bar_q(), Q_BYTES);
+  // TMA counts the whole box in complete_tx, zero-filled out-of-bounds rows included.
+  mbar_expect_tx(sm.bar_q(), Q_BYTES);
+#pragma unroll
+  for (int p = 0; p < NPANEL; ++p)
+    tma_load_4d(sm.q() + p * Q_PANEL, mq, sm.bar_q(), p * 64, (int)t.m_start, (int)t.h, (int)t.b);
+  int it = 0;
+  for (long long i = t.nblk - 1; i >= 0; --i) {  // last key block first: the masked ones lead
+    const long long n0 = t.n_start(i);
+    if (kb_block_kind(a, t.b, t.h, t.m_start, n0) == 0) continue;
+    const int s = it % STAGES;
+    const uint32_t ph = (it / STAGES) & 1;
+    mbar_wait(sm.k_empty(s), ph ^ 1);
+    mbar_expect_tx(sm.k_full(s), KV_BYTES);
 #pragma unroll
     for (int p = 0; p < NPANEL; ++p)
-      tma_load_4d(sm.q() + p * Q_PANEL, mq, sm.bar_q(), p * 64, t.m_start, t.h, t.b);
-    for (int n0 = t.last; n0 >= t.lo; n0 -= BN) {
-      if (kb_block_kind(a, t.b, t.h, t.m_start, n0) == 0) continue;
-      const int s = it % STAGES;
-      const uint32_t ph = (it / STAGES) & 1;
-      mbar_wait(sm.k_empty(s), ph ^ 1);
-      mbar_expect_tx(sm.k_full(s), KV_BYTES);
+      tma_load_4d(sm.k(s) + p * KV_PANEL, mk, sm.k_full(s), p * 64, (int)n0, (int)t.hk, (int)t.b);
+    mbar_wait(sm.v_empty(s), ph ^ 1);
+    mbar_expect_tx(sm.v_full(s), KV_BYTES);
 #pragma unroll
-      for (int p = 0; p < NPANEL; ++p)
-        tma_load_4d(sm.k(s) + p * KV_PANEL, mk, sm.k_full(s), p * 64, n0, t.hk, t.b);
-      mbar_wait(sm.v_empty(s), ph ^ 1);
-      mbar_expect_tx(sm.v_full(s), KV_BYTES);
-#pragma unroll
-      for (int p = 0; p < NPANEL; ++p)
-        tma_load_4d(sm.v(s) + p * KV_PANEL, mv, sm.v_full(s), p * 64, n0, t.hk, t.b);
-      ++it;
-    }
+    for (int p = 0; p < NPANEL; ++p)
+      tma_load_4d(sm.v(s) + p * KV_PANEL, mv, sm.v_full(s), p * 64, (int)n0, (int)t.hk, (int)t.b);
+    ++it;
   }
 }
 
-// ---------------- consumer warpgroup: 64 query rows of each tile ----------------
+// ---------------- consumer warpgroup: 64 query rows ----------------
 // Accumulator layout of wgmma m64nNk16 (fp32), thread t of the warpgroup, warp w = t/32, lane l:
 //   d[4i + 2r + e] is row 16w + l/4 + 8r, column 8i + 2(l%4) + e   (i < N/8, r, e in {0, 1}).
 // So each thread holds two rows (r = 0, 1), and a row is spread over the 4 lanes of a quad.
@@ -467,56 +425,43 @@ __device__ __forceinline__ void producer(const KbArgs& a, const Schedule& sc, co
 // so P as the A operand is p[i] = pack(S[2i], S[2i+1]) with no data movement.
 struct Consumer {
   const KbArgs& a;
+  const Tile& t;
   const Smem& sm;
-  Tile t;
   int cw;        // consumer warpgroup 0 or 1: rows 64cw .. 64cw+63 of the tile
   int lane, warp;
-  int it;        // K/V ring position, continued across tiles as the producer's
-  int q0;  // query index of this thread's row r = 0 (row r = 1 is q0 + 8)
+  long long q0;  // query index of this thread's row r = 0 (row r = 1 is q0 + 8)
   KbRow rows[2];  // kb_row of this thread's two query rows (rows >= M: never read)
   float o[HD / 2];
   float sacc[BN / 2];
   uint32_t p[BN / 4];
   float m_run[2], l_run[2];
-  int turn_left;  // GEMM turns still to take before warpgroup 1's last (ping-pong); < 0: not in this tile
+  int turn_left;  // GEMM turns still to take (ping-pong)
 
-  __device__ Consumer(const KbArgs& a_, const Smem& sm_, int cw_, int tid) : a(a_), sm(sm_), cw(cw_), it(0) {
+  __device__ Consumer(const KbArgs& a_, const Tile& t_, const Smem& sm_, int cw_, int tid)
+      : a(a_), t(t_), sm(sm_), cw(cw_) {
     lane = tid % 32;
     warp = tid / 32;
-  }
-
-  __device__ __forceinline__ void begin_tile(const Tile& tile) {
-    t = tile;
     q0 = t.m_start + 64 * cw + 16 * warp + lane / 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
-      if (q0 + 8 * r < a.M) rows[r] = kb_row(a, t.b, t.h, q0 + 8 * r);  // once per tile: the rows never change
+      if (q0 + 8 * r < a.M) rows[r] = kb_row(a, t.b, t.h, q0 + 8 * r);  // once per CTA: the rows never change
 #pragma unroll
     for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
     m_run[0] = m_run[1] = -INFINITY;
     l_run[0] = l_run[1] = 0.f;
   }
 
-  // Ping-pong: warpgroup cw waits on barrier 1 + cw, then hands the turn to the other one. Both
-  // walk the same blocks, so their turns alternate 0, 1, 0, 1, ...; warpgroup 1 opens barrier 1 at
-  // the start and skips its very last hand-back, so that no arrival is left pending at exit. (A
-  // bar.sync after the tile loop to take that arrival instead makes ptxas ignore setmaxnreg's 240.)
+  // Ping-pong: warpgroup cw waits on barrier 1 + cw, then hands the turn to the other one.
+  // Every turn of one warpgroup is matched by one turn of the other (same block walk), and the
+  // second warpgroup's last hand-back is skipped so that no arrival is left pending at exit.
   __device__ __forceinline__ void turn_begin() {
     if (PINGPONG) named_sync(1 + cw, 2 * 128);
   }
   __device__ __forceinline__ void turn_end() {
     if (PINGPONG) {
       --turn_left;
-      if (cw == 0 || turn_left != 0) named_arrive(2 - cw, 2 * 128);
+      if (cw == 0 || turn_left > 0) named_arrive(2 - cw, 2 * 128);
     }
-  }
-
-  // GEMM turns of a tile: one per key block and one more for the last P V (overlap), or two per block.
-  __device__ __forceinline__ int turns(const Tile& tile) const {
-    int n = 0;
-    for (int n0 = tile.last; n0 >= tile.lo; n0 -= BN)
-      if (kb_block_kind(a, tile.b, tile.h, tile.m_start, n0) != 0) ++n;
-    return n == 0 ? 0 : (OVERLAP ? n + 1 : 2 * n);
   }
 
   __device__ __forceinline__ void gemm_qk(int s) {
@@ -530,22 +475,19 @@ struct Consumer {
     for (int kk = 0; kk < BN / 16; ++kk) kb_wgmma_rs_n@HD@(o, &p[4 * kk], desc_v(sm.v(s), kk));
   }
 
-  // Scores of one block in the log2 domain (score * log2 e), masked to -inf, into sacc; returns true
-  // where sacc keeps the raw dot products for the softmax to scale in the exponent's FMA: a full
-  // in-bounds tile with a positive scale (the row max commutes with it).
-  __device__ __forceinline__ bool scores(int kind, int n0) {
+  // Scores of one block in the log2 domain (score * log2 e), masked to -inf, into sacc.
+  __device__ __forceinline__ void scores(int kind, long long n0) {
     const float scale2 = a.sm_scale * LOG2E;
-    const int N = static_cast<int>(a.N), M = static_cast<int>(a.M);
+    const long long N = a.N, M = a.M;
     if (kind == 2 && n0 + BN <= N) {
-      if (scale2 > 0.f) return true;
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) sacc[i] *= scale2;
-      return false;
+      return;
     }
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-      const int kv = n0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-      const int q = q0 + 8 * ((i / 2) % 2);
+      const long long kv = n0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+      const long long q = q0 + 8 * ((i / 2) % 2);
       float x;
       if (kv < 0 || kv >= N) x = -INFINITY;
       else if (kind == 2) x = sacc[i] * scale2;
@@ -553,20 +495,11 @@ struct Consumer {
       else x = kb_score(a, rows[(i / 2) % 2], kv, sacc[i]) * LOG2E;
       sacc[i] = x;
     }
-    return false;
   }
 
-  __device__ __forceinline__ void softmax(bool raw, float (&alpha)[2]) {
-    if (raw) softmax_of<true>(alpha);
-    else softmax_of<false>(alpha);
-  }
-
-  // Online softmax on sacc (times the log2-domain scale if RAW): new row max (quad-reduced),
-  // sacc <- exp2(sacc - max), running sum (thread-partial: the quad reduction of l waits for the
-  // epilogue). Returns the O rescale.
-  template <bool RAW>
-  __device__ __forceinline__ void softmax_of(float (&alpha)[2]) {
-    const float mul = RAW ? a.sm_scale * LOG2E : 1.f;
+  // Online softmax on sacc: new row max (quad-reduced), sacc <- exp2(x - max), running sum
+  // (thread-partial: the quad reduction of l waits for the epilogue). Returns the O rescale.
+  __device__ __forceinline__ void softmax(float (&alpha)[2]) {
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sacc[i]);
@@ -575,7 +508,7 @@ struct Consumer {
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float mnew = fmaxf(m_run[r], mx[r] * mul);
+      const float mnew = fmaxf(m_run[r], mx[r]);
       msafe[r] = mnew == -INFINITY ? 0.f : mnew;  // all masked so far: exponents give 0, not NaN
       alpha[r] = fast_exp2(m_run[r] - msafe[r]);  // m_run = -inf -> 0 (o and l are still 0)
       m_run[r] = mnew;
@@ -584,7 +517,7 @@ struct Consumer {
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       const int r = (i / 2) % 2;
-      sacc[i] = fast_exp2(RAW ? fmaf(sacc[i], mul, -msafe[r]) : sacc[i] - msafe[r]);
+      sacc[i] = fast_exp2(sacc[i] - msafe[r]);
       sum[r] += sacc[i];
     }
 #pragma unroll
@@ -601,7 +534,7 @@ struct Consumer {
   }
 
   // S_j = Q K_j^T, then its scores and softmax; the K stage is released after the GEMM.
-  __device__ __forceinline__ void qk_softmax_serial(int s, uint32_t ph, int kind, int n0, float (&alpha)[2]) {
+  __device__ __forceinline__ void qk_softmax_serial(int s, uint32_t ph, int kind, long long n0, float (&alpha)[2]) {
     mbar_wait(sm.k_full(s), ph);
     turn_begin();
     wg_fence();
@@ -611,7 +544,8 @@ struct Consumer {
     wg_wait<0>();
     reg_fence(sacc);
     mbar_arrive(sm.k_empty(s));
-    softmax(scores(kind, n0), alpha);
+    scores(kind, n0);
+    softmax(alpha);
   }
 
   __device__ __forceinline__ void pv_serial(int s, uint32_t ph) {
@@ -627,13 +561,19 @@ struct Consumer {
     mbar_arrive(sm.v_empty(s));
   }
 
-  // One tile; `r` is its round (the parity of its Q load).
-  __device__ __forceinline__ void run_tile(const Schedule& sc, int r) {
+  __device__ __forceinline__ void run() {
+    int n_valid = 0;
+    for (long long i = t.nblk - 1; i >= 0; --i)
+      if (kb_block_kind(a, t.b, t.h, t.m_start, t.n_start(i)) != 0) ++n_valid;
+    turn_left = n_valid == 0 ? 0 : (OVERLAP ? n_valid + 1 : 2 * n_valid);
+    if (PINGPONG && cw == 1 && turn_left > 0) named_arrive(1, 2 * 128);  // warpgroup 0 goes first
     // Always wait for Q, even with no key block: the CTA must not exit under an in-flight TMA write.
-    mbar_wait(sm.bar_q(), r & 1);
-    int n = 0;
+    mbar_wait(sm.bar_q(), 0);
+
+    int it = 0;
     int s_prev = 0;
-    for (int n0 = t.last; n0 >= t.lo; n0 -= BN) {
+    for (long long i = t.nblk - 1; i >= 0; --i) {
+      const long long n0 = t.n_start(i);
       const int kind = kb_block_kind(a, t.b, t.h, t.m_start, n0);
       if (kind == 0) continue;
       const int s = it % STAGES;
@@ -644,7 +584,7 @@ struct Consumer {
         rescale_o(alpha);
         pack_p();
         pv_serial(s, ph);
-      } else if (n == 0) {
+      } else if (it == 0) {
         qk_softmax_serial(s, ph, kind, n0, alpha);
         pack_p();  // o is still 0: no rescale needed
       } else {
@@ -663,7 +603,8 @@ struct Consumer {
         wg_wait<1>();
         reg_fence(sacc);
         mbar_arrive(sm.k_empty(s));
-        softmax(scores(kind, n0), alpha);
+        scores(kind, n0);
+        softmax(alpha);
         wg_wait<0>();
         reg_fence(o);
         reg_fence(p);  // P_{j-1} stays live until its GEMM has retired
@@ -673,27 +614,12 @@ struct Consumer {
       }
       s_prev = s;
       ++it;
-      ++n;
     }
-    mbar_arrive(sm.q_empty());  // every S GEMM of this tile has retired: the producer may load the next Q
-    if (OVERLAP && n > 0) {
+    if (OVERLAP && it > 0) {
       const uint32_t ph_prev = ((it - 1) / STAGES) & 1;
       pv_serial(s_prev, ph_prev);  // the last block's P V
     }
     epilogue();
-  }
-
-  __device__ __forceinline__ void run(const Schedule& sc) {
-    const int rounds = sc.rounds();
-    int last = rounds - 1;  // the last round with a GEMM turn
-    if (PINGPONG)
-      while (last >= 0 && turns(make_tile(a, sc, sc.tile(last))) == 0) --last;
-    if (PINGPONG && cw == 1 && last >= 0) named_arrive(1, 2 * 128);  // warpgroup 0 goes first
-    for (int r = 0; r < rounds; ++r) {
-      begin_tile(make_tile(a, sc, sc.tile(r)));
-      turn_left = PINGPONG && r == last ? turns(t) : -1;
-      run_tile(sc, r);
-    }
   }
 
   __device__ __forceinline__ void epilogue() {
@@ -709,7 +635,7 @@ struct Consumer {
     kb_elem* ob = (kb_elem*)a.o + t.b * a.o_stride[0] + t.h * a.o_stride[1];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int q = q0 + 8 * r;
+      const long long q = q0 + 8 * r;
       if (q >= a.M) continue;
       kb_elem* orow = ob + q * a.o_stride[2];
 #pragma unroll
@@ -726,7 +652,7 @@ struct Consumer {
 
 __global__ void __launch_bounds__(kb90::NTHREADS, 1)
 kb_sm90_fwd(const KbArgs a, const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-            const __grid_constant__ CUtensorMap map_v, int num_m_blocks, int num_tiles) {
+            const __grid_constant__ CUtensorMap map_v, int num_m_blocks) {
   using namespace kb90;
   extern __shared__ __align__(1024) uint8_t kb_smem_raw[];
   Smem sm;
@@ -734,7 +660,6 @@ kb_sm90_fwd(const KbArgs a, const __grid_constant__ CUtensorMap map_q, const __g
   const int tid = threadIdx.x;
   if (tid == 0) {
     mbar_init(sm.bar_q(), 1);
-    mbar_init(sm.q_empty(), CONSUMER_THREADS);
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(sm.k_full(s), 1);  // the producer's arrive.expect_tx; TMA completes the bytes
       mbar_init(sm.v_full(s), 1);
@@ -745,14 +670,14 @@ kb_sm90_fwd(const KbArgs a, const __grid_constant__ CUtensorMap map_q, const __g
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // barrier words visible to TMA
   }
   __syncthreads();
-  const Schedule sc{num_m_blocks, num_tiles};
+  const Tile t = make_tile(a, num_m_blocks);
   if (tid < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 @PRODUCER_REGS@;\n" ::: "memory");
-    if (tid == 0) producer(a, sc, sm, &map_q, &map_k, &map_v);
+    if (tid == 0) producer(a, t, sm, &map_q, &map_k, &map_v);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 @CONSUMER_REGS@;\n" ::: "memory");
-    Consumer c(a, sm, tid / 128 - 1, tid % 128);
-    c.run(sc);
+    Consumer c(a, t, sm, tid / 128 - 1, tid % 128);
+    c.run();
   }
 }
 """
@@ -810,7 +735,7 @@ extern "C" int kb_sm90_launch(const KbArgs* args, void* stream) {
   const KbArgs& a = *args;
   if (a.D != KB_HEAD_DIM) return 10001;
   if (a.Hkv <= 0 || a.Hq <= 0 || a.Hq % a.Hkv != 0 || a.B < 0 || a.M < 0 || a.N < 0) return 10003;
-  if (a.M >= (1ll << 31) - 256 || a.N >= (1ll << 31) - 256 || a.Hq >= 65536 || a.B >= 65536) return 10005;
+  if (a.M >= (1ll << 31) || a.N >= (1ll << 31) || a.Hq >= 65536 || a.B >= 65536) return 10005;
   if (a.B == 0 || a.M == 0) return 0;
   if (!kb_tma_ok(a.q, a.q_stride) || !kb_tma_ok(a.k, a.k_stride) || !kb_tma_ok(a.v, a.v_stride)) return 10002;
   if ((reinterpret_cast<uintptr_t>(a.o) & 3) != 0 || a.o_stride[3] != 1 || a.o_stride[0] % 2 || a.o_stride[1] % 2 ||
@@ -827,41 +752,22 @@ extern "C" int kb_sm90_launch(const KbArgs* args, void* stream) {
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
-  const long long num_m_blocks = (a.M + kb90::BM - 1) / kb90::BM;
-  const long long num_tiles = num_m_blocks * a.Hq * a.B;
-  if (num_tiles >= (1ll << 30)) return 10005;
-  long long ctas = num_tiles;
-  if (kb90::PERSISTENT) {
-    static int sm_count[64] = {0};  // per device ordinal
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess) return e;
-    if (dev < 0 || dev >= 64) return 10005;
-    if (sm_count[dev] == 0) {
-      e = cudaDeviceGetAttribute(&sm_count[dev], cudaDevAttrMultiProcessorCount, dev);
-      if (e != cudaSuccess) return e;
-    }
-    if (ctas > sm_count[dev]) ctas = sm_count[dev];
-  }
-  kb_sm90_fwd<<<static_cast<unsigned>(ctas), kb90::NTHREADS, kb90::SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
-      a, mq, mk, mv, static_cast<int>(num_m_blocks), static_cast<int>(num_tiles));
+  const int num_m_blocks = static_cast<int>((a.M + kb90::BM - 1) / kb90::BM);
+  dim3 grid(num_m_blocks, static_cast<unsigned>(a.Hq), static_cast<unsigned>(a.B));
+  kb_sm90_fwd<<<grid, kb90::NTHREADS, kb90::SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(a, mq, mk, mv,
+                                                                                         num_m_blocks);
   return static_cast<int>(cudaGetLastError());
 }
 """
 
-# setmaxnreg moves registers within the CTA's pool: the 168 per thread ptxas gives 384 threads at launch
-# (__launch_bounds__(384, 1)) must cover the producer warpgroup's and the two consumers' budgets. 40 for the
-# producer: its tile walk (the hooks' KV range and block kinds) spilled at 24.
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
-assert 128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 384 * 168
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
 
 
 def sm90_forward_source(hooks: str, *, head_dim_pad: int, block_m: int = 128, block_n: int = 128,
-                        dtype: str = "bf16", overlap: bool = True, pingpong: bool = True,
-                        persistent: bool = True) -> str:
+                        dtype: str = "bf16", overlap: bool = True, pingpong: bool = True) -> str:
     """The complete .cu text for one (head dim, tile shape, schedule) with `hooks` spliced in."""
-    cfg = Sm90Config(head_dim_pad, block_m, block_n, dtype, overlap, pingpong, persistent=persistent)
+    cfg = Sm90Config(head_dim_pad, block_m, block_n, dtype, overlap, pingpong)
     cfg.validate()
     elem, ab, tma_dtype, pack, elem2 = _ELEM[dtype]
     wgmma = _wgmma_ss(block_n, ab) + _wgmma_rs(head_dim_pad, ab)
@@ -869,7 +775,7 @@ def sm90_forward_source(hooks: str, *, head_dim_pad: int, block_m: int = 128, bl
     subs = {
         "@BM@": str(block_m), "@BN@": str(block_n), "@HD@": str(head_dim_pad), "@ELEM@": elem, "@ELEM2@": elem2,
         "@PACK@": pack, "@STAGES@": str(cfg.stages), "@OVERLAP@": "true" if overlap else "false",
-        "@PINGPONG@": "true" if pingpong else "false", "@PERSISTENT@": "true" if persistent else "false", "@TMA_DTYPE@": tma_dtype, "@ERROR_CASES@": cases,
+        "@PINGPONG@": "true" if pingpong else "false", "@TMA_DTYPE@": tma_dtype, "@ERROR_CASES@": cases,
         "@PRODUCER_REGS@": str(PRODUCER_REGS), "@CONSUMER_REGS@": str(CONSUMER_REGS),
     }
     text = _PRELUDE + _DEVICE + "namespace kb90 {\n" + wgmma + "}  // namespace kb90\n" + _KERNEL + _HOST
