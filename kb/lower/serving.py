@@ -7,8 +7,8 @@ a dense one (kb.lower.triton_kernel); this module holds the few places it differ
 - bounds: the built-in `kv_idx < N` of `mask` exists only when the program has a dim named N (the interpreter's
   rule, kb.ir.nodes); a token-major or paged program's per-sequence bound is its mask_mod or its loads;
 - options: the speed transformations that read dims M / N or a dense layout are off (`serving_options`): the block
-  lists (they bound tiles by N), GQA packing (rows of several query heads), and but over packed token-major
-  sequences the closed-form KV-loop split and tensor descriptors (a descriptor cannot express a gather);
+  lists (they bound tiles by N), GQA packing (rows of several query heads), and, except over packed token-major
+  sequences, the closed-form KV-loop split and tensor descriptors (a descriptor cannot express a gather);
 - what is not lowered yet (`serving_refusals`): block-class tests (`if block(...)`: their closed forms and the host
   table bound tiles by M / N), split-KV grids (the host's split count reads N) and backward programs;
 - gathered axes: `clamped_index` rewrites a lane index so that an invalid lane's table loads read in range;

@@ -57,6 +57,14 @@ def _fma_dot(a: str, b: str, trans_b: bool) -> str:
     return f"tl.sum({a}.to(tl.float32)[:, :, None] * {b}.to(tl.float32)[None, :, :], 1)"
 
 
+def moving_offset(begin: Expr, v: str) -> Expr | None:
+    """`off` when a loop over `v` has its tiles start at `begin` = `off + v` (a packed sequence's first key `k0` plus
+    n_start: the IR's positions are global token indices), else None."""
+    if begin.op is not ExprOp.ADD or var(v) not in begin.args:
+        return None
+    return begin.args[1] if begin.args[0] == var(v) else begin.args[0]
+
+
 class TritonKernelGen(TritonTiles, StmtVisitor[None]):
     """The body lines of one `@triton.jit` function (`generate`), statement by statement."""
 
@@ -726,7 +734,7 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         begin = self.tile_begin(st, axis)
         defined = {st.var} | {getattr(x, n) for x in stmts for n in ("out", "name", "o", "lse", "m", "l", "acc")
                               if isinstance(getattr(x, n, None), str)}
-        off = self.moving_offset(st, axis) if offset else None
+        off = moving_offset(begin, st.var) if offset else None
         if begin != var(st.var) and (off is None or free_vars(off) & defined):
             return None
         if any(getattr(x.at, ax.moving) != begin or (x.at.b, x.at.h, getattr(x.at, ax.fixed)) != at for x in tests):
@@ -739,14 +747,6 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         """The moving start of the tiles loop `st`'s first mask / block test is at."""
         first = next(x for x in walk_stmts(st.body) if isinstance(x, (Mask, IfBlock)))
         return getattr(first.at, AXES[axis].moving)
-
-    def moving_offset(self, st: For, axis: str) -> Expr | None:
-        """`off` when loop `st`'s tiles start at `off + var` (a packed sequence's first key `k0` plus n_start: the
-        IR's positions are global token indices), else None."""
-        begin, v = self.tile_begin(st, axis), var(st.var)
-        if begin.op is not ExprOp.ADD or v not in begin.args:
-            return None
-        return begin.args[1] if begin.args[0] == v else begin.args[0]
 
     def s_for(self, st: For) -> None:
         at = self.split_at(st)
@@ -838,7 +838,8 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         f1 = call("minimum", f0 + var(fixed_block), var(fixed_dim)) - 1
         sub = {"b": at[0], "h": at[1]}
         # spans are of the tiles' moving start; a loop whose tiles start at off + var (moving_offset) runs them less off
-        off = self.moving_offset(st, axis)
+        begin = self.tile_begin(st, axis)
+        off = moving_offset(begin, st.var)
         lo_at = st.lo if off is None else st.lo + off
         bounds = self.plan.disjuncts if axis == "kv" else tuple(transposed(d) for d in self.plan.disjuncts)
         spans = [full_span(d, (f0, f1), lo_at, var(own), sub, block) for d in bounds] \
@@ -869,9 +870,9 @@ class TritonKernelGen(TritonTiles, StmtVisitor[None]):
         if st.order == "reverse":  # the same parts, last first, each descending: the IR's order exactly
             parts.reverse()
         started = self.start_hoist(st)
-        begin = None if off is None else self.tile_begin(st, axis)
-        call_part = self.outline(st, self.loop_sym(st, v), Region(st.var, at, frozenset({BlockClass.FULL}), axis, begin=begin),
-                                 Region(st.var, at, _SPLIT_PARTIAL, axis, begin=begin))
+        tiles_at = None if off is None else begin
+        call_part = self.outline(st, self.loop_sym(st, v), Region(st.var, at, frozenset({BlockClass.FULL}), axis, begin=tiles_at),
+                                 Region(st.var, at, _SPLIT_PARTIAL, axis, begin=tiles_at))
         for i_lo, i_hi, full in parts:
             what = "full" if full else "partial"
             if st.order == "reverse":
